@@ -1,0 +1,24 @@
+# Fresh-machine entry points: `make demo` and `make test` set up .venv and run.
+PY := .venv/bin/python
+STAMP := .venv/.poplar-installed
+
+.PHONY: demo test setup clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv .venv
+	$(PY) -m pip install -q --upgrade pip
+	# torch is pinned here (a CPU build is on disk); pyproject only declares a range.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m poplar demo
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+clean:
+	rm -rf .venv

@@ -1,0 +1,17 @@
+"""Poplar: ZeRO data parallelism for clusters of mixed GPUs.
+
+Every rank gets its own micro-batch size, accumulation steps and last-batch size, planned from
+measured speed curves, while each optimizer step stays exactly the step of the whole global batch.
+"""
+
+from poplar.plans import Plan, PlanError, RankPlan
+from poplar.profiles import CommProfile, Profile, ProfileError, ProfilePoint, RankProfile
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Plan", "PlanError", "RankPlan",
+    "Profile", "ProfileError", "ProfilePoint", "RankProfile", "CommProfile",
+]
+
+# Each feature adds its public names below (one import line per subpackage).

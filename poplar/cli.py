@@ -1,0 +1,36 @@
+"""The `poplar` command line: one subcommand per feature module.
+
+Each module listed in ``COMMAND_MODULES`` defines ``register(subparsers)``, which adds its
+subcommands and sets ``func`` (taking the parsed args, returning an exit code) on each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMAND_MODULES = [
+    "poplar.demo",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="poplar", description=__import__("poplar").__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError) as e:  # our input errors carry the fix in the message
+        print(f"poplar {args.command}: error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,130 @@
+"""Run a function on N local processes joined by a process group: the emulated cluster of the
+demo and the harness of the multi-process tests.
+
+``spawn(fn, world_size, args)`` calls ``fn(rank, world_size, *args)`` in each process and
+returns the per-rank results. It never hangs: the whole run has a deadline, the process group
+a collective timeout, and a rank that raises or dies fails the call with that rank's traceback
+(or exit code) after the others are stopped.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+
+
+class RankFailure(RuntimeError):
+    """One or more ranks raised, died or timed out; the message holds each one's story."""
+
+    def __init__(self, message: str, failures: dict[int, str]) -> None:
+        super().__init__(message)
+        self.failures = failures
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _dumps(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)  # plain bytes: no shared-memory handles that die with the sender
+    return buf.getvalue()
+
+
+def _loads(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def _worker(fn: Callable[..., Any], rank: int, world_size: int, args: tuple, port: int, backend: str,
+            collective_timeout_s: float, threads: int, results: Any) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    try:
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=collective_timeout_s))
+        out = fn(rank, world_size, *args)
+        results.put(("ok", rank, _dumps(out)))
+    except BaseException:  # noqa: BLE001 - every failure goes back to the parent
+        results.put(("error", rank, traceback.format_exc()))
+    finally:
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - peers may already be gone
+            pass
+
+
+def spawn(fn: Callable[..., Any], world_size: int, args: tuple = (), *, timeout_s: float = 120.0,
+          backend: str = "gloo", collective_timeout_s: float = 60.0, threads_per_rank: int = 1,
+          grace_s: float = 10.0) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return their results.
+
+    ``fn`` must be importable by name (a module-level function). Raises ``RankFailure`` if any
+    rank raises or dies (waiting up to ``grace_s`` for the other ranks' reports), or if the run
+    passes ``timeout_s``.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, daemon=True,
+                         args=(fn, r, world_size, args, port, backend, collective_timeout_s, threads_per_rank, results))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    outputs: dict[int, Any] = {}
+    failures: dict[int, str] = {}
+    deadline = time.monotonic() + timeout_s
+    first_failure: float | None = None
+    try:
+        while len(outputs) + len(failures) < world_size:
+            now = time.monotonic()
+            if now > deadline or (first_failure is not None and now > first_failure + grace_s):
+                for r in range(world_size):
+                    if r not in outputs and r not in failures:
+                        failures[r] = ("timed out" if first_failure is None else "stopped after another rank failed")
+                break
+            try:
+                status, rank, payload = results.get(timeout=0.1)
+            except queue.Empty:
+                for r, p in enumerate(procs):
+                    if r not in outputs and r not in failures and p.exitcode is not None:
+                        try:  # it may have reported just before exiting
+                            status, rank, payload = results.get(timeout=1.0)
+                        except queue.Empty:
+                            failures[r] = f"died with exit code {p.exitcode} without reporting"
+                            first_failure = first_failure or time.monotonic()
+                        else:
+                            break
+                else:
+                    continue
+            if status == "ok":
+                outputs[rank] = _loads(payload)
+            else:
+                failures[rank] = payload
+                first_failure = first_failure or time.monotonic()
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    if failures:
+        detail = "\n".join(f"--- rank {r}:\n{msg}" for r, msg in sorted(failures.items()))
+        raise RankFailure(f"{len(failures)} of {world_size} ranks failed:\n{detail}", failures)
+    return [outputs[r] for r in range(world_size)]

@@ -1,0 +1,187 @@
+"""Plans: how many samples each rank processes per iteration, and in which micro-steps.
+
+A rank runs ``accum_steps`` micro-steps of ``micro_batch_size`` samples, then one more of
+``last_batch_size`` samples if that is > 0. The global batch size is the sum over ranks.
+Plans are saved as JSON so that people can read and edit them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class PlanError(ValueError):
+    """A plan that cannot be run, with the reason and the fix in its message."""
+
+
+def _check_count(name: str, value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise PlanError(f"{where}: {name} must be an int, got {value!r} ({type(value).__name__})")
+    if value < 0:
+        raise PlanError(f"{where}: {name} must be >= 0, got {value}")
+    return value
+
+
+@dataclass
+class RankPlan:
+    """One rank's share of an iteration: ``accum_steps`` x ``micro_batch_size`` + ``last_batch_size``."""
+
+    micro_batch_size: int
+    accum_steps: int
+    last_batch_size: int = 0
+    predicted_compute_s: float | None = None
+    device_type: str | None = None
+
+    def validate(self, where: str = "RankPlan") -> None:
+        _check_count("micro_batch_size", self.micro_batch_size, where)
+        _check_count("accum_steps", self.accum_steps, where)
+        _check_count("last_batch_size", self.last_batch_size, where)
+        if self.accum_steps > 0 and self.micro_batch_size == 0:
+            raise PlanError(
+                f"{where}: accum_steps={self.accum_steps} with micro_batch_size=0 runs empty "
+                "micro-steps; set accum_steps=0 or a micro_batch_size >= 1")
+
+    @property
+    def num_samples(self) -> int:
+        """n_i = b * gas + lbs: samples this rank processes per iteration."""
+        return self.micro_batch_size * self.accum_steps + self.last_batch_size
+
+    @property
+    def num_micro_steps(self) -> int:
+        return self.accum_steps + (1 if self.last_batch_size > 0 else 0)
+
+    def micro_batch_sizes(self) -> list[int]:
+        """The size of each micro-step, in order."""
+        sizes = [self.micro_batch_size] * self.accum_steps
+        if self.last_batch_size > 0:
+            sizes.append(self.last_batch_size)
+        return sizes
+
+
+@dataclass
+class Plan:
+    """One row per rank, plus what the planner predicted for it (if it came from a planner)."""
+
+    ranks: list[RankPlan]
+    zero_stage: int | None = None
+    strategy: str | None = None
+    predicted_iteration_s: float | None = None
+    predicted_comm_s: float | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.ranks = [r if isinstance(r, RankPlan) else RankPlan(**r) for r in self.ranks]
+        self.validate()
+
+    def validate(self) -> None:
+        if not self.ranks:
+            raise PlanError("plan has no ranks; give one RankPlan per rank")
+        for i, r in enumerate(self.ranks):
+            r.validate(f"plan rank {i}")
+        if self.global_batch_size == 0:
+            raise PlanError("plan processes 0 samples per iteration; give at least one rank samples")
+        if self.zero_stage is not None and self.zero_stage not in (0, 1, 2, 3):
+            raise PlanError(f"plan zero_stage must be 0-3, got {self.zero_stage}")
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def global_batch_size(self) -> int:
+        return sum(r.num_samples for r in self.ranks)
+
+    @property
+    def max_micro_steps(self) -> int:
+        return max(r.num_micro_steps for r in self.ranks)
+
+    def sample_offsets(self) -> list[int]:
+        """Start of each rank's contiguous slice of the global batch."""
+        offsets, start = [], 0
+        for r in self.ranks:
+            offsets.append(start)
+            start += r.num_samples
+        return offsets
+
+    @classmethod
+    def even(cls, world_size: int, global_batch_size: int, micro_batch_size: int) -> "Plan":
+        """Equal shares, as DeepSpeed runs: gbs / world_size samples each, in micro-steps of
+        ``micro_batch_size`` plus a last micro-step for any remainder."""
+        if world_size < 1:
+            raise PlanError(f"world_size must be >= 1, got {world_size}")
+        if micro_batch_size < 1:
+            raise PlanError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        if global_batch_size % world_size:
+            raise PlanError(
+                f"global_batch_size {global_batch_size} does not divide by world_size {world_size}; "
+                "an even plan needs equal shares (use a planner for uneven ones)")
+        share = global_batch_size // world_size
+        gas, lbs = divmod(share, micro_batch_size)
+        return cls([RankPlan(micro_batch_size, gas, lbs) for _ in range(world_size)], strategy="even")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["global_batch_size"] = self.global_batch_size
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Plan":
+        d = dict(d)
+        gbs = d.pop("global_batch_size", None)
+        try:
+            plan = cls(**d)
+        except TypeError as e:
+            raise PlanError(f"malformed plan: {e}") from None
+        if gbs is not None and gbs != plan.global_batch_size:
+            raise PlanError(
+                f"plan says global_batch_size={gbs} but its ranks sum to {plan.global_batch_size}; "
+                "fix the rows or the total")
+        return plan
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def save(self, path: str | os.PathLike) -> None:
+        write_text_atomic(path, self.to_json() + "\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Plan":
+        try:
+            data = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as e:
+            raise PlanError(f"plan file {path} is not valid JSON: {e}") from None
+        return cls.from_dict(data)
+
+    def table(self) -> str:
+        """A readable table of the rows."""
+        head = f"{'rank':>4} {'device':>12} {'b':>5} {'gas':>5} {'lbs':>5} {'n':>6} {'pred s':>9}"
+        lines = [head, "-" * len(head)]
+        for i, r in enumerate(self.ranks):
+            pred = "" if r.predicted_compute_s is None else f"{r.predicted_compute_s:.4f}"
+            lines.append(f"{i:>4} {str(r.device_type or '-'):>12} {r.micro_batch_size:>5} "
+                         f"{r.accum_steps:>5} {r.last_batch_size:>5} {r.num_samples:>6} {pred:>9}")
+        tail = f"global batch {self.global_batch_size}"
+        if self.predicted_iteration_s is not None:
+            tail += f", predicted iteration {self.predicted_iteration_s:.4f} s"
+        lines.append(tail)
+        return "\n".join(lines)
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write a text file via a temporary file and rename, so readers never see half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise

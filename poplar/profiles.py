@@ -1,0 +1,123 @@
+"""Profiles: what the profiler measured on each rank, as the planner reads it (JSON on disk).
+
+One ``RankProfile`` per rank: its device type, memory capacity, largest micro-batch ``mbs``
+and timed points (batch, compute seconds with communication subtracted, communication
+seconds). ``CommProfile`` holds the measured collective bandwidth used to predict the
+communication time of a plan. Ranks with the same ``device_type`` share one speed curve.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from poplar.plans import write_text_atomic
+
+
+class ProfileError(ValueError):
+    """A profile that cannot be used, with the reason and the fix in its message."""
+
+
+@dataclass
+class ProfilePoint:
+    batch: int
+    compute_s: float  # compute time of one micro-step, communication subtracted
+    comm_s: float = 0.0  # seconds spent inside collectives during that micro-step
+
+
+@dataclass
+class RankProfile:
+    rank: int
+    device_type: str
+    mbs: int  # largest micro-batch that fits at this stage
+    points: list[ProfilePoint]
+    device_name: str = ""
+    capacity_bytes: int | None = None
+    base_bytes: int | None = None  # memory in use before a forward (model states etc.)
+    bytes_per_sample: float | None = None
+    nominal_tflops: float | None = None  # spec-sheet rating, used only by the `flops` baseline
+    trial_steps: int = 0  # real steps the capacity search ran
+
+    def __post_init__(self) -> None:
+        self.points = [p if isinstance(p, ProfilePoint) else ProfilePoint(**p) for p in self.points]
+
+
+@dataclass
+class CommProfile:
+    """Measured collective performance: time(bytes) ~= latency_s + bytes / bandwidth."""
+
+    bandwidth_bytes_per_s: float
+    latency_s: float = 0.0
+    backend: str = ""
+
+
+@dataclass
+class Profile:
+    zero_stage: int
+    world_size: int
+    param_count: int  # Ψ, parameters of the model
+    param_bytes: int  # bytes of one full copy of the parameters
+    ranks: list[RankProfile]
+    comm: CommProfile
+    model_name: str = ""
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.ranks = [r if isinstance(r, RankProfile) else RankProfile(**r) for r in self.ranks]
+        if isinstance(self.comm, dict):
+            self.comm = CommProfile(**self.comm)
+        self.validate()
+
+    def validate(self) -> None:
+        if not self.ranks:
+            raise ProfileError("profile has no ranks; run `poplar profile` on the cluster first")
+        if self.world_size != len(self.ranks):
+            raise ProfileError(f"profile says world_size={self.world_size} but lists {len(self.ranks)} ranks")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ProfileError(f"profile zero_stage must be 0-3, got {self.zero_stage}")
+        for r in self.ranks:
+            if r.mbs < 1:
+                raise ProfileError(
+                    f"rank {r.rank} ({r.device_type}) fits no batch (mbs={r.mbs}) at stage {self.zero_stage}; "
+                    "profile at a higher ZeRO stage or leave this rank out")
+            if not r.points:
+                raise ProfileError(f"rank {r.rank} ({r.device_type}) has no timed points; re-run the profiler")
+            for p in r.points:
+                if p.batch < 1 or p.batch > r.mbs or not p.compute_s > 0:
+                    raise ProfileError(
+                        f"rank {r.rank}: bad point batch={p.batch}, compute_s={p.compute_s} "
+                        f"(need 1 <= batch <= mbs={r.mbs} and compute_s > 0)")
+        if not self.comm.bandwidth_bytes_per_s > 0:
+            raise ProfileError(f"comm bandwidth must be > 0, got {self.comm.bandwidth_bytes_per_s}")
+
+    def device_types(self) -> list[str]:
+        """Distinct device types, in order of first appearance."""
+        return list(dict.fromkeys(r.device_type for r in self.ranks))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Profile":
+        if not isinstance(d, dict):
+            raise ProfileError(f"profile must be a JSON object, got {type(d).__name__}")
+        try:
+            return cls(**d)
+        except TypeError as e:
+            raise ProfileError(f"malformed profile: {e}") from None
+
+    def save(self, path: str | os.PathLike) -> None:
+        write_text_atomic(path, json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Profile":
+        try:
+            data = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as e:
+            raise ProfileError(f"profile file {path} is not valid JSON: {e}") from None
+        except FileNotFoundError:
+            raise ProfileError(f"profile file {path} does not exist; run `poplar profile` first") from None
+        return cls.from_dict(data)

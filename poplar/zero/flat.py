@@ -1,0 +1,105 @@
+"""Flat parameter units: the layout every ZeRO stage shards.
+
+A ``FlatUnit`` is a list of parameters of one optimizer param group (one dtype, one device)
+laid out back to back in one flat buffer, padded to a multiple of the world size N. Rank r
+owns the slice ``[r*S, (r+1)*S)`` with S = padded / N. Stages 0-2 cut the model into units by
+a bucket size (the units are the gradient buckets); stage 3 makes one unit per wrapped block.
+Padding is zero and stays zero (its gradient is zero), so it never changes a norm or a step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+
+@dataclass
+class FlatUnit:
+    params: list[nn.Parameter]
+    names: list[str]
+    group_index: int  # optimizer param group the unit's parameters belong to
+    world_size: int
+    rank: int
+    index: int = 0
+    shapes: list[torch.Size] = field(init=False)
+    offsets: list[int] = field(init=False)
+    numel: int = field(init=False)
+    padded_numel: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.shapes = [p.shape for p in self.params]
+        self.offsets, off = [], 0
+        for p in self.params:
+            self.offsets.append(off)
+            off += p.numel()
+        self.numel = off
+        n = self.world_size
+        self.padded_numel = max(n, -(-off // n) * n)
+        p0 = self.params[0]
+        self.dtype, self.device = p0.dtype, p0.device
+        self.slot_of = {id(p): i for i, p in enumerate(self.params)}
+
+    @property
+    def shard_numel(self) -> int:
+        return self.padded_numel // self.world_size
+
+    @property
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    def new_flat(self, zero: bool = True) -> torch.Tensor:
+        make = torch.zeros if zero else torch.empty
+        return make(self.padded_numel, dtype=self.dtype, device=self.device)
+
+    def new_shard(self) -> torch.Tensor:
+        return torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
+
+    def shard_of(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a full flat buffer (a view)."""
+        s = self.shard_numel
+        return flat[self.rank * s:(self.rank + 1) * s]
+
+    def slot(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        """Parameter i's region of a full flat buffer, shaped like the parameter (a view)."""
+        off = self.offsets[i]
+        return flat[off:off + self.shapes[i].numel()].view(self.shapes[i])
+
+    def copy_params_into(self, flat: torch.Tensor) -> None:
+        with torch.no_grad():
+            for i, p in enumerate(self.params):
+                self.slot(flat, i).copy_(p.detach())
+
+    def point_params_at(self, flat: torch.Tensor) -> None:
+        """Make every parameter a view into ``flat`` (no copy)."""
+        for i, p in enumerate(self.params):
+            p.data = self.slot(flat, i)
+
+
+def split_into_units(groups: list[list[tuple[str, nn.Parameter]]], world_size: int, rank: int,
+                     max_unit_numel: int | None) -> list[FlatUnit]:
+    """Cut each param group into units of at most ``max_unit_numel`` elements (a parameter is
+    never split; None = one unit per group and dtype). Units are ordered so the last parameters
+    of the model come first, roughly the order in which backward produces their gradients."""
+    units: list[FlatUnit] = []
+    for gi, named in enumerate(groups):
+        by_kind: dict[tuple[torch.dtype, torch.device], list[tuple[str, nn.Parameter]]] = {}
+        for name, p in named:
+            by_kind.setdefault((p.dtype, p.device), []).append((name, p))
+        for members in by_kind.values():
+            current: list[tuple[str, nn.Parameter]] = []
+            size = 0
+            for name, p in reversed(members):
+                if current and max_unit_numel is not None and size + p.numel() > max_unit_numel:
+                    units.append(_unit(current, gi, world_size, rank, len(units)))
+                    current, size = [], 0
+                current.append((name, p))
+                size += p.numel()
+            if current:
+                units.append(_unit(current, gi, world_size, rank, len(units)))
+    return units
+
+
+def _unit(named: list[tuple[str, nn.Parameter]], gi: int, world_size: int, rank: int, index: int) -> FlatUnit:
+    return FlatUnit([p for _, p in named], [n for n, _ in named], gi, world_size, rank, index)

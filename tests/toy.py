@@ -1,0 +1,90 @@
+"""A tiny model with tied weights and odd-sized parameters, its data, and the single-process
+reference that every engine test compares against (DESIGN.md §2)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from poplar.plans import Plan, RankPlan
+
+VOCAB, DIM, HIDDEN, SEQ = 37, 13, 29, 5
+
+
+class TiedNet(nn.Module):
+    """Embedding tied to the output head; parameter sizes (481, 377, 29, ...) divide by neither 2 nor 3."""
+
+    def __init__(self, vocab: int = VOCAB, dim: int = DIM, hidden: int = HIDDEN) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        h = h + self.down(torch.tanh(self.up(h)))
+        return self.head(self.norm(h))
+
+
+def make_model(seed: int = 0) -> TiedNet:
+    torch.manual_seed(seed)
+    return TiedNet()
+
+
+def make_optimizer(model: nn.Module, kind: str) -> torch.optim.Optimizer:
+    """Two param groups with different settings: matrices, and vectors (biases, norm)."""
+    mats = [p for p in model.parameters() if p.dim() > 1]
+    vecs = [p for p in model.parameters() if p.dim() <= 1]
+    if kind == "sgd":
+        return torch.optim.SGD([{"params": mats, "lr": 0.5}, {"params": vecs, "lr": 0.2, "momentum": 0.5}],
+                               lr=0.5, momentum=0.9)
+    if kind == "adamw":
+        return torch.optim.AdamW([{"params": mats, "weight_decay": 0.1}, {"params": vecs, "lr": 3e-3}],
+                                 lr=1e-2, weight_decay=0.0)
+    raise ValueError(kind)
+
+
+def loss_fn(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy, the mean over the micro-batch's samples (all of equal length)."""
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+def global_batch(iteration: int, gbs: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 + iteration)
+    return torch.randint(0, VOCAB, (gbs, SEQ + 1), generator=g)
+
+
+def rank_slice(batch: torch.Tensor, plan: Plan, rank: int) -> torch.Tensor:
+    start = plan.sample_offsets()[rank]
+    return batch[start:start + plan.ranks[rank].num_samples]
+
+
+def reference_run(kind: str, gbs: int, iterations: int, max_grad_norm: float | None
+                  ) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Plain single-process training on the whole global batch."""
+    model = make_model()
+    opt = make_optimizer(model, kind)
+    losses = []
+    for it in range(iterations):
+        loss = loss_fn(model, global_batch(it, gbs))
+        loss.backward()
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def plan_of(*rows: tuple[int, int, int]) -> Plan:
+    return Plan([RankPlan(*r) for r in rows])
+
+
+def max_rel_err(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), (a.keys(), b.keys())
+    return max(float((a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-12)) for k in b)

@@ -188,8 +188,8 @@ class PoplarEngine:
 
     def _finish_iteration(self, error: str | None, cause: BaseException | None) -> float:
         if self.stage.communicates_in_micro_steps:
-            while self._micro_steps < self.plan.max_micro_steps:
-                self.comm_ledger.micro_step = self._micro_steps
+            while self._micro_steps < self.plan.max_micro_steps:  # join the others' micro-steps with zeros
+                self.comm_ledger.micro_step, self.comm_ledger.phase = self._micro_steps, "backward"
                 self.stage.empty_micro_step()
                 self._micro_steps += 1
         self.comm_ledger.phase, self.comm_ledger.micro_step = "step", -1

@@ -20,6 +20,11 @@ import torch
 import torch.distributed as dist
 
 
+# torch 2.13 renamed the tensor collectives; older releases only have the old names
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 class DistributedError(RuntimeError):
     """Raised on every rank when any rank reported a problem at an agreement point."""
 
@@ -146,7 +151,7 @@ class Communicator:
             output.copy_(input)
         nbytes = input.numel() * input.element_size()
         return self._run("reduce_scatter", nbytes,
-                         lambda a: dist.reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM,
+                         lambda a: _reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM,
                                                               group=self.group, async_op=a),
                          async_op, tag)
 
@@ -157,7 +162,7 @@ class Communicator:
             output.copy_(input)
         nbytes = output.numel() * output.element_size()
         return self._run("all_gather", nbytes,
-                         lambda a: dist.all_gather_into_tensor(output, input, group=self.group, async_op=a),
+                         lambda a: _all_gather_tensor(output, input, group=self.group, async_op=a),
                          async_op, tag)
 
     def all_gather_object(self, obj: Any, tag: str = "") -> list[Any]:

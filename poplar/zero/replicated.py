@@ -150,6 +150,7 @@ class Stage1(Stage0):
 class Stage2(ReplicatedParams):
     stage = 2
     communicates_in_micro_steps = True
+    max_in_flight = 2  # reduce-scatters overlapping backward; each holds one full bucket
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
@@ -188,15 +189,21 @@ class Stage2(ReplicatedParams):
         work = self.comm.reduce_scatter(out, self._bucket(ui), tag=f"unit{u.index}", async_op=True)
         self._pending.append((ui, work, out))
         self._next = ui + 1
+        while len(self._pending) > self.max_in_flight:  # bound the bucket memory held at once
+            self._complete(*self._pending.pop(0))
+
+    def _complete(self, ui: int, work: Any, out: torch.Tensor) -> None:
+        work.wait()
+        self.shard_grads[ui].add_(out)
+        self._buckets[ui] = None
+        u = self.units[ui]
+        self._release(out.numel() * out.element_size() + u.padded_numel * u.element_size)
 
     def end_micro_step(self) -> None:
         while self._next < len(self.units):  # unused parameters: their gradient is zero
             self._issue(self._next)
-        for ui, work, out in self._pending:
-            work.wait()
-            self.shard_grads[ui].add_(out)
-            u = self.units[ui]
-            self._release(out.numel() * out.element_size() + u.padded_numel * u.element_size)
+        for pending in self._pending:
+            self._complete(*pending)
         self._reset_micro_step()
 
     def empty_micro_step(self) -> None:

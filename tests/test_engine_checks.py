@@ -102,3 +102,25 @@ def test_single_process_engine_matches_plain_training() -> None:
     ref_losses, ref_state = reference_run("sgd", 14, 3, None)
     assert max_rel_err(engine.full_state_dict(), ref_state) <= 1e-5
     assert losses == pytest.approx(ref_losses, rel=1e-5)
+
+
+def dies_mid_training(rank: int, world: int, stage: int) -> None:
+    import os
+    model = make_model()
+    engine = PoplarEngine(model, make_optimizer(model, "sgd"), zero_stage=stage, plan=PLAN)
+    for it in range(4):
+        if rank == 1 and it == 2:
+            os._exit(7)
+        engine.train_step(rank_slice(global_batch(it, 9), PLAN, rank), loss_fn)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_dead_rank_makes_the_others_fail_clearly(stage: int) -> None:
+    import time
+    from poplar.launch import RankFailure
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        spawn(dies_mid_training, 2, (stage,), timeout_s=60, collective_timeout_s=20, grace_s=30)
+    assert "exit code 7" in info.value.failures[1]
+    assert "DistributedError" in info.value.failures[0] and "another rank probably died" in info.value.failures[0]
+    assert time.monotonic() - t0 < 45

@@ -66,6 +66,28 @@ class ZeroStage(ABC):
         ...
 
     # -- state --
+    def optimizer_segments(self) -> list[tuple[torch.Tensor, list[tuple[str, int, int, int]]]]:
+        """Where each optimizer parameter's elements live in the model, independent of sharding.
+
+        For every parameter the optimizer holds: a list of (model parameter name, element
+        offset in that parameter, length, element offset in the optimizer parameter). Padding
+        belongs to no name. Checkpoints save optimizer state by these names and ranges, so
+        they load on any world size, stage or plan.
+        """
+        shard_params = getattr(self, "shard_params", None)
+        if shard_params is None:  # the optimizer holds the model's own parameters
+            return [(p, [(u.names[i], 0, p.numel(), 0)]) for u in self.units for i, p in enumerate(u.params)]
+        out = []
+        for u, shard in zip(self.units, shard_params):
+            lo, hi = u.rank * u.shard_numel, (u.rank + 1) * u.shard_numel
+            segs = []
+            for name, off, shape in zip(u.names, u.offsets, u.shapes):
+                a, b = max(lo, off), min(hi, off + shape.numel())
+                if a < b:
+                    segs.append((name, a - off, b - a, a - lo))
+            out.append((shard, segs))
+        return out
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 

@@ -94,7 +94,7 @@ class _Pending:
     def wait(self) -> None:
         t0 = self.comm._start()
         if self.work is not None:
-            self.work.wait()
+            self.comm._guard(self.op, self.tag, self.work.wait)
         blocked = self.issue_s + self.comm._stop(t0)
         ledger = self.comm.ledger
         saved = ledger.phase, ledger.micro_step
@@ -130,12 +130,24 @@ class Communicator:
 
     def _run(self, op: str, nbytes: int, fn: Any, async_op: bool, tag: str) -> _Pending | None:
         t0 = self._start()
-        work = fn(async_op) if self.world_size > 1 else None
+        work = self._guard(op, tag, lambda: fn(async_op)) if self.world_size > 1 else None
         if async_op:
             issue = time.perf_counter() - t0
             return _Pending(self, work, op, nbytes, issue, tag)
         self.ledger.add(op, nbytes, self._stop(t0), tag)
         return None
+
+    def _guard(self, op: str, tag: str, fn: Any) -> Any:
+        """Run a collective; a peer that died or timed out becomes a clear error on this rank."""
+        try:
+            return fn()
+        except (RuntimeError, dist.DistBackendError) as e:
+            if isinstance(e, DistributedError):
+                raise
+            raise DistributedError(
+                f"rank {self.rank}: collective {op} ({tag or 'untagged'}) failed — another rank probably died, "
+                f"raised outside a collective, or timed out ({type(e).__name__}: {str(e).splitlines()[0][:300]})"
+            ) from e
 
     def all_reduce(self, tensor: torch.Tensor, tag: str = "", async_op: bool = False) -> _Pending | None:
         """Sum ``tensor`` over ranks, in place."""
@@ -170,7 +182,7 @@ class Communicator:
             return [obj]
         out: list[Any] = [None] * self.world_size
         t0 = self._start()
-        dist.all_gather_object(out, obj, group=self.group)
+        self._guard("all_gather_object", tag, lambda: dist.all_gather_object(out, obj, group=self.group))
         self.ledger.add("all_gather_object", 0, self._stop(t0), tag)
         return out
 

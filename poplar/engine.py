@@ -15,7 +15,8 @@ the same error, naming the failing ranks, and no optimizer step is taken.
 from __future__ import annotations
 
 import hashlib
-import traceback
+import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -29,6 +30,20 @@ from poplar.zero.flat import split_into_units
 from poplar.zero.optim import named_param_groups
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
+
+
+@dataclass
+class IterationStats:
+    """What one iteration cost this rank, measured: ``compute_s`` is forward+backward time with
+    the seconds spent blocked in collectives taken out; ``comm_s`` is all the iteration's
+    blocked collective time (waiting for slower ranks included)."""
+
+    iteration: int
+    wall_s: float
+    compute_s: float
+    comm_s: float
+    samples: int
+    micro_steps: int
 
 
 class PoplarEngine:
@@ -58,6 +73,7 @@ class PoplarEngine:
         self.zero_stage, self.max_grad_norm = zero_stage, max_grad_norm
         self.iteration = 0
         self.last_grad_norm: float | None = None
+        self.last_stats: IterationStats | None = None
 
         error, groups = self._check_setup(model, optimizer, zero_stage, plan, max_grad_norm, bucket_size_mb)
         self._agree_setup(error, model, zero_stage, plan)
@@ -129,6 +145,7 @@ class PoplarEngine:
         ``loss_fn(module, micro_batch)`` returns the mean loss over the micro-batch. Returns the
         per-sample mean loss over the whole global batch (the same float on every rank).
         """
+        self._iter_start = time.perf_counter()
         sizes = self.rank_plan.micro_batch_sizes()
         error: str | None = None
         cause: BaseException | None = None
@@ -146,6 +163,7 @@ class PoplarEngine:
         start = 0
         for k, m in enumerate(sizes):
             self.comm_ledger.micro_step = self._micro_steps
+            t0, first_record = time.perf_counter(), len(self.comm_ledger.records)
             try:
                 self.comm_ledger.phase = "forward"
                 self.stage.begin_micro_step()
@@ -160,6 +178,10 @@ class PoplarEngine:
                     self._micro_steps += 1
                 break
             start += m
+            if self.comm.device.type == "cuda":
+                torch.cuda.synchronize(self.comm.device)
+            blocked = sum(r.seconds for r in self.comm_ledger.records[first_record:])
+            self._compute_s += time.perf_counter() - t0 - blocked
         return self._finish_iteration(error, cause)
 
     def backward(self, loss: torch.Tensor, num_samples: int) -> None:
@@ -214,6 +236,10 @@ class PoplarEngine:
             self.last_grad_norm = self._clip_grad_norm(self.max_grad_norm)
         self.stage.optimizer_step()
         self.stage.zero_grad()
+        wall = time.perf_counter() - self._iter_start
+        comm_s = self.comm_ledger.seconds(iteration=self.iteration)
+        self.last_stats = IterationStats(self.iteration, wall, self._compute_s or max(0.0, wall - comm_s), comm_s,
+                                         self._samples, self._micro_steps)
         self.iteration += 1
         self._reset_iteration()
         return loss_sum / self.global_batch_size
@@ -226,6 +252,8 @@ class PoplarEngine:
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.comm.device)
         self._samples = 0
         self._micro_steps = 0
+        self._compute_s = 0.0
+        self._iter_start = time.perf_counter()
         self.comm_ledger.iteration = self.iteration
         self.comm_ledger.micro_step = 0
 

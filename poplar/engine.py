@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -74,6 +75,8 @@ class PoplarEngine:
         self.iteration = 0
         self.last_grad_norm: float | None = None
         self.last_stats: IterationStats | None = None
+        # (iteration, micro-step, wall-clock start, seconds) of recent micro-steps, for timelines
+        self.timeline: deque[tuple[int, int, float, float]] = deque(maxlen=50_000)
 
         error, groups = self._check_setup(model, optimizer, zero_stage, plan, max_grad_norm, bucket_size_mb)
         self._agree_setup(error, model, zero_stage, plan)
@@ -163,7 +166,7 @@ class PoplarEngine:
         start = 0
         for k, m in enumerate(sizes):
             self.comm_ledger.micro_step = self._micro_steps
-            t0, first_record = time.perf_counter(), len(self.comm_ledger.records)
+            t0, comm0 = time.perf_counter(), self.comm_ledger.total_seconds
             try:
                 self.comm_ledger.phase = "forward"
                 self.stage.begin_micro_step()
@@ -180,8 +183,9 @@ class PoplarEngine:
             start += m
             if self.comm.device.type == "cuda":
                 torch.cuda.synchronize(self.comm.device)
-            blocked = sum(r.seconds for r in self.comm_ledger.records[first_record:])
-            self._compute_s += time.perf_counter() - t0 - blocked
+            dt = time.perf_counter() - t0
+            self._compute_s += dt - (self.comm_ledger.total_seconds - comm0)
+            self.timeline.append((self.iteration, k, time.time() - dt, dt))
         return self._finish_iteration(error, cause)
 
     def backward(self, loss: torch.Tensor, num_samples: int) -> None:

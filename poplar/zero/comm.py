@@ -12,7 +12,7 @@ size is wrong for uneven batches).
 from __future__ import annotations
 
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,21 +38,36 @@ class CommRecord:
     micro_step: int
     seconds: float
     tag: str = ""
+    start: float = 0.0  # wall clock (time.time()) when the rank entered the collective
+
+
+class _Records(deque):
+    """A bounded deque of records that also slices like a list (``records[n0:]``)."""
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return list(self)[i]
+        return super().__getitem__(i)
 
 
 class CommLedger:
-    """The record of every collective. ``phase``/``micro_step``/``iteration`` are set by the engine."""
+    """The record of every collective. ``phase``/``micro_step``/``iteration`` are set by the engine.
 
-    def __init__(self) -> None:
-        self.records: list[CommRecord] = []
+    Only the latest ``max_records`` records are kept, so a long run does not grow without bound;
+    ``total_seconds`` counts every collective ever recorded.
+    """
+
+    def __init__(self, max_records: int = 200_000) -> None:
+        self.records: _Records = _Records(maxlen=max_records)
+        self.total_seconds = 0.0
         self.phase = "setup"
         self.micro_step = -1
         self.iteration = 0
-        self.enabled = True
 
     def add(self, op: str, nbytes: int, seconds: float, tag: str = "") -> None:
-        if self.enabled:
-            self.records.append(CommRecord(op, nbytes, self.phase, self.iteration, self.micro_step, seconds, tag))
+        self.total_seconds += seconds
+        self.records.append(CommRecord(op, nbytes, self.phase, self.iteration, self.micro_step, seconds, tag,
+                                       time.time() - seconds))
 
     def clear(self) -> None:
         self.records.clear()

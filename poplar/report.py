@@ -1,0 +1,100 @@
+"""Run reports: a per-rank timeline of iterations as a Chrome/Perfetto trace (JSON, open it in
+ui.perfetto.dev or chrome://tracing), and a PNG of each device type's measured points, spline
+and chosen batch (needs the optional matplotlib extra: ``pip install poplar[plot]``).
+
+The timeline shows, per rank, each micro-step's compute and each collective (whose time
+includes waiting for slower ranks), and, per iteration, the idle time from the rank's own
+end of the iteration to the latest rank's end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from poplar.plans import Plan, write_text_atomic
+from poplar.profiles import Profile
+
+
+def rank_timeline(engine: Any, device: str = "") -> dict[str, Any]:
+    """What one rank contributes to the trace (picklable; gather it to rank 0)."""
+    comm = [(r.op, r.phase, r.iteration, r.micro_step, r.start, r.seconds, r.bytes, r.tag)
+            for r in engine.comm_ledger.records if r.phase != "setup"]
+    return {"rank": engine.rank, "device": device, "compute": list(engine.timeline), "comm": comm}
+
+
+def chrome_trace(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """Trace events for every rank: one process per rank, compute and communication threads."""
+    starts = [c[2] for r in ranks for c in r["compute"]] + [c[4] for r in ranks for c in r["comm"]]
+    t0 = min(starts, default=0.0)
+    us = lambda s: round((s - t0) * 1e6, 1)  # noqa: E731 - trace timestamps are microseconds
+    events: list[dict[str, Any]] = []
+    ends: dict[int, dict[int, float]] = {}  # iteration -> rank -> end of its last event
+    for r in ranks:
+        pid = r["rank"]
+        label = f"rank {pid}" + (f" ({r['device']})" if r["device"] else "")
+        events.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": label}})
+        for tid, name in ((0, "compute"), (1, "communication"), (2, "idle")):
+            events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}})
+        for it, k, start, dur in r["compute"]:
+            events.append({"ph": "X", "name": f"micro-step {k}", "cat": "compute", "pid": pid, "tid": 0,
+                           "ts": us(start), "dur": round(dur * 1e6, 1), "args": {"iteration": it}})
+            ends.setdefault(it, {})[pid] = max(ends.get(it, {}).get(pid, 0.0), start + dur)
+        for op, phase, it, k, start, dur, nbytes, tag in r["comm"]:
+            events.append({"ph": "X", "name": op, "cat": f"comm:{phase}", "pid": pid, "tid": 1, "ts": us(start),
+                           "dur": round(dur * 1e6, 1),
+                           "args": {"iteration": it, "micro_step": k, "bytes": nbytes, "tag": tag,
+                                    "note": "includes waiting for slower ranks"}})
+            ends.setdefault(it, {})[pid] = max(ends.get(it, {}).get(pid, 0.0), start + dur)
+    for it, per_rank in ends.items():
+        last = max(per_rank.values())
+        for pid, end in per_rank.items():
+            if last - end > 0:
+                events.append({"ph": "X", "name": "idle", "cat": "idle", "pid": pid, "tid": 2, "ts": us(end),
+                               "dur": round((last - end) * 1e6, 1), "args": {"iteration": it}})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def write_trace(path: str | os.PathLike, ranks: list[dict[str, Any]]) -> None:
+    write_text_atomic(path, json.dumps(chrome_trace(ranks)))
+
+
+def write_curves_png(path: str | os.PathLike, profile: Profile, plan: Plan | None = None) -> bool:
+    """Plot each device type's measured speeds, its spline and the plan's chosen batch.
+    Returns False (and writes nothing) when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    from poplar.planner.curves import SpeedCurve
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    chosen = {}
+    if plan is not None:
+        for r in plan.ranks:
+            if r.device_type and r.micro_batch_size:
+                chosen[r.device_type] = r.micro_batch_size
+    for dtype in profile.device_types():
+        members = [r for r in profile.ranks if r.device_type == dtype]
+        points = [(p.batch, p.compute_s) for r in members for p in r.points]
+        curve = SpeedCurve.from_points(dtype, min(r.mbs for r in members), points)
+        batches = list(range(1, curve.mbs + 1))
+        line, = ax.plot(batches, curve.speeds(), label=f"{dtype} spline")
+        ax.scatter([b for b, _ in points], [b / t for b, t in points], color=line.get_color(), s=18,
+                   label=f"{dtype} measured")
+        if dtype in chosen:
+            b = chosen[dtype]
+            ax.axvline(b, color=line.get_color(), linestyle=":", linewidth=1)
+            ax.annotate(f"b={b}", (b, curve.speed(b)), textcoords="offset points", xytext=(4, -12), fontsize=8)
+    ax.set_xlabel("micro-batch size")
+    ax.set_ylabel("samples / s")
+    ax.set_title(f"Speed curves, ZeRO-{profile.zero_stage}")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True

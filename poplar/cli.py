@@ -12,6 +12,7 @@ import sys
 
 COMMAND_MODULES = [
     "poplar.demo",
+    "poplar.planner.commands",
 ]
 
 

@@ -1,0 +1,161 @@
+"""Cluster descriptions: which device types, how many of each, and the link between them.
+
+A cluster file is JSON::
+
+    {"name": "B", "devices": [{"type": "V100-16G", "count": 2}, {"type": "T4-16G", "count": 2}],
+     "bandwidth_gbps": 8.0, "latency_us": 30.0}
+
+``type`` names a device preset (``poplar.profiler.presets``); ranks are numbered in the order
+the devices are listed. ``bandwidth_gbps`` (GB/s, a collective's bus bandwidth, see
+``poplar.planner.cost_model``) and ``latency_us`` are optional; the defaults are a PCIe-class
+link. Built-in clusters are the paper's (types and links as in its Table 1, 2 ranks per type
+to keep CPU emulation small; the paper ran A and C with 4 + 4), ``C-1:3`` from its quantity
+study, and a 4-type cluster ``D``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from poplar.plans import write_text_atomic
+from poplar.profiler.presets import PRESETS, PresetError, get_preset
+
+DEFAULT_BANDWIDTH_GBPS = 10.0
+DEFAULT_LATENCY_US = 30.0
+
+
+class ClusterError(ValueError):
+    """A cluster description that cannot be used, with the reason and the fix in its message."""
+
+
+@dataclass
+class DeviceCount:
+    type: str
+    count: int
+
+
+@dataclass
+class ClusterSpec:
+    name: str
+    devices: list[DeviceCount]
+    bandwidth_gbps: float = DEFAULT_BANDWIDTH_GBPS
+    latency_us: float = DEFAULT_LATENCY_US
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.devices = [d if isinstance(d, DeviceCount) else _device(d, i) for i, d in enumerate(self.devices)]
+        self.validate()
+
+    def validate(self) -> None:
+        where = f"cluster {self.name!r}"
+        if not isinstance(self.name, str):
+            raise ClusterError(f"{where}: name must be a string")
+        if not self.devices:
+            raise ClusterError(f"{where} lists no devices; add e.g. {{\"type\": \"T4-16G\", \"count\": 2}}")
+        for i, d in enumerate(self.devices):
+            if isinstance(d.count, bool) or not isinstance(d.count, int) or d.count < 1:
+                raise ClusterError(f"{where}: device {i} ({d.type}) needs an int count >= 1, got {d.count!r}")
+            try:
+                get_preset(d.type)
+            except PresetError as e:
+                raise ClusterError(f"{where}: device {i}: {e}") from None
+        for key in ("bandwidth_gbps", "latency_us"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (
+                    key == "bandwidth_gbps" and value == 0):
+                raise ClusterError(f"{where}: {key} must be a positive number, got {value!r}")
+
+    @property
+    def world_size(self) -> int:
+        return sum(d.count for d in self.devices)
+
+    def rank_types(self) -> list[str]:
+        """One device type per rank, in rank order."""
+        return [d.type for d in self.devices for _ in range(d.count)]
+
+    def describe(self) -> str:
+        return f"{self.name}: " + " + ".join(f"{d.count}x {d.type}" for d in self.devices)
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"name": self.name, "devices": [{"type": x.type, "count": x.count} for x in self.devices],
+                             "bandwidth_gbps": self.bandwidth_gbps, "latency_us": self.latency_us}
+        if self.meta:
+            d["meta"] = self.meta
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str = "cluster") -> "ClusterSpec":
+        if not isinstance(d, dict):
+            raise ClusterError(f"{where} must be a JSON object with \"name\" and \"devices\", got {type(d).__name__}")
+        unknown = set(d) - {"name", "devices", "bandwidth_gbps", "latency_us", "meta"}
+        if unknown:
+            raise ClusterError(f"{where}: unknown keys {sorted(unknown)}; allowed: name, devices, "
+                               "bandwidth_gbps, latency_us, meta")
+        if "devices" not in d:
+            raise ClusterError(f"{where}: missing key \"devices\" (a list of {{\"type\", \"count\"}})")
+        if not isinstance(d["devices"], list):
+            raise ClusterError(f"{where}: \"devices\" must be a list, got {type(d['devices']).__name__}")
+        return cls(name=d.get("name", Path(str(where)).stem), devices=d["devices"],
+                   bandwidth_gbps=d.get("bandwidth_gbps", DEFAULT_BANDWIDTH_GBPS),
+                   latency_us=d.get("latency_us", DEFAULT_LATENCY_US), meta=d.get("meta", {}))
+
+    def save(self, path: str | os.PathLike) -> None:
+        write_text_atomic(path, json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "ClusterSpec":
+        try:
+            data = json.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ClusterError(f"cluster file {path} does not exist") from None
+        except json.JSONDecodeError as e:
+            raise ClusterError(f"cluster file {path} is not valid JSON: {e}") from None
+        return cls.from_dict(data, where=str(path))
+
+    @classmethod
+    def builtin(cls, name: str) -> "ClusterSpec":
+        if name not in BUILTIN_CLUSTERS:
+            raise ClusterError(f"unknown built-in cluster {name!r}; built-in: {', '.join(BUILTIN_CLUSTERS)} "
+                               "(or give a cluster JSON file)")
+        return cls.from_dict(json.loads(json.dumps(BUILTIN_CLUSTERS[name])), where=f"built-in {name}")
+
+    @classmethod
+    def resolve(cls, name_or_path: "str | os.PathLike | ClusterSpec") -> "ClusterSpec":
+        """A ClusterSpec, a built-in name, or a path to a cluster file."""
+        if isinstance(name_or_path, ClusterSpec):
+            return name_or_path
+        if isinstance(name_or_path, str) and name_or_path in BUILTIN_CLUSTERS:
+            return cls.builtin(name_or_path)
+        if Path(name_or_path).exists():
+            return cls.load(name_or_path)
+        raise ClusterError(f"{str(name_or_path)!r} is neither a built-in cluster ({', '.join(BUILTIN_CLUSTERS)}) "
+                           "nor an existing cluster file")
+
+
+def _device(d: Any, i: int) -> DeviceCount:
+    if not isinstance(d, dict) or set(d) != {"type", "count"}:
+        raise ClusterError(f"device {i} must be an object with exactly \"type\" and \"count\", got {d!r}")
+    if not isinstance(d["type"], str):
+        raise ClusterError(f"device {i}: type must be a preset name, got {d['type']!r}; known: {', '.join(PRESETS)}")
+    return DeviceCount(d["type"], d["count"])
+
+
+# Links: A mixes NVLink (A100-80G) and PCIe 4.0 (A100-40G), and a ring runs at its slowest link;
+# B and C are PCIe (the V100 generation is PCIe 3.0). GB/s are rough bus bandwidths for NCCL rings.
+BUILTIN_CLUSTERS: dict[str, dict[str, Any]] = {
+    "A": {"name": "A", "devices": [{"type": "A100-80G", "count": 2}, {"type": "A100-40G", "count": 2}],
+          "bandwidth_gbps": 16.0, "latency_us": 20.0},
+    "B": {"name": "B", "devices": [{"type": "V100-16G", "count": 2}, {"type": "T4-16G", "count": 2}],
+          "bandwidth_gbps": 8.0, "latency_us": 30.0},
+    "C": {"name": "C", "devices": [{"type": "A800-80G", "count": 2}, {"type": "V100S-32G", "count": 2}],
+          "bandwidth_gbps": 10.0, "latency_us": 30.0},
+    "C-1:3": {"name": "C-1:3", "devices": [{"type": "A800-80G", "count": 1}, {"type": "V100S-32G", "count": 3}],
+              "bandwidth_gbps": 10.0, "latency_us": 30.0},
+    "D": {"name": "D", "devices": [{"type": "A100-80G", "count": 2}, {"type": "RTX4090-24G", "count": 2},
+                                   {"type": "V100-16G", "count": 2}, {"type": "RTX3060-12G", "count": 2}],
+          "bandwidth_gbps": 8.0, "latency_us": 30.0},
+}

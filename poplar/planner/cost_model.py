@@ -1,0 +1,120 @@
+"""The cost model: predicted compute and iteration time of a plan. Written once, used by the
+allocators, the baselines, the simulator and the tests.
+
+Notation: rank i runs ``gas_i`` micro-steps of ``b_i`` samples, then one of ``lbs_i`` if
+``lbs_i > 0``; ``t_i(b)`` is its device type's curve (seconds for a micro-step of b samples,
+``t_i(0) = 0``); N ranks; V = ``param_bytes`` (one full copy of the parameters; gradients have
+the same size); bandwidth B and latency a come from the profile's ``CommProfile``.
+
+Compute of rank i:   C_i = gas_i * t_i(b_i) + t_i(lbs_i)
+
+One collective (reduce-scatter or all-gather of V bytes, ring algorithm):
+    coll = (N-1)/N * V / B + a          all-reduce = 2 (N-1)/N * V / B + a
+B is therefore a *bus* bandwidth (the NCCL-tests "busbw" convention): the per-link rate at which
+a ring moves data, not bytes-of-tensor / seconds. With N = 1 there is no communication.
+
+    stage | per micro-step (c_m) | once per iteration (c_s)
+    0     | 0                    | all-reduce of gradients
+    1     | 0                    | reduce-scatter of gradients + all-gather of parameters = 2 coll
+    2     | coll (reduce-scatter)| coll (all-gather of updated parameters)
+    3     | 3 coll (all-gather before forward and before backward, reduce-scatter after)| 0
+
+Stages 0/1 synchronise only at the end, so ranks run their micro-steps independently:
+    T = max_i C_i + c_s
+Stages 2/3 synchronise in every micro-step, so micro-step k lasts as long as its slowest rank.
+With K = max_i (gas_i + [lbs_i > 0]) lock-step micro-steps and s_ik the size of rank i's k-th
+micro-step (0 once it has run all of its own; such a rank joins the collective with zeros):
+    T = sum_{k=1..K} (max_i t_i(s_ik) + c_m) + c_s
+The predicted communication of a plan is c_s (stages 0/1) or K c_m + c_s (stages 2/3). No
+overlap of communication with compute is modelled; idle time of rank i is T - C_i.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from poplar.planner.curves import SpeedCurve
+
+
+@dataclass(frozen=True)
+class CommModel:
+    world_size: int
+    param_bytes: float
+    bandwidth_bytes_per_s: float
+    latency_s: float = 0.0
+
+    def collective_s(self) -> float:
+        """One reduce-scatter or all-gather of the full parameter size."""
+        n = self.world_size
+        if n <= 1:
+            return 0.0
+        return (n - 1) / n * self.param_bytes / self.bandwidth_bytes_per_s + self.latency_s
+
+    def all_reduce_s(self) -> float:
+        n = self.world_size
+        if n <= 1:
+            return 0.0
+        return 2 * (n - 1) / n * self.param_bytes / self.bandwidth_bytes_per_s + self.latency_s
+
+    def per_micro_step_s(self, stage: int) -> float:
+        return {0: 0.0, 1: 0.0, 2: self.collective_s(), 3: 3 * self.collective_s()}[stage]
+
+    def per_iteration_s(self, stage: int) -> float:
+        return {0: self.all_reduce_s(), 1: 2 * self.collective_s(), 2: self.collective_s(), 3: 0.0}[stage]
+
+
+Row = tuple[str, int, int, int]  # (device_type, b, gas, lbs)
+
+
+@dataclass
+class Evaluation:
+    compute_s: list[float]  # C_i per rank
+    iteration_s: float  # T
+    comm_s: float
+    micro_steps: int  # K: lock-step micro-steps (stages 2/3) / most micro-steps of any rank (0/1)
+
+    def idle_s(self) -> list[float]:
+        return [self.iteration_s - c for c in self.compute_s]
+
+
+def compute_s(curve: SpeedCurve, b: int, gas: int, lbs: int) -> float:
+    """C_i for one rank."""
+    return gas * curve.time(b) + curve.time(lbs)
+
+
+def evaluate_rows(rows: Sequence[Row], curves: Mapping[str, SpeedCurve], stage: int,
+                  comm: CommModel) -> Evaluation:
+    """The cost model for one row per rank. Work is per distinct row, so 10,000 ranks of a few
+    distinct rows cost about as much as a few ranks."""
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be 0-3, got {stage}")
+    distinct: dict[Row, float] = {}
+    for row in rows:
+        if row not in distinct:
+            dtype, b, gas, lbs = row
+            if b > curves[dtype].mbs or lbs > curves[dtype].mbs:
+                raise ValueError(f"{dtype}: micro-batch {max(b, lbs)} exceeds its mbs {curves[dtype].mbs}")
+            distinct[row] = compute_s(curves[dtype], b, gas, lbs)
+    per_rank = [distinct[row] for row in rows]
+    steps = max((gas + (1 if lbs > 0 else 0) for (_, _, gas, lbs) in distinct), default=0)
+    if stage in (0, 1):
+        comm_s = comm.per_iteration_s(stage)
+        return Evaluation(per_rank, max(per_rank) + comm_s, comm_s, steps)
+    # Lock-step: micro-step k (0-based) of a row costs t(b) for k < gas, t(lbs) at k == gas.
+    # Between consecutive breakpoints every row's cost is constant, so sum segment by segment.
+    marks = {0, steps}
+    for (_, _, gas, lbs) in distinct:
+        marks.update((gas, gas + 1) if lbs > 0 else (gas,))
+    cuts = sorted(m for m in marks if 0 <= m <= steps)
+    compute_wall = 0.0
+    for start, end in zip(cuts, cuts[1:]):
+        slowest = 0.0
+        for (dtype, b, gas, lbs) in distinct:
+            if start < gas:
+                slowest = max(slowest, curves[dtype].time(b))
+            elif start == gas and lbs > 0:
+                slowest = max(slowest, curves[dtype].time(lbs))
+        compute_wall += (end - start) * slowest
+    comm_s = steps * comm.per_micro_step_s(stage) + comm.per_iteration_s(stage)
+    return Evaluation(per_rank, compute_wall + comm_s, comm_s, steps)

@@ -1,0 +1,168 @@
+"""``plan()``: profile + global batch + ZeRO stage -> a Plan with predicted times.
+
+Every strategy produces rows (b, gas, lbs) per rank; one function turns rows into a ``Plan``,
+pricing them with the cost model, so strategies differ only in how they pick rows.
+
+Input rules (decided here, where the issue left them open):
+- gbs must be an int >= 1. A rank may get 0 samples at any stage (at stages 2/3 it still joins
+  every collective with zeros); ``require_all_ranks=True`` forbids that, and then gbs smaller
+  than the number of ranks is an error.
+- Accumulation is unbounded by default, so any gbs fits in memory. ``max_micro_steps`` bounds
+  the micro-steps per rank per iteration; then gbs > max_micro_steps * sum_i mbs_i cannot be met
+  within memory and is an error.
+- A profile measured at ZeRO stage s may be planned at any stage >= s (its mbs are safe there,
+  only conservative); planning below s could run out of memory and is an error.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from poplar.plans import Plan, PlanError, RankPlan
+from poplar.planner.baselines import even_rows, flops_rows
+from poplar.planner.cost_model import CommModel, Evaluation, evaluate_rows
+from poplar.planner.groups import DeviceGroup, group_profile
+from poplar.planner.zero01 import allocate_zero01
+from poplar.planner.zero23 import allocate_zero23
+from poplar.profiles import Profile, ProfileError
+
+STRATEGIES = ("poplar", "even", "flops")
+
+
+@dataclass
+class Problem:
+    """What a strategy needs: device groups, world size, communication model, stage, limits."""
+
+    groups: list[DeviceGroup]
+    comm: CommModel
+    stage: int
+    gbs: int
+    require_all_ranks: bool = False
+    max_micro_steps: int | None = None
+
+    @property
+    def world_size(self) -> int:
+        return sum(g.count for g in self.groups)
+
+    @property
+    def curves(self) -> dict:
+        return {g.device_type: g.curve for g in self.groups}
+
+    def flatten(self, rows: list[list[tuple[int, int, int]]]) -> list[tuple[str, int, int, int]]:
+        """Per-group rows -> one (device_type, b, gas, lbs) per global rank."""
+        out: list[Any] = [None] * self.world_size
+        for g, grp in zip(self.groups, rows):
+            for rank, (b, gas, lbs) in zip(g.ranks, grp):
+                out[rank] = (g.device_type, b, gas, lbs)
+        return out
+
+    def evaluate(self, rows: list[list[tuple[int, int, int]]]) -> Evaluation:
+        return evaluate_rows(self.flatten(rows), self.curves, self.stage, self.comm)
+
+
+def _poplar(p: Problem) -> tuple[list, dict[str, Any]]:
+    if p.stage in (0, 1):
+        return allocate_zero01(p.groups, p.gbs, p.require_all_ranks, p.max_micro_steps,
+                               evaluate=lambda rows: p.evaluate(rows).iteration_s)
+    return allocate_zero23(p.groups, p.gbs, p.stage, p.comm, p.require_all_ranks, p.max_micro_steps)
+
+
+STRATEGY_ROWS: dict[str, Callable[[Problem], tuple[list, dict[str, Any]]]] = {
+    "poplar": _poplar,
+    "even": lambda p: (even_rows(p.groups, p.gbs, p.stage, p.max_micro_steps), {}),
+    "flops": lambda p: (flops_rows(p.groups, p.gbs, p.stage, p.require_all_ranks, p.max_micro_steps), {}),
+}
+
+
+def load_profile(profile: Profile | Mapping[str, Any] | str | os.PathLike) -> Profile:
+    if isinstance(profile, Profile):
+        profile.validate()
+        return profile
+    if isinstance(profile, Mapping):
+        return Profile.from_dict(dict(profile))
+    if isinstance(profile, (str, os.PathLike)):
+        return Profile.load(Path(profile))
+    raise ProfileError(f"expected a Profile, a dict or a path, got {type(profile).__name__}")
+
+
+def make_problem(profile: Profile | Mapping[str, Any] | str | os.PathLike, global_batch_size: int,
+                 zero_stage: int | None = None, *, require_all_ranks: bool = False,
+                 max_micro_steps: int | None = None) -> Problem:
+    """Validate the inputs and build the per-type view the strategies work on."""
+    prof = load_profile(profile)
+    stage = prof.zero_stage if zero_stage is None else zero_stage
+    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+        raise PlanError(f"zero_stage must be 0, 1, 2 or 3, got {stage!r}")
+    if stage < prof.zero_stage:
+        raise PlanError(
+            f"the profile was measured at ZeRO-{prof.zero_stage}; its mbs may not fit at ZeRO-{stage}. "
+            f"Plan at stage >= {prof.zero_stage} or profile again at stage {stage}")
+    gbs = global_batch_size
+    if isinstance(gbs, bool) or not isinstance(gbs, int) or gbs < 1:
+        raise PlanError(f"global_batch_size must be an int >= 1, got {gbs!r}")
+    if max_micro_steps is not None and (isinstance(max_micro_steps, bool) or not isinstance(max_micro_steps, int)
+                                        or max_micro_steps < 1):
+        raise PlanError(f"max_micro_steps must be an int >= 1 or None, got {max_micro_steps!r}")
+    if not (prof.param_bytes >= 0):
+        raise ProfileError(f"param_bytes must be >= 0, got {prof.param_bytes}")
+    groups = group_profile(prof)
+    world = sum(g.count for g in groups)
+    if require_all_ranks and gbs < world:
+        raise PlanError(
+            f"global batch {gbs} is smaller than the {world} ranks that must each take a sample; "
+            f"use a global batch >= {world}, or allow idle ranks (require_all_ranks=False)")
+    if max_micro_steps is not None:
+        most = max_micro_steps * sum(g.count * g.mbs for g in groups)
+        if gbs > most:
+            raise PlanError(
+                f"global batch {gbs} cannot be met within memory: at most {max_micro_steps} micro-steps "
+                f"x sum of mbs = {most} samples per iteration. Lower the global batch, raise "
+                "max_micro_steps, or use a higher ZeRO stage (larger micro-batches)")
+    comm = CommModel(world, float(prof.param_bytes), float(prof.comm.bandwidth_bytes_per_s),
+                     float(prof.comm.latency_s or 0.0))
+    return Problem(groups, comm, stage, gbs, require_all_ranks, max_micro_steps)
+
+
+def plan_problem(problem: Problem, strategy: str = "poplar") -> Plan:
+    """Run one strategy on a prepared problem and price the result with the cost model."""
+    if strategy not in STRATEGY_ROWS:
+        raise PlanError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    rows, info = STRATEGY_ROWS[strategy](problem)
+    flat = problem.flatten(rows)
+    ev = evaluate_rows(flat, problem.curves, problem.stage, problem.comm)
+    ranks = [RankPlan(b, gas, lbs, c, dtype) for (dtype, b, gas, lbs), c in zip(flat, ev.compute_s)]
+    total = sum(r.num_samples for r in ranks)
+    if total != problem.gbs:
+        raise PlanError(f"strategy {strategy!r} produced {total} samples, not {problem.gbs}; this is a bug")
+    meta = {
+        "global_batch_size": problem.gbs,
+        "predicted_samples_per_s": problem.gbs / ev.iteration_s,
+        "micro_steps": ev.micro_steps,
+        "comm_per_micro_step_s": problem.comm.per_micro_step_s(problem.stage),
+        "comm_per_iteration_s": problem.comm.per_iteration_s(problem.stage),
+        "device_types": {g.device_type: {"count": g.count, "mbs": g.mbs, "peak_batch": g.curve.peak_batch,
+                                         "peak_samples_per_s": g.curve.peak_speed}
+                         for g in problem.groups},
+        "search": info,
+    }
+    return Plan(ranks, zero_stage=problem.stage, strategy=strategy, predicted_iteration_s=ev.iteration_s,
+                predicted_comm_s=ev.comm_s, meta=meta)
+
+
+def plan(profile: Profile | Mapping[str, Any] | str | os.PathLike, global_batch_size: int,
+         zero_stage: int | None = None, strategy: str = "poplar", *, require_all_ranks: bool = False,
+         max_micro_steps: int | None = None) -> Plan:
+    """Plan one iteration: per-rank micro-batch, accumulation steps and last batch.
+
+    ``profile`` is a ``Profile``, its dict, or a path to its JSON; ``zero_stage`` defaults to
+    the profile's; ``strategy`` is ``poplar`` (default), ``even`` or ``flops``. The plan carries
+    per-rank predicted compute seconds and the predicted iteration (compute + communication).
+    """
+    if strategy not in STRATEGY_ROWS:
+        raise PlanError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    problem = make_problem(profile, global_batch_size, zero_stage, require_all_ranks=require_all_ranks,
+                           max_micro_steps=max_micro_steps)
+    return plan_problem(problem, strategy)

@@ -1,0 +1,1 @@
+"""Profiler: device presets, virtual devices, capacity search and timing."""

@@ -10,7 +10,7 @@ from poplar.planner.cost_model import CommModel
 from poplar.planner.groups import group_profile
 from poplar.profiles import CommProfile, Profile, ProfilePoint, RankProfile
 
-SETTINGS = settings(max_examples=75, deadline=None, derandomize=True)
+SETTINGS = settings(max_examples=75, deadline=None, derandomize=True, database=None)
 
 
 @st.composite
@@ -84,7 +84,11 @@ def test_plans_are_valid_and_priced_by_the_cost_model(profile, gbs, stage, strat
 def test_every_rank_takes_part_when_required(profile, gbs, stage):
     gbs = max(gbs, profile.world_size)
     for strategy in ("poplar", "even", "flops"):
-        p = plan(profile, gbs, stage, strategy, require_all_ranks=True)
+        try:
+            p = plan(profile, gbs, stage, strategy, require_all_ranks=True)
+        except ValueError as e:  # the naive flops baseline may find no plan; poplar always must
+            assert strategy == "flops" and "cannot give every rank" in str(e)
+            continue
         check_plan(p, profile, gbs, stage, strategy)
         assert all(r.num_samples >= 1 for r in p.ranks)
 

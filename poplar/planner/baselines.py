@@ -113,8 +113,9 @@ def flops_rows(groups: list[DeviceGroup], gbs: int, stage: int, require_all_rank
         shares = split_by_weight(gbs, counts, weights, floor, caps)
         return [[canonical(g.mbs, *divmod(n, g.mbs)) for n in grp] for g, grp in zip(groups, shares)]
     total_weight = sum(c * w for c, w in zip(counts, weights))
-    ideal = max(math.ceil(gbs * w / total_weight / g.mbs) for g, w in zip(groups, weights))
-    for steps in range(max(1, ideal - 1), gbs + 1):
+    # from 1, not from `ideal`: with every rank required, fewer micro-steps may be the only way
+    # to give each rank a sample per micro-step (e.g. gbs = N ranks of mbs 1 with skewed FLOPs)
+    for steps in range(1, gbs + 1):
         if -(-gbs // steps) < floor * sum(counts):
             raise PlanError("flops: cannot give every rank a sample in every micro-step within memory")
         # one b per type (the largest of its ranks' split), so the last micro-step can stay <= b

@@ -91,6 +91,28 @@ class ZeroStage(ABC):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Set the model from a complete, unsharded state (keys and shapes as ``full_state_dict``),
+        in place, on every rank, without any collective (every rank is given the whole state).
+
+        Raises ValueError, before changing anything, on missing or unexpected keys or shapes that
+        differ. This default copies into the tensors of ``model.state_dict()``: right when every
+        rank holds the full parameters as views into the stage's buffers (stages 0-2). A stage
+        that keeps only shards (stage 3) must override it and copy each parameter's part of
+        ``state`` into its shard.
+        """
+        targets = self.model.state_dict()
+        missing = [k for k in targets if k not in state]
+        unexpected = [k for k in state if k not in targets]
+        wrong = [f"{k}: {tuple(state[k].shape)} vs {tuple(v.shape)}" for k, v in targets.items()
+                 if k in state and state[k].shape != v.shape]
+        if missing or unexpected or wrong:
+            raise ValueError(f"state does not fit the model: missing keys {missing[:5]}, unexpected keys "
+                             f"{unexpected[:5]}, shapes (given vs model) {wrong[:5]}")
+        with torch.no_grad():
+            for k, v in targets.items():
+                v.copy_(state[k])
+
     @abstractmethod
     def param_bytes(self) -> int:
         ...

@@ -1,0 +1,205 @@
+"""ZeRO-3 storage of one block: its persistent shard, its transient gathered parameters and its
+transient gradient buffers, and the collectives that move between them.
+
+A block has one ``FlatUnit`` per optimizer param group (FlatUnit is per group). Rank r's shard
+of the block is the concatenation of its slice of every unit, held in one persistent tensor
+(the optimizer's parameters are views into it), so a block is **one** all-gather and **one**
+reduce-scatter whatever its number of groups. With a single unit the collectives read and
+write the unit's buffers directly; with several, the gathered (rank-major) result is copied
+out into the units' flat buffers, and gradients are copied into rank-major order before the
+reduce-scatter.
+
+Gathered parameters: ``full`` holds every unit's padded flat buffer back to back; parameters
+are views into it while the block is gathered. Releasing resizes its storage to 0 bytes and
+points each parameter at an empty tensor (stale use fails with a shape error instead of reading
+freed memory). The views saved by autograd in forward refer to the same storage, which the
+backward gather refills before the block's backward runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+from torch import nn
+
+from poplar.zero.comm import Communicator, DistributedError
+from poplar.zero.flat import FlatUnit
+from poplar.zero.wrap import plan_blocks
+
+
+def build_blocks(model: nn.Module, groups: list[list[tuple[str, nn.Parameter]]], wrap_policy: Any,
+                 comm: Communicator) -> list["ShardedBlock"]:
+    """The root unit's block (index 0, if it owns anything) and the wrapped blocks, sharded.
+    Every rank first checks the policy and agrees on the layout, so a bad policy (or different
+    policies on different ranks) is a ``DistributedError`` on every rank before any other collective."""
+    try:
+        specs, error = plan_blocks(model, groups, wrap_policy)
+    except Exception as e:  # a user policy that raises must not leave the other ranks waiting
+        specs, error = [], f"wrap_policy raised {type(e).__name__}: {e}"
+    layout = [(s.name, [(gi, [(n, tuple(p.shape)) for n, p in ps]) for gi, ps in s.members]) for s in specs]
+    signature = hashlib.sha256(repr(layout).encode()).hexdigest()
+    verdicts = comm.all_gather_object((error, signature), tag="zero3-setup")
+    lines = [f"  rank {r}: {e}" for r, (e, _) in enumerate(verdicts) if e is not None]
+    if not lines and len({s for _, s in verdicts}) > 1:
+        lines = ["  ranks cut the model into different blocks; pass the same wrap_policy to every rank"]
+    if lines:
+        raise DistributedError("ZeRO-3 setup failed:\n" + "\n".join(lines))
+    blocks, index = [], 0
+    for bi, spec in enumerate(specs):
+        units = []
+        for gi, named in spec.members:
+            units.append(FlatUnit([p for _, p in named], [n for n, _ in named], gi, comm.world_size, comm.rank, index))
+            index += 1
+        if units:
+            blocks.append(ShardedBlock(bi, spec.name, spec.module, units))
+    return blocks
+
+
+class ShardedBlock:
+    def __init__(self, index: int, name: str, module: nn.Module, units: list[FlatUnit]) -> None:
+        self.index, self.name, self.module, self.units = index, name, module, units
+        u0 = units[0]
+        self.world_size, self.rank, self.dtype, self.device = u0.world_size, u0.rank, u0.dtype, u0.device
+        self.shard_sizes = [u.shard_numel for u in units]
+        self.shard_offsets = [sum(self.shard_sizes[:k]) for k in range(len(units))]
+        self.shard_numel = sum(self.shard_sizes)
+        self.full_offsets = [sum(u.padded_numel for u in units[:k]) for k in range(len(units))]
+        self.full_numel = sum(u.padded_numel for u in units)
+        self.element_size = u0.element_size
+        self.gathered_nbytes = self.full_numel * self.element_size
+        self.num_params = sum(len(u.params) for u in units)
+        self.params = [p for u in units for p in u.params]
+
+        # rank r keeps its slice of its own initial values: the gathered model is consistent on
+        # every rank even if ranks built different initial weights (each slice has one owner)
+        self.shard = torch.empty(self.shard_numel, dtype=self.dtype, device=self.device)
+        for k, u in enumerate(units):
+            flat = u.new_flat()
+            u.copy_params_into(flat)
+            self._unit_shard(self.shard, k).copy_(u.shard_of(flat))
+        self.shard_grad = torch.zeros_like(self.shard)
+        self.shard_params = [nn.Parameter(self._unit_shard(self.shard, k), requires_grad=True)
+                             for k in range(len(units))]
+
+        self.full = torch.empty(self.full_numel, dtype=self.dtype, device=self.device)
+        self.views = [[u.slot(self._unit_full(k), i) for i in range(len(u.params))] for k, u in enumerate(units)]
+        self._storage = self.full.untyped_storage()
+        self._storage.resize_(0)
+        self._empty = torch.empty(0, dtype=self.dtype, device=self.device)
+        for p in self.params:
+            p.data = self._empty
+        self.allocated = False  # the storage of ``full`` is allocated
+        self.late_flats: list[torch.Tensor] | None = None
+        self.reset_grads()
+
+    def _unit_shard(self, flat_shard: torch.Tensor, k: int) -> torch.Tensor:
+        return flat_shard[self.shard_offsets[k]:self.shard_offsets[k] + self.shard_sizes[k]]
+
+    def _unit_full(self, k: int) -> torch.Tensor:
+        return self.full[self.full_offsets[k]:self.full_offsets[k] + self.units[k].padded_numel]
+
+    def load_param(self, k: int, i: int, value: torch.Tensor) -> None:
+        """Copy this rank's part of parameter i of unit k from its full ``value``."""
+        u = self.units[k]
+        lo, off, n = self.rank * u.shard_numel, u.offsets[i], u.shapes[i].numel()
+        a, b = max(lo, off), min(lo + u.shard_numel, off + n)
+        if a < b:
+            shard = self._unit_shard(self.shard, k)
+            shard[a - lo:b - lo].copy_(value.detach().reshape(-1)[a - off:b - off].to(shard.dtype))
+
+    def unit_shard_grads(self) -> list[torch.Tensor]:
+        return [self._unit_shard(self.shard_grad, k) for k in range(len(self.units))]
+
+    # ------------------------------------------------------------------ parameters
+    def start_gather(self, comm: Communicator, async_op: bool) -> tuple[Any, torch.Tensor | None]:
+        """Allocate the gathered buffer and issue the all-gather of the block's shards."""
+        assert not self.allocated, f"block {self.name!r} gathered twice"
+        self._storage.resize_(self.gathered_nbytes)
+        self.allocated = True
+        out = self.full if len(self.units) == 1 else torch.empty(
+            self.world_size * self.shard_numel, dtype=self.dtype, device=self.device)
+        work = comm.all_gather(out, self.shard, tag=f"block{self.index}", async_op=async_op)
+        return work, (None if out is self.full else out)
+
+    def finish_gather(self, handle: tuple[Any, torch.Tensor | None], use: bool = True) -> None:
+        """Wait for the all-gather; with ``use`` point the parameters at the gathered values."""
+        work, staged = handle
+        if work is not None:
+            work.wait()
+        if staged is not None and use:
+            rows = staged.view(self.world_size, self.shard_numel)
+            for k in range(len(self.units)):
+                o, s = self.shard_offsets[k], self.shard_sizes[k]
+                self._unit_full(k).view(self.world_size, s).copy_(rows[:, o:o + s])
+        if use:
+            for u_views, u in zip(self.views, self.units):
+                for v, p in zip(u_views, u.params):
+                    p.data = v
+
+    def free(self) -> None:
+        for p in self.params:
+            p.data = self._empty
+        self._storage.resize_(0)
+        self.allocated = False
+
+    # ------------------------------------------------------------------ gradients
+    def reset_grads(self) -> None:
+        """A new micro-step: no gradient yet (``late_flats`` lives until the iteration's end)."""
+        self.grad_flats: list[torch.Tensor] | None = None
+        self.ready = 0
+        self.reduced = False
+
+    @property
+    def grad_nbytes(self) -> int:
+        return self.full_numel * self.element_size
+
+    def add_grad(self, k: int, i: int, grad: torch.Tensor) -> tuple[bool, int]:
+        """Take parameter i of unit k's gradient. Returns (every parameter's has arrived, bytes
+        newly allocated). After the block's reduce-scatter (issued early), gradients go to
+        ``late_flats``, reduced once at the iteration's end."""
+        new = 0
+        if self.reduced:
+            if self.late_flats is None:
+                self.late_flats, new = [u.new_flat() for u in self.units], self.grad_nbytes
+            flats = self.late_flats
+        else:
+            if self.grad_flats is None:
+                self.grad_flats, new = [u.new_flat() for u in self.units], self.grad_nbytes
+            flats = self.grad_flats
+        self.units[k].slot(flats[k], i).add_(grad)
+        self.ready += 1
+        return self.ready == self.num_params, new
+
+    def start_reduce(self, comm: Communicator, flats: list[torch.Tensor] | None, zeros: torch.Tensor | None
+                     ) -> tuple[Any, torch.Tensor, torch.Tensor, int]:
+        """Issue the async reduce-scatter of ``flats`` (the block's gradient; None: ``zeros``, a
+        read-only zero buffer of at least ``grad_nbytes``). Returns a handle for
+        ``finish_reduce`` whose last item is the transient bytes it keeps alive (output included)."""
+        n, sn = self.world_size, self.shard_numel
+        held = sn * self.element_size
+        if flats is None:
+            assert zeros is not None
+            inp = zeros[:n * sn]
+        elif len(flats) == 1:
+            inp = flats[0]
+            held += self.grad_nbytes
+        else:
+            inp = torch.empty(n * sn, dtype=self.dtype, device=self.device)
+            rows = inp.view(n, sn)
+            for k, g in enumerate(flats):
+                o, s = self.shard_offsets[k], self.shard_sizes[k]
+                rows[:, o:o + s].copy_(g.view(n, s))
+            held += self.grad_nbytes
+        out = torch.empty(sn, dtype=self.dtype, device=self.device)
+        work = comm.reduce_scatter(out, inp, tag=f"block{self.index}", async_op=True)
+        return work, out, inp, held
+
+    def finish_reduce(self, handle: tuple[Any, torch.Tensor, torch.Tensor, int]) -> int:
+        """Wait, add the reduced shard into the persistent gradient; returns the bytes released."""
+        work, out, _inp, held = handle
+        if work is not None:
+            work.wait()
+        self.shard_grad.add_(out)
+        return held

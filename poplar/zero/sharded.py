@@ -1,0 +1,399 @@
+"""ZeRO stage 3: each rank keeps only its 1/N shard of parameters, gradients and optimizer state.
+
+Layout (``poplar.zero.wrap``, ``poplar.zero.blocks``): the wrap policy cuts the model into
+blocks; each block is one ``FlatUnit`` per optimizer group whose shards live in one tensor, so
+a block is one all-gather and one reduce-scatter. What no block owns — and every tied
+parameter — forms the root unit, gathered at the model's forward pre-hook and kept until its
+gradients are complete (so every user of a tied weight sees it gathered, and it stays tied).
+
+A micro-step on every rank issues one fixed sequence of collectives (``poplar.zero.prefetch``):
+forward, AG(root) then one all-gather per block in the forward order F, each block released
+after its forward; backward, one all-gather per block in the backward order G (a multi-grad
+hook on the block's outputs asks for it before its backward; the block is released once all
+its parameters' gradients have arrived) interleaved with one reduce-scatter per block. The
+sequence never depends on what the hooks ask for or when, so a rank whose forward visits blocks
+in another order (or skips one) still matches, ``end_micro_step`` completes whatever a pass did
+not issue (an exception mid-micro-step, unused parameters), and a rank with fewer micro-steps
+(or none) replays the sequence with zero gradients (``empty_micro_step``) — stage-3 plans may
+differ in micro-step counts. Gradients that arrive after their block's reduce-scatter had to be
+issued early (only when a rank's backward runs blocks out of the recorded order) are kept and
+reduce-scattered once at the iteration's end, after a one-number-per-block all-reduce that
+tells every rank which blocks have such gradients.
+
+Orders: iteration 0 uses module registration order (F = pre-order, G = reverse post-order),
+which every rank knows without running anything, so a rank with no samples can replay it. Each
+rank records the order its first micro-step actually ran; at the end of iteration 0 (in
+``reduce_gradients``) the recorded orders are compared across ranks — a difference is a
+``DistributedError`` on every rank — and become F and G; prefetch (one block ahead, forward
+and backward) starts then. A later change of order stays exact and hang-free, and warns once.
+
+Evaluation: ``engine.module(x)`` under ``torch.no_grad()`` gathers and releases block by block.
+It is collective: all ranks must run the same number of evaluation forwards together.
+Limits: one forward of the model per micro-step, a block runs once per forward (no activation
+checkpointing that recomputes a block), parameters are used only inside their block's forward,
+and the model's parameters are empty between uses: read them with ``full_state_dict()``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from functools import partial
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_leaves
+
+from poplar.zero.base import ZeroStage
+from poplar.zero.blocks import ShardedBlock, build_blocks
+from poplar.zero.comm import Communicator, DistributedError
+from poplar.zero.optim import repoint_optimizer
+from poplar.zero.prefetch import Schedule, backward_items, forward_items
+from poplar.zero.wrap import post_order
+
+
+class _Pass:
+    """State of one forward (evaluation) or one micro-step (forward + backward)."""
+
+    def __init__(self, train: bool, fwd: Schedule, bwd: Schedule | None) -> None:
+        self.train, self.fwd, self.bwd = train, fwd, bwd
+        self.forward_started = self.forward_done = False
+        self.ran: set[int] = set()
+        self.pre_order: list[int] = []
+        self.post_order: list[int] = []
+        self.saved_phase = ""
+
+
+class Stage3(ZeroStage):
+    stage = 3
+    communicates_in_micro_steps = True
+    grads_sharded = True
+    on_allocate: Callable[[], None] | None = None  # called after each gather allocation (memory-cap checks)
+    reduces_in_flight = 1  # reduce-scatters left running while backward goes on
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: Communicator,
+                 groups: list[list[tuple[str, nn.Parameter]]], wrap_policy: Any = None, *,
+                 prefetch: bool = True) -> None:
+        blocks = build_blocks(model, groups, wrap_policy, comm)
+        super().__init__(model, optimizer, comm, [u for b in blocks for u in b.units])
+        self.blocks = blocks
+        self.root = blocks[0] if blocks and blocks[0].index == 0 else None
+        self.layers = [b for b in blocks if b is not self.root]
+        self.shard_params = [sp for b in blocks for sp in b.shard_params]
+        per_group: list[list[nn.Parameter]] = [[] for _ in optimizer.param_groups]
+        for u, sp in zip(self.units, self.shard_params):
+            per_group[u.group_index].append(sp)
+        repoint_optimizer(optimizer, per_group)
+
+        self.prefetch = prefetch
+        self.gathered_bytes = 0  # gathered parameter bytes alive now
+        self.peak_gathered_bytes = 0
+        self._allocated: dict[int, ShardedBlock] = {}
+        self._pass: _Pass | None = None
+        self._agreed = False
+        self._recorded: tuple[list[int], list[int]] | None = None
+        self._warned = False
+        self._reducing: list[tuple[ShardedBlock, Any]] = []  # reduce-scatters in flight
+        self._zeros: torch.Tensor | None = None
+        self._completing = False  # in end_micro_step: no on_allocate check may interrupt its collectives
+        self._set_orders([b.index for b in self.layers], post_order(self.layers))
+
+        model.register_forward_pre_hook(self._root_pre)
+        model.register_forward_hook(self._root_post, always_call=True)
+        for b in self.layers:
+            b.module.register_forward_pre_hook(partial(self._block_pre, b))
+            b.module.register_forward_hook(partial(self._block_post, b))
+        for b in blocks:
+            for k, u in enumerate(b.units):
+                for i, p in enumerate(u.params):
+                    p.register_post_accumulate_grad_hook(partial(self._grad_ready, b, k, i))
+
+    # ------------------------------------------------------------------ orders
+    def _set_orders(self, pre: list[int], post: list[int]) -> None:
+        by = {b.index: b for b in self.blocks}
+        canon_f = [b.index for b in self.layers]
+        canon_g = list(reversed(post_order(self.layers)))
+        self.fwd_order = [by[i] for i in pre] + [by[i] for i in canon_f if i not in pre]
+        self.bwd_order = [by[i] for i in reversed(post)] + [by[i] for i in canon_g if i not in post]
+
+    def _agree_order(self) -> None:
+        names = {b.index: b.name for b in self.blocks}
+        everyone = self.comm.all_gather_object(self._recorded, tag="zero3-order")
+        recorded = [(r, o) for r, o in enumerate(everyone) if o is not None]
+        if not recorded:
+            return
+        first = recorded[0][1]
+        if any(o != first for _, o in recorded):
+            lines = [f"  rank {r}: " + " -> ".join(names[i] for i in o[0]) for r, o in recorded]
+            raise DistributedError("ZeRO-3: the wrapped blocks ran forward in a different order on different ranks "
+                                   "in the first iteration; every rank must run the same model code:\n"
+                                   + "\n".join(lines))
+        self._set_orders(*first)
+        self._agreed = True
+
+    # ------------------------------------------------------------------ collectives (Schedule's Gatherer)
+    def start_gather(self, b: ShardedBlock) -> Any:
+        handle = b.start_gather(self.comm, async_op=True)
+        self._allocated[b.index] = b
+        self.gathered_bytes += b.gathered_nbytes
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
+        if handle[1] is not None:
+            self._hold(handle[1].numel() * b.element_size)
+        return handle
+
+    def finish_gather(self, b: ShardedBlock, handle: Any, use: bool) -> None:
+        b.finish_gather(handle, use)
+        if handle[1] is not None:
+            self._release(handle[1].numel() * b.element_size)
+
+    def free_gather(self, b: ShardedBlock) -> None:
+        if self._allocated.pop(b.index, None) is not None:
+            self.gathered_bytes -= b.gathered_nbytes
+            b.free()
+
+    def gathered_hook(self, b: ShardedBlock) -> None:
+        if self.on_allocate is not None and not self._completing:
+            self.on_allocate()
+
+    def _gather_now(self, b: ShardedBlock) -> None:
+        self.finish_gather(b, self.start_gather(b), True)
+        self.gathered_hook(b)
+
+    def reduce(self, b: ShardedBlock, flats: Any = "grads") -> None:
+        """Issue ``b``'s reduce-scatter (its micro-step gradient, or zeros if none came); keep
+        one in flight — waiting is safe: every rank issues the same sequence."""
+        if flats == "grads":
+            flats, b.reduced = b.grad_flats, True
+        if flats is None and self._zeros is None:
+            self._zeros = torch.zeros(max(x.full_numel for x in self.blocks), dtype=b.dtype, device=b.device)
+            self._hold(self._zeros.numel() * self._zeros.element_size())
+        self._hold(b.shard_numel * b.element_size)
+        self._reducing.append((b, b.start_reduce(self.comm, flats, self._zeros)))
+        b.grad_flats = None  # the handle keeps what the collective needs
+        while len(self._reducing) > self.reduces_in_flight:
+            self._finish_reduce()
+
+    def _finish_reduce(self) -> None:
+        b, handle = self._reducing.pop(0)
+        self._release(b.finish_reduce(handle))
+
+    def _wait_reduces(self) -> None:
+        while self._reducing:
+            self._finish_reduce()
+        if self._zeros is not None:
+            self._release(self._zeros.numel() * self._zeros.element_size())
+            self._zeros = None
+
+    # ------------------------------------------------------------------ hooks
+    def _new_pass(self, train: bool) -> _Pass:
+        return _Pass(train, Schedule(forward_items(self.root, self.fwd_order), self),
+                     Schedule(backward_items(self.root, self.bwd_order), self) if train else None)
+
+    def _prefetching(self) -> bool:
+        return self.prefetch and self._agreed
+
+    def _root_pre(self, module: nn.Module, args: Any) -> None:
+        p = self._pass
+        if torch.is_grad_enabled():
+            if p is None:  # a loop of the user's own: engine.module(...) then engine.backward(...)
+                p = self._pass = self._new_pass(True)
+            elif not p.train or p.forward_started:
+                raise RuntimeError("ZeRO-3 runs one forward of the model per micro-step, followed by "
+                                   "engine.backward(); evaluate under torch.no_grad()")
+            p.forward_started = True
+            self.comm.ledger.phase = "forward"
+        else:
+            if p is not None:
+                raise RuntimeError("ZeRO-3: a forward under torch.no_grad() inside a training micro-step; "
+                                   "evaluate between iterations")
+            p = self._pass = self._new_pass(False)
+            p.saved_phase, self.comm.ledger.phase = self.comm.ledger.phase, "eval"
+        if self.root is not None:
+            p.fwd.need(self.root)
+
+    def _root_post(self, module: nn.Module, args: Any, output: Any) -> None:
+        p = self._pass
+        if p is None or p.forward_done:
+            return
+        p.fwd.flush()
+        p.forward_done = True
+        if p.fwd.deviated and self._agreed and not self._warned:
+            self._warned = True
+            warnings.warn("ZeRO-3: the blocks ran forward in another order than the one recorded in the first "
+                          "iteration; the collectives keep the recorded order (results stay exact, more blocks "
+                          "may be gathered at once)", stacklevel=2)
+        if not p.train:
+            for b in list(self._allocated.values()):
+                self.free_gather(b)
+            self.comm.ledger.phase = p.saved_phase
+            self._pass = None
+
+    def _block_pre(self, b: ShardedBlock, module: nn.Module, args: Any) -> None:
+        p = self._pass
+        if p is None:
+            raise RuntimeError(f"ZeRO-3: block '{b.name}' ran outside a forward of the engine's model; call "
+                               "engine.module(...) (not .forward()) so that parameters are gathered")
+        if b.index in p.ran:
+            raise RuntimeError(f"ZeRO-3: block '{b.name}' ran forward twice in one forward of the model; wrap a "
+                               "module that contains every use (wrap_policy), or do not recompute it")
+        p.ran.add(b.index)
+        p.pre_order.append(b.index)
+        p.fwd.need(b)
+        if self._prefetching():
+            p.fwd.prefetch_after(b)
+
+    def _block_post(self, b: ShardedBlock, module: nn.Module, args: Any, output: Any) -> None:
+        p = self._pass
+        if p is None:
+            return
+        p.post_order.append(b.index)
+        self.free_gather(b)
+        if p.train and torch.is_grad_enabled():
+            tensors = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if tensors:
+                register_multi_grad_hook(tensors, partial(self._pre_backward, p, b), mode="any")
+
+    def _pre_backward(self, p: _Pass, b: ShardedBlock, grad: Any) -> None:
+        if p is not self._pass:
+            raise RuntimeError("ZeRO-3: backward through a graph of an earlier micro-step")
+        self.comm.ledger.phase = "backward"
+        if not p.bwd.need(b):
+            raise RuntimeError(f"ZeRO-3: block '{b.name}' began its backward twice, or after its gradients were "
+                               "complete (a parameter of it is used outside its forward?)")
+        if self._prefetching():
+            p.bwd.prefetch_after(b)
+
+    def _grad_ready(self, b: ShardedBlock, k: int, i: int, param: nn.Parameter) -> None:
+        grad, param.grad = param.grad, None
+        p = self._pass
+        if p is None or not p.train or p.bwd is None:
+            raise RuntimeError("ZeRO-3: a gradient arrived outside a micro-step; call engine.backward(loss, n)")
+        if b.ready == b.num_params:
+            raise RuntimeError(f"ZeRO-3: a second gradient of '{b.units[k].names[i]}' in one micro-step; call "
+                               "backward once per micro-step (through the engine)")
+        complete, new = b.add_grad(k, i, grad)
+        self._hold(new)
+        if complete:
+            p.bwd.ready(b)
+
+    # ------------------------------------------------------------------ the engine's interface
+    def begin_micro_step(self) -> None:
+        if self._pass is not None:
+            raise RuntimeError("ZeRO-3: a forward with grad enabled ran without engine.backward(); "
+                               "evaluate under torch.no_grad()")
+        self._pass = self._new_pass(True)
+
+    def end_micro_step(self) -> None:
+        """Complete the micro-step's collectives (all of them when nothing ran) and release."""
+        p = self._pass if self._pass is not None and self._pass.train else self._new_pass(True)
+        self._pass = p
+        ledger = self.comm.ledger
+        self._completing = True
+        try:
+            if not p.forward_done:  # no forward, or it stopped half-way: issue what it did not
+                ledger.phase = "forward"
+                p.fwd.flush()
+                p.forward_done = True
+            ledger.phase = "backward"
+            p.bwd.flush()
+            for b in list(self._allocated.values()):
+                self.free_gather(b)
+            self._wait_reduces()
+        finally:
+            self._completing = False
+        for b in self.blocks:
+            b.reset_grads()
+        if p.forward_started and self._recorded is None and not self._agreed:
+            self._recorded = (p.pre_order, p.post_order)
+        self._pass = None
+
+    def empty_micro_step(self) -> None:
+        self._pass = self._new_pass(True)
+        self.end_micro_step()
+
+    def reduce_gradients(self) -> None:
+        if not self._agreed:
+            self._agree_order()
+        self._reduce_late()
+        for b in self.blocks:
+            for sp, g in zip(b.shard_params, b.unit_shard_grads()):
+                sp.grad = g
+
+    def _reduce_late(self) -> None:
+        """Gradients that came after their block's reduce-scatter: which blocks have some on any
+        rank (one all-reduce), then one reduce-scatter for each such block."""
+        flags = torch.tensor([0.0 if b.late_flats is None else 1.0 for b in self.blocks], device=self.comm.device)
+        self.comm.all_reduce(flags, tag="zero3-late")
+        for b, flag in zip(self.blocks, flags.tolist()):
+            if flag:
+                self.reduce(b, b.late_flats)
+                b.late_flats = None
+        self._wait_reduces()
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        return [b.shard_grad for b in self.blocks]
+
+    def optimizer_step(self) -> None:
+        self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        for b in self.blocks:
+            b.shard_grad.zero_()
+            if b.late_flats is not None:
+                b.late_flats = None
+                self._release(b.grad_nbytes)
+        for sp in self.shard_params:
+            sp.grad = None
+        if not self._agreed:
+            self._recorded = None
+
+    # ------------------------------------------------------------------ state
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every block gathered in turn (a collective: all ranks call it, between iterations)."""
+        if self._pass is not None:
+            raise RuntimeError("ZeRO-3: full_state_dict() inside a micro-step; call it between iterations")
+        sd = self.model.state_dict(keep_vars=True)
+        owner = {id(p): b.index for b in self.blocks for p in b.params}
+        out = {k: v.detach().clone() for k, v in sd.items() if id(v) not in owner}
+        ledger = self.comm.ledger
+        saved, ledger.phase = ledger.phase, "state"
+        for b in self.blocks:
+            self._gather_now(b)
+            out.update({k: v.detach().clone() for k, v in sd.items() if owner.get(id(v)) == b.index})
+            self.free_gather(b)
+        ledger.phase = saved
+        return {k: out[k] for k in sd}
+
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Set each rank's shards (and the unsharded tensors: buffers, frozen parameters) from a
+        complete state, without a collective; ValueError before any change if it does not fit."""
+        sd = self.model.state_dict(keep_vars=True)
+        where = {id(p): (b, k, i) for b in self.blocks for k, u in enumerate(b.units) for i, p in enumerate(u.params)}
+        shape = {key: v.shape for key, v in sd.items()}  # a sharded parameter's own shape is empty
+        shape.update({key: where[id(v)][0].units[where[id(v)][1]].shapes[where[id(v)][2]]
+                      for key, v in sd.items() if id(v) in where})
+        missing = [k for k in sd if k not in state]
+        unexpected = [k for k in state if k not in sd]
+        wrong = [f"{k}: {tuple(state[k].shape)} vs {tuple(shape[k])}" for k in sd
+                 if k in state and state[k].shape != shape[k]]
+        if missing or unexpected or wrong:
+            raise ValueError(f"state does not fit the model: missing keys {missing[:5]}, unexpected keys "
+                             f"{unexpected[:5]}, shapes (given vs model) {wrong[:5]}")
+        with torch.no_grad():
+            for key, v in sd.items():
+                if id(v) in where:  # a tied parameter is loaded once per key, with equal values
+                    b, k, i = where[id(v)]
+                    b.load_param(k, i, state[key])
+                else:
+                    v.copy_(state[key])
+
+    def param_bytes(self) -> int:
+        return sum(b.shard.numel() * b.element_size for b in self.blocks)
+
+    def grad_bytes(self) -> int:
+        return sum(b.shard_grad.numel() * b.element_size for b in self.blocks)
+
+    def memory_report(self) -> dict[str, int]:
+        """As for stages 0-2, plus ``gathered_params``: the peak of gathered parameter bytes."""
+        return {**super().memory_report(), "gathered_params": self.peak_gathered_bytes}

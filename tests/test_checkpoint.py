@@ -32,15 +32,6 @@ BUCKET_MB = 0.02  # ~5200 floats per unit: 7 units, parameters cut across shards
 _DATASET: TextBlocks | None = None
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread: on a busy 2-core machine, spinning OpenMP threads slow tiny models 100x."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def dataset() -> TextBlocks:
     global _DATASET
     if _DATASET is None:

@@ -15,15 +15,6 @@ from poplar.text_data import (IGNORE_INDEX, MASK, VOCAB_SIZE, ByteTokenizer, Mas
                               default_corpus_path, load_text)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread: on a busy 2-core machine, spinning OpenMP threads slow tiny models 100x."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 class Indices(torch.utils.data.Dataset):
     """Sample i is (i, 2i): the batch says which samples it holds."""
 

@@ -13,15 +13,6 @@ from poplar.plans import Plan, RankPlan
 from poplar.text_data import IGNORE_INDEX, MaskedTextBlocks, TextBlocks
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread: on a busy 2-core machine, spinning OpenMP threads slow tiny models 100x."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def n_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 

@@ -16,3 +16,4 @@ __all__ = [
 
 # Each feature adds its public names below (one import line per subpackage).
 from poplar.planner import plan, simulate  # noqa: E402
+from poplar.profiler import profile  # noqa: E402

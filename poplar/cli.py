@@ -13,6 +13,7 @@ import sys
 COMMAND_MODULES = [
     "poplar.demo",
     "poplar.planner.commands",
+    "poplar.profiler.commands",
 ]
 
 

@@ -1,0 +1,122 @@
+"""Profiling accuracy: the speed curve the planner builds from a measured profile vs the device's
+true curve, on emulated clusters of preset GPUs, ZeRO-0..3.
+
+Each cluster runs as one process per rank with a ``VirtualDevice`` made from its preset (memory
+and time scaled to the CPU model by ``poplar.profiler.emulate.calibrate``), whose compute is
+padded to the preset's curve: the truth is known. Per stage, the profiler runs on every rank
+(capacity search, lock-step timing with real collectives); then for every rank the planner's
+``SpeedCurve.from_points`` (cubic spline over the measured points) is compared with the true
+speed b / t_true(b) at every b in 1..mbs. Per stage the median and max relative speed error
+over all ranks and batches are printed; the last line is ``RESULT {json}`` with the worst
+stage's ``median_rel_err`` and ``max_rel_err`` (fractions; targets 0.02 and 0.05).
+
+    .venv/bin/python bench/profile_accuracy.py [--clusters mixed3,B] [--stages 0,1,2,3] [--model token-mlp]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from poplar.cluster import ClusterSpec
+from poplar.launch import spawn
+from poplar.planner.curves import SpeedCurve
+from poplar.profiler.emulate import calibrate, cluster_devices
+from poplar.profiler.models import get_workload
+from poplar.profiler.profile_run import ProfileOptions, default_optimizer, profile_rank
+from poplar.profiles import Profile
+
+CLUSTERS = {
+    # three generations, three memory sizes: the fast card also has the most memory
+    "mixed3": ClusterSpec("mixed3", [{"type": "A100-80G", "count": 1}, {"type": "V100-16G", "count": 1},
+                                     {"type": "T4-16G", "count": 1}]),
+}
+
+
+def resolve(name: str) -> ClusterSpec:
+    return CLUSTERS[name] if name in CLUSTERS else ClusterSpec.resolve(name)
+
+
+def worker(rank: int, world: int, job: dict) -> dict:
+    w = get_workload(job["model"])
+    out = {}
+    for stage in job["stages"]:
+        device = job["devices"][rank]
+        options = ProfileOptions(zero_stage=stage, repeats=job["repeats"], escalate=False, model_name=w.name)
+        t0 = time.perf_counter()
+        prof = profile_rank(w.model_fn, w.loss_fn, w.sample_fn, device, optimizer_fn=default_optimizer,
+                            options=options, log=(lambda m: None) if rank else
+                            (lambda m: print(f"  [stage {stage}] {m}", file=sys.stderr, flush=True)))
+        out[stage] = {"profile": prof.to_dict(), "seconds": time.perf_counter() - t0}
+    return out
+
+
+def errors(profile: Profile, devices: list) -> tuple[list[float], list[dict]]:
+    """Relative speed errors over every rank and b in 1..mbs; and a per-rank summary."""
+    all_errs, rows = [], []
+    for rp, dev in zip(profile.ranks, devices):
+        curve = SpeedCurve.from_points(rp.device_type, rp.mbs, [(p.batch, p.compute_s) for p in rp.points])
+        b = np.arange(1, rp.mbs + 1)
+        true_speed = b / np.array([dev.time_s(int(x)) for x in b])
+        err = np.abs(curve.speeds / true_speed - 1)
+        point_err = [abs(p.compute_s / dev.time_s(p.batch) - 1) for p in rp.points]
+        all_errs.extend(err.tolist())
+        rows.append({"rank": rp.rank, "device": rp.device_type, "mbs": rp.mbs, "trial_steps": rp.trial_steps,
+                     "points": len(rp.points), "median_rel_err": float(np.median(err)),
+                     "max_rel_err": float(err.max()), "max_point_err": max(point_err)})
+    return all_errs, rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--clusters", default="mixed3,B")
+    ap.add_argument("--stages", default="0,1,2,3")
+    ap.add_argument("--model", default="token-mlp")
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    stages = [int(s) for s in args.stages.split(",")]
+    w = get_workload(args.model)
+    per_stage: dict[int, list[float]] = {s: [] for s in stages}
+    report = []
+    print(f"{'cluster':>8} {'stage':>5} {'rank':>4} {'device':>12} {'mbs':>4} {'trials':>6} {'points':>6} "
+          f"{'median err':>10} {'max err':>8} {'max pt err':>10}")
+    for name in args.clusters.split(","):
+        spec = resolve(name)
+        cal = calibrate(w.model_fn, w.loss_fn, w.sample_fn, spec, 0, optimizer_fn=default_optimizer)
+        print(f"# {spec.describe()}: memory scale {cal.memory_scale:.3g}, time scale {cal.time_scale:.3g}",
+              file=sys.stderr, flush=True)
+        devices = cluster_devices(spec, cal.memory_scale, cal.time_scale)
+        job = {"model": args.model, "stages": stages, "devices": devices, "repeats": args.repeats}
+        t0 = time.perf_counter()
+        results = spawn(worker, spec.world_size, (job,), timeout_s=1800, collective_timeout_s=900)
+        for stage in stages:
+            prof = Profile.from_dict(results[0][stage]["profile"])
+            errs, rows = errors(prof, devices)
+            per_stage[stage].extend(errs)
+            for r in rows:
+                print(f"{name:>8} {stage:>5} {r['rank']:>4} {r['device']:>12} {r['mbs']:>4} {r['trial_steps']:>6} "
+                      f"{r['points']:>6} {r['median_rel_err']:>10.4f} {r['max_rel_err']:>8.4f} "
+                      f"{r['max_point_err']:>10.4f}")
+            report.append({"cluster": name, "stage": stage, "ranks": rows,
+                           "late_steps": sum(v["late_steps"] for v in prof.meta["ranks"].values())})
+        print(f"# {name}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    summary = {s: {"median_rel_err": float(statistics.median(e)), "max_rel_err": float(max(e)),
+                   "late_steps": sum(r["late_steps"] for r in report if r["stage"] == s)}
+               for s, e in per_stage.items()}
+    for s, v in summary.items():
+        print(f"stage {s}: median {v['median_rel_err']:.4f}, max {v['max_rel_err']:.4f} "
+              f"(micro-steps whose real CPU compute overran the curve: {v['late_steps']})")
+    result = {"median_rel_err": max(v["median_rel_err"] for v in summary.values()),
+              "max_rel_err": max(v["max_rel_err"] for v in summary.values()),
+              "per_stage": {str(s): v for s, v in summary.items()}, "clusters": args.clusters.split(","),
+              "model": args.model, "targets": {"median_rel_err": 0.02, "max_rel_err": 0.05}}
+    print("RESULT " + json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+"""Capacity search: the largest micro-batch ``mbs`` that one rank can train, found without any
+collective (on an engine over a ``LocalCommunicator``; see ``local_comm``).
+
+Algorithm 1 of the paper, made exact and bounded:
+
+1. Trial step at batch 1 (which also fixes the optimizer state). Its memory before and after
+   the forward gives the bytes per sample and the estimate U = (capacity - before) / per-sample.
+2. Exponential growth 2, 4, 8, ... until an OOM, never jumping over U: when the next power of
+   two would pass U, try U itself, and when U fits try U + 1 (if that fits too, the estimate
+   was low and growth goes on over powers of two).
+3. Binary search between the last batch that fitted and the first that did not.
+
+Every out-of-memory error is caught, the failed step's memory is released, and the search goes
+on; ``OomEvent`` records the memory in use before the trial and after the release (they must be
+equal). Trial steps: with 2^k <= mbs < 2^(k+1), at most 1 (batch 1) + k (powers of two) + 2 (U,
+U + 1) + 1 (the failing power) + k (bisection of a bracket of width <= 2^k) = 2k + 4
+<= 2 log2(mbs) + 4; about log2(mbs) + 3 when the estimate is right.
+"""
+
+from __future__ import annotations
+
+import math
+import traceback
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+from poplar.profiler.devices import Device, is_oom, to_device
+from poplar.profiler.local_comm import search_plan, use_plan
+from poplar.profiler.memory import gathered_bytes
+from poplar.zero.comm import DistributedError
+
+DEFAULT_MAX_BATCH = 4096
+
+
+def trial_budget(mbs: int) -> int:
+    """The most trial steps a search that ends at ``mbs`` may take: 2 log2(mbs) + 4."""
+    return int(math.floor(2 * math.log2(max(mbs, 1)) + 4))
+
+
+def search_mbs(trial: Callable[[int], bool], estimate: int | None, max_batch: int = DEFAULT_MAX_BATCH) -> int:
+    """Largest batch for which ``trial`` holds, given that ``trial(1)`` held (already run) and that
+    trial is monotone (fits up to mbs, fails beyond). ``estimate``: Algorithm 1's bound, or None."""
+    lo, hi = 1, None  # lo fits; hi, once known, does not
+    bound = max(1, estimate) if estimate is not None else None
+    step = 2  # the next power of two above lo
+    while hi is None and lo < max_batch:
+        if bound is not None and lo < bound < step:
+            batch = bound  # do not jump over the estimate
+        elif bound is not None and lo == bound:
+            batch, bound = bound + 1, None  # the estimate fitted: is it the largest?
+        else:
+            batch = step
+        batch = min(batch, max_batch)
+        if trial(batch):
+            lo = batch
+            while step <= lo:
+                step *= 2
+        else:
+            hi = batch
+    if hi is None:
+        return lo  # everything up to max_batch fits
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if trial(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@dataclass
+class OomEvent:
+    batch: int
+    message: str
+    memory_before: int  # device memory in use before the trial step
+    memory_after: int  # ... after the failed step was released
+    gathered_before: int  # stage 3: gathered parameter bytes, before / after
+    gathered_after: int
+    at: dict[str, Any] | None = None  # a virtual device's view at the failure: where, saved, gathered bytes
+    rebuilt: bool = False  # the engine did not clean up after the OOM and was rebuilt
+
+
+@dataclass
+class CapacityResult:
+    stage: int
+    capacity_bytes: int
+    mbs: int  # 0: batch 1 does not fit
+    trial_steps: int
+    trials: list[tuple[int, bool]] = field(default_factory=list)  # (batch, fitted) in order
+    estimate: int | None = None  # Algorithm 1's bound from batch 1
+    base_bytes: int | None = None  # memory in use before a forward
+    bytes_per_sample: float | None = None
+    state_bytes: int | None = None  # model states (params, grads, optimizer, buffers)
+    peaks: dict[int, int] = field(default_factory=dict)  # batch -> peak bytes of a step that fitted
+    oom_events: list[OomEvent] = field(default_factory=list)
+    capped: bool = False  # every batch up to max_batch fitted
+    reason: str = ""  # why batch 1 does not fit
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class CapacitySearch:
+    """Runs trial steps of ``engine`` (on a LocalCommunicator) with ``device`` attached.
+
+    ``rebuild``, if given, replaces a broken engine: when an OOM escapes the engine's own error
+    handling (the exception that leaves ``train_step`` is not the engine's agreed
+    ``DistributedError``) or the memory does not come back to its level before the trial, the
+    engine's state cannot be trusted; ``rebuild()`` must detach the device, drop the engine and
+    return a fresh one with the device attached. The event is recorded (``OomEvent.rebuilt``).
+    Without ``rebuild`` such a failure is an error.
+    """
+
+    def __init__(self, engine: Any, device: Device, sample_fn: Callable[[int], Any], loss_fn: Callable,
+                 stage: int, max_batch: int = DEFAULT_MAX_BATCH, log: Callable[[str], None] | None = None,
+                 rebuild: Callable[[], Any] | None = None) -> None:
+        self.engine, self.device, self.sample_fn, self.loss_fn = engine, device, sample_fn, loss_fn
+        self.stage, self.max_batch, self.log, self.rebuild = stage, max_batch, log or (lambda s: None), rebuild
+        self.result = CapacityResult(stage=stage, capacity_bytes=device.capacity_bytes, mbs=0, trial_steps=0)
+
+    def trial(self, batch: int) -> bool:
+        """One real training step of ``batch`` samples; False on out-of-memory (then released)."""
+        engine, device, res = self.engine, self.device, self.result
+        use_plan(engine, search_plan(engine.world_size, engine.rank, batch))
+        data = to_device(self.sample_fn(batch), device.torch_device)
+        if hasattr(device, "last_failure"):
+            device.last_failure = None
+        before, gathered = device.memory_in_use(), gathered_bytes(engine.stage)
+        res.trial_steps += 1
+        message, handled = "", True
+        try:
+            engine.train_step(data, self.loss_fn)
+            ok = True
+        except Exception as e:  # noqa: BLE001 - only an OOM is an answer; anything else is re-raised
+            if not is_oom(e):
+                raise
+            ok, message = False, _oom_message(e)
+            handled = isinstance(e, DistributedError)  # the engine's agreed report, its clean-up done
+            if not handled:
+                message += f" (then, in the engine's clean-up: {type(e).__name__}: {str(e)[:200]})"
+            e = None  # noqa: F841 - drop the failed step's frames (and the activations they hold)
+        if ok:
+            step = device.last_step
+            if step is not None and step.batch == batch:
+                res.peaks[batch] = step.peak
+                if batch == 1:
+                    res.base_bytes = step.before_forward
+                    res.bytes_per_sample = float(max(step.after_forward - step.before_forward, 1))
+        else:
+            device.abort_step()
+            device.release()
+            after, gathered_after = device.memory_in_use(), gathered_bytes(engine.stage)
+            at = getattr(device, "last_failure", None)
+            event = OomEvent(batch, message, before, after, gathered, gathered_after, dict(at) if at else None)
+            if not handled or after != before or gathered_after != gathered:
+                if self.rebuild is None:
+                    raise RuntimeError(f"the engine did not recover from an out-of-memory error at batch {batch}: "
+                                       f"{message}; memory {before} -> {after} bytes, gathered {gathered} -> "
+                                       f"{gathered_after}")
+                self.engine = self.rebuild()
+                event.rebuilt = True
+                event.memory_after = device.memory_in_use()
+                event.gathered_after = gathered_bytes(self.engine.stage)
+            res.oom_events.append(event)
+            if batch == 1:
+                res.reason = message
+        del data
+        res.trials.append((batch, ok))
+        self.log(f"  trial batch {batch}: {'fits' if ok else 'out of memory'}")
+        return ok
+
+    def run(self) -> CapacityResult:
+        res = self.result
+        if not self.trial(1):
+            return res
+        if res.base_bytes is not None and res.bytes_per_sample:
+            res.estimate = max(1, int((res.capacity_bytes - res.base_bytes) // res.bytes_per_sample))
+        res.mbs = search_mbs(self.trial, res.estimate, self.max_batch)
+        res.capped = res.mbs >= self.max_batch
+        res.bytes_per_sample = _slope(res.peaks) or res.bytes_per_sample
+        return res
+
+
+def _slope(peaks: dict[int, int]) -> float | None:
+    """Least-squares bytes per sample of the peaks of the steps that fitted."""
+    if len(peaks) < 2:
+        return None
+    xs, ys = list(peaks), list(peaks.values())
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else None
+
+
+def _oom_message(e: BaseException) -> str:
+    chain: BaseException | None = e
+    while chain is not None:
+        if is_oom(chain) and not is_oom(chain.__cause__ or chain.__context__):
+            return f"{type(chain).__name__}: {chain}".splitlines()[0][:400]
+        chain = chain.__cause__ or chain.__context__
+    return traceback.format_exception_only(type(e), e)[-1].strip()[:400]

@@ -1,0 +1,87 @@
+"""`poplar profile`: profile a built-in model on an emulated cluster of preset GPUs (CPU only),
+print a summary table and write the Profile JSON.
+
+    poplar profile --cluster B --stage 2 -o profile.json
+
+Progress goes to stderr, the summary to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from poplar.profiles import Profile
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    from poplar.profiler.models import WORKLOADS
+
+    p = subparsers.add_parser(
+        "profile", help="measure each rank's largest micro-batch and speed curve (emulated cluster on CPU)",
+        description="Profile a built-in model on an emulated cluster: one process per rank, each with a "
+                    "virtual device made from its preset (memory and speed scaled to the CPU model).")
+    p.add_argument("--cluster", required=True, help="built-in cluster name (A, B, C, C-1:3, D) or a cluster JSON file")
+    p.add_argument("--stage", type=int, choices=(0, 1, 2, 3), default=0,
+                   help="ZeRO stage (raised automatically if batch 1 does not fit on some rank)")
+    p.add_argument("--model", choices=sorted(WORKLOADS), default="tiny-transformer", help="built-in workload")
+    p.add_argument("-o", "--output", default=None, help="write the profile JSON here")
+    p.add_argument("--memory-scale", default="auto",
+                   help="preset memory x this (default auto: the smallest device fits a batch of ~8)")
+    p.add_argument("--time-scale", default="auto",
+                   help="preset step time x this (default auto: above the CPU's real compute)")
+    p.add_argument("--repeats", type=int, default=3, help="measurements per timed batch size")
+    p.add_argument("--max-batch", type=int, default=4096, help="stop the capacity search here")
+    p.add_argument("--no-escalate", action="store_true", help="fail instead of raising the ZeRO stage")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+    p.set_defaults(func=_profile)
+
+
+def _scale(value: str, name: str) -> float | str:
+    if value == "auto":
+        return value
+    try:
+        x = float(value)
+    except ValueError:
+        raise ValueError(f"--{name} must be a positive number or 'auto', got {value!r}") from None
+    if not x > 0:
+        raise ValueError(f"--{name} must be > 0, got {value}")
+    return x
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from poplar.profiler.api import profile
+    from poplar.profiler.models import get_workload
+
+    if args.repeats < 1 or args.max_batch < 1:
+        raise ValueError("--repeats and --max-batch must be >= 1")
+    w = get_workload(args.model)
+    result = profile(w.model_fn, w.loss_fn, w.sample_fn, cluster=args.cluster, zero_stage=args.stage,
+                     escalate=not args.no_escalate, max_batch=args.max_batch, repeats=args.repeats,
+                     memory_scale=_scale(args.memory_scale, "memory-scale"),
+                     time_scale=_scale(args.time_scale, "time-scale"), model_name=w.name,
+                     progress=not args.quiet, output=args.output)
+    print(summary(result))
+    if args.output:
+        print(f"profile written to {args.output}", file=sys.stderr)
+    return 0
+
+
+def summary(profile: Profile) -> str:
+    """A readable table: one row per rank."""
+    lines = [f"model {profile.model_name or '?'}: {profile.param_count:,} parameters; ZeRO-{profile.zero_stage}"
+             + (f" (asked {profile.meta.get('requested_stage')})"
+                if profile.meta.get("requested_stage") not in (None, profile.zero_stage) else "")]
+    head = (f"{'rank':>4} {'device':>12} {'capacity MB':>11} {'MB/sample':>9} {'mbs':>5} {'trials':>6} "
+            f"{'t(1) ms':>8} {'t(mbs) ms':>9} {'peak samples/s':>14}")
+    lines += [head, "-" * len(head)]
+    for r in profile.ranks:
+        pts = {p.batch: p.compute_s for p in r.points}
+        peak = max(p.batch / p.compute_s for p in r.points)
+        lines.append(f"{r.rank:>4} {r.device_type:>12} {(r.capacity_bytes or 0) / 1e6:>11.3f} "
+                     f"{(r.bytes_per_sample or 0) / 1e6:>9.4f} {r.mbs:>5} {r.trial_steps:>6} "
+                     f"{pts.get(1, float('nan')) * 1e3:>8.2f} {pts.get(r.mbs, float('nan')) * 1e3:>9.2f} {peak:>14.1f}")
+    c = profile.comm
+    lines.append(f"collectives ({c.backend}): bus bandwidth {c.bandwidth_bytes_per_s / 1e9:.3f} GB/s, "
+                 f"latency {c.latency_s * 1e6:.0f} us")
+    return "\n".join(lines)

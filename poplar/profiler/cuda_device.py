@@ -1,0 +1,87 @@
+"""A real CUDA device: the allocator's own probes and its own out-of-memory error.
+
+- memory in use: ``torch.cuda.memory_allocated``; peak: ``torch.cuda.max_memory_allocated``
+  (reset at the start of each micro-step);
+- capacity: ``mem_get_info``'s total, or a cap: ``memory_cap_bytes`` makes a big card act as a
+  smaller one through ``torch.cuda.set_per_process_memory_fraction``, so the allocator raises
+  ``torch.cuda.OutOfMemoryError`` at the cap exactly as the small card would;
+- recovery: after an OOM the failed step's tensors are released (``gc.collect``) and the
+  allocator's cache is emptied (``torch.cuda.empty_cache``), so the next trial starts clean;
+- timing: ``synchronize`` before reading the clock (kernels are asynchronous).
+
+This path is written to the same interface as the virtual device and kept apart from it; it has
+not run in this project's CI (no GPU there).
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import torch
+
+from poplar.profiler.devices import Device
+
+
+class CudaDevice(Device):
+    kind = "cuda"
+
+    def __init__(self, index: int | torch.device | None = None, *, memory_cap_bytes: int | None = None,
+                 device_type: str | None = None, nominal_tflops: float | None = None) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("CudaDevice needs CUDA; on a CPU-only machine use a VirtualDevice (poplar profile "
+                               "--cluster ... emulates one per rank)")
+        if index is None or (isinstance(index, torch.device) and index.index is None):
+            idx = torch.cuda.current_device()
+        else:
+            idx = index.index if isinstance(index, torch.device) else int(index)
+        dev = torch.device("cuda", idx)
+        name = torch.cuda.get_device_name(dev)
+        super().__init__(name, device_type or name, dev, nominal_tflops)
+        free, total = torch.cuda.mem_get_info(dev)
+        self.total_bytes = int(total)
+        self.memory_cap_bytes = memory_cap_bytes
+        if memory_cap_bytes is not None:
+            if not 0 < memory_cap_bytes <= total:
+                raise ValueError(f"memory_cap_bytes must be in (0, {total}], got {memory_cap_bytes}")
+            torch.cuda.set_per_process_memory_fraction(memory_cap_bytes / total, dev)
+            self._capacity = int(memory_cap_bytes)
+        else:
+            # what this process can use: free memory now plus what its allocator already holds
+            self._capacity = int(free + torch.cuda.memory_reserved(dev))
+
+    @classmethod
+    def from_preset(cls, preset: Any, index: int | None = None) -> "CudaDevice":
+        """This GPU capped to a preset's memory (e.g. an 80 GB card acting as a ``T4-16G``); its
+        speed stays its own. The preset's name becomes the device type."""
+        if isinstance(preset, str):
+            from poplar.profiler.presets import get_preset
+            preset = get_preset(preset)
+        return cls(index, memory_cap_bytes=preset.capacity_bytes(1.0), device_type=preset.name,
+                   nominal_tflops=preset.nominal_tflops)
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity
+
+    def memory_in_use(self) -> int:
+        return int(torch.cuda.memory_allocated(self.torch_device))
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.torch_device)
+
+    def peak(self) -> int:
+        return int(torch.cuda.max_memory_allocated(self.torch_device))
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.torch_device)
+
+    def release(self) -> None:
+        gc.collect()
+        torch.cuda.synchronize(self.torch_device)
+        torch.cuda.empty_cache()
+
+    def describe(self) -> dict[str, Any]:
+        d = super().describe()
+        d.update({"total_bytes": self.total_bytes, "memory_cap_bytes": self.memory_cap_bytes})
+        return d

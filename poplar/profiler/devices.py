@@ -1,0 +1,214 @@
+"""What the profiler needs from a device, shared by the CUDA device and the virtual (CPU) one.
+
+A device is *attached* to an engine for a while (``with device.attach(engine): ...``). While
+attached it watches each micro-step through two hooks that need nothing from the engine but its
+public surface:
+
+- a forward pre-hook on the root module opens the micro-step (the memory in use *before* the
+  forward is read here, and the batch size is taken from the module's input);
+- ``engine.backward`` is wrapped on the instance: the memory in use *after* the forward (loss
+  included) is read on entry, and the step closes when it returns.
+
+Each micro-step leaves a ``StepMemory`` (before forward, after forward, peak) in
+``device.last_step``; the capacity search reads it for Algorithm 1's first loop.
+
+Out of memory is one error type on every device: ``torch.OutOfMemoryError`` (the class that
+``torch.cuda.OutOfMemoryError`` names; it can be raised on CPU-only builds too), recognised by
+``is_oom`` even when wrapped (the engine reports a failed micro-step as a ``DistributedError``
+whose ``__cause__`` is the original error).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from poplar.batches import batch_size_of
+
+OOM_ERROR = torch.OutOfMemoryError  # == torch.cuda.OutOfMemoryError
+
+
+def is_oom(exc: BaseException | None) -> bool:
+    """True if ``exc`` or anything in its cause/context chain is an out-of-memory error."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OOM_ERROR):
+            return True
+        if isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower() and "CUDA" in str(exc):
+            return True  # older builds raise a plain RuntimeError("CUDA out of memory ...")
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+@dataclass
+class StepMemory:
+    """Memory of one micro-step, bytes: in use before the forward, in use when backward starts
+    (the forward's saved activations, loss included), and the peak during the step."""
+
+    batch: int
+    before_forward: int
+    after_forward: int
+    peak: int
+
+
+class Device:
+    """Base class: the probes the profiler reads and the micro-step hooks both devices share.
+
+    Subclasses define ``memory_in_use``, ``capacity_bytes``, ``reset_peak``/``peak`` and may
+    override ``_forward_start`` / ``_forward_end`` / ``_backward_end`` (the virtual device pads
+    compute time there).
+    """
+
+    kind = "device"
+
+    def __init__(self, name: str, device_type: str, torch_device: torch.device,
+                 nominal_tflops: float | None = None) -> None:
+        self.name, self.device_type, self.torch_device = name, device_type, torch.device(torch_device)
+        self.nominal_tflops = nominal_tflops
+        self.last_step: StepMemory | None = None
+        self.engine: Any = None
+        self._open: dict[str, Any] | None = None  # the micro-step in progress
+
+    # ---- probes (subclasses) ----
+    @property
+    def capacity_bytes(self) -> int:
+        raise NotImplementedError
+
+    def memory_in_use(self) -> int:
+        raise NotImplementedError
+
+    def reset_peak(self) -> None:
+        raise NotImplementedError
+
+    def peak(self) -> int:
+        raise NotImplementedError
+
+    def synchronize(self) -> None:
+        """Wait for queued work (a no-op on CPU), so wall-clock timing is honest."""
+
+    def release(self) -> None:
+        """Give memory back after an out-of-memory error (the failed step's tensors are gone by
+        now; collect reference cycles)."""
+        gc.collect()
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "device_type": self.device_type, "kind": self.kind,
+                "capacity_bytes": self.capacity_bytes, "nominal_tflops": self.nominal_tflops}
+
+    # ---- attaching to an engine ----
+    @contextlib.contextmanager
+    def attach(self, engine: Any) -> Iterator["Device"]:
+        """Watch ``engine``'s micro-steps until the block ends."""
+        if self.engine is not None:
+            raise RuntimeError(f"device {self.name} is already attached to an engine")
+        self.engine = engine
+        module: nn.Module = engine.module
+        pre = module.register_forward_pre_hook(self._pre_forward_hook, with_kwargs=True)
+        post = module.register_forward_hook(self._post_forward_hook)
+        original_backward = engine.__dict__.get("backward")
+        bound_backward = engine.backward
+
+        def backward(loss: torch.Tensor, num_samples: int) -> None:
+            self._backward_start(loss)
+            try:
+                bound_backward(loss, num_samples)
+            except BaseException:
+                self._open = None
+                raise
+            self._backward_end()
+
+        engine.backward = backward
+        try:
+            with self._attached(engine):
+                yield self
+        finally:
+            pre.remove()
+            post.remove()
+            if original_backward is None:
+                del engine.backward
+            else:
+                engine.backward = original_backward
+            self.engine = None
+            self._open = None
+
+    @contextlib.contextmanager
+    def _attached(self, engine: Any) -> Iterator[None]:
+        """Extra set-up of a subclass while attached."""
+        yield
+
+    def abort_step(self) -> None:
+        """Forget the micro-step in progress (after an error in it)."""
+        self._open = None
+
+    # ---- hooks ----
+    def _pre_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._open is not None:  # the model is called again inside the same micro-step
+            return
+        try:
+            batch = batch_size_of((args, kwargs))
+        except ValueError:
+            batch = 0
+        self.reset_peak()
+        self._open = {"batch": batch, "before": self.memory_in_use(), "t0": time.perf_counter(),
+                      "n0": len(self.engine.comm_ledger.records)}
+        self._forward_start()
+
+    def _post_forward_hook(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if self._open is not None and not self._open.get("forward_done"):
+            self._open["forward_done"] = True
+            self._forward_end()
+
+    def _backward_start(self, loss: torch.Tensor) -> None:
+        if self._open is None:
+            return
+        self._open["after"] = self.memory_in_use()
+
+    def _backward_end(self) -> None:
+        step = self._open
+        if step is None:
+            return
+        self.last_step = StepMemory(step["batch"], step["before"], step.get("after", step["before"]), self.peak())
+        self._open = None
+
+    def _forward_start(self) -> None:
+        pass
+
+    def _forward_end(self) -> None:
+        pass
+
+    # ---- helpers for subclasses ----
+    def _comm_seconds_since(self, n0: int) -> float:
+        return sum(r.seconds for r in self.engine.comm_ledger.records[n0:])
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """The batch with every tensor moved to ``device`` (tuples, lists, dicts, namedtuples kept)."""
+    if torch.is_tensor(batch):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return type(batch)((k, to_device(v, device)) for k, v in batch.items())
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(to_device(v, device) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch
+
+
+def sleep_until(deadline: float) -> None:
+    """Sleep until ``time.perf_counter() >= deadline``: a coarse sleep, then a short spin for the
+    last ~0.2 ms (a bare ``time.sleep`` overshoots by ~0.1 ms, 2-3 % of a 5 ms step)."""
+    remaining = deadline - time.perf_counter()
+    if remaining > 3e-4:
+        time.sleep(remaining - 2e-4)
+    while time.perf_counter() < deadline:
+        pass
+
+
+TimeFn = Callable[[int], float]

@@ -1,0 +1,135 @@
+"""An engine that believes it is rank r of N but never talks to another process.
+
+The capacity search must not run collectives (DESIGN.md §4, the deadlock trap: an OOM on one
+rank in the middle of a ZeRO-2/3 step would leave the others waiting in a collective). It still
+needs the memory of the real engine at world size N: shards of size 1/N, stage-2 buckets,
+stage-3 gathered blocks of full size. ``LocalCommunicator`` gives the engine exactly that: the
+same buffers, and collectives that are local copies:
+
+- all-gather: every slice of the output receives this rank's input (the other ranks' shards are
+  unknown; tiling keeps the gathered weights finite and of the right magnitude);
+- reduce-scatter: the output receives this rank's slice of its own input;
+- all-reduce: unchanged (this rank's contribution is the sum: the search's plan gives every other
+  rank zero samples, so the engine's sample count agrees);
+- all-gather of objects: N copies of this rank's object.
+
+``local_engine`` builds a ``PoplarEngine`` on it; ``use_plan`` switches an engine between plans
+from one iteration to the next (the search and the timing rounds change batch sizes per step).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from poplar.plans import Plan, RankPlan
+from poplar.zero.comm import CommLedger, Communicator, _Pending
+
+
+class LocalCommunicator(Communicator):
+    """Rank ``rank`` of a pretend world of ``world_size``: right-sized buffers, no peers."""
+
+    def __init__(self, world_size: int, rank: int, device: torch.device | None = None,
+                 ledger: CommLedger | None = None) -> None:  # noqa: D107 - no super().__init__: no process group
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world of {world_size}")
+        self.distributed = False
+        self.group = None
+        self.rank, self.world_size = rank, world_size
+        self.device = device or torch.device("cpu")
+        self.ledger = ledger or CommLedger()
+        self.backend = "local"
+
+    def _local(self, op: str, nbytes: int, fn: Any, async_op: bool, tag: str) -> _Pending | None:
+        t0 = self._start()
+        fn()
+        seconds = self._stop(t0)
+        if async_op:  # the engine's own handle, already complete (no work to wait for)
+            return _Pending(self, None, op, nbytes, seconds, tag)
+        self.ledger.add(op, nbytes, seconds, tag)
+        return None
+
+    def all_reduce(self, tensor: torch.Tensor, tag: str = "", async_op: bool = False) -> _Pending | None:
+        return self._local("all_reduce", tensor.numel() * tensor.element_size(), lambda: None, async_op, tag)
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, tag: str = "",
+                       async_op: bool = False) -> _Pending | None:
+        def run() -> None:
+            output.copy_(input.view(self.world_size, -1)[self.rank].view_as(output))
+        return self._local("reduce_scatter", input.numel() * input.element_size(), run, async_op, tag)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, tag: str = "",
+                   async_op: bool = False) -> _Pending | None:
+        def run() -> None:
+            output.view(self.world_size, -1).copy_(input.reshape(1, -1).expand(self.world_size, -1))
+        return self._local("all_gather", output.numel() * output.element_size(), run, async_op, tag)
+
+    def all_gather_object(self, obj: Any, tag: str = "") -> list[Any]:
+        return [obj] * self.world_size
+
+    def barrier(self) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def _engine_communicator(comm: Communicator, zero_stage: int) -> Iterator[None]:
+    """While building a PoplarEngine, hand it ``comm`` instead of one on the world group.
+
+    PoplarEngine builds its Communicator itself (and Stage3 a second one on a new process group);
+    until they take one as an argument, the profiler swaps the names those modules look up, for
+    the duration of the constructor.
+    """
+    import poplar.engine as engine_module
+
+    saved = engine_module.Communicator
+    engine_module.Communicator = lambda process_group=None, device=None: comm  # type: ignore[assignment]
+    sharded_module, saved_second = None, None
+    if zero_stage == 3:
+        import poplar.zero.sharded as sharded
+
+        if hasattr(sharded, "_second_group"):  # a stage 3 that opens a second process group: a local engine has none
+            sharded_module, saved_second = sharded, sharded._second_group
+            sharded._second_group = lambda c: c if isinstance(c, LocalCommunicator) else saved_second(c)
+    try:
+        yield
+    finally:
+        engine_module.Communicator = saved  # type: ignore[assignment]
+        if sharded_module is not None:
+            sharded_module._second_group = saved_second
+
+
+def search_plan(world_size: int, rank: int, batch: int) -> Plan:
+    """The plan of one capacity-search trial: this rank runs one micro-step of ``batch``, the
+    (pretend) others none, so the global batch is ``batch``."""
+    rows = [RankPlan(0, 0, 0) for _ in range(world_size)]
+    rows[rank] = RankPlan(batch, 1, 0)
+    return Plan(rows)
+
+
+def round_plan(batches: list[int]) -> Plan:
+    """One lock-step timing round: rank i runs one micro-step of ``batches[i]`` samples."""
+    return Plan([RankPlan(b, 1, 0) for b in batches])
+
+
+def local_engine(model: nn.Module, optimizer: torch.optim.Optimizer, *, world_size: int, rank: int,
+                 zero_stage: int, device: torch.device, **engine_kwargs: Any) -> Any:
+    """A PoplarEngine for rank ``rank`` of ``world_size`` on a ``LocalCommunicator``."""
+    from poplar.engine import PoplarEngine
+
+    comm = LocalCommunicator(world_size, rank, device)
+    with _engine_communicator(comm, zero_stage):
+        return PoplarEngine(model, optimizer, zero_stage=zero_stage, plan=search_plan(world_size, rank, 1),
+                            **engine_kwargs)
+
+
+def use_plan(engine: Any, plan: Plan) -> None:
+    """Make ``plan`` the engine's plan from the next iteration on (every rank must switch to the
+    same plan; the profiler derives it from data all ranks agreed on)."""
+    if plan.world_size != engine.world_size:
+        raise ValueError(f"plan has {plan.world_size} rows but the engine's world has {engine.world_size} ranks")
+    engine.plan = plan
+    engine.rank_plan = plan.ranks[engine.rank]
+    engine.global_batch_size = plan.global_batch_size

@@ -1,0 +1,75 @@
+"""Model-state memory of an engine, with the optimizer state it will hold after its first step.
+
+Optimizers create their state lazily at the first ``step()``, so before it ``memory_report()``
+says 0 bytes of optimizer state while the capacity search must already count it (the first
+trial step would otherwise fit a batch that the second step, with Adam's moments allocated,
+does not). ``predicted_optimizer_bytes`` builds a throw-away twin of the optimizer (same class,
+same group settings) over zero tensors shaped like the parameters it holds now (this rank's
+shards at stages 1-3), steps it once on CPU and counts its state.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+from poplar.zero.optim import optimizer_state_bytes
+
+
+def predicted_optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of optimizer state after one step (on the parameters' own dtypes)."""
+    actual = optimizer_state_bytes(optimizer)
+    try:
+        groups = []
+        for g in optimizer.param_groups:
+            params = [torch.zeros(p.shape, dtype=p.dtype, requires_grad=True) for p in g["params"]]
+            for p in params:
+                p.grad = torch.zeros_like(p)
+            settings = {k: v for k, v in g.items() if k != "params"}
+            settings.pop("fused", None)  # fused kernels need an accelerator; the state is the same
+            settings.pop("capturable", None)
+            groups.append({**settings, "params": params})
+        accepted = inspect.signature(type(optimizer).__init__).parameters
+        defaults = {k: v for k, v in optimizer.defaults.items()
+                    if k in accepted and k not in ("fused", "capturable")}
+        twin = type(optimizer)(groups, **defaults)
+        twin.step()
+        predicted = optimizer_state_bytes(twin)
+    except Exception:  # noqa: BLE001 - an optimizer we cannot twin: fall back to a rule of thumb
+        predicted = _rule_of_thumb(optimizer)
+    return max(actual, predicted)
+
+
+def _rule_of_thumb(optimizer: torch.optim.Optimizer) -> int:
+    numel_bytes = sum(p.numel() * p.element_size() for g in optimizer.param_groups for p in g["params"])
+    name = type(optimizer).__name__.lower()
+    if "adam" in name:
+        return 2 * numel_bytes
+    if any(g.get("momentum", 0) for g in optimizer.param_groups):
+        return numel_bytes
+    return 0
+
+
+def model_state_bytes(engine: Any, optimizer_bytes: int | None = None) -> dict[str, int]:
+    """params / grads / optimizer / buffers bytes this rank holds between steps, optimizer state
+    as after the first step. Communication buffers are not included (they come and go)."""
+    report = engine.memory_report()
+    opt = report["optimizer"] if optimizer_bytes is None else max(report["optimizer"], optimizer_bytes)
+    return {"params": int(report["params"]), "grads": int(report["grads"]), "optimizer": int(opt),
+            "buffers": int(report.get("buffers", 0))}
+
+
+def transient_bytes(stage: Any) -> int:
+    """Communication buffers the stage holds right now (stage 2 buckets, stage 1 temporaries)."""
+    value = getattr(stage, "transient_bytes", None)
+    if value is None:
+        value = getattr(stage, "_transient", 0)
+    return int(value() if callable(value) else value)
+
+
+def gathered_bytes(stage: Any) -> int:
+    """Stage 3: bytes of parameters gathered and alive right now (0 at other stages)."""
+    value = getattr(stage, "gathered_bytes", 0)
+    return int(value() if callable(value) else value)

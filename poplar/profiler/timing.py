@@ -1,0 +1,208 @@
+"""Timing: compute seconds of one micro-step at several batch sizes, measured in lock-step rounds
+with the real engine and its real, instrumented collectives; and the collectives' bandwidth.
+
+Every round is one engine iteration in which every rank runs one micro-step of its own batch
+size, each known to fit (it is at most the rank's ``mbs`` from the capacity search, which ran
+the same engine code at the same world size). Ranks with fewer sizes to time repeat theirs, so
+every rank runs the same number of rounds. A failure inside a round is reported by the engine
+at its iteration agreement, on every rank, so no rank is left waiting.
+
+The measured window of a micro-step opens when ``loss_fn`` is called and closes when
+``engine.backward`` returns (the stage's end-of-micro-step collectives included). Its compute
+time is ``TimeConsumedDuringStep`` of DESIGN.md §4: wall time minus the seconds the engine's
+comm ledger recorded inside collectives during the window. At stages 0/1 there are none (the
+first synchronisation is after backward), at stage 2 these are the reduce-scatters, at stage 3
+the all-gathers of forward and backward and the reduce-scatters; a collective's seconds include
+the time spent waiting for slower ranks, which is exactly what must not count as compute.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from poplar.profiler.devices import Device
+from poplar.profiler.local_comm import round_plan, use_plan
+from poplar.profiles import CommProfile, ProfilePoint
+from poplar.zero.comm import Communicator
+
+
+def timing_batches(mbs: int) -> list[int]:
+    """Batch sizes to time on a rank whose largest batch is ``mbs``: powers of two, the points
+    halfway between them in log scale (3 * 2^k), and ``mbs`` itself."""
+    if mbs < 1:
+        return []
+    sizes = {mbs}
+    k = 1
+    while k <= mbs:
+        sizes.add(k)
+        if 3 * k // 2 <= mbs and k >= 2:
+            sizes.add(3 * k // 2)
+        k *= 2
+    return sorted(sizes)
+
+
+def round_schedule(per_rank: list[list[int]], repeats: int, warmup: bool = True) -> list[list[int]]:
+    """Rounds of lock-step timing: ``rounds[r][i]`` is rank i's batch in round r. The first round
+    (if ``warmup``) is a warm-up at each rank's largest size; then ``repeats`` passes over every
+    rank's list (a shorter list is cycled so that all ranks run the same number of rounds)."""
+    length = max(len(s) for s in per_rank)
+    rounds = [[max(s) for s in per_rank]] if warmup else []
+    for rep in range(repeats):
+        for r in range(length):
+            rounds.append([s[(r + rep * length) % len(s)] for s in per_rank])
+    return rounds
+
+
+def settled(times: list[float], tolerance: float) -> bool:
+    """A batch's minimum is trusted once a second measurement confirms it within ``tolerance``."""
+    if len(times) < 2:
+        return False
+    a, b = sorted(times)[:2]
+    return b <= a * (1 + tolerance)
+
+
+class MicroStepTimer:
+    """Measures each micro-step window of an engine: wraps ``loss_fn`` (the window opens) and
+    ``engine.backward`` on the instance (it closes). Install after any device is attached."""
+
+    def __init__(self, engine: Any, device: Device) -> None:
+        self.engine, self.device = engine, device
+        self.records: list[tuple[float, float]] = []  # (compute s, comm s) per micro-step
+        self._t0: float | None = None
+        self._n0 = 0
+
+    def wrap_loss(self, loss_fn: Callable) -> Callable:
+        def timed(module: Any, batch: Any) -> torch.Tensor:
+            self.device.synchronize()
+            self._n0 = len(self.engine.comm_ledger.records)
+            self._t0 = time.perf_counter()
+            return loss_fn(module, batch)
+        return timed
+
+    def __enter__(self) -> "MicroStepTimer":
+        inner = self.engine.backward
+        self._had = "backward" in self.engine.__dict__
+        self._saved = self.engine.__dict__.get("backward")
+
+        def backward(loss: torch.Tensor, num_samples: int) -> None:
+            inner(loss, num_samples)
+            self.device.synchronize()
+            t1 = time.perf_counter()
+            if self._t0 is not None:
+                comm = sum(r.seconds for r in self.engine.comm_ledger.records[self._n0:])
+                self.records.append((t1 - self._t0 - comm, comm))
+            self._t0 = None
+
+        self.engine.backward = backward
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._had:
+            self.engine.backward = self._saved
+        else:
+            del self.engine.backward
+
+
+def run_rounds(engine: Any, device: Device, per_rank: list[list[int]], batches: dict[int, Any], loss_fn: Callable,
+               comm: Communicator, *, repeats: int = 3, max_extra_passes: int = 3, tolerance: float = 0.02,
+               log: Callable[[str], None] = lambda m: None) -> tuple[dict[int, list[tuple[float, float]]], int]:
+    """Run the lock-step rounds; return, per batch size this rank ran, its (compute, comm)
+    measurements (warm-up dropped), and the number of rounds.
+
+    After the ``repeats`` passes, batches whose smallest compute time is not yet confirmed by a
+    second measurement within ``tolerance`` (interference on a shared machine) are measured
+    again, in up to ``max_extra_passes`` more passes. Which batches each rank re-measures is
+    agreed with one ``all_gather_object`` between rounds, outside any training step."""
+    rank = engine.rank
+    out: dict[int, list[tuple[float, float]]] = {}
+    count = 0
+    with MicroStepTimer(engine, device) as timer:
+        timed_loss = timer.wrap_loss(loss_fn)
+
+        def run(rounds: list[list[int]], skip_first: bool) -> None:
+            nonlocal count
+            for r, row in enumerate(rounds):
+                use_plan(engine, round_plan(row))
+                n = len(timer.records)
+                engine.train_step(batches[row[rank]], timed_loss)
+                count += 1
+                if not (skip_first and r == 0) and len(timer.records) == n + 1:
+                    out.setdefault(row[rank], []).append(timer.records[-1])
+
+        rounds = round_schedule(per_rank, repeats)
+        log(f"timing: {len(rounds)} lock-step rounds")
+        run(rounds, skip_first=True)
+        for extra in range(max_extra_passes):
+            mine = [b for b in per_rank[rank] if not settled([c for c, _ in out.get(b, [])], tolerance)]
+            everyone = comm.all_gather_object(mine, tag="profile:unsettled")
+            if not any(everyone):
+                break
+            again = [u or per_rank[i] for i, u in enumerate(everyone)]
+            log(f"timing: re-measuring {sum(map(len, everyone))} unconfirmed points (pass {extra + 1})")
+            run(round_schedule(again, 1, warmup=False), skip_first=False)
+    return out, count
+
+
+def summarize(measured: dict[int, list[tuple[float, float]]]) -> list[ProfilePoint]:
+    """One point per batch: the *smallest* compute time of its measurements (and the median comm).
+
+    Interference only ever adds time to a compute section (another process on the core, a late
+    wake-up, a cache flush), never removes it, so the minimum is the estimate least disturbed by
+    it (the reasoning of Python's ``timeit``); on a shared 2-core machine the median of three was
+    visibly pulled up by one bad repeat. Collective seconds include waiting on other ranks, so
+    for them the median is reported."""
+    return [ProfilePoint(b, float(min(c for c, _ in ms)), float(statistics.median(m for _, m in ms)))
+            for b, ms in sorted(measured.items())]
+
+
+# ---------------------------------------------------------------------- collective bandwidth
+DEFAULT_COMM_SIZES = (2 ** 14, 2 ** 17, 2 ** 20, 2 ** 22)  # bytes of the full (unsharded) buffer
+
+
+def measure_comm(comm: Communicator, sizes: tuple[int, ...] = DEFAULT_COMM_SIZES, reps: int = 3) -> CommProfile:
+    """Time all-reduce, reduce-scatter and all-gather of a few sizes in lock-step and fit
+    seconds = latency + volume / bandwidth, where volume is the ring's bus volume of the
+    planner's cost model: 2 (N-1)/N V for an all-reduce, (N-1)/N V for the others (V = bytes
+    of the full buffer). Every rank runs the same calls in the same order."""
+    n, dev = comm.world_size, comm.device
+    if n <= 1:
+        return CommProfile(bandwidth_bytes_per_s=1e15, latency_s=0.0, backend=comm.backend)
+    xs: list[float] = []
+    ys: list[float] = []
+    barrier = torch.zeros(1, device=dev)
+    for size in sizes:
+        numel = max(n, (size // 4 + n - 1) // n * n)
+        full = torch.zeros(numel, device=dev)
+        shard = torch.zeros(numel // n, device=dev)
+        nbytes = numel * 4
+        ops = {"all_reduce": (lambda: comm.all_reduce(full), 2 * (n - 1) / n),
+               "reduce_scatter": (lambda: comm.reduce_scatter(shard, full), (n - 1) / n),
+               "all_gather": (lambda: comm.all_gather(full, shard), (n - 1) / n)}
+        for op, (call, factor) in ops.items():
+            times = []
+            for rep in range(reps + 1):
+                comm.all_reduce(barrier)
+                t0 = time.perf_counter()
+                call()
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+                if rep > 0:  # the first call of each shape warms up
+                    times.append(time.perf_counter() - t0)
+            xs.append(factor * nbytes)
+            ys.append(statistics.median(times))
+    # every rank must report the same link: use rank-averaged times
+    t = torch.tensor(ys, dtype=torch.float64, device=dev)
+    comm.all_reduce(t)
+    ys = (t / n).tolist()
+    slope, intercept = np.polyfit(np.array(xs), np.array(ys), 1)
+    if slope <= 0:  # latency-bound everywhere: take the best throughput seen
+        bandwidth = max(x / y for x, y in zip(xs, ys))
+        latency = 0.0
+    else:
+        bandwidth, latency = 1.0 / slope, max(float(intercept), 0.0)
+    return CommProfile(bandwidth_bytes_per_s=float(bandwidth), latency_s=latency, backend=comm.backend)

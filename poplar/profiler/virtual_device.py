@@ -1,0 +1,385 @@
+"""A virtual device: a GPU emulated on CPU, with a memory capacity and a known speed curve.
+
+Memory. While attached to an engine, the device's usage is
+
+    model states (params + grads + optimizer state as after the first step + module buffers,
+                  from the engine's ``memory_report``)
+  + saved activations (every tensor autograd saves for backward, counted once per storage
+    through ``torch.autograd.graph.saved_tensors_hooks``; parameters are not activations)
+  + communication buffers the stage holds right now (stage-2 buckets, ...)
+  + parameters gathered right now (stage 3: ``stage.gathered_bytes``)
+
+checked whenever it can grow: when a tensor is saved, when stage 3 allocates a gathered block
+(``stage.on_allocate``), when a gradient lands, and at the start and end of forward and backward.
+Usage above the capacity raises ``torch.OutOfMemoryError``, the error CUDA raises, so the
+profiler has one recovery path. (An overflow seen when a gradient lands is raised when backward
+returns: an exception inside autograd's post-accumulate-grad hooks leaves the rest of the graph,
+and its saved activations, alive until the next backward — measured on torch 2.13.) In ``raise_oom=False`` mode the device only records overflows
+(used in lock-step rounds, where raising could leave other ranks waiting; the profiler checks
+the record at an agreement point). Usage grows linearly with the batch, so the largest fitting
+batch is well defined: the batch whose peak is the last below the capacity.
+
+Speed. Each micro-step's compute is stretched by sleeping so that it takes the device's curve
+``time_s(b)`` (or ``slowdown`` times the real compute): the forward is padded to
+``forward_fraction * time_s(b)`` when the root module returns, the backward is padded when
+autograd finishes (before the stage waits for its reduce-scatters, so faster ranks really wait
+inside collectives), and a last top-up when ``engine.backward`` returns makes the micro-step's
+compute exactly ``time_s(b)``. "Compute" is wall time minus the seconds the engine's comm ledger
+recorded inside collectives meanwhile, the same quantity the profiler measures. The real CPU
+compute must stay below the curve (pick the time scale so; ``late_steps`` counts violations).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from poplar.profiler.devices import OOM_ERROR, Device, sleep_until
+from poplar.profiler.memory import gathered_bytes, model_state_bytes, predicted_optimizer_bytes, transient_bytes
+
+MIB = 2 ** 20
+
+
+@dataclass(frozen=True)
+class SaturatingCurve:
+    """t(b) = overhead_s + (b + half_batch) / peak_speed: speed rises with the batch and flattens
+    at ``peak_speed`` (the shape of the presets' curves). Picklable, for spawned ranks."""
+
+    overhead_s: float
+    half_batch: float
+    peak_speed: float
+
+    def __call__(self, batch: int) -> float:
+        return 0.0 if batch <= 0 else self.overhead_s + (batch + self.half_batch) / self.peak_speed
+
+
+@dataclass(frozen=True)
+class PresetCurve:
+    """A preset's speed curve with its times multiplied by ``time_scale``."""
+
+    preset: str
+    time_scale: float
+
+    def __call__(self, batch: int) -> float:
+        from poplar.profiler.presets import get_preset
+        return get_preset(self.preset).time_s(batch) * self.time_scale
+
+
+class _Saved:
+    """What autograd keeps for one saved tensor: a detached alias (no reference cycle through the
+    graph) and the storage it pins, released from the count when autograd drops it."""
+
+    __slots__ = ("tensor", "key", "device")
+
+    def __init__(self, tensor: torch.Tensor, key: int, device: "VirtualDevice") -> None:
+        self.tensor, self.key, self.device = tensor, key, device
+
+    def __del__(self) -> None:
+        try:
+            self.device._unref(self.key)
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+class VirtualDevice(Device):
+    """An emulated GPU on CPU.
+
+    Args:
+        name: device name (e.g. a preset name).
+        capacity_bytes: memory the device offers.
+        time_fn: seconds of compute for a micro-step of ``b`` samples (the device pads to it).
+        slowdown: instead of ``time_fn``: compute takes this many times the real compute.
+        forward_fraction: share of ``time_fn(b)`` spent in the forward.
+        device_type: type name shared by ranks with the same curve (default: ``name``).
+        nominal_tflops: spec-sheet rating, for the ``flops`` baseline only.
+    """
+
+    kind = "virtual"
+
+    def __init__(self, name: str, capacity_bytes: int, *, time_fn: Callable[[int], float] | None = None,
+                 slowdown: float | None = None, forward_fraction: float = 1 / 3, device_type: str | None = None,
+                 nominal_tflops: float | None = None, raise_oom: bool = True) -> None:
+        super().__init__(name, device_type or name, torch.device("cpu"), nominal_tflops)
+        if not (isinstance(capacity_bytes, (int, float)) and capacity_bytes > 0):
+            raise ValueError(f"virtual device {name}: capacity_bytes must be > 0, got {capacity_bytes!r}")
+        if time_fn is not None and slowdown is not None:
+            raise ValueError(f"virtual device {name}: give time_fn or slowdown, not both")
+        if slowdown is not None and not slowdown >= 1:
+            raise ValueError(f"virtual device {name}: slowdown must be >= 1, got {slowdown}")
+        if not 0 < forward_fraction < 1:
+            raise ValueError(f"virtual device {name}: forward_fraction must be in (0, 1), got {forward_fraction}")
+        self._capacity = int(capacity_bytes)
+        self.time_fn, self.slowdown, self.forward_fraction = time_fn, slowdown, forward_fraction
+        self.raise_oom = raise_oom
+        self.pad = True  # stretch compute to the speed model (off: run at CPU speed)
+        self.overflows: list[dict[str, Any]] = []
+        self.late_steps = 0  # micro-steps whose real compute exceeded the curve
+        self.memory_scale: float | None = None
+        self.time_scale: float | None = None
+        # memory state
+        self._static = 0
+        self._predicted_optimizer: int | None = None
+        self._saved_bytes = 0
+        self._saved_refs: dict[int, int] = {}
+        self._saved_sizes: dict[int, int] = {}
+        self._param_keys: set[int] = set()  # storages of parameters (flat buffers), as of the forward start
+        self.last_failure: dict[str, Any] | None = None  # what the last raised OOM saw
+        self._static_iteration: int | None = None
+        self._deferred: dict[str, Any] | None = None  # an OOM seen inside backward, raised when it returns
+        self._failed = False  # an OOM was raised in this micro-step: the engine's clean-up must not raise again
+        self._peak = 0
+        self._checks = 0
+        self._injections: list[dict[str, Any]] = []
+        self._tail_s = 0.0  # EMA of compute between the backward pad and the end of engine.backward
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_preset(cls, preset: Any, memory_scale: float, time_scale: float, **kwargs: Any) -> "VirtualDevice":
+        """A device with ``preset``'s memory times ``memory_scale`` and its speed curve with times
+        multiplied by ``time_scale`` (``poplar.profiler.presets.DevicePreset``, or its name)."""
+        if isinstance(preset, str):
+            from poplar.profiler.presets import get_preset
+            preset = get_preset(preset)
+        if not time_scale > 0:
+            raise ValueError(f"time_scale must be > 0, got {time_scale}")
+        scale = float(time_scale)
+        dev = cls(preset.name, preset.capacity_bytes(memory_scale), time_fn=PresetCurve(preset.name, scale),
+                  device_type=preset.name, nominal_tflops=preset.nominal_tflops, **kwargs)
+        dev.memory_scale, dev.time_scale = memory_scale, scale
+        return dev
+
+    # ------------------------------------------------------------------ probes
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity
+
+    def time_s(self, batch: int) -> float:
+        """The device's true compute seconds for a micro-step of ``batch`` samples."""
+        if self.time_fn is None:
+            raise ValueError(f"virtual device {self.name} has a slowdown factor, not a time curve")
+        return float(self.time_fn(batch))
+
+    @property
+    def pads(self) -> bool:
+        """Whether compute is being stretched now (a speed model is set and padding is on)."""
+        return self.pad and (self.time_fn is not None or self.slowdown is not None)
+
+    @property
+    def saved_bytes(self) -> int:
+        return self._saved_bytes
+
+    def gathered_bytes(self) -> int:
+        return gathered_bytes(self.engine.stage) if self.engine is not None else 0
+
+    def static_bytes(self) -> int:
+        return self._static
+
+    def memory_in_use(self) -> int:
+        if self.engine is None:
+            return self._saved_bytes
+        stage = self.engine.stage
+        return self._static + self._saved_bytes + transient_bytes(stage) + gathered_bytes(stage)
+
+    def reset_peak(self) -> None:
+        self._peak = self.memory_in_use()
+
+    def peak(self) -> int:
+        return self._peak
+
+    def describe(self) -> dict[str, Any]:
+        d = super().describe()
+        d.update({"memory_scale": self.memory_scale, "time_scale": self.time_scale,
+                  "slowdown": self.slowdown})
+        return d
+
+    # ------------------------------------------------------------------ memory checks
+    def inject_oom(self, batch: int | None = None, *, min_batch: int | None = None, after_checks: int = 1,
+                   where: str | None = None) -> None:
+        """Test hook: in the next micro-step of ``batch`` samples (or of at least ``min_batch``; any if
+        neither), raise an OOM at the ``after_checks``-th memory check, counting only checks at
+        ``where`` if given ('saved', 'gather', 'grad', 'forward start', ...). Fires once."""
+        self._injections.append({"batch": batch, "min_batch": min_batch, "after": after_checks, "where": where,
+                                 "seen": 0})
+
+    def check(self, where: str) -> None:
+        usage = self.memory_in_use()
+        if usage > self._peak:
+            self._peak = usage
+        self._checks += 1
+        step = self._open
+        batch = step["batch"] if step else None
+        for inj in list(self._injections):
+            if step and (inj["batch"] is None or inj["batch"] == batch) and (
+                    inj["min_batch"] is None or batch >= inj["min_batch"]) and inj["where"] in (None, where):
+                inj["seen"] += 1
+                if inj["seen"] >= inj["after"]:
+                    self._injections.remove(inj)
+                    self._fail(where, f"injected out-of-memory at {where} (batch {batch}, usage "
+                                      f"{usage / MIB:.3f} MiB)", force=True)
+        if usage > self._capacity:
+            self._fail(where, f"virtual device {self.name}: out of memory at {where}: usage {usage / MIB:.3f} MiB > "
+                              f"capacity {self._capacity / MIB:.3f} MiB (batch {batch}; model states "
+                              f"{self._static / MIB:.3f}, activations {self._saved_bytes / MIB:.3f}, gathered "
+                              f"{self.gathered_bytes() / MIB:.3f} MiB)")
+
+    def _fail(self, where: str, message: str, force: bool = False) -> None:
+        batch = self._open["batch"] if self._open else None
+        if not (self.raise_oom or force):
+            self.overflows.append({"message": message, "batch": batch, "where": where})
+            return
+        if self._failed or self._deferred is not None:
+            return  # the failed micro-step is being cleaned up (its activations are still referenced)
+        failure = {"where": where, "batch": batch, "usage": self.memory_in_use(), "saved": self._saved_bytes,
+                   "gathered": self.gathered_bytes(), "message": message}
+        if where == "grad":
+            # Inside autograd's post-accumulate-grad hooks an exception leaks the rest of the graph
+            # (its saved tensors stay alive until the next backward; seen on torch 2.13), so the OOM
+            # is raised when backward returns: the step still fails, and its memory is released.
+            self._deferred = failure
+            return
+        self._raise(failure)
+
+    def _raise(self, failure: dict[str, Any]) -> None:
+        self._failed = True
+        self._open = None
+        self.last_failure = failure
+        raise OOM_ERROR(failure["message"])
+
+    def _unref(self, key: int) -> None:
+        n = self._saved_refs.get(key, 0) - 1
+        if n <= 0:
+            self._saved_refs.pop(key, None)
+            self._saved_bytes -= self._saved_sizes.pop(key, 0)
+        else:
+            self._saved_refs[key] = n
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        base = t._base
+        if isinstance(t, nn.Parameter) or isinstance(base, nn.Parameter) or t.device.type != "cpu":
+            return t  # parameters (and views of them) are model states, counted already
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key == 0 or key in self._param_keys:
+            return t
+        if key in self._saved_refs:
+            self._saved_refs[key] += 1
+        else:
+            self._saved_refs[key] = 1
+            self._saved_sizes[key] = storage.nbytes()
+            self._saved_bytes += storage.nbytes()
+        handle = _Saved(t.detach(), key, self)
+        self.check("saved")
+        return handle
+
+    @staticmethod
+    def _unpack(handle: Any) -> torch.Tensor:
+        return handle.tensor if isinstance(handle, _Saved) else handle
+
+    def _on_allocate(self, *args: Any, **kwargs: Any) -> None:
+        self.check("gather")
+
+    def refresh_static(self, force: bool = False) -> None:
+        """Re-read the engine's model-state bytes (optimizer state as after the first step); they
+        change only between iterations."""
+        if not force and self._static_iteration == self.engine.iteration:
+            return
+        self._static_iteration = self.engine.iteration
+        if self._predicted_optimizer is None:
+            self._predicted_optimizer = predicted_optimizer_bytes(self.engine.optimizer)
+        states = model_state_bytes(self.engine, self._predicted_optimizer)
+        self._static = sum(states.values())
+
+    @contextlib.contextmanager
+    def _attached(self, engine: Any) -> Iterator[None]:
+        self._predicted_optimizer = None
+        self.refresh_static(force=True)
+        stage = engine.stage
+        had_hook = hasattr(stage, "on_allocate")
+        previous = getattr(stage, "on_allocate", None)
+        stage.on_allocate = self._on_allocate
+        grad_hooks = [p.register_post_accumulate_grad_hook(lambda p: self.check("grad"))
+                      for p in engine.module.parameters() if p.requires_grad]
+        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        hooks.__enter__()
+        try:
+            yield
+        finally:
+            hooks.__exit__(None, None, None)
+            for h in grad_hooks:
+                h.remove()
+            if had_hook:
+                stage.on_allocate = previous
+            else:
+                with contextlib.suppress(AttributeError):
+                    del stage.on_allocate
+
+    # ------------------------------------------------------------------ micro-step hooks
+    def _forward_start(self) -> None:
+        self._failed, self._deferred = False, None
+        self.refresh_static()
+        # storages parameters live in now (stage 0-2 flat buffers, the stage-3 root unit); the
+        # stage-3 blocks gathered later are recognised as parameters by type in _pack
+        self._param_keys = {k for k in (p.untyped_storage().data_ptr() for p in self.engine.module.parameters())
+                            if k}
+        self.check("forward start")
+
+    def _forward_end(self) -> None:
+        self.check("forward end")
+        step = self._open
+        if step is None or not self.pads:
+            return
+        now = time.perf_counter()
+        compute = now - step["t0"] - self._comm_seconds_since(step["n0"])
+        if self.slowdown is not None:
+            step["real_forward"] = compute
+            sleep_until(now + (self.slowdown - 1) * compute)
+        else:
+            sleep_until(now + self.forward_fraction * self.time_s(step["batch"]) - compute)
+        step["forward_compute"] = time.perf_counter() - step["t0"] - self._comm_seconds_since(step["n0"])
+
+    def _backward_start(self, loss: torch.Tensor) -> None:
+        super()._backward_start(loss)
+        self.check("backward start")
+        if self._open is not None and self.pads and torch.is_tensor(loss) and loss.requires_grad:
+            def queue(grad: torch.Tensor) -> None:
+                torch.autograd.Variable._execution_engine.queue_callback(self._pad_backward)
+            loss.register_hook(queue)
+
+    def _pad_backward(self) -> None:
+        """Runs when autograd has finished the backward graph (before the stage waits for its
+        reduce-scatters): stretch the backward's compute."""
+        step = self._open
+        if step is None:
+            return
+        now = time.perf_counter()
+        compute = now - step["t0"] - self._comm_seconds_since(step["n0"])
+        if self.slowdown is not None:
+            real_backward = compute - step.get("forward_compute", compute)
+            sleep_until(now + (self.slowdown - 1) * max(real_backward, 0.0))
+        else:
+            target = self.time_s(step["batch"])
+            if compute > target:
+                self.late_steps += 1
+            sleep_until(now + target - self._tail_s - compute)
+        step["after_pad"] = time.perf_counter() - step["t0"] - self._comm_seconds_since(step["n0"])
+
+    def _backward_end(self) -> None:
+        if self._deferred is not None:
+            failure, self._deferred = self._deferred, None
+            self._raise(failure)
+        step = self._open
+        if step is not None and self.pads and self.slowdown is None:
+            now = time.perf_counter()
+            compute = now - step["t0"] - self._comm_seconds_since(step["n0"])
+            if "after_pad" in step:  # learn the compute that follows the backward pad
+                tail = max(compute - step["after_pad"], 0.0)
+                self._tail_s = tail if self._tail_s == 0.0 else 0.7 * self._tail_s + 0.3 * tail
+            sleep_until(now + self.time_s(step["batch"]) - compute)
+        if step is not None:
+            self.check("backward end")
+        super()._backward_end()

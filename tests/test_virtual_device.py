@@ -1,0 +1,178 @@
+"""The virtual device in one process: memory accounting, the OOM it raises, recovery, padding."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from poplar.profiler import SaturatingCurve, VirtualDevice, is_oom
+from poplar.profiler.capacity import CapacitySearch
+from poplar.profiler.local_comm import local_engine, search_plan, use_plan
+from poplar.profiler.memory import predicted_optimizer_bytes
+from poplar.profiler.models import lm_loss, token_batch, token_mlp_model
+from poplar.profiler.presets import PresetError
+from poplar.profiler.profile_run import default_optimizer
+from poplar.profiler.timing import MicroStepTimer, timing_batches
+from poplar.zero.comm import DistributedError
+
+MB = 10 ** 6
+
+
+def engine_at(stage: int, world: int = 3, rank: int = 1, optimizer: str = "adamw"):
+    model = token_mlp_model()
+    opt = default_optimizer(model) if optimizer == "adamw" else torch.optim.SGD(model.parameters(), lr=0.1,
+                                                                                 momentum=0.9)
+    return local_engine(model, opt, world_size=world, rank=rank, zero_stage=stage, device=torch.device("cpu"),
+                        bucket_size_mb=0.03)
+
+
+def step(engine, batch: int) -> None:
+    use_plan(engine, search_plan(engine.world_size, engine.rank, batch))
+    engine.train_step(token_batch(batch), lm_loss)
+
+
+def test_oom_error_is_the_cuda_type() -> None:
+    assert torch.cuda.OutOfMemoryError is torch.OutOfMemoryError
+    wrapped = DistributedError("iteration failed")
+    wrapped.__cause__ = torch.OutOfMemoryError("virtual")
+    assert is_oom(wrapped) and not is_oom(RuntimeError("other")) and not is_oom(None)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_model_states_and_activations_are_counted(stage: int) -> None:
+    engine = engine_at(stage)
+    device = VirtualDevice("d", 100 * MB)
+    psi = sum(p.numel() for p in token_mlp_model().parameters())  # (stage-3 parameters are empty between uses)
+    with device.attach(engine):
+        # before any step: optimizer state is predicted (AdamW: 8 bytes per parameter of the shard)
+        states = {0: 16 * psi, 1: 8 * psi + 8 * psi / 3, 2: 4 * psi + 12 * psi / 3, 3: 16 * psi / 3}[stage]
+        assert device.static_bytes() == pytest.approx(states, rel=0.02)
+        peaks = []
+        for b in (1, 2, 4, 8):
+            step(engine, b)
+            peaks.append(device.last_step.after_forward)  # (the peak may be in backward: stage-2 buckets)
+            assert device.last_step.peak >= device.last_step.after_forward > device.last_step.before_forward
+            assert device.saved_bytes == 0  # every saved activation was released by backward
+        assert device.static_bytes() == pytest.approx(states, rel=0.02)  # prediction was right
+        slopes = [(peaks[i + 1] - peaks[i]) / (b2 - b1) for i, (b1, b2) in enumerate([(1, 2), (2, 4), (4, 8)])]
+        assert max(slopes) / min(slopes) < 1.05  # activations grow linearly with the batch
+        assert device.memory_in_use() == device.static_bytes()
+
+
+def test_optimizer_prediction_matches_the_first_step() -> None:
+    for kind in ("adamw", "sgd"):
+        engine = engine_at(1, optimizer=kind)
+        predicted = predicted_optimizer_bytes(engine.optimizer)
+        step(engine, 1)
+        from poplar.zero.optim import optimizer_state_bytes
+        assert predicted == optimizer_state_bytes(engine.optimizer) > 0
+
+
+def test_over_capacity_raises_oom_and_memory_comes_back() -> None:
+    engine = engine_at(2)
+    device = VirtualDevice("d", 1 * MB)
+    with device.attach(engine):
+        step(engine, 2)
+        before = device.memory_in_use()
+        with pytest.raises(DistributedError) as info:
+            step(engine, 64)
+        assert is_oom(info.value) and "out of memory" in str(info.value)
+        info = None
+        device.release()
+        assert device.memory_in_use() == before and device.saved_bytes == 0
+        step(engine, 2)  # and the engine trains on
+
+
+def test_record_mode_does_not_raise() -> None:
+    engine = engine_at(0)
+    device = VirtualDevice("d", 1 * MB, raise_oom=False)
+    with device.attach(engine):
+        step(engine, 64)
+    assert device.overflows and device.overflows[0]["batch"] == 64
+
+
+def test_capacity_search_finds_the_largest_batch() -> None:
+    engine = engine_at(0)
+    device = VirtualDevice("d", int(1.5 * MB))
+    with device.attach(engine):
+        search = CapacitySearch(engine, device, token_batch, lm_loss, 0)
+        result = search.run()
+        assert result.mbs > 4 and result.oom_events
+        assert all(e.memory_after == e.memory_before for e in result.oom_events)
+        assert search.trial(result.mbs) and not search.trial(result.mbs + 1)
+
+
+def test_padding_makes_compute_follow_the_curve() -> None:
+    curve = SaturatingCurve(0.012, 2.0, 1000.0)
+    engine = engine_at(0, world=1, rank=0)
+    device = VirtualDevice("d", 100 * MB, time_fn=curve)
+    with device.attach(engine), MicroStepTimer(engine, device) as timer:
+        loss = timer.wrap_loss(lm_loss)
+        sizes = (1, 1, 1, 8, 8, 8, 32, 32, 32)
+        for b in sizes:
+            use_plan(engine, search_plan(1, 0, b))
+            engine.train_step(token_batch(b), loss)
+    for b in (1, 8, 32):  # the profiler's estimator: the smallest of a few
+        best = min(c for (c, _), s in list(zip(timer.records, sizes))[1:] if s == b)
+        assert best == pytest.approx(curve(b), rel=0.05)
+
+
+def test_slowdown_factor() -> None:
+    engine = engine_at(0, world=1, rank=0)
+    plain = VirtualDevice("fast", 100 * MB)
+    slow = VirtualDevice("slow", 100 * MB, slowdown=4.0)
+    times = {}
+    for dev in (plain, slow):
+        with dev.attach(engine), MicroStepTimer(engine, dev) as timer:
+            loss = timer.wrap_loss(lm_loss)
+            for _ in range(7):
+                use_plan(engine, search_plan(1, 0, 16))
+                engine.train_step(token_batch(16), loss)
+        times[dev.name] = sorted(c for c, _ in timer.records)[3]
+    assert 2 < times["slow"] / times["fast"] < 8  # 4x, within the noise of a shared machine
+
+
+def test_injected_oom_fires_once_at_the_asked_point() -> None:
+    engine = engine_at(0)
+    device = VirtualDevice("d", 100 * MB)
+    device.inject_oom(batch=4, after_checks=3, where="saved")
+    with device.attach(engine):
+        step(engine, 2)
+        with pytest.raises(DistributedError) as info:
+            step(engine, 4)
+        assert "injected" in str(info.value)
+        assert device.last_failure["where"] == "saved" and device.last_failure["saved"] > 0
+        info = None
+        device.release()
+        step(engine, 4)
+
+
+def test_presets_and_bad_input() -> None:
+    dev = VirtualDevice.from_preset("T4-16G", memory_scale=1e-3, time_scale=0.01)
+    assert dev.capacity_bytes == int(16 * 2 ** 30 * 1e-3) and dev.device_type == "T4-16G"
+    from poplar.profiler.presets import get_preset
+    assert dev.time_s(8) == pytest.approx(get_preset("T4-16G").time_s(8) * 0.01)
+    with pytest.raises(PresetError, match="unknown device preset 'H100'.*known presets"):
+        VirtualDevice.from_preset("H100", 1e-3, 0.01)
+    with pytest.raises(ValueError, match="capacity_bytes"):
+        VirtualDevice("x", 0)
+    with pytest.raises(ValueError, match="slowdown"):
+        VirtualDevice("x", 10, slowdown=0.5)
+
+
+def test_timing_batches() -> None:
+    assert timing_batches(1) == [1]
+    assert timing_batches(13) == [1, 2, 3, 4, 6, 8, 12, 13]
+    assert timing_batches(64) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]
+
+
+def test_sleep_is_not_the_bottleneck() -> None:
+    from poplar.profiler.devices import sleep_until
+    errors = []
+    for _ in range(20):
+        target = time.perf_counter() + 0.003
+        sleep_until(target)
+        errors.append(time.perf_counter() - target)
+    assert sorted(errors)[10] < 0.001

@@ -21,6 +21,7 @@ whose ``__cause__`` is the original error).
 from __future__ import annotations
 
 import contextlib
+from abc import ABC, abstractmethod
 import gc
 import time
 from dataclasses import dataclass
@@ -58,7 +59,7 @@ class StepMemory:
     peak: int
 
 
-class Device:
+class Device(ABC):
     """Base class: the probes the profiler reads and the micro-step hooks both devices share.
 
     Subclasses define ``memory_in_use``, ``capacity_bytes``, ``reset_peak``/``peak`` and may
@@ -78,17 +79,21 @@ class Device:
 
     # ---- probes (subclasses) ----
     @property
+    @abstractmethod
     def capacity_bytes(self) -> int:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def memory_in_use(self) -> int:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def reset_peak(self) -> None:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def peak(self) -> int:
-        raise NotImplementedError
+        ...
 
     def synchronize(self) -> None:
         """Wait for queued work (a no-op on CPU), so wall-clock timing is honest."""

@@ -248,9 +248,6 @@ def test_cli_profile_end_to_end(tmp_path, capsys) -> None:
     assert prof.meta["cluster"]["name"] == "pair" and prof.meta["memory_scale"] > 0
 
 
-@pytest.mark.xfail(reason="poplar/zero/sharded.py: after an exception inside a block's forward, end_micro_step "
-                          "re-gathers the block still gathered from the forward ('block gathered twice'); the "
-                          "profiler's capacity search rebuilds the engine instead (OomEvent.rebuilt)", strict=False)
 def test_stage3_engine_cleans_up_after_an_oom_inside_a_block() -> None:
     """Without the profiler's rebuild: the engine itself must come back to its memory before."""
     model = token_mlp_model()

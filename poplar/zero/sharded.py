@@ -295,6 +295,12 @@ class Stage3(ZeroStage):
                 ledger.phase = "forward"
                 p.fwd.flush()
                 p.forward_done = True
+            # backward is over (or never ran): a block still gathered outside the backward
+            # schedule's own gathers (one whose forward raised, so its post-hook never ran) would
+            # be gathered again by the flush below; release it first
+            for b in list(self._allocated.values()):
+                if b.index not in p.bwd.pending:
+                    self.free_gather(b)
             ledger.phase = "backward"
             p.bwd.flush()
             for b in list(self._allocated.values()):

@@ -1,0 +1,128 @@
+"""The checkpoint format: file names, the index (reading and checking it), and how dtypes,
+scalar optimizer state, param-group hyper-parameters and tied weights are written in it."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from poplar.checkpoint.errors import CheckpointError, Invalid
+
+FORMAT = "poplar-checkpoint"
+FORMAT_VERSION = 1
+INDEX_FILE = "index.json"
+MODEL_FILE = "model.safetensors"
+# param-group entries that choose an implementation rather than the math; they are not restored
+IMPLEMENTATION_KEYS = {"params", "param_names", "foreach", "fused", "capturable", "differentiable"}
+
+
+def optim_file_name(rank: int, world_size: int) -> str:
+    return f"optim-rank{rank}-of{world_size}.safetensors"
+
+
+def read_index(directory: str | os.PathLike) -> dict[str, Any]:
+    """The parsed index.json of a checkpoint directory (checked for format and version)."""
+    try:
+        return parse_index(Path(directory))
+    except Invalid as e:
+        raise CheckpointError(str(e)) from None
+
+
+def parse_index(directory: Path) -> dict[str, Any]:
+    """``read_index`` raising ``Invalid``, for use before an agreement point."""
+    path = directory / INDEX_FILE
+    if not directory.is_dir():
+        raise Invalid(f"checkpoint directory {directory} does not exist")
+    if not path.is_file():
+        raise Invalid(f"{directory} has no {INDEX_FILE}: not a complete Poplar checkpoint (a save may have "
+                      "been interrupted)")
+    try:
+        index = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise Invalid(f"{path} is not valid JSON ({e}): the checkpoint is corrupt") from None
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        raise Invalid(f"{path} is not a Poplar checkpoint index")
+    if index.get("version") != FORMAT_VERSION:
+        raise Invalid(f"{path} has format version {index.get('version')}; this Poplar reads version "
+                      f"{FORMAT_VERSION}")
+    for key in ("iteration", "world_size", "zero_stage", "model", "optimizer", "ranks"):
+        if key not in index:
+            raise Invalid(f"{path} lacks '{key}': the checkpoint is corrupt")
+    if len(index["ranks"]) != index["world_size"]:
+        raise Invalid(f"{path} lists {len(index['ranks'])} rank files for a world of {index['world_size']}")
+    return index
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_of(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise Invalid(f"unknown dtype {name!r} in the index")
+    return dtype
+
+
+def encode_scalar(key: str, value: Any, param: torch.Tensor) -> dict[str, Any]:
+    """A non-per-element optimizer state value (Adam's ``step``, ...) as JSON."""
+    if torch.is_tensor(value):
+        if value.numel() != 1:
+            raise ValueError(f"optimizer state '{key}' of shape {tuple(value.shape)} is neither per-element (shape "
+                             f"{tuple(param.shape)}) nor a scalar; Poplar checkpoints cannot re-shard it")
+        return {"tensor": value.item(), "dtype": dtype_name(value.dtype), "shape": list(value.shape)}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return {"value": value}
+    raise ValueError(f"optimizer state '{key}' is a {type(value).__name__}; Poplar checkpoints store tensors "
+                     "and numbers")
+
+
+def decode_scalar(enc: dict[str, Any]) -> Any:
+    if "tensor" in enc:
+        return torch.tensor(enc["tensor"], dtype=dtype_of(enc["dtype"])).reshape(enc["shape"])
+    return enc["value"]
+
+
+def group_hyperparams(group: dict) -> dict[str, Any]:
+    """A param group's hyper-parameters as JSON (those JSON cannot hold are left out)."""
+    out = {}
+    for k, v in group.items():
+        if k in IMPLEMENTATION_KEYS:
+            continue
+        if torch.is_tensor(v) and v.numel() == 1:
+            out[k] = {"tensor": v.item(), "dtype": dtype_name(v.dtype)}
+        elif isinstance(v, tuple):
+            out[k] = {"tuple": list(v)}
+        else:
+            try:
+                json.dumps(v, allow_nan=False)
+            except (TypeError, ValueError):
+                continue  # not restorable from JSON: the new optimizer's value stays
+            out[k] = v
+    return out
+
+
+def restore_hyperparams(group: dict, saved: dict) -> dict:
+    """``group`` with the saved hyper-parameters put back."""
+    new = dict(group)
+    for k, v in saved.items():
+        if isinstance(v, dict) and "tuple" in v:
+            v = tuple(v["tuple"])
+        elif isinstance(v, dict) and "tensor" in v:
+            v = torch.tensor(v["tensor"], dtype=dtype_of(v["dtype"]),
+                             device=group[k].device if torch.is_tensor(group.get(k)) else None)
+        new[k] = v
+    return new
+
+
+def ties(module: torch.nn.Module) -> list[list[str]]:
+    """Groups of parameter names that are one tensor (tied weights)."""
+    groups: dict[int, list[str]] = defaultdict(list)
+    for name, p in module.named_parameters(remove_duplicate=False):
+        groups[id(p)].append(name)
+    return sorted(sorted(g) for g in groups.values() if len(g) > 1)

@@ -1,0 +1,151 @@
+"""Loading a checkpoint: every rank reads and checks the index, the model and the optimizer
+pieces it needs before anything is changed, all ranks agree, then the state is applied."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from poplar.checkpoint.errors import CheckpointError, Invalid, gather_or_raise
+from poplar.checkpoint.layout import parse_index, ties
+from poplar.checkpoint.reshard import CheckpointFiles, assemble_optimizer
+from poplar.plans import Plan
+from poplar.zero.comm import DistributedError
+
+
+def load_checkpoint(engine: Any, directory: str | os.PathLike, *, verify_hashes: bool = True) -> dict[str, Any]:
+    """Load a checkpoint into ``engine``: model, optimizer state and hyper-parameters, iteration,
+    and (for ranks that existed when it was saved) RNG states. The engine may have another
+    world size, stage or plan than the run that saved it.
+
+    Call on every rank between iterations. Returns the checkpoint's meta: ``iteration``,
+    ``world_size``, ``zero_stage`` and ``plan`` (a ``Plan``) of the saving run, ``extra``,
+    ``rng_restored`` (this rank's RNG came from the checkpoint) and ``created``. Raises
+    ``CheckpointError`` on every rank, having changed nothing, if the checkpoint is missing,
+    incomplete, corrupt or does not fit the engine (everything is checked and read before
+    anything is set). ``verify_hashes=False`` checks file sizes only.
+    """
+    comm = engine.comm
+    directory = Path(directory)
+    what = f"load checkpoint {directory}"
+    # 1. the index, on every rank; every rank must be between iterations and read the same index
+    error, index, digest = None, None, None
+    try:
+        if getattr(engine, "_micro_steps", 0):
+            raise Invalid("the engine is in the middle of an iteration; load a checkpoint between iterations")
+        index = parse_index(directory)
+        digest = hashlib.sha256(json.dumps(index, sort_keys=True).encode()).hexdigest()
+    except Invalid as e:
+        error = str(e)
+    except Exception as e:  # noqa: BLE001 - reported on every rank
+        error = f"{type(e).__name__}: {e}"
+    if len(set(gather_or_raise(comm, error, digest, what))) > 1:
+        raise CheckpointError(f"{what}: ranks read different index files; every rank must load the same "
+                              "checkpoint directory")
+    assert index is not None
+
+    # 2. check everything and read what this rank needs, changing nothing yet
+    expected = _expected_params(engine)  # every rank: a collective at stage 3
+    error = None
+    loaded: dict[str, Any] = {}
+    try:
+        _check_params(index, expected)
+        if "tied" in index["model"] and index["model"]["tied"] != ties(engine.module):
+            raise Invalid(f"tied weights differ: the checkpoint ties {index['model']['tied']} and the model ties "
+                          f"{ties(engine.module)}")
+        _check_sizes(directory, index)
+        with ExitStack() as stack:
+            files = CheckpointFiles(directory, index, verify_hashes, stack)
+            loaded["model"] = files.model_state()
+            loaded["optimizer"] = assemble_optimizer(engine, index, files)
+            loaded["rng"] = _read_rng(engine, index, files)
+    except Invalid as e:
+        error = str(e)
+    except Exception as e:  # noqa: BLE001 - an unreadable file or a malformed index, on every rank
+        error = f"{type(e).__name__}: {e} (reading {directory})"
+    gather_or_raise(comm, error, None, what)
+
+    # 3. apply
+    error = None
+    try:
+        engine.stage.load_full_state_dict(loaded["model"])
+        engine.optimizer.load_state_dict(loaded["optimizer"])
+        engine.iteration = int(index["iteration"])
+        engine.comm_ledger.iteration = engine.iteration
+        for kind, state in loaded["rng"].items():
+            if kind == "cpu":
+                torch.set_rng_state(state)
+            else:
+                torch.cuda.set_rng_state(state, comm.device)
+    except Exception as e:  # noqa: BLE001
+        error = f"{type(e).__name__}: {e}"
+    try:
+        comm.agree(error, what)
+    except DistributedError as e:
+        raise CheckpointError(str(e)) from None
+    plan = index.get("plan")
+    try:
+        plan = Plan.from_dict(plan) if plan is not None else None
+    except Exception:  # noqa: BLE001 - the plan is informational here
+        pass
+    return {"iteration": index["iteration"], "world_size": index["world_size"], "zero_stage": index["zero_stage"],
+            "plan": plan, "extra": index.get("extra"), "rng_restored": bool(loaded["rng"]),
+            "created": index.get("created")}
+
+
+def _expected_params(engine: Any) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Name → (shape, dtype) of the full model state the engine holds."""
+    if engine.zero_stage == 3:  # parameters are shards; the full state is gathered
+        state = engine.full_state_dict()
+    else:
+        state = engine.module.state_dict()
+    return {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
+
+
+def _check_params(index: dict, expected: dict) -> None:
+    saved = {k: tuple(v["shape"]) for k, v in index["model"]["params"].items()}
+    missing = [k for k in expected if k not in saved]
+    unexpected = [k for k in saved if k not in expected]
+    shapes = [f"{k}: checkpoint {list(saved[k])} vs model {list(expected[k][0])}" for k in expected
+              if k in saved and saved[k] != expected[k][0]]
+    if missing or unexpected or shapes:
+        lines = []
+        if missing:
+            lines.append(f"model parameters missing from the checkpoint: {missing[:6]}")
+        if unexpected:
+            lines.append(f"checkpoint parameters the model does not have: {unexpected[:6]}")
+        if shapes:
+            lines.append(f"shapes differ: {shapes[:6]}")
+        raise Invalid("the checkpoint does not match the model (a different architecture or size?): "
+                      + "; ".join(lines))
+
+
+def _check_sizes(directory: Path, index: dict) -> None:
+    entries = [index["model"]] + list(index["ranks"])
+    for e in entries:
+        path = directory / e["file"]
+        if not path.is_file():
+            raise Invalid(f"checkpoint file {path} is missing")
+        size = path.stat().st_size
+        if size != e["bytes"]:
+            raise Invalid(f"checkpoint file {path} has {size} bytes but the index says {e['bytes']}: it is "
+                          "truncated or corrupt")
+
+
+def _read_rng(engine: Any, index: dict, files: CheckpointFiles) -> dict[str, torch.Tensor]:
+    r = engine.comm.rank
+    if r >= index["world_size"]:
+        return {}
+    kinds = index["ranks"][r].get("rng", [])
+    out = {}
+    if "cpu" in kinds:
+        out["cpu"] = files.read(r, "rng/cpu").to(torch.uint8)
+    if "cuda" in kinds and engine.comm.device.type == "cuda":
+        out["cuda"] = files.read(r, "rng/cuda").to(torch.uint8)
+    return out

@@ -1,0 +1,157 @@
+"""Saving a checkpoint: every rank writes its optimizer state cut by parameter name and element
+range, rank 0 writes the full model and the index last, and the directory is moved into place."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from poplar.checkpoint.errors import gather_or_raise
+from poplar.checkpoint.layout import (FORMAT, FORMAT_VERSION, INDEX_FILE, MODEL_FILE, dtype_name, encode_scalar,
+                                      group_hyperparams, optim_file_name, ties)
+from poplar.checkpoint.storage import (check_replaceable, file_facts, publish, remove_stale_temporaries,
+                                       temporary_prefix, write_json)
+
+
+def save_checkpoint(engine: Any, directory: str | os.PathLike, *, extra: dict | None = None) -> Path:
+    """Write a checkpoint of ``engine`` (model, optimizer state, iteration, RNG) to ``directory``.
+
+    Call on every rank between iterations. ``extra`` (rank 0's is kept) must be JSON-serialisable.
+    Returns the directory. Raises ``CheckpointError`` on every rank if any rank fails, and on
+    every surviving rank if one dies. ``directory`` never holds a partial checkpoint: after a
+    failure it holds the previous one (if any), or the new one if rank 0 had already moved it
+    into place when another rank died.
+    """
+    comm = engine.comm
+    rank, world = comm.rank, comm.world_size
+    directory = Path(directory)
+    what = f"save checkpoint {directory}"
+    mid = "the engine is in the middle of an iteration; save between iterations" \
+        if getattr(engine, "_micro_steps", 0) else None
+    gather_or_raise(comm, mid, None, what)
+    full = engine.full_state_dict()  # every rank: a collective at stage 3
+
+    # 1. rank 0 makes the temporary directory and tells the others its name
+    error, tmp = None, None
+    if rank == 0:
+        try:
+            json.dumps(extra, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            error = f"extra must be JSON-serialisable (numbers, strings, lists, dicts): {e}"
+        if error is None:
+            try:
+                check_replaceable(directory)
+                directory.parent.mkdir(parents=True, exist_ok=True)
+                remove_stale_temporaries(directory)
+                tmp = tempfile.mkdtemp(prefix=temporary_prefix(directory), dir=directory.parent)
+            except Exception as e:  # noqa: BLE001 - reported on every rank
+                error = f"{type(e).__name__}: {e}"
+    try:
+        tmp_dir = Path(gather_or_raise(comm, error, tmp, what)[0])
+
+        # 2. every rank writes its optimizer state
+        info, error = None, None
+        try:
+            tensors, info = _optimizer_pieces(engine)
+            name = optim_file_name(rank, world)
+            save_file(tensors, str(tmp_dir / name), metadata={"format": FORMAT, "rank": str(rank)})
+            info.update(file=name, **file_facts(tmp_dir / name))
+        except Exception as e:  # noqa: BLE001
+            error = f"{type(e).__name__}: {e}"
+        infos = gather_or_raise(comm, error, info, what)
+
+        # 3. rank 0 writes the model and the index (last), then moves the directory into place
+        error = None
+        if rank == 0:
+            try:
+                save_file(_unshared_cpu(full), str(tmp_dir / MODEL_FILE), metadata={"format": FORMAT})
+                write_json(tmp_dir / INDEX_FILE, _index(engine, full, file_facts(tmp_dir / MODEL_FILE), infos, extra))
+                publish(tmp_dir, directory)
+            except Exception as e:  # noqa: BLE001
+                error = f"{type(e).__name__}: {e}"
+        gather_or_raise(comm, error, None, what)
+    except BaseException:
+        # a failed save leaves nothing behind: rank 0 made the temporary directory and removes it
+        # (after a successful publish it no longer exists); if rank 0 itself died, a later save
+        # removes it once it is stale
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return directory
+
+
+def _index(engine: Any, full: dict[str, torch.Tensor], model_facts: dict[str, Any], infos: list[dict],
+           extra: dict | None) -> dict[str, Any]:
+    params = {k: {"shape": list(v.shape), "dtype": dtype_name(v.dtype)} for k, v in full.items()}
+    return {
+        "format": FORMAT, "version": FORMAT_VERSION,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "torch": torch.__version__,
+        "iteration": engine.iteration,
+        "world_size": engine.comm.world_size,
+        "zero_stage": engine.zero_stage,
+        "plan": engine.plan.to_dict() if engine.plan is not None else None,
+        "model": {"file": MODEL_FILE, **model_facts, "params": params, "tied": ties(engine.module)},
+        "optimizer": {"class": type(engine.optimizer).__name__,
+                      "param_groups": [group_hyperparams(g) for g in engine.optimizer.param_groups]},
+        "ranks": infos,
+        "extra": extra,
+    }
+
+
+def _optimizer_pieces(engine: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """This rank's optimizer state cut into (name, range) pieces, plus its RNG states."""
+    opt = engine.optimizer
+    group_of = {id(p): gi for gi, g in enumerate(opt.param_groups) for p in g["params"]}
+    tensors: dict[str, torch.Tensor] = {}
+    pieces = []
+    for p, segments in engine.stage.optimizer_segments():
+        state = opt.state.get(p, {})
+        per_element, scalars = {}, {}
+        for key, value in state.items():
+            if _is_per_element(key, value, p):
+                per_element[key] = value.detach().reshape(-1)
+            else:
+                scalars[key] = encode_scalar(key, value, p)
+        for name, offset, length, at in segments:
+            keys = {}
+            for key, flat in per_element.items():
+                tkey = f"{key}/{name}/{offset}"
+                tensors[tkey] = flat[at:at + length].to("cpu", copy=True).contiguous()
+                keys[key] = tkey
+            pieces.append({"name": name, "offset": offset, "length": length, "group": group_of[id(p)],
+                           "keys": keys, "scalars": scalars})
+    rng = ["cpu"]
+    tensors["rng/cpu"] = torch.get_rng_state()
+    device = engine.comm.device
+    if device.type == "cuda":
+        tensors["rng/cuda"] = torch.cuda.get_rng_state(device).cpu()
+        rng.append("cuda")
+    return tensors, {"pieces": pieces, "rng": rng}
+
+
+def _is_per_element(key: str, value: Any, param: torch.Tensor) -> bool:
+    if not torch.is_tensor(value) or value.shape != param.shape:
+        return False
+    return value.dim() > 0 or key != "step"  # a 0-d parameter's 0-d "step" is a counter
+
+
+def _unshared_cpu(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """safetensors refuses tensors that share storage (tied weights, views of a flat buffer)."""
+    out, seen = {}, set()
+    for k, v in state.items():
+        t = v.detach().to("cpu").contiguous()
+        storage = t.untyped_storage()
+        if storage.data_ptr() in seen or storage.nbytes() != t.numel() * t.element_size():
+            t = t.clone()
+        seen.add(t.untyped_storage().data_ptr())
+        out[k] = t
+    return out

@@ -27,9 +27,9 @@ from poplar.cluster import ClusterSpec
 from poplar.launch import spawn
 from poplar.planner.curves import SpeedCurve
 from poplar.profiler.emulate import calibrate, cluster_devices
-from poplar.profiler.models import get_workload
 from poplar.profiler.profile_run import ProfileOptions, default_optimizer, profile_rank
 from poplar.profiles import Profile
+from poplar.workloads import WORKLOADS, get_workload
 
 CLUSTERS = {
     # three generations, three memory sizes: the fast card also has the most memory
@@ -76,7 +76,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--clusters", default="mixed3,B")
     ap.add_argument("--stages", default="0,1,2,3")
-    ap.add_argument("--model", default="token-mlp")
+    ap.add_argument("--model", default="token-mlp", choices=list(WORKLOADS),
+                    help="built-in workload (poplar.workloads); the default is the fastest")
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     stages = [int(s) for s in args.stages.split(",")]

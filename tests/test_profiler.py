@@ -17,9 +17,12 @@ from poplar.plans import Plan, RankPlan
 from poplar.profiler import SaturatingCurve, VirtualDevice, search_mbs, trial_budget
 from poplar.profiler.capacity import CapacitySearch
 from poplar.profiler.local_comm import local_engine, search_plan, use_plan
-from poplar.profiler.models import lm_loss, token_batch, token_mlp_model
 from poplar.profiler.profile_run import ProfileOptions, default_optimizer, profile_rank
 from poplar.profiles import Profile, ProfileError
+from poplar.workloads import get_workload
+
+# the profiler's fast workload: the capacities and curves below are calibrated for it
+WORKLOAD = get_workload("token-mlp")
 
 KB = 1000
 WORLD = 3
@@ -36,13 +39,13 @@ def make_devices() -> list[VirtualDevice]:
 
 def true_mbs(device: VirtualDevice, rank: int, stage: int, limit: int = 400) -> int:
     """Try every batch from 1 up on a local engine until one does not fit."""
-    model = token_mlp_model()
+    model = WORKLOAD.model_fn()
     engine = local_engine(model, default_optimizer(model), world_size=WORLD, rank=rank, zero_stage=stage,
                           device=torch.device("cpu"), bucket_size_mb=BUCKET_MB)
     device.pad = False
     try:
         with device.attach(engine):
-            search = CapacitySearch(engine, device, token_batch, lm_loss, stage)
+            search = CapacitySearch(engine, device, WORKLOAD.sample_fn, WORKLOAD.loss_fn, stage)
             for b in range(1, limit):
                 if not search.trial(b):
                     return b - 1
@@ -59,16 +62,17 @@ def profile_and_train(rank: int, world: int, devices_by_stage: dict[int, list[Vi
     for stage, devices in devices_by_stage.items():
         device = devices[rank]
         options = ProfileOptions(zero_stage=stage, bucket_size_mb=BUCKET_MB, repeats=3)
-        prof = profile_rank(token_mlp_model, lm_loss, token_batch, device, options=options, log=lambda m: None)
+        prof = profile_rank(WORKLOAD.model_fn, WORKLOAD.loss_fn, WORKLOAD.sample_fn, device, options=options,
+                            log=lambda m: None)
         mbs = [r.mbs for r in prof.ranks]
         plan = Plan([RankPlan(m, 2, 0) for m in mbs])
-        model = token_mlp_model()
+        model = WORKLOAD.model_fn()
         engine = PoplarEngine(model, default_optimizer(model), zero_stage=prof.zero_stage, plan=plan,
                               bucket_size_mb=BUCKET_MB)
         device.raise_oom, device.pad = True, False
         with device.attach(engine):
             for it in range(2):
-                engine.train_step(token_batch(2 * mbs[rank]), lm_loss)
+                engine.train_step(WORKLOAD.sample_fn(2 * mbs[rank]), WORKLOAD.loss_fn)
             peak = device.peak()
         out[stage] = {"profile": prof.to_dict(), "train_peak": peak, "capacity": device.capacity_bytes}
     return out
@@ -133,8 +137,8 @@ def scenario_worker(rank: int, world: int, scenarios: list[tuple[list[VirtualDev
         options = ProfileOptions(zero_stage=stage, bucket_size_mb=BUCKET_MB, repeats=1, max_extra_passes=0,
                                  measure_comm=False)
         try:
-            out.append({"profile": profile_rank(token_mlp_model, lm_loss, token_batch, devices[rank],
-                                                options=options, log=lambda m: None).to_dict()})
+            out.append({"profile": profile_rank(WORKLOAD.model_fn, WORKLOAD.loss_fn, WORKLOAD.sample_fn,
+                                                devices[rank], options=options, log=lambda m: None).to_dict()})
         except ProfileError as e:
             out.append({"error": str(e)})
     return out
@@ -142,12 +146,12 @@ def scenario_worker(rank: int, world: int, scenarios: list[tuple[list[VirtualDev
 
 def batch1_peak(rank: int, stage: int) -> int:
     device = VirtualDevice("probe", 2 ** 40)
-    model = token_mlp_model()
+    model = WORKLOAD.model_fn()
     engine = local_engine(model, default_optimizer(model), world_size=WORLD, rank=rank, zero_stage=stage,
                           device=torch.device("cpu"), bucket_size_mb=BUCKET_MB)
     with device.attach(engine):
         use_plan(engine, search_plan(WORLD, rank, 1))
-        engine.train_step(token_batch(1), lm_loss)
+        engine.train_step(WORKLOAD.sample_fn(1), WORKLOAD.loss_fn)
         return device.last_step.peak
 
 
@@ -211,19 +215,19 @@ def test_bad_cluster_input_is_a_clear_error(tmp_path) -> None:
     broken = tmp_path / "broken.json"
     broken.write_text('{"name": "x", "devices": [{"type": "T4-16G", "count": 2}')
     with pytest.raises(ClusterError, match="not valid JSON"):
-        poplar.profile(token_mlp_model, lm_loss, token_batch, cluster=str(broken))
+        poplar.profile(WORKLOAD.model_fn, WORKLOAD.loss_fn, WORKLOAD.sample_fn, cluster=str(broken))
     unknown = tmp_path / "unknown.json"
     unknown.write_text('{"name": "x", "devices": [{"type": "H100-80G", "count": 2}]}')
     with pytest.raises(ClusterError, match="unknown device preset 'H100-80G'.*known presets"):
-        poplar.profile(token_mlp_model, lm_loss, token_batch, cluster=str(unknown))
+        poplar.profile(WORKLOAD.model_fn, WORKLOAD.loss_fn, WORKLOAD.sample_fn, cluster=str(unknown))
     no_devices = tmp_path / "empty.json"
     no_devices.write_text('{"name": "x"}')
     with pytest.raises(ClusterError, match="devices"):
-        poplar.profile(token_mlp_model, lm_loss, token_batch, cluster=str(no_devices))
+        poplar.profile(WORKLOAD.model_fn, WORKLOAD.loss_fn, WORKLOAD.sample_fn, cluster=str(no_devices))
     with pytest.raises(PresetError, match="known presets"):
         VirtualDevice.from_preset("RTX 5090", 1e-3, 1.0)
     with pytest.raises(ProfileError, match="cluster= .* or devices="):
-        poplar.profile(token_mlp_model, lm_loss, token_batch)
+        poplar.profile(WORKLOAD.model_fn, WORKLOAD.loss_fn, WORKLOAD.sample_fn)
     assert main(["profile", "--cluster", str(broken), "--quiet"]) == 2  # the CLI prints the error
 
 
@@ -250,13 +254,13 @@ def test_cli_profile_end_to_end(tmp_path, capsys) -> None:
 
 def test_stage3_engine_cleans_up_after_an_oom_inside_a_block() -> None:
     """Without the profiler's rebuild: the engine itself must come back to its memory before."""
-    model = token_mlp_model()
+    model = WORKLOAD.model_fn()
     engine = local_engine(model, default_optimizer(model), world_size=WORLD, rank=1, zero_stage=3,
                           device=torch.device("cpu"), bucket_size_mb=BUCKET_MB)
     device = VirtualDevice("d", 10 ** 9)
     device.inject_oom(batch=4, after_checks=6, where="saved")  # inside blocks.0's forward
     with device.attach(engine):
-        search = CapacitySearch(engine, device, token_batch, lm_loss, 3)  # no rebuild
+        search = CapacitySearch(engine, device, WORKLOAD.sample_fn, WORKLOAD.loss_fn, 3)  # no rebuild
         assert search.trial(2)
         assert not search.trial(4)
         event = search.result.oom_events[0]

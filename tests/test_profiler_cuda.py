@@ -10,12 +10,13 @@ import torch
 
 from poplar.profiler.capacity import CapacitySearch
 from poplar.profiler.local_comm import local_engine, search_plan, use_plan
-from poplar.profiler.models import lm_loss, transformer_batch, transformer_model
 from poplar.profiler.profile_run import ProfileOptions, default_optimizer, search_capacity
+from poplar.workloads import get_workload
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 GIB = 2 ** 30
+W = get_workload("llama-tiny")
 
 
 @pytest.fixture
@@ -32,19 +33,19 @@ def capped_device():
 @pytest.mark.parametrize("stage", [0, 2, 3])
 def test_cuda_capacity_search_and_recovery(stage: int, capped_device) -> None:
     device = capped_device
-    result = search_capacity(transformer_model, default_optimizer, lm_loss, transformer_batch, device,
+    result = search_capacity(W.model_fn, default_optimizer, W.loss_fn, W.sample_fn, device,
                              world_size=2, rank=0, stage=stage, options=ProfileOptions(bucket_size_mb=4.0),
                              log=lambda m: None)
     assert result.mbs >= 1 and result.oom_events
     for event in result.oom_events:  # a real torch.cuda.OutOfMemoryError, caught and released
         assert "OutOfMemoryError" in event.message
     # the found mbs trains; one more does not
-    model = transformer_model().to(device.torch_device)
+    model = W.model_fn().to(device.torch_device)
     engine = local_engine(model, default_optimizer(model), world_size=2, rank=0, zero_stage=stage,
                           device=device.torch_device, bucket_size_mb=4.0)
     with device.attach(engine):
-        search = CapacitySearch(engine, device, transformer_batch, lm_loss, stage)
+        search = CapacitySearch(engine, device, W.sample_fn, W.loss_fn, stage)
         assert search.trial(result.mbs)
         assert not search.trial(result.mbs + max(1, result.mbs // 8))
         use_plan(engine, search_plan(2, 0, result.mbs))
-        engine.train_step(transformer_batch(result.mbs).cuda(), lm_loss)
+        engine.train_step(W.sample_fn(result.mbs).cuda(), W.loss_fn)

@@ -10,10 +10,10 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from poplar.launch import spawn
+from poplar.workloads import ResidualMLP
 from tests.toy import DIM, HIDDEN, VOCAB, global_batch, loss_fn, make_optimizer
 
 # One spawn per world size runs the workers of several test files (process start-up dominates
@@ -21,17 +21,11 @@ from tests.toy import DIM, HIDDEN, VOCAB, global_batch, loss_fn, make_optimizer
 PARTS = {2: ("parity", "errors", "memory"), 3: ("parity", "ledger"), 4: ("memory",)}
 
 
-class Block(nn.Module):
-    """A residual MLP block with a pre-norm; sizes (13, 29) divide by neither 2 nor 3."""
+class Block(ResidualMLP):
+    """The residual MLP block at sizes (13, 29), which divide by neither 2 nor 3."""
 
     def __init__(self, dim: int = DIM, hidden: int = HIDDEN) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(dim)
-        self.up = nn.Linear(dim, hidden)
-        self.down = nn.Linear(hidden, dim)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return h + self.down(F.gelu(self.up(self.norm(h))))
+        super().__init__(dim, hidden)
 
 
 class TinyLM(nn.Module):

@@ -11,17 +11,20 @@ from poplar.profiler import SaturatingCurve, VirtualDevice, is_oom
 from poplar.profiler.capacity import CapacitySearch
 from poplar.profiler.local_comm import local_engine, search_plan, use_plan
 from poplar.profiler.memory import predicted_optimizer_bytes
-from poplar.profiler.models import lm_loss, token_batch, token_mlp_model
 from poplar.profiler.presets import PresetError
 from poplar.profiler.profile_run import default_optimizer
 from poplar.profiler.timing import MicroStepTimer, timing_batches
 from poplar.zero.comm import DistributedError
+from poplar.workloads import get_workload
+
+# the profiler's fast workload: the capacities and curves below are calibrated for it
+WORKLOAD = get_workload("token-mlp")
 
 MB = 10 ** 6
 
 
 def engine_at(stage: int, world: int = 3, rank: int = 1, optimizer: str = "adamw"):
-    model = token_mlp_model()
+    model = WORKLOAD.model_fn()
     opt = default_optimizer(model) if optimizer == "adamw" else torch.optim.SGD(model.parameters(), lr=0.1,
                                                                                  momentum=0.9)
     return local_engine(model, opt, world_size=world, rank=rank, zero_stage=stage, device=torch.device("cpu"),
@@ -30,7 +33,7 @@ def engine_at(stage: int, world: int = 3, rank: int = 1, optimizer: str = "adamw
 
 def step(engine, batch: int) -> None:
     use_plan(engine, search_plan(engine.world_size, engine.rank, batch))
-    engine.train_step(token_batch(batch), lm_loss)
+    engine.train_step(WORKLOAD.sample_fn(batch), WORKLOAD.loss_fn)
 
 
 def test_oom_error_is_the_cuda_type() -> None:
@@ -44,7 +47,7 @@ def test_oom_error_is_the_cuda_type() -> None:
 def test_model_states_and_activations_are_counted(stage: int) -> None:
     engine = engine_at(stage)
     device = VirtualDevice("d", 100 * MB)
-    psi = sum(p.numel() for p in token_mlp_model().parameters())  # (stage-3 parameters are empty between uses)
+    psi = sum(p.numel() for p in WORKLOAD.model_fn().parameters())  # (stage-3 parameters are empty between uses)
     with device.attach(engine):
         # before any step: optimizer state is predicted (AdamW: 8 bytes per parameter of the shard)
         states = {0: 16 * psi, 1: 8 * psi + 8 * psi / 3, 2: 4 * psi + 12 * psi / 3, 3: 16 * psi / 3}[stage]
@@ -97,7 +100,7 @@ def test_capacity_search_finds_the_largest_batch() -> None:
     engine = engine_at(0)
     device = VirtualDevice("d", int(1.5 * MB))
     with device.attach(engine):
-        search = CapacitySearch(engine, device, token_batch, lm_loss, 0)
+        search = CapacitySearch(engine, device, WORKLOAD.sample_fn, WORKLOAD.loss_fn, 0)
         result = search.run()
         assert result.mbs > 4 and result.oom_events
         assert all(e.memory_after == e.memory_before for e in result.oom_events)
@@ -109,11 +112,11 @@ def test_padding_makes_compute_follow_the_curve() -> None:
     engine = engine_at(0, world=1, rank=0)
     device = VirtualDevice("d", 100 * MB, time_fn=curve)
     with device.attach(engine), MicroStepTimer(engine, device) as timer:
-        loss = timer.wrap_loss(lm_loss)
+        loss = timer.wrap_loss(WORKLOAD.loss_fn)
         sizes = (1, 1, 1, 8, 8, 8, 32, 32, 32)
         for b in sizes:
             use_plan(engine, search_plan(1, 0, b))
-            engine.train_step(token_batch(b), loss)
+            engine.train_step(WORKLOAD.sample_fn(b), loss)
     for b in (1, 8, 32):  # the profiler's estimator: the smallest of a few
         best = min(c for (c, _), s in list(zip(timer.records, sizes))[1:] if s == b)
         assert best == pytest.approx(curve(b), rel=0.05)
@@ -126,10 +129,10 @@ def test_slowdown_factor() -> None:
     times = {}
     for dev in (plain, slow):
         with dev.attach(engine), MicroStepTimer(engine, dev) as timer:
-            loss = timer.wrap_loss(lm_loss)
+            loss = timer.wrap_loss(WORKLOAD.loss_fn)
             for _ in range(7):
                 use_plan(engine, search_plan(1, 0, 16))
-                engine.train_step(token_batch(16), loss)
+                engine.train_step(WORKLOAD.sample_fn(16), loss)
         times[dev.name] = sorted(c for c, _ in timer.records)[3]
     assert 2 < times["slow"] / times["fast"] < 8  # 4x, within the noise of a shared machine
 

@@ -15,7 +15,7 @@ from poplar.profiles import Profile
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from poplar.profiler.models import WORKLOADS
+    from poplar.workloads import DEFAULT_WORKLOAD, WORKLOADS
 
     p = subparsers.add_parser(
         "profile", help="measure each rank's largest micro-batch and speed curve (emulated cluster on CPU)",
@@ -24,7 +24,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--cluster", required=True, help="built-in cluster name (A, B, C, C-1:3, D) or a cluster JSON file")
     p.add_argument("--stage", type=int, choices=(0, 1, 2, 3), default=0,
                    help="ZeRO stage (raised automatically if batch 1 does not fit on some rank)")
-    p.add_argument("--model", choices=sorted(WORKLOADS), default="tiny-transformer", help="built-in workload")
+    p.add_argument("--model", choices=list(WORKLOADS), default=DEFAULT_WORKLOAD,
+                   help=f"built-in workload (default {DEFAULT_WORKLOAD}): "
+                        + "; ".join(f"{w.name}: {w.description}" for w in WORKLOADS.values()))
     p.add_argument("-o", "--output", default=None, help="write the profile JSON here")
     p.add_argument("--memory-scale", default="auto",
                    help="preset memory x this (default auto: the smallest device fits a batch of ~8)")
@@ -51,7 +53,7 @@ def _scale(value: str, name: str) -> float | str:
 
 def _profile(args: argparse.Namespace) -> int:
     from poplar.profiler.api import profile
-    from poplar.profiler.models import get_workload
+    from poplar.workloads import get_workload
 
     if args.repeats < 1 or args.max_batch < 1:
         raise ValueError("--repeats and --max-batch must be >= 1")

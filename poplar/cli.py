@@ -14,6 +14,7 @@ COMMAND_MODULES = [
     "poplar.demo",
     "poplar.planner.commands",
     "poplar.profiler.commands",
+    "poplar.train",
 ]
 
 

@@ -61,22 +61,60 @@ class PoplarEngine:
         max_grad_norm: clip the global gradient norm (over all ranks) to this value.
         bucket_size_mb: gradient bucket size of stages 0-2 (each bucket is one collective).
         wrap_policy: stage 3 only: which modules form a gather/release block.
+        communicator: use this ``Communicator`` instead of one on ``process_group``.
+
+    Auto mode (no ``plan``; see ``poplar.auto``): give ``global_batch_size`` and ``loss_fn``
+    instead, and the engine profiles every rank's device (largest micro-batch, speed curve),
+    plans with ``auto.strategy`` and logs the plan; ``zero_stage`` is raised if the model does
+    not fit batch 1 somewhere. Every rank builds the engine together.
+
+        global_batch_size: samples per optimizer step.
+        loss_fn: ``loss_fn(module, micro_batch)`` -> mean loss; also ``train_step``'s default.
+        profile_data: what profiling trains on: a map-style dataset or ``sample_fn(b)``
+            (a batch of ``b`` samples).
+        cluster: on CPU, emulate this cluster (a ``ClusterSpec``, a built-in name or a cluster
+            JSON file): rank r runs as its r-th device (a ``VirtualDevice``: memory cap, speed).
+        device: this rank's device instead (a ``VirtualDevice`` or ``CudaDevice``); on CUDA it
+            defaults to the model's GPU.
+        auto: ``AutoOptions`` (strategy, a saved profile to reuse, profiling knobs).
+    With a virtual device the engine keeps it attached while training: compute is stretched to
+    the device's speed and its memory cap is enforced (``engine.close()`` detaches it).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, zero_stage: int = 0,
                  plan: Plan | None = None, process_group: Any = None, max_grad_norm: float | None = None,
-                 bucket_size_mb: float = 25.0, wrap_policy: Any = None) -> None:
-        device = next(model.parameters()).device
-        self.comm = Communicator(process_group, device)
+                 bucket_size_mb: float = 25.0, wrap_policy: Any = None, communicator: Communicator | None = None,
+                 global_batch_size: int | None = None, loss_fn: LossFn | None = None, profile_data: Any = None,
+                 cluster: Any = None, device: Any = None, auto: Any = None) -> None:
+        model_device = next(model.parameters()).device
+        self.comm = communicator if communicator is not None else Communicator(process_group, model_device)
         self.comm_ledger: CommLedger = self.comm.ledger
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
-        self.module, self.optimizer, self.plan = model, optimizer, plan
-        self.zero_stage, self.max_grad_norm = zero_stage, max_grad_norm
+        self.module, self.optimizer = model, optimizer
+        self.loss_fn = loss_fn
+        self.max_grad_norm = max_grad_norm
         self.iteration = 0
         self.last_grad_norm: float | None = None
         self.last_stats: IterationStats | None = None
         # (iteration, micro-step, wall-clock start, seconds) of recent micro-steps, for timelines
         self.timeline: deque[tuple[int, int, float, float]] = deque(maxlen=50_000)
+        self.profile: Any = None  # the Profile auto mode measured
+        self.device: Any = device  # the profiler Device of this rank, if any
+        self._device_ctx: Any = None
+
+        if plan is None and global_batch_size is not None:
+            from poplar.auto import auto_plan
+
+            result = auto_plan(self, model, optimizer, global_batch_size=global_batch_size, zero_stage=zero_stage,
+                               loss_fn=loss_fn, profile_data=profile_data, cluster=cluster, device=device,
+                               options=auto, bucket_size_mb=bucket_size_mb, wrap_policy=wrap_policy)
+            plan, zero_stage, self.profile, self.device = result.plan, result.plan.zero_stage, result.profile, \
+                result.device
+        elif plan is not None and global_batch_size is not None and global_batch_size != getattr(
+                plan, "global_batch_size", global_batch_size):
+            raise ValueError(f"global_batch_size={global_batch_size} but the plan's rows sum to "
+                             f"{plan.global_batch_size}; give one of them")
+        self.plan, self.zero_stage = plan, zero_stage
 
         error, groups = self._check_setup(model, optimizer, zero_stage, plan, max_grad_norm, bucket_size_mb)
         self._agree_setup(error, model, zero_stage, plan)
@@ -85,6 +123,9 @@ class PoplarEngine:
         self.rank_plan = plan.ranks[self.rank]
         self.stage: ZeroStage = self._build_stage(groups, bucket_size_mb, wrap_policy)
         self._reset_iteration()
+        if self.device is not None and getattr(self.device, "kind", "") == "virtual":
+            self._device_ctx = self.device.attach(self)
+            self._device_ctx.__enter__()
 
     # ------------------------------------------------------------------ setup
     def _check_setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, zero_stage: Any, plan: Any,
@@ -96,7 +137,7 @@ class PoplarEngine:
         if not isinstance(plan, Plan):
             return (f"plan must be a poplar.Plan with one RankPlan per rank, got {type(plan).__name__}; "
                     f"e.g. Plan.even(world_size={self.world_size}, global_batch_size=..., micro_batch_size=...) "
-                    "or poplar.plan(profile, ...)"), []
+                    "or poplar.plan(profile, ...); or give global_batch_size= and loss_fn= for auto mode"), []
         if plan.world_size != self.world_size:
             return (f"plan has {plan.world_size} rows but the world has {self.world_size} ranks; "
                     "give one RankPlan per rank"), []
@@ -141,14 +182,49 @@ class PoplarEngine:
         stage.sync_params()
         return stage
 
+    # ------------------------------------------------------------------ plan
+    def set_plan(self, plan: Plan) -> None:
+        """Use ``plan`` from the next iteration on. Every rank must call it, between iterations,
+        with the same plan (checked: a ``DistributedError`` on every rank otherwise)."""
+        error = None
+        if self._micro_steps:
+            error = "set_plan() inside an iteration; call it between iterations"
+        elif not isinstance(plan, Plan):
+            error = f"plan must be a poplar.Plan, got {type(plan).__name__}"
+        elif plan.world_size != self.world_size:
+            error = f"plan has {plan.world_size} rows but the world has {self.world_size} ranks"
+        digest = hashlib.sha256(plan.to_json().encode()).hexdigest() if error is None else None
+        verdicts = self.comm.all_gather_object((error, digest), tag="set_plan")
+        lines = [f"  rank {r}: {e}" for r, (e, _) in enumerate(verdicts) if e is not None]
+        if not lines and len({d for _, d in verdicts}) > 1:
+            lines = ["  ranks were given different plans; pass the same plan to every rank"]
+        if lines:
+            raise DistributedError("set_plan failed:\n" + "\n".join(lines))
+        self.plan, self.rank_plan, self.global_batch_size = plan, plan.ranks[self.rank], plan.global_batch_size
+
+    def close(self) -> None:
+        """Detach the virtual device (auto mode on an emulated cluster); the engine stays usable
+        at CPU speed without a memory cap."""
+        if self._device_ctx is not None:
+            ctx, self._device_ctx = self._device_ctx, None
+            ctx.__exit__(None, None, None)
+
+    def __enter__(self) -> "PoplarEngine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
     # ------------------------------------------------------------------ one iteration
-    def train_step(self, batch: Any, loss_fn: LossFn) -> float:
+    def train_step(self, batch: Any, loss_fn: LossFn | None = None) -> float:
         """Run this rank's micro-steps on ``batch`` (its n_i samples), reduce, clip, step.
 
-        ``loss_fn(module, micro_batch)`` returns the mean loss over the micro-batch. Returns the
-        per-sample mean loss over the whole global batch (the same float on every rank).
+        ``loss_fn(module, micro_batch)`` returns the mean loss over the micro-batch (default: the
+        engine's ``loss_fn``). Returns the per-sample mean loss over the whole global batch (the
+        same float on every rank).
         """
         self._iter_start = time.perf_counter()
+        loss_fn = loss_fn if loss_fn is not None else self.loss_fn
         sizes = self.rank_plan.micro_batch_sizes()
         error: str | None = None
         cause: BaseException | None = None
@@ -161,6 +237,8 @@ class PoplarEngine:
                          "give each rank its slice of the global batch (poplar's sampler does this)")
         except ValueError as e:
             error, cause = str(e), e
+        if error is None and loss_fn is None:
+            error = "no loss_fn: pass train_step(batch, loss_fn) or PoplarEngine(..., loss_fn=...)"
         if error is not None:
             sizes = []
         start = 0
@@ -275,6 +353,14 @@ class PoplarEngine:
             for g in grads:
                 g.mul_(coef)
         return norm
+
+    def fit(self, data: Any, iterations: int, **kwargs: Any) -> Any:
+        """Train until the engine's iteration count reaches ``iterations``, on ``data`` (a map-style
+        dataset, cut per the plan), logging measured vs predicted times; checkpoints, resume and
+        reports on request. Returns a ``FitResult``; see ``poplar.trainer.fit`` for the options."""
+        from poplar.trainer import fit
+
+        return fit(self, data, iterations, **kwargs)
 
     # ------------------------------------------------------------------ state
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -19,8 +19,7 @@ from one iteration to the next (the search and the timing rounds change batch si
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -74,33 +73,6 @@ class LocalCommunicator(Communicator):
         pass
 
 
-@contextlib.contextmanager
-def _engine_communicator(comm: Communicator, zero_stage: int) -> Iterator[None]:
-    """While building a PoplarEngine, hand it ``comm`` instead of one on the world group.
-
-    PoplarEngine builds its Communicator itself (and Stage3 a second one on a new process group);
-    until they take one as an argument, the profiler swaps the names those modules look up, for
-    the duration of the constructor.
-    """
-    import poplar.engine as engine_module
-
-    saved = engine_module.Communicator
-    engine_module.Communicator = lambda process_group=None, device=None: comm  # type: ignore[assignment]
-    sharded_module, saved_second = None, None
-    if zero_stage == 3:
-        import poplar.zero.sharded as sharded
-
-        if hasattr(sharded, "_second_group"):  # a stage 3 that opens a second process group: a local engine has none
-            sharded_module, saved_second = sharded, sharded._second_group
-            sharded._second_group = lambda c: c if isinstance(c, LocalCommunicator) else saved_second(c)
-    try:
-        yield
-    finally:
-        engine_module.Communicator = saved  # type: ignore[assignment]
-        if sharded_module is not None:
-            sharded_module._second_group = saved_second
-
-
 def search_plan(world_size: int, rank: int, batch: int) -> Plan:
     """The plan of one capacity-search trial: this rank runs one micro-step of ``batch``, the
     (pretend) others none, so the global batch is ``batch``."""
@@ -120,14 +92,14 @@ def local_engine(model: nn.Module, optimizer: torch.optim.Optimizer, *, world_si
     from poplar.engine import PoplarEngine
 
     comm = LocalCommunicator(world_size, rank, device)
-    with _engine_communicator(comm, zero_stage):
-        return PoplarEngine(model, optimizer, zero_stage=zero_stage, plan=search_plan(world_size, rank, 1),
-                            **engine_kwargs)
+    return PoplarEngine(model, optimizer, zero_stage=zero_stage, plan=search_plan(world_size, rank, 1),
+                        communicator=comm, **engine_kwargs)
 
 
 def use_plan(engine: Any, plan: Plan) -> None:
-    """Make ``plan`` the engine's plan from the next iteration on (every rank must switch to the
-    same plan; the profiler derives it from data all ranks agreed on)."""
+    """Make ``plan`` the engine's plan from the next iteration on, without the agreement
+    collective of ``engine.set_plan`` (every rank must switch to the same plan; the profiler
+    derives it from data all ranks agreed on, and switches once per timing round)."""
     if plan.world_size != engine.world_size:
         raise ValueError(f"plan has {plan.world_size} rows but the engine's world has {engine.world_size} ranks")
     engine.plan = plan

@@ -1,0 +1,142 @@
+"""`poplar train --config run.json`: one rank of a training job, launched by ``torchrun``
+(``torchrun --nproc_per_node N -m poplar train --config run.json``; without torchrun it runs as a
+world of one). CUDA + NCCL when the machine has GPUs, gloo on CPU. The config (``train_config``)
+names the model, data, optimizer, ZeRO stage and global batch; the plan comes from auto mode
+(profiling each rank's GPU, or the emulated cluster's device on CPU), a plan file, or an even
+split. Training logs measured vs predicted times, writes checkpoints and resumes from them.
+
+A failure on any rank (a dead peer, a bad batch, a corrupt checkpoint) ends every rank with a
+one-paragraph error on stderr and exit status 1; the last complete checkpoint stays as it was.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from poplar.logs import log
+from poplar.train_config import ConfigError, TrainConfig
+
+
+def init_distributed(timeout_s: float) -> torch.device:
+    """Join the job torchrun started (env:// rendezvous); returns this rank's device."""
+    import torch.distributed as dist
+
+    if "RANK" not in os.environ or dist.is_initialized():
+        return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        device, backend = torch.device("cuda", local), "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+        if os.environ.get("MASTER_ADDR") in ("127.0.0.1", "localhost"):  # one machine: stay on loopback
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    kwargs: dict[str, Any] = {"backend": backend, "timeout": timedelta(seconds=timeout_s)}
+    if backend == "nccl":
+        kwargs["device_id"] = device
+    dist.init_process_group(**kwargs)
+    return device
+
+
+def build(cfg: TrainConfig, device: torch.device) -> tuple[Any, Any, Any, Any]:
+    """Model (on ``device``), optimizer, loss function and training dataset of the config."""
+    from poplar.models import create_model, loss_fn_for
+    from poplar.text_data import MaskedTextBlocks, TextBlocks
+
+    overrides = dict(cfg.model_overrides)
+    if cfg.model.startswith("llama") or cfg.model.startswith("bert"):
+        overrides.setdefault("max_seq_len", max(cfg.seq_len, 8))
+    model = create_model(cfg.model, seed=cfg.seed, **overrides).to(device)
+    blocks = MaskedTextBlocks if cfg.model.startswith("bert") else TextBlocks
+    data = blocks(cfg.data_path, seq_len=cfg.seq_len, split="train")
+    opt_class = getattr(torch.optim, cfg.optimizer)
+    try:
+        optimizer = opt_class(model.parameters(), **cfg.optimizer_params)
+    except TypeError as e:
+        raise ConfigError(f'"optimizer.params" do not fit torch.optim.{cfg.optimizer}: {e}') from None
+    return model, optimizer, loss_fn_for(model), data
+
+
+def choose_plan(cfg: TrainConfig, world: int, device: torch.device) -> tuple[Any, bool]:
+    """(a fixed Plan or None, whether to run auto mode)."""
+    from poplar.plans import Plan
+
+    if cfg.plan:
+        return Plan.load(cfg.plan), False
+    if device.type == "cuda" or cfg.cluster or cfg.profile:
+        return None, True
+    if cfg.micro_batch_size is None:
+        raise ConfigError('on a CPU without a GPU to profile, give "poplar.cluster" (emulate a cluster of GPUs), '
+                          '"poplar.plan" (a plan file) or "train_micro_batch_size_per_gpu" (an even plan)')
+    gbs = cfg.global_batch_size(world)
+    if cfg.accum_steps is not None and cfg.train_batch_size is not None and \
+            cfg.micro_batch_size * cfg.accum_steps * world != gbs:
+        raise ConfigError(f"train_batch_size {gbs} != train_micro_batch_size_per_gpu {cfg.micro_batch_size} x "
+                          f"gradient_accumulation_steps {cfg.accum_steps} x {world} ranks")
+    return Plan.even(world, gbs, cfg.micro_batch_size), False
+
+
+def run(cfg: TrainConfig) -> int:
+    from poplar.auto import AutoOptions
+    from poplar.engine import PoplarEngine
+
+    device = init_distributed(cfg.collective_timeout_s)
+    torch.manual_seed(cfg.seed)
+    model, optimizer, loss_fn, data = build(cfg, device)
+    import torch.distributed as dist
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    plan, auto = choose_plan(cfg, world, device)
+    kwargs: dict[str, Any] = {"zero_stage": cfg.zero_stage, "max_grad_norm": cfg.gradient_clipping,
+                              "bucket_size_mb": cfg.bucket_size_mb, "loss_fn": loss_fn}
+    if auto:
+        kwargs.update(global_batch_size=cfg.global_batch_size(world), profile_data=data, cluster=cfg.cluster,
+                      auto=AutoOptions(strategy=cfg.strategy, profile=cfg.profile,
+                                       profile_output=os.path.join(cfg.report_dir, "profile.json")
+                                       if cfg.report_dir else None))
+    else:
+        kwargs["plan"] = plan
+    engine = PoplarEngine(model, optimizer, **kwargs)
+    if engine.rank == 0 and not auto:
+        log.info(f"plan ({plan.strategy or 'from file'}, ZeRO-{engine.zero_stage}):\n{plan.table()}")
+    try:
+        engine.fit(data, cfg.iterations, log_every=cfg.log_every, checkpoint_dir=cfg.checkpoint_dir,
+                   checkpoint_every=cfg.checkpoint_every, resume=cfg.resume, report_dir=cfg.report_dir,
+                   seed=cfg.seed, lr_at=cfg.lr_at if cfg.scheduler else None)
+    finally:
+        engine.close()
+    return 0
+
+
+def _main(args: argparse.Namespace) -> int:
+    from poplar.zero.comm import DistributedError
+
+    cfg = TrainConfig.load(args.config)
+    if args.iterations is not None:
+        cfg.iterations = args.iterations
+    try:
+        return run(cfg)
+    except DistributedError as e:  # the same story on every rank; keep it to one paragraph each
+        rank = os.environ.get("RANK", "0")
+        print(f"poplar train: rank {rank}: {e}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        import torch.distributed as dist
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - peers may be gone
+                pass
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train from a JSON config (launch with torchrun for several ranks)",
+                       description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument("--config", required=True, help="the run's JSON config (DeepSpeed-style keys + a poplar section)")
+    p.add_argument("--iterations", type=int, default=None, help="override poplar.iterations")
+    p.set_defaults(func=_main)

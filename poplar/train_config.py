@@ -1,0 +1,246 @@
+"""The JSON config of ``poplar train``: DeepSpeed's keys where they mean the same thing, and a
+``poplar`` section for the rest. Every key is checked; an unknown or unsupported one is an
+error that names it (a typo must not silently change a run). Paths are relative to the current
+directory, as DeepSpeed's are.
+
+    {
+      "train_batch_size": 64,                      global batch (samples per optimizer step)
+      "train_micro_batch_size_per_gpu": 8,         optional; only for an even plan (see below)
+      "gradient_accumulation_steps": 2,            optional; DeepSpeed's identity is checked
+      "gradient_clipping": 1.0,
+      "steps_per_print": 10,
+      "seed": 0,
+      "zero_optimization": {"stage": 2, "reduce_bucket_size": 50000000},
+      "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "weight_decay": 0.01}},
+      "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 10, "warmup_max_lr": 3e-4,
+                                                          "total_num_steps": 100}},
+      "poplar": {
+        "iterations": 100,                          train until this iteration
+        "model": "llama-small",                     or {"name": "llama-small", "max_seq_len": 64, ...}
+        "data": {"path": null, "seq_len": 64},      a UTF-8 text file; null: the corpus shipped with Poplar
+        "cluster": "B",                             CPU: emulate this cluster (built-in name or JSON file)
+        "strategy": "poplar",                       or "even" / "flops"
+        "plan": null,                               a plan JSON: use it, no profiling
+        "profile": null,                            a profile JSON: plan from it, no profiling
+        "checkpoint": {"dir": "runs/x/ckpt", "every": 50, "resume": true},
+        "report_dir": "runs/x",
+        "collective_timeout_s": 300
+      }
+    }
+
+How the plan is chosen: ``poplar.plan`` if given; otherwise auto mode (profile, then plan with
+``poplar.strategy``) when there is something to profile — a GPU, ``poplar.cluster`` on CPU, or
+a saved ``poplar.profile``; otherwise, on plain CPU, DeepSpeed's even plan from
+``train_micro_batch_size_per_gpu``. In auto mode the micro-batch and accumulation keys are not
+used: every rank gets its own.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD", "adagrad": "Adagrad", "rmsprop": "RMSprop"}
+SCHEDULERS = ("WarmupLR", "WarmupDecayLR")
+TOP_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+            "gradient_clipping", "steps_per_print", "seed", "zero_optimization", "optimizer", "scheduler", "poplar",
+            "fp16", "bf16", "wall_clock_breakdown"}
+ZERO_KEYS = {"stage", "reduce_bucket_size"}
+POPLAR_KEYS = {"iterations", "model", "data", "cluster", "strategy", "plan", "profile", "checkpoint", "report_dir",
+               "collective_timeout_s", "log_every"}
+
+
+class ConfigError(ValueError):
+    """A config that cannot be run; the message names the key and the fix."""
+
+
+@dataclass
+class TrainConfig:
+    train_batch_size: int | None = None
+    micro_batch_size: int | None = None
+    accum_steps: int | None = None
+    gradient_clipping: float | None = None
+    log_every: int = 10
+    seed: int = 0
+    zero_stage: int = 0
+    bucket_size_mb: float = 25.0
+    optimizer: str = "AdamW"
+    optimizer_params: dict[str, Any] = field(default_factory=lambda: {"lr": 1e-3})
+    scheduler: str | None = None
+    scheduler_params: dict[str, Any] = field(default_factory=dict)
+    iterations: int = 100
+    model: str = "llama-small"
+    model_overrides: dict[str, Any] = field(default_factory=dict)
+    data_path: str | None = None
+    seq_len: int = 64
+    cluster: str | None = None
+    strategy: str = "poplar"
+    plan: str | None = None
+    profile: str | None = None
+    checkpoint_dir: str | None = None
+    checkpoint_every: int | None = None
+    resume: bool = True
+    report_dir: str | None = None
+    collective_timeout_s: float = 300.0
+
+    # ------------------------------------------------------------------ reading
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "TrainConfig":
+        try:
+            raw = json.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} not found") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"config file {path} is not valid JSON: {e}") from None
+        return cls.from_dict(raw)
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> "TrainConfig":
+        if not isinstance(raw, dict):
+            raise ConfigError(f"the config must be a JSON object, got {type(raw).__name__}")
+        _no_unknown(raw, TOP_KEYS, "the config")
+        for flag in ("fp16", "bf16"):
+            if _get(raw, flag, dict, {}).get("enabled", False):
+                raise ConfigError(f'"{flag}": Poplar trains in fp32; remove the key or set "enabled": false')
+        cfg = cls()
+        cfg.train_batch_size = _int(raw, "train_batch_size", None)
+        cfg.micro_batch_size = _int(raw, "train_micro_batch_size_per_gpu", None)
+        cfg.accum_steps = _int(raw, "gradient_accumulation_steps", None)
+        clip = raw.get("gradient_clipping")
+        if clip is not None and (not isinstance(clip, (int, float)) or isinstance(clip, bool) or clip < 0):
+            raise ConfigError(f'"gradient_clipping" must be a number >= 0, got {clip!r}')
+        cfg.gradient_clipping = float(clip) if clip else None  # DeepSpeed: 0 means off
+        cfg.log_every = _int(raw, "steps_per_print", 10, minimum=0)
+        cfg.seed = _int(raw, "seed", 0, minimum=0)
+        zero = _get(raw, "zero_optimization", dict, {})
+        _no_unknown(zero, ZERO_KEYS, '"zero_optimization"')
+        cfg.zero_stage = _int(zero, "stage", 0, minimum=0, where='"zero_optimization"')
+        if cfg.zero_stage > 3:
+            raise ConfigError(f'"zero_optimization.stage" must be 0, 1, 2 or 3, got {cfg.zero_stage}')
+        if "reduce_bucket_size" in zero:
+            cfg.bucket_size_mb = _int(zero, "reduce_bucket_size", 0, minimum=1, where='"zero_optimization"') / 2**20
+        _read_optimizer(cfg, raw)
+        _read_poplar(cfg, _get(raw, "poplar", dict, {}))
+        return cfg
+
+    # ------------------------------------------------------------------ derived
+    def global_batch_size(self, world_size: int) -> int:
+        """``train_batch_size``, or DeepSpeed's micro x accumulation x world when only those are given;
+        DeepSpeed's identity is checked when all three are given and the plan is even."""
+        tbs, mbs, gas = self.train_batch_size, self.micro_batch_size, self.accum_steps
+        if tbs is None:
+            if mbs is None:
+                raise ConfigError('give "train_batch_size" (the global batch: samples per optimizer step)')
+            return mbs * (gas or 1) * world_size
+        return tbs
+
+    def lr_at(self, iteration: int) -> float | None:
+        """The scheduler's learning rate for ``iteration`` (None without a scheduler)."""
+        if self.scheduler is None:
+            return None
+        p = self.scheduler_params
+        lo, hi, warm = p.get("warmup_min_lr", 0.0), p.get("warmup_max_lr", 1e-3), p.get("warmup_num_steps", 1000)
+        if iteration < warm:
+            if p.get("warmup_type", "log") == "log":
+                gamma = math.log(iteration + 1) / math.log(warm) if warm > 1 else 1.0
+            else:
+                gamma = iteration / warm
+        else:
+            gamma = 1.0
+        if self.scheduler == "WarmupDecayLR" and iteration >= warm:
+            total = p["total_num_steps"]
+            gamma = max(0.0, (total - iteration) / max(1.0, total - warm))
+        return lo + gamma * (hi - lo)
+
+
+def _no_unknown(d: dict, known: set[str], where: str) -> None:
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise ConfigError(f"{where} has keys Poplar does not know: {unknown}; known keys: {sorted(known)}")
+
+
+def _get(d: dict, key: str, kind: type, default: Any) -> Any:
+    value = d.get(key, default)
+    if value is not None and not isinstance(value, kind):
+        raise ConfigError(f'"{key}" must be a {kind.__name__}, got {value!r}')
+    return value
+
+
+def _int(d: dict, key: str, default: Any, *, minimum: int = 1, where: str = "the config") -> Any:
+    value = d.get(key, default)
+    if value is None:
+        return None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f'{where}: "{key}" must be an integer >= {minimum}, got {value!r}')
+    return value
+
+
+def _read_optimizer(cfg: TrainConfig, raw: dict) -> None:
+    opt = _get(raw, "optimizer", dict, None)
+    if opt is not None:
+        _no_unknown(opt, {"type", "params"}, '"optimizer"')
+        name = str(opt.get("type", "AdamW"))
+        if name.lower() not in OPTIMIZERS:
+            raise ConfigError(f'"optimizer.type" {name!r} is not supported; use one of {sorted(OPTIMIZERS.values())}')
+        cfg.optimizer = OPTIMIZERS[name.lower()]
+        cfg.optimizer_params = dict(_get(opt, "params", dict, {}) or {})
+        if "betas" in cfg.optimizer_params:
+            cfg.optimizer_params["betas"] = tuple(cfg.optimizer_params["betas"])
+    sched = _get(raw, "scheduler", dict, None)
+    if sched is not None:
+        _no_unknown(sched, {"type", "params"}, '"scheduler"')
+        if sched.get("type") not in SCHEDULERS:
+            raise ConfigError(f'"scheduler.type" {sched.get("type")!r} is not supported; use one of {SCHEDULERS}')
+        cfg.scheduler, cfg.scheduler_params = sched["type"], dict(_get(sched, "params", dict, {}) or {})
+        known = {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "total_num_steps"}
+        _no_unknown(cfg.scheduler_params, known, '"scheduler.params"')
+        if cfg.scheduler_params.get("warmup_type", "log") not in ("log", "linear"):
+            raise ConfigError('"scheduler.params.warmup_type" must be "log" or "linear"')
+        if cfg.scheduler == "WarmupDecayLR" and "total_num_steps" not in cfg.scheduler_params:
+            raise ConfigError('"WarmupDecayLR" needs "scheduler.params.total_num_steps"')
+
+
+def _read_poplar(cfg: TrainConfig, p: dict) -> None:
+    _no_unknown(p, POPLAR_KEYS, '"poplar"')
+    cfg.iterations = _int(p, "iterations", cfg.iterations, minimum=0, where='"poplar"')
+    model = p.get("model", cfg.model)
+    if isinstance(model, dict):
+        model = dict(model)
+        if "name" not in model:
+            raise ConfigError('"poplar.model" as an object needs "name", e.g. {"name": "llama-small", "n_layers": 4}')
+        cfg.model, cfg.model_overrides = str(model.pop("name")), model
+    elif isinstance(model, str):
+        cfg.model = model
+    else:
+        raise ConfigError(f'"poplar.model" must be a name or an object, got {model!r}')
+    data = _get(p, "data", dict, {}) or {}
+    _no_unknown(data, {"path", "seq_len"}, '"poplar.data"')
+    cfg.data_path = data.get("path")
+    cfg.seq_len = _int(data, "seq_len", cfg.seq_len, where='"poplar.data"')
+    for key in ("cluster", "plan", "profile", "report_dir"):
+        value = p.get(key)
+        if value is not None and not isinstance(value, str):
+            raise ConfigError(f'"poplar.{key}" must be a string (a name or a path), got {value!r}')
+        setattr(cfg, key, value)
+    cfg.strategy = str(p.get("strategy", cfg.strategy))
+    if cfg.strategy not in ("poplar", "even", "flops"):
+        raise ConfigError(f'"poplar.strategy" must be "poplar", "even" or "flops", got {cfg.strategy!r}')
+    ckpt = _get(p, "checkpoint", dict, {}) or {}
+    _no_unknown(ckpt, {"dir", "every", "resume"}, '"poplar.checkpoint"')
+    cfg.checkpoint_dir = ckpt.get("dir")
+    cfg.checkpoint_every = _int(ckpt, "every", None, where='"poplar.checkpoint"')
+    cfg.resume = bool(ckpt.get("resume", True))
+    if cfg.checkpoint_every and not cfg.checkpoint_dir:
+        raise ConfigError('"poplar.checkpoint.every" needs "poplar.checkpoint.dir"')
+    timeout = p.get("collective_timeout_s", cfg.collective_timeout_s)
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
+        raise ConfigError(f'"poplar.collective_timeout_s" must be a number > 0, got {timeout!r}')
+    cfg.collective_timeout_s = float(timeout)
+    if "log_every" in p:
+        cfg.log_every = _int(p, "log_every", 10, minimum=0, where='"poplar"')

@@ -1,0 +1,80 @@
+"""`torchrun -m poplar train --config ...` trains on CPU (gloo), resumes, runs auto mode on an
+emulated cluster, and refuses a bad config with the key's name."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _config(tmp: Path, **poplar: object) -> Path:
+    cfg = {
+        "train_batch_size": 12,
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 2,
+        "zero_optimization": {"stage": 2},
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.003, "betas": [0.9, 0.95]}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 2, "warmup_max_lr": 0.003}},
+        "poplar": {"iterations": 4, "model": {"name": "llama-tiny", "n_layers": 2}, "data": {"seq_len": 16},
+                   "checkpoint": {"dir": "ckpt", "every": 2}, "report_dir": "report", "collective_timeout_s": 60,
+                   **poplar},
+    }
+    path = tmp / "run.json"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def _torchrun(tmp: Path, *args: str, nproc: int = 2) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    return subprocess.run([str(TORCHRUN), "--standalone", "--nproc_per_node", str(nproc), "-m", "poplar", "train",
+                           "--config", "run.json", *args], cwd=tmp, env=env, capture_output=True, text=True,
+                          timeout=240)
+
+
+@pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed beside this Python")
+def test_torchrun_trains_checkpoints_and_resumes(tmp_path: Path) -> None:
+    _config(tmp_path)
+    run = _torchrun(tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "iteration 4/4" in run.stderr and "plan (even, ZeRO-2)" in run.stderr
+    assert json.loads((tmp_path / "ckpt" / "index.json").read_text())["iteration"] == 4
+    metrics = json.loads((tmp_path / "report" / "metrics.json").read_text())
+    assert metrics["end_iteration"] == 4 and [r["samples"] for r in metrics["ranks"]] == [6, 6]
+    assert (tmp_path / "report" / "trace.json").is_file()
+
+    again = _torchrun(tmp_path, "--iterations", "6")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed from ckpt at iteration 4" in again.stderr
+    assert json.loads((tmp_path / "ckpt" / "index.json").read_text())["iteration"] == 6
+
+
+@pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed beside this Python")
+def test_torchrun_auto_mode_on_an_emulated_cluster(tmp_path: Path) -> None:
+    (tmp_path / "pair.json").write_text(json.dumps(
+        {"name": "pair", "devices": [{"type": "V100-16G", "count": 1}, {"type": "T4-16G", "count": 1}]}))
+    _config(tmp_path, cluster="pair.json", iterations=2)
+    run = _torchrun(tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "plan (poplar, ZeRO-2" in run.stderr and "V100-16G" in run.stderr and "predicted" in run.stderr
+    profile = json.loads((tmp_path / "report" / "profile.json").read_text())
+    assert [r["device_type"] for r in profile["ranks"]] == ["V100-16G", "T4-16G"]
+    plan = json.loads((tmp_path / "report" / "plan.json").read_text())
+    assert plan["strategy"] == "poplar" and plan["global_batch_size"] == 12
+
+
+def test_bad_config_exits_2_naming_the_key(tmp_path: Path) -> None:
+    cfg = json.loads(_config(tmp_path).read_text())
+    cfg["train_batch_sise"] = 8
+    (tmp_path / "run.json").write_text(json.dumps(cfg))
+    run = subprocess.run([sys.executable, "-m", "poplar", "train", "--config", "run.json"], cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "['train_batch_sise']" in run.stderr, run.stderr[-2000:]

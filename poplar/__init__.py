@@ -12,8 +12,11 @@ __version__ = "0.1.0"
 __all__ = [
     "Plan", "PlanError", "RankPlan",
     "Profile", "ProfileError", "ProfilePoint", "RankProfile", "CommProfile",
+    "PoplarEngine", "AutoOptions", "plan", "simulate", "profile",
 ]
 
 # Each feature adds its public names below (one import line per subpackage).
+from poplar.auto import AutoOptions  # noqa: E402
+from poplar.engine import PoplarEngine  # noqa: E402
 from poplar.planner import plan, simulate  # noqa: E402
 from poplar.profiler import profile  # noqa: E402

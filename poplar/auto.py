@@ -149,35 +149,15 @@ def emulated_device(comm: Communicator, cluster: Any, options: AutoOptions, cali
     return device
 
 
-def auto_plan(engine: Any, model: nn.Module, optimizer: torch.optim.Optimizer, *, global_batch_size: int,
-              zero_stage: int, loss_fn: Callable | None, profile_data: Any, cluster: Any = None, device: Any = None,
-              options: AutoOptions | None = None, bucket_size_mb: float = 25.0, wrap_policy: Any = None) -> AutoResult:
-    """Profile (or load a profile), plan, and log the plan: the engine's auto mode."""
-    from poplar.planner import plan as make_plan
+def _measure(comm: Communicator, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable,
+             sample_fn: Any, zero_stage: int, home: torch.device, cluster: Any, device: Any, options: AutoOptions,
+             bucket_size_mb: float, wrap_policy: Any, say: Callable[[str], None]) -> tuple[Profile, Any]:
+    """The profile (measured, or loaded from ``options.profile``) and this rank's device."""
     from poplar.profiler.profile_run import ProfileOptions, profile_rank
 
-    options = options or AutoOptions()
-    comm: Communicator = engine.comm
-    error = None
-    if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
-        error = f"global_batch_size must be an int >= 1, got {global_batch_size!r}"
-    elif loss_fn is None:
-        error = "auto mode needs loss_fn(module, micro_batch) -> mean loss, to profile and to train"
-    elif options.profile is None and profile_data is None:
-        error = "auto mode needs profile_data (a dataset or sample_fn(b)) to profile on, or AutoOptions(profile=...)"
-    sample_fn = None
-    if error is None and profile_data is not None:
-        try:
-            sample_fn = sample_fn_of(profile_data, options.collate_fn)
-        except ValueError as e:
-            error = str(e)
-    _agree(comm, error, "auto mode set-up")
-
-    home = next(model.parameters()).device
-    snapshot = copy.deepcopy(model).to("cpu") if home.type != "cpu" else copy.deepcopy(model)
+    snapshot = copy.deepcopy(model)  # on the CPU: the caller moved the model there
     model_fn = lambda: copy.deepcopy(snapshot)  # noqa: E731
     optimizer_fn = lambda m: clone_optimizer(optimizer, m, model)  # noqa: E731
-    say = (lambda m: log.info(m)) if options.progress and comm.rank == 0 else (lambda m: None)
 
     profile = None
     if options.profile is not None:
@@ -219,7 +199,7 @@ def auto_plan(engine: Any, model: nn.Module, optimizer: torch.optim.Optimizer, *
             meta.update(memory_scale=device.memory_scale, time_scale=device.time_scale, emulated=True)
         popts = ProfileOptions(zero_stage=zero_stage, escalate=options.escalate, max_batch=options.max_batch,
                                repeats=options.repeats, bucket_size_mb=bucket_size_mb, wrap_policy=wrap_policy,
-                               model_name=type(model).__name__, meta=meta)
+                               model_name=type(model).__name__, progress=options.progress, meta=meta)
         say(f"profiling {comm.world_size} ranks at ZeRO-{zero_stage} ...")
         profile = profile_rank(model_fn, loss_fn, sample_fn, device, optimizer_fn=optimizer_fn, options=popts,
                                log=lambda m: say(m.removeprefix("[poplar profile] ")), process_group=comm.group)
@@ -228,6 +208,42 @@ def auto_plan(engine: Any, model: nn.Module, optimizer: torch.optim.Optimizer, *
                                                            tag="auto:profile")[0])
         if options.profile_output is not None and comm.rank == 0:
             profile.save(options.profile_output)
+    return profile, device
+
+
+def auto_plan(engine: Any, model: nn.Module, optimizer: torch.optim.Optimizer, *, global_batch_size: int,
+              zero_stage: int, loss_fn: Callable | None, profile_data: Any, cluster: Any = None, device: Any = None,
+              options: AutoOptions | None = None, bucket_size_mb: float = 25.0, wrap_policy: Any = None) -> AutoResult:
+    """Profile (or load a profile), plan, and log the plan: the engine's auto mode."""
+    from poplar.planner import plan as make_plan
+
+    options = options or AutoOptions()
+    comm: Communicator = engine.comm
+    error = None
+    if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
+        error = f"global_batch_size must be an int >= 1, got {global_batch_size!r}"
+    elif loss_fn is None:
+        error = "auto mode needs loss_fn(module, micro_batch) -> mean loss, to profile and to train"
+    elif options.profile is None and profile_data is None:
+        error = "auto mode needs profile_data (a dataset or sample_fn(b)) to profile on, or AutoOptions(profile=...)"
+    sample_fn = None
+    if error is None and profile_data is not None:
+        try:
+            sample_fn = sample_fn_of(profile_data, options.collate_fn)
+        except ValueError as e:
+            error = str(e)
+    _agree(comm, error, "auto mode set-up")
+
+    say = (lambda m: log.info(m)) if options.progress and comm.rank == 0 else (lambda m: None)
+    home = next(model.parameters()).device
+    if home.type != "cpu":
+        model.to("cpu")  # profiling gets the whole GPU (the copies it trains live there); moved back below
+    try:
+        profile, device = _measure(comm, model, optimizer, loss_fn, sample_fn, zero_stage, home, cluster, device,
+                                   options, bucket_size_mb, wrap_policy, say)
+    finally:
+        if home.type != "cpu":
+            model.to(home)
     if profile.zero_stage != zero_stage:
         say(f"ZeRO-{zero_stage} does not fit batch 1 on every rank: running at ZeRO-{profile.zero_stage}")
     try:

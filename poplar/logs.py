@@ -30,3 +30,31 @@ class _Log:
 
 
 log = _Log()
+
+
+class _NoBar:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def set_postfix(self, **kwargs: object) -> None:
+        pass
+
+    def write(self, message: str, file: object = None) -> None:
+        log.info(message.removeprefix("[poplar] "))
+
+    def close(self) -> None:
+        pass
+
+    total = 0
+
+
+def progress_bar(total: int, desc: str, enabled: bool = True):  # noqa: ANN201 - a tqdm or a stand-in
+    """A tqdm progress bar on stderr when ``enabled`` and stderr is a terminal (tqdm's
+    ``disable=None``); otherwise a stand-in with the same methods that draws nothing."""
+    if enabled and total > 0:
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            return _NoBar()
+        return tqdm(total=total, desc=f"[poplar] {desc}", unit="it", disable=None, file=sys.stderr, leave=False)
+    return _NoBar()

@@ -83,7 +83,7 @@ def write_curves_png(path: str | os.PathLike, profile: Profile, plan: Plan | Non
         points = [(p.batch, p.compute_s) for r in members for p in r.points]
         curve = SpeedCurve.from_points(dtype, min(r.mbs for r in members), points)
         batches = list(range(1, curve.mbs + 1))
-        line, = ax.plot(batches, curve.speeds(), label=f"{dtype} spline")
+        line, = ax.plot(batches, curve.speeds, label=f"{dtype} spline")
         ax.scatter([b for b, _ in points], [b / t for b, t in points], color=line.get_color(), s=18,
                    label=f"{dtype} measured")
         if dtype in chosen:

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from poplar.data import PlanLoader
-from poplar.logs import log
+from poplar.logs import log, progress_bar
 from poplar.plans import write_text_atomic
 
 
@@ -164,7 +164,7 @@ def fit(engine: Any, data: Any, iterations: int, *, loss_fn: Any = None, log_eve
         _resume(engine, loader, checkpoint_dir)
     start = engine.iteration
     rank0 = engine.rank == 0
-    bar = _progress_bar(iterations - start, progress and rank0)
+    bar = progress_bar(iterations - start, "training", progress and rank0)
     rows: list[tuple] = []
     records: list[dict[str, Any]] = []
     checkpoints: list[str] = []
@@ -184,9 +184,8 @@ def fit(engine: Any, data: Any, iterations: int, *, loss_fn: Any = None, log_eve
             loss = engine.train_step(batch, loss_fn)
             losses.append(loss)
             rows.append(_stats_row(engine, loss))
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss:.4f}")
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.4f}")
             done = engine.iteration == iterations
             if done or (log_every and (engine.iteration - start) % log_every == 0):
                 records += _exchange(engine, rows, logged, rank0, iterations, bar)
@@ -197,8 +196,7 @@ def fit(engine: Any, data: Any, iterations: int, *, loss_fn: Any = None, log_eve
                 save_checkpoint(engine, checkpoint_dir, extra={"data": loader.state_dict()})
                 checkpoints.append(f"{checkpoint_dir}@{engine.iteration}")
     finally:
-        if bar is not None:
-            bar.close()
+        bar.close()
     seconds = time.perf_counter() - t_loop
     result = _result(engine, start, losses, records, seconds, t_measured, warmup, checkpoints)
     if rank0 and start < iterations:
@@ -223,10 +221,7 @@ def _exchange(engine: Any, rows: list[tuple], first: int, rank0: bool, total: in
         vs = f" (predicted {pred:.4f} s, {(wall - pred) / pred:+.1%})" if pred else ""
         message = (f"iteration {engine.iteration}/{total}: loss {records[-1]['loss']:.4f}, "
                    f"{engine.global_batch_size / wall:.1f} samples/s, iteration {wall:.4f} s{vs}\n{table}")
-        if bar is not None:
-            bar.write("[poplar] " + message, file=sys.stderr)
-        else:
-            log.info(message)
+        bar.write("[poplar] " + message, file=sys.stderr)
     return records
 
 
@@ -248,16 +243,6 @@ def _result(engine: Any, start: int, losses: list[float], records: list[dict[str
                      checkpoints, records)
 
 
-def _progress_bar(total: int, enabled: bool) -> Any:
-    if not enabled or total <= 0:
-        return None
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=total, desc="[poplar] training", unit="it", disable=None, file=sys.stderr, leave=False)
-
-
 def write_reports(engine: Any, result: FitResult, report_dir: str | os.PathLike) -> None:
     """Every rank calls it (the timelines are gathered); rank 0 writes the files."""
     from poplar.report import rank_timeline, write_curves_png, write_trace
@@ -272,5 +257,6 @@ def write_reports(engine: Any, result: FitResult, report_dir: str | os.PathLike)
     engine.plan.save(out / "plan.json")
     if engine.profile is not None:
         engine.profile.save(out / "profile.json")
-        write_curves_png(out / "curves.png", engine.profile, engine.plan)
+        if not write_curves_png(out / "curves.png", engine.profile, engine.plan):
+            log.info("curves.png skipped: it needs matplotlib (pip install 'poplar[plot]')")
     log.info(f"reports in {out}/ (trace.json opens in ui.perfetto.dev)")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from poplar.engine import PoplarEngine
 from poplar.launch import spawn
 from poplar.report import chrome_trace, rank_timeline, write_trace
@@ -34,3 +36,14 @@ def test_trace_has_every_span(tmp_path) -> None:
     path = tmp_path / "trace.json"
     write_trace(path, ranks)
     assert json.loads(path.read_text())["traceEvents"]
+
+
+def test_curves_png_marks_the_chosen_batches(tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    from poplar.planner import plan, synthetic_profile
+    from poplar.report import write_curves_png
+
+    profile = synthetic_profile("B", 2)
+    path = tmp_path / "curves.png"
+    assert write_curves_png(path, profile, plan(profile, 64, 2))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000

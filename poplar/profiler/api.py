@@ -52,7 +52,8 @@ def profile(model_fn: Callable[[], nn.Module], loss_fn: Callable[[nn.Module, Any
     reason (e.g. the model does not fit even at ZeRO-3) on bad input.
     """
     options = ProfileOptions(zero_stage=zero_stage, escalate=escalate, max_batch=max_batch, repeats=repeats,
-                             bucket_size_mb=bucket_size_mb, wrap_policy=wrap_policy, model_name=model_name)
+                             bucket_size_mb=bucket_size_mb, wrap_policy=wrap_policy, model_name=model_name,
+                             progress=progress)
     optimizer_fn = optimizer_fn or default_optimizer
     log = None if progress else (lambda m: None)
     if dist.is_available() and dist.is_initialized():

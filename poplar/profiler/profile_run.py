@@ -54,6 +54,7 @@ class ProfileOptions:
     wrap_policy: Any = None
     measure_comm: bool = True
     model_name: str = ""
+    progress: bool = True  # a progress bar of the timing rounds on rank 0 (on a terminal)
     meta: dict[str, Any] = field(default_factory=dict)
 
 
@@ -219,7 +220,7 @@ def profile_rank(model_fn: Callable[[], nn.Module], loss_fn: Callable, sample_fn
         with device.attach(engine):
             measured, rounds = run_rounds(engine, device, per_rank, batches, loss_fn, comm, repeats=options.repeats,
                                           max_extra_passes=options.max_extra_passes, tolerance=options.tolerance,
-                                          log=lead)
+                                          log=lead, progress=options.progress and rank == 0)
     except DistributedError as e:  # the engine reported a failed round on every rank
         raise ProfileError(f"a lock-step timing round failed: {e}") from None
     finally:

@@ -25,6 +25,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from poplar.logs import progress_bar
 from poplar.profiler.devices import Device
 from poplar.profiler.local_comm import round_plan, use_plan
 from poplar.profiles import CommProfile, ProfilePoint
@@ -110,14 +111,16 @@ class MicroStepTimer:
 
 def run_rounds(engine: Any, device: Device, per_rank: list[list[int]], batches: dict[int, Any], loss_fn: Callable,
                comm: Communicator, *, repeats: int = 3, max_extra_passes: int = 3, tolerance: float = 0.02,
-               log: Callable[[str], None] = lambda m: None) -> tuple[dict[int, list[tuple[float, float]]], int]:
+               log: Callable[[str], None] = lambda m: None,
+               progress: bool = False) -> tuple[dict[int, list[tuple[float, float]]], int]:
     """Run the lock-step rounds; return, per batch size this rank ran, its (compute, comm)
     measurements (warm-up dropped), and the number of rounds.
 
     After the ``repeats`` passes, batches whose smallest compute time is not yet confirmed by a
     second measurement within ``tolerance`` (interference on a shared machine) are measured
     again, in up to ``max_extra_passes`` more passes. Which batches each rank re-measures is
-    agreed with one ``all_gather_object`` between rounds, outside any training step."""
+    agreed with one ``all_gather_object`` between rounds, outside any training step.
+    ``progress`` draws a progress bar of the rounds (on a terminal)."""
     rank = engine.rank
     out: dict[int, list[tuple[float, float]]] = {}
     count = 0
@@ -131,11 +134,13 @@ def run_rounds(engine: Any, device: Device, per_rank: list[list[int]], batches: 
                 n = len(timer.records)
                 engine.train_step(batches[row[rank]], timed_loss)
                 count += 1
+                bar.update(1)
                 if not (skip_first and r == 0) and len(timer.records) == n + 1:
                     out.setdefault(row[rank], []).append(timer.records[-1])
 
         rounds = round_schedule(per_rank, repeats)
         log(f"timing: {len(rounds)} lock-step rounds")
+        bar = progress_bar(len(rounds), "profiling: timing rounds", progress)
         run(rounds, skip_first=True)
         for extra in range(max_extra_passes):
             mine = [b for b in per_rank[rank] if not settled([c for c, _ in out.get(b, [])], tolerance)]
@@ -144,7 +149,10 @@ def run_rounds(engine: Any, device: Device, per_rank: list[list[int]], batches: 
                 break
             again = [u or per_rank[i] for i, u in enumerate(everyone)]
             log(f"timing: re-measuring {sum(map(len, everyone))} unconfirmed points (pass {extra + 1})")
-            run(round_schedule(again, 1, warmup=False), skip_first=False)
+            extra_rounds = round_schedule(again, 1, warmup=False)
+            bar.total += len(extra_rounds)
+            run(extra_rounds, skip_first=False)
+        bar.close()
     return out, count
 
 

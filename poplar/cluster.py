@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from poplar.plans import write_text_atomic
+from poplar.plans import read_json, write_text_atomic
 from poplar.profiler.presets import PRESETS, PresetError, get_preset
 
 DEFAULT_BANDWIDTH_GBPS = 10.0
@@ -108,13 +108,7 @@ class ClusterSpec:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "ClusterSpec":
-        try:
-            data = json.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise ClusterError(f"cluster file {path} does not exist") from None
-        except json.JSONDecodeError as e:
-            raise ClusterError(f"cluster file {path} is not valid JSON: {e}") from None
-        return cls.from_dict(data, where=str(path))
+        return cls.from_dict(read_json(path, "cluster file", ClusterError), where=str(path))
 
     @classmethod
     def builtin(cls, name: str) -> "ClusterSpec":

@@ -151,11 +151,7 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Plan":
-        try:
-            data = json.loads(Path(path).read_text())
-        except json.JSONDecodeError as e:
-            raise PlanError(f"plan file {path} is not valid JSON: {e}") from None
-        return cls.from_dict(data)
+        return cls.from_dict(read_json(path, "plan file", PlanError))
 
     def table(self) -> str:
         """A readable table of the rows."""
@@ -170,6 +166,16 @@ class Plan:
             tail += f", predicted iteration {self.predicted_iteration_s:.4f} s"
         lines.append(tail)
         return "\n".join(lines)
+
+
+def read_json(path: str | os.PathLike, what: str, error: type[Exception], hint: str = "") -> Any:
+    """The parsed JSON file at ``path``; ``error`` naming ``what`` it is if it is missing or not JSON."""
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise error(f"{what} {path} does not exist{hint}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise error(f"{what} {path} is not valid JSON: {e}") from None
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:

@@ -11,10 +11,9 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
-from poplar.plans import write_text_atomic
+from poplar.plans import read_json, write_text_atomic
 
 
 class ProfileError(ValueError):
@@ -114,10 +113,4 @@ class Profile:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Profile":
-        try:
-            data = json.loads(Path(path).read_text())
-        except json.JSONDecodeError as e:
-            raise ProfileError(f"profile file {path} is not valid JSON: {e}") from None
-        except FileNotFoundError:
-            raise ProfileError(f"profile file {path} does not exist; run `poplar profile` first") from None
-        return cls.from_dict(data)
+        return cls.from_dict(read_json(path, "profile file", ProfileError, "; run `poplar profile` first"))

@@ -37,12 +37,12 @@ used: every rank gets its own.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
+
+from poplar.plans import read_json
 
 OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD", "adagrad": "Adagrad", "rmsprop": "RMSprop"}
 SCHEDULERS = ("WarmupLR", "WarmupDecayLR")
@@ -90,13 +90,7 @@ class TrainConfig:
     # ------------------------------------------------------------------ reading
     @classmethod
     def load(cls, path: str | os.PathLike) -> "TrainConfig":
-        try:
-            raw = json.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path} not found") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"config file {path} is not valid JSON: {e}") from None
-        return cls.from_dict(raw)
+        return cls.from_dict(read_json(path, "config file", ConfigError))
 
     @classmethod
     def from_dict(cls, raw: Any) -> "TrainConfig":

@@ -96,11 +96,12 @@ def dying_world(rank: int, world: int, root: str, victim: int, when: str) -> Non
     if rank == victim and when == "train":
         calls = []
 
-        def loss(module, batch):  # dies in its second micro-step, after the first one's collectives
+        def dying_loss(module, batch):  # dies in its second micro-step, after the first one's collectives
             calls.append(1)
             if len(calls) == 2:
                 os._exit(EXIT_CODE)
             return loss_fn(module, batch)
+        loss = dying_loss
     elif rank == victim and when == "save":
         real_save_file = save_module.save_file
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from poplar.engine import PoplarEngine
 from poplar.launch import spawn

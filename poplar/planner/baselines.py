@@ -112,7 +112,6 @@ def flops_rows(groups: list[DeviceGroup], gbs: int, stage: int, require_all_rank
         caps = None if max_micro_steps is None else [max_micro_steps * g.mbs for g in groups]
         shares = split_by_weight(gbs, counts, weights, floor, caps)
         return [[canonical(g.mbs, *divmod(n, g.mbs)) for n in grp] for g, grp in zip(groups, shares)]
-    total_weight = sum(c * w for c, w in zip(counts, weights))
     # from 1, not from `ideal`: with every rank required, fewer micro-steps may be the only way
     # to give each rank a sample per micro-step (e.g. gbs = N ranks of mbs 1 with skewed FLOPs)
     for steps in range(1, gbs + 1):

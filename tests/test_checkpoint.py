@@ -3,7 +3,6 @@ corrupt or mismatched checkpoints on every rank."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -21,7 +20,6 @@ from poplar.launch import spawn
 from poplar.models import create_model, llama_loss_fn
 from poplar.plans import Plan
 from poplar.text_data import TextBlocks
-from poplar.zero.base import ZeroStage
 from tests.toy import max_rel_err, plan_of
 
 SEQ = 16
@@ -61,17 +59,6 @@ def loader(plan: Plan, rank: int) -> PlanLoader:
 
 def train(engine: PoplarEngine, data: PlanLoader, steps: int) -> list[float]:
     return [engine.train_step(batch, llama_loss_fn) for _, batch in zip(range(steps), data)]
-
-
-def stage3_loads() -> bool:
-    """Whether ZeRO-3 exists and can load a full state (it must override the stage 0-2 default)."""
-    try:
-        if importlib.util.find_spec("poplar.zero.sharded") is None:
-            return False
-        from poplar.zero.sharded import Stage3
-    except Exception:  # noqa: BLE001 - a broken stage 3 is its own tests' business
-        return False
-    return Stage3.load_full_state_dict is not ZeroStage.load_full_state_dict
 
 
 # ---------------------------------------------------------------------------- bitwise resume
@@ -139,16 +126,15 @@ def reshard_load(rank: int, directory: str, stage: int) -> dict:
     return {"losses": train(engine, data, 2), "state": engine.full_state_dict(), "rng_restored": meta["rng_restored"]}
 
 
-def two_rank_worker(rank: int, world: int, root: str, three_rank_dir: str, with_stage3: bool) -> dict:
+def two_rank_worker(rank: int, world: int, root: str, three_rank_dir: str) -> dict:
     out = {"bitwise": resume_worker(rank, world, str(Path(root) / "bitwise"), (2,)),
            "reshard": {stage: reshard_load(rank, three_rank_dir, stage) for stage in (0, 1)},
            "refusals": refusals(rank, Path(root) / "refusals")}
-    if with_stage3:
-        try:
-            out["reshard"][3] = reshard_load(rank, three_rank_dir, 3)
-            out["bitwise3"] = resume_worker(rank, world, str(Path(root) / "bitwise3"), (3,))
-        except Exception as e:  # noqa: BLE001 - fails its own test only
-            out["stage3_error"] = f"{type(e).__name__}: {e}"
+    try:
+        out["reshard"][3] = reshard_load(rank, three_rank_dir, 3)
+        out["bitwise3"] = resume_worker(rank, world, str(Path(root) / "bitwise3"), (3,))
+    except Exception as e:  # noqa: BLE001 - fails its own test only
+        out["stage3_error"] = f"{type(e).__name__}: {e}"
     return out
 
 
@@ -157,7 +143,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     root = tmp_path_factory.mktemp("ckpt")
     three_dir = root / "three"
     reference = spawn(three_rank_worker, 3, (str(three_dir),), timeout_s=240)[0]
-    results = spawn(two_rank_worker, 2, (str(root), str(three_dir), stage3_loads()), timeout_s=300,
+    results = spawn(two_rank_worker, 2, (str(root), str(three_dir)), timeout_s=300,
                     collective_timeout_s=60)
     return {"root": root, "three_dir": three_dir, "reference": reference, "results": results}
 
@@ -194,7 +180,6 @@ def test_resume_on_two_ranks_at_stages_0_and_1(runs: dict) -> None:
     assert moved > 1e-3
 
 
-@pytest.mark.skipif(not stage3_loads(), reason="poplar.zero.sharded.Stage3 is absent or has no load_full_state_dict")
 def test_stage_3_checkpoints(runs: dict) -> None:
     """ZeRO-3 loads the 3-rank stage-2 checkpoint, resumes bitwise from its own, and its own
     checkpoint goes on in one process at stage 1."""

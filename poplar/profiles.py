@@ -46,11 +46,22 @@ class RankProfile:
 
 @dataclass
 class CommProfile:
-    """Measured collective performance: time(bytes) ~= latency_s + bytes / bandwidth."""
+    """Measured collective performance: time(bytes) ~= latency_s + bytes / bandwidth; which
+    collectives the engine issued at ``collectives_stage`` while it was timed, as ``[op, bytes]``
+    pairs: those of one micro-step (``micro_step``) and those of the iteration's end
+    (``iteration``); and what of them compute did not hide, measured (``exposed_*``), with the
+    iteration's fixed overhead. The cost model uses these when it plans at that stage."""
 
     bandwidth_bytes_per_s: float
     latency_s: float = 0.0
     backend: str = ""
+    collectives_stage: int | None = None
+    micro_step: list[list] = field(default_factory=list)
+    iteration: list[list] = field(default_factory=list)
+    # measured at collectives_stage on the critical rank (poplar.profiler.timing.exposed_costs):
+    exposed_micro_step_s: float | None = None  # communication a micro-step's compute did not hide
+    exposed_iteration_s: float | None = None  # the iteration's closing collectives
+    iteration_overhead_s: float | None = None  # optimizer step and the rest outside micro-steps
 
 
 @dataclass

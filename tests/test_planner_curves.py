@@ -86,9 +86,21 @@ def test_comm_model_formulas():
     assert c.collective_s() == pytest.approx(coll)
     assert c.all_reduce_s() == pytest.approx(1.5 + 0.001)
     assert [c.per_micro_step_s(s) for s in range(4)] == pytest.approx([0, 0, coll, 3 * coll])
-    assert [c.per_iteration_s(s) for s in range(4)] == pytest.approx([1.501, 2 * coll, coll, 0])
+    # plus the status all-reduce's latency (and at stage 3 the late-gradient flags')
+    assert [c.per_iteration_s(s) for s in range(4)] == pytest.approx([1.502, 2 * coll + 0.001, coll + 0.001, 0.002])
     single = CommModel(1, 1e9, 1e9, 0.001)
     assert single.per_iteration_s(0) == 0 and single.per_micro_step_s(3) == 0
+
+
+def test_comm_model_prices_the_measured_collectives_at_their_stage():
+    measured = CommModel(4, 1e9, 1e9, 0.001, measured_stage=3,
+                         micro_step_ops=(("all_gather", 4e8), ("all_gather", 4e8), ("reduce_scatter", 4e8)),
+                         iteration_ops=(("all_reduce", 24.0), ("all_reduce", 8.0)))
+    assert measured.per_micro_step_s(3) == pytest.approx(3 * (0.75 * 0.4 + 0.001))
+    assert measured.per_iteration_s(3) == pytest.approx(2 * 0.001 + 1.5 * 32 / 1e9)
+    formula = CommModel(4, 1e9, 1e9, 0.001)
+    assert measured.per_micro_step_s(2) == formula.per_micro_step_s(2)  # another stage: the table
+    assert measured.per_iteration_s(0) == formula.per_iteration_s(0)
 
 
 def test_ranks_of_a_type_share_one_curve_with_the_smallest_mbs():

@@ -124,6 +124,14 @@ def test_profile_finds_true_mbs_and_curve(stage: int, truth: dict[int, list[int]
     else:
         assert max(waits) == 0.0
     assert prof.comm.bandwidth_bytes_per_s > 0
+    # what the engine issued at this stage, and what of it compute did not hide, for the cost model
+    c = prof.comm
+    ops = {op for op, _ in c.micro_step}
+    assert c.collectives_stage == stage and ops == {0: set(), 1: set(), 2: {"reduce_scatter"},
+                                                    3: {"all_gather", "reduce_scatter"}}[stage]
+    assert ("all_reduce", 24) in [tuple(x) for x in c.iteration]  # the status all-reduce
+    assert c.exposed_micro_step_s >= 0 and c.exposed_iteration_s > 0 and c.iteration_overhead_s >= 0
+    assert (c.exposed_micro_step_s > 0) == (stage >= 2)
     if stage == 3:
         events = prof.meta["ranks"]["1"]["oom_events"]
         injected = [e for e in events if "injected" in e["message"]]

@@ -179,3 +179,29 @@ def test_sleep_is_not_the_bottleneck() -> None:
         sleep_until(target)
         errors.append(time.perf_counter() - target)
     assert sorted(errors)[10] < 0.001
+
+
+def lockstep_rank(rank: int, world: int, stage: int) -> list[float]:
+    from poplar.engine import PoplarEngine
+    from poplar.plans import Plan, RankPlan
+
+    seconds = (0.02, 0.06)[rank]  # a fast and a slow device, 3 micro-steps each
+    device = VirtualDevice("fast" if rank == 0 else "slow", 10 ** 9, time_fn=SaturatingCurve(seconds, 0.0, 1e9))
+    model = WORKLOAD.model_fn()
+    engine = PoplarEngine(model, default_optimizer(model), zero_stage=stage, plan=Plan([RankPlan(2, 3)] * 2),
+                          loss_fn=WORKLOAD.loss_fn, device=device)
+    for _ in range(2):
+        engine.train_step(WORKLOAD.sample_fn(6))
+    last = engine.iteration - 1
+    return [engine.comm_ledger.seconds(iteration=last, micro_step=k, phase="backward") for k in range(3)]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_emulated_micro_steps_synchronise_like_gpus(stage: int) -> None:
+    """At stages 2/3 each micro-step's collectives start when the emulated backward ends, so the
+    fast rank waits for the slow one in every micro-step (not once at the iteration's end)."""
+    from poplar.launch import spawn
+
+    fast, slow = spawn(lockstep_rank, 2, (stage,), timeout_s=120)
+    for k in range(3):
+        assert 0.025 < fast[k] < 0.06 and slow[k] < 0.02, (k, fast, slow)

@@ -7,6 +7,7 @@
 from poplar.planner.cost_model import CommModel, Evaluation, evaluate_rows
 from poplar.planner.curves import SpeedCurve
 from poplar.planner.groups import DeviceGroup, group_profile
+from poplar.planner.ideal import Ideal, ideal
 from poplar.planner.planning import STRATEGIES, Problem, make_problem, plan, plan_problem
 from poplar.planner.simulator import Simulation, StrategyResult, simulate
 from poplar.planner.synthetic import REFERENCE_MODEL, ModelSpec, synthetic_profile
@@ -14,5 +15,5 @@ from poplar.planner.synthetic import REFERENCE_MODEL, ModelSpec, synthetic_profi
 __all__ = [
     "plan", "simulate", "STRATEGIES", "SpeedCurve", "DeviceGroup", "group_profile", "CommModel",
     "Evaluation", "evaluate_rows", "Problem", "make_problem", "plan_problem", "Simulation",
-    "StrategyResult", "ModelSpec", "REFERENCE_MODEL", "synthetic_profile",
+    "StrategyResult", "ModelSpec", "REFERENCE_MODEL", "synthetic_profile", "ideal", "Ideal",
 ]

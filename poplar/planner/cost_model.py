@@ -18,6 +18,14 @@ a ring moves data, not bytes-of-tensor / seconds. With N = 1 there is no communi
     1     | 0                    | reduce-scatter of gradients + all-gather of parameters = 2 coll
     2     | coll (reduce-scatter)| coll (all-gather of updated parameters)
     3     | 3 coll (all-gather before forward and before backward, reduce-scatter after)| 0
+plus, per iteration, the latency of the engine's status all-reduce (one more at stage 3, for
+late gradients). That table is the model without a measurement. A measured profile, planned at
+the stage it was measured at, replaces it with what the profiler saw on each timing round's
+slowest rank: c_m = the micro-step's collective time that compute did not hide (prefetch and
+reduce-scatters in flight overlap it), c_s = the iteration's closing collectives plus its fixed
+overhead outside micro-steps (optimizer step, zeroing). Without those, the collectives the
+engine really issued (``CommProfile.micro_step`` / ``.iteration``: per bucket at stage 2, per
+wrapped block at stage 3, the small all-reduces) are priced one by one as above, serially.
 
 Stages 0/1 synchronise only at the end, so ranks run their micro-steps independently:
     T = max_i C_i + c_s
@@ -32,9 +40,12 @@ overlap of communication with compute is modelled; idle time of rank i is T - C_
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from poplar.planner.curves import SpeedCurve
+
+
+Ops = tuple[tuple[str, float], ...]  # (op, bytes of the full buffer) per collective
 
 
 @dataclass(frozen=True)
@@ -43,6 +54,33 @@ class CommModel:
     param_bytes: float
     bandwidth_bytes_per_s: float
     latency_s: float = 0.0
+    measured_stage: int | None = None  # the stage the measured values below belong to
+    micro_step_ops: Ops = ()
+    iteration_ops: Ops = ()
+    exposed_micro_step_s: float | None = None
+    exposed_iteration_s: float | None = None  # closing collectives + fixed overhead
+
+    @classmethod
+    def from_profile(cls, profile: Any) -> "CommModel":
+        c = profile.comm
+        end = None
+        if c.exposed_iteration_s is not None:
+            end = c.exposed_iteration_s + (c.iteration_overhead_s or 0.0)
+        return cls(profile.world_size, float(profile.param_bytes), float(c.bandwidth_bytes_per_s),
+                   float(c.latency_s or 0.0), c.collectives_stage,
+                   tuple((str(op), float(n)) for op, n in c.micro_step),
+                   tuple((str(op), float(n)) for op, n in c.iteration), c.exposed_micro_step_s, end)
+
+    def call_s(self, op: str, nbytes: float) -> float:
+        """One collective of a ``nbytes`` buffer (the full, unsharded size)."""
+        n = self.world_size
+        if n <= 1:
+            return 0.0
+        factor = 2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n
+        return factor * nbytes / self.bandwidth_bytes_per_s + self.latency_s
+
+    def _measured(self, stage: int) -> bool:
+        return self.measured_stage == stage and bool(self.micro_step_ops or self.iteration_ops)
 
     def collective_s(self) -> float:
         """One reduce-scatter or all-gather of the full parameter size."""
@@ -58,10 +96,19 @@ class CommModel:
         return 2 * (n - 1) / n * self.param_bytes / self.bandwidth_bytes_per_s + self.latency_s
 
     def per_micro_step_s(self, stage: int) -> float:
+        if self.measured_stage == stage and self.exposed_micro_step_s is not None:
+            return self.exposed_micro_step_s if stage in (2, 3) else 0.0
+        if self._measured(stage):
+            return sum(self.call_s(op, n) for op, n in self.micro_step_ops)
         return {0: 0.0, 1: 0.0, 2: self.collective_s(), 3: 3 * self.collective_s()}[stage]
 
     def per_iteration_s(self, stage: int) -> float:
-        return {0: self.all_reduce_s(), 1: 2 * self.collective_s(), 2: self.collective_s(), 3: 0.0}[stage]
+        if self.measured_stage == stage and self.exposed_iteration_s is not None:
+            return self.exposed_iteration_s
+        if self._measured(stage):
+            return sum(self.call_s(op, n) for op, n in self.iteration_ops)
+        small = (2 if stage == 3 else 1) * (self.latency_s if self.world_size > 1 else 0.0)
+        return small + {0: self.all_reduce_s(), 1: 2 * self.collective_s(), 2: self.collective_s(), 3: 0.0}[stage]
 
 
 Row = tuple[str, int, int, int]  # (device_type, b, gas, lbs)

@@ -121,8 +121,7 @@ def make_problem(profile: Profile | Mapping[str, Any] | str | os.PathLike, globa
                 f"global batch {gbs} cannot be met within memory: at most {max_micro_steps} micro-steps "
                 f"x sum of mbs = {most} samples per iteration. Lower the global batch, raise "
                 "max_micro_steps, or use a higher ZeRO stage (larger micro-batches)")
-    comm = CommModel(world, float(prof.param_bytes), float(prof.comm.bandwidth_bytes_per_s),
-                     float(prof.comm.latency_s or 0.0))
+    comm = CommModel.from_profile(prof)
     return Problem(groups, comm, stage, gbs, require_all_ranks, max_micro_steps)
 
 

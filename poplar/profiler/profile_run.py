@@ -30,7 +30,7 @@ from poplar.engine import PoplarEngine
 from poplar.profiler.capacity import DEFAULT_MAX_BATCH, CapacityResult, CapacitySearch, trial_budget
 from poplar.profiler.devices import Device, to_device
 from poplar.profiler.local_comm import local_engine, round_plan
-from poplar.profiler.timing import measure_comm, run_rounds, summarize, timing_batches
+from poplar.profiler.timing import exposed_costs, measure_comm, run_rounds, summarize, timing_batches
 from poplar.profiles import Profile, ProfileError, RankProfile
 from poplar.zero.comm import Communicator, DistributedError
 
@@ -79,6 +79,16 @@ def model_size(model: nn.Module) -> tuple[int, int]:
 
 def _fmt_bytes(n: float | None) -> str:
     return "?" if n is None else f"{n / MB:.3f} MB"
+
+
+def engine_collectives(engine: PoplarEngine) -> tuple[list[list], list[list]]:
+    """The collectives of the engine's last iteration (a timing round: one micro-step per rank),
+    as ``[op, bytes]``: those inside its micro-step, and those at the iteration's end."""
+    last = engine.iteration - 1
+    records = [r for r in engine.comm_ledger.records if r.iteration == last and r.op != "all_gather_object"]
+    micro = [[r.op, r.bytes] for r in records if r.phase in ("forward", "backward") and r.micro_step == 0]
+    end = [[r.op, r.bytes] for r in records if r.phase == "step"]
+    return micro, end
 
 
 def search_capacity(model_fn: Callable[[], nn.Module], optimizer_fn: Callable, loss_fn: Callable,
@@ -218,7 +228,7 @@ def profile_rank(model_fn: Callable[[], nn.Module], loss_fn: Callable, sample_fn
         device.overflows.clear()
     try:
         with device.attach(engine):
-            measured, rounds = run_rounds(engine, device, per_rank, batches, loss_fn, comm, repeats=options.repeats,
+            measured, rounds, facts = run_rounds(engine, device, per_rank, batches, loss_fn, comm, repeats=options.repeats,
                                           max_extra_passes=options.max_extra_passes, tolerance=options.tolerance,
                                           log=lead, progress=options.progress and rank == 0)
     except DistributedError as e:  # the engine reported a failed round on every rank
@@ -234,6 +244,8 @@ def profile_rank(model_fn: Callable[[], nn.Module], loss_fn: Callable, sample_fn
     _agree(comm, error, "profile timing memory")
     points = summarize(measured)
     comm_seconds = engine.comm_ledger.seconds()
+    calls = engine_collectives(engine)
+    costs = exposed_costs(comm.all_gather_object(facts, tag="profile:costs"))
     del engine, model, optimizer, batches
     device.release()
     phases["timing_s"] = time.perf_counter() - t_start - sum(phases.values())
@@ -255,6 +267,10 @@ def profile_rank(model_fn: Callable[[], nn.Module], loss_fn: Callable, sample_fn
     if comm_profile is None:
         from poplar.profiles import CommProfile
         comm_profile = CommProfile(bandwidth_bytes_per_s=1e15, backend=comm.backend)
+    comm_profile.collectives_stage = stage
+    comm_profile.micro_step, comm_profile.iteration = calls
+    for key, value in costs.items():
+        setattr(comm_profile, key, value)
     meta = dict(options.meta)
     meta.update({"requested_stage": options.zero_stage, "escalations": escalations,
                  "timing_rounds": rounds, "repeats": options.repeats,

@@ -14,6 +14,13 @@ comm ledger recorded inside collectives during the window. At stages 0/1 there a
 first synchronisation is after backward), at stage 2 these are the reduce-scatters, at stage 3
 the all-gathers of forward and backward and the reduce-scatters; a collective's seconds include
 the time spent waiting for slower ranks, which is exactly what must not count as compute.
+
+Each round also tells what the iteration costs besides compute (``exposed_costs``): on the
+round's slowest rank, which waits for no one, the seconds blocked in the micro-step's
+collectives are the communication that compute did not hide (prefetched all-gathers and
+reduce-scatters left in flight overlap it), the seconds in the iteration's closing collectives
+are its exposed end communication, and the rest of the iteration outside the micro-step is its
+fixed overhead (the optimizer step, zeroing, bookkeeping). The planner adds them to its model.
 """
 
 from __future__ import annotations
@@ -112,9 +119,10 @@ class MicroStepTimer:
 def run_rounds(engine: Any, device: Device, per_rank: list[list[int]], batches: dict[int, Any], loss_fn: Callable,
                comm: Communicator, *, repeats: int = 3, max_extra_passes: int = 3, tolerance: float = 0.02,
                log: Callable[[str], None] = lambda m: None,
-               progress: bool = False) -> tuple[dict[int, list[tuple[float, float]]], int]:
+               progress: bool = False) -> tuple[dict[int, list[tuple[float, float]]], int, list[tuple]]:
     """Run the lock-step rounds; return, per batch size this rank ran, its (compute, comm)
-    measurements (warm-up dropped), and the number of rounds.
+    measurements (warm-up dropped), the number of rounds, and per round this rank's
+    (compute, micro-step comm, end-of-iteration comm, overhead) seconds (warm-up dropped).
 
     After the ``repeats`` passes, batches whose smallest compute time is not yet confirmed by a
     second measurement within ``tolerance`` (interference on a shared machine) are measured
@@ -123,6 +131,7 @@ def run_rounds(engine: Any, device: Device, per_rank: list[list[int]], batches: 
     ``progress`` draws a progress bar of the rounds (on a terminal)."""
     rank = engine.rank
     out: dict[int, list[tuple[float, float]]] = {}
+    facts: list[tuple] = []
     count = 0
     with MicroStepTimer(engine, device) as timer:
         timed_loss = timer.wrap_loss(loss_fn)
@@ -137,6 +146,10 @@ def run_rounds(engine: Any, device: Device, per_rank: list[list[int]], batches: 
                 bar.update(1)
                 if not (skip_first and r == 0) and len(timer.records) == n + 1:
                     out.setdefault(row[rank], []).append(timer.records[-1])
+                    compute, micro_comm = timer.records[-1]
+                    stats = engine.last_stats
+                    end_comm = engine.comm_ledger.seconds(iteration=stats.iteration, phase="step")
+                    facts.append((compute, micro_comm, end_comm, stats.wall_s - compute - micro_comm - end_comm))
 
         rounds = round_schedule(per_rank, repeats)
         log(f"timing: {len(rounds)} lock-step rounds")
@@ -153,7 +166,20 @@ def run_rounds(engine: Any, device: Device, per_rank: list[list[int]], batches: 
             bar.total += len(extra_rounds)
             run(extra_rounds, skip_first=False)
         bar.close()
-    return out, count
+    return out, count, facts
+
+
+def exposed_costs(everyone: list[list[tuple]]) -> dict[str, float]:
+    """From every rank's per-round facts (``run_rounds``): the medians over rounds, on each
+    round's slowest rank, of its micro-step communication, end-of-iteration communication and
+    overhead (seconds)."""
+    rounds = min(len(f) for f in everyone)
+    if rounds == 0:
+        return {}
+    critical = [max((f[k] for f in everyone), key=lambda x: x[0]) for k in range(rounds)]
+    return {"exposed_micro_step_s": statistics.median(c[1] for c in critical),
+            "exposed_iteration_s": statistics.median(c[2] for c in critical),
+            "iteration_overhead_s": max(0.0, statistics.median(c[3] for c in critical))}
 
 
 def summarize(measured: dict[int, list[tuple[float, float]]]) -> list[ProfilePoint]:

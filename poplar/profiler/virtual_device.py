@@ -21,10 +21,12 @@ batch is well defined: the batch whose peak is the last below the capacity.
 
 Speed. Each micro-step's compute is stretched by sleeping so that it takes the device's curve
 ``time_s(b)`` (or ``slowdown`` times the real compute): the forward is padded to
-``forward_fraction * time_s(b)`` when the root module returns, the backward is padded when
-autograd finishes (before the stage waits for its reduce-scatters, so faster ranks really wait
-inside collectives), and a last top-up when ``engine.backward`` returns makes the micro-step's
-compute exactly ``time_s(b)``. "Compute" is wall time minus the seconds the engine's comm ledger
+``forward_fraction * time_s(b)`` when the root module returns; the backward is stretched as it
+goes, each parameter's gradient arriving at its share of the rest of the curve (a tensor hook,
+which runs before the stages' gradient hooks issue their reduce-scatters, so collectives start
+when a GPU's would and faster ranks really wait inside them), then padded when autograd
+finishes; a last top-up when ``engine.backward`` returns makes the micro-step's compute exactly
+``time_s(b)``. "Compute" is wall time minus the seconds the engine's comm ledger
 recorded inside collectives meanwhile, the same quantity the profiler measures. The real CPU
 compute must stay below the curve (pick the time scale so; ``late_steps`` counts violations).
 """
@@ -43,6 +45,9 @@ from poplar.profiler.devices import OOM_ERROR, Device, sleep_until
 from poplar.profiler.memory import gathered_bytes, model_state_bytes, predicted_optimizer_bytes, transient_bytes
 
 MIB = 2 ** 20
+# a micro-step is late when its real compute overshoots the curve by more than this (the sleep's
+# own jitter and the learned tail's error are a fraction of a millisecond)
+LATE_TOLERANCE, LATE_TOLERANCE_S = 0.01, 5e-4
 
 
 @dataclass(frozen=True)
@@ -118,7 +123,7 @@ class VirtualDevice(Device):
         self.raise_oom = raise_oom
         self.pad = True  # stretch compute to the speed model (off: run at CPU speed)
         self.overflows: list[dict[str, Any]] = []
-        self.late_steps = 0  # micro-steps whose real compute exceeded the curve
+        self.late_steps = 0  # micro-steps whose real compute overshot the curve (beyond the tolerance)
         self.memory_scale: float | None = None
         self.time_scale: float | None = None
         # memory state
@@ -136,6 +141,7 @@ class VirtualDevice(Device):
         self._checks = 0
         self._injections: list[dict[str, Any]] = []
         self._tail_s = 0.0  # EMA of compute between the backward pad and the end of engine.backward
+        self._trained_params = 0
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -302,8 +308,12 @@ class VirtualDevice(Device):
         had_hook = hasattr(stage, "on_allocate")
         previous = getattr(stage, "on_allocate", None)
         stage.on_allocate = self._on_allocate
-        grad_hooks = [p.register_post_accumulate_grad_hook(lambda p: self.check("grad"))
-                      for p in engine.module.parameters() if p.requires_grad]
+        trained = [p for p in engine.module.parameters() if p.requires_grad]
+        grad_hooks = [p.register_post_accumulate_grad_hook(lambda p: self.check("grad")) for p in trained]
+        # a leaf's tensor hook runs before its post-accumulate hooks, where the stages issue their
+        # reduce-scatters: padding there makes collectives start at emulated, not real, times
+        grad_hooks += [p.register_hook(self._grad_computed) for p in trained]
+        self._trained_params = len(trained)
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         hooks.__enter__()
         try:
@@ -345,10 +355,28 @@ class VirtualDevice(Device):
     def _backward_start(self, loss: torch.Tensor) -> None:
         super()._backward_start(loss)
         self.check("backward start")
+        step = self._open
+        if step is not None:
+            step["grads_seen"] = 0
+            step["backward_from"] = time.perf_counter() - step["t0"] - self._comm_seconds_since(step["n0"])
         if self._open is not None and self.pads and torch.is_tensor(loss) and loss.requires_grad:
             def queue(grad: torch.Tensor) -> None:
                 torch.autograd.Variable._execution_engine.queue_callback(self._pad_backward)
             loss.register_hook(queue)
+
+    def _grad_computed(self, grad: torch.Tensor) -> None:
+        """A parameter's gradient is ready: stretch the backward so far to its share of the curve
+        (one share per trained parameter), as a GPU's backward would have taken by then."""
+        step = self._open
+        if step is None or "grads_seen" not in step or not self.pads or self.slowdown is not None:
+            return
+        step["grads_seen"] += 1
+        start = step["backward_from"]
+        end = self.time_s(step["batch"]) - self._tail_s
+        target = start + (end - start) * min(1.0, step["grads_seen"] / max(self._trained_params, 1))
+        now = time.perf_counter()
+        sleep_until(now + target - (now - step["t0"] - self._comm_seconds_since(step["n0"])))
+        step["after_pad"] = time.perf_counter() - step["t0"] - self._comm_seconds_since(step["n0"])
 
     def _pad_backward(self) -> None:
         """Runs when autograd has finished the backward graph (before the stage waits for its
@@ -362,10 +390,10 @@ class VirtualDevice(Device):
             real_backward = compute - step.get("forward_compute", compute)
             sleep_until(now + (self.slowdown - 1) * max(real_backward, 0.0))
         else:
-            target = self.time_s(step["batch"])
-            if compute > target:
-                self.late_steps += 1
-            sleep_until(now + target - self._tail_s - compute)
+            behind = self.time_s(step["batch"]) - self._tail_s - compute
+            if behind <= 0 and "after_pad" in step:
+                return  # the gradient hooks did the padding; the tail is measured from the last one
+            sleep_until(now + behind)
         step["after_pad"] = time.perf_counter() - step["t0"] - self._comm_seconds_since(step["n0"])
 
     def _backward_end(self) -> None:
@@ -379,6 +407,9 @@ class VirtualDevice(Device):
             if "after_pad" in step:  # learn the compute that follows the backward pad
                 tail = max(compute - step["after_pad"], 0.0)
                 self._tail_s = tail if self._tail_s == 0.0 else 0.7 * self._tail_s + 0.3 * tail
+            target = self.time_s(step["batch"])
+            if compute > target + max(LATE_TOLERANCE_S, LATE_TOLERANCE * target):
+                self.late_steps += 1
             sleep_until(now + self.time_s(step["batch"]) - compute)
         if step is not None:
             self.check("backward end")

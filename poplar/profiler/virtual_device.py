@@ -21,11 +21,11 @@ batch is well defined: the batch whose peak is the last below the capacity.
 
 Speed. Each micro-step's compute is stretched by sleeping so that it takes the device's curve
 ``time_s(b)`` (or ``slowdown`` times the real compute): the forward is padded to
-``forward_fraction * time_s(b)`` when the root module returns; the backward is stretched as it
-goes, each parameter's gradient arriving at its share of the rest of the curve (a tensor hook,
-which runs before the stages' gradient hooks issue their reduce-scatters, so collectives start
-when a GPU's would and faster ranks really wait inside them), then padded when autograd
-finishes; a last top-up when ``engine.backward`` returns makes the micro-step's compute exactly
+``forward_fraction * time_s(b)`` when the root module returns; the backward is padded before
+autograd starts, leaving room for its real compute (learned per batch size), so that the
+gradients -- and the reduce-scatters and gathers the stages issue from their hooks -- come when a
+GPU's would, and at stages 2/3 faster ranks really wait inside every micro-step's collectives; a
+last top-up when ``engine.backward`` returns makes the micro-step's compute exactly
 ``time_s(b)``. "Compute" is wall time minus the seconds the engine's comm ledger
 recorded inside collectives meanwhile, the same quantity the profiler measures. The real CPU
 compute must stay below the curve (pick the time scale so; ``late_steps`` counts violations).
@@ -48,6 +48,7 @@ MIB = 2 ** 20
 # a micro-step is late when its real compute overshoots the curve by more than this (the sleep's
 # own jitter and the learned tail's error are a fraction of a millisecond)
 LATE_TOLERANCE, LATE_TOLERANCE_S = 0.01, 5e-4
+BACKWARD_MARGIN = 1.3  # room left after the backward pad, in units of the learned real backward
 
 
 @dataclass(frozen=True)
@@ -140,8 +141,7 @@ class VirtualDevice(Device):
         self._peak = 0
         self._checks = 0
         self._injections: list[dict[str, Any]] = []
-        self._tail_s = 0.0  # EMA of compute between the backward pad and the end of engine.backward
-        self._trained_params = 0
+        self._real_backward: dict[int, float] = {}  # batch -> real backward compute (EMA), for padding
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -308,12 +308,8 @@ class VirtualDevice(Device):
         had_hook = hasattr(stage, "on_allocate")
         previous = getattr(stage, "on_allocate", None)
         stage.on_allocate = self._on_allocate
-        trained = [p for p in engine.module.parameters() if p.requires_grad]
-        grad_hooks = [p.register_post_accumulate_grad_hook(lambda p: self.check("grad")) for p in trained]
-        # a leaf's tensor hook runs before its post-accumulate hooks, where the stages issue their
-        # reduce-scatters: padding there makes collectives start at emulated, not real, times
-        grad_hooks += [p.register_hook(self._grad_computed) for p in trained]
-        self._trained_params = len(trained)
+        grad_hooks = [p.register_post_accumulate_grad_hook(lambda p: self.check("grad"))
+                      for p in engine.module.parameters() if p.requires_grad]
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         hooks.__enter__()
         try:
@@ -345,8 +341,8 @@ class VirtualDevice(Device):
             return
         now = time.perf_counter()
         compute = now - step["t0"] - self._comm_seconds_since(step["n0"])
+        step["real_forward"] = compute
         if self.slowdown is not None:
-            step["real_forward"] = compute
             sleep_until(now + (self.slowdown - 1) * compute)
         else:
             sleep_until(now + self.forward_fraction * self.time_s(step["batch"]) - compute)
@@ -356,45 +352,33 @@ class VirtualDevice(Device):
         super()._backward_start(loss)
         self.check("backward start")
         step = self._open
-        if step is not None:
-            step["grads_seen"] = 0
-            step["backward_from"] = time.perf_counter() - step["t0"] - self._comm_seconds_since(step["n0"])
-        if self._open is not None and self.pads and torch.is_tensor(loss) and loss.requires_grad:
+        if step is None or not self.pads or not (torch.is_tensor(loss) and loss.requires_grad):
+            return
+        if self.slowdown is not None:
             def queue(grad: torch.Tensor) -> None:
                 torch.autograd.Variable._execution_engine.queue_callback(self._pad_backward)
             loss.register_hook(queue)
-
-    def _grad_computed(self, grad: torch.Tensor) -> None:
-        """A parameter's gradient is ready: stretch the backward so far to its share of the curve
-        (one share per trained parameter), as a GPU's backward would have taken by then."""
-        step = self._open
-        if step is None or "grads_seen" not in step or not self.pads or self.slowdown is not None:
             return
-        step["grads_seen"] += 1
-        start = step["backward_from"]
-        end = self.time_s(step["batch"]) - self._tail_s
-        target = start + (end - start) * min(1.0, step["grads_seen"] / max(self._trained_params, 1))
+        # Pad the backward *before* autograd runs, leaving room for its real compute (learned per
+        # batch size; twice the real forward at first): the gradients, and the reduce-scatters and
+        # gathers the stages issue from their hooks, then come at the emulated device's time, so
+        # at stages 2/3 a faster rank waits for a slower one inside every micro-step, as on GPUs.
+        batch = step["batch"]
+        real = self._real_backward.get(batch, 2.0 * step.get("real_forward", 0.0))
         now = time.perf_counter()
-        sleep_until(now + target - (now - step["t0"] - self._comm_seconds_since(step["n0"])))
+        compute = now - step["t0"] - self._comm_seconds_since(step["n0"])
+        sleep_until(now + self.time_s(batch) - BACKWARD_MARGIN * real - compute)
         step["after_pad"] = time.perf_counter() - step["t0"] - self._comm_seconds_since(step["n0"])
 
     def _pad_backward(self) -> None:
-        """Runs when autograd has finished the backward graph (before the stage waits for its
-        reduce-scatters): stretch the backward's compute."""
+        """Slowdown mode: when autograd has finished, stretch the backward's real compute."""
         step = self._open
         if step is None:
             return
         now = time.perf_counter()
         compute = now - step["t0"] - self._comm_seconds_since(step["n0"])
-        if self.slowdown is not None:
-            real_backward = compute - step.get("forward_compute", compute)
-            sleep_until(now + (self.slowdown - 1) * max(real_backward, 0.0))
-        else:
-            behind = self.time_s(step["batch"]) - self._tail_s - compute
-            if behind <= 0 and "after_pad" in step:
-                return  # the gradient hooks did the padding; the tail is measured from the last one
-            sleep_until(now + behind)
-        step["after_pad"] = time.perf_counter() - step["t0"] - self._comm_seconds_since(step["n0"])
+        real_backward = compute - step.get("forward_compute", compute)
+        sleep_until(now + (self.slowdown - 1) * max(real_backward, 0.0))
 
     def _backward_end(self) -> None:
         if self._deferred is not None:
@@ -404,9 +388,10 @@ class VirtualDevice(Device):
         if step is not None and self.pads and self.slowdown is None:
             now = time.perf_counter()
             compute = now - step["t0"] - self._comm_seconds_since(step["n0"])
-            if "after_pad" in step:  # learn the compute that follows the backward pad
-                tail = max(compute - step["after_pad"], 0.0)
-                self._tail_s = tail if self._tail_s == 0.0 else 0.7 * self._tail_s + 0.3 * tail
+            if "after_pad" in step:  # learn the real compute that follows the backward pad
+                real = max(compute - step["after_pad"], 0.0)
+                seen = self._real_backward.get(step["batch"])
+                self._real_backward[step["batch"]] = real if seen is None else 0.7 * seen + 0.3 * real
             target = self.time_s(step["batch"])
             if compute > target + max(LATE_TOLERANCE_S, LATE_TOLERANCE * target):
                 self.late_steps += 1

@@ -44,7 +44,7 @@ compute. (b) is ``min_fraction_of_ideal_plan``; where (a) misses, a note splits 
 measured - 1| (Poplar's plans alone: ``median_prediction_err_poplar``); the JSON splits each
 error into profiled vs true curves and true-curve model vs run.
 
-    .venv/bin/python bench/hetero.py [--clusters A,B,C,C-1:3] [--stages 0,1,2,3] [--iterations 6]
+    .venv/bin/python bench/hetero.py [--clusters A,B,C,C-1:3] [--stages 0,1,2,3] [--iterations 10]
                                      [--rounds 2] [--warmup 1] [--gbs 48] [--json PATH]
 """
 
@@ -315,7 +315,7 @@ def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--clusters", default=",".join(CLUSTERS), help="built-in names or cluster files")
     ap.add_argument("--stages", default="0,1,2,3")
-    ap.add_argument("--iterations", type=int, default=6, help="measured iterations per plan (>= 5 for the headline)")
+    ap.add_argument("--iterations", type=int, default=10, help="measured iterations per plan (>= 5 for the headline)")
     ap.add_argument("--warmup", type=int, default=1, help="entry iterations per block (not measured)")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds the measured iterations split into")
     ap.add_argument("--gbs", type=int, default=48, help="global batch size")

@@ -156,13 +156,8 @@ class PoplarEngine:
         shapes = [(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
         plan_json = plan.to_json() if isinstance(plan, Plan) else repr(plan)
         signature = hashlib.sha256(repr((zero_stage, plan_json, shapes)).encode()).hexdigest()
-        verdicts = self.comm.all_gather_object((error, signature), tag="setup")
-        lines = [f"  rank {r}: {e}" for r, (e, _) in enumerate(verdicts) if e is not None]
-        if not lines and len({s for _, s in verdicts}) > 1:
-            lines = [f"  rank {r}: stage/plan/parameter signature {s[:12]}" for r, (_, s) in enumerate(verdicts)]
-            lines.insert(0, "  ranks disagree on zero_stage, plan or model parameters; pass the same to every rank")
-        if lines:
-            raise DistributedError("PoplarEngine setup failed:\n" + "\n".join(lines))
+        self.comm.gather_verdicts(error, signature, "PoplarEngine setup", mismatch=(
+            "ranks disagree on zero_stage, plan or model parameters; pass the same to every rank"))
 
     def _build_stage(self, groups: list, bucket_size_mb: float, wrap_policy: Any) -> ZeroStage:
         self.comm_ledger.phase = "setup"
@@ -194,12 +189,15 @@ class PoplarEngine:
         elif plan.world_size != self.world_size:
             error = f"plan has {plan.world_size} rows but the world has {self.world_size} ranks"
         digest = hashlib.sha256(plan.to_json().encode()).hexdigest() if error is None else None
-        verdicts = self.comm.all_gather_object((error, digest), tag="set_plan")
-        lines = [f"  rank {r}: {e}" for r, (e, _) in enumerate(verdicts) if e is not None]
-        if not lines and len({d for _, d in verdicts}) > 1:
-            lines = ["  ranks were given different plans; pass the same plan to every rank"]
-        if lines:
-            raise DistributedError("set_plan failed:\n" + "\n".join(lines))
+        self.comm.gather_verdicts(error, digest, "set_plan",
+                                  mismatch="ranks were given different plans; pass the same plan to every rank")
+        self.use_plan(plan)
+
+    def use_plan(self, plan: Plan) -> None:
+        """``set_plan`` without its agreement collective, for callers whose ranks derive the plan
+        from data they already agreed on (the profiler switches plans every timing round)."""
+        if plan.world_size != self.world_size:
+            raise ValueError(f"plan has {plan.world_size} rows but the engine's world has {self.world_size} ranks")
         self.plan, self.rank_plan, self.global_batch_size = plan, plan.ranks[self.rank], plan.global_batch_size
 
     def close(self) -> None:

@@ -18,11 +18,4 @@ class Invalid(Exception):
 def gather_or_raise(comm: Any, error: str | None, payload: Any, what: str) -> list[Any]:
     """Every rank's payload, or ``CheckpointError`` on every rank naming each failing rank (on
     every surviving rank, naming the failed collective, if a rank died or timed out)."""
-    try:
-        verdicts = comm.all_gather_object((error, payload), tag=what)
-    except DistributedError as e:
-        raise CheckpointError(f"{what}: {e}") from e
-    lines = [f"  rank {r}: {e}" for r, (e, _) in enumerate(verdicts) if e is not None]
-    if lines:
-        raise CheckpointError(f"{what} failed on {len(lines)} of {comm.world_size} ranks:\n" + "\n".join(lines))
-    return [p for _, p in verdicts]
+    return comm.gather_verdicts(error, payload, what, error_type=CheckpointError)

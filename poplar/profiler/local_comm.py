@@ -100,8 +100,4 @@ def use_plan(engine: Any, plan: Plan) -> None:
     """Make ``plan`` the engine's plan from the next iteration on, without the agreement
     collective of ``engine.set_plan`` (every rank must switch to the same plan; the profiler
     derives it from data all ranks agreed on, and switches once per timing round)."""
-    if plan.world_size != engine.world_size:
-        raise ValueError(f"plan has {plan.world_size} rows but the engine's world has {engine.world_size} ranks")
-    engine.plan = plan
-    engine.rank_plan = plan.ranks[engine.rank]
-    engine.global_batch_size = plan.global_batch_size
+    engine.use_plan(plan)

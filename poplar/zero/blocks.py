@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from poplar.zero.comm import Communicator, DistributedError
+from poplar.zero.comm import Communicator
 from poplar.zero.flat import FlatUnit
 from poplar.zero.wrap import plan_blocks
 
@@ -40,12 +40,8 @@ def build_blocks(model: nn.Module, groups: list[list[tuple[str, nn.Parameter]]],
         specs, error = [], f"wrap_policy raised {type(e).__name__}: {e}"
     layout = [(s.name, [(gi, [(n, tuple(p.shape)) for n, p in ps]) for gi, ps in s.members]) for s in specs]
     signature = hashlib.sha256(repr(layout).encode()).hexdigest()
-    verdicts = comm.all_gather_object((error, signature), tag="zero3-setup")
-    lines = [f"  rank {r}: {e}" for r, (e, _) in enumerate(verdicts) if e is not None]
-    if not lines and len({s for _, s in verdicts}) > 1:
-        lines = ["  ranks cut the model into different blocks; pass the same wrap_policy to every rank"]
-    if lines:
-        raise DistributedError("ZeRO-3 setup failed:\n" + "\n".join(lines))
+    comm.gather_verdicts(error, signature, "ZeRO-3 setup",
+                         mismatch="ranks cut the model into different blocks; pass the same wrap_policy to every rank")
     blocks, index = [], 0
     for bi, spec in enumerate(specs):
         units = []

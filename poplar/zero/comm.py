@@ -41,15 +41,6 @@ class CommRecord:
     start: float = 0.0  # wall clock (time.time()) when the rank entered the collective
 
 
-class _Records(deque):
-    """A bounded deque of records that also slices like a list (``records[n0:]``)."""
-
-    def __getitem__(self, i: Any) -> Any:
-        if isinstance(i, slice):
-            return list(self)[i]
-        return super().__getitem__(i)
-
-
 class CommLedger:
     """The record of every collective. ``phase``/``micro_step``/``iteration`` are set by the engine.
 
@@ -58,7 +49,7 @@ class CommLedger:
     """
 
     def __init__(self, max_records: int = 200_000) -> None:
-        self.records: _Records = _Records(maxlen=max_records)
+        self.records: deque[CommRecord] = deque(maxlen=max_records)
         self.total_seconds = 0.0
         self.phase = "setup"
         self.micro_step = -1
@@ -200,6 +191,25 @@ class Communicator:
         self._guard("all_gather_object", tag, lambda: dist.all_gather_object(out, obj, group=self.group))
         self.ledger.add("all_gather_object", 0, self._stop(t0), tag)
         return out
+
+    def gather_verdicts(self, error: str | None, value: Any, what: str, *, mismatch: str | None = None,
+                        error_type: type[DistributedError] = DistributedError) -> list[Any]:
+        """Every rank's ``value``, or ``error_type`` on every rank naming each rank's ``error``
+        (and, given ``mismatch``, the fix to name when the values differ between ranks). A peer
+        that died or timed out is an ``error_type`` too, naming ``what``."""
+        try:
+            verdicts = self.all_gather_object((error, value), tag=what)
+        except DistributedError as e:
+            if error_type is DistributedError:
+                raise
+            raise error_type(f"{what}: {e}") from e
+        lines = [f"  rank {r}: {e}" for r, (e, _) in enumerate(verdicts) if e is not None]
+        if lines:
+            raise error_type(f"{what} failed on {len(lines)} of {self.world_size} ranks:\n" + "\n".join(lines))
+        values = [v for _, v in verdicts]
+        if mismatch is not None and len(set(values)) > 1:
+            raise error_type(f"{what} failed: {mismatch}")
+        return values
 
     def agree(self, error: str | None, what: str) -> None:
         """Agreement point: every rank says whether it is fine. If any rank is not, every rank

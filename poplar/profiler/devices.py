@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from poplar.batches import batch_size_of
+from poplar.batches import batch_size_of, move_to_device
 
 OOM_ERROR = torch.OutOfMemoryError  # == torch.cuda.OutOfMemoryError
 
@@ -162,7 +162,7 @@ class Device(ABC):
             batch = 0
         self.reset_peak()
         self._open = {"batch": batch, "before": self.memory_in_use(), "t0": time.perf_counter(),
-                      "n0": len(self.engine.comm_ledger.records)}
+                      "c0": self.engine.comm_ledger.total_seconds}
         self._forward_start()
 
     def _post_forward_hook(self, module: nn.Module, args: tuple, output: Any) -> None:
@@ -189,21 +189,15 @@ class Device(ABC):
         pass
 
     # ---- helpers for subclasses ----
-    def _comm_seconds_since(self, n0: int) -> float:
-        return sum(r.seconds for r in self.engine.comm_ledger.records[n0:])
+    def _compute_s(self, step: dict[str, Any], now: float | None = None) -> float:
+        """Seconds of the open micro-step so far, less the seconds spent in collectives."""
+        now = time.perf_counter() if now is None else now
+        return now - step["t0"] - (self.engine.comm_ledger.total_seconds - step["c0"])
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
-    """The batch with every tensor moved to ``device`` (tuples, lists, dicts, namedtuples kept)."""
-    if torch.is_tensor(batch):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, dict):
-        return type(batch)((k, to_device(v, device)) for k, v in batch.items())
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(to_device(v, device) for v in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(v, device) for v in batch)
-    return batch
+    """The batch with every tensor moved to ``device`` (asynchronously where the copy allows)."""
+    return move_to_device(batch, device, non_blocking=True)
 
 
 def sleep_until(deadline: float) -> None:

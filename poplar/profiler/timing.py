@@ -82,12 +82,12 @@ class MicroStepTimer:
         self.engine, self.device = engine, device
         self.records: list[tuple[float, float]] = []  # (compute s, comm s) per micro-step
         self._t0: float | None = None
-        self._n0 = 0
+        self._c0 = 0.0
 
     def wrap_loss(self, loss_fn: Callable) -> Callable:
         def timed(module: Any, batch: Any) -> torch.Tensor:
             self.device.synchronize()
-            self._n0 = len(self.engine.comm_ledger.records)
+            self._c0 = self.engine.comm_ledger.total_seconds
             self._t0 = time.perf_counter()
             return loss_fn(module, batch)
         return timed
@@ -102,7 +102,7 @@ class MicroStepTimer:
             self.device.synchronize()
             t1 = time.perf_counter()
             if self._t0 is not None:
-                comm = sum(r.seconds for r in self.engine.comm_ledger.records[self._n0:])
+                comm = self.engine.comm_ledger.total_seconds - self._c0
                 self.records.append((t1 - self._t0 - comm, comm))
             self._t0 = None
 

@@ -46,7 +46,7 @@ from poplar.profiler.memory import gathered_bytes, model_state_bytes, predicted_
 
 MIB = 2 ** 20
 # a micro-step is late when its real compute overshoots the curve by more than this (the sleep's
-# own jitter and the learned tail's error are a fraction of a millisecond)
+# own jitter and the learned real backward's error are a fraction of a millisecond)
 LATE_TOLERANCE, LATE_TOLERANCE_S = 0.01, 5e-4
 BACKWARD_MARGIN = 1.3  # room left after the backward pad, in units of the learned real backward
 
@@ -340,13 +340,13 @@ class VirtualDevice(Device):
         if step is None or not self.pads:
             return
         now = time.perf_counter()
-        compute = now - step["t0"] - self._comm_seconds_since(step["n0"])
+        compute = self._compute_s(step, now)
         step["real_forward"] = compute
         if self.slowdown is not None:
             sleep_until(now + (self.slowdown - 1) * compute)
         else:
             sleep_until(now + self.forward_fraction * self.time_s(step["batch"]) - compute)
-        step["forward_compute"] = time.perf_counter() - step["t0"] - self._comm_seconds_since(step["n0"])
+        step["forward_compute"] = self._compute_s(step)
 
     def _backward_start(self, loss: torch.Tensor) -> None:
         super()._backward_start(loss)
@@ -366,9 +366,9 @@ class VirtualDevice(Device):
         batch = step["batch"]
         real = self._real_backward.get(batch, 2.0 * step.get("real_forward", 0.0))
         now = time.perf_counter()
-        compute = now - step["t0"] - self._comm_seconds_since(step["n0"])
+        compute = self._compute_s(step, now)
         sleep_until(now + self.time_s(batch) - BACKWARD_MARGIN * real - compute)
-        step["after_pad"] = time.perf_counter() - step["t0"] - self._comm_seconds_since(step["n0"])
+        step["after_pad"] = self._compute_s(step)
 
     def _pad_backward(self) -> None:
         """Slowdown mode: when autograd has finished, stretch the backward's real compute."""
@@ -376,7 +376,7 @@ class VirtualDevice(Device):
         if step is None:
             return
         now = time.perf_counter()
-        compute = now - step["t0"] - self._comm_seconds_since(step["n0"])
+        compute = self._compute_s(step, now)
         real_backward = compute - step.get("forward_compute", compute)
         sleep_until(now + (self.slowdown - 1) * max(real_backward, 0.0))
 
@@ -387,7 +387,7 @@ class VirtualDevice(Device):
         step = self._open
         if step is not None and self.pads and self.slowdown is None:
             now = time.perf_counter()
-            compute = now - step["t0"] - self._comm_seconds_since(step["n0"])
+            compute = self._compute_s(step, now)
             if "after_pad" in step:  # learn the real compute that follows the backward pad
                 real = max(compute - step["after_pad"], 0.0)
                 seen = self._real_backward.get(step["batch"])
@@ -395,7 +395,7 @@ class VirtualDevice(Device):
             target = self.time_s(step["batch"])
             if compute > target + max(LATE_TOLERANCE_S, LATE_TOLERANCE * target):
                 self.late_steps += 1
-            sleep_until(now + self.time_s(step["batch"]) - compute)
+            sleep_until(now + target - compute)
         if step is not None:
             self.check("backward end")
         super()._backward_end()

@@ -45,3 +45,16 @@ def slice_batch(batch: Any, start: int, length: int) -> Any:
     if isinstance(batch, (list, tuple)):
         return type(batch)(slice_batch(v, start, length) for v in batch)
     return batch
+
+
+def move_to_device(batch: Any, device: torch.device | str, non_blocking: bool = False) -> Any:
+    """Every tensor of a (nested) batch on ``device``; other leaves unchanged."""
+    if torch.is_tensor(batch):
+        return batch.to(device, non_blocking=non_blocking)
+    if isinstance(batch, dict):
+        return type(batch)((k, move_to_device(v, device, non_blocking)) for k, v in batch.items())
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(move_to_device(v, device, non_blocking) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(move_to_device(v, device, non_blocking) for v in batch)
+    return batch

@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils.data import Dataset, default_collate
 
-from poplar.batches import slice_batch
+from poplar.batches import move_to_device, slice_batch
 from poplar.plans import Plan, PlanError
 
 __all__ = ["GlobalBatchSampler", "PlanLoader", "move_to_device"]
@@ -283,16 +283,3 @@ class _RankBatches:
         while True:
             yield self.sampler.indices(k, self.offset, self.length)
             k += 1
-
-
-def move_to_device(batch: Any, device: torch.device | str, non_blocking: bool = False) -> Any:
-    """Every tensor of a (nested) batch on ``device``; other leaves unchanged."""
-    if torch.is_tensor(batch):
-        return batch.to(device, non_blocking=non_blocking)
-    if isinstance(batch, dict):
-        return type(batch)((k, move_to_device(v, device, non_blocking)) for k, v in batch.items())
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(move_to_device(v, device, non_blocking) for v in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(move_to_device(v, device, non_blocking) for v in batch)
-    return batch

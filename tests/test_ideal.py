@@ -35,6 +35,12 @@ def random_groups(rng: random.Random, max_types: int, max_count: int, max_mbs: i
             return groups
 
 
+def random_instance(rng: random.Random, max_gbs: int, **limits: int) -> tuple:
+    """(groups, global batch, comm model) of a random problem."""
+    groups = random_groups(rng, **limits)
+    return groups, rng.randint(1, max_gbs), random_comm(rng, sum(g.count for g in groups))
+
+
 def random_comm(rng: random.Random, world: int) -> CommModel:
     return CommModel(world, rng.choice([0.0, 1e8, 1e9]), 1e9, rng.choice([0.0, 1e-3]))
 
@@ -99,9 +105,7 @@ def check_plan(result, groups, gbs, stage, comm) -> None:
 def test_ideal_equals_brute_force(stage):
     rng = random.Random(10 + stage)
     for _ in range(30):
-        groups = random_groups(rng, max_types=3, max_count=2, max_mbs=3, max_world=3)
-        world = sum(g.count for g in groups)
-        gbs, comm = rng.randint(1, 8), random_comm(rng, world)
+        groups, gbs, comm = random_instance(rng, 8, max_types=3, max_count=2, max_mbs=3, max_world=3)
         got = ideal(groups, gbs, stage, comm)
         want = brute_force(groups, gbs, stage, comm)
         assert got.iteration_s == pytest.approx(want, rel=1e-12, abs=1e-12), (groups, gbs)
@@ -125,9 +129,7 @@ def test_fastest_splits_match_enumeration():
 def test_no_strategy_beats_the_ideal(stage):
     rng = random.Random(100 + stage)
     for _ in range(25):
-        groups = random_groups(rng, max_types=3, max_count=3, max_mbs=10, max_world=6)
-        world = sum(g.count for g in groups)
-        gbs, comm = rng.randint(1, 60), random_comm(rng, world)
+        groups, gbs, comm = random_instance(rng, 60, max_types=3, max_count=3, max_mbs=10, max_world=6)
         best = ideal(groups, gbs, stage, comm)
         check_plan(best, groups, gbs, stage, comm)
         problem = Problem(groups, comm, stage, gbs)
@@ -138,7 +140,7 @@ def test_no_strategy_beats_the_ideal(stage):
             assert plan_problem(problem, "poplar").predicted_iteration_s == pytest.approx(best.iteration_s, rel=1e-9)
         curves = {g.device_type: g.curve for g in groups}
         for _ in range(20):  # random runnable plans never beat it either
-            shares = np.bincount(rng.choices(range(world), k=gbs), minlength=world)
+            shares = np.bincount(rng.choices(range(comm.world_size), k=gbs), minlength=comm.world_size)
             rows = []
             for g in groups:
                 for r in g.ranks:
@@ -166,9 +168,7 @@ def test_lockstep_pruning_keeps_the_optimum(stage):
     # the bound-ordered search stops early; the exhaustive one tries every vector of full-step sizes
     rng = random.Random(200 + stage)
     for _ in range(12):
-        groups = random_groups(rng, max_types=2, max_count=3, max_mbs=9, max_world=5)
-        world = sum(g.count for g in groups)
-        gbs, comm = rng.randint(1, 50), random_comm(rng, world)
+        groups, gbs, comm = random_instance(rng, 50, max_types=2, max_count=3, max_mbs=9, max_world=5)
         c_m, c_s = comm.per_micro_step_s(stage), comm.per_iteration_s(stage)
         _, pruned, tried = _lockstep(groups, gbs, c_m, c_s)
         _, full, every = _lockstep(groups, gbs, c_m, c_s, prune=False)

@@ -204,4 +204,6 @@ def test_emulated_micro_steps_synchronise_like_gpus(stage: int) -> None:
 
     fast, slow = spawn(lockstep_rank, 2, (stage,), timeout_s=120)
     for k in range(3):
-        assert 0.025 < fast[k] < 0.06 and slow[k] < 0.02, (k, fast, slow)
+        # the fast rank waits ~40 ms (the curves' gap) in every micro-step, the slow one only for
+        # the collectives themselves (more at stage 3: one per block); the bounds allow a busy machine
+        assert 0.025 < fast[k] < 0.1 and fast[k] > slow[k] + 0.015, (k, fast, slow)

@@ -4,7 +4,7 @@
   wrapping each transformer block (plus the root), AdamW.
 - ``zero0_vs_ddp``: Poplar ZeRO-0 ÷ ``DistributedDataParallel``.
 
-Gloo ranks on CPU (``poplar.launch.spawn``), one thread each, a small transformer (~3.3M
+Gloo ranks on CPU (``poplar.comm.launch.spawn``), one thread each, a small transformer (~3.3M
 parameters, 4 blocks). Every system trains the same model copy on the same batches; timed
 blocks of iterations are interleaved (A, B, A, B, ...) after a warm-up, each block's time is the
 slowest rank's, and ratios are of medians (ours ÷ torch: < 1 means Poplar is faster).
@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from poplar.engine import PoplarEngine
-from poplar.launch import spawn
-from poplar.plans import Plan
+from poplar.comm.launch import spawn
+from poplar.types.plans import Plan
 
 VOCAB, DIM, HEADS, LAYERS, SEQ, BATCH = 512, 256, 4, 4, 64, 8
 

@@ -2,12 +2,12 @@
 (DeepSpeed) and `flops` (Whale-like) baselines, how close it comes to the ideal, and how well
 its predictions hold.
 
-Clusters (``poplar.cluster``, 2 ranks per type): A = A100-80G + A100-40G (same speed, different
+Clusters (``poplar.types.cluster``, 2 ranks per type): A = A100-80G + A100-40G (same speed, different
 memory), B = V100-16G + T4-16G (different speed, same memory), C = A800-80G + V100S-32G (both
 differ), C-1:3 = 1 A800-80G + 3 V100S-32G. Each cluster runs as one spawned process per rank, each
 rank with a ``VirtualDevice`` of its preset (memory and time scaled to the model by
 ``poplar.profiler.emulate.calibrate``; its compute is padded to the preset's curve, so its true
-curve t_i(b) = preset.time_s(b) x time_scale is known). Model: Llama-style (``poplar.models``,
+curve t_i(b) = preset.time_s(b) x time_scale is known). Model: Llama-style (``poplar.workloads.models``,
 ``llama-tiny`` by default), next-token loss on random tokens; fp32 AdamW.
 
 Per cluster and ZeRO stage: profile every rank (``profile_rank``: capacity search, lock-step
@@ -62,21 +62,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from poplar.cluster import ClusterError, ClusterSpec
+from poplar.types.cluster import ClusterError, ClusterSpec
 from poplar.engine import PoplarEngine
-from poplar.launch import spawn
-from poplar.models import LLAMA_SIZES, create_model, llama_loss_fn
+from poplar.comm.launch import spawn
+from poplar.workloads.models import LLAMA_SIZES, create_model, llama_loss_fn
 from poplar.planner import plan
 from poplar.planner.cost_model import CommModel, evaluate_rows
 from poplar.planner.curves import SpeedCurve
 from poplar.planner.groups import DeviceGroup
 from poplar.planner.ideal import ideal
-from poplar.plans import Plan
+from poplar.types.plans import Plan
 from poplar.profiler.capacity import CapacitySearch
 from poplar.profiler.emulate import calibrate, cluster_devices
 from poplar.profiler.local_comm import local_engine
 from poplar.profiler.profile_run import ProfileOptions, default_optimizer, profile_rank
-from poplar.profiles import Profile
+from poplar.types.profiles import Profile
 
 STRATEGIES = ("poplar", "even", "flops")
 CLUSTERS = ("A", "B", "C", "C-1:3")
@@ -385,7 +385,7 @@ def main() -> None:
     if args.iterations < 5:
         print(f"note: medians over {args.iterations} iterations; the headline figures need >= 5", file=sys.stderr)
     if args.json:
-        from poplar.plans import write_text_atomic
+        from poplar.types.plans import write_text_atomic
         write_text_atomic(args.json, json.dumps({"result": result, "rows": rows, "clusters": meta}, indent=1) + "\n")
     print("RESULT " + json.dumps(result))
 

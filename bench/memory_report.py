@@ -1,4 +1,4 @@
-"""Model-state memory per rank for ZeRO stages 0-2 vs DESIGN.md §3 (fp32 AdamW, K = 8 bytes/param),
+"""Model-state memory per rank for ZeRO stages 0-2 vs docs/design.md §3 (fp32 AdamW, K = 8 bytes/param),
 for a ~7M-parameter model on 2 and 4 gloo ranks. Prints a table and a `RESULT {json}` line."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from poplar.engine import PoplarEngine
-from poplar.launch import spawn
-from poplar.plans import Plan
+from poplar.comm.launch import spawn
+from poplar.types.plans import Plan
 
 
 def worker(rank: int, world: int, stage: int) -> dict:

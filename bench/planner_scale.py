@@ -20,7 +20,7 @@ import time
 
 from poplar.planner import plan
 from poplar.planner.synthetic import profile_from_presets
-from poplar.profiler.presets import PRESETS
+from poplar.types.presets import PRESETS
 
 
 def device_types(seed: int = 0) -> list:

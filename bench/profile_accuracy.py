@@ -23,12 +23,12 @@ import time
 
 import numpy as np
 
-from poplar.cluster import ClusterSpec
-from poplar.launch import spawn
+from poplar.types.cluster import ClusterSpec
+from poplar.comm.launch import spawn
 from poplar.planner.curves import SpeedCurve
 from poplar.profiler.emulate import calibrate, cluster_devices
 from poplar.profiler.profile_run import ProfileOptions, default_optimizer, profile_rank
-from poplar.profiles import Profile
+from poplar.types.profiles import Profile
 from poplar.workloads import WORKLOADS, get_workload
 
 CLUSTERS = {

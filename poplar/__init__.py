@@ -4,8 +4,8 @@ Every rank gets its own micro-batch size, accumulation steps and last-batch size
 measured speed curves, while each optimizer step stays exactly the step of the whole global batch.
 """
 
-from poplar.plans import Plan, PlanError, RankPlan
-from poplar.profiles import CommProfile, Profile, ProfileError, ProfilePoint, RankProfile
+from poplar.types.plans import Plan, PlanError, RankPlan
+from poplar.types.profiles import CommProfile, Profile, ProfileError, ProfilePoint, RankProfile
 
 __version__ = "0.1.0"
 
@@ -13,6 +13,7 @@ __all__ = [
     "Plan", "PlanError", "RankPlan",
     "Profile", "ProfileError", "ProfilePoint", "RankProfile", "CommProfile",
     "PoplarEngine", "AutoOptions", "plan", "simulate", "profile",
+    "StepObserver", "MicroStep", "IterationStats",
 ]
 
 # Each feature adds its public names below (one import line per subpackage).
@@ -20,3 +21,5 @@ from poplar.auto import AutoOptions  # noqa: E402
 from poplar.engine import PoplarEngine  # noqa: E402
 from poplar.planner import plan, simulate  # noqa: E402
 from poplar.profiler import profile  # noqa: E402
+from poplar.train import loop as _loop  # noqa: E402,F401 - registers the loop behind PoplarEngine.fit
+from poplar.zero.observers import IterationStats, MicroStep, StepObserver  # noqa: E402

@@ -30,11 +30,12 @@ import torch
 from torch import nn
 from torch.utils.data import default_collate
 
-from poplar.plans import Plan, PlanError
-from poplar.profiles import Profile, ProfileError
-from poplar.zero.comm import Communicator, DistributedError
+from poplar.types.plans import Plan, PlanError
+from poplar.types.profiles import Profile, ProfileError
+from poplar.comm import Communicator
+from poplar.profiler.devices import DeviceKind
 
-from poplar.logs import log
+from poplar.types.logs import log
 
 
 @dataclass
@@ -108,15 +109,12 @@ def _ctor_keys(optimizer: torch.optim.Optimizer) -> set[str]:
 
 
 def _agree(comm: Communicator, error: str | None, what: str) -> None:
-    try:
-        comm.agree(error, what)
-    except DistributedError as e:
-        raise ProfileError(f"auto mode: {e}") from None
+    comm.agree(error, f"auto mode: {what}", error_type=ProfileError)
 
 
 def emulated_device(comm: Communicator, cluster: Any, options: AutoOptions, calibrate_inputs: dict[str, Any]) -> Any:
     """This rank's ``VirtualDevice`` of ``cluster``, with scales agreed by every rank."""
-    from poplar.cluster import ClusterSpec
+    from poplar.types.cluster import ClusterSpec
     from poplar.profiler.emulate import calibrate
     from poplar.profiler.virtual_device import VirtualDevice
 
@@ -195,7 +193,7 @@ def _measure(comm: Communicator, model: nn.Module, optimizer: torch.optim.Optimi
         meta: dict[str, Any] = {}
         if hasattr(device, "cluster"):
             meta["cluster"] = device.cluster.to_dict()
-        if getattr(device, "kind", "") == "virtual":
+        if device.kind is DeviceKind.VIRTUAL:
             meta.update(memory_scale=device.memory_scale, time_scale=device.time_scale, emulated=True)
         popts = ProfileOptions(zero_stage=zero_stage, escalate=options.escalate, max_batch=options.max_batch,
                                repeats=options.repeats, bucket_size_mb=bucket_size_mb, wrap_policy=wrap_policy,
@@ -211,14 +209,13 @@ def _measure(comm: Communicator, model: nn.Module, optimizer: torch.optim.Optimi
     return profile, device
 
 
-def auto_plan(engine: Any, model: nn.Module, optimizer: torch.optim.Optimizer, *, global_batch_size: int,
+def auto_plan(comm: Communicator, model: nn.Module, optimizer: torch.optim.Optimizer, *, global_batch_size: int,
               zero_stage: int, loss_fn: Callable | None, profile_data: Any, cluster: Any = None, device: Any = None,
               options: AutoOptions | None = None, bucket_size_mb: float = 25.0, wrap_policy: Any = None) -> AutoResult:
     """Profile (or load a profile), plan, and log the plan: the engine's auto mode."""
     from poplar.planner import plan as make_plan
 
     options = options or AutoOptions()
-    comm: Communicator = engine.comm
     error = None
     if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
         error = f"global_batch_size must be an int >= 1, got {global_batch_size!r}"

@@ -9,14 +9,14 @@ from pathlib import Path
 import torch
 
 from poplar.auto import AutoOptions, clone_optimizer
-from poplar.cluster import ClusterSpec
+from poplar.types.cluster import ClusterSpec
 from poplar.engine import PoplarEngine
-from poplar.launch import spawn
-from poplar.models import create_model, llama_loss_fn
+from poplar.comm.launch import spawn
+from poplar.workloads.models import create_model, llama_loss_fn
 from poplar.planner import plan as make_plan
-from poplar.plans import Plan
-from poplar.profiles import Profile
-from poplar.text_data import TextBlocks
+from poplar.types.plans import Plan
+from poplar.types.profiles import Profile
+from poplar.workloads.text import TextBlocks
 
 PAIR = ClusterSpec("pair", [{"type": "V100-16G", "count": 1}, {"type": "T4-16G", "count": 1}])
 GBS = 24

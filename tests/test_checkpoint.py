@@ -14,12 +14,12 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from poplar.checkpoint import CheckpointError, load_checkpoint, read_index, save_checkpoint
-from poplar.data import PlanLoader
+from poplar.train.data import PlanLoader
 from poplar.engine import PoplarEngine
-from poplar.launch import spawn
-from poplar.models import create_model, llama_loss_fn
-from poplar.plans import Plan
-from poplar.text_data import TextBlocks
+from poplar.comm.launch import spawn
+from poplar.workloads.models import create_model, llama_loss_fn
+from poplar.types.plans import Plan
+from poplar.workloads.text import TextBlocks
 from tests.toy import max_rel_err, plan_of
 
 SEQ = 16

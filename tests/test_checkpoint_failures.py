@@ -18,8 +18,8 @@ import poplar.checkpoint.save as save_module
 from poplar.checkpoint import load_checkpoint, read_index, save_checkpoint
 from poplar.checkpoint.storage import STALE_TEMPORARY_S
 from poplar.engine import PoplarEngine
-from poplar.launch import RankFailure, spawn
-from poplar.plans import Plan
+from poplar.comm.launch import RankFailure, spawn
+from poplar.types.plans import Plan
 from tests.toy import global_batch, loss_fn, make_model, make_optimizer, max_rel_err, plan_of, rank_slice
 
 PLAN3 = plan_of((3, 2, 1), (2, 1, 0), (1, 3, 0))  # n_i = 7, 2, 3: gbs 12; rank 2 runs 3 micro-steps

@@ -8,10 +8,10 @@ import random
 import pytest
 import torch
 
-from poplar.data import GlobalBatchSampler, PlanLoader
+from poplar.train.data import GlobalBatchSampler, PlanLoader
 from poplar.engine import PoplarEngine
-from poplar.plans import Plan, PlanError, RankPlan
-from poplar.text_data import (IGNORE_INDEX, MASK, VOCAB_SIZE, ByteTokenizer, MaskedTextBlocks, TextBlocks,
+from poplar.types.plans import Plan, PlanError, RankPlan
+from poplar.workloads.text import (IGNORE_INDEX, MASK, VOCAB_SIZE, ByteTokenizer, MaskedTextBlocks, TextBlocks,
                               default_corpus_path, load_text)
 
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from poplar.engine import PoplarEngine
-from poplar.launch import spawn
-from poplar.plans import Plan
+from poplar.comm.launch import spawn
+from poplar.types.plans import Plan
 from tests.toy import global_batch, loss_fn, make_model, make_optimizer, max_rel_err, plan_of, rank_slice
 
 PLAN = plan_of((3, 2, 1), (2, 1, 0))  # n_i = 7, 2
@@ -82,7 +82,7 @@ def test_bad_batch_on_one_rank(stage: int) -> None:
 
 
 def test_batch_structure_errors() -> None:
-    from poplar.batches import batch_size_of, slice_batch
+    from poplar.types.batches import batch_size_of, slice_batch
     assert batch_size_of({"x": torch.zeros(4, 2), "y": (torch.zeros(4), "meta")}) == 4
     with pytest.raises(ValueError, match="disagree"):
         batch_size_of((torch.zeros(4), torch.zeros(3)))
@@ -117,7 +117,7 @@ def dies_mid_training(rank: int, world: int, stage: int) -> None:
 @pytest.mark.parametrize("stage", [1, 2])
 def test_dead_rank_makes_the_others_fail_clearly(stage: int) -> None:
     import time
-    from poplar.launch import RankFailure
+    from poplar.comm.launch import RankFailure
     t0 = time.monotonic()
     with pytest.raises(RankFailure) as info:
         spawn(dies_mid_training, 2, (stage,), timeout_s=60, collective_timeout_s=20, grace_s=30)

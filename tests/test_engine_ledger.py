@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 
 from poplar.engine import PoplarEngine
-from poplar.launch import spawn
+from poplar.comm.launch import spawn
 from tests.toy import global_batch, loss_fn, make_model, make_optimizer, plan_of, rank_slice
 
 # micro-step counts 4, 0, 2: rank 1 has no samples, rank 2 fewer micro-steps

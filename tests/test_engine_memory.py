@@ -1,4 +1,4 @@
-"""memory_report() against DESIGN.md §3 for a ~7M-parameter model with AdamW (K = 8 bytes/param)."""
+"""memory_report() against docs/design.md §3 for a ~7M-parameter model with AdamW (K = 8 bytes/param)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from poplar.engine import PoplarEngine
-from poplar.launch import spawn
-from poplar.plans import Plan
+from poplar.comm.launch import spawn
+from poplar.types.plans import Plan
 
 BUCKET_MB = 4.0
 

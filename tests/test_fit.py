@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 
 from poplar.engine import PoplarEngine
-from poplar.launch import spawn
-from poplar.models import create_model, llama_loss_fn
-from poplar.text_data import TextBlocks
+from poplar.comm.launch import spawn
+from poplar.workloads.models import create_model, llama_loss_fn
+from poplar.workloads.text import TextBlocks
 from tests.toy import plan_of
 
 PLAN = plan_of((3, 2, 1), (2, 1, 0))  # n_i = 7, 2: uneven, different micro-step counts

@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 
-from poplar.plans import PlanError
+from poplar.types.plans import PlanError
 from poplar.planner.cost_model import CommModel, evaluate_rows
 from poplar.planner.curves import SpeedCurve
 from poplar.planner.groups import DeviceGroup

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from poplar.launch import RankFailure, spawn
+from poplar.comm.launch import RankFailure, spawn
 
 
 def sum_ranks(rank: int, world: int) -> float:

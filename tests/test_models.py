@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from poplar.data import PlanLoader
-from poplar.models import (BERT_SIZES, LLAMA_SIZES, MODEL_NAMES, BertBlock, BertConfig, BertModel, LlamaBlock,
+from poplar.train.data import PlanLoader
+from poplar.workloads.models import (BERT_SIZES, LLAMA_SIZES, MODEL_NAMES, BertBlock, BertConfig, BertModel, LlamaBlock,
                            LlamaConfig, LlamaModel, bert_loss_fn, count_params, create_model, llama_loss_fn,
                            loss_fn_for)
-from poplar.plans import Plan, RankPlan
-from poplar.text_data import IGNORE_INDEX, MaskedTextBlocks, TextBlocks
+from poplar.types.plans import Plan, RankPlan
+from poplar.workloads.text import IGNORE_INDEX, MaskedTextBlocks, TextBlocks
 
 
 def n_params(model: torch.nn.Module) -> int:

@@ -8,8 +8,8 @@ import pytest
 from poplar.planner.cost_model import CommModel
 from poplar.planner.curves import SpeedCurve
 from poplar.planner.synthetic import profile_points
-from poplar.profiler.presets import PRESETS
-from poplar.profiles import ProfileError
+from poplar.types.presets import PRESETS
+from poplar.types.profiles import ProfileError
 
 
 def preset_curve(name, mbs):
@@ -105,7 +105,7 @@ def test_comm_model_prices_the_measured_collectives_at_their_stage():
 
 def test_ranks_of_a_type_share_one_curve_with_the_smallest_mbs():
     from poplar.planner import group_profile, plan
-    from poplar.profiles import CommProfile, Profile, ProfilePoint, RankProfile
+    from poplar.types.profiles import CommProfile, Profile, ProfilePoint, RankProfile
 
     def rank(i, dtype, mbs, scale):
         return RankProfile(i, dtype, mbs, [ProfilePoint(b, scale * (0.01 + 0.01 * b)) for b in (1, 2, 4, mbs)])

@@ -5,10 +5,10 @@ import json
 import pytest
 
 from poplar.cli import main
-from poplar.plans import PlanError
+from poplar.types.plans import PlanError
 from poplar.planner import plan
 from poplar.planner.synthetic import synthetic_profile
-from poplar.profiles import ProfileError
+from poplar.types.profiles import ProfileError
 
 
 @pytest.fixture

@@ -4,11 +4,11 @@ import json
 
 from hypothesis import given, settings, strategies as st
 
-from poplar.plans import Plan
+from poplar.types.plans import Plan
 from poplar.planner import plan
 from poplar.planner.cost_model import CommModel
 from poplar.planner.groups import group_profile
-from poplar.profiles import CommProfile, Profile, ProfilePoint, RankProfile
+from poplar.types.profiles import CommProfile, Profile, ProfilePoint, RankProfile
 
 SETTINGS = settings(max_examples=75, deadline=None, derandomize=True, database=None)
 

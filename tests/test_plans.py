@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from poplar.plans import Plan, PlanError, RankPlan
+from poplar.types.plans import Plan, PlanError, RankPlan
 
 
 def test_rank_plan_counts() -> None:

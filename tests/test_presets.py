@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from poplar.cluster import BUILTIN_CLUSTERS, ClusterError, ClusterSpec
-from poplar.profiler.presets import GIB, PRESETS, PresetError, get_preset
+from poplar.types.cluster import BUILTIN_CLUSTERS, ClusterError, ClusterSpec
+from poplar.types.presets import GIB, PRESETS, PresetError, get_preset
 
 PAPER_GPUS = ["A100-80G", "A100-40G", "V100-16G", "T4-16G", "A800-80G", "V100S-32G", "RTX3060-12G", "RTX4090-24G"]
 

@@ -12,13 +12,13 @@ import math
 import pytest
 import torch
 
-from poplar.launch import spawn
-from poplar.plans import Plan, RankPlan
+from poplar.comm.launch import spawn
+from poplar.types.plans import Plan, RankPlan
 from poplar.profiler import SaturatingCurve, VirtualDevice, search_mbs, trial_budget
 from poplar.profiler.capacity import CapacitySearch
 from poplar.profiler.local_comm import local_engine, search_plan, use_plan
 from poplar.profiler.profile_run import ProfileOptions, default_optimizer, profile_rank
-from poplar.profiles import Profile, ProfileError
+from poplar.types.profiles import Profile, ProfileError
 from poplar.workloads import get_workload
 
 # the profiler's fast workload: the capacities and curves below are calibrated for it
@@ -217,8 +217,8 @@ def test_search_stops_at_max_batch() -> None:
 def test_bad_cluster_input_is_a_clear_error(tmp_path) -> None:
     import poplar
     from poplar.cli import main
-    from poplar.cluster import ClusterError
-    from poplar.profiler.presets import PresetError
+    from poplar.types.cluster import ClusterError
+    from poplar.types.presets import PresetError
 
     broken = tmp_path / "broken.json"
     broken.write_text('{"name": "x", "devices": [{"type": "T4-16G", "count": 2}')

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from poplar.engine import PoplarEngine
-from poplar.launch import spawn
-from poplar.report import chrome_trace, rank_timeline, write_trace
+from poplar.comm.launch import spawn
+from poplar.train.report import chrome_trace, rank_timeline, write_trace
 from tests.toy import global_batch, loss_fn, make_model, make_optimizer, plan_of, rank_slice
 
 PLAN = plan_of((4, 3, 0), (1, 1, 0))  # rank 1 finishes early and waits
@@ -41,7 +41,7 @@ def test_trace_has_every_span(tmp_path) -> None:
 def test_curves_png_marks_the_chosen_batches(tmp_path) -> None:
     pytest.importorskip("matplotlib")
     from poplar.planner import plan, synthetic_profile
-    from poplar.report import write_curves_png
+    from poplar.train.report import write_curves_png
 
     profile = synthetic_profile("B", 2)
     path = tmp_path / "curves.png"

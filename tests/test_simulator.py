@@ -5,8 +5,8 @@ import json
 import pytest
 
 from poplar.cli import main
-from poplar.cluster import ClusterSpec
-from poplar.plans import Plan
+from poplar.types.cluster import ClusterSpec
+from poplar.types.plans import Plan
 from poplar.planner import simulate
 from poplar.planner.synthetic import REFERENCE_MODEL, ModelSpec, synthetic_profile
 

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from poplar.engine import PoplarEngine
-from poplar.zero.comm import DistributedError
+from poplar.zero.observers import StepObserver
+from poplar.comm import DistributedError
 from tests.test_stage3_common import Block, branches, one_thread, part_results, reference
 from tests.toy import global_batch, loss_fn, make_model, make_optimizer, max_rel_err, plan_of, rank_slice
 
@@ -74,19 +75,22 @@ def worker(rank: int, world: int) -> dict:
         _train(PoplarEngine(model, make_optimizer(model, "sgd"), zero_stage=3, plan=PLAN), rank, 1)
     out["twice"] = _outcome(twice)
 
-    # an emulated out-of-memory at a gather on rank 0 only (the profiler's on_allocate check):
-    # every rank fails the iteration, nothing stays gathered, the next iterations train
+    # an emulated out-of-memory at a gather on rank 0 only (the virtual device's check at the
+    # transient_allocated point): every rank fails the iteration, nothing stays gathered, the next
+    # iterations train
     model = make_model()
     engine = PoplarEngine(model, make_optimizer(model, "sgd"), zero_stage=3, plan=PLAN)
-    calls = []
 
-    def on_allocate() -> None:
-        calls.append(1)
-        if rank == 0 and len(calls) == 4:
-            raise MemoryError("emulated out of memory")
-    engine.stage.on_allocate = on_allocate
+    class FailingGather(StepObserver):
+        calls = 0
+
+        def transient_allocated(self) -> None:
+            self.calls += 1
+            if rank == 0 and self.calls == 4:
+                raise MemoryError("emulated out of memory")
+    engine.add_observer(FailingGather())
     out["oom"] = [_outcome(lambda: _train(engine, rank, 1)), _outcome(lambda: _train(engine, rank, 2)),
-                  engine.stage.gathered_bytes, engine.stage._transient]
+                  engine.stage.gathered_bytes, engine.stage.transient_bytes]
 
     # the order changes on rank 1 after it was recorded: still exact, with a warning
     model = branches()

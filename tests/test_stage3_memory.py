@@ -9,7 +9,7 @@ from torch import nn
 
 from poplar.engine import PoplarEngine
 from tests.test_stage3_common import part_results
-from poplar.plans import Plan
+from poplar.types.plans import Plan
 
 
 def seven_million() -> nn.Module:

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from poplar.train import choose_plan
-from poplar.train_config import ConfigError, TrainConfig
+from poplar.cli.train import choose_plan
+from poplar.train.config import ConfigError, TrainConfig
 
 BASE = {"train_batch_size": 32, "zero_optimization": {"stage": 2, "reduce_bucket_size": 2 ** 22},
         "gradient_clipping": 1.0, "optimizer": {"type": "adamw", "params": {"lr": 3e-4, "betas": [0.9, 0.95]}},

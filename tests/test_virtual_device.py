@@ -11,10 +11,10 @@ from poplar.profiler import SaturatingCurve, VirtualDevice, is_oom
 from poplar.profiler.capacity import CapacitySearch
 from poplar.profiler.local_comm import local_engine, search_plan, use_plan
 from poplar.profiler.memory import predicted_optimizer_bytes
-from poplar.profiler.presets import PresetError
+from poplar.types.presets import PresetError
 from poplar.profiler.profile_run import default_optimizer
 from poplar.profiler.timing import MicroStepTimer, timing_batches
-from poplar.zero.comm import DistributedError
+from poplar.comm import DistributedError
 from poplar.workloads import get_workload
 
 # the profiler's fast workload: the capacities and curves below are calibrated for it
@@ -112,7 +112,7 @@ def test_padding_makes_compute_follow_the_curve() -> None:
     engine = engine_at(0, world=1, rank=0)
     device = VirtualDevice("d", 100 * MB, time_fn=curve)
     with device.attach(engine), MicroStepTimer(engine, device) as timer:
-        loss = timer.wrap_loss(WORKLOAD.loss_fn)
+        loss = WORKLOAD.loss_fn
         sizes = (1, 1, 1, 8, 8, 8, 32, 32, 32)
         for b in sizes:
             use_plan(engine, search_plan(1, 0, b))
@@ -129,7 +129,7 @@ def test_slowdown_factor() -> None:
     times = {}
     for dev in (plain, slow):
         with dev.attach(engine), MicroStepTimer(engine, dev) as timer:
-            loss = timer.wrap_loss(WORKLOAD.loss_fn)
+            loss = WORKLOAD.loss_fn
             for _ in range(7):
                 use_plan(engine, search_plan(1, 0, 16))
                 engine.train_step(WORKLOAD.sample_fn(16), loss)
@@ -155,7 +155,7 @@ def test_injected_oom_fires_once_at_the_asked_point() -> None:
 def test_presets_and_bad_input() -> None:
     dev = VirtualDevice.from_preset("T4-16G", memory_scale=1e-3, time_scale=0.01)
     assert dev.capacity_bytes == int(16 * 2 ** 30 * 1e-3) and dev.device_type == "T4-16G"
-    from poplar.profiler.presets import get_preset
+    from poplar.types.presets import get_preset
     assert dev.time_s(8) == pytest.approx(get_preset("T4-16G").time_s(8) * 0.01)
     with pytest.raises(PresetError, match="unknown device preset 'H100'.*known presets"):
         VirtualDevice.from_preset("H100", 1e-3, 0.01)
@@ -183,7 +183,7 @@ def test_sleep_is_not_the_bottleneck() -> None:
 
 def lockstep_rank(rank: int, world: int, stage: int) -> list[float]:
     from poplar.engine import PoplarEngine
-    from poplar.plans import Plan, RankPlan
+    from poplar.types.plans import Plan, RankPlan
 
     seconds = (0.02, 0.06)[rank]  # a fast and a slow device, 3 micro-steps each
     device = VirtualDevice("fast" if rank == 0 else "slow", 10 ** 9, time_fn=SaturatingCurve(seconds, 0.0, 1e9))
@@ -200,7 +200,7 @@ def lockstep_rank(rank: int, world: int, stage: int) -> list[float]:
 def test_emulated_micro_steps_synchronise_like_gpus(stage: int) -> None:
     """At stages 2/3 each micro-step's collectives start when the emulated backward ends, so the
     fast rank waits for the slow one in every micro-step (not once at the iteration's end)."""
-    from poplar.launch import spawn
+    from poplar.comm.launch import spawn
 
     fast, slow = spawn(lockstep_rank, 2, (stage,), timeout_s=120)
     for k in range(3):

@@ -8,9 +8,9 @@ import pickle
 import pytest
 import torch
 
-from poplar.batches import batch_size_of, slice_batch
-from poplar.models import BertModel, LlamaModel, count_params
-from poplar.text_data import IGNORE_INDEX, VOCAB_SIZE
+from poplar.types.batches import batch_size_of, slice_batch
+from poplar.workloads.models import BertModel, LlamaModel, count_params
+from poplar.workloads.text import IGNORE_INDEX, VOCAB_SIZE
 from poplar.workloads import DEFAULT_WORKLOAD, WORKLOADS, TokenMLP, get_workload
 
 NAMES = list(WORKLOADS)

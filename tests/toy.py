@@ -1,5 +1,5 @@
 """A tiny model with tied weights and odd-sized parameters, its data, and the single-process
-reference that every engine test compares against (DESIGN.md §2)."""
+reference that every engine test compares against (docs/design.md §2)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from poplar.plans import Plan, RankPlan
+from poplar.types.plans import Plan, RankPlan
 
 VOCAB, DIM, HIDDEN, SEQ = 37, 13, 29, 5
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from poplar.zero.comm import DistributedError
+from poplar.comm import DistributedError
 
 
 class CheckpointError(DistributedError):
@@ -18,4 +18,4 @@ class Invalid(Exception):
 def gather_or_raise(comm: Any, error: str | None, payload: Any, what: str) -> list[Any]:
     """Every rank's payload, or ``CheckpointError`` on every rank naming each failing rank (on
     every surviving rank, naming the failed collective, if a rank died or timed out)."""
-    return comm.gather_verdicts(error, payload, what, error_type=CheckpointError)
+    return comm.agree(error, what, payload, error_type=CheckpointError)

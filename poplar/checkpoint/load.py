@@ -15,8 +15,8 @@ import torch
 from poplar.checkpoint.errors import CheckpointError, Invalid, gather_or_raise
 from poplar.checkpoint.layout import parse_index, ties
 from poplar.checkpoint.reshard import CheckpointFiles, assemble_optimizer
-from poplar.plans import Plan
-from poplar.zero.comm import DistributedError
+from poplar.types.plans import Plan
+from poplar.comm import DistributedError
 
 
 def load_checkpoint(engine: Any, directory: str | os.PathLike, *, verify_hashes: bool = True) -> dict[str, Any]:
@@ -76,8 +76,7 @@ def load_checkpoint(engine: Any, directory: str | os.PathLike, *, verify_hashes:
     try:
         engine.stage.load_full_state_dict(loaded["model"])
         engine.optimizer.load_state_dict(loaded["optimizer"])
-        engine.iteration = int(index["iteration"])
-        engine.comm_ledger.iteration = engine.iteration
+        engine.restore_iteration(int(index["iteration"]))
         for kind, state in loaded["rng"].items():
             if kind == "cpu":
                 torch.set_rng_state(state)
@@ -85,10 +84,7 @@ def load_checkpoint(engine: Any, directory: str | os.PathLike, *, verify_hashes:
                 torch.cuda.set_rng_state(state, comm.device)
     except Exception as e:  # noqa: BLE001
         error = f"{type(e).__name__}: {e}"
-    try:
-        comm.agree(error, what)
-    except DistributedError as e:
-        raise CheckpointError(str(e)) from None
+    comm.agree(error, what, error_type=CheckpointError)
     plan = index.get("plan")
     try:
         plan = Plan.from_dict(plan) if plan is not None else None

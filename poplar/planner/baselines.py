@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from poplar.plans import PlanError
+from poplar.types.plans import PlanError
 from poplar.planner.groups import DeviceGroup
 from poplar.planner.zero01 import canonical
 from poplar.planner.zero23 import lockstep_rows

@@ -28,7 +28,7 @@ from typing import Sequence
 import numpy as np
 from scipy.interpolate import CubicSpline
 
-from poplar.profiles import ProfileError
+from poplar.types.profiles import ProfileError
 
 
 @dataclass

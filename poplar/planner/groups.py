@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from poplar.planner.curves import SpeedCurve
-from poplar.profiles import Profile, ProfileError
+from poplar.types.profiles import Profile, ProfileError
 
 
 @dataclass

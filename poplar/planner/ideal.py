@@ -47,7 +47,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from poplar.plans import Plan, PlanError, RankPlan
+from poplar.types.plans import Plan, PlanError, RankPlan
 from poplar.planner.cost_model import CommModel, evaluate_rows
 from poplar.planner.curves import SpeedCurve
 from poplar.planner.groups import DeviceGroup

@@ -21,13 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from poplar.plans import Plan, PlanError, RankPlan
+from poplar.types.plans import Plan, PlanError, RankPlan
 from poplar.planner.baselines import even_rows, flops_rows
 from poplar.planner.cost_model import CommModel, Evaluation, evaluate_rows
 from poplar.planner.groups import DeviceGroup, group_profile
 from poplar.planner.zero01 import allocate_zero01
 from poplar.planner.zero23 import allocate_zero23
-from poplar.profiles import Profile, ProfileError
+from poplar.types.profiles import Profile, ProfileError
 
 STRATEGIES = ("poplar", "even", "flops")
 

@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from poplar.cluster import ClusterSpec
-from poplar.plans import Plan, PlanError, write_text_atomic
+from poplar.types.cluster import ClusterSpec
+from poplar.types.plans import Plan, PlanError, write_text_atomic
 from poplar.planner.planning import STRATEGIES, make_problem, plan_problem
 from poplar.planner.synthetic import REFERENCE_MODEL, ModelSpec, synthetic_profile
-from poplar.profiles import Profile
+from poplar.types.profiles import Profile
 
 
 @dataclass

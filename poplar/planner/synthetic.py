@@ -2,7 +2,7 @@
 
 Assumptions (all explicit in ``ModelSpec``):
 - Model states per rank, fp32 Adam (4 B parameters + 4 B gradients + 8 B optimizer per
-  parameter, Psi parameters, N ranks), as in DESIGN.md section 3:
+  parameter, Psi parameters, N ranks), as in docs/design.md section 3:
       stage 0: 16 Psi   stage 1: 8 Psi + 8 Psi / N   stage 2: 4 Psi + 12 Psi / N
       stage 3: 16 Psi / N + 4 Psi * live_param_fraction (parameters gathered for live layers)
   plus ``reserve_bytes`` (CUDA context, allocator slack, communication buffers).
@@ -22,9 +22,9 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from poplar.cluster import ClusterSpec
-from poplar.profiler.presets import GIB, DevicePreset, get_preset
-from poplar.profiles import CommProfile, Profile, ProfileError, ProfilePoint, RankProfile
+from poplar.types.cluster import ClusterSpec
+from poplar.types.presets import GIB, DevicePreset, get_preset
+from poplar.types.profiles import CommProfile, Profile, ProfileError, ProfilePoint, RankProfile
 
 
 @dataclass(frozen=True)

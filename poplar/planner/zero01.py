@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from poplar.plans import PlanError
+from poplar.types.plans import PlanError
 from poplar.planner.curves import SpeedCurve
 from poplar.planner.groups import DeviceGroup, TypeShares, shift_samples
 

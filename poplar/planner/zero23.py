@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from poplar.plans import PlanError
+from poplar.types.plans import PlanError
 from poplar.planner.cost_model import CommModel
 from poplar.planner.groups import DeviceGroup, TypeShares, shift_samples
 

@@ -1,5 +1,5 @@
 """The profiler: each rank's largest micro-batch and compute time per batch size, measured where
-it runs (DESIGN.md §4), and device emulation for CPU-only clusters.
+it runs (docs/design.md §4), and device emulation for CPU-only clusters.
 
 Public names: ``profile`` (the API), ``VirtualDevice`` / ``CudaDevice`` (devices), ``is_oom``,
 ``search_mbs`` / ``trial_budget`` (the capacity search), ``timing_batches``.

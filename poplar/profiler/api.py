@@ -23,7 +23,7 @@ from torch import nn
 
 from poplar.profiler.devices import Device
 from poplar.profiler.profile_run import ProfileOptions, default_optimizer, profile_rank
-from poplar.profiles import Profile, ProfileError
+from poplar.types.profiles import Profile, ProfileError
 
 
 def profile(model_fn: Callable[[], nn.Module], loss_fn: Callable[[nn.Module, Any], torch.Tensor],
@@ -75,7 +75,7 @@ def profile(model_fn: Callable[[], nn.Module], loss_fn: Callable[[nn.Module, Any
 def _emulate(model_fn: Callable, loss_fn: Callable, sample_fn: Callable, cluster: Any, devices: Any,
              optimizer_fn: Callable, options: ProfileOptions, memory_scale: Any, time_scale: Any, progress: bool,
              timeout_s: float) -> Profile:
-    from poplar.launch import spawn
+    from poplar.comm.launch import spawn
     from poplar.profiler.emulate import calibrate, cluster_devices, emulated_rank
 
     if (cluster is None) == (devices is None):
@@ -84,7 +84,7 @@ def _emulate(model_fn: Callable, loss_fn: Callable, sample_fn: Callable, cluster
     if options.zero_stage not in (0, 1, 2, 3):
         raise ProfileError(f"zero_stage must be 0, 1, 2 or 3, got {options.zero_stage!r}")
     if cluster is not None:
-        from poplar.cluster import ClusterSpec
+        from poplar.types.cluster import ClusterSpec
         spec = ClusterSpec.resolve(cluster)
         cal = None
         if memory_scale == "auto" or time_scale == "auto":

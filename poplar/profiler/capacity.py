@@ -27,7 +27,7 @@ from typing import Any, Callable
 from poplar.profiler.devices import Device, is_oom, to_device
 from poplar.profiler.local_comm import search_plan, use_plan
 from poplar.profiler.memory import gathered_bytes
-from poplar.zero.comm import DistributedError
+from poplar.comm import DistributedError
 
 DEFAULT_MAX_BATCH = 4096
 

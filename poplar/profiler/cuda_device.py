@@ -20,11 +20,11 @@ from typing import Any
 
 import torch
 
-from poplar.profiler.devices import Device
+from poplar.profiler.devices import Device, DeviceKind
 
 
 class CudaDevice(Device):
-    kind = "cuda"
+    kind = DeviceKind.CUDA
 
     def __init__(self, index: int | torch.device | None = None, *, memory_cap_bytes: int | None = None,
                  device_type: str | None = None, nominal_tflops: float | None = None) -> None:
@@ -55,7 +55,7 @@ class CudaDevice(Device):
         """This GPU capped to a preset's memory (e.g. an 80 GB card acting as a ``T4-16G``); its
         speed stays its own. The preset's name becomes the device type."""
         if isinstance(preset, str):
-            from poplar.profiler.presets import get_preset
+            from poplar.types.presets import get_preset
             preset = get_preset(preset)
         return cls(index, memory_cap_bytes=preset.capacity_bytes(1.0), device_type=preset.name,
                    nominal_tflops=preset.nominal_tflops)

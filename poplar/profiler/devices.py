@@ -1,13 +1,11 @@
 """What the profiler needs from a device, shared by the CUDA device and the virtual (CPU) one.
 
-A device is *attached* to an engine for a while (``with device.attach(engine): ...``). While
-attached it watches each micro-step through two hooks that need nothing from the engine but its
-public surface:
+A device is *attached* to a ZeRO runtime for a while (``with device.attach(runtime): ...``).
+It is a ``StepObserver`` of the runtime's step:
 
-- a forward pre-hook on the root module opens the micro-step (the memory in use *before* the
-  forward is read here, and the batch size is taken from the module's input);
-- ``engine.backward`` is wrapped on the instance: the memory in use *after* the forward (loss
-  included) is read on entry, and the step closes when it returns.
+- ``forward_start`` opens the micro-step (the memory in use *before* the forward is read here);
+- ``backward_start`` reads the memory in use *after* the forward (loss included), and
+  ``backward_end`` closes the step once the runtime has completed the micro-step.
 
 Each micro-step leaves a ``StepMemory`` (before forward, after forward, peak) in
 ``device.last_step``; the capacity search reads it for Algorithm 1's first loop.
@@ -25,12 +23,14 @@ from abc import ABC, abstractmethod
 import gc
 import time
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any, Callable, Iterator
 
 import torch
-from torch import nn
 
-from poplar.batches import batch_size_of, move_to_device
+from poplar.types.batches import move_to_device
+from poplar.zero.observers import MicroStep, StepObserver
+from poplar.zero.runtime import ZeroRuntime
 
 OOM_ERROR = torch.OutOfMemoryError  # == torch.cuda.OutOfMemoryError
 
@@ -59,7 +59,17 @@ class StepMemory:
     peak: int
 
 
-class Device(ABC):
+class DeviceKind(Enum):
+    """What a profiler device is: a GPU measured for real, or a CPU emulating one."""
+
+    CUDA = "cuda"
+    VIRTUAL = "virtual"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Device(StepObserver, ABC):
     """Base class: the probes the profiler reads and the micro-step hooks both devices share.
 
     Subclasses define ``memory_in_use``, ``capacity_bytes``, ``reset_peak``/``peak`` and may
@@ -67,14 +77,14 @@ class Device(ABC):
     compute time there).
     """
 
-    kind = "device"
+    kind: DeviceKind
 
     def __init__(self, name: str, device_type: str, torch_device: torch.device,
                  nominal_tflops: float | None = None) -> None:
         self.name, self.device_type, self.torch_device = name, device_type, torch.device(torch_device)
         self.nominal_tflops = nominal_tflops
         self.last_step: StepMemory | None = None
-        self.engine: Any = None
+        self.engine: ZeroRuntime | None = None
         self._open: dict[str, Any] | None = None  # the micro-step in progress
 
     # ---- probes (subclasses) ----
@@ -104,47 +114,27 @@ class Device(ABC):
         gc.collect()
 
     def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "device_type": self.device_type, "kind": self.kind,
+        return {"name": self.name, "device_type": self.device_type, "kind": self.kind.value,
                 "capacity_bytes": self.capacity_bytes, "nominal_tflops": self.nominal_tflops}
 
-    # ---- attaching to an engine ----
+    # ---- attaching to a runtime ----
     @contextlib.contextmanager
-    def attach(self, engine: Any) -> Iterator["Device"]:
-        """Watch ``engine``'s micro-steps until the block ends."""
+    def attach(self, engine: ZeroRuntime) -> Iterator["Device"]:
+        """Observe ``engine``'s micro-steps (a ``ZeroRuntime``) until the block ends."""
         if self.engine is not None:
             raise RuntimeError(f"device {self.name} is already attached to an engine")
         self.engine = engine
-        module: nn.Module = engine.module
-        pre = module.register_forward_pre_hook(self._pre_forward_hook, with_kwargs=True)
-        post = module.register_forward_hook(self._post_forward_hook)
-        original_backward = engine.__dict__.get("backward")
-        bound_backward = engine.backward
-
-        def backward(loss: torch.Tensor, num_samples: int) -> None:
-            self._backward_start(loss)
-            try:
-                bound_backward(loss, num_samples)
-            except BaseException:
-                self._open = None
-                raise
-            self._backward_end()
-
-        engine.backward = backward
+        handle = engine.add_observer(self)
         try:
             with self._attached(engine):
                 yield self
         finally:
-            pre.remove()
-            post.remove()
-            if original_backward is None:
-                del engine.backward
-            else:
-                engine.backward = original_backward
+            handle.remove()
             self.engine = None
             self._open = None
 
     @contextlib.contextmanager
-    def _attached(self, engine: Any) -> Iterator[None]:
+    def _attached(self, engine: ZeroRuntime) -> Iterator[None]:
         """Extra set-up of a subclass while attached."""
         yield
 
@@ -152,23 +142,28 @@ class Device(ABC):
         """Forget the micro-step in progress (after an error in it)."""
         self._open = None
 
-    # ---- hooks ----
-    def _pre_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    # ---- the step's points (StepObserver) ----
+    def forward_start(self, step: MicroStep) -> None:
         if self._open is not None:  # the model is called again inside the same micro-step
             return
-        try:
-            batch = batch_size_of((args, kwargs))
-        except ValueError:
-            batch = 0
         self.reset_peak()
-        self._open = {"batch": batch, "before": self.memory_in_use(), "t0": time.perf_counter(),
+        self._open = {"batch": step.batch_size, "before": self.memory_in_use(), "t0": time.perf_counter(),
                       "c0": self.engine.comm_ledger.total_seconds}
         self._forward_start()
 
-    def _post_forward_hook(self, module: nn.Module, args: tuple, output: Any) -> None:
+    def forward_end(self, step: MicroStep) -> None:
         if self._open is not None and not self._open.get("forward_done"):
             self._open["forward_done"] = True
             self._forward_end()
+
+    def backward_start(self, step: MicroStep, loss: torch.Tensor) -> None:
+        self._backward_start(loss)
+
+    def backward_end(self, step: MicroStep) -> None:
+        self._backward_end()
+
+    def micro_step_abort(self, step: MicroStep, error: BaseException) -> None:
+        self._open = None
 
     def _backward_start(self, loss: torch.Tensor) -> None:
         if self._open is None:

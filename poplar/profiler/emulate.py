@@ -1,4 +1,4 @@
-"""Emulated clusters on one CPU machine: one process per rank (``poplar.launch.spawn``), each
+"""Emulated clusters on one CPU machine: one process per rank (``poplar.comm.launch.spawn``), each
 with a ``VirtualDevice`` made from its preset in the cluster description.
 
 Scales. Presets describe real GPUs and a real model; a CPU-sized model needs both memory and
@@ -25,10 +25,10 @@ from typing import Any, Callable
 
 import torch
 
-from poplar.cluster import ClusterSpec
+from poplar.types.cluster import ClusterSpec
 from poplar.profiler.capacity import CapacitySearch
 from poplar.profiler.local_comm import local_engine
-from poplar.profiler.presets import GIB, get_preset
+from poplar.types.presets import GIB, get_preset
 from poplar.profiler.virtual_device import VirtualDevice
 
 TARGET_MIN_MBS = 8
@@ -109,7 +109,7 @@ def emulated_rank(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     """Entry point of one spawned rank: profile with this rank's virtual device. Profile errors
     (the same on every rank, by agreement) come back as data, not as a crashed rank."""
     from poplar.profiler.profile_run import profile_rank
-    from poplar.profiles import ProfileError
+    from poplar.types.profiles import ProfileError
 
     torch.manual_seed(job.get("seed", 0) + rank)
     device = job["devices"][rank]

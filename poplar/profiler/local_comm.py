@@ -1,6 +1,6 @@
 """An engine that believes it is rank r of N but never talks to another process.
 
-The capacity search must not run collectives (DESIGN.md §4, the deadlock trap: an OOM on one
+The capacity search must not run collectives (docs/design.md §4, the deadlock trap: an OOM on one
 rank in the middle of a ZeRO-2/3 step would leave the others waiting in a collective). It still
 needs the memory of the real engine at world size N: shards of size 1/N, stage-2 buckets,
 stage-3 gathered blocks of full size. ``LocalCommunicator`` gives the engine exactly that: the
@@ -13,7 +13,7 @@ same buffers, and collectives that are local copies:
   rank zero samples, so the engine's sample count agrees);
 - all-gather of objects: N copies of this rank's object.
 
-``local_engine`` builds a ``PoplarEngine`` on it; ``use_plan`` switches an engine between plans
+``local_engine`` builds a ``ZeroRuntime`` on it; ``use_plan`` switches an engine between plans
 from one iteration to the next (the search and the timing rounds change batch sizes per step).
 """
 
@@ -24,8 +24,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from poplar.plans import Plan, RankPlan
-from poplar.zero.comm import CommLedger, Communicator, _Pending
+from poplar.types.plans import Plan, RankPlan
+from poplar.comm import CommLedger, Communicator, PendingCollective
+from poplar.zero.runtime import ZeroRuntime
 
 
 class LocalCommunicator(Communicator):
@@ -42,26 +43,26 @@ class LocalCommunicator(Communicator):
         self.ledger = ledger or CommLedger()
         self.backend = "local"
 
-    def _local(self, op: str, nbytes: int, fn: Any, async_op: bool, tag: str) -> _Pending | None:
-        t0 = self._start()
+    def _local(self, op: str, nbytes: int, fn: Any, async_op: bool, tag: str) -> PendingCollective | None:
+        t0 = self.start_timer()
         fn()
-        seconds = self._stop(t0)
+        seconds = self.stop_timer(t0)
         if async_op:  # the engine's own handle, already complete (no work to wait for)
-            return _Pending(self, None, op, nbytes, seconds, tag)
+            return PendingCollective(self, None, op, nbytes, seconds, tag)
         self.ledger.add(op, nbytes, seconds, tag)
         return None
 
-    def all_reduce(self, tensor: torch.Tensor, tag: str = "", async_op: bool = False) -> _Pending | None:
+    def all_reduce(self, tensor: torch.Tensor, tag: str = "", async_op: bool = False) -> PendingCollective | None:
         return self._local("all_reduce", tensor.numel() * tensor.element_size(), lambda: None, async_op, tag)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, tag: str = "",
-                       async_op: bool = False) -> _Pending | None:
+                       async_op: bool = False) -> PendingCollective | None:
         def run() -> None:
             output.copy_(input.view(self.world_size, -1)[self.rank].view_as(output))
         return self._local("reduce_scatter", input.numel() * input.element_size(), run, async_op, tag)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, tag: str = "",
-                   async_op: bool = False) -> _Pending | None:
+                   async_op: bool = False) -> PendingCollective | None:
         def run() -> None:
             output.view(self.world_size, -1).copy_(input.reshape(1, -1).expand(self.world_size, -1))
         return self._local("all_gather", output.numel() * output.element_size(), run, async_op, tag)
@@ -87,12 +88,10 @@ def round_plan(batches: list[int]) -> Plan:
 
 
 def local_engine(model: nn.Module, optimizer: torch.optim.Optimizer, *, world_size: int, rank: int,
-                 zero_stage: int, device: torch.device, **engine_kwargs: Any) -> Any:
-    """A PoplarEngine for rank ``rank`` of ``world_size`` on a ``LocalCommunicator``."""
-    from poplar.engine import PoplarEngine
-
+                 zero_stage: int, device: torch.device, **engine_kwargs: Any) -> ZeroRuntime:
+    """A ZeRO runtime for rank ``rank`` of ``world_size`` on a ``LocalCommunicator``."""
     comm = LocalCommunicator(world_size, rank, device)
-    return PoplarEngine(model, optimizer, zero_stage=zero_stage, plan=search_plan(world_size, rank, 1),
+    return ZeroRuntime(model, optimizer, zero_stage=zero_stage, plan=search_plan(world_size, rank, 1),
                         communicator=comm, **engine_kwargs)
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from poplar.zero.base import ZeroStage
 from poplar.zero.optim import optimizer_state_bytes
 
 
@@ -61,15 +62,11 @@ def model_state_bytes(engine: Any, optimizer_bytes: int | None = None) -> dict[s
             "buffers": int(report.get("buffers", 0))}
 
 
-def transient_bytes(stage: Any) -> int:
+def transient_bytes(stage: ZeroStage) -> int:
     """Communication buffers the stage holds right now (stage 2 buckets, stage 1 temporaries)."""
-    value = getattr(stage, "transient_bytes", None)
-    if value is None:
-        value = getattr(stage, "_transient", 0)
-    return int(value() if callable(value) else value)
+    return stage.transient_bytes
 
 
-def gathered_bytes(stage: Any) -> int:
+def gathered_bytes(stage: ZeroStage) -> int:
     """Stage 3: bytes of parameters gathered and alive right now (0 at other stages)."""
-    value = getattr(stage, "gathered_bytes", 0)
-    return int(value() if callable(value) else value)
+    return stage.gathered_bytes

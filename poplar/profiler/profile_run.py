@@ -1,7 +1,7 @@
 """The profiler's run, on every rank: capacity search, stage escalation, lock-step timing, and the
 collectives' bandwidth; the result is one ``Profile``, the same on every rank.
 
-Shape (DESIGN.md §4, "deadlock trap"):
+Shape (docs/design.md §4, "deadlock trap"):
 
 1. Capacity search, per rank, with no collective at all (an engine over a LocalCommunicator has
    the real engine's memory at world size N). Any error in it, OOM or not, is caught and
@@ -26,19 +26,19 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from poplar.engine import PoplarEngine
+from poplar.zero.runtime import ZeroRuntime
 from poplar.profiler.capacity import DEFAULT_MAX_BATCH, CapacityResult, CapacitySearch, trial_budget
 from poplar.profiler.devices import Device, to_device
 from poplar.profiler.local_comm import local_engine, round_plan
 from poplar.profiler.timing import exposed_costs, measure_comm, run_rounds, summarize, timing_batches
-from poplar.profiles import Profile, ProfileError, RankProfile
-from poplar.zero.comm import Communicator, DistributedError
+from poplar.types.profiles import Profile, ProfileError, RankProfile
+from poplar.comm import Communicator, DistributedError
 
 MB = 1e6
 
 
 def default_optimizer(model: nn.Module) -> torch.optim.Optimizer:
-    """fp32 AdamW: 8 bytes of state per parameter, the K of DESIGN.md §3."""
+    """fp32 AdamW: 8 bytes of state per parameter, the K of docs/design.md §3."""
     return torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
@@ -65,10 +65,7 @@ def _log_to_stderr(message: str) -> None:
 def _agree(comm: Communicator, error: str | None, what: str) -> None:
     """An agreement point (a collective outside any step): every rank raises the same
     ``ProfileError`` if any rank has an error."""
-    try:
-        comm.agree(error, what)
-    except DistributedError as e:
-        raise ProfileError(str(e)) from None
+    comm.agree(error, what, error_type=ProfileError)
 
 
 def model_size(model: nn.Module) -> tuple[int, int]:
@@ -81,7 +78,7 @@ def _fmt_bytes(n: float | None) -> str:
     return "?" if n is None else f"{n / MB:.3f} MB"
 
 
-def engine_collectives(engine: PoplarEngine) -> tuple[list[list], list[list]]:
+def engine_collectives(engine: ZeroRuntime) -> tuple[list[list], list[list]]:
     """The collectives of the engine's last iteration (a timing round: one micro-step per rank),
     as ``[op, bytes]``: those inside its micro-step, and those at the iteration's end."""
     last = engine.iteration - 1
@@ -219,7 +216,7 @@ def profile_rank(model_fn: Callable[[], nn.Module], loss_fn: Callable, sample_fn
     except Exception as e:  # noqa: BLE001
         error = f"timing set-up failed: {type(e).__name__}: {e}"
     _agree(comm, error, "profile timing set-up")
-    engine = PoplarEngine(model, optimizer, zero_stage=stage, plan=round_plan(first_round),
+    engine = ZeroRuntime(model, optimizer, zero_stage=stage, plan=round_plan(first_round),
                           process_group=process_group, bucket_size_mb=options.bucket_size_mb,
                           wrap_policy=options.wrap_policy)
     raise_oom = getattr(device, "raise_oom", None)
@@ -265,7 +262,7 @@ def profile_rank(model_fn: Callable[[], nn.Module], loss_fn: Callable, sample_fn
              "phase_seconds": {k: round(v, 3) for k, v in phases.items()}}
     parts = comm.all_gather_object((rp, extra), tag="profile:assemble")
     if comm_profile is None:
-        from poplar.profiles import CommProfile
+        from poplar.types.profiles import CommProfile
         comm_profile = CommProfile(bandwidth_bytes_per_s=1e15, backend=comm.backend)
     comm_profile.collectives_stage = stage
     comm_profile.micro_step, comm_profile.iteration = calls

@@ -9,7 +9,7 @@ at its iteration agreement, on every rank, so no rank is left waiting.
 
 The measured window of a micro-step opens when ``loss_fn`` is called and closes when
 ``engine.backward`` returns (the stage's end-of-micro-step collectives included). Its compute
-time is ``TimeConsumedDuringStep`` of DESIGN.md §4: wall time minus the seconds the engine's
+time is ``TimeConsumedDuringStep`` of docs/design.md §4: wall time minus the seconds the engine's
 comm ledger recorded inside collectives during the window. At stages 0/1 there are none (the
 first synchronisation is after backward), at stage 2 these are the reduce-scatters, at stage 3
 the all-gathers of forward and backward and the reduce-scatters; a collective's seconds include
@@ -32,11 +32,13 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from poplar.logs import progress_bar
+from poplar.types.logs import progress_bar
 from poplar.profiler.devices import Device
 from poplar.profiler.local_comm import round_plan, use_plan
-from poplar.profiles import CommProfile, ProfilePoint
-from poplar.zero.comm import Communicator
+from poplar.types.profiles import CommProfile, ProfilePoint
+from poplar.comm import Communicator
+from poplar.zero.observers import MicroStep, StepObserver
+from poplar.zero.runtime import ZeroRuntime
 
 
 def timing_batches(mbs: int) -> list[int]:
@@ -74,46 +76,34 @@ def settled(times: list[float], tolerance: float) -> bool:
     return b <= a * (1 + tolerance)
 
 
-class MicroStepTimer:
-    """Measures each micro-step window of an engine: wraps ``loss_fn`` (the window opens) and
-    ``engine.backward`` on the instance (it closes). Install after any device is attached."""
+class MicroStepTimer(StepObserver):
+    """Measures each micro-step window of a runtime, from ``micro_step_start`` to
+    ``micro_step_end`` (after an attached device's own end of the step), less the seconds spent
+    blocked in collectives. Attach it after any device."""
 
-    def __init__(self, engine: Any, device: Device) -> None:
+    def __init__(self, engine: ZeroRuntime, device: Device) -> None:
         self.engine, self.device = engine, device
         self.records: list[tuple[float, float]] = []  # (compute s, comm s) per micro-step
-        self._t0: float | None = None
+        self._t0 = 0.0
         self._c0 = 0.0
 
-    def wrap_loss(self, loss_fn: Callable) -> Callable:
-        def timed(module: Any, batch: Any) -> torch.Tensor:
-            self.device.synchronize()
-            self._c0 = self.engine.comm_ledger.total_seconds
-            self._t0 = time.perf_counter()
-            return loss_fn(module, batch)
-        return timed
+    def micro_step_start(self, step: MicroStep) -> None:
+        self.device.synchronize()
+        self._c0 = self.engine.comm_ledger.total_seconds
+        self._t0 = time.perf_counter()
+
+    def micro_step_end(self, step: MicroStep) -> None:
+        self.device.synchronize()
+        comm = self.engine.comm_ledger.total_seconds - self._c0
+        self.records.append((time.perf_counter() - self._t0 - comm, comm))
 
     def __enter__(self) -> "MicroStepTimer":
-        inner = self.engine.backward
-        self._had = "backward" in self.engine.__dict__
-        self._saved = self.engine.__dict__.get("backward")
-
-        def backward(loss: torch.Tensor, num_samples: int) -> None:
-            inner(loss, num_samples)
-            self.device.synchronize()
-            t1 = time.perf_counter()
-            if self._t0 is not None:
-                comm = self.engine.comm_ledger.total_seconds - self._c0
-                self.records.append((t1 - self._t0 - comm, comm))
-            self._t0 = None
-
-        self.engine.backward = backward
+        """Observe the runtime's micro-steps until the block ends."""
+        self._handle = self.engine.add_observer(self)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if self._had:
-            self.engine.backward = self._saved
-        else:
-            del self.engine.backward
+        self._handle.remove()
 
 
 def run_rounds(engine: Any, device: Device, per_rank: list[list[int]], batches: dict[int, Any], loss_fn: Callable,
@@ -134,14 +124,13 @@ def run_rounds(engine: Any, device: Device, per_rank: list[list[int]], batches: 
     facts: list[tuple] = []
     count = 0
     with MicroStepTimer(engine, device) as timer:
-        timed_loss = timer.wrap_loss(loss_fn)
 
         def run(rounds: list[list[int]], skip_first: bool) -> None:
             nonlocal count
             for r, row in enumerate(rounds):
                 use_plan(engine, round_plan(row))
                 n = len(timer.records)
-                engine.train_step(batches[row[rank]], timed_loss)
+                engine.train_step(batches[row[rank]], loss_fn)
                 count += 1
                 bar.update(1)
                 if not (skip_first and r == 0) and len(timer.records) == n + 1:

@@ -10,7 +10,7 @@ Memory. While attached to an engine, the device's usage is
   + parameters gathered right now (stage 3: ``stage.gathered_bytes``)
 
 checked whenever it can grow: when a tensor is saved, when stage 3 allocates a gathered block
-(``stage.on_allocate``), when a gradient lands, and at the start and end of forward and backward.
+(the runtime's ``transient_allocated`` point), when a gradient lands, and at the start and end of forward and backward.
 Usage above the capacity raises ``torch.OutOfMemoryError``, the error CUDA raises, so the
 profiler has one recovery path. (An overflow seen when a gradient lands is raised when backward
 returns: an exception inside autograd's post-accumulate-grad hooks leaves the rest of the graph,
@@ -41,7 +41,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from poplar.profiler.devices import OOM_ERROR, Device, sleep_until
+from poplar.profiler.devices import OOM_ERROR, Device, DeviceKind, sleep_until
 from poplar.profiler.memory import gathered_bytes, model_state_bytes, predicted_optimizer_bytes, transient_bytes
 
 MIB = 2 ** 20
@@ -72,7 +72,7 @@ class PresetCurve:
     time_scale: float
 
     def __call__(self, batch: int) -> float:
-        from poplar.profiler.presets import get_preset
+        from poplar.types.presets import get_preset
         return get_preset(self.preset).time_s(batch) * self.time_scale
 
 
@@ -105,7 +105,7 @@ class VirtualDevice(Device):
         nominal_tflops: spec-sheet rating, for the ``flops`` baseline only.
     """
 
-    kind = "virtual"
+    kind = DeviceKind.VIRTUAL
 
     def __init__(self, name: str, capacity_bytes: int, *, time_fn: Callable[[int], float] | None = None,
                  slowdown: float | None = None, forward_fraction: float = 1 / 3, device_type: str | None = None,
@@ -147,9 +147,9 @@ class VirtualDevice(Device):
     @classmethod
     def from_preset(cls, preset: Any, memory_scale: float, time_scale: float, **kwargs: Any) -> "VirtualDevice":
         """A device with ``preset``'s memory times ``memory_scale`` and its speed curve with times
-        multiplied by ``time_scale`` (``poplar.profiler.presets.DevicePreset``, or its name)."""
+        multiplied by ``time_scale`` (``poplar.types.presets.DevicePreset``, or its name)."""
         if isinstance(preset, str):
-            from poplar.profiler.presets import get_preset
+            from poplar.types.presets import get_preset
             preset = get_preset(preset)
         if not time_scale > 0:
             raise ValueError(f"time_scale must be > 0, got {time_scale}")
@@ -286,7 +286,7 @@ class VirtualDevice(Device):
     def _unpack(handle: Any) -> torch.Tensor:
         return handle.tensor if isinstance(handle, _Saved) else handle
 
-    def _on_allocate(self, *args: Any, **kwargs: Any) -> None:
+    def transient_allocated(self) -> None:
         self.check("gather")
 
     def refresh_static(self, force: bool = False) -> None:
@@ -304,10 +304,6 @@ class VirtualDevice(Device):
     def _attached(self, engine: Any) -> Iterator[None]:
         self._predicted_optimizer = None
         self.refresh_static(force=True)
-        stage = engine.stage
-        had_hook = hasattr(stage, "on_allocate")
-        previous = getattr(stage, "on_allocate", None)
-        stage.on_allocate = self._on_allocate
         grad_hooks = [p.register_post_accumulate_grad_hook(lambda p: self.check("grad"))
                       for p in engine.module.parameters() if p.requires_grad]
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -318,11 +314,6 @@ class VirtualDevice(Device):
             hooks.__exit__(None, None, None)
             for h in grad_hooks:
                 h.remove()
-            if had_hook:
-                stage.on_allocate = previous
-            else:
-                with contextlib.suppress(AttributeError):
-                    del stage.on_allocate
 
     # ------------------------------------------------------------------ micro-step hooks
     def _forward_start(self) -> None:

@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 import torch
 from torch import nn
 
-from poplar.zero.comm import Communicator
+from poplar.comm import Communicator
 from poplar.zero.flat import FlatUnit
 from poplar.zero.optim import optimizer_state_bytes
 
@@ -23,6 +23,7 @@ class ZeroStage(ABC):
     stage: int = -1
     communicates_in_micro_steps: bool = False  # True for 2 and 3: every rank must join each micro-step
     grads_sharded: bool = True  # False when every rank holds the full reduced gradient (stage 0)
+    gathered_bytes: int = 0  # stage 3: gathered parameter bytes alive now
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: Communicator,
                  units: list[FlatUnit]) -> None:
@@ -37,6 +38,11 @@ class ZeroStage(ABC):
 
     def _release(self, nbytes: int) -> None:
         self._transient -= nbytes
+
+    @property
+    def transient_bytes(self) -> int:
+        """Communication buffers held right now (stage-2 buckets, stage-1 temporaries, ...)."""
+        return self._transient
 
     # -- the iteration, as the engine drives it --
     def begin_micro_step(self) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from poplar.zero.comm import Communicator
+from poplar.comm import Communicator
 from poplar.zero.flat import FlatUnit
 from poplar.zero.wrap import plan_blocks
 
@@ -40,7 +40,7 @@ def build_blocks(model: nn.Module, groups: list[list[tuple[str, nn.Parameter]]],
         specs, error = [], f"wrap_policy raised {type(e).__name__}: {e}"
     layout = [(s.name, [(gi, [(n, tuple(p.shape)) for n, p in ps]) for gi, ps in s.members]) for s in specs]
     signature = hashlib.sha256(repr(layout).encode()).hexdigest()
-    comm.gather_verdicts(error, signature, "ZeRO-3 setup",
+    comm.agree(error, "ZeRO-3 setup", signature,
                          mismatch="ranks cut the model into different blocks; pass the same wrap_policy to every rank")
     blocks, index = [], 0
     for bi, spec in enumerate(specs):

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from poplar.zero.base import ZeroStage
-from poplar.zero.comm import Communicator
+from poplar.comm import Communicator
 from poplar.zero.flat import FlatUnit
 from poplar.zero.optim import repoint_optimizer
 

@@ -36,6 +36,7 @@ and the model's parameters are empty between uses: read them with ``full_state_d
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from functools import partial
 from typing import Any, Callable
@@ -47,7 +48,7 @@ from torch.utils._pytree import tree_leaves
 
 from poplar.zero.base import ZeroStage
 from poplar.zero.blocks import ShardedBlock, build_blocks
-from poplar.zero.comm import Communicator, DistributedError
+from poplar.comm import Communicator, DistributedError, Phase
 from poplar.zero.optim import repoint_optimizer
 from poplar.zero.prefetch import Schedule, backward_items, forward_items
 from poplar.zero.wrap import post_order
@@ -62,19 +63,18 @@ class _Pass:
         self.ran: set[int] = set()
         self.pre_order: list[int] = []
         self.post_order: list[int] = []
-        self.saved_phase = ""
+        self.eval_scope = contextlib.ExitStack()  # an evaluation forward's ledger phase
 
 
 class Stage3(ZeroStage):
     stage = 3
     communicates_in_micro_steps = True
     grads_sharded = True
-    on_allocate: Callable[[], None] | None = None  # called after each gather allocation (memory-cap checks)
     reduces_in_flight = 1  # reduce-scatters left running while backward goes on
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: Communicator,
                  groups: list[list[tuple[str, nn.Parameter]]], wrap_policy: Any = None, *,
-                 prefetch: bool = True) -> None:
+                 prefetch: bool = True, on_transient: Callable[[], None] | None = None) -> None:
         blocks = build_blocks(model, groups, wrap_policy, comm)
         super().__init__(model, optimizer, comm, [u for b in blocks for u in b.units])
         self.blocks = blocks
@@ -87,6 +87,7 @@ class Stage3(ZeroStage):
         repoint_optimizer(optimizer, per_group)
 
         self.prefetch = prefetch
+        self._on_transient = on_transient  # called after each gather allocation (memory-cap checks)
         self.gathered_bytes = 0  # gathered parameter bytes alive now
         self.peak_gathered_bytes = 0
         self._allocated: dict[int, ShardedBlock] = {}
@@ -153,8 +154,8 @@ class Stage3(ZeroStage):
             b.free()
 
     def gathered_hook(self, b: ShardedBlock) -> None:
-        if self.on_allocate is not None and not self._completing:
-            self.on_allocate()
+        if self._on_transient is not None and not self._completing:
+            self._on_transient()
 
     def _gather_now(self, b: ShardedBlock) -> None:
         self.finish_gather(b, self.start_gather(b), True)
@@ -202,13 +203,12 @@ class Stage3(ZeroStage):
                 raise RuntimeError("ZeRO-3 runs one forward of the model per micro-step, followed by "
                                    "engine.backward(); evaluate under torch.no_grad()")
             p.forward_started = True
-            self.comm.ledger.phase = "forward"
         else:
             if p is not None:
                 raise RuntimeError("ZeRO-3: a forward under torch.no_grad() inside a training micro-step; "
                                    "evaluate between iterations")
             p = self._pass = self._new_pass(False)
-            p.saved_phase, self.comm.ledger.phase = self.comm.ledger.phase, "eval"
+            p.eval_scope.enter_context(self.comm.ledger.scope(Phase.EVAL))
         if self.root is not None:
             p.fwd.need(self.root)
 
@@ -226,7 +226,7 @@ class Stage3(ZeroStage):
         if not p.train:
             for b in list(self._allocated.values()):
                 self.free_gather(b)
-            self.comm.ledger.phase = p.saved_phase
+            p.eval_scope.close()
             self._pass = None
 
     def _block_pre(self, b: ShardedBlock, module: nn.Module, args: Any) -> None:
@@ -257,7 +257,6 @@ class Stage3(ZeroStage):
     def _pre_backward(self, p: _Pass, b: ShardedBlock, grad: Any) -> None:
         if p is not self._pass:
             raise RuntimeError("ZeRO-3: backward through a graph of an earlier micro-step")
-        self.comm.ledger.phase = "backward"
         if not p.bwd.need(b):
             raise RuntimeError(f"ZeRO-3: block '{b.name}' began its backward twice, or after its gradients were "
                                "complete (a parameter of it is used outside its forward?)")
@@ -292,8 +291,8 @@ class Stage3(ZeroStage):
         self._completing = True
         try:
             if not p.forward_done:  # no forward, or it stopped half-way: issue what it did not
-                ledger.phase = "forward"
-                p.fwd.flush()
+                with ledger.scope(Phase.FORWARD):
+                    p.fwd.flush()
                 p.forward_done = True
             # backward is over (or never ran): a block still gathered outside the backward
             # schedule's own gathers (one whose forward raised, so its post-hook never ran) would
@@ -301,11 +300,11 @@ class Stage3(ZeroStage):
             for b in list(self._allocated.values()):
                 if b.index not in p.bwd.pending:
                     self.free_gather(b)
-            ledger.phase = "backward"
-            p.bwd.flush()
-            for b in list(self._allocated.values()):
-                self.free_gather(b)
-            self._wait_reduces()
+            with ledger.scope(Phase.BACKWARD):
+                p.bwd.flush()
+                for b in list(self._allocated.values()):
+                    self.free_gather(b)
+                self._wait_reduces()
         finally:
             self._completing = False
         for b in self.blocks:
@@ -362,13 +361,11 @@ class Stage3(ZeroStage):
         sd = self.model.state_dict(keep_vars=True)
         owner = {id(p): b.index for b in self.blocks for p in b.params}
         out = {k: v.detach().clone() for k, v in sd.items() if id(v) not in owner}
-        ledger = self.comm.ledger
-        saved, ledger.phase = ledger.phase, "state"
-        for b in self.blocks:
-            self._gather_now(b)
-            out.update({k: v.detach().clone() for k, v in sd.items() if owner.get(id(v)) == b.index})
-            self.free_gather(b)
-        ledger.phase = saved
+        with self.comm.ledger.scope(Phase.STATE):
+            for b in self.blocks:
+                self._gather_now(b)
+                out.update({k: v.detach().clone() for k, v in sd.items() if owner.get(id(v)) == b.index})
+                self.free_gather(b)
         return {k: out[k] for k in sd}
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:

@@ -11,10 +11,10 @@ import importlib
 import sys
 
 COMMAND_MODULES = [
-    "poplar.demo",
-    "poplar.planner.commands",
-    "poplar.profiler.commands",
-    "poplar.train",
+    "poplar.cli.demo",
+    "poplar.cli.plan",
+    "poplar.cli.profile",
+    "poplar.cli.train",
 ]
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from poplar.profiles import Profile
+from poplar.types.profiles import Profile
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

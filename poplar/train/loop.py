@@ -29,9 +29,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from poplar.data import PlanLoader
-from poplar.logs import log, progress_bar
-from poplar.plans import write_text_atomic
+from poplar.engine import register_fit_loop
+from poplar.train.data import PlanLoader
+from poplar.types.logs import log, progress_bar
+from poplar.types.plans import write_text_atomic
 
 
 @dataclass
@@ -245,7 +246,7 @@ def _result(engine: Any, start: int, losses: list[float], records: list[dict[str
 
 def write_reports(engine: Any, result: FitResult, report_dir: str | os.PathLike) -> None:
     """Every rank calls it (the timelines are gathered); rank 0 writes the files."""
-    from poplar.report import rank_timeline, write_curves_png, write_trace
+    from poplar.train.report import rank_timeline, write_curves_png, write_trace
 
     timelines = engine.comm.all_gather_object(rank_timeline(engine, _device_name(engine)), tag="fit:report")
     if engine.rank != 0:
@@ -260,3 +261,6 @@ def write_reports(engine: Any, result: FitResult, report_dir: str | os.PathLike)
         if not write_curves_png(out / "curves.png", engine.profile, engine.plan):
             log.info("curves.png skipped: it needs matplotlib (pip install 'poplar[plot]')")
     log.info(f"reports in {out}/ (trace.json opens in ui.perfetto.dev)")
+
+
+register_fit_loop(fit)

@@ -13,8 +13,8 @@ import json
 import os
 from typing import Any
 
-from poplar.plans import Plan, write_text_atomic
-from poplar.profiles import Profile
+from poplar.types.plans import Plan, write_text_atomic
+from poplar.types.profiles import Profile
 
 
 def rank_timeline(engine: Any, device: str = "") -> dict[str, Any]:

@@ -13,7 +13,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from poplar.plans import read_json, write_text_atomic
+from poplar.types.plans import read_json, write_text_atomic
 
 
 class ProfileError(ValueError):

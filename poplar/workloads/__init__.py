@@ -7,9 +7,9 @@ function (or a ``functools.partial`` of one) and pickles by name:
 - ``sample_fn(b)`` makes a batch of ``b`` samples (samples on dim 0), the same batch for the same
   ``b``: ``b`` seeds the choice of samples;
 - ``loss_fn(model, batch)`` is the mean loss over the batch's samples (what the engine's scaling
-  needs, DESIGN.md §2).
+  needs, docs/design.md §2).
 
-``llama-<size>`` and ``bert-<size>`` are ``poplar.models`` at its small sizes, trained on blocks of
+``llama-<size>`` and ``bert-<size>`` are ``poplar.workloads.models`` at its small sizes, trained on blocks of
 the corpus shipped with Poplar (next-token blocks for Llama; BERT-masked blocks, dicts with
 ``input_ids`` and ``labels``, for BERT). ``token-mlp`` is a much cheaper model (per-token residual
 MLP blocks, no attention) whose activations still grow with the batch like a transformer's: the
@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from poplar.models import BERT_SIZES, LLAMA_SIZES, bert_loss_fn, count_params, create_model, llama_loss_fn
-from poplar.text_data import MaskedTextBlocks, TextBlocks
+from poplar.workloads.models import BERT_SIZES, LLAMA_SIZES, bert_loss_fn, count_params, create_model, llama_loss_fn
+from poplar.workloads.text import MaskedTextBlocks, TextBlocks
 
 __all__ = ["Workload", "WORKLOADS", "DEFAULT_WORKLOAD", "get_workload", "TokenMLP", "ResidualMLP"]
 

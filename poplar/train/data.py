@@ -3,7 +3,7 @@
 Iteration k's global batch is a fixed list of ``gbs`` sample indices taken from a seeded
 permutation of the dataset. It depends only on (dataset length, gbs, seed, shuffle,
 drop_last) and k — never on the plan or the world size — so a run resumed with a different
-plan or on a different number of ranks continues the same sample stream (DESIGN.md §2).
+plan or on a different number of ranks continues the same sample stream (docs/design.md §2).
 Rank i takes the contiguous slice of length n_i starting at Σ_{j<i} n_j.
 
 Epochs. Epoch e's order is ``torch.randperm(N)`` drawn from a generator seeded with
@@ -30,8 +30,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils.data import Dataset, default_collate
 
-from poplar.batches import move_to_device, slice_batch
-from poplar.plans import Plan, PlanError
+from poplar.types.batches import move_to_device, slice_batch
+from poplar.types.plans import Plan, PlanError
 
 __all__ = ["GlobalBatchSampler", "PlanLoader", "move_to_device"]
 

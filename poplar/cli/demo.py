@@ -16,15 +16,15 @@ from typing import Any
 
 import torch
 
-from poplar.launch import spawn
+from poplar.comm.launch import spawn
 
 
 def _rank_main(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     from poplar.auto import AutoOptions
     from poplar.engine import PoplarEngine
-    from poplar.models import create_model, llama_loss_fn
+    from poplar.workloads.models import create_model, llama_loss_fn
     from poplar.planner import plan as make_plan
-    from poplar.text_data import TextBlocks
+    from poplar.workloads.text import TextBlocks
 
     torch.manual_seed(args["seed"])
     data = TextBlocks(seq_len=args["seq_len"])
@@ -52,7 +52,7 @@ def _rank_main(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
 
 def run(cluster: str = "B", stage: int = 2, gbs: int = 64, iterations: int = 30, model: str = "llama-tiny",
         seq_len: int = 64, report_dir: str | None = "runs/demo", log_every: int = 10) -> dict[str, Any]:
-    from poplar.cluster import ClusterSpec
+    from poplar.types.cluster import ClusterSpec
 
     spec = ClusterSpec.resolve(cluster)
     print(f"Poplar demo: {spec.describe()} emulated on this CPU ({spec.world_size} processes, gloo), "

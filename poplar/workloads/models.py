@@ -19,11 +19,11 @@ Sizes: ``tiny`` (~0.1M parameters, tests), ``small`` (~2M, the CPU demo), and th
 the paper's experiments as documented configs (``0.5b``/``1.1b`` Llama, ``1.1b`` BERT, plus
 ``base``/``large`` BERT), for profiling and planning at real scale; ``count_params(config)``
 gives their size without building them. The small sizes use the byte vocabulary of
-``poplar.text_data`` (260 tokens); the paper sizes use 32000 (Llama) and 30522 (BERT).
+``poplar.workloads.text`` (260 tokens); the paper sizes use 32000 (Llama) and 30522 (BERT).
 
 Losses: ``llama_loss_fn(model, tokens)`` and ``bert_loss_fn(model, batch)`` return the mean
 over the micro-batch's *samples* of each sample's mean token loss — what the engine's scaling
-by samples needs (DESIGN.md §2). For the decoder every sample has the same number of target
+by samples needs (docs/design.md §2). For the decoder every sample has the same number of target
 tokens, so this is the plain mean over all tokens. For the masked LM the number of masked
 tokens differs per sample, so each sample's masked-token mean is taken first.
 """
@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from poplar.text_data import IGNORE_INDEX, VOCAB_SIZE
+from poplar.workloads.text import IGNORE_INDEX, VOCAB_SIZE
 
 __all__ = ["LlamaConfig", "LlamaModel", "LlamaBlock", "BertConfig", "BertModel", "BertBlock", "RMSNorm",
            "LLAMA_SIZES", "BERT_SIZES", "llama_loss_fn", "bert_loss_fn", "count_params", "create_model",

@@ -42,7 +42,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from poplar.plans import read_json
+from poplar.types.plans import read_json
 
 OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD", "adagrad": "Adagrad", "rmsprop": "RMSprop"}
 SCHEDULERS = ("WarmupLR", "WarmupDecayLR")

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from poplar.logs import log
-from poplar.train_config import ConfigError, TrainConfig
+from poplar.types.logs import log
+from poplar.train.config import ConfigError, TrainConfig
 
 
 def init_distributed(timeout_s: float) -> torch.device:
@@ -46,8 +46,8 @@ def init_distributed(timeout_s: float) -> torch.device:
 
 def build(cfg: TrainConfig, device: torch.device) -> tuple[Any, Any, Any, Any]:
     """Model (on ``device``), optimizer, loss function and training dataset of the config."""
-    from poplar.models import create_model, loss_fn_for
-    from poplar.text_data import MaskedTextBlocks, TextBlocks
+    from poplar.workloads.models import create_model, loss_fn_for
+    from poplar.workloads.text import MaskedTextBlocks, TextBlocks
 
     overrides = dict(cfg.model_overrides)
     if cfg.model.startswith("llama") or cfg.model.startswith("bert"):
@@ -65,7 +65,7 @@ def build(cfg: TrainConfig, device: torch.device) -> tuple[Any, Any, Any, Any]:
 
 def choose_plan(cfg: TrainConfig, world: int, device: torch.device) -> tuple[Any, bool]:
     """(a fixed Plan or None, whether to run auto mode)."""
-    from poplar.plans import Plan
+    from poplar.types.plans import Plan
 
     if cfg.plan:
         return Plan.load(cfg.plan), False
@@ -114,7 +114,7 @@ def run(cfg: TrainConfig) -> int:
 
 
 def _main(args: argparse.Namespace) -> int:
-    from poplar.zero.comm import DistributedError
+    from poplar.comm import DistributedError
 
     cfg = TrainConfig.load(args.config)
     if args.iterations is not None:

@@ -1,6 +1,6 @@
 """Text datasets over a local file: a byte-level tokenizer, next-token blocks for a decoder and
 masked blocks for an encoder. The default text is the small English corpus shipped with
-Poplar (``poplar/data/corpus.txt``, written for the project), so demos and tests need no download.
+Poplar (``poplar/workloads/data/corpus.txt``, written for the project), so demos and tests need no download.
 
 Tokens: the 256 byte values (UTF-8 bytes of the text) and four specials, ``VOCAB_SIZE`` = 260.
 """
@@ -42,7 +42,7 @@ class ByteTokenizer:
 
 def default_corpus_path() -> Path:
     """The corpus shipped with the package."""
-    return Path(str(resources.files("poplar") / "data" / "corpus.txt"))
+    return Path(str(resources.files("poplar.workloads") / "data" / "corpus.txt"))
 
 
 def load_text(path: str | os.PathLike | None = None) -> str:

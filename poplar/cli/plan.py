@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from poplar.cluster import BUILTIN_CLUSTERS
+from poplar.types.cluster import BUILTIN_CLUSTERS
 from poplar.planner.planning import STRATEGIES, load_profile, plan
 from poplar.planner.simulator import simulate
 

@@ -1,0 +1,147 @@
+"""Instrumented collectives: every collective the runtime issues goes through ``Communicator``.
+
+Each call is recorded in a ``CommLedger`` (``poplar.comm.ledger``). Collectives are stateless
+calls; an async one returns a ``PendingCollective`` whose ``wait()`` records the seconds the
+rank was blocked, stamped with the position where it was issued.
+
+Reductions always use ``ReduceOp.SUM``; the engine scales losses itself (averaging by world
+size is wrong for uneven batches).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from poplar.comm.ledger import CommLedger
+from poplar.types.errors import DistributedError
+
+
+# torch 2.13 renamed the tensor collectives; older releases only have the old names
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class PendingCollective:
+    """An async collective in flight; ``wait()`` blocks until it is done and records the seconds
+    blocked (issue time included) at the position where it was issued."""
+
+    def __init__(self, comm: "Communicator", work: Any, op: str, nbytes: int, issue_s: float, tag: str) -> None:
+        self.comm, self.work, self.op, self.nbytes, self.issue_s, self.tag = comm, work, op, nbytes, issue_s, tag
+        self.position = comm.ledger.position
+
+    def wait(self) -> None:
+        t0 = self.comm.start_timer()
+        if self.work is not None:
+            self.comm.guard(self.op, self.tag, self.work.wait)
+        blocked = self.issue_s + self.comm.stop_timer(t0)
+        with self.comm.ledger.at(self.position):
+            self.comm.ledger.add(self.op, self.nbytes, blocked, self.tag)
+
+
+class Communicator:
+    """The engine's only door to ``torch.distributed``. With no process group initialised it
+    runs as a world of one (every collective is a local copy), so single-process use works."""
+
+    def __init__(self, process_group: Any = None, device: torch.device | None = None,
+                 ledger: CommLedger | None = None) -> None:
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.group = process_group if process_group is not None else (dist.group.WORLD if self.distributed else None)
+        self.rank = dist.get_rank(self.group) if self.distributed else 0
+        self.world_size = dist.get_world_size(self.group) if self.distributed else 1
+        self.device = device or torch.device("cpu")
+        self.ledger = ledger or CommLedger()
+        self.backend = dist.get_backend(self.group) if self.distributed else "none"
+
+    # timing: on CUDA synchronise so queued compute is not billed to the collective
+    def start_timer(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def stop_timer(self, t0: float) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
+
+    def _run(self, op: str, nbytes: int, fn: Any, async_op: bool, tag: str) -> PendingCollective | None:
+        t0 = self.start_timer()
+        work = self.guard(op, tag, lambda: fn(async_op)) if self.world_size > 1 else None
+        if async_op:
+            issue = time.perf_counter() - t0
+            return PendingCollective(self, work, op, nbytes, issue, tag)
+        self.ledger.add(op, nbytes, self.stop_timer(t0), tag)
+        return None
+
+    def guard(self, op: str, tag: str, fn: Any) -> Any:
+        """Run a collective; a peer that died or timed out becomes a clear error on this rank."""
+        try:
+            return fn()
+        except (RuntimeError, dist.DistBackendError) as e:
+            if isinstance(e, DistributedError):
+                raise
+            raise DistributedError(
+                f"rank {self.rank}: collective {op} ({tag or 'untagged'}) failed — another rank probably died, "
+                f"raised outside a collective, or timed out ({type(e).__name__}: {str(e).splitlines()[0][:300]})"
+            ) from e
+
+    def all_reduce(self, tensor: torch.Tensor, tag: str = "", async_op: bool = False) -> PendingCollective | None:
+        """Sum ``tensor`` over ranks, in place."""
+        nbytes = tensor.numel() * tensor.element_size()
+        return self._run("all_reduce", nbytes,
+                         lambda a: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=a),
+                         async_op, tag)
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, tag: str = "",
+                       async_op: bool = False) -> PendingCollective | None:
+        """``output`` (1/N of ``input``) gets this rank's slice of the sum of ``input`` over ranks."""
+        if self.world_size == 1:
+            output.copy_(input)
+        nbytes = input.numel() * input.element_size()
+        return self._run("reduce_scatter", nbytes,
+                         lambda a: _reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM,
+                                                              group=self.group, async_op=a),
+                         async_op, tag)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, tag: str = "",
+                   async_op: bool = False) -> PendingCollective | None:
+        """``output`` (N x ``input``) gets every rank's ``input``, in rank order."""
+        if self.world_size == 1:
+            output.copy_(input)
+        nbytes = output.numel() * output.element_size()
+        return self._run("all_gather", nbytes,
+                         lambda a: _all_gather_tensor(output, input, group=self.group, async_op=a),
+                         async_op, tag)
+
+    def all_gather_object(self, obj: Any, tag: str = "") -> list[Any]:
+        if self.world_size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        t0 = self.start_timer()
+        self.guard("all_gather_object", tag, lambda: dist.all_gather_object(out, obj, group=self.group))
+        self.ledger.add("all_gather_object", 0, self.stop_timer(t0), tag)
+        return out
+
+    def agree(self, error: str | None, what: str, value: Any = None, *, mismatch: str | None = None,
+              error_type: type[Exception] = DistributedError) -> list[Any]:
+        """The one agreement point: every rank says whether it is fine (``error`` None) and may
+        add a ``value``. Returns every rank's ``value``; otherwise ``error_type`` on every rank,
+        naming each failing rank and its reason, or (given ``mismatch``, the fix to name) when
+        the values differ between ranks. A peer that died or timed out is an ``error_type``
+        too, naming ``what``. No rank is left waiting in a later collective."""
+        try:
+            verdicts = self.all_gather_object((error, value), tag=what)
+        except DistributedError as e:
+            if error_type is DistributedError:
+                raise
+            raise error_type(f"{what}: {e}") from e
+        lines = [f"  rank {r}: {e}" for r, (e, _) in enumerate(verdicts) if e is not None]
+        if lines:
+            raise error_type(f"{what} failed on {len(lines)} of {self.world_size} ranks:\n" + "\n".join(lines))
+        values = [v for _, v in verdicts]
+        if mismatch is not None and len(set(values)) > 1:
+            raise error_type(f"{what} failed: {mismatch}")
+        return values

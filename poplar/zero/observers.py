@@ -1,0 +1,161 @@
+"""The one way to extend a training step: observers the runtime calls at named points.
+
+A ``StepObserver`` overrides the points it needs; ``ZeroRuntime.add_observer`` attaches it and
+returns an ``ObserverHandle`` whose ``remove()`` detaches it. The points of one micro-step, in
+order:
+
+    micro_step_start -> forward_start -> forward_end -> backward_start -> backward_end -> micro_step_end
+
+framed by ``iteration_start`` and ``iteration_end``. ``backward_end`` comes after the stage has
+completed the micro-step's collectives (ZeRO-2/3 reduce-scatters), so a device that pads compute
+there pads the whole micro-step. ``transient_allocated`` is called whenever the stage has just
+allocated a transient buffer that counts against memory (a ZeRO-3 gathered block).
+``micro_step_abort`` replaces the remaining points of a micro-step that raised.
+
+Start points run in the order observers were added, end points in reverse order, as nested
+context managers would. An observer may raise (a virtual device raises its out-of-memory
+error); the step then fails as if its own code had raised.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+import torch
+
+
+@dataclass
+class MicroStep:
+    """One micro-step: ``batch_size`` samples (0 when a loop of the user's own gave an input
+    whose batch size could not be read) of ``iteration``, at position ``index``."""
+
+    iteration: int
+    index: int
+    batch_size: int
+    forward_started: bool = False
+    forward_ended: bool = False
+
+
+@dataclass
+class IterationStats:
+    """What one iteration cost this rank, measured: ``compute_s`` is forward+backward time with
+    the seconds spent blocked in collectives taken out; ``comm_s`` is all the iteration's
+    blocked collective time (waiting for slower ranks included)."""
+
+    iteration: int
+    wall_s: float
+    compute_s: float
+    comm_s: float
+    samples: int
+    micro_steps: int
+
+
+class StepObserver:
+    """Base class: every point is a no-op; override the ones you need."""
+
+    def iteration_start(self, iteration: int) -> None:
+        pass
+
+    def micro_step_start(self, step: MicroStep) -> None:
+        pass
+
+    def forward_start(self, step: MicroStep) -> None:
+        pass
+
+    def forward_end(self, step: MicroStep) -> None:
+        pass
+
+    def backward_start(self, step: MicroStep, loss: torch.Tensor) -> None:
+        pass
+
+    def backward_end(self, step: MicroStep) -> None:
+        pass
+
+    def micro_step_end(self, step: MicroStep) -> None:
+        pass
+
+    def micro_step_abort(self, step: MicroStep, error: BaseException) -> None:
+        pass
+
+    def iteration_end(self, stats: IterationStats) -> None:
+        pass
+
+    def transient_allocated(self) -> None:
+        pass
+
+
+class ObserverHandle:
+    """Returned by ``add_observer``; ``remove()`` detaches the observer (idempotent)."""
+
+    def __init__(self, observers: "Observers", observer: StepObserver) -> None:
+        self._observers, self.observer = observers, observer
+
+    def remove(self) -> None:
+        self._observers.discard(self.observer)
+
+
+class Observers:
+    """The runtime's list of observers and the dispatch of each point."""
+
+    def __init__(self) -> None:
+        self._list: list[StepObserver] = []
+
+    def add(self, observer: StepObserver) -> ObserverHandle:
+        if not isinstance(observer, StepObserver):
+            raise TypeError(f"an observer must be a poplar StepObserver, got {type(observer).__name__}")
+        if observer in self._list:
+            raise ValueError(f"{type(observer).__name__} is already attached to this runtime")
+        self._list.append(observer)
+        return ObserverHandle(self, observer)
+
+    def discard(self, observer: StepObserver) -> None:
+        if observer in self._list:
+            self._list.remove(observer)
+
+    def __bool__(self) -> bool:
+        return bool(self._list)
+
+    def _forward(self) -> list[StepObserver]:
+        return list(self._list)
+
+    def _backward(self) -> list[StepObserver]:
+        return list(reversed(self._list))
+
+    def iteration_start(self, iteration: int) -> None:
+        for o in self._forward():
+            o.iteration_start(iteration)
+
+    def micro_step_start(self, step: MicroStep) -> None:
+        for o in self._forward():
+            o.micro_step_start(step)
+
+    def forward_start(self, step: MicroStep) -> None:
+        for o in self._forward():
+            o.forward_start(step)
+
+    def forward_end(self, step: MicroStep) -> None:
+        for o in self._backward():
+            o.forward_end(step)
+
+    def backward_start(self, step: MicroStep, loss: torch.Tensor) -> None:
+        for o in self._forward():
+            o.backward_start(step, loss)
+
+    def backward_end(self, step: MicroStep) -> None:
+        for o in self._backward():
+            o.backward_end(step)
+
+    def micro_step_end(self, step: MicroStep) -> None:
+        for o in self._backward():
+            o.micro_step_end(step)
+
+    def micro_step_abort(self, step: MicroStep, error: BaseException) -> None:
+        for o in self._backward():
+            o.micro_step_abort(step, error)
+
+    def iteration_end(self, stats: IterationStats) -> None:
+        for o in self._backward():
+            o.iteration_end(stats)
+
+    def transient_allocated(self) -> None:
+        for o in self._forward():
+            o.transient_allocated()

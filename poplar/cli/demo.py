@@ -86,7 +86,7 @@ def summary(out: dict[str, Any]) -> str:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="profile, plan and train on an emulated heterogeneous cluster (CPU)",
-                       description=__doc__.split("\n\n")[0] if __doc__ else None)
+                       description=__doc__.split("\n\n")[0].replace("`", "") if __doc__ else None)
     p.add_argument("--cluster", default="B", help="built-in cluster (A, B, C, C-1:3, D) or a cluster JSON file")
     p.add_argument("--stage", type=int, default=2, choices=[0, 1, 2, 3], help="ZeRO stage")
     p.add_argument("--gbs", type=int, default=64, help="global batch size")

@@ -1,9 +1,10 @@
 """`poplar train --config run.json`: one rank of a training job, launched by ``torchrun``
 (``torchrun --nproc_per_node N -m poplar train --config run.json``; without torchrun it runs as a
-world of one). CUDA + NCCL when the machine has GPUs, gloo on CPU. The config (``train_config``)
-names the model, data, optimizer, ZeRO stage and global batch; the plan comes from auto mode
-(profiling each rank's GPU, or the emulated cluster's device on CPU), a plan file, or an even
-split. Training logs measured vs predicted times, writes checkpoints and resumes from them.
+world of one). CUDA + NCCL when the machine has GPUs, gloo on CPU. The config
+(``poplar.train.config``) names the model, data, optimizer, ZeRO stage and global batch; the plan
+comes from auto mode (profiling each rank's GPU, or the emulated cluster's device on CPU), a plan
+file, or an even split. Training logs measured vs predicted times, writes checkpoints and resumes
+from them.
 
 A failure on any rank (a dead peer, a bad batch, a corrupt checkpoint) ends every rank with a
 one-paragraph error on stderr and exit status 1; the last complete checkpoint stays as it was.
@@ -135,8 +136,10 @@ def _main(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    # the module docstring's first paragraph, as plain text: --help shows no RST backticks
+    description = __doc__.split("\n\n")[0].replace("`", "") if __doc__ else None
     p = sub.add_parser("train", help="train from a JSON config (launch with torchrun for several ranks)",
-                       description=__doc__.split("\n\n")[0] if __doc__ else None)
+                       description=description)
     p.add_argument("--config", required=True, help="the run's JSON config (DeepSpeed-style keys + a poplar section)")
     p.add_argument("--iterations", type=int, default=None, help="override poplar.iterations")
     p.set_defaults(func=_main)

@@ -126,7 +126,8 @@ def make_problem(profile: Profile | Mapping[str, Any] | str | os.PathLike, globa
 
 
 def plan_problem(problem: Problem, strategy: str = "poplar") -> Plan:
-    """Run one strategy on a prepared problem and price the result with the cost model."""
+    """Run one strategy on a prepared problem and price the result with the cost model (the one
+    place a strategy name is checked: ``plan`` and ``simulate`` both come through here)."""
     if strategy not in STRATEGY_ROWS:
         raise PlanError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
     rows, info = STRATEGY_ROWS[strategy](problem)
@@ -160,8 +161,6 @@ def plan(profile: Profile | Mapping[str, Any] | str | os.PathLike, global_batch_
     the profile's; ``strategy`` is ``poplar`` (default), ``even`` or ``flops``. The plan carries
     per-rank predicted compute seconds and the predicted iteration (compute + communication).
     """
-    if strategy not in STRATEGY_ROWS:
-        raise PlanError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
     problem = make_problem(profile, global_batch_size, zero_stage, require_all_ranks=require_all_ranks,
                            max_micro_steps=max_micro_steps)
     return plan_problem(problem, strategy)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
+import secrets
+import stat
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -179,12 +180,29 @@ def read_json(path: str | os.PathLike, what: str, error: type[Exception], hint: 
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
-    """Write a text file via a temporary file and rename, so readers never see half a file."""
+    """Write a text file via a temporary file and rename, so readers never see half a file.
+
+    The file gets the mode ``open(path, "w")`` would give it: an existing file keeps its mode, a
+    new one gets 0o666 minus the umask (``tempfile.mkstemp`` would make every file 0o600)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        keep_mode: int | None = stat.S_IMODE(os.stat(path).st_mode)
+    except FileNotFoundError:
+        keep_mode = None
+    for _ in range(100):
+        tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the kernel applies the umask
+            break
+        except FileExistsError:
+            continue
+    else:
+        raise FileExistsError(f"could not create a temporary file next to {path}")
     try:
         with os.fdopen(fd, "w") as f:
+            if keep_mode is not None and hasattr(os, "fchmod"):
+                os.fchmod(f.fileno(), keep_mode)
             f.write(text)
         os.replace(tmp, path)
     except BaseException:

@@ -111,7 +111,11 @@ def true_mbs(job: dict, device: Any, stage: int, rank: int, world: int, start: i
         stack.enter_context(device.attach(engine))
         return engine
 
-    pad, device.pad = device.pad, False  # trial steps are not timed: run them at CPU speed
+    with device.unpadded():  # trial steps are not timed: run them at CPU speed
+        return _walk(build, device, job, stage, start, stack)
+
+
+def _walk(build: Any, device: Any, job: dict, stage: int, start: int, stack: contextlib.ExitStack) -> dict[str, Any]:
     try:
         search = CapacitySearch(build(), device, job["sample_fn"], llama_loss_fn, stage, rebuild=build)
         if not search.trial(1):
@@ -127,7 +131,6 @@ def true_mbs(job: dict, device: Any, stage: int, rank: int, world: int, start: i
         return {"mbs": b, "trials": search.result.trials}
     finally:
         stack.close()
-        device.pad = pad
         device.release()
 
 

@@ -10,7 +10,8 @@ Each rank's device:
 - a model on the CPU: ``cluster=`` names a cluster (built-in name, JSON file or ``ClusterSpec``)
   with one device per rank; rank r emulates the r-th with a ``VirtualDevice``. The memory and
   time scales (a CPU-sized model filling a scaled-down GPU) are calibrated once, on rank 0, and
-  shared, so every rank emulates the same cluster.
+  shared, so every rank emulates the same cluster (``poplar.profiler.emulate``, which
+  ``poplar.profile`` uses too).
 
 Profiling trains fresh copies of the model, built from a CPU snapshot taken before the engine
 shards anything, with an optimizer of the user's class and hyper-parameters, on batches drawn
@@ -30,12 +31,17 @@ import torch
 from torch import nn
 from torch.utils.data import default_collate
 
+from poplar.comm import Communicator
+from poplar.planner import plan as make_plan
+from poplar.planner.planning import load_profile
+from poplar.profiler.cuda_device import CudaDevice
+from poplar.profiler.devices import Device
+from poplar.profiler.emulate import CalibrationInputs, emulate_cluster_together
+from poplar.profiler.profile_run import ProfileOptions, profile_rank
+from poplar.types.logs import log
 from poplar.types.plans import Plan, PlanError
 from poplar.types.profiles import Profile, ProfileError
-from poplar.comm import Communicator
-from poplar.profiler.devices import DeviceKind
-
-from poplar.types.logs import log
+from poplar.zero.optim import optimizer_like
 
 
 @dataclass
@@ -60,7 +66,7 @@ class AutoOptions:
 class AutoResult:
     plan: Plan
     profile: Profile
-    device: Any  # this rank's profiler Device
+    device: Device | None  # this rank's profiler device (None with a loaded profile and no device to emulate)
 
 
 class DatasetSamples:
@@ -91,113 +97,32 @@ def clone_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module,
     ``template`` (the model ``optimizer`` was built on): parameters are matched by position."""
     index = {id(p): i for i, p in enumerate(template.parameters())}
     params = list(model.parameters())
-    groups = []
-    for g in optimizer.param_groups:
-        missing = [p for p in g["params"] if id(p) not in index]
-        if missing:
-            raise ValueError("the optimizer holds a parameter that is not the model's; build it on "
-                             "model.parameters()")
-        groups.append({**{k: v for k, v in g.items() if k != "params"},
-                       "params": [params[index[id(p)]] for p in g["params"]]})
-    return type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in _ctor_keys(optimizer)})
-
-
-def _ctor_keys(optimizer: torch.optim.Optimizer) -> set[str]:
-    import inspect
-
-    return set(inspect.signature(type(optimizer).__init__).parameters) - {"self", "params"}
-
-
-def _agree(comm: Communicator, error: str | None, what: str) -> None:
-    comm.agree(error, f"auto mode: {what}", error_type=ProfileError)
-
-
-def emulated_device(comm: Communicator, cluster: Any, options: AutoOptions, calibrate_inputs: dict[str, Any]) -> Any:
-    """This rank's ``VirtualDevice`` of ``cluster``, with scales agreed by every rank."""
-    from poplar.types.cluster import ClusterSpec
-    from poplar.profiler.emulate import calibrate
-    from poplar.profiler.virtual_device import VirtualDevice
-
-    error, spec = None, None
-    try:
-        spec = ClusterSpec.resolve(cluster)
-        if spec.world_size != comm.world_size:
-            error = (f"cluster {spec.name!r} has {spec.world_size} devices ({spec.describe()}) but the job has "
-                     f"{comm.world_size} ranks; launch one rank per device")
-    except (ValueError, OSError) as e:
-        error = str(e)
-    _agree(comm, error, "cluster")
-    assert spec is not None
-    scales: Any = None
-    if comm.rank == 0:
-        try:
-            mem, tim = options.memory_scale, options.time_scale
-            if mem == "auto" or tim == "auto":
-                cal = calibrate(cluster=spec, memory_scale=mem, time_scale=tim, max_batch=options.max_batch,
-                                **calibrate_inputs)
-                mem, tim = cal.memory_scale, cal.time_scale
-            scales = (float(mem), float(tim), None)
-        except Exception as e:  # noqa: BLE001 - reported on every rank
-            scales = (None, None, f"calibrating the emulated cluster failed: {type(e).__name__}: {e}")
-    memory_scale, time_scale, error = comm.all_gather_object(scales, tag="auto:calibrate")[0]
-    if error:
-        raise ProfileError(f"auto mode: {error}")
-    device = VirtualDevice.from_preset(spec.rank_types()[comm.rank], memory_scale, time_scale)
-    device.cluster = spec  # type: ignore[attr-defined]
-    return device
+    if any(id(p) not in index for g in optimizer.param_groups for p in g["params"]):
+        raise ValueError("the optimizer holds a parameter that is not the model's; build it on "
+                         "model.parameters()")
+    return optimizer_like(optimizer, [[params[index[id(p)]] for p in g["params"]] for g in optimizer.param_groups])
 
 
 def _measure(comm: Communicator, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable,
-             sample_fn: Any, zero_stage: int, home: torch.device, cluster: Any, device: Any, options: AutoOptions,
-             bucket_size_mb: float, wrap_policy: Any, say: Callable[[str], None]) -> tuple[Profile, Any]:
+             sample_fn: Any, zero_stage: int, home: torch.device, cluster: Any, device: Device | None,
+             options: AutoOptions, bucket_size_mb: float, wrap_policy: Any,
+             say: Callable[[str], None]) -> tuple[Profile, Device | None]:
     """The profile (measured, or loaded from ``options.profile``) and this rank's device."""
-    from poplar.profiler.profile_run import ProfileOptions, profile_rank
-
     snapshot = copy.deepcopy(model)  # on the CPU: the caller moved the model there
     model_fn = lambda: copy.deepcopy(snapshot)  # noqa: E731
     optimizer_fn = lambda m: clone_optimizer(optimizer, m, model)  # noqa: E731
-
+    inputs = CalibrationInputs(model_fn, loss_fn, sample_fn, optimizer_fn, zero_stage, bucket_size_mb, wrap_policy,
+                               options.max_batch)
     profile = None
     if options.profile is not None:
-        from poplar.planner.planning import load_profile
-        error = None
-        try:
-            profile = load_profile(options.profile)
-            if profile.world_size != comm.world_size:
-                error = (f"the profile has {profile.world_size} ranks but the job has {comm.world_size}; "
-                         "profile this cluster again")
-        except (ProfileError, OSError, ValueError) as e:
-            error = f"cannot use the profile {options.profile}: {e}"
-        _agree(comm, error, "auto mode profile")
-        say(f"using the profile {options.profile} (ZeRO-{profile.zero_stage})")
-        if profile.meta.get("emulated") and options.memory_scale == "auto" and options.time_scale == "auto":
-            options = replace(options, memory_scale=profile.meta["memory_scale"],
-                              time_scale=profile.meta["time_scale"])  # emulate the devices it measured
-
-    if device is None and cluster is not None:
-        inputs = {"model_fn": model_fn, "loss_fn": loss_fn, "sample_fn": sample_fn, "zero_stage": zero_stage,
-                  "optimizer_fn": optimizer_fn, "bucket_size_mb": bucket_size_mb, "wrap_policy": wrap_policy}
-        device = emulated_device(comm, cluster, options, inputs)
-    elif device is None and profile is None:
-        error = None
-        if home.type == "cuda":
-            from poplar.profiler.cuda_device import CudaDevice
-            device = CudaDevice(home)
-        else:
-            error = ("the model is on the CPU and neither cluster= nor device= was given: auto mode measures each "
-                     "rank's device; pass cluster= (a cluster file or a built-in name) to emulate GPUs on CPU, "
-                     "device=, AutoOptions(profile=...), or a plan")
-        _agree(comm, error, "auto mode device")
-
+        profile, options = _load_profile(comm, options, say)
+    device = _rank_device(comm, home, cluster, device, options, inputs, needed=profile is None)
     if profile is None:
-        meta: dict[str, Any] = {}
-        if hasattr(device, "cluster"):
-            meta["cluster"] = device.cluster.to_dict()
-        if device.kind is DeviceKind.VIRTUAL:
-            meta.update(memory_scale=device.memory_scale, time_scale=device.time_scale, emulated=True)
+        assert device is not None
         popts = ProfileOptions(zero_stage=zero_stage, escalate=options.escalate, max_batch=options.max_batch,
                                repeats=options.repeats, bucket_size_mb=bucket_size_mb, wrap_policy=wrap_policy,
-                               model_name=type(model).__name__, progress=options.progress, meta=meta)
+                               model_name=type(model).__name__, progress=options.progress,
+                               meta=device.profile_meta())
         say(f"profiling {comm.world_size} ranks at ZeRO-{zero_stage} ...")
         profile = profile_rank(model_fn, loss_fn, sample_fn, device, optimizer_fn=optimizer_fn, options=popts,
                                log=lambda m: say(m.removeprefix("[poplar profile] ")), process_group=comm.group)
@@ -209,12 +134,54 @@ def _measure(comm: Communicator, model: nn.Module, optimizer: torch.optim.Optimi
     return profile, device
 
 
-def auto_plan(comm: Communicator, model: nn.Module, optimizer: torch.optim.Optimizer, *, global_batch_size: int,
-              zero_stage: int, loss_fn: Callable | None, profile_data: Any, cluster: Any = None, device: Any = None,
-              options: AutoOptions | None = None, bucket_size_mb: float = 25.0, wrap_policy: Any = None) -> AutoResult:
-    """Profile (or load a profile), plan, and log the plan: the engine's auto mode."""
-    from poplar.planner import plan as make_plan
+def _load_profile(comm: Communicator, options: AutoOptions, say: Callable[[str], None]) -> tuple[Profile, AutoOptions]:
+    """``options.profile``, checked on every rank; the options then emulate the scales it was
+    measured at, unless they name their own."""
+    error, profile = None, None
+    try:
+        profile = load_profile(options.profile)
+        if profile.world_size != comm.world_size:
+            error = (f"the profile has {profile.world_size} ranks but the job has {comm.world_size}; "
+                     "profile this cluster again")
+    except (ProfileError, OSError, ValueError) as e:
+        error = f"cannot use the profile {options.profile}: {e}"
+    comm.agree(error, "auto mode profile", error_type=ProfileError)
+    assert profile is not None
+    say(f"using the profile {options.profile} (ZeRO-{profile.zero_stage})")
+    if profile.meta.get("emulated") and options.memory_scale == "auto" and options.time_scale == "auto":
+        options = replace(options, memory_scale=profile.meta["memory_scale"],
+                          time_scale=profile.meta["time_scale"])  # emulate the devices it measured
+    return profile, options
 
+
+def _rank_device(comm: Communicator, home: torch.device, cluster: Any, device: Device | None, options: AutoOptions,
+                 inputs: CalibrationInputs, *, needed: bool) -> Device | None:
+    """This rank's device: the one given, the ``cluster``'s device of this rank (emulated), or,
+    when there is still a profile to measure (``needed``), the GPU the model is on."""
+    if device is not None:
+        return device
+    if cluster is not None:
+        emulated = emulate_cluster_together(comm, cluster, inputs, options.memory_scale, options.time_scale,
+                                            what="auto mode")
+        return emulated.device(comm.rank)
+    if not needed:
+        return None
+    error = None
+    if home.type == "cuda":
+        device = CudaDevice(home)
+    else:
+        error = ("the model is on the CPU and neither cluster= nor device= was given: auto mode measures each "
+                 "rank's device; pass cluster= (a cluster file or a built-in name) to emulate GPUs on CPU, "
+                 "device=, AutoOptions(profile=...), or a plan")
+    comm.agree(error, "auto mode device", error_type=ProfileError)
+    return device
+
+
+def auto_plan(comm: Communicator, model: nn.Module, optimizer: torch.optim.Optimizer, *, global_batch_size: int,
+              zero_stage: int, loss_fn: Callable | None, profile_data: Any, cluster: Any = None,
+              device: Device | None = None, options: AutoOptions | None = None, bucket_size_mb: float = 25.0,
+              wrap_policy: Any = None) -> AutoResult:
+    """Profile (or load a profile), plan, and log the plan: the engine's auto mode."""
     options = options or AutoOptions()
     error = None
     if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
@@ -229,7 +196,7 @@ def auto_plan(comm: Communicator, model: nn.Module, optimizer: torch.optim.Optim
             sample_fn = sample_fn_of(profile_data, options.collate_fn)
         except ValueError as e:
             error = str(e)
-    _agree(comm, error, "auto mode set-up")
+    comm.agree(error, "auto mode set-up", error_type=ProfileError)
 
     say = (lambda m: log.info(m)) if options.progress and comm.rank == 0 else (lambda m: None)
     home = next(model.parameters()).device

@@ -76,7 +76,7 @@ def _emulate(model_fn: Callable, loss_fn: Callable, sample_fn: Callable, cluster
              optimizer_fn: Callable, options: ProfileOptions, memory_scale: Any, time_scale: Any, progress: bool,
              timeout_s: float) -> Profile:
     from poplar.comm.launch import spawn
-    from poplar.profiler.emulate import calibrate, cluster_devices, emulated_rank
+    from poplar.profiler.emulate import CalibrationInputs, emulate_cluster, emulated_rank
 
     if (cluster is None) == (devices is None):
         raise ProfileError("without torch.distributed, give either cluster= (a ClusterSpec, a built-in name or a "
@@ -84,20 +84,15 @@ def _emulate(model_fn: Callable, loss_fn: Callable, sample_fn: Callable, cluster
     if options.zero_stage not in (0, 1, 2, 3):
         raise ProfileError(f"zero_stage must be 0, 1, 2 or 3, got {options.zero_stage!r}")
     if cluster is not None:
-        from poplar.types.cluster import ClusterSpec
-        spec = ClusterSpec.resolve(cluster)
-        cal = None
-        if memory_scale == "auto" or time_scale == "auto":
-            cal = calibrate(model_fn, loss_fn, sample_fn, spec, options.zero_stage, optimizer_fn=optimizer_fn,
-                            bucket_size_mb=options.bucket_size_mb, wrap_policy=options.wrap_policy,
-                            memory_scale=memory_scale, time_scale=time_scale, max_batch=options.max_batch)
-            memory_scale, time_scale = cal.memory_scale, cal.time_scale
-            if progress:
-                print(f"[poplar profile] emulating {spec.describe()} on CPU: memory scale {memory_scale:.3g}, "
-                      f"time scale {time_scale:.3g} (predicted mbs {cal.predicted_mbs})", file=sys.stderr, flush=True)
-        devices = cluster_devices(spec, float(memory_scale), float(time_scale))
-        options.meta.update({"cluster": spec.to_dict(), "memory_scale": memory_scale, "time_scale": time_scale,
-                             "calibration": cal.to_dict() if cal else None})
+        inputs = CalibrationInputs(model_fn, loss_fn, sample_fn, optimizer_fn, options.zero_stage,
+                                   options.bucket_size_mb, options.wrap_policy, options.max_batch)
+        emulated = emulate_cluster(cluster, inputs, memory_scale, time_scale)
+        if progress and emulated.calibration is not None:
+            print(f"[poplar profile] emulating {emulated.spec.describe()} on CPU: memory scale "
+                  f"{emulated.memory_scale:.3g}, time scale {emulated.time_scale:.3g} (predicted mbs "
+                  f"{emulated.calibration.predicted_mbs})", file=sys.stderr, flush=True)
+        devices = emulated.devices()
+        options.meta.update(emulated.meta())
     if not devices:
         raise ProfileError("devices is empty; give one VirtualDevice per rank")
     options.meta.setdefault("emulated", True)

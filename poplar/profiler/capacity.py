@@ -1,5 +1,5 @@
 """Capacity search: the largest micro-batch ``mbs`` that one rank can train, found without any
-collective (on an engine over a ``LocalCommunicator``; see ``local_comm``).
+collective (on a ZeRO runtime over a ``LocalCommunicator``; see ``local_comm``).
 
 Algorithm 1 of the paper, made exact and bounded:
 
@@ -28,6 +28,7 @@ from poplar.profiler.devices import Device, is_oom, to_device
 from poplar.profiler.local_comm import search_plan, use_plan
 from poplar.profiler.memory import gathered_bytes
 from poplar.comm import DistributedError
+from poplar.zero.runtime import ZeroRuntime
 
 DEFAULT_MAX_BATCH = 4096
 
@@ -77,7 +78,7 @@ class OomEvent:
     gathered_before: int  # stage 3: gathered parameter bytes, before / after
     gathered_after: int
     at: dict[str, Any] | None = None  # a virtual device's view at the failure: where, saved, gathered bytes
-    rebuilt: bool = False  # the engine did not clean up after the OOM and was rebuilt
+    rebuilt: bool = False  # the runtime did not clean up after the OOM and was rebuilt
 
 
 @dataclass
@@ -101,73 +102,82 @@ class CapacityResult:
 
 
 class CapacitySearch:
-    """Runs trial steps of ``engine`` (on a LocalCommunicator) with ``device`` attached.
+    """Runs trial steps of ``runtime`` (a ``ZeroRuntime`` on a LocalCommunicator) with ``device``
+    attached.
 
-    ``rebuild``, if given, replaces a broken engine: when an OOM escapes the engine's own error
-    handling (the exception that leaves ``train_step`` is not the engine's agreed
+    ``rebuild``, if given, replaces a broken runtime: when an OOM escapes the runtime's own error
+    handling (the exception that leaves ``train_step`` is not the runtime's agreed
     ``DistributedError``) or the memory does not come back to its level before the trial, the
-    engine's state cannot be trusted; ``rebuild()`` must detach the device, drop the engine and
+    runtime's state cannot be trusted; ``rebuild()`` must detach the device, drop the runtime and
     return a fresh one with the device attached. The event is recorded (``OomEvent.rebuilt``).
     Without ``rebuild`` such a failure is an error.
     """
 
-    def __init__(self, engine: Any, device: Device, sample_fn: Callable[[int], Any], loss_fn: Callable,
+    def __init__(self, runtime: ZeroRuntime, device: Device, sample_fn: Callable[[int], Any], loss_fn: Callable,
                  stage: int, max_batch: int = DEFAULT_MAX_BATCH, log: Callable[[str], None] | None = None,
-                 rebuild: Callable[[], Any] | None = None) -> None:
-        self.engine, self.device, self.sample_fn, self.loss_fn = engine, device, sample_fn, loss_fn
+                 rebuild: Callable[[], ZeroRuntime] | None = None) -> None:
+        self.runtime, self.device, self.sample_fn, self.loss_fn = runtime, device, sample_fn, loss_fn
         self.stage, self.max_batch, self.log, self.rebuild = stage, max_batch, log or (lambda s: None), rebuild
         self.result = CapacityResult(stage=stage, capacity_bytes=device.capacity_bytes, mbs=0, trial_steps=0)
 
     def trial(self, batch: int) -> bool:
         """One real training step of ``batch`` samples; False on out-of-memory (then released)."""
-        engine, device, res = self.engine, self.device, self.result
-        use_plan(engine, search_plan(engine.world_size, engine.rank, batch))
+        runtime, device = self.runtime, self.device
+        use_plan(runtime, search_plan(runtime.world_size, runtime.rank, batch))
         data = to_device(self.sample_fn(batch), device.torch_device)
-        if hasattr(device, "last_failure"):
-            device.last_failure = None
-        before, gathered = device.memory_in_use(), gathered_bytes(engine.stage)
-        res.trial_steps += 1
+        device.last_failure = None
+        before, gathered = device.memory_in_use(), gathered_bytes(runtime.stage)
+        self.result.trial_steps += 1
         message, handled = "", True
         try:
-            engine.train_step(data, self.loss_fn)
+            runtime.train_step(data, self.loss_fn)
             ok = True
         except Exception as e:  # noqa: BLE001 - only an OOM is an answer; anything else is re-raised
             if not is_oom(e):
                 raise
             ok, message = False, _oom_message(e)
-            handled = isinstance(e, DistributedError)  # the engine's agreed report, its clean-up done
+            handled = isinstance(e, DistributedError)  # the runtime's agreed report, its clean-up done
             if not handled:
-                message += f" (then, in the engine's clean-up: {type(e).__name__}: {str(e)[:200]})"
+                message += f" (then, in the runtime's clean-up: {type(e).__name__}: {str(e)[:200]})"
             e = None  # noqa: F841 - drop the failed step's frames (and the activations they hold)
         if ok:
-            step = device.last_step
-            if step is not None and step.batch == batch:
-                res.peaks[batch] = step.peak
-                if batch == 1:
-                    res.base_bytes = step.before_forward
-                    res.bytes_per_sample = float(max(step.after_forward - step.before_forward, 1))
+            self._record_fit(batch)
         else:
-            device.abort_step()
-            device.release()
-            after, gathered_after = device.memory_in_use(), gathered_bytes(engine.stage)
-            at = getattr(device, "last_failure", None)
-            event = OomEvent(batch, message, before, after, gathered, gathered_after, dict(at) if at else None)
-            if not handled or after != before or gathered_after != gathered:
-                if self.rebuild is None:
-                    raise RuntimeError(f"the engine did not recover from an out-of-memory error at batch {batch}: "
-                                       f"{message}; memory {before} -> {after} bytes, gathered {gathered} -> "
-                                       f"{gathered_after}")
-                self.engine = self.rebuild()
-                event.rebuilt = True
-                event.memory_after = device.memory_in_use()
-                event.gathered_after = gathered_bytes(self.engine.stage)
-            res.oom_events.append(event)
-            if batch == 1:
-                res.reason = message
+            self._recover(OomEvent(batch, message, before, 0, gathered, 0), handled)
         del data
-        res.trials.append((batch, ok))
+        self.result.trials.append((batch, ok))
         self.log(f"  trial batch {batch}: {'fits' if ok else 'out of memory'}")
         return ok
+
+    def _record_fit(self, batch: int) -> None:
+        """The peak of a step that fitted; at batch 1 also Algorithm 1's base and per-sample bytes."""
+        res, step = self.result, self.device.last_step
+        if step is not None and step.batch == batch:
+            res.peaks[batch] = step.peak
+            if batch == 1:
+                res.base_bytes = step.before_forward
+                res.bytes_per_sample = float(max(step.after_forward - step.before_forward, 1))
+
+    def _recover(self, event: OomEvent, handled: bool) -> None:
+        """Release the failed step's memory and record ``event`` (memory before the trial set);
+        rebuild the runtime if it did not clean up after itself."""
+        device = self.device
+        device.abort_step()
+        device.release()
+        event.memory_after, event.gathered_after = device.memory_in_use(), gathered_bytes(self.runtime.stage)
+        event.at = dict(device.last_failure) if device.last_failure else None
+        if not handled or event.memory_after != event.memory_before or event.gathered_after != event.gathered_before:
+            if self.rebuild is None:
+                raise RuntimeError(f"the runtime did not recover from an out-of-memory error at batch {event.batch}: "
+                                   f"{event.message}; memory {event.memory_before} -> {event.memory_after} bytes, "
+                                   f"gathered {event.gathered_before} -> {event.gathered_after}")
+            self.runtime = self.rebuild()
+            event.rebuilt = True
+            event.memory_after = device.memory_in_use()
+            event.gathered_after = gathered_bytes(self.runtime.stage)
+        self.result.oom_events.append(event)
+        if event.batch == 1:
+            self.result.reason = event.message
 
     def run(self) -> CapacityResult:
         res = self.result

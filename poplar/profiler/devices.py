@@ -12,7 +12,7 @@ Each micro-step leaves a ``StepMemory`` (before forward, after forward, peak) in
 
 Out of memory is one error type on every device: ``torch.OutOfMemoryError`` (the class that
 ``torch.cuda.OutOfMemoryError`` names; it can be raised on CPU-only builds too), recognised by
-``is_oom`` even when wrapped (the engine reports a failed micro-step as a ``DistributedError``
+``is_oom`` even when wrapped (the runtime reports a failed micro-step as a ``DistributedError``
 whose ``__cause__`` is the original error).
 """
 
@@ -75,6 +75,12 @@ class Device(StepObserver, ABC):
     Subclasses define ``memory_in_use``, ``capacity_bytes``, ``reset_peak``/``peak`` and may
     override ``_forward_start`` / ``_forward_end`` / ``_backward_end`` (the virtual device pads
     compute time there).
+
+    What only some devices can do is declared here with a neutral default, so the profiler never
+    asks which device it has: ``static_bytes`` (None: model states are not counted apart),
+    ``unpadded`` and ``recording_overflows`` (no-ops: compute is never stretched, and an
+    out-of-memory error is always raised), ``late_steps`` and ``last_failure`` (never set), and
+    ``profile_meta`` (nothing to record).
     """
 
     kind: DeviceKind
@@ -84,7 +90,10 @@ class Device(StepObserver, ABC):
         self.name, self.device_type, self.torch_device = name, device_type, torch.device(torch_device)
         self.nominal_tflops = nominal_tflops
         self.last_step: StepMemory | None = None
-        self.engine: ZeroRuntime | None = None
+        self.runtime: ZeroRuntime | None = None
+        self.late_steps = 0  # micro-steps whose real compute overshot the device's speed curve
+        self.last_failure: dict[str, Any] | None = None  # what the device saw at the last OOM it raised itself
+        self.overflows: list[dict[str, Any]] = []  # memory overflows recorded instead of raised
         self._open: dict[str, Any] | None = None  # the micro-step in progress
 
     # ---- probes (subclasses) ----
@@ -113,28 +122,53 @@ class Device(StepObserver, ABC):
         now; collect reference cycles)."""
         gc.collect()
 
+    def static_bytes(self) -> int | None:
+        """Bytes of model states the device counts for the attached runtime (params, grads,
+        optimizer state as after the first step, buffers), or None where it sees only the
+        allocator's total."""
+        return None
+
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "device_type": self.device_type, "kind": self.kind.value,
                 "capacity_bytes": self.capacity_bytes, "nominal_tflops": self.nominal_tflops}
 
+    def profile_meta(self) -> dict[str, Any]:
+        """What a profile measured on this device records about it in ``Profile.meta``."""
+        return {}
+
+    # ---- temporary switches ----
+    @contextlib.contextmanager
+    def unpadded(self) -> Iterator[None]:
+        """Run steps at the hardware's own speed until the block ends (steps that are not timed,
+        like the capacity search's trials)."""
+        yield
+
+    @contextlib.contextmanager
+    def recording_overflows(self) -> Iterator[list[dict[str, Any]]]:
+        """Until the block ends, record memory overflows in the yielded list instead of raising
+        them (a lock-step round must not raise inside a collective). A device whose allocator
+        raises by itself records nothing: its OOM fails the round on every rank instead."""
+        self.overflows.clear()
+        yield self.overflows
+
     # ---- attaching to a runtime ----
     @contextlib.contextmanager
-    def attach(self, engine: ZeroRuntime) -> Iterator["Device"]:
-        """Observe ``engine``'s micro-steps (a ``ZeroRuntime``) until the block ends."""
-        if self.engine is not None:
-            raise RuntimeError(f"device {self.name} is already attached to an engine")
-        self.engine = engine
-        handle = engine.add_observer(self)
+    def attach(self, runtime: ZeroRuntime) -> Iterator["Device"]:
+        """Observe ``runtime``'s micro-steps until the block ends."""
+        if self.runtime is not None:
+            raise RuntimeError(f"device {self.name} is already attached to a runtime")
+        self.runtime = runtime
+        handle = runtime.add_observer(self)
         try:
-            with self._attached(engine):
+            with self._attached(runtime):
                 yield self
         finally:
             handle.remove()
-            self.engine = None
+            self.runtime = None
             self._open = None
 
     @contextlib.contextmanager
-    def _attached(self, engine: ZeroRuntime) -> Iterator[None]:
+    def _attached(self, runtime: ZeroRuntime) -> Iterator[None]:
         """Extra set-up of a subclass while attached."""
         yield
 
@@ -148,7 +182,7 @@ class Device(StepObserver, ABC):
             return
         self.reset_peak()
         self._open = {"batch": step.batch_size, "before": self.memory_in_use(), "t0": time.perf_counter(),
-                      "c0": self.engine.comm_ledger.total_seconds}
+                      "c0": self.runtime.comm_ledger.total_seconds}
         self._forward_start()
 
     def forward_end(self, step: MicroStep) -> None:
@@ -187,7 +221,7 @@ class Device(StepObserver, ABC):
     def _compute_s(self, step: dict[str, Any], now: float | None = None) -> float:
         """Seconds of the open micro-step so far, less the seconds spent in collectives."""
         now = time.perf_counter() if now is None else now
-        return now - step["t0"] - (self.engine.comm_ledger.total_seconds - step["c0"])
+        return now - step["t0"] - (self.runtime.comm_ledger.total_seconds - step["c0"])
 
 
 def to_device(batch: Any, device: torch.device) -> Any:

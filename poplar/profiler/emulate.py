@@ -1,11 +1,17 @@
-"""Emulated clusters on one CPU machine: one process per rank (``poplar.comm.launch.spawn``), each
-with a ``VirtualDevice`` made from its preset in the cluster description.
+"""Emulated clusters on one CPU machine: one process per rank, each with a ``VirtualDevice`` made
+from its preset in the cluster description.
+
+``emulate_cluster`` resolves the cluster and picks the scales (below) in one process: the
+``EmulatedCluster`` it returns makes every rank's device. ``poplar.profile`` calls it, then
+spawns the ranks (``poplar.comm.launch.spawn``, entry point ``emulated_rank``); inside a running
+job (auto mode) every rank calls ``emulate_cluster_together``, where rank 0 calibrates and all
+ranks share its result.
 
 Scales. Presets describe real GPUs and a real model; a CPU-sized model needs both memory and
 time scaled down:
 
 - ``memory_scale`` multiplies every preset's memory. ``"auto"`` measures the model (model
-  states at the requested stage and bytes per sample, on a LocalCommunicator engine of the
+  states at the requested stage and bytes per sample, on a LocalCommunicator runtime of the
   cluster's world size) and picks the scale at which the cluster's smallest-memory device fits
   a batch of about ``target_min_mbs`` (8): then the others land between that and a few dozen.
 - ``time_scale`` multiplies every preset's step time. ``"auto"`` times the model's real CPU
@@ -24,21 +30,18 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+from torch import nn
 
-from poplar.types.cluster import ClusterSpec
+from poplar.comm import Communicator
 from poplar.profiler.capacity import CapacitySearch
 from poplar.profiler.local_comm import local_engine
-from poplar.types.presets import GIB, get_preset
 from poplar.profiler.virtual_device import VirtualDevice
+from poplar.types.cluster import ClusterSpec
+from poplar.types.presets import GIB, get_preset
+from poplar.types.profiles import ProfileError
 
 TARGET_MIN_MBS = 8
 MIN_STEP_S = 0.004
-
-
-def cluster_devices(cluster: ClusterSpec | str, memory_scale: float, time_scale: float) -> list[VirtualDevice]:
-    """One virtual device per rank of ``cluster`` (a ClusterSpec, built-in name or file)."""
-    spec = ClusterSpec.resolve(cluster)
-    return [VirtualDevice.from_preset(t, memory_scale, time_scale) for t in spec.rank_types()]
 
 
 @dataclass
@@ -66,16 +69,16 @@ def calibrate(model_fn: Callable, loss_fn: Callable, sample_fn: Callable[[int], 
     types = list(dict.fromkeys(spec.rank_types()))
     presets = [get_preset(t) for t in types]
     model = model_fn()
-    engine = local_engine(model, optimizer_fn(model), world_size=world, rank=0, zero_stage=zero_stage,
-                          device=torch.device("cpu"), bucket_size_mb=bucket_size_mb, wrap_policy=wrap_policy)
+    runtime = local_engine(model, optimizer_fn(model), world_size=world, rank=0, zero_stage=zero_stage,
+                           device=torch.device("cpu"), bucket_size_mb=bucket_size_mb, wrap_policy=wrap_policy)
     probe = VirtualDevice("calibration", 2 ** 62)
     peaks: dict[int, int] = {}
     seconds: dict[int, float] = {}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each spawned rank runs
     try:
-        with probe.attach(engine):
-            search = CapacitySearch(engine, probe, sample_fn, loss_fn, zero_stage)
+        with probe.attach(runtime):
+            search = CapacitySearch(runtime, probe, sample_fn, loss_fn, zero_stage)
             for b in (1, 2, 4, 8) * 3:  # the smallest of 3: the first includes one-off set-up
                 t0 = time.perf_counter()
                 if not search.trial(b):
@@ -105,6 +108,93 @@ def calibrate(model_fn: Callable, loss_fn: Callable, sample_fn: Callable[[int], 
     return Calibration(memory_scale, float(time_scale), state, peaks[1], slope, (real_a, real_b), mbs)
 
 
+@dataclass
+class CalibrationInputs:
+    """What calibration trains: the profiler's own model, loss, batches and ZeRO set-up."""
+
+    model_fn: Callable[[], nn.Module]
+    loss_fn: Callable
+    sample_fn: Callable[[int], Any]
+    optimizer_fn: Callable
+    zero_stage: int
+    bucket_size_mb: float = 25.0
+    wrap_policy: Any = None
+    max_batch: int = 4096
+
+
+@dataclass
+class EmulatedCluster:
+    """A cluster emulated on CPU: its description, the scales of its presets, and the
+    calibration that picked them (None when both were given)."""
+
+    spec: ClusterSpec
+    memory_scale: float
+    time_scale: float
+    calibration: Calibration | None = None
+
+    def device(self, rank: int) -> VirtualDevice:
+        """The virtual device of ``rank``: its preset's memory and speed curve, scaled."""
+        device = VirtualDevice.from_preset(self.spec.rank_types()[rank], self.memory_scale, self.time_scale)
+        device.cluster = self.spec
+        return device
+
+    def devices(self) -> list[VirtualDevice]:
+        return [self.device(rank) for rank in range(self.spec.world_size)]
+
+    def meta(self) -> dict[str, Any]:
+        """What a profile of this cluster records in its meta."""
+        return {"cluster": self.spec.to_dict(), "memory_scale": self.memory_scale, "time_scale": self.time_scale,
+                "calibration": self.calibration.to_dict() if self.calibration else None}
+
+
+def emulate_cluster(cluster: ClusterSpec | str, inputs: CalibrationInputs, memory_scale: float | str = "auto",
+                    time_scale: float | str = "auto") -> EmulatedCluster:
+    """``cluster`` (a ClusterSpec, built-in name or file) emulated with this model: the scales
+    given, or calibrated where "auto" (see the module doc). In one process."""
+    spec = ClusterSpec.resolve(cluster)
+    if memory_scale != "auto" and time_scale != "auto":
+        return EmulatedCluster(spec, float(memory_scale), float(time_scale))
+    cal = calibrate(inputs.model_fn, inputs.loss_fn, inputs.sample_fn, spec, inputs.zero_stage,
+                    optimizer_fn=inputs.optimizer_fn, bucket_size_mb=inputs.bucket_size_mb,
+                    wrap_policy=inputs.wrap_policy, memory_scale=memory_scale, time_scale=time_scale,
+                    max_batch=inputs.max_batch)
+    return EmulatedCluster(spec, cal.memory_scale, cal.time_scale, cal)
+
+
+def emulate_cluster_together(comm: Communicator, cluster: Any, inputs: CalibrationInputs,
+                             memory_scale: float | str = "auto", time_scale: float | str = "auto", *,
+                             what: str = "emulated cluster") -> EmulatedCluster:
+    """``emulate_cluster`` inside a running job, on every rank of ``comm``: the cluster must have
+    one device per rank; rank 0 calibrates, and every rank gets its result, so all emulate the
+    same cluster. Any failure is a ``ProfileError`` on every rank (``what`` names the caller)."""
+    error, spec = None, None
+    try:
+        spec = ClusterSpec.resolve(cluster)
+        if spec.world_size != comm.world_size:
+            error = (f"cluster {spec.name!r} has {spec.world_size} devices ({spec.describe()}) but the job has "
+                     f"{comm.world_size} ranks; launch one rank per device")
+    except (ValueError, OSError) as e:
+        error = str(e)
+    comm.agree(error, f"{what}: cluster", error_type=ProfileError)
+    assert spec is not None
+    emulated: EmulatedCluster | str | None = None
+    if comm.rank == 0:
+        try:
+            emulated = emulate_cluster(spec, inputs, memory_scale, time_scale)
+        except Exception as e:  # noqa: BLE001 - reported on every rank
+            emulated = f"calibrating the emulated cluster failed: {type(e).__name__}: {e}"
+    emulated = comm.all_gather_object(emulated, tag="emulate:calibrate")[0]
+    if isinstance(emulated, str):
+        raise ProfileError(f"{what}: {emulated}")
+    assert emulated is not None
+    return emulated
+
+
+def cluster_devices(cluster: ClusterSpec | str, memory_scale: float, time_scale: float) -> list[VirtualDevice]:
+    """One virtual device per rank of ``cluster`` (a ClusterSpec, built-in name or file)."""
+    return EmulatedCluster(ClusterSpec.resolve(cluster), memory_scale, time_scale).devices()
+
+
 def emulated_rank(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     """Entry point of one spawned rank: profile with this rank's virtual device. Profile errors
     (the same on every rank, by agreement) come back as data, not as a crashed rank."""
@@ -120,4 +210,4 @@ def emulated_rank(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
                                log=None if progress else (lambda m: None))
     except ProfileError as e:
         return {"error": str(e)}
-    return {"profile": profile.to_dict(), "device": device.describe(), "late_steps": getattr(device, "late_steps", 0)}
+    return {"profile": profile.to_dict(), "device": device.describe(), "late_steps": device.late_steps}

@@ -1,19 +1,19 @@
-"""An engine that believes it is rank r of N but never talks to another process.
+"""A ZeRO runtime that believes it is rank r of N but never talks to another process.
 
 The capacity search must not run collectives (docs/design.md §4, the deadlock trap: an OOM on one
 rank in the middle of a ZeRO-2/3 step would leave the others waiting in a collective). It still
-needs the memory of the real engine at world size N: shards of size 1/N, stage-2 buckets,
-stage-3 gathered blocks of full size. ``LocalCommunicator`` gives the engine exactly that: the
+needs the memory of the real runtime at world size N: shards of size 1/N, stage-2 buckets,
+stage-3 gathered blocks of full size. ``LocalCommunicator`` gives the runtime exactly that: the
 same buffers, and collectives that are local copies:
 
 - all-gather: every slice of the output receives this rank's input (the other ranks' shards are
   unknown; tiling keeps the gathered weights finite and of the right magnitude);
 - reduce-scatter: the output receives this rank's slice of its own input;
 - all-reduce: unchanged (this rank's contribution is the sum: the search's plan gives every other
-  rank zero samples, so the engine's sample count agrees);
+  rank zero samples, so the runtime's sample count agrees);
 - all-gather of objects: N copies of this rank's object.
 
-``local_engine`` builds a ``ZeroRuntime`` on it; ``use_plan`` switches an engine between plans
+``local_engine`` builds a ``ZeroRuntime`` on it; ``use_plan`` switches a runtime between plans
 from one iteration to the next (the search and the timing rounds change batch sizes per step).
 """
 
@@ -47,7 +47,7 @@ class LocalCommunicator(Communicator):
         t0 = self.start_timer()
         fn()
         seconds = self.stop_timer(t0)
-        if async_op:  # the engine's own handle, already complete (no work to wait for)
+        if async_op:  # the runtime's own handle, already complete (no work to wait for)
             return PendingCollective(self, None, op, nbytes, seconds, tag)
         self.ledger.add(op, nbytes, seconds, tag)
         return None
@@ -88,15 +88,15 @@ def round_plan(batches: list[int]) -> Plan:
 
 
 def local_engine(model: nn.Module, optimizer: torch.optim.Optimizer, *, world_size: int, rank: int,
-                 zero_stage: int, device: torch.device, **engine_kwargs: Any) -> ZeroRuntime:
+                 zero_stage: int, device: torch.device, **runtime_kwargs: Any) -> ZeroRuntime:
     """A ZeRO runtime for rank ``rank`` of ``world_size`` on a ``LocalCommunicator``."""
     comm = LocalCommunicator(world_size, rank, device)
     return ZeroRuntime(model, optimizer, zero_stage=zero_stage, plan=search_plan(world_size, rank, 1),
-                        communicator=comm, **engine_kwargs)
+                       communicator=comm, **runtime_kwargs)
 
 
-def use_plan(engine: Any, plan: Plan) -> None:
-    """Make ``plan`` the engine's plan from the next iteration on, without the agreement
-    collective of ``engine.set_plan`` (every rank must switch to the same plan; the profiler
+def use_plan(runtime: ZeroRuntime, plan: Plan) -> None:
+    """Make ``plan`` the runtime's plan from the next iteration on, without the agreement
+    collective of ``runtime.set_plan`` (every rank must switch to the same plan; the profiler
     derives it from data all ranks agreed on, and switches once per timing round)."""
-    engine.use_plan(plan)
+    runtime.use_plan(plan)

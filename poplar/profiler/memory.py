@@ -3,39 +3,32 @@
 Optimizers create their state lazily at the first ``step()``, so before it ``memory_report()``
 says 0 bytes of optimizer state while the capacity search must already count it (the first
 trial step would otherwise fit a batch that the second step, with Adam's moments allocated,
-does not). ``predicted_optimizer_bytes`` builds a throw-away twin of the optimizer (same class,
-same group settings) over zero tensors shaped like the parameters it holds now (this rank's
-shards at stages 1-3), steps it once on CPU and counts its state.
+does not). ``predicted_optimizer_bytes`` builds a throw-away twin of the optimizer
+(``poplar.zero.optim.optimizer_like``: same class, same group settings) over zero tensors shaped
+like the parameters it holds now (this rank's shards at stages 1-3), steps it once on CPU and
+counts its state.
 """
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
 
 from poplar.zero.base import ZeroStage
-from poplar.zero.optim import optimizer_state_bytes
+from poplar.zero.optim import optimizer_like, optimizer_state_bytes
 
 
 def predicted_optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of optimizer state after one step (on the parameters' own dtypes)."""
     actual = optimizer_state_bytes(optimizer)
     try:
-        groups = []
-        for g in optimizer.param_groups:
-            params = [torch.zeros(p.shape, dtype=p.dtype, requires_grad=True) for p in g["params"]]
-            for p in params:
+        params = [[torch.zeros(p.shape, dtype=p.dtype, requires_grad=True) for p in g["params"]]
+                  for g in optimizer.param_groups]
+        for group in params:
+            for p in group:
                 p.grad = torch.zeros_like(p)
-            settings = {k: v for k, v in g.items() if k != "params"}
-            settings.pop("fused", None)  # fused kernels need an accelerator; the state is the same
-            settings.pop("capturable", None)
-            groups.append({**settings, "params": params})
-        accepted = inspect.signature(type(optimizer).__init__).parameters
-        defaults = {k: v for k, v in optimizer.defaults.items()
-                    if k in accepted and k not in ("fused", "capturable")}
-        twin = type(optimizer)(groups, **defaults)
+        twin = optimizer_like(optimizer, params, for_cpu=True)  # the state is the same without fused kernels
         twin.step()
         predicted = optimizer_state_bytes(twin)
     except Exception:  # noqa: BLE001 - an optimizer we cannot twin: fall back to a rule of thumb

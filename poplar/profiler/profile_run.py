@@ -1,18 +1,20 @@
 """The profiler's run, on every rank: capacity search, stage escalation, lock-step timing, and the
 collectives' bandwidth; the result is one ``Profile``, the same on every rank.
 
-Shape (docs/design.md §4, "deadlock trap"):
+Shape (docs/design.md §4, "deadlock trap"), one function per phase of ``profile_rank``:
 
-1. Capacity search, per rank, with no collective at all (an engine over a LocalCommunicator has
-   the real engine's memory at world size N). Any error in it, OOM or not, is caught and
-   carried to the next step, so no rank can leave the others waiting.
-2. Agreement: one ``all_gather_object`` of every rank's result, outside any training step.
-   Every rank then takes the same decision: escalate to the next ZeRO stage if batch 1 fits
-   nowhere on some rank, fail with the same error everywhere, or go on.
-3. Timing in lock-step rounds at sizes known to fit (``timing``), with the real engine and its
-   instrumented collectives. A virtual device only records overflows here (never raises
-   mid-collective); the record is agreed on afterwards.
-4. Collective bandwidth, then the profile is assembled from every rank's part.
+1. Set-up (``_set_up``): the model's size, agreed on by every rank.
+2. Capacity search and stage escalation (``escalation.find_fitting_stage``): per rank, with no
+   collective at all (a ``ZeroRuntime`` over a LocalCommunicator has the real runtime's memory at
+   world size N), then one agreement outside any training step, after which every rank takes
+   the same decision: escalate to the next ZeRO stage, fail with the same error everywhere, or
+   go on.
+3. Timing in lock-step rounds at sizes known to fit (``_time_in_lock_step``), with the real
+   runtime and its instrumented collectives. The device only records memory overflows here
+   (``device.recording_overflows()``: never raising mid-collective); the record is agreed on
+   afterwards.
+4. Collective bandwidth (``timing.measure_comm``), then the profile is assembled from every
+   rank's part (``_assemble_profile``).
 """
 
 from __future__ import annotations
@@ -26,15 +28,14 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from poplar.zero.runtime import ZeroRuntime
+from poplar.comm import Communicator, DistributedError
 from poplar.profiler.capacity import DEFAULT_MAX_BATCH, CapacityResult, CapacitySearch, trial_budget
 from poplar.profiler.devices import Device, to_device
+from poplar.profiler.escalation import StageCapacity, find_fitting_stage, format_bytes
 from poplar.profiler.local_comm import local_engine, round_plan
 from poplar.profiler.timing import exposed_costs, measure_comm, run_rounds, summarize, timing_batches
-from poplar.types.profiles import Profile, ProfileError, RankProfile
-from poplar.comm import Communicator, DistributedError
-
-MB = 1e6
+from poplar.types.profiles import CommProfile, Profile, ProfileError, ProfilePoint, RankProfile
+from poplar.zero.runtime import ZeroRuntime
 
 
 def default_optimizer(model: nn.Module) -> torch.optim.Optimizer:
@@ -62,27 +63,17 @@ def _log_to_stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def _agree(comm: Communicator, error: str | None, what: str) -> None:
-    """An agreement point (a collective outside any step): every rank raises the same
-    ``ProfileError`` if any rank has an error."""
-    comm.agree(error, what, error_type=ProfileError)
-
-
 def model_size(model: nn.Module) -> tuple[int, int]:
     """(parameter count, bytes of one copy of the parameters), tied weights once."""
     params = list(model.parameters())  # unique objects
     return sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params)
 
 
-def _fmt_bytes(n: float | None) -> str:
-    return "?" if n is None else f"{n / MB:.3f} MB"
-
-
-def engine_collectives(engine: ZeroRuntime) -> tuple[list[list], list[list]]:
-    """The collectives of the engine's last iteration (a timing round: one micro-step per rank),
+def runtime_collectives(runtime: ZeroRuntime) -> tuple[list[list], list[list]]:
+    """The collectives of the runtime's last iteration (a timing round: one micro-step per rank),
     as ``[op, bytes]``: those inside its micro-step, and those at the iteration's end."""
-    last = engine.iteration - 1
-    records = [r for r in engine.comm_ledger.records if r.iteration == last and r.op != "all_gather_object"]
+    last = runtime.iteration - 1
+    records = [r for r in runtime.comm_ledger.records if r.iteration == last and r.op != "all_gather_object"]
     micro = [[r.op, r.bytes] for r in records if r.phase in ("forward", "backward") and r.micro_step == 0]
     end = [[r.op, r.bytes] for r in records if r.phase == "step"]
     return micro, end
@@ -91,37 +82,81 @@ def engine_collectives(engine: ZeroRuntime) -> tuple[list[list], list[list]]:
 def search_capacity(model_fn: Callable[[], nn.Module], optimizer_fn: Callable, loss_fn: Callable,
                     sample_fn: Callable[[int], Any], device: Device, *, world_size: int, rank: int, stage: int,
                     options: ProfileOptions, log: Callable[[str], None]) -> CapacityResult:
-    """This rank's capacity search at ``stage``, without collectives."""
-    stack = contextlib.ExitStack()
-    holder: dict[str, Any] = {}
+    """This rank's capacity search at ``stage``, without collectives, at the hardware's own speed
+    (the trial steps are not timed)."""
+    attached = contextlib.ExitStack()
 
-    def build() -> Any:
-        stack.close()  # detach from the previous engine, if any
-        holder.clear()
+    def build() -> ZeroRuntime:
+        attached.close()  # detach from the previous runtime, if any
         device.release()
         model = model_fn().to(device.torch_device)
-        engine = local_engine(model, optimizer_fn(model), world_size=world_size, rank=rank, zero_stage=stage,
-                              device=device.torch_device, bucket_size_mb=options.bucket_size_mb,
-                              wrap_policy=options.wrap_policy)
-        holder["engine"] = engine
-        stack.enter_context(device.attach(engine))
-        return engine
+        runtime = local_engine(model, optimizer_fn(model), world_size=world_size, rank=rank, zero_stage=stage,
+                               device=device.torch_device, bucket_size_mb=options.bucket_size_mb,
+                               wrap_policy=options.wrap_policy)
+        attached.enter_context(device.attach(runtime))
+        return runtime
 
-    pad = getattr(device, "pad", None)
-    if pad is not None:
-        device.pad = False  # the search's steps are not timed: run them at CPU speed
-    try:
-        search = CapacitySearch(build(), device, sample_fn, loss_fn, stage, options.max_batch, log, rebuild=build)
-        result = search.run()
-        if getattr(device, "static_bytes", None):
-            result.state_bytes = device.static_bytes()
-        return result
-    finally:
-        stack.close()
-        holder.clear()
-        if pad is not None:
-            device.pad = pad
-        device.release()
+    with device.unpadded():
+        try:
+            result = CapacitySearch(build(), device, sample_fn, loss_fn, stage, options.max_batch, log,
+                                    rebuild=build).run()
+            state_bytes = device.static_bytes()
+            if state_bytes is not None:
+                result.state_bytes = state_bytes
+            return result
+        finally:
+            attached.close()
+            device.release()
+
+
+@dataclass
+class RankRun:
+    """One rank's profiling run: its inputs, its logs and the clock of its phases."""
+
+    model_fn: Callable[[], nn.Module]
+    loss_fn: Callable
+    sample_fn: Callable[[int], Any]
+    optimizer_fn: Callable
+    device: Device
+    options: ProfileOptions
+    comm: Communicator
+    process_group: Any
+    log: Callable[[str], None]
+    param_count: int = 0
+    param_bytes: int = 0
+    started: float = field(default_factory=time.perf_counter)
+    late_steps_before: int = 0
+    phase_seconds: dict[str, float] = field(default_factory=dict)
+
+    def lead(self, message: str) -> None:
+        """A line about the whole cluster (rank 0 says it)."""
+        if self.comm.rank == 0:
+            self.log(f"[poplar profile] {message}")
+
+    def mine(self, message: str) -> None:
+        """A line about this rank."""
+        self.log(f"[poplar profile] rank {self.comm.rank} ({self.device.name}): {message}")
+
+    def search_capacity(self, stage: int) -> CapacityResult:
+        """This rank's capacity search at ``stage`` (no collectives)."""
+        return search_capacity(self.model_fn, self.optimizer_fn, self.loss_fn, self.sample_fn, self.device,
+                               world_size=self.comm.world_size, rank=self.comm.rank, stage=stage,
+                               options=self.options, log=lambda m: None)
+
+    def end_phase(self, name: str) -> None:
+        """Close the phase that ran since the previous one ended: its seconds go under ``name``."""
+        self.phase_seconds[name] = time.perf_counter() - self.started - sum(self.phase_seconds.values())
+
+
+@dataclass
+class LockStepTiming:
+    """What the timing rounds measured on this rank, and what they say about the collectives."""
+
+    points: list[ProfilePoint]
+    rounds: int
+    costs: dict[str, float]  # exposed communication and overhead (``timing.exposed_costs``)
+    comm_seconds: float  # seconds in collectives over all rounds
+    collectives: tuple[list[list], list[list]]  # ``runtime_collectives`` of the last round
 
 
 def profile_rank(model_fn: Callable[[], nn.Module], loss_fn: Callable, sample_fn: Callable[[int], Any],
@@ -129,155 +164,109 @@ def profile_rank(model_fn: Callable[[], nn.Module], loss_fn: Callable, sample_fn
                  log: Callable[[str], None] | None = None, process_group: Any = None) -> Profile:
     """Profile this rank; every rank of the process group must call it with the same arguments
     (but its own ``device``). Returns the whole cluster's profile, the same on every rank."""
-    options = options or ProfileOptions()
-    optimizer_fn = optimizer_fn or default_optimizer
+    run = _set_up(model_fn, loss_fn, sample_fn, device, optimizer_fn or default_optimizer,
+                  options or ProfileOptions(), log or _log_to_stderr, process_group)
+    fit = find_fitting_stage(run.search_capacity, run.comm, device, stage=run.options.zero_stage,
+                             escalate=run.options.escalate, model_size=(run.param_count, run.param_bytes),
+                             lead=run.lead, mine=run.mine)
+    run.end_phase("capacity_s")
+    run.lead(f"ZeRO-{fit.stage}: mbs per rank {fit.mbs}")
+    timing = _time_in_lock_step(run, fit)
+    run.end_phase("timing_s")
+    comm_profile = measure_comm(run.comm) if run.options.measure_comm else None
+    run.end_phase("comm_s")
+    profile = _assemble_profile(run, fit, timing, comm_profile)
+    run.lead(f"done in {profile.meta['seconds']:.1f} s")
+    return profile
+
+
+def _set_up(model_fn: Callable[[], nn.Module], loss_fn: Callable, sample_fn: Callable[[int], Any], device: Device,
+            optimizer_fn: Callable, options: ProfileOptions, log: Callable[[str], None],
+            process_group: Any) -> RankRun:
+    """Check the options, then measure the model's size; every rank agrees that ``model_fn`` works."""
     comm = Communicator(process_group, device.torch_device)
-    rank, world = comm.rank, comm.world_size
-    say = log or _log_to_stderr
-    lead = (lambda m: say(f"[poplar profile] {m}")) if rank == 0 else (lambda m: None)
-    mine = lambda m: say(f"[poplar profile] rank {rank} ({device.name}): {m}")  # noqa: E731
     if options.zero_stage not in (0, 1, 2, 3):
         raise ProfileError(f"zero_stage must be 0, 1, 2 or 3, got {options.zero_stage!r}")
-    t_start = time.perf_counter()
-    late_before = getattr(device, "late_steps", 0)
-
-    error: str | None = None
-    param_count = param_bytes = 0
+    run = RankRun(model_fn, loss_fn, sample_fn, optimizer_fn, device, options, comm, process_group, log)
+    run.late_steps_before = device.late_steps
+    error = None
     try:
-        probe = model_fn()
-        param_count, param_bytes = model_size(probe)
-        del probe
+        run.param_count, run.param_bytes = model_size(model_fn())
     except Exception as e:  # noqa: BLE001 - every rank must reach the agreement
         error = f"model_fn() failed: {type(e).__name__}: {e}"
-    _agree(comm, error, "profile set-up")
+    comm.agree(error, "profile set-up", error_type=ProfileError)
+    run.lead(f"{comm.world_size} ranks, model {options.model_name or 'model'} with {run.param_count:,} parameters "
+             f"({format_bytes(run.param_bytes)}), ZeRO-{options.zero_stage}")
+    return run
 
-    stage = options.zero_stage
-    escalations: list[dict[str, Any]] = []
-    trials_per_stage: dict[str, int] = {}
-    lead(f"{world} ranks, model {options.model_name or 'model'} with {param_count:,} parameters "
-         f"({_fmt_bytes(param_bytes)}), ZeRO-{stage}")
-    while True:
-        # ---- 1. capacity search, no collectives; every error is carried to the agreement
-        error = None
-        result: CapacityResult | None = None
-        try:
-            result = search_capacity(model_fn, optimizer_fn, loss_fn, sample_fn, device, world_size=world,
-                                     rank=rank, stage=stage, options=options, log=lambda m: None)
-            trials_per_stage[str(stage)] = result.trial_steps
-            if result.mbs:
-                mine(f"ZeRO-{stage}: mbs {result.mbs}{' (capped)' if result.capped else ''} after "
-                     f"{result.trial_steps} trial steps (estimate {result.estimate}, "
-                     f"{len(result.oom_events)} OOMs recovered)")
-            else:
-                mine(f"ZeRO-{stage}: batch 1 does not fit ({result.reason})")
-        except Exception as e:  # noqa: BLE001 - reported to every rank below
-            error = f"capacity search at ZeRO-{stage} failed: {type(e).__name__}: {e}"
-        # ---- 2. agreement
-        verdicts = comm.all_gather_object(
-            {"error": error, "mbs": result.mbs if result else 0, "device": device.name,
-             "capacity": device.capacity_bytes, "reason": result.reason if result else "",
-             "state_bytes": result.state_bytes if result else None}, tag="profile:capacity")
-        failed = [(r, v["error"]) for r, v in enumerate(verdicts) if v["error"]]
-        if failed:
-            raise ProfileError("profiling failed:\n" + "\n".join(f"  rank {r}: {m}" for r, m in failed))
-        no_fit = [r for r, v in enumerate(verdicts) if v["mbs"] < 1]
-        if not no_fit:
-            break
-        names = ", ".join(f"rank {r} ({verdicts[r]['device']}, {_fmt_bytes(verdicts[r]['capacity'])})" for r in no_fit)
-        if stage < 3 and options.escalate:
-            lead(f"batch 1 does not fit at ZeRO-{stage} on {names}; moving to ZeRO-{stage + 1}")
-            escalations.append({"from": stage, "to": stage + 1, "ranks": no_fit,
-                                "reasons": {str(r): verdicts[r]["reason"] for r in no_fit}})
-            stage += 1
-            continue
-        smallest = min(range(world), key=lambda r: verdicts[r]["capacity"])
-        hint = "even at ZeRO-3" if stage == 3 else f"at ZeRO-{stage} (escalation is off)"
-        first = verdicts[no_fit[0]]
-        states = (f"; its model states at ZeRO-{stage} alone are {_fmt_bytes(first['state_bytes'])}"
-                  if first["state_bytes"] else "")
-        raise ProfileError(
-            f"the model ({param_count:,} parameters, {_fmt_bytes(param_bytes)} of weights) does not fit batch 1 "
-            f"{hint} on {names}{states}. Smallest capacity: {_fmt_bytes(verdicts[smallest]['capacity'])} on "
-            f"rank {smallest} ({verdicts[smallest]['device']}). First failure: {first['reason']}. "
-            "Use devices with more memory, a smaller model, or leave those ranks out.")
-    assert result is not None and verdicts is not None
-    phases = {"capacity_s": time.perf_counter() - t_start}
-    mbs = [v["mbs"] for v in verdicts]
-    lead(f"ZeRO-{stage}: mbs per rank {mbs}")
 
-    # ---- 3. lock-step timing with the real engine and collectives
-    per_rank = [timing_batches(m) for m in mbs]
-    first_round = [max(b) for b in per_rank]
+def _time_in_lock_step(run: RankRun, fit: StageCapacity) -> LockStepTiming:
+    """Lock-step timing rounds at every rank's timing batches, with the real runtime and its
+    collectives; a memory overflow in any round fails the run on every rank."""
+    comm, device, options = run.comm, run.device, run.options
+    per_rank = [timing_batches(m) for m in fit.mbs]
     error, batches = None, {}
     try:
-        batches = {b: to_device(sample_fn(b), device.torch_device) for b in sorted(set(per_rank[rank]))}
-        model = model_fn().to(device.torch_device)
-        optimizer = optimizer_fn(model)
-    except Exception as e:  # noqa: BLE001
+        batches = {b: to_device(run.sample_fn(b), device.torch_device) for b in sorted(set(per_rank[comm.rank]))}
+        model = run.model_fn().to(device.torch_device)
+        optimizer = run.optimizer_fn(model)
+    except Exception as e:  # noqa: BLE001 - every rank must reach the agreement
         error = f"timing set-up failed: {type(e).__name__}: {e}"
-    _agree(comm, error, "profile timing set-up")
-    engine = ZeroRuntime(model, optimizer, zero_stage=stage, plan=round_plan(first_round),
-                          process_group=process_group, bucket_size_mb=options.bucket_size_mb,
+    comm.agree(error, "profile timing set-up", error_type=ProfileError)
+    runtime = ZeroRuntime(model, optimizer, zero_stage=fit.stage, plan=round_plan([max(b) for b in per_rank]),
+                          process_group=run.process_group, bucket_size_mb=options.bucket_size_mb,
                           wrap_policy=options.wrap_policy)
-    raise_oom = getattr(device, "raise_oom", None)
-    if raise_oom is not None:
-        device.raise_oom = False  # record, never raise inside a lock-step collective
-        device.overflows.clear()
     try:
-        with device.attach(engine):
-            measured, rounds, facts = run_rounds(engine, device, per_rank, batches, loss_fn, comm, repeats=options.repeats,
-                                          max_extra_passes=options.max_extra_passes, tolerance=options.tolerance,
-                                          log=lead, progress=options.progress and rank == 0)
-    except DistributedError as e:  # the engine reported a failed round on every rank
+        with device.recording_overflows() as overflows, device.attach(runtime):
+            measured, rounds, facts = run_rounds(
+                runtime, device, per_rank, batches, run.loss_fn, comm, repeats=options.repeats,
+                max_extra_passes=options.max_extra_passes, tolerance=options.tolerance, log=run.lead,
+                progress=options.progress and comm.rank == 0)
+    except DistributedError as e:  # the runtime reported a failed round on every rank
         raise ProfileError(f"a lock-step timing round failed: {e}") from None
-    finally:
-        if raise_oom is not None:
-            device.raise_oom = raise_oom
-    overflow = getattr(device, "overflows", [])
     error = None
-    if overflow:
+    if overflows:
         error = ("a timing round exceeded the device memory although the capacity search found that it fits: "
-                 + overflow[0]["message"])
-    _agree(comm, error, "profile timing memory")
-    points = summarize(measured)
-    comm_seconds = engine.comm_ledger.seconds()
-    calls = engine_collectives(engine)
+                 + overflows[0]["message"])
+    comm.agree(error, "profile timing memory", error_type=ProfileError)
     costs = exposed_costs(comm.all_gather_object(facts, tag="profile:costs"))
-    del engine, model, optimizer, batches
+    timing = LockStepTiming(summarize(measured), rounds, costs, runtime.comm_ledger.seconds(),
+                            runtime_collectives(runtime))
+    del runtime, model, optimizer, batches
     device.release()
-    phases["timing_s"] = time.perf_counter() - t_start - sum(phases.values())
+    return timing
 
-    # ---- 4. collectives, then the profile
-    comm_profile = measure_comm(comm) if options.measure_comm else None
-    phases["comm_s"] = time.perf_counter() - t_start - sum(phases.values())
-    rp = RankProfile(rank=rank, device_type=device.device_type, mbs=result.mbs, points=points,
-                     device_name=device.name, capacity_bytes=int(device.capacity_bytes),
-                     base_bytes=result.base_bytes, bytes_per_sample=result.bytes_per_sample,
-                     nominal_tflops=device.nominal_tflops, trial_steps=result.trial_steps)
-    extra = {"estimate": result.estimate, "trials": result.trials, "trial_budget": trial_budget(result.mbs),
-             "trial_steps_per_stage": trials_per_stage,
+
+def _assemble_profile(run: RankRun, fit: StageCapacity, timing: LockStepTiming,
+                      comm_profile: CommProfile | None) -> Profile:
+    """Every rank's part, gathered: the same ``Profile`` on every rank."""
+    comm, device, options, result = run.comm, run.device, run.options, fit.result
+    part = RankProfile(rank=comm.rank, device_type=device.device_type, mbs=result.mbs, points=timing.points,
+                       device_name=device.name, capacity_bytes=int(device.capacity_bytes),
+                       base_bytes=result.base_bytes, bytes_per_sample=result.bytes_per_sample,
+                       nominal_tflops=device.nominal_tflops, trial_steps=result.trial_steps)
+    notes = {"estimate": result.estimate, "trials": result.trials, "trial_budget": trial_budget(result.mbs),
+             "trial_steps_per_stage": fit.trials_per_stage,
              "state_bytes": result.state_bytes, "capped": result.capped,
              "oom_events": [vars(e) for e in result.oom_events], "device": device.describe(),
-             "late_steps": getattr(device, "late_steps", 0) - late_before, "timing_comm_s": comm_seconds,
-             "phase_seconds": {k: round(v, 3) for k, v in phases.items()}}
-    parts = comm.all_gather_object((rp, extra), tag="profile:assemble")
+             "late_steps": device.late_steps - run.late_steps_before, "timing_comm_s": timing.comm_seconds,
+             "phase_seconds": {k: round(v, 3) for k, v in run.phase_seconds.items()}}
+    parts = comm.all_gather_object((part, notes), tag="profile:assemble")
     if comm_profile is None:
-        from poplar.types.profiles import CommProfile
         comm_profile = CommProfile(bandwidth_bytes_per_s=1e15, backend=comm.backend)
-    comm_profile.collectives_stage = stage
-    comm_profile.micro_step, comm_profile.iteration = calls
-    for key, value in costs.items():
+    comm_profile.collectives_stage = fit.stage
+    comm_profile.micro_step, comm_profile.iteration = timing.collectives
+    for key, value in timing.costs.items():
         setattr(comm_profile, key, value)
     meta = dict(options.meta)
-    meta.update({"requested_stage": options.zero_stage, "escalations": escalations,
-                 "timing_rounds": rounds, "repeats": options.repeats,
+    meta.update({"requested_stage": options.zero_stage, "escalations": fit.escalations,
+                 "timing_rounds": timing.rounds, "repeats": options.repeats,
                  "timing_estimator": "min over repeats, confirmed by a 2nd measurement within "
                                      f"{options.tolerance:.0%} (up to {options.max_extra_passes} extra passes)",
                  "comm_fit": "seconds = latency_s + bus volume / bandwidth (ring: 2(N-1)/N V all-reduce, "
                              "(N-1)/N V reduce-scatter/all-gather)",
-                 "ranks": {str(r): e for r, (_, e) in enumerate(parts)},
-                 "seconds": round(time.perf_counter() - t_start, 3)})
-    profile = Profile(zero_stage=stage, world_size=world, param_count=param_count, param_bytes=param_bytes,
-                      ranks=[p for p, _ in parts], comm=comm_profile, model_name=options.model_name, meta=meta)
-    lead(f"done in {meta['seconds']:.1f} s")
-    return profile
+                 "ranks": {str(r): rank_notes for r, (_, rank_notes) in enumerate(parts)},
+                 "seconds": round(time.perf_counter() - run.started, 3)})
+    return Profile(zero_stage=fit.stage, world_size=comm.world_size, param_count=run.param_count,
+                   param_bytes=run.param_bytes, ranks=[p for p, _ in parts], comm=comm_profile,
+                   model_name=options.model_name, meta=meta)

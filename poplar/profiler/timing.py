@@ -1,15 +1,15 @@
 """Timing: compute seconds of one micro-step at several batch sizes, measured in lock-step rounds
-with the real engine and its real, instrumented collectives; and the collectives' bandwidth.
+with the real runtime and its real, instrumented collectives; and the collectives' bandwidth.
 
-Every round is one engine iteration in which every rank runs one micro-step of its own batch
+Every round is one runtime iteration in which every rank runs one micro-step of its own batch
 size, each known to fit (it is at most the rank's ``mbs`` from the capacity search, which ran
-the same engine code at the same world size). Ranks with fewer sizes to time repeat theirs, so
-every rank runs the same number of rounds. A failure inside a round is reported by the engine
+the same runtime code at the same world size). Ranks with fewer sizes to time repeat theirs, so
+every rank runs the same number of rounds. A failure inside a round is reported by the runtime
 at its iteration agreement, on every rank, so no rank is left waiting.
 
 The measured window of a micro-step opens when ``loss_fn`` is called and closes when
-``engine.backward`` returns (the stage's end-of-micro-step collectives included). Its compute
-time is ``TimeConsumedDuringStep`` of docs/design.md §4: wall time minus the seconds the engine's
+``runtime.backward`` returns (the stage's end-of-micro-step collectives included). Its compute
+time is ``TimeConsumedDuringStep`` of docs/design.md §4: wall time minus the seconds the runtime's
 comm ledger recorded inside collectives during the window. At stages 0/1 there are none (the
 first synchronisation is after backward), at stage 2 these are the reduce-scatters, at stage 3
 the all-gathers of forward and backward and the reduce-scatters; a collective's seconds include
@@ -81,34 +81,34 @@ class MicroStepTimer(StepObserver):
     ``micro_step_end`` (after an attached device's own end of the step), less the seconds spent
     blocked in collectives. Attach it after any device."""
 
-    def __init__(self, engine: ZeroRuntime, device: Device) -> None:
-        self.engine, self.device = engine, device
+    def __init__(self, runtime: ZeroRuntime, device: Device) -> None:
+        self.runtime, self.device = runtime, device
         self.records: list[tuple[float, float]] = []  # (compute s, comm s) per micro-step
         self._t0 = 0.0
         self._c0 = 0.0
 
     def micro_step_start(self, step: MicroStep) -> None:
         self.device.synchronize()
-        self._c0 = self.engine.comm_ledger.total_seconds
+        self._c0 = self.runtime.comm_ledger.total_seconds
         self._t0 = time.perf_counter()
 
     def micro_step_end(self, step: MicroStep) -> None:
         self.device.synchronize()
-        comm = self.engine.comm_ledger.total_seconds - self._c0
+        comm = self.runtime.comm_ledger.total_seconds - self._c0
         self.records.append((time.perf_counter() - self._t0 - comm, comm))
 
     def __enter__(self) -> "MicroStepTimer":
         """Observe the runtime's micro-steps until the block ends."""
-        self._handle = self.engine.add_observer(self)
+        self._handle = self.runtime.add_observer(self)
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self._handle.remove()
 
 
-def run_rounds(engine: Any, device: Device, per_rank: list[list[int]], batches: dict[int, Any], loss_fn: Callable,
-               comm: Communicator, *, repeats: int = 3, max_extra_passes: int = 3, tolerance: float = 0.02,
-               log: Callable[[str], None] = lambda m: None,
+def run_rounds(runtime: ZeroRuntime, device: Device, per_rank: list[list[int]], batches: dict[int, Any],
+               loss_fn: Callable, comm: Communicator, *, repeats: int = 3, max_extra_passes: int = 3,
+               tolerance: float = 0.02, log: Callable[[str], None] = lambda m: None,
                progress: bool = False) -> tuple[dict[int, list[tuple[float, float]]], int, list[tuple]]:
     """Run the lock-step rounds; return, per batch size this rank ran, its (compute, comm)
     measurements (warm-up dropped), the number of rounds, and per round this rank's
@@ -119,25 +119,25 @@ def run_rounds(engine: Any, device: Device, per_rank: list[list[int]], batches: 
     again, in up to ``max_extra_passes`` more passes. Which batches each rank re-measures is
     agreed with one ``all_gather_object`` between rounds, outside any training step.
     ``progress`` draws a progress bar of the rounds (on a terminal)."""
-    rank = engine.rank
+    rank = runtime.rank
     out: dict[int, list[tuple[float, float]]] = {}
     facts: list[tuple] = []
     count = 0
-    with MicroStepTimer(engine, device) as timer:
+    with MicroStepTimer(runtime, device) as timer:
 
         def run(rounds: list[list[int]], skip_first: bool) -> None:
             nonlocal count
             for r, row in enumerate(rounds):
-                use_plan(engine, round_plan(row))
+                use_plan(runtime, round_plan(row))
                 n = len(timer.records)
-                engine.train_step(batches[row[rank]], loss_fn)
+                runtime.train_step(batches[row[rank]], loss_fn)
                 count += 1
                 bar.update(1)
                 if not (skip_first and r == 0) and len(timer.records) == n + 1:
                     out.setdefault(row[rank], []).append(timer.records[-1])
                     compute, micro_comm = timer.records[-1]
-                    stats = engine.last_stats
-                    end_comm = engine.comm_ledger.seconds(iteration=stats.iteration, phase="step")
+                    stats = runtime.last_stats
+                    end_comm = runtime.comm_ledger.seconds(iteration=stats.iteration, phase="step")
                     facts.append((compute, micro_comm, end_comm, stats.wall_s - compute - micro_comm - end_comm))
 
         rounds = round_schedule(per_rank, repeats)

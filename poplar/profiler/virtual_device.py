@@ -1,23 +1,24 @@
 """A virtual device: a GPU emulated on CPU, with a memory capacity and a known speed curve.
 
-Memory. While attached to an engine, the device's usage is
+Memory. While attached to a runtime, the device's usage is
 
     model states (params + grads + optimizer state as after the first step + module buffers,
-                  from the engine's ``memory_report``)
+                  from the runtime's ``memory_report``)
   + saved activations (every tensor autograd saves for backward, counted once per storage
     through ``torch.autograd.graph.saved_tensors_hooks``; parameters are not activations)
   + communication buffers the stage holds right now (stage-2 buckets, ...)
   + parameters gathered right now (stage 3: ``stage.gathered_bytes``)
 
 checked whenever it can grow: when a tensor is saved, when stage 3 allocates a gathered block
-(the runtime's ``transient_allocated`` point), when a gradient lands, and at the start and end of forward and backward.
-Usage above the capacity raises ``torch.OutOfMemoryError``, the error CUDA raises, so the
-profiler has one recovery path. (An overflow seen when a gradient lands is raised when backward
-returns: an exception inside autograd's post-accumulate-grad hooks leaves the rest of the graph,
-and its saved activations, alive until the next backward — measured on torch 2.13.) In ``raise_oom=False`` mode the device only records overflows
-(used in lock-step rounds, where raising could leave other ranks waiting; the profiler checks
-the record at an agreement point). Usage grows linearly with the batch, so the largest fitting
-batch is well defined: the batch whose peak is the last below the capacity.
+(the runtime's ``transient_allocated`` point), when a gradient lands, and at the start and end
+of forward and backward. Usage above the capacity raises ``torch.OutOfMemoryError``, the error
+CUDA raises, so the profiler has one recovery path. (An overflow seen when a gradient lands is
+raised when backward returns: an exception inside autograd's post-accumulate-grad hooks leaves
+the rest of the graph, and its saved activations, alive until the next backward — measured on
+torch 2.13.) With ``raise_oom=False`` (``with device.recording_overflows():``) the device only
+records overflows (used in lock-step rounds, where raising could leave other ranks waiting; the
+profiler checks the record at an agreement point). Usage grows linearly with the batch, so the
+largest fitting batch is well defined: the batch whose peak is the last below the capacity.
 
 Speed. Each micro-step's compute is stretched by sleeping so that it takes the device's curve
 ``time_s(b)`` (or ``slowdown`` times the real compute): the forward is padded to
@@ -25,8 +26,8 @@ Speed. Each micro-step's compute is stretched by sleeping so that it takes the d
 autograd starts, leaving room for its real compute (learned per batch size), so that the
 gradients -- and the reduce-scatters and gathers the stages issue from their hooks -- come when a
 GPU's would, and at stages 2/3 faster ranks really wait inside every micro-step's collectives; a
-last top-up when ``engine.backward`` returns makes the micro-step's compute exactly
-``time_s(b)``. "Compute" is wall time minus the seconds the engine's comm ledger
+last top-up when ``runtime.backward`` returns makes the micro-step's compute exactly
+``time_s(b)``. "Compute" is wall time minus the seconds the runtime's comm ledger
 recorded inside collectives meanwhile, the same quantity the profiler measures. The real CPU
 compute must stay below the curve (pick the time scale so; ``late_steps`` counts violations).
 """
@@ -43,6 +44,7 @@ from torch import nn
 
 from poplar.profiler.devices import OOM_ERROR, Device, DeviceKind, sleep_until
 from poplar.profiler.memory import gathered_bytes, model_state_bytes, predicted_optimizer_bytes, transient_bytes
+from poplar.types.cluster import ClusterSpec
 
 MIB = 2 ** 20
 # a micro-step is late when its real compute overshoots the curve by more than this (the sleep's
@@ -121,12 +123,11 @@ class VirtualDevice(Device):
             raise ValueError(f"virtual device {name}: forward_fraction must be in (0, 1), got {forward_fraction}")
         self._capacity = int(capacity_bytes)
         self.time_fn, self.slowdown, self.forward_fraction = time_fn, slowdown, forward_fraction
-        self.raise_oom = raise_oom
+        self.raise_oom = raise_oom  # off: record overflows in ``overflows`` instead
         self.pad = True  # stretch compute to the speed model (off: run at CPU speed)
-        self.overflows: list[dict[str, Any]] = []
-        self.late_steps = 0  # micro-steps whose real compute overshot the curve (beyond the tolerance)
         self.memory_scale: float | None = None
         self.time_scale: float | None = None
+        self.cluster: ClusterSpec | None = None  # the emulated cluster this device is a rank of
         # memory state
         self._static = 0
         self._predicted_optimizer: int | None = None
@@ -134,10 +135,9 @@ class VirtualDevice(Device):
         self._saved_refs: dict[int, int] = {}
         self._saved_sizes: dict[int, int] = {}
         self._param_keys: set[int] = set()  # storages of parameters (flat buffers), as of the forward start
-        self.last_failure: dict[str, Any] | None = None  # what the last raised OOM saw
         self._static_iteration: int | None = None
         self._deferred: dict[str, Any] | None = None  # an OOM seen inside backward, raised when it returns
-        self._failed = False  # an OOM was raised in this micro-step: the engine's clean-up must not raise again
+        self._failed = False  # an OOM was raised in this micro-step: the runtime's clean-up must not raise again
         self._peak = 0
         self._checks = 0
         self._injections: list[dict[str, Any]] = []
@@ -180,15 +180,15 @@ class VirtualDevice(Device):
         return self._saved_bytes
 
     def gathered_bytes(self) -> int:
-        return gathered_bytes(self.engine.stage) if self.engine is not None else 0
+        return gathered_bytes(self.runtime.stage) if self.runtime is not None else 0
 
     def static_bytes(self) -> int:
         return self._static
 
     def memory_in_use(self) -> int:
-        if self.engine is None:
+        if self.runtime is None:
             return self._saved_bytes
-        stage = self.engine.stage
+        stage = self.runtime.stage
         return self._static + self._saved_bytes + transient_bytes(stage) + gathered_bytes(stage)
 
     def reset_peak(self) -> None:
@@ -202,6 +202,29 @@ class VirtualDevice(Device):
         d.update({"memory_scale": self.memory_scale, "time_scale": self.time_scale,
                   "slowdown": self.slowdown})
         return d
+
+    def profile_meta(self) -> dict[str, Any]:
+        meta: dict[str, Any] = {"cluster": self.cluster.to_dict()} if self.cluster is not None else {}
+        meta.update(memory_scale=self.memory_scale, time_scale=self.time_scale, emulated=True)
+        return meta
+
+    # ------------------------------------------------------------------ temporary switches
+    @contextlib.contextmanager
+    def unpadded(self) -> Iterator[None]:
+        pad, self.pad = self.pad, False
+        try:
+            yield
+        finally:
+            self.pad = pad
+
+    @contextlib.contextmanager
+    def recording_overflows(self) -> Iterator[list[dict[str, Any]]]:
+        raise_oom, self.raise_oom = self.raise_oom, False
+        try:
+            with super().recording_overflows() as overflows:
+                yield overflows
+        finally:
+            self.raise_oom = raise_oom
 
     # ------------------------------------------------------------------ memory checks
     def inject_oom(self, batch: int | None = None, *, min_batch: int | None = None, after_checks: int = 1,
@@ -290,22 +313,22 @@ class VirtualDevice(Device):
         self.check("gather")
 
     def refresh_static(self, force: bool = False) -> None:
-        """Re-read the engine's model-state bytes (optimizer state as after the first step); they
+        """Re-read the runtime's model-state bytes (optimizer state as after the first step); they
         change only between iterations."""
-        if not force and self._static_iteration == self.engine.iteration:
+        if not force and self._static_iteration == self.runtime.iteration:
             return
-        self._static_iteration = self.engine.iteration
+        self._static_iteration = self.runtime.iteration
         if self._predicted_optimizer is None:
-            self._predicted_optimizer = predicted_optimizer_bytes(self.engine.optimizer)
-        states = model_state_bytes(self.engine, self._predicted_optimizer)
+            self._predicted_optimizer = predicted_optimizer_bytes(self.runtime.optimizer)
+        states = model_state_bytes(self.runtime, self._predicted_optimizer)
         self._static = sum(states.values())
 
     @contextlib.contextmanager
-    def _attached(self, engine: Any) -> Iterator[None]:
+    def _attached(self, runtime: Any) -> Iterator[None]:
         self._predicted_optimizer = None
         self.refresh_static(force=True)
         grad_hooks = [p.register_post_accumulate_grad_hook(lambda p: self.check("grad"))
-                      for p in engine.module.parameters() if p.requires_grad]
+                      for p in runtime.module.parameters() if p.requires_grad]
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         hooks.__enter__()
         try:
@@ -321,7 +344,7 @@ class VirtualDevice(Device):
         self.refresh_static()
         # storages parameters live in now (stage 0-2 flat buffers, the stage-3 root unit); the
         # stage-3 blocks gathered later are recognised as parameters by type in _pack
-        self._param_keys = {k for k in (p.untyped_storage().data_ptr() for p in self.engine.module.parameters())
+        self._param_keys = {k for k in (p.untyped_storage().data_ptr() for p in self.runtime.module.parameters())
                             if k}
         self.check("forward start")
 

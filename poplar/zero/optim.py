@@ -1,7 +1,11 @@
 """Binding the user's optimizer to the model: which parameters it trains, in which group, and
-re-pointing its groups at this rank's shards (stages 1-3) while keeping each group's settings."""
+re-pointing its groups at this rank's shards (stages 1-3) while keeping each group's settings;
+and building a twin of it (same class and group settings) over other parameters."""
 
 from __future__ import annotations
+
+import inspect
+from typing import Sequence
 
 import torch
 from torch import nn
@@ -47,6 +51,27 @@ def repoint_optimizer(optimizer: torch.optim.Optimizer, shards_per_group: list[l
     """Replace each group's parameters by this rank's shard parameters; hyper-parameters stay."""
     for group, shards in zip(optimizer.param_groups, shards_per_group):
         group["params"] = list(shards)
+
+
+ACCELERATOR_SETTINGS = ("fused", "capturable")  # settings whose kernels need an accelerator
+
+
+def optimizer_like(optimizer: torch.optim.Optimizer, params_per_group: Sequence[Sequence[torch.Tensor]], *,
+                   for_cpu: bool = False) -> torch.optim.Optimizer:
+    """An optimizer of ``optimizer``'s class over ``params_per_group`` (one list per param group,
+    in order), each group with its settings and the constructor's defaults as ``optimizer``'s.
+
+    ``for_cpu`` drops ``fused`` and ``capturable``, so the twin steps on CPU tensors; its state
+    is the same."""
+    if len(params_per_group) != len(optimizer.param_groups):
+        raise ValueError(f"{len(params_per_group)} parameter lists for an optimizer with "
+                         f"{len(optimizer.param_groups)} param groups")
+    dropped = {"params", *(ACCELERATOR_SETTINGS if for_cpu else ())}
+    groups = [{**{k: v for k, v in group.items() if k not in dropped}, "params": list(params)}
+              for group, params in zip(optimizer.param_groups, params_per_group)]
+    accepted = set(inspect.signature(type(optimizer).__init__).parameters) - {"self", "params"}
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted and k not in dropped}
+    return type(optimizer)(groups, **defaults)
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:

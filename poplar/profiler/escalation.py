@@ -1,0 +1,108 @@
+"""Stage escalation: the lowest ZeRO stage, from the one asked for, at which batch 1 fits on
+every rank (docs/design.md §4).
+
+At each stage every rank runs its capacity search with no collective at all; any error in it,
+OOM or not, is caught and carried to the agreement, so no rank can leave the others waiting.
+The agreement is one ``all_gather_object`` of every rank's result, outside any training step,
+after which every rank takes the same decision: go on at this stage, move to the next one if
+batch 1 fits nowhere on some rank (and escalation is on), or fail with the same error
+everywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from poplar.comm import Communicator
+from poplar.profiler.capacity import CapacityResult
+from poplar.profiler.devices import Device
+from poplar.types.profiles import ProfileError
+
+MB = 1e6
+Log = Callable[[str], None]
+
+
+def format_bytes(n: float | None) -> str:
+    return "?" if n is None else f"{n / MB:.3f} MB"
+
+
+@dataclass
+class StageCapacity:
+    """The stage every rank fits batch 1 at, and what the capacity searches found there."""
+
+    stage: int
+    result: CapacityResult  # this rank's search at ``stage``
+    mbs: list[int]  # every rank's largest micro-batch at ``stage``
+    escalations: list[dict[str, Any]] = field(default_factory=list)  # one per stage left behind
+    trials_per_stage: dict[str, int] = field(default_factory=dict)  # this rank's trial steps, per stage
+
+
+def find_fitting_stage(search: Callable[[int], CapacityResult], comm: Communicator, device: Device, *, stage: int,
+                       escalate: bool, model_size: tuple[int, int], lead: Log, mine: Log) -> StageCapacity:
+    """Search capacity at ``stage`` (``search(stage)``: this rank's search, no collectives) and,
+    while batch 1 does not fit on some rank, at the next stages. ``model_size`` is (parameter
+    count, bytes) for the error; ``lead`` logs for the cluster, ``mine`` for this rank."""
+    escalations: list[dict[str, Any]] = []
+    trials_per_stage: dict[str, int] = {}
+    while True:
+        result, error = _search_at(search, stage, mine)
+        if result is not None:
+            trials_per_stage[str(stage)] = result.trial_steps
+        verdicts = _agree_on_capacity(comm, device, result, error)
+        no_fit = [r for r, v in enumerate(verdicts) if v["mbs"] < 1]
+        if not no_fit:
+            assert result is not None
+            return StageCapacity(stage, result, [v["mbs"] for v in verdicts], escalations, trials_per_stage)
+        names = ", ".join(f"rank {r} ({verdicts[r]['device']}, {format_bytes(verdicts[r]['capacity'])})"
+                          for r in no_fit)
+        if stage == 3 or not escalate:
+            raise _does_not_fit(stage, verdicts, no_fit, names, model_size)
+        lead(f"batch 1 does not fit at ZeRO-{stage} on {names}; moving to ZeRO-{stage + 1}")
+        escalations.append({"from": stage, "to": stage + 1, "ranks": no_fit,
+                            "reasons": {str(r): verdicts[r]["reason"] for r in no_fit}})
+        stage += 1
+
+
+def _search_at(search: Callable[[int], CapacityResult], stage: int,
+               mine: Log) -> tuple[CapacityResult | None, str | None]:
+    """This rank's search at ``stage``, or the error it raised (reported at the agreement)."""
+    try:
+        result = search(stage)
+    except Exception as e:  # noqa: BLE001 - every rank must reach the agreement
+        return None, f"capacity search at ZeRO-{stage} failed: {type(e).__name__}: {e}"
+    if result.mbs:
+        mine(f"ZeRO-{stage}: mbs {result.mbs}{' (capped)' if result.capped else ''} after "
+             f"{result.trial_steps} trial steps (estimate {result.estimate}, "
+             f"{len(result.oom_events)} OOMs recovered)")
+    else:
+        mine(f"ZeRO-{stage}: batch 1 does not fit ({result.reason})")
+    return result, None
+
+
+def _agree_on_capacity(comm: Communicator, device: Device, result: CapacityResult | None,
+                       error: str | None) -> list[dict[str, Any]]:
+    """Every rank's verdict; a failed search on any rank is a ``ProfileError`` on every rank."""
+    verdicts = comm.all_gather_object(
+        {"error": error, "mbs": result.mbs if result else 0, "device": device.name,
+         "capacity": device.capacity_bytes, "reason": result.reason if result else "",
+         "state_bytes": result.state_bytes if result else None}, tag="profile:capacity")
+    failed = [(r, v["error"]) for r, v in enumerate(verdicts) if v["error"]]
+    if failed:
+        raise ProfileError("profiling failed:\n" + "\n".join(f"  rank {r}: {m}" for r, m in failed))
+    return verdicts
+
+
+def _does_not_fit(stage: int, verdicts: list[dict[str, Any]], no_fit: list[int], names: str,
+                  model_size: tuple[int, int]) -> ProfileError:
+    param_count, param_bytes = model_size
+    smallest = min(range(len(verdicts)), key=lambda r: verdicts[r]["capacity"])
+    hint = "even at ZeRO-3" if stage == 3 else f"at ZeRO-{stage} (escalation is off)"
+    first = verdicts[no_fit[0]]
+    states = (f"; its model states at ZeRO-{stage} alone are {format_bytes(first['state_bytes'])}"
+              if first["state_bytes"] else "")
+    return ProfileError(
+        f"the model ({param_count:,} parameters, {format_bytes(param_bytes)} of weights) does not fit batch 1 "
+        f"{hint} on {names}{states}. Smallest capacity: {format_bytes(verdicts[smallest]['capacity'])} on "
+        f"rank {smallest} ({verdicts[smallest]['device']}). First failure: {first['reason']}. "
+        "Use devices with more memory, a smaller model, or leave those ranks out.")

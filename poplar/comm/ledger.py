@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections import defaultdict, deque
+from collections import OrderedDict, defaultdict, deque
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Iterator
@@ -55,12 +55,15 @@ class CommLedger:
     """Every collective, stamped with the position the runtime set.
 
     Only the latest ``max_records`` records are kept, so a long run does not grow without bound;
-    ``total_seconds`` counts every collective ever recorded.
+    ``total_seconds`` counts every collective ever recorded, and the seconds of each of the last
+    ``max_iterations`` iterations are kept as running totals (``seconds(iteration=i)`` is O(1)).
     """
 
-    def __init__(self, max_records: int = 200_000) -> None:
+    def __init__(self, max_records: int = 200_000, max_iterations: int = 1024) -> None:
         self.records: deque[CommRecord] = deque(maxlen=max_records)
         self.total_seconds = 0.0
+        self._per_iteration: OrderedDict[int, float] = OrderedDict()
+        self._max_iterations = max_iterations
         self._position = LedgerPosition(Phase.SETUP, -1, 0)
 
     @property
@@ -108,11 +111,17 @@ class CommLedger:
     def add(self, op: str, nbytes: int, seconds: float, tag: str = "") -> None:
         p = self._position
         self.total_seconds += seconds
+        if p.iteration not in self._per_iteration:
+            self._per_iteration[p.iteration] = 0.0
+            if len(self._per_iteration) > self._max_iterations:
+                self._per_iteration.popitem(last=False)
+        self._per_iteration[p.iteration] += seconds
         self.records.append(CommRecord(op, nbytes, p.phase.value, p.iteration, p.micro_step, seconds, tag,
                                        time.time() - seconds))
 
     def clear(self) -> None:
         self.records.clear()
+        self._per_iteration.clear()
 
     def of(self, iteration: int | None = None, op: str | None = None, phase: str | None = None,
            micro_step: int | None = None) -> list[CommRecord]:
@@ -122,6 +131,9 @@ class CommLedger:
                 and (phase is None or r.phase == phase) and (micro_step is None or r.micro_step == micro_step)]
 
     def seconds(self, **filters: Any) -> float:
+        """Seconds of the records matching ``filters`` (as ``of``)."""
+        if filters.keys() == {"iteration"} and filters["iteration"] in self._per_iteration:
+            return self._per_iteration[filters["iteration"]]
         return sum(r.seconds for r in self.of(**filters))
 
     def summary(self, iteration: int | None = None) -> dict[str, dict[str, float]]:

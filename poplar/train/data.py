@@ -78,6 +78,11 @@ class GlobalBatchSampler:
             return iteration // (self.num_samples // self.global_batch_size)
         return iteration * self.global_batch_size // self.num_samples
 
+    def reseed(self, seed: int) -> None:
+        """Draw permutations from ``seed`` from now on (cached ones are dropped)."""
+        self.seed = seed
+        self._perms.clear()
+
     def permutation(self, epoch: int) -> torch.Tensor:
         """The sample order of ``epoch`` (int64)."""
         perm = self._perms.get(epoch)
@@ -265,8 +270,7 @@ class PlanLoader:
                                  "sample stream would differ, so build the loader with the saved setting")
         if "iteration" not in state:
             raise ValueError("saved loader state lacks 'iteration'")
-        s.seed = int(state.get("seed", s.seed))
-        s._perms.clear()
+        s.reseed(int(state.get("seed", s.seed)))
         self.iteration = int(state["iteration"])
         self._empty = None
         self._workers = None

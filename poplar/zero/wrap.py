@@ -113,9 +113,8 @@ def plan_blocks(model: nn.Module, groups: list[list[tuple[str, nn.Parameter]]], 
     owners: dict[int, set[int]] = {}
     for path, module in model.named_modules(remove_duplicate=False):
         owner = innermost(path)
-        for p in module._parameters.values():
-            if p is not None:
-                owners.setdefault(id(p), set()).add(owner)
+        for _, p in module.named_parameters(recurse=False, remove_duplicate=False):
+            owners.setdefault(id(p), set()).add(owner)
     owner_of = {pid: (next(iter(o)) if len(o) == 1 else 0) for pid, o in owners.items()}
 
     named = dict(matched)

@@ -19,14 +19,45 @@ backward gather refills before the block's backward runs.
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 import torch
 from torch import nn
 
-from poplar.comm import Communicator
+from poplar.comm import Communicator, PendingCollective
 from poplar.zero.flat import FlatUnit
+from poplar.zero.reduce_queue import ReduceHandle
 from poplar.zero.wrap import plan_blocks
+
+
+class BlockState(Enum):
+    """Whether a block's gathered parameters (the storage of ``full``) exist."""
+
+    RELEASED = "released"
+    GATHERED = "gathered"
+
+
+class GradState(Enum):
+    """Where a micro-step's gradients of a block go: ``grad_flats`` until the block's
+    reduce-scatter is issued, ``late_flats`` after it (reduced once at the iteration's end)."""
+
+    ACCUMULATING = "accumulating"
+    REDUCED = "reduced"
+
+
+@dataclass
+class GatherHandle:
+    """An all-gather in flight. With several units the result lands in ``staged`` (rank-major)
+    and is copied out into the units' buffers; with one it lands in the block's ``full``."""
+
+    work: PendingCollective | None
+    staged: torch.Tensor | None
+
+    @property
+    def staged_nbytes(self) -> int:
+        return 0 if self.staged is None else self.staged.numel() * self.staged.element_size()
 
 
 def build_blocks(model: nn.Module, groups: list[list[tuple[str, nn.Parameter]]], wrap_policy: Any,
@@ -86,7 +117,7 @@ class ShardedBlock:
         self._empty = torch.empty(0, dtype=self.dtype, device=self.device)
         for p in self.params:
             p.data = self._empty
-        self.allocated = False  # the storage of ``full`` is allocated
+        self.state = BlockState.RELEASED
         self.late_flats: list[torch.Tensor] | None = None
         self.reset_grads()
 
@@ -109,21 +140,21 @@ class ShardedBlock:
         return [self._unit_shard(self.shard_grad, k) for k in range(len(self.units))]
 
     # ------------------------------------------------------------------ parameters
-    def start_gather(self, comm: Communicator, async_op: bool) -> tuple[Any, torch.Tensor | None]:
+    def start_gather(self, comm: Communicator, async_op: bool) -> GatherHandle:
         """Allocate the gathered buffer and issue the all-gather of the block's shards."""
-        assert not self.allocated, f"block {self.name!r} gathered twice"
+        assert self.state is BlockState.RELEASED, f"block {self.name!r} gathered twice"
         self._storage.resize_(self.gathered_nbytes)
-        self.allocated = True
+        self.state = BlockState.GATHERED
         out = self.full if len(self.units) == 1 else torch.empty(
             self.world_size * self.shard_numel, dtype=self.dtype, device=self.device)
         work = comm.all_gather(out, self.shard, tag=f"block{self.index}", async_op=async_op)
-        return work, (None if out is self.full else out)
+        return GatherHandle(work, None if out is self.full else out)
 
-    def finish_gather(self, handle: tuple[Any, torch.Tensor | None], use: bool = True) -> None:
+    def finish_gather(self, handle: GatherHandle, use: bool = True) -> None:
         """Wait for the all-gather; with ``use`` point the parameters at the gathered values."""
-        work, staged = handle
-        if work is not None:
-            work.wait()
+        if handle.work is not None:
+            handle.work.wait()
+        staged = handle.staged
         if staged is not None and use:
             rows = staged.view(self.world_size, self.shard_numel)
             for k in range(len(self.units)):
@@ -138,14 +169,14 @@ class ShardedBlock:
         for p in self.params:
             p.data = self._empty
         self._storage.resize_(0)
-        self.allocated = False
+        self.state = BlockState.RELEASED
 
     # ------------------------------------------------------------------ gradients
     def reset_grads(self) -> None:
         """A new micro-step: no gradient yet (``late_flats`` lives until the iteration's end)."""
         self.grad_flats: list[torch.Tensor] | None = None
         self.ready = 0
-        self.reduced = False
+        self.grad_state = GradState.ACCUMULATING
 
     @property
     def grad_nbytes(self) -> int:
@@ -156,7 +187,7 @@ class ShardedBlock:
         newly allocated). After the block's reduce-scatter (issued early), gradients go to
         ``late_flats``, reduced once at the iteration's end."""
         new = 0
-        if self.reduced:
+        if self.grad_state is GradState.REDUCED:
             if self.late_flats is None:
                 self.late_flats, new = [u.new_flat() for u in self.units], self.grad_nbytes
             flats = self.late_flats
@@ -169,10 +200,10 @@ class ShardedBlock:
         return self.ready == self.num_params, new
 
     def start_reduce(self, comm: Communicator, flats: list[torch.Tensor] | None, zeros: torch.Tensor | None
-                     ) -> tuple[Any, torch.Tensor, torch.Tensor, int]:
+                     ) -> ReduceHandle:
         """Issue the async reduce-scatter of ``flats`` (the block's gradient; None: ``zeros``, a
-        read-only zero buffer of at least ``grad_nbytes``). Returns a handle for
-        ``finish_reduce`` whose last item is the transient bytes it keeps alive (output included)."""
+        read-only zero buffer of at least ``grad_nbytes``) into ``shard_grad``. The handle's
+        ``held_bytes`` are the transient bytes it keeps alive (output included)."""
         n, sn = self.world_size, self.shard_numel
         held = sn * self.element_size
         if flats is None:
@@ -190,12 +221,4 @@ class ShardedBlock:
             held += self.grad_nbytes
         out = torch.empty(sn, dtype=self.dtype, device=self.device)
         work = comm.reduce_scatter(out, inp, tag=f"block{self.index}", async_op=True)
-        return work, out, inp, held
-
-    def finish_reduce(self, handle: tuple[Any, torch.Tensor, torch.Tensor, int]) -> int:
-        """Wait, add the reduced shard into the persistent gradient; returns the bytes released."""
-        work, out, _inp, held = handle
-        if work is not None:
-            work.wait()
-        self.shard_grad.add_(out)
-        return held
+        return ReduceHandle(work, out, inp, self.shard_grad, held)

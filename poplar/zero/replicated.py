@@ -11,6 +11,7 @@ hands each gradient over to its unit's flat gradient buffer through a post-accum
   soon as its gradients (and those of every earlier unit) are ready in backward, so the
   collective order is the fixed unit order on every rank; what is not ready when backward
   returns (unused parameters) is sent as zeros. A rank with fewer micro-steps sends zeros.
+  At most two reduce-scatters are left in flight (``poplar.zero.reduce_queue``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from poplar.zero.base import ZeroStage
 from poplar.comm import Communicator
 from poplar.zero.flat import FlatUnit
 from poplar.zero.optim import repoint_optimizer
+from poplar.zero.reduce_queue import ReduceHandle, ReduceQueue
 
 
 class ReplicatedParams(ZeroStage):
@@ -150,19 +152,19 @@ class Stage1(Stage0):
 class Stage2(ReplicatedParams):
     stage = 2
     communicates_in_micro_steps = True
-    max_in_flight = 2  # reduce-scatters overlapping backward; each holds one full bucket
+    reduces_in_flight = 2  # reduce-scatters overlapping backward; each holds one full bucket
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self.shard_params = self._shard_params()
         self.shard_grads = [u.new_shard() for u in self.units]
+        self._reduces = ReduceQueue(self.reduces_in_flight, self._release)
         self._reset_micro_step()
 
     def _reset_micro_step(self) -> None:
         self._buckets: list[torch.Tensor | None] = [None] * len(self.units)
         self._ready = [0] * len(self.units)
         self._next = 0  # next unit to reduce-scatter: units go out in a fixed order
-        self._pending: list[tuple[int, Any, torch.Tensor]] = []
 
     def _bucket(self, ui: int) -> torch.Tensor:
         if self._buckets[ui] is None:
@@ -183,27 +185,22 @@ class Stage2(ReplicatedParams):
             self._issue(self._next)
 
     def _issue(self, ui: int) -> None:
+        """Reduce-scatter unit ``ui``'s bucket into its gradient shard (the handle keeps the bucket)."""
         u = self.units[ui]
         out = u.new_shard()
-        self._hold(out.numel() * out.element_size())
-        work = self.comm.reduce_scatter(out, self._bucket(ui), tag=f"unit{u.index}", async_op=True)
-        self._pending.append((ui, work, out))
-        self._next = ui + 1
-        while len(self._pending) > self.max_in_flight:  # bound the bucket memory held at once
-            self._complete(*self._pending.pop(0))
-
-    def _complete(self, ui: int, work: Any, out: torch.Tensor) -> None:
-        work.wait()
-        self.shard_grads[ui].add_(out)
+        out_bytes = out.numel() * out.element_size()
+        self._hold(out_bytes)
+        bucket = self._bucket(ui)
+        work = self.comm.reduce_scatter(out, bucket, tag=f"unit{u.index}", async_op=True)
         self._buckets[ui] = None
-        u = self.units[ui]
-        self._release(out.numel() * out.element_size() + u.padded_numel * u.element_size)
+        self._next = ui + 1
+        self._reduces.push(ReduceHandle(work, out, bucket, self.shard_grads[ui],
+                                        out_bytes + u.padded_numel * u.element_size))
 
     def end_micro_step(self) -> None:
         while self._next < len(self.units):  # unused parameters: their gradient is zero
             self._issue(self._next)
-        for pending in self._pending:
-            self._complete(*pending)
+        self._reduces.drain()
         self._reset_micro_step()
 
     def empty_micro_step(self) -> None:

@@ -36,10 +36,9 @@ and the model's parameters are empty between uses: read them with ``full_state_d
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 from functools import partial
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 import torch
 from torch import nn
@@ -47,23 +46,12 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
 from poplar.zero.base import ZeroStage
-from poplar.zero.blocks import ShardedBlock, build_blocks
+from poplar.zero.blocks import GatherHandle, GradState, ShardedBlock, build_blocks
 from poplar.comm import Communicator, DistributedError, Phase
 from poplar.zero.optim import repoint_optimizer
-from poplar.zero.prefetch import Schedule, backward_items, forward_items
+from poplar.zero.prefetch import Pass, PassKind, PassState, Schedule, backward_items, forward_items
+from poplar.zero.reduce_queue import ReduceQueue
 from poplar.zero.wrap import post_order
-
-
-class _Pass:
-    """State of one forward (evaluation) or one micro-step (forward + backward)."""
-
-    def __init__(self, train: bool, fwd: Schedule, bwd: Schedule | None) -> None:
-        self.train, self.fwd, self.bwd = train, fwd, bwd
-        self.forward_started = self.forward_done = False
-        self.ran: set[int] = set()
-        self.pre_order: list[int] = []
-        self.post_order: list[int] = []
-        self.eval_scope = contextlib.ExitStack()  # an evaluation forward's ledger phase
 
 
 class Stage3(ZeroStage):
@@ -87,17 +75,17 @@ class Stage3(ZeroStage):
         repoint_optimizer(optimizer, per_group)
 
         self.prefetch = prefetch
-        self._on_transient = on_transient  # called after each gather allocation (memory-cap checks)
+        self._on_gathered = on_transient  # called after each gather allocation (memory-cap checks)
         self.gathered_bytes = 0  # gathered parameter bytes alive now
         self.peak_gathered_bytes = 0
-        self._allocated: dict[int, ShardedBlock] = {}
-        self._pass: _Pass | None = None
+        self._gathered: dict[int, ShardedBlock] = {}  # blocks whose gathered parameters exist
+        self._pass: Pass | None = None
         self._agreed = False
         self._recorded: tuple[list[int], list[int]] | None = None
         self._warned = False
-        self._reducing: list[tuple[ShardedBlock, Any]] = []  # reduce-scatters in flight
-        self._zeros: torch.Tensor | None = None
-        self._completing = False  # in end_micro_step: no on_allocate check may interrupt its collectives
+        self._reduces = ReduceQueue(self.reduces_in_flight, self._release)
+        self._zeros: torch.Tensor | None = None  # what a block with no gradient reduce-scatters
+        self._completing = False  # in end_micro_step: no memory check may interrupt its collectives
         self._set_orders([b.index for b in self.layers], post_order(self.layers))
 
         model.register_forward_pre_hook(self._root_pre)
@@ -134,62 +122,69 @@ class Stage3(ZeroStage):
         self._agreed = True
 
     # ------------------------------------------------------------------ collectives (Schedule's Gatherer)
-    def start_gather(self, b: ShardedBlock) -> Any:
+    def start_gather(self, b: ShardedBlock) -> GatherHandle:
         handle = b.start_gather(self.comm, async_op=True)
-        self._allocated[b.index] = b
+        self._gathered[b.index] = b
         self.gathered_bytes += b.gathered_nbytes
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
-        if handle[1] is not None:
-            self._hold(handle[1].numel() * b.element_size)
+        if handle.staged is not None:
+            self._hold(handle.staged_nbytes)
         return handle
 
-    def finish_gather(self, b: ShardedBlock, handle: Any, use: bool) -> None:
+    def finish_gather(self, b: ShardedBlock, handle: GatherHandle, use: bool) -> None:
         b.finish_gather(handle, use)
-        if handle[1] is not None:
-            self._release(handle[1].numel() * b.element_size)
+        if handle.staged is not None:
+            self._release(handle.staged_nbytes)
 
     def free_gather(self, b: ShardedBlock) -> None:
-        if self._allocated.pop(b.index, None) is not None:
+        if self._gathered.pop(b.index, None) is not None:
             self.gathered_bytes -= b.gathered_nbytes
             b.free()
 
+    def _free_all_gathers(self, keep: Collection[int] = ()) -> None:
+        """Release every gathered block but those whose index is in ``keep``."""
+        for b in list(self._gathered.values()):
+            if b.index not in keep:
+                self.free_gather(b)
+
     def gathered_hook(self, b: ShardedBlock) -> None:
-        if self._on_transient is not None and not self._completing:
-            self._on_transient()
+        if self._on_gathered is not None and not self._completing:
+            self._on_gathered()
 
     def _gather_now(self, b: ShardedBlock) -> None:
         self.finish_gather(b, self.start_gather(b), True)
         self.gathered_hook(b)
 
-    def reduce(self, b: ShardedBlock, flats: Any = "grads") -> None:
-        """Issue ``b``'s reduce-scatter (its micro-step gradient, or zeros if none came); keep
-        one in flight — waiting is safe: every rank issues the same sequence."""
-        if flats == "grads":
-            flats, b.reduced = b.grad_flats, True
+    def reduce(self, b: ShardedBlock) -> None:
+        """Issue ``b``'s reduce-scatter of its micro-step gradient (zeros if none came); its
+        gradients that arrive after it are ``late_flats``."""
+        flats, b.grad_flats = b.grad_flats, None  # the handle keeps what the collective needs
+        b.grad_state = GradState.REDUCED
+        self._start_reduce(b, flats)
+
+    def _reduce_late_flats(self, b: ShardedBlock) -> None:
+        """Issue ``b``'s reduce-scatter of the gradients that came after its micro-step's one
+        (zeros if none came on this rank)."""
+        flats, b.late_flats = b.late_flats, None
+        self._start_reduce(b, flats)
+
+    def _start_reduce(self, b: ShardedBlock, flats: list[torch.Tensor] | None) -> None:
         if flats is None and self._zeros is None:
             self._zeros = torch.zeros(max(x.full_numel for x in self.blocks), dtype=b.dtype, device=b.device)
             self._hold(self._zeros.numel() * self._zeros.element_size())
         self._hold(b.shard_numel * b.element_size)
-        self._reducing.append((b, b.start_reduce(self.comm, flats, self._zeros)))
-        b.grad_flats = None  # the handle keeps what the collective needs
-        while len(self._reducing) > self.reduces_in_flight:
-            self._finish_reduce()
-
-    def _finish_reduce(self) -> None:
-        b, handle = self._reducing.pop(0)
-        self._release(b.finish_reduce(handle))
+        self._reduces.push(b.start_reduce(self.comm, flats, self._zeros))
 
     def _wait_reduces(self) -> None:
-        while self._reducing:
-            self._finish_reduce()
+        self._reduces.drain()
         if self._zeros is not None:
             self._release(self._zeros.numel() * self._zeros.element_size())
             self._zeros = None
 
     # ------------------------------------------------------------------ hooks
-    def _new_pass(self, train: bool) -> _Pass:
-        return _Pass(train, Schedule(forward_items(self.root, self.fwd_order), self),
-                     Schedule(backward_items(self.root, self.bwd_order), self) if train else None)
+    def _new_pass(self, kind: PassKind) -> Pass:
+        return Pass(kind, Schedule(forward_items(self.root, self.fwd_order), self),
+                     Schedule(backward_items(self.root, self.bwd_order), self) if kind is PassKind.TRAIN else None)
 
     def _prefetching(self) -> bool:
         return self.prefetch and self._agreed
@@ -198,34 +193,32 @@ class Stage3(ZeroStage):
         p = self._pass
         if torch.is_grad_enabled():
             if p is None:  # a loop of the user's own: engine.module(...) then engine.backward(...)
-                p = self._pass = self._new_pass(True)
-            elif not p.train or p.forward_started:
+                p = self._pass = self._new_pass(PassKind.TRAIN)
+            elif not p.train or p.state is not PassState.IDLE:
                 raise RuntimeError("ZeRO-3 runs one forward of the model per micro-step, followed by "
                                    "engine.backward(); evaluate under torch.no_grad()")
-            p.forward_started = True
         else:
             if p is not None:
                 raise RuntimeError("ZeRO-3: a forward under torch.no_grad() inside a training micro-step; "
                                    "evaluate between iterations")
-            p = self._pass = self._new_pass(False)
+            p = self._pass = self._new_pass(PassKind.EVAL)
             p.eval_scope.enter_context(self.comm.ledger.scope(Phase.EVAL))
+        p.state = PassState.FORWARD
         if self.root is not None:
             p.fwd.need(self.root)
 
     def _root_post(self, module: nn.Module, args: Any, output: Any) -> None:
         p = self._pass
-        if p is None or p.forward_done:
+        if p is None or p.state.forward_over:
             return
-        p.fwd.flush()
-        p.forward_done = True
+        p.finish_forward()
         if p.fwd.deviated and self._agreed and not self._warned:
             self._warned = True
             warnings.warn("ZeRO-3: the blocks ran forward in another order than the one recorded in the first "
                           "iteration; the collectives keep the recorded order (results stay exact, more blocks "
                           "may be gathered at once)", stacklevel=2)
         if not p.train:
-            for b in list(self._allocated.values()):
-                self.free_gather(b)
+            self._free_all_gathers()
             p.eval_scope.close()
             self._pass = None
 
@@ -254,7 +247,7 @@ class Stage3(ZeroStage):
             if tensors:
                 register_multi_grad_hook(tensors, partial(self._pre_backward, p, b), mode="any")
 
-    def _pre_backward(self, p: _Pass, b: ShardedBlock, grad: Any) -> None:
+    def _pre_backward(self, p: Pass, b: ShardedBlock, grad: Any) -> None:
         if p is not self._pass:
             raise RuntimeError("ZeRO-3: backward through a graph of an earlier micro-step")
         if not p.bwd.need(b):
@@ -281,40 +274,39 @@ class Stage3(ZeroStage):
         if self._pass is not None:
             raise RuntimeError("ZeRO-3: a forward with grad enabled ran without engine.backward(); "
                                "evaluate under torch.no_grad()")
-        self._pass = self._new_pass(True)
+        self._pass = self._new_pass(PassKind.TRAIN)
 
     def end_micro_step(self) -> None:
         """Complete the micro-step's collectives (all of them when nothing ran) and release."""
-        p = self._pass if self._pass is not None and self._pass.train else self._new_pass(True)
+        p = self._pass if self._pass is not None and self._pass.train else self._new_pass(PassKind.TRAIN)
         self._pass = p
-        ledger = self.comm.ledger
         self._completing = True
         try:
-            if not p.forward_done:  # no forward, or it stopped half-way: issue what it did not
-                with ledger.scope(Phase.FORWARD):
-                    p.fwd.flush()
-                p.forward_done = True
-            # backward is over (or never ran): a block still gathered outside the backward
-            # schedule's own gathers (one whose forward raised, so its post-hook never ran) would
-            # be gathered again by the flush below; release it first
-            for b in list(self._allocated.values()):
-                if b.index not in p.bwd.pending:
-                    self.free_gather(b)
-            with ledger.scope(Phase.BACKWARD):
-                p.bwd.flush()
-                for b in list(self._allocated.values()):
-                    self.free_gather(b)
-                self._wait_reduces()
+            self._complete_pass(p)
         finally:
             self._completing = False
         for b in self.blocks:
             b.reset_grads()
-        if p.forward_started and self._recorded is None and not self._agreed:
+        if p.state is PassState.FORWARD_DONE and self._recorded is None and not self._agreed:
             self._recorded = (p.pre_order, p.post_order)
         self._pass = None
 
+    def _complete_pass(self, p: Pass) -> None:
+        ledger = self.comm.ledger
+        if not p.state.forward_over:  # no forward, or it stopped half-way: issue what it did not
+            with ledger.scope(Phase.FORWARD):
+                p.finish_forward()
+        # backward is over (or never ran): a block still gathered outside the backward schedule's
+        # own gathers (one whose forward raised, so its post-hook never ran) would be gathered
+        # again by the flush below; release it first
+        self._free_all_gathers(keep=p.bwd.pending)
+        with ledger.scope(Phase.BACKWARD):
+            p.bwd.flush()
+            self._free_all_gathers()
+            self._wait_reduces()
+
     def empty_micro_step(self) -> None:
-        self._pass = self._new_pass(True)
+        self._pass = self._new_pass(PassKind.TRAIN)
         self.end_micro_step()
 
     def reduce_gradients(self) -> None:
@@ -332,8 +324,7 @@ class Stage3(ZeroStage):
         self.comm.all_reduce(flags, tag="zero3-late")
         for b, flag in zip(self.blocks, flags.tolist()):
             if flag:
-                self.reduce(b, b.late_flats)
-                b.late_flats = None
+                self._reduce_late_flats(b)
         self._wait_reduces()
 
     def grad_tensors(self) -> list[torch.Tensor]:

@@ -9,7 +9,7 @@ from collections import Counter
 import torch
 
 from poplar.engine import PoplarEngine
-from tests.test_stage3_common import part_results, tiny_lm
+from tests.zero.test_stage3_common import part_results, tiny_lm
 from tests.toy import global_batch, loss_fn, make_optimizer, plan_of, rank_slice
 
 # micro-step counts 4, 0, 2

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from poplar.engine import PoplarEngine
-from tests.test_stage3_common import part_results
+from tests.zero.test_stage3_common import part_results
 from poplar.types.plans import Plan
 
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from poplar.engine import PoplarEngine
-from tests.test_stage3_common import Block, one_thread, part_results, reference, tiny_lm
+from tests.zero.test_stage3_common import Block, one_thread, part_results, reference, tiny_lm
 from tests.toy import global_batch, loss_fn, make_model, make_optimizer, max_rel_err, plan_of, rank_slice
 
 ITERATIONS = 3

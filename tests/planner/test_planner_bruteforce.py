@@ -3,7 +3,7 @@
 Stage 0/1: every split of gbs over the ranks, each rank's n_i by its fastest
 (b, gas, lbs) with b, lbs <= mbs (any lbs, also above b). Stage 2/3: every plan with one common
 number of full micro-steps G >= 1 on ranks with samples, b_i <= mbs_i and a last batch
-l_i <= b_i. Run ``python -m tests.test_planner_bruteforce`` for the worst cases over more seeds.
+l_i <= b_i. Run ``python -m tests.planner.test_planner_bruteforce`` for the worst cases over more seeds.
 """
 
 import math

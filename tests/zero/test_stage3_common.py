@@ -110,7 +110,7 @@ def stage3_worker(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for part in PARTS[world]:
         try:
-            out[part] = importlib.import_module(f"tests.test_stage3_{part}").worker(rank, world)
+            out[part] = importlib.import_module(f"tests.zero.test_stage3_{part}").worker(rank, world)
         except Exception:  # noqa: BLE001 - reported by that part's test, the other parts still run
             out[part] = RuntimeError(traceback.format_exc())
     return out

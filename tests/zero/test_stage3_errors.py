@@ -14,7 +14,7 @@ from torch import nn
 from poplar.engine import PoplarEngine
 from poplar.zero.observers import StepObserver
 from poplar.comm import DistributedError
-from tests.test_stage3_common import Block, branches, one_thread, part_results, reference
+from tests.zero.test_stage3_common import Block, branches, one_thread, part_results, reference
 from tests.toy import global_batch, loss_fn, make_model, make_optimizer, max_rel_err, plan_of, rank_slice
 
 PLAN = plan_of((3, 1, 1), (2, 2, 1))  # 4 + 5 samples, 2 and 3 micro-steps

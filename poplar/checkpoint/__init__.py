@@ -24,19 +24,27 @@ zeros and its group's scalars. The rebuilt state goes through ``optimizer.load_s
 torch applies its own device/dtype rules, and the param groups' hyper-parameters (lr, betas,
 weight decay, ...; not implementation switches such as ``foreach``/``fused``) are restored.
 
-Safety: files are written into a temporary directory next to the target, index.json last, and
-the directory is renamed into place, so a directory with a valid index is a complete checkpoint
-(an existing checkpoint at the target is replaced; anything else there is refused). A failed
-save, also one where a rank died, leaves a complete checkpoint there (the previous one, or the new
-one if rank 0 had moved it into place) and no temporary directory. Only if rank 0 dies does its
-temporary ``.NAME.tmp-*`` stay; a later save to the same directory removes it once nothing in it
-changed for an hour (``storage.remove_stale_temporaries``). Should rank 0 die between the two
-renames that replace an older checkpoint, the older one is left as ``.NAME.old-*``. Loading
-checks the format, the parameter table against the model, the optimizer class and groups, every
-file's size (all ranks) and the sha256 of each file it reads; any problem on any rank raises
-``CheckpointError`` on every rank before anything is changed. Every rank must call both
-functions (the model is gathered collectively at stage 3). All ranks must see the same directory
-(a shared filesystem when ranks span machines).
+Safety: files are written into a temporary directory next to the target, index.json last (it
+carries the sha256 of its own canonical JSON, so a damaged index is refused), and the directory
+is renamed into place, so a directory with a valid index is a complete checkpoint (an existing
+checkpoint at the target is replaced; anything else there is refused). A failed save, also one
+where a rank died, leaves a complete checkpoint there (the previous one, or the new one if rank 0
+had moved it into place) and no temporary directory. Only if rank 0 dies does its temporary
+``.NAME.tmp-*`` stay; a later save to the same directory removes it once nothing in it changed
+for an hour (``storage.remove_stale_temporaries``: another job may be saving there). Should rank
+0 die between the two renames that replace an older checkpoint, the older one is left as
+``.NAME.old-*``; the next successful save to the directory removes it. Loading checks the
+format, the index's checksum, the parameter table against the model, the optimizer class and
+groups, every file's size (all ranks) and the sha256 of each file it reads; any problem on any
+rank raises ``CheckpointError`` on every rank before anything is changed. Every rank must call
+both functions (the model is gathered collectively at stage 3). All ranks must see the same
+directory (a shared filesystem when ranks span machines).
+
+Kept checkpoints (``save_kept``, what ``fit`` writes): a run's checkpoint directory holds one
+step directory per checkpoint (``step-00000010``, each a checkpoint as above) and an index.json
+pointing at the latest, written last; the newest ``keep`` are kept, every leftover of an
+interrupted save is removed by the next one, and ``find_latest`` (as ``load_checkpoint`` and
+``read_index`` given such a directory) takes the latest complete one (``poplar.checkpoint.kept``).
 
 RNG: each rank's torch CPU RNG state (and its CUDA device's, on CUDA) is saved and restored on
 the rank of the same number, so a resume on the same world size is bitwise on CPU. Ranks beyond
@@ -44,13 +52,16 @@ the saved world size keep their RNG. Data-loader position, LR schedulers and any
 the caller go in ``extra`` (JSON), e.g. ``extra={"data": loader.state_dict()}``.
 
 The package: ``layout`` (file names, the index and how values are written in it), ``storage``
-(atomic, durable writes), ``save``, ``load``, ``reshard`` (optimizer state by name on load) and
-``errors`` (failures raised on every rank together).
+(atomic, durable writes), ``save``, ``load``, ``reshard`` (optimizer state by name on load),
+``kept`` (a run's kept checkpoints and the pointer to the latest) and ``errors`` (failures raised
+on every rank together).
 """
 
 from poplar.checkpoint.errors import CheckpointError
+from poplar.checkpoint.kept import Latest, find_latest, save_kept
 from poplar.checkpoint.layout import FORMAT_VERSION, optim_file_name, read_index
 from poplar.checkpoint.load import load_checkpoint
 from poplar.checkpoint.save import save_checkpoint
 
-__all__ = ["save_checkpoint", "load_checkpoint", "read_index", "CheckpointError", "FORMAT_VERSION", "optim_file_name"]
+__all__ = ["save_checkpoint", "load_checkpoint", "read_index", "save_kept", "find_latest", "Latest", "CheckpointError",
+           "FORMAT_VERSION", "optim_file_name"]

@@ -1,8 +1,10 @@
-"""The checkpoint format: file names, the index (reading and checking it), and how dtypes,
-scalar optimizer state, param-group hyper-parameters and tied weights are written in it."""
+"""The checkpoint format: file names, the index (reading and checking it, its own checksum, the
+files it lists), and how dtypes, scalar optimizer state, param-group hyper-parameters and tied
+weights are written in it."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections import defaultdict
@@ -17,6 +19,12 @@ FORMAT = "poplar-checkpoint"
 FORMAT_VERSION = 1
 INDEX_FILE = "index.json"
 MODEL_FILE = "model.safetensors"
+# a kept-checkpoints directory's index.json points at its latest step directory (checkpoint.kept)
+POINTER_FORMAT = "poplar-latest-checkpoint"
+POINTER_VERSION = 1
+# an index carries the sha256 of its own canonical JSON under this key (indexes written before it
+# existed have none and are read as they are)
+CHECKSUM_KEY = "index_sha256"
 # param-group entries that choose an implementation rather than the math; they are not restored
 IMPLEMENTATION_KEYS = {"params", "param_names", "foreach", "fused", "capturable", "differentiable"}
 
@@ -26,9 +34,12 @@ def optim_file_name(rank: int, world_size: int) -> str:
 
 
 def read_index(directory: str | os.PathLike) -> dict[str, Any]:
-    """The parsed index.json of a checkpoint directory (checked for format and version)."""
+    """The parsed index.json of a checkpoint directory (checked for format, version and its
+    checksum); of a directory of kept checkpoints, that of its latest complete one."""
+    from poplar.checkpoint.kept import resolve
+
     try:
-        return parse_index(Path(directory))
+        return parse_index(resolve(Path(directory)))
     except Invalid as e:
         raise CheckpointError(str(e)) from None
 
@@ -41,11 +52,8 @@ def parse_index(directory: Path) -> dict[str, Any]:
     if not path.is_file():
         raise Invalid(f"{directory} has no {INDEX_FILE}: not a complete Poplar checkpoint (a save may have "
                       "been interrupted)")
-    try:
-        index = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise Invalid(f"{path} is not valid JSON ({e}): the checkpoint is corrupt") from None
-    if not isinstance(index, dict) or index.get("format") != FORMAT:
+    index = read_sealed_json(path)
+    if index.get("format") != FORMAT:
         raise Invalid(f"{path} is not a Poplar checkpoint index")
     if index.get("version") != FORMAT_VERSION:
         raise Invalid(f"{path} has format version {index.get('version')}; this Poplar reads version "
@@ -56,6 +64,45 @@ def parse_index(directory: Path) -> dict[str, Any]:
     if len(index["ranks"]) != index["world_size"]:
         raise Invalid(f"{path} lists {len(index['ranks'])} rank files for a world of {index['world_size']}")
     return index
+
+
+def check_files(directory: Path, index: dict[str, Any]) -> None:
+    """Every file the index lists is there with its size (the cheap half of checking them)."""
+    for entry in [index["model"], *index["ranks"]]:
+        path = directory / entry["file"]
+        if not path.is_file():
+            raise Invalid(f"checkpoint file {path} is missing")
+        size = path.stat().st_size
+        if size != entry["bytes"]:
+            raise Invalid(f"checkpoint file {path} has {size} bytes but the index says {entry['bytes']}: it is "
+                          "truncated or corrupt")
+
+
+def sealed(obj: dict[str, Any]) -> dict[str, Any]:
+    """``obj`` as it reads back from JSON, with the sha256 of its canonical form added."""
+    plain = json.loads(json.dumps(obj, allow_nan=False))
+    plain.pop(CHECKSUM_KEY, None)
+    plain[CHECKSUM_KEY] = _canonical_sha256(plain)
+    return plain
+
+
+def read_sealed_json(path: Path) -> dict[str, Any]:
+    """A JSON object written with ``sealed``, checked against its checksum (if it has one)."""
+    try:
+        obj = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise Invalid(f"{path} is not valid JSON ({e}): the checkpoint is corrupt") from None
+    if not isinstance(obj, dict):
+        raise Invalid(f"{path} is not a Poplar checkpoint index")
+    if CHECKSUM_KEY in obj and obj[CHECKSUM_KEY] != _canonical_sha256(obj):
+        raise Invalid(f"{path} does not match its own checksum ({CHECKSUM_KEY}): the file was changed or "
+                      "damaged after it was written, so the checkpoint is corrupt")
+    return obj
+
+
+def _canonical_sha256(obj: dict[str, Any]) -> str:
+    body = {k: v for k, v in obj.items() if k != CHECKSUM_KEY}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from poplar.checkpoint.errors import CheckpointError, Invalid, gather_or_raise
-from poplar.checkpoint.layout import parse_index, ties
+from poplar.checkpoint.kept import resolve
+from poplar.checkpoint.layout import check_files, parse_index, ties
 from poplar.checkpoint.reshard import CheckpointFiles, assemble_optimizer
 from poplar.types.plans import Plan
 from poplar.comm import DistributedError
@@ -24,9 +25,11 @@ def load_checkpoint(engine: Any, directory: str | os.PathLike, *, verify_hashes:
     and (for ranks that existed when it was saved) RNG states. The engine may have another
     world size, stage or plan than the run that saved it.
 
-    Call on every rank between iterations. Returns the checkpoint's meta: ``iteration``,
-    ``world_size``, ``zero_stage`` and ``plan`` (a ``Plan``) of the saving run, ``extra``,
-    ``rng_restored`` (this rank's RNG came from the checkpoint) and ``created``. Raises
+    Call on every rank between iterations. ``directory`` is a checkpoint, or a directory of kept
+    checkpoints (``save_kept``, ``fit``), whose latest complete one is loaded. Returns the
+    checkpoint's meta: ``iteration``, ``world_size``, ``zero_stage`` and ``plan`` (a ``Plan``) of
+    the saving run, ``extra``, ``rng_restored`` (this rank's RNG came from the checkpoint),
+    ``created`` and ``path`` (the checkpoint directory loaded). Raises
     ``CheckpointError`` on every rank, having changed nothing, if the checkpoint is missing,
     incomplete, corrupt or does not fit the engine (everything is checked and read before
     anything is set). ``verify_hashes=False`` checks file sizes only.
@@ -39,6 +42,7 @@ def load_checkpoint(engine: Any, directory: str | os.PathLike, *, verify_hashes:
     try:
         if getattr(engine, "_micro_steps", 0):
             raise Invalid("the engine is in the middle of an iteration; load a checkpoint between iterations")
+        directory = resolve(directory)
         index = parse_index(directory)
         digest = hashlib.sha256(json.dumps(index, sort_keys=True).encode()).hexdigest()
     except Invalid as e:
@@ -59,7 +63,7 @@ def load_checkpoint(engine: Any, directory: str | os.PathLike, *, verify_hashes:
         if "tied" in index["model"] and index["model"]["tied"] != ties(engine.module):
             raise Invalid(f"tied weights differ: the checkpoint ties {index['model']['tied']} and the model ties "
                           f"{ties(engine.module)}")
-        _check_sizes(directory, index)
+        check_files(directory, index)
         with ExitStack() as stack:
             files = CheckpointFiles(directory, index, verify_hashes, stack)
             loaded["model"] = files.model_state()
@@ -92,7 +96,7 @@ def load_checkpoint(engine: Any, directory: str | os.PathLike, *, verify_hashes:
         pass
     return {"iteration": index["iteration"], "world_size": index["world_size"], "zero_stage": index["zero_stage"],
             "plan": plan, "extra": index.get("extra"), "rng_restored": bool(loaded["rng"]),
-            "created": index.get("created")}
+            "created": index.get("created"), "path": str(directory)}
 
 
 def _expected_params(engine: Any) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -120,18 +124,6 @@ def _check_params(index: dict, expected: dict) -> None:
             lines.append(f"shapes differ: {shapes[:6]}")
         raise Invalid("the checkpoint does not match the model (a different architecture or size?): "
                       + "; ".join(lines))
-
-
-def _check_sizes(directory: Path, index: dict) -> None:
-    entries = [index["model"]] + list(index["ranks"])
-    for e in entries:
-        path = directory / e["file"]
-        if not path.is_file():
-            raise Invalid(f"checkpoint file {path} is missing")
-        size = path.stat().st_size
-        if size != e["bytes"]:
-            raise Invalid(f"checkpoint file {path} has {size} bytes but the index says {e['bytes']}: it is "
-                          "truncated or corrupt")
 
 
 def _read_rng(engine: Any, index: dict, files: CheckpointFiles) -> dict[str, torch.Tensor]:

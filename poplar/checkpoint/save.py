@@ -16,9 +16,9 @@ from safetensors.torch import save_file
 
 from poplar.checkpoint.errors import gather_or_raise
 from poplar.checkpoint.layout import (FORMAT, FORMAT_VERSION, INDEX_FILE, MODEL_FILE, dtype_name, encode_scalar,
-                                      group_hyperparams, optim_file_name, ties)
-from poplar.checkpoint.storage import (check_replaceable, file_facts, publish, remove_stale_temporaries,
-                                       temporary_prefix, write_json)
+                                      group_hyperparams, optim_file_name, sealed, ties)
+from poplar.checkpoint.storage import (check_replaceable, file_facts, publish, remove_replaced,
+                                       remove_stale_temporaries, temporary_prefix, write_json)
 
 
 def save_checkpoint(engine: Any, directory: str | os.PathLike, *, extra: dict | None = None) -> Path:
@@ -28,7 +28,7 @@ def save_checkpoint(engine: Any, directory: str | os.PathLike, *, extra: dict | 
     Returns the directory. Raises ``CheckpointError`` on every rank if any rank fails, and on
     every surviving rank if one dies. ``directory`` never holds a partial checkpoint: after a
     failure it holds the previous one (if any), or the new one if rank 0 had already moved it
-    into place when another rank died.
+    into place when another rank died. To keep several checkpoints of a run, see ``save_kept``.
     """
     comm = engine.comm
     rank, world = comm.rank, comm.world_size
@@ -73,8 +73,10 @@ def save_checkpoint(engine: Any, directory: str | os.PathLike, *, extra: dict | 
         if rank == 0:
             try:
                 save_file(_unshared_cpu(full), str(tmp_dir / MODEL_FILE), metadata={"format": FORMAT})
-                write_json(tmp_dir / INDEX_FILE, _index(engine, full, file_facts(tmp_dir / MODEL_FILE), infos, extra))
+                index = _index(engine, full, file_facts(tmp_dir / MODEL_FILE), infos, extra)
+                write_json(tmp_dir / INDEX_FILE, sealed(index))
                 publish(tmp_dir, directory)
+                remove_replaced(directory)
             except Exception as e:  # noqa: BLE001
                 error = f"{type(e).__name__}: {e}"
         gather_or_raise(comm, error, None, what)

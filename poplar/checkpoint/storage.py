@@ -1,6 +1,6 @@
 """Durable, atomic writing of checkpoint files: fsync, sha256, file modes, moving a finished
-temporary directory into place over an older checkpoint, and removing the temporary
-directories that interrupted saves left behind."""
+temporary directory into place over an older checkpoint, and removing the temporary and
+set-aside directories that interrupted saves left behind."""
 
 from __future__ import annotations
 
@@ -14,17 +14,23 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from poplar.checkpoint.layout import INDEX_FILE, MODEL_FILE
+from poplar.checkpoint.layout import INDEX_FILE, MODEL_FILE, POINTER_FORMAT
 
 
 def check_replaceable(directory: Path) -> None:
-    """Refuse a target that exists and is neither empty nor a Poplar checkpoint."""
+    """Refuse a target that exists and is neither empty nor a Poplar checkpoint, or that holds
+    kept checkpoints (replacing it would delete them all)."""
     if directory.exists():
         if not directory.is_dir():
             raise FileExistsError(f"{directory} exists and is not a directory")
         if any(directory.iterdir()) and not (directory / INDEX_FILE).exists():
             raise FileExistsError(f"{directory} exists, is not empty and is not a Poplar checkpoint; "
                                   "refusing to replace it (choose another directory)")
+        if _is_pointer(directory / INDEX_FILE) or any(p.is_dir() for p in directory.iterdir()):
+            raise FileExistsError(f"{directory} holds kept checkpoints (step-* directories and index.json "
+                                  "pointing at the latest) or other directories, and saving there would replace "
+                                  "them all; save into a new directory, or keep saving there with "
+                                  "poplar.checkpoint.save_kept or fit()")
 
 
 def publish(tmp: Path, directory: Path) -> None:
@@ -43,6 +49,30 @@ def publish(tmp: Path, directory: Path) -> None:
     else:
         os.replace(tmp, directory)
     fsync_dir(directory.parent)
+
+
+def remove_replaced(directory: Path) -> list[Path]:
+    """Remove the older checkpoints ``publish`` set aside as ``.NAME.old-*`` and could not remove
+    (its process died between its renames). Call once ``directory`` holds the newer checkpoint;
+    like ``remove_stale_temporaries``, it never makes a save fail."""
+    pattern = re.compile(re.escape(f".{directory.name}.old-") + r"[0-9a-f]{8}")
+    try:
+        siblings = list(directory.parent.iterdir())
+    except OSError:
+        return []
+    removed = []
+    for path in siblings:
+        if pattern.fullmatch(path.name) and path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def _is_pointer(path: Path) -> bool:
+    try:
+        return json.loads(path.read_text()).get("format") == POINTER_FORMAT
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        return False
 
 
 def write_json(path: Path, obj: Any) -> None:

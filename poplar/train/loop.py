@@ -8,19 +8,22 @@ per rank, its samples, compute seconds (collective time taken out) beside the pl
 idle time (the slowest rank's compute minus its own) and its blocked communication time.
 
 ``iterations`` is the total to reach, as DeepSpeed's ``train_iters``: a resumed run goes on
-from the checkpoint's iteration. Resume: when ``checkpoint_dir`` holds a checkpoint (on any
-rank), the engine and the data position are loaded from it — any plan, stage or world size.
-Checkpoints are written every ``checkpoint_every`` iterations and at the end.
+from the checkpoint's iteration, and one that has already reached it does nothing (and says so).
+Checkpoints are written every ``checkpoint_every`` iterations and at the end, each into its own
+step directory of ``checkpoint_dir`` with ``index.json`` pointing at the latest; the newest
+``keep_checkpoints`` are kept (``poplar.checkpoint.kept``). Resume: the engine and the data
+position are loaded from the latest complete checkpoint there (or from ``checkpoint_dir`` itself
+if it is a single checkpoint) — any plan, stage or world size; rank 0 logs which one.
 
 Reports (``report_dir``, written by rank 0): ``metrics.json`` (the ``FitResult`` and every
-iteration's per-rank times), ``trace.json`` (a Chrome/Perfetto timeline of compute,
-communication and idle per rank), ``plan.json``, and with a profile ``profile.json`` and
-``curves.png`` (needs matplotlib).
+iteration's per-rank times; rewritten at each checkpoint too, and a resumed run's keeps the
+earlier iterations, so it covers every iteration from 0: see ``report.write_metrics``),
+``trace.json`` (a Chrome/Perfetto timeline of compute, communication and idle per rank, of this
+run), ``plan.json``, and with a profile ``profile.json`` and ``curves.png`` (needs matplotlib).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
@@ -31,8 +34,8 @@ from typing import Any, Callable
 
 from poplar.engine import register_fit_loop
 from poplar.train.data import PlanLoader
+from poplar.train.report import write_metrics
 from poplar.types.logs import log, progress_bar
-from poplar.types.plans import write_text_atomic
 
 
 @dataclass
@@ -92,19 +95,22 @@ def _make_loader(engine: Any, data: Any, seed: int, loader_kwargs: dict[str, Any
 
 def _resume(engine: Any, loader: PlanLoader, checkpoint_dir: str | os.PathLike) -> bool:
     from poplar.checkpoint import load_checkpoint
+    from poplar.checkpoint.kept import agree_on_latest
 
-    present = (Path(checkpoint_dir) / "index.json").is_file()
-    if not any(engine.comm.all_gather_object(present, tag="fit:resume")):
+    latest = agree_on_latest(engine.comm, checkpoint_dir)  # every rank; they must all find the same
+    if latest is None:
         return False
-    meta = load_checkpoint(engine, checkpoint_dir)  # every rank; a rank that cannot see it fails them all
+    meta = load_checkpoint(engine, latest.path)  # every rank; a rank that cannot read it fails them all
     data_state = (meta.get("extra") or {}).get("data")
     if data_state is not None:
         loader.load_state_dict(data_state)
     else:
         loader.iteration = engine.iteration
     if engine.rank == 0:
-        log.info(f"resumed from {checkpoint_dir} at iteration {engine.iteration} (saved by {meta['world_size']} "
-                 f"ranks at ZeRO-{meta['zero_stage']})")
+        for reason in latest.passed_over:
+            log.warning(f"not resuming from a damaged or incomplete checkpoint: {reason}")
+        log.info(f"resumed from {checkpoint_dir} at iteration {engine.iteration}: {latest.path} "
+                 f"({latest.source.value}; saved by {meta['world_size']} ranks at ZeRO-{meta['zero_stage']})")
     return True
 
 
@@ -113,33 +119,37 @@ def _stats_row(engine: Any, loss: float) -> tuple[float, float, float, float, in
     return (loss, s.wall_s, s.compute_s, s.comm_s, s.samples)
 
 
-def _window_table(engine: Any, rows: list[list[tuple]], first: int) -> tuple[list[dict[str, Any]], str]:
-    """Per-iteration records from every rank's rows, and the log table of their medians."""
+def _window_records(rows: list[list[tuple]], first: int) -> list[dict[str, Any]]:
+    """Per-iteration records from every rank's rows."""
     world = len(rows)
-    n = min(len(r) for r in rows)
     records = []
-    for k in range(n):
+    for k in range(min(len(r) for r in rows)):
         compute = [rows[r][k][2] for r in range(world)]
         slowest = max(compute)
         records.append({"iteration": first + k, "loss": rows[0][k][0],
                         "wall_s": max(rows[r][k][1] for r in range(world)),
                         "ranks": [{"compute_s": compute[r], "comm_s": rows[r][k][3], "idle_s": slowest - compute[r],
                                    "samples": rows[r][k][4]} for r in range(world)]})
+    return records
+
+
+def _window_table(engine: Any, records: list[dict[str, Any]]) -> str:
+    """The log table of the records' per-rank medians."""
     plan = engine.plan
     head = f"{'rank':>6} {'device':>12} {'samples':>7} {'compute s':>10} {'planned s':>10} {'idle s':>8} {'comm s':>8}"
     lines = [head]
-    for r in range(world):
+    for r in range(len(records[0]["ranks"])):
         med = lambda key: statistics.median(rec["ranks"][r][key] for rec in records)  # noqa: E731
         planned = plan.ranks[r].predicted_compute_s
         lines.append(f"{r:>6} {str(plan.ranks[r].device_type or '-'):>12} {plan.ranks[r].num_samples:>7} "
                      f"{med('compute_s'):>10.4f} {'-' if planned is None else f'{planned:.4f}':>10} "
                      f"{med('idle_s'):>8.4f} {med('comm_s'):>8.4f}")
-    return records, "\n".join(lines)
+    return "\n".join(lines)
 
 
 def fit(engine: Any, data: Any, iterations: int, *, loss_fn: Any = None, log_every: int = 10, warmup: int = 1,
         checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int | None = None, resume: bool = True,
-        report_dir: str | os.PathLike | None = None, progress: bool = True, seed: int = 0,
+        keep_checkpoints: int = 2, report_dir: str | os.PathLike | None = None, progress: bool = True, seed: int = 0,
         lr_at: Callable[[int], float | None] | None = None, **loader_kwargs: Any) -> FitResult:
     """Train ``engine`` until its iteration count reaches ``iterations``.
 
@@ -150,7 +160,7 @@ def fit(engine: Any, data: Any, iterations: int, *, loss_fn: Any = None, log_eve
         loss_fn: default the engine's ``loss_fn``.
         log_every: log measured vs predicted times every this many iterations (0: only at the end).
         warmup: leading iterations of this call left out of the medians and the throughput.
-        checkpoint_dir / checkpoint_every / resume: see the module doc.
+        checkpoint_dir / checkpoint_every / resume / keep_checkpoints: see the module doc.
         report_dir: write the reports there (rank 0).
         progress: a progress bar on rank 0 (when stderr is a terminal).
         lr_at: a schedule: ``lr_at(iteration)`` is set as every param group's learning rate
@@ -160,11 +170,16 @@ def fit(engine: Any, data: Any, iterations: int, *, loss_fn: Any = None, log_eve
         raise ValueError(f"iterations must be an int >= 0, got {iterations!r}")
     if checkpoint_every is not None and (checkpoint_every < 1 or checkpoint_dir is None):
         raise ValueError("checkpoint_every needs checkpoint_dir and must be >= 1")
+    if isinstance(keep_checkpoints, bool) or not isinstance(keep_checkpoints, int) or keep_checkpoints < 1:
+        raise ValueError(f"keep_checkpoints must be an int >= 1 (how many checkpoints to keep), got "
+                         f"{keep_checkpoints!r}")
     loader = _make_loader(engine, data, seed, loader_kwargs)
     if checkpoint_dir is not None and resume:
         _resume(engine, loader, checkpoint_dir)
     start = engine.iteration
     rank0 = engine.rank == 0
+    if start >= iterations:
+        return _nothing_to_do(engine, iterations, report_dir)
     bar = progress_bar(iterations - start, "training", progress and rank0)
     rows: list[tuple] = []
     records: list[dict[str, Any]] = []
@@ -172,7 +187,7 @@ def fit(engine: Any, data: Any, iterations: int, *, loss_fn: Any = None, log_eve
     losses: list[float] = []
     t_loop = time.perf_counter()
     t_measured: float | None = None if warmup > 0 else t_loop
-    logged = start
+    gathered, logged = start, 0  # the next iteration to gather, and how many records were logged
 
     try:
         while engine.iteration < iterations:
@@ -188,19 +203,26 @@ def fit(engine: Any, data: Any, iterations: int, *, loss_fn: Any = None, log_eve
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.4f}")
             done = engine.iteration == iterations
-            if done or (log_every and (engine.iteration - start) % log_every == 0):
-                records += _exchange(engine, rows, logged, rank0, iterations, bar)
-                logged, rows = engine.iteration, []
-            if checkpoint_dir is not None and (done or (checkpoint_every and engine.iteration % checkpoint_every == 0)):
-                from poplar.checkpoint import save_checkpoint
-
-                save_checkpoint(engine, checkpoint_dir, extra={"data": loader.state_dict()})
-                checkpoints.append(f"{checkpoint_dir}@{engine.iteration}")
+            log_now = done or bool(log_every and (engine.iteration - start) % log_every == 0)
+            save_now = checkpoint_dir is not None and (
+                done or bool(checkpoint_every and engine.iteration % checkpoint_every == 0))
+            if log_now or (save_now and report_dir is not None):  # the metrics written at a save cover it
+                records += _gather(engine, rows, gathered)
+                gathered, rows = engine.iteration, []
+            if log_now and records[logged:]:
+                _log_window(engine, records[logged:], rank0, iterations, bar)
+                logged = len(records)
+            if save_now:
+                checkpoints.append(_save(engine, loader, checkpoint_dir, keep_checkpoints))
+                if report_dir is not None and rank0:  # a run resumed from this checkpoint has the metrics up to it
+                    partial = _result(engine, start, losses, records, time.perf_counter() - t_loop, t_measured,
+                                      warmup, checkpoints)
+                    write_metrics(Path(report_dir) / "metrics.json", partial.to_dict())
     finally:
         bar.close()
     seconds = time.perf_counter() - t_loop
     result = _result(engine, start, losses, records, seconds, t_measured, warmup, checkpoints)
-    if rank0 and start < iterations:
+    if rank0:
         err = result.prediction_error
         log.info(f"done: iterations {start}..{engine.iteration}, {result.samples_per_s:.1f} samples/s, "
                  f"iteration {result.median_iteration_s:.4f} s"
@@ -210,20 +232,40 @@ def fit(engine: Any, data: Any, iterations: int, *, loss_fn: Any = None, log_eve
     return result
 
 
-def _exchange(engine: Any, rows: list[tuple], first: int, rank0: bool, total: int, bar: Any) -> list[dict[str, Any]]:
+def _save(engine: Any, loader: PlanLoader, checkpoint_dir: str | os.PathLike, keep: int) -> str:
+    from poplar.checkpoint.kept import save_kept
+
+    save_kept(engine, checkpoint_dir, keep=keep, extra={"data": loader.state_dict()})
+    return f"{checkpoint_dir}@{engine.iteration}"
+
+
+def _nothing_to_do(engine: Any, iterations: int, report_dir: str | os.PathLike | None) -> FitResult:
+    """A run that has already reached ``iterations`` (a finished run started again) trains,
+    saves and writes nothing: its reports stay those of the run that did the work."""
+    at = engine.iteration
+    if engine.rank == 0:
+        log.info(f"nothing to do: the engine is at iteration {at} and iterations={iterations} is reached"
+                 + (f"; the reports in {report_dir} are left as they are" if report_dir is not None else "")
+                 + " (raise iterations to train further)")
+    return FitResult(at, at, [], 0.0, 0.0, 0.0, engine.plan.predicted_iteration_s)
+
+
+def _gather(engine: Any, rows: list[tuple], first: int) -> list[dict[str, Any]]:
+    """Every rank's rows since iteration ``first`` as per-iteration records (collective)."""
     everyone = engine.comm.all_gather_object(rows, tag="fit:log")
-    if not rows:
-        return []
-    records, table = _window_table(engine, everyone, first)
-    if rank0:
-        walls = sorted(r["wall_s"] for r in records)
-        wall = statistics.median(walls)
-        pred = engine.plan.predicted_iteration_s
-        vs = f" (predicted {pred:.4f} s, {(wall - pred) / pred:+.1%})" if pred else ""
-        message = (f"iteration {engine.iteration}/{total}: loss {records[-1]['loss']:.4f}, "
-                   f"{engine.global_batch_size / wall:.1f} samples/s, iteration {wall:.4f} s{vs}\n{table}")
-        bar.write("[poplar] " + message, file=sys.stderr)
-    return records
+    return _window_records(everyone, first) if rows else []
+
+
+def _log_window(engine: Any, records: list[dict[str, Any]], rank0: bool, total: int, bar: Any) -> None:
+    if not rank0:
+        return
+    wall = statistics.median(r["wall_s"] for r in records)
+    pred = engine.plan.predicted_iteration_s
+    vs = f" (predicted {pred:.4f} s, {(wall - pred) / pred:+.1%})" if pred else ""
+    message = (f"iteration {engine.iteration}/{total}: loss {records[-1]['loss']:.4f}, "
+               f"{engine.global_batch_size / wall:.1f} samples/s, iteration {wall:.4f} s{vs}\n"
+               f"{_window_table(engine, records)}")
+    bar.write("[poplar] " + message, file=sys.stderr)
 
 
 def _result(engine: Any, start: int, losses: list[float], records: list[dict[str, Any]], seconds: float,
@@ -245,15 +287,25 @@ def _result(engine: Any, start: int, losses: list[float], records: list[dict[str
 
 
 def write_reports(engine: Any, result: FitResult, report_dir: str | os.PathLike) -> None:
-    """Every rank calls it (the timelines are gathered); rank 0 writes the files."""
-    from poplar.train.report import rank_timeline, write_curves_png, write_trace
+    """Every rank calls it (the timelines are gathered); rank 0 writes the files. A failure to
+    write them is a ``DistributedError`` on every rank, which also leave together."""
+    from poplar.train.report import rank_timeline
 
     timelines = engine.comm.all_gather_object(rank_timeline(engine, _device_name(engine)), tag="fit:report")
-    if engine.rank != 0:
-        return
-    out = Path(report_dir)
+    error = None
+    if engine.rank == 0:
+        try:
+            _write_report_files(engine, result, Path(report_dir), timelines)
+        except Exception as e:  # noqa: BLE001 - reported on every rank
+            error = f"{type(e).__name__}: {e}"
+    engine.comm.agree(error, f"write the reports to {report_dir}")
+
+
+def _write_report_files(engine: Any, result: FitResult, out: Path, timelines: list[dict[str, Any]]) -> None:
+    from poplar.train.report import write_curves_png, write_trace
+
     out.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(out / "metrics.json", json.dumps(result.to_dict(), indent=1) + "\n")
+    write_metrics(out / "metrics.json", result.to_dict())
     write_trace(out / "trace.json", timelines)
     engine.plan.save(out / "plan.json")
     if engine.profile is not None:

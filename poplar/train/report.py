@@ -1,6 +1,7 @@
-"""Run reports: a per-rank timeline of iterations as a Chrome/Perfetto trace (JSON, open it in
-ui.perfetto.dev or chrome://tracing), and a PNG of each device type's measured points, spline
-and chosen batch (needs the optional matplotlib extra: ``pip install poplar[plot]``).
+"""Run reports: metrics.json (kept across resumed runs), a per-rank timeline of iterations as a
+Chrome/Perfetto trace (JSON, open it in ui.perfetto.dev or chrome://tracing), and a PNG of each
+device type's measured points, spline and chosen batch (needs the optional matplotlib extra:
+``pip install poplar[plot]``).
 
 The timeline shows, per rank, each micro-step's compute and each collective (whose time
 includes waiting for slower ranks), and, per iteration, the idle time from the rank's own
@@ -11,10 +12,56 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from typing import Any
 
+from poplar.types.logs import log
 from poplar.types.plans import Plan, write_text_atomic
 from poplar.types.profiles import Profile
+
+
+_RUN_KEYS = ("start_iteration", "end_iteration", "seconds", "samples_per_s", "median_iteration_s",
+             "predicted_iteration_s", "checkpoints")
+
+
+def write_metrics(path: str | os.PathLike, metrics: dict[str, Any]) -> None:
+    """Write a run's metrics (``FitResult.to_dict()``) to ``path``, keeping the earlier runs'.
+
+    ``iterations`` (and their ``losses``) cover every iteration from ``first_iteration``: those
+    before this run's ``start_iteration`` come from the metrics.json already at ``path`` (written
+    by the run this one resumed, at its end or at its checkpoints); this run's replace any from
+    its start on. ``runs`` has each run's summary (start and end iteration, seconds, throughput,
+    checkpoints); the other fields are this run's. A run from iteration 0 starts a new file.
+    """
+    path = Path(path)
+    start = metrics["start_iteration"]
+    earlier = _earlier_metrics(path) if start > 0 else None
+    out = dict(metrics)
+    runs = [{k: metrics[k] for k in _RUN_KEYS}]
+    if earlier is not None:
+        before = [r for r in earlier["iterations"] if r["iteration"] < start]
+        out["iterations"] = before + metrics["iterations"]
+        out["losses"] = [r["loss"] for r in before] + metrics["losses"]
+        runs = [r for r in earlier.get("runs") or [] if r["start_iteration"] < start] + runs
+    out["first_iteration"] = out["iterations"][0]["iteration"] if out["iterations"] else start
+    out["runs"] = runs
+    write_text_atomic(path, json.dumps(out, indent=1) + "\n")
+
+
+def _earlier_metrics(path: Path) -> dict[str, Any] | None:
+    """The metrics.json at ``path``, if there is one with the fields a merge reads."""
+    if not path.is_file():
+        return None
+    try:
+        earlier = json.loads(path.read_text())
+        for record in earlier["iterations"]:  # the fields a merge reads
+            int(record["iteration"]), float(record["loss"])
+        for run in earlier.get("runs") or []:
+            int(run["start_iteration"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        log.warning(f"{path} cannot be read ({type(e).__name__}: {e}); it is replaced by this run's metrics alone")
+        return None
+    return earlier
 
 
 def rank_timeline(engine: Any, device: str = "") -> dict[str, Any]:

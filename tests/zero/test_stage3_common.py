@@ -17,7 +17,7 @@ from poplar.workloads import ResidualMLP
 from tests.toy import DIM, HIDDEN, VOCAB, global_batch, loss_fn, make_optimizer
 
 # One spawn per world size runs the workers of several test files (process start-up dominates
-# these tests' time): tests/test_stage3_<part>.py each define ``worker(rank, world)``.
+# these tests' time): tests/zero/test_stage3_<part>.py each define ``worker(rank, world)``.
 PARTS = {2: ("parity", "errors", "memory"), 3: ("parity", "ledger"), 4: ("memory",)}
 
 
@@ -122,7 +122,7 @@ def _run(world: int) -> list[dict[str, Any]]:
 
 
 def part_results(world: int, part: str) -> list[Any]:
-    """Each rank's result of ``tests/test_stage3_<part>.py``'s worker on ``world`` gloo ranks."""
+    """Each rank's result of ``tests/zero/test_stage3_<part>.py``'s worker on ``world`` gloo ranks."""
     results = [r[part] for r in _run(world)]
     for rank, r in enumerate(results):
         if isinstance(r, RuntimeError):

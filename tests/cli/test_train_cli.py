@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 TORCHRUN = Path(sys.executable).with_name("torchrun")
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _config(tmp: Path, **poplar: object) -> Path:

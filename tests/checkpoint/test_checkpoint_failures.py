@@ -260,3 +260,17 @@ def test_only_abandoned_temporaries_of_the_same_target_are_removed(tmp_path: Pat
     assert all(p.exists() for p in kept) and sorted(os.listdir(target)) == ["model.safetensors",
                                                                            "optim-rank0-of2.safetensors"]
     assert read_index(tmp_path / "c")["iteration"] == 0
+
+
+def test_a_checkpoint_left_aside_by_a_replacing_save_is_removed_by_the_next_save(tmp_path: Path) -> None:
+    """Rank 0 died between the two renames that replace a checkpoint: the older one is left as
+    ``.c.old-*``; the next save to c that succeeds removes it (and no other directory)."""
+    engine = make_engine(0, PLAN1)
+    save_checkpoint(engine, tmp_path / "c")
+    os.replace(tmp_path / "c", tmp_path / ".c.old-0123abcd")
+    others = [tmp_path / ".d.old-0123abcd", tmp_path / ".c.old-keep"]
+    for other in others:
+        other.mkdir()
+    save_checkpoint(engine, tmp_path / "c")
+    assert sorted(os.listdir(tmp_path)) == sorted(["c", *(p.name for p in others)])
+    assert read_index(tmp_path / "c")["iteration"] == 0

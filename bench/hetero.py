@@ -8,7 +8,8 @@ differ), C-1:3 = 1 A800-80G + 3 V100S-32G. Each cluster runs as one spawned proc
 rank with a ``VirtualDevice`` of its preset (memory and time scaled to the model by
 ``poplar.profiler.emulate.calibrate``; its compute is padded to the preset's curve, so its true
 curve t_i(b) = preset.time_s(b) x time_scale is known). Model: Llama-style (``poplar.workloads.models``,
-``llama-tiny`` by default), next-token loss on random tokens; fp32 AdamW.
+``llama-tiny`` by default), next-token loss on random tokens; AdamW. ``--precision fp16|bf16`` profiles
+and trains in mixed precision, devices at their presets' fp16/bf16 speed (no bf16 on V100/T4).
 
 Per cluster and ZeRO stage: profile every rank (``profile_rank``: capacity search, lock-step
 timing, collective bandwidth); check each rank's *true* mbs (the largest batch its memory model
@@ -45,7 +46,7 @@ measured - 1| (Poplar's plans alone: ``median_prediction_err_poplar``); the JSON
 error into profiled vs true curves and true-curve model vs run.
 
     .venv/bin/python bench/hetero.py [--clusters A,B,C,C-1:3] [--stages 0,1,2,3] [--iterations 10]
-                                     [--rounds 2] [--warmup 1] [--gbs 48] [--json PATH]
+                                     [--rounds 2] [--warmup 1] [--gbs 48] [--precision fp32] [--json PATH]
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ from poplar.planner.cost_model import CommModel, evaluate_rows
 from poplar.planner.curves import SpeedCurve
 from poplar.planner.groups import DeviceGroup
 from poplar.planner.ideal import ideal
-from poplar.types.plans import Plan
+from poplar.types.plans import Plan, write_text_atomic
+from poplar.types.precision import resolve_precision
 from poplar.profiler.capacity import CapacitySearch
 from poplar.profiler.emulate import calibrate, cluster_devices
 from poplar.profiler.local_comm import local_engine
@@ -107,7 +109,7 @@ def true_mbs(job: dict, device: Any, stage: int, rank: int, world: int, start: i
         device.release()
         model = job["model_fn"]()
         engine = local_engine(model, default_optimizer(model), world_size=world, rank=rank, zero_stage=stage,
-                              device=torch.device("cpu"))
+                              device=torch.device("cpu"), mixed_precision=job["precision"])
         stack.enter_context(device.attach(engine))
         return engine
 
@@ -140,7 +142,8 @@ def train(job: dict, device: Any, stage: int, plans: dict[str, Plan], rank: int)
     engines = {}
     for s, p in plans.items():
         model = job["model_fn"]()
-        engines[s] = PoplarEngine(model, default_optimizer(model), zero_stage=stage, plan=p)
+        engines[s] = PoplarEngine(model, default_optimizer(model), zero_stage=stage, plan=p,
+                                  mixed_precision=job["precision"])
     out: dict[str, Any] = {s: {"end": [], "measured": [], "compute": [], "comm": [], "late": [], "loss": [],
                                "collectives": []} for s in plans}
     names = list(plans)
@@ -172,7 +175,8 @@ def worker(rank: int, world: int, job: dict) -> dict:
     out = {}
     for stage in job["stages"]:
         t0 = time.perf_counter()
-        options = ProfileOptions(zero_stage=stage, escalate=False, repeats=job["repeats"], model_name=job["model"])
+        options = ProfileOptions(zero_stage=stage, escalate=False, repeats=job["repeats"], model_name=job["model"],
+                                 mixed_precision=job["precision"])
         prof = profile_rank(job["model_fn"], llama_loss_fn, job["sample_fn"], device,
                             optimizer_fn=default_optimizer, options=options, log=lambda m: None)
         t_prof = time.perf_counter() - t0
@@ -325,14 +329,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--model", default="llama-tiny", choices=["llama-tiny", "llama-small"])
     ap.add_argument("--seq", type=int, default=32, help="tokens per sample")
     ap.add_argument("--repeats", type=int, default=3, help="profiler measurements per batch size")
+    ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"], help="compute precision")
     ap.add_argument("--json", default=None, help="write every measurement here")
     args = ap.parse_args()
-    try:
-        args.stages = [int(s) for s in args.stages.split(",")]
-    except ValueError:
+    if not all(s.strip() in ("0", "1", "2", "3") for s in args.stages.split(",")):
         ap.error(f"--stages must be a comma-separated list of 0-3, got {args.stages!r}")
-    if any(s not in (0, 1, 2, 3) for s in args.stages):
-        ap.error(f"--stages must be in 0-3, got {args.stages}")
+    args.stages = [int(s) for s in args.stages.split(",")]
     if min(args.iterations, args.warmup, args.rounds, args.gbs, args.seq, args.repeats) < 1:
         ap.error("--iterations, --warmup, --rounds, --gbs, --seq and --repeats must be >= 1")
     longest = LLAMA_SIZES[args.model.removeprefix("llama-")].max_seq_len
@@ -340,6 +342,8 @@ def parse_args() -> argparse.Namespace:
         ap.error(f"--seq {args.seq} is longer than {args.model}'s max_seq_len {longest}; use --seq <= {longest}")
     try:
         args.specs = [ClusterSpec.resolve(c) for c in args.clusters.split(",")]
+        for spec in args.specs:  # bf16 on V100 / T4: refused here
+            spec.check_precision(args.precision)
     except ClusterError as e:
         ap.error(str(e))
     return args
@@ -350,22 +354,23 @@ def main() -> None:
     t_start = time.perf_counter()
     model_fn = functools.partial(create_model, args.model)
     sample_fn = functools.partial(sample, seq=args.seq)
+    policy = resolve_precision(args.precision)
     rows, meta = [], {}
     for spec in args.specs:
         t0 = time.perf_counter()
-        cal = calibrate(model_fn, llama_loss_fn, sample_fn, spec, 0, optimizer_fn=default_optimizer)
-        devices = cluster_devices(spec, cal.memory_scale, cal.time_scale)
+        cal = calibrate(model_fn, llama_loss_fn, sample_fn, spec, 0, optimizer_fn=default_optimizer,
+                        mixed_precision=policy)
+        devices = cluster_devices(spec, cal.memory_scale, cal.time_scale, policy)
         print(f"# {spec.describe()}: memory scale {cal.memory_scale:.3g}, time scale {cal.time_scale:.3g}",
               file=sys.stderr, flush=True)
         job = {"model": args.model, "model_fn": model_fn, "sample_fn": sample_fn, "stages": args.stages,
                "devices": devices, "repeats": args.repeats, "gbs": args.gbs, "seq": args.seq,
-               "warmup": args.warmup, "iterations": args.iterations, "rounds": args.rounds}
+               "warmup": args.warmup, "iterations": args.iterations, "rounds": args.rounds, "precision": policy}
         results = spawn(worker, spec.world_size, (job,), timeout_s=3600, collective_timeout_s=900)
         for stage in args.stages:
             rows.append(analyse(spec.name, stage, results, devices, args))
         meta[spec.name] = {"calibration": cal.to_dict(), "seconds": time.perf_counter() - t0}
         print(f"# {spec.name}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-    wall = time.perf_counter() - t_start
     print(table(rows))
     errs = [abs(p["prediction_err"]) for r in rows for p in r["plans"].values()]
     b_rows = [r["speedup_vs_even"] for r in rows if r["cluster"] == "B"]
@@ -380,15 +385,14 @@ def main() -> None:
         "mbs_all_match": all(r["mbs_match"] for r in rows),
         "max_loss_diff": max(r["max_loss_diff"] for r in rows),
         "late_steps": sum(r["late_steps"] for r in rows),
-        "wall_s": round(wall, 1), "gbs": args.gbs, "model": args.model, "seq": args.seq,
-        "iterations": args.iterations, "warmup": args.warmup, "rounds": args.rounds,
+        "wall_s": round(time.perf_counter() - t_start, 1), "gbs": args.gbs, "model": args.model, "seq": args.seq,
+        "precision": args.precision, "iterations": args.iterations, "warmup": args.warmup, "rounds": args.rounds,
         "clusters": [s.name for s in args.specs], "stages": args.stages, "targets": TARGETS}
     for line in notes(rows, result):
         print("note: " + line)
     if args.iterations < 5:
         print(f"note: medians over {args.iterations} iterations; the headline figures need >= 5", file=sys.stderr)
     if args.json:
-        from poplar.types.plans import write_text_atomic
         write_text_atomic(args.json, json.dumps({"result": result, "rows": rows, "clusters": meta}, indent=1) + "\n")
     print("RESULT " + json.dumps(result))
 

@@ -10,7 +10,14 @@ speed b / t_true(b) at every b in 1..mbs. Per stage the median and max relative 
 over all ranks and batches are printed; the last line is ``RESULT {json}`` with the worst
 stage's ``median_rel_err`` and ``max_rel_err`` (fractions; targets 0.02 and 0.05).
 
+Precision axis (``--precisions``, default fp32 and fp16): each precision profiles under its
+mixed-precision policy, on devices padding to their preset's curve at that precision (fp16 is
+faster by the preset's dtype factor), so the truth is the preset curve at that precision. One
+calibration per cluster (under the low precision, whose scales cover fp32 too) serves every
+precision. The worst over stages and precisions is the RESULT.
+
     .venv/bin/python bench/profile_accuracy.py [--clusters mixed3,B] [--stages 0,1,2,3] [--model token-mlp]
+                                               [--precisions fp32,fp16] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from poplar.comm.launch import spawn
 from poplar.planner.curves import SpeedCurve
 from poplar.profiler.emulate import calibrate, cluster_devices
 from poplar.profiler.profile_run import ProfileOptions, default_optimizer, profile_rank
+from poplar.types.presets import precision_of
 from poplar.types.profiles import Profile
 from poplar.workloads import WORKLOADS, get_workload
 
@@ -47,7 +55,8 @@ def worker(rank: int, world: int, job: dict) -> dict:
     out = {}
     for stage in job["stages"]:
         device = job["devices"][rank]
-        options = ProfileOptions(zero_stage=stage, repeats=job["repeats"], escalate=False, model_name=w.name)
+        options = ProfileOptions(zero_stage=stage, repeats=job["repeats"], escalate=False, model_name=w.name,
+                                 mixed_precision=job["precision"])
         t0 = time.perf_counter()
         prof = profile_rank(w.model_fn, w.loss_fn, w.sample_fn, device, optimizer_fn=default_optimizer,
                             options=options, log=(lambda m: None) if rank else
@@ -72,6 +81,61 @@ def errors(profile: Profile, devices: list) -> tuple[list[float], list[dict]]:
     return all_errs, rows
 
 
+def run_cluster(name: str, args: argparse.Namespace, stages: list[int], precisions: list[str]) -> list[dict]:
+    """Every precision x stage on one cluster: one calibration, one spawned run per precision;
+    rows (with their errors) for the report."""
+    spec = resolve(name)
+    w = get_workload(args.model)
+    low = next((p for p in precisions if p != "fp32"), None)
+    cal = calibrate(w.model_fn, w.loss_fn, w.sample_fn, spec, 0, optimizer_fn=default_optimizer, mixed_precision=low)
+    print(f"# {spec.describe()}: memory scale {cal.memory_scale:.3g}, time scale {cal.time_scale:.3g}",
+          file=sys.stderr, flush=True)
+    report = []
+    for precision in precisions:
+        devices = cluster_devices(spec, cal.memory_scale, cal.time_scale, precision)
+        job = {"model": args.model, "stages": stages, "devices": devices, "repeats": args.repeats,
+               "precision": None if precision == "fp32" else precision}
+        t0 = time.perf_counter()
+        results = spawn(worker, spec.world_size, (job,), timeout_s=1800, collective_timeout_s=900)
+        for stage in stages:
+            prof = Profile.from_dict(results[0][stage]["profile"])
+            errs, rows = errors(prof, devices)
+            for r in rows:
+                print(f"{name:>8} {precision:>5} {stage:>5} {r['rank']:>4} {r['device']:>12} {r['mbs']:>4} "
+                      f"{r['trial_steps']:>6} {r['points']:>6} {r['median_rel_err']:>10.4f} "
+                      f"{r['max_rel_err']:>8.4f} {r['max_point_err']:>10.4f}")
+            report.append({"cluster": name, "precision": precision, "stage": stage, "ranks": rows, "errors": errs,
+                           "late_steps": sum(v["late_steps"] for v in prof.meta["ranks"].values())})
+        print(f"# {name} {precision}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    return report
+
+
+def summarize(report: list[dict], precisions: list[str], stages: list[int]) -> dict:
+    """Median and max errors per precision x stage (printed), and the worst of them: overall, per
+    stage and per precision (the RESULT's numbers)."""
+    summary = {}
+    for key in [(p, s) for p in precisions for s in stages]:
+        rows = [r for r in report if (r["precision"], r["stage"]) == key]
+        errs = [e for r in rows for e in r["errors"]]
+        summary[key] = {"median_rel_err": float(statistics.median(errs)), "max_rel_err": float(max(errs)),
+                        "late_steps": sum(r["late_steps"] for r in rows)}
+    for (p, s), v in summary.items():
+        print(f"{p} stage {s}: median {v['median_rel_err']:.4f}, max {v['max_rel_err']:.4f} "
+              f"(micro-steps whose real CPU compute overran the curve: {v['late_steps']})")
+
+    def worst(key: str, precision: str | None = None, stage: int | None = None) -> float:
+        return max(v[key] for (q, t), v in summary.items() if precision in (None, q) and stage in (None, t))
+
+    return {"median_rel_err": worst("median_rel_err"), "max_rel_err": worst("max_rel_err"),
+            "per_stage": {str(s): {"median_rel_err": worst("median_rel_err", stage=s),
+                                   "max_rel_err": worst("max_rel_err", stage=s),
+                                   "late_steps": sum(v["late_steps"] for (_, t), v in summary.items() if t == s)}
+                          for s in stages},
+            "per_precision": {p: {"median_rel_err": worst("median_rel_err", p),
+                                  "max_rel_err": worst("max_rel_err", p)} for p in precisions},
+            "precisions": precisions}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--clusters", default="mixed3,B")
@@ -79,43 +143,22 @@ def main() -> None:
     ap.add_argument("--model", default="token-mlp", choices=list(WORKLOADS),
                     help="built-in workload (poplar.workloads); the default is the fastest")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--precisions", default="fp32,fp16",
+                    help="fp32 and/or one low precision (fp16 runs on every preset; bf16 not on V100 / T4)")
     args = ap.parse_args()
     stages = [int(s) for s in args.stages.split(",")]
-    w = get_workload(args.model)
-    per_stage: dict[int, list[float]] = {s: [] for s in stages}
-    report = []
-    print(f"{'cluster':>8} {'stage':>5} {'rank':>4} {'device':>12} {'mbs':>4} {'trials':>6} {'points':>6} "
-          f"{'median err':>10} {'max err':>8} {'max pt err':>10}")
-    for name in args.clusters.split(","):
-        spec = resolve(name)
-        cal = calibrate(w.model_fn, w.loss_fn, w.sample_fn, spec, 0, optimizer_fn=default_optimizer)
-        print(f"# {spec.describe()}: memory scale {cal.memory_scale:.3g}, time scale {cal.time_scale:.3g}",
-              file=sys.stderr, flush=True)
-        devices = cluster_devices(spec, cal.memory_scale, cal.time_scale)
-        job = {"model": args.model, "stages": stages, "devices": devices, "repeats": args.repeats}
-        t0 = time.perf_counter()
-        results = spawn(worker, spec.world_size, (job,), timeout_s=1800, collective_timeout_s=900)
-        for stage in stages:
-            prof = Profile.from_dict(results[0][stage]["profile"])
-            errs, rows = errors(prof, devices)
-            per_stage[stage].extend(errs)
-            for r in rows:
-                print(f"{name:>8} {stage:>5} {r['rank']:>4} {r['device']:>12} {r['mbs']:>4} {r['trial_steps']:>6} "
-                      f"{r['points']:>6} {r['median_rel_err']:>10.4f} {r['max_rel_err']:>8.4f} "
-                      f"{r['max_point_err']:>10.4f}")
-            report.append({"cluster": name, "stage": stage, "ranks": rows,
-                           "late_steps": sum(v["late_steps"] for v in prof.meta["ranks"].values())})
-        print(f"# {name}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-    summary = {s: {"median_rel_err": float(statistics.median(e)), "max_rel_err": float(max(e)),
-                   "late_steps": sum(r["late_steps"] for r in report if r["stage"] == s)}
-               for s, e in per_stage.items()}
-    for s, v in summary.items():
-        print(f"stage {s}: median {v['median_rel_err']:.4f}, max {v['max_rel_err']:.4f} "
-              f"(micro-steps whose real CPU compute overran the curve: {v['late_steps']})")
-    result = {"median_rel_err": max(v["median_rel_err"] for v in summary.values()),
-              "max_rel_err": max(v["max_rel_err"] for v in summary.values()),
-              "per_stage": {str(s): v for s, v in summary.items()}, "clusters": args.clusters.split(","),
-              "model": args.model, "targets": {"median_rel_err": 0.02, "max_rel_err": 0.05}}
+    try:
+        precisions = list(dict.fromkeys(str(precision_of(p)) for p in args.precisions.split(",")))
+    except ValueError as e:
+        ap.error(str(e))
+    if len([p for p in precisions if p != "fp32"]) > 1:
+        ap.error("--precisions: fp32 and at most one of bf16 / fp16")
+    print(f"{'cluster':>8} {'prec':>5} {'stage':>5} {'rank':>4} {'device':>12} {'mbs':>4} {'trials':>6} "
+          f"{'points':>6} {'median err':>10} {'max err':>8} {'max pt err':>10}")
+    report = [row for name in args.clusters.split(",") for row in run_cluster(name, args, stages, precisions)]
+    result = summarize(report, precisions, stages)
+    result.update(clusters=args.clusters.split(","), model=args.model,
+                  targets={"median_rel_err": 0.02, "max_rel_err": 0.05})
     print("RESULT " + json.dumps(result))
 
 

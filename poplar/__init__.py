@@ -14,6 +14,7 @@ __all__ = [
     "Profile", "ProfileError", "ProfilePoint", "RankProfile", "CommProfile",
     "PoplarEngine", "AutoOptions", "plan", "simulate", "profile",
     "StepObserver", "MicroStep", "IterationStats",
+    "MixedPrecision", "LossScaleConfig", "NonFinitePolicy",
 ]
 
 # Each feature adds its public names below (one import line per subpackage).
@@ -22,4 +23,6 @@ from poplar.engine import PoplarEngine  # noqa: E402
 from poplar.planner import plan, simulate  # noqa: E402
 from poplar.profiler import profile  # noqa: E402
 from poplar.train import loop as _loop  # noqa: E402,F401 - registers the loop behind PoplarEngine.fit
+from poplar.types.precision import LossScaleConfig, MixedPrecision  # noqa: E402
+from poplar.zero.nonfinite import NonFinitePolicy  # noqa: E402
 from poplar.zero.observers import IterationStats, MicroStep, StepObserver  # noqa: E402

@@ -18,6 +18,12 @@ shards anything, with an optimizer of the user's class and hyper-parameters, on 
 from ``profile_data``: a map-style dataset (its first samples, cycled) or ``sample_fn(b)``.
 A measured profile can be reused (``AutoOptions.profile``: a path or a ``Profile``) to skip
 profiling; ``AutoOptions.profile_output`` saves it (rank 0).
+
+Precision. ``auto_plan(..., mixed_precision=...)`` (the engine passes its own) profiles under
+the run's policy: the copies trained run at that precision, emulated devices compute at their
+presets' speed for it, and the profile records it. A device without it (bf16 on a V100 or T4)
+is one clear error on every rank, before anything is profiled; a reused profile measured at
+another precision is refused (its mbs and speeds are not this run's).
 """
 
 from __future__ import annotations
@@ -37,9 +43,12 @@ from poplar.planner.planning import load_profile
 from poplar.profiler.cuda_device import CudaDevice
 from poplar.profiler.devices import Device
 from poplar.profiler.emulate import CalibrationInputs, emulate_cluster_together
+from poplar.profiler.precision import agree_precision_support, profile_precision
 from poplar.profiler.profile_run import ProfileOptions, profile_rank
 from poplar.types.logs import log
 from poplar.types.plans import Plan, PlanError
+from poplar.types.precision import MixedPrecision, resolve_precision
+from poplar.types.presets import precision_of
 from poplar.types.profiles import Profile, ProfileError
 from poplar.zero.optim import optimizer_like
 
@@ -105,25 +114,25 @@ def clone_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module,
 
 def _measure(comm: Communicator, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable,
              sample_fn: Any, zero_stage: int, home: torch.device, cluster: Any, device: Device | None,
-             options: AutoOptions, bucket_size_mb: float, wrap_policy: Any,
+             options: AutoOptions, bucket_size_mb: float, wrap_policy: Any, policy: MixedPrecision | None,
              say: Callable[[str], None]) -> tuple[Profile, Device | None]:
     """The profile (measured, or loaded from ``options.profile``) and this rank's device."""
     snapshot = copy.deepcopy(model)  # on the CPU: the caller moved the model there
     model_fn = lambda: copy.deepcopy(snapshot)  # noqa: E731
     optimizer_fn = lambda m: clone_optimizer(optimizer, m, model)  # noqa: E731
     inputs = CalibrationInputs(model_fn, loss_fn, sample_fn, optimizer_fn, zero_stage, bucket_size_mb, wrap_policy,
-                               options.max_batch)
+                               options.max_batch, policy)
     profile = None
     if options.profile is not None:
-        profile, options = _load_profile(comm, options, say)
+        profile, options = _load_profile(comm, options, policy, say)
     device = _rank_device(comm, home, cluster, device, options, inputs, needed=profile is None)
     if profile is None:
         assert device is not None
         popts = ProfileOptions(zero_stage=zero_stage, escalate=options.escalate, max_batch=options.max_batch,
                                repeats=options.repeats, bucket_size_mb=bucket_size_mb, wrap_policy=wrap_policy,
                                model_name=type(model).__name__, progress=options.progress,
-                               meta=device.profile_meta())
-        say(f"profiling {comm.world_size} ranks at ZeRO-{zero_stage} ...")
+                               meta=device.profile_meta(), mixed_precision=policy)
+        say(f"profiling {comm.world_size} ranks at ZeRO-{zero_stage}, {precision_of(policy)} ...")
         profile = profile_rank(model_fn, loss_fn, sample_fn, device, optimizer_fn=optimizer_fn, options=popts,
                                log=lambda m: say(m.removeprefix("[poplar profile] ")), process_group=comm.group)
         # rank 0's copy everywhere: the per-rank copies differ only in their own wall-clock notes
@@ -131,18 +140,26 @@ def _measure(comm: Communicator, model: nn.Module, optimizer: torch.optim.Optimi
                                                            tag="auto:profile")[0])
         if options.profile_output is not None and comm.rank == 0:
             profile.save(options.profile_output)
+    elif device is not None:  # a reused profile: the device must still compute at the run's precision
+        agree_precision_support(comm, device, policy, "auto mode precision")
     return profile, device
 
 
-def _load_profile(comm: Communicator, options: AutoOptions, say: Callable[[str], None]) -> tuple[Profile, AutoOptions]:
-    """``options.profile``, checked on every rank; the options then emulate the scales it was
-    measured at, unless they name their own."""
+def _load_profile(comm: Communicator, options: AutoOptions, policy: MixedPrecision | None,
+                  say: Callable[[str], None]) -> tuple[Profile, AutoOptions]:
+    """``options.profile``, checked on every rank (its rank count and precision must be this
+    run's); the options then emulate the scales it was measured at, unless they name their own."""
     error, profile = None, None
     try:
         profile = load_profile(options.profile)
+        measured, wanted = profile_precision(profile.meta), precision_of(policy)
         if profile.world_size != comm.world_size:
             error = (f"the profile has {profile.world_size} ranks but the job has {comm.world_size}; "
                      "profile this cluster again")
+        elif measured is not wanted:
+            error = (f"the profile was measured at {measured} but this run computes in {wanted}: its micro-batch "
+                     f"sizes and speeds are not this run's; profile again with mixed_precision=\"{wanted}\" "
+                     f"or run at {measured}")
     except (ProfileError, OSError, ValueError) as e:
         error = f"cannot use the profile {options.profile}: {e}"
     comm.agree(error, "auto mode profile", error_type=ProfileError)
@@ -177,25 +194,35 @@ def _rank_device(comm: Communicator, home: torch.device, cluster: Any, device: D
     return device
 
 
+def _check_inputs(global_batch_size: Any, loss_fn: Callable | None, profile_data: Any, options: AutoOptions,
+                  mixed_precision: Any) -> tuple[str | None, MixedPrecision | None, Callable[[int], Any] | None]:
+    """(what is wrong with auto mode's inputs or None, the precision policy, ``sample_fn``)."""
+    try:
+        policy = resolve_precision(mixed_precision)
+    except ValueError as e:
+        return str(e), None, None
+    if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
+        return f"global_batch_size must be an int >= 1, got {global_batch_size!r}", policy, None
+    if loss_fn is None:
+        return "auto mode needs loss_fn(module, micro_batch) -> mean loss, to profile and to train", policy, None
+    if options.profile is None and profile_data is None:
+        return ("auto mode needs profile_data (a dataset or sample_fn(b)) to profile on, or "
+                "AutoOptions(profile=...)"), policy, None
+    try:
+        return None, policy, None if profile_data is None else sample_fn_of(profile_data, options.collate_fn)
+    except ValueError as e:
+        return str(e), policy, None
+
+
 def auto_plan(comm: Communicator, model: nn.Module, optimizer: torch.optim.Optimizer, *, global_batch_size: int,
               zero_stage: int, loss_fn: Callable | None, profile_data: Any, cluster: Any = None,
               device: Device | None = None, options: AutoOptions | None = None, bucket_size_mb: float = 25.0,
-              wrap_policy: Any = None) -> AutoResult:
-    """Profile (or load a profile), plan, and log the plan: the engine's auto mode."""
+              wrap_policy: Any = None, mixed_precision: Any = None) -> AutoResult:
+    """Profile (or load a profile), plan, and log the plan: the engine's auto mode.
+    ``mixed_precision`` is the run's precision (the engine's argument: None, "fp32", "bf16",
+    "fp16" or a ``MixedPrecision``); profiling runs under it."""
     options = options or AutoOptions()
-    error = None
-    if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
-        error = f"global_batch_size must be an int >= 1, got {global_batch_size!r}"
-    elif loss_fn is None:
-        error = "auto mode needs loss_fn(module, micro_batch) -> mean loss, to profile and to train"
-    elif options.profile is None and profile_data is None:
-        error = "auto mode needs profile_data (a dataset or sample_fn(b)) to profile on, or AutoOptions(profile=...)"
-    sample_fn = None
-    if error is None and profile_data is not None:
-        try:
-            sample_fn = sample_fn_of(profile_data, options.collate_fn)
-        except ValueError as e:
-            error = str(e)
+    error, policy, sample_fn = _check_inputs(global_batch_size, loss_fn, profile_data, options, mixed_precision)
     comm.agree(error, "auto mode set-up", error_type=ProfileError)
 
     say = (lambda m: log.info(m)) if options.progress and comm.rank == 0 else (lambda m: None)
@@ -204,7 +231,7 @@ def auto_plan(comm: Communicator, model: nn.Module, optimizer: torch.optim.Optim
         model.to("cpu")  # profiling gets the whole GPU (the copies it trains live there); moved back below
     try:
         profile, device = _measure(comm, model, optimizer, loss_fn, sample_fn, zero_stage, home, cluster, device,
-                                   options, bucket_size_mb, wrap_policy, say)
+                                   options, bucket_size_mb, wrap_policy, policy, say)
     finally:
         if home.type != "cpu":
             model.to(home)

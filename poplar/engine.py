@@ -18,7 +18,9 @@ from poplar.auto import AutoOptions, AutoResult, auto_plan
 from poplar.comm import Communicator
 from poplar.profiler.devices import Device, DeviceKind
 from poplar.types.plans import Plan
+from poplar.types.precision import MixedPrecision
 from poplar.types.profiles import Profile
+from poplar.zero.nonfinite import NonFinitePolicy
 from poplar.zero.runtime import LossFn, ZeroRuntime
 from poplar.zero.timeline import MicroStepTimeline
 
@@ -38,7 +40,10 @@ class PoplarEngine(ZeroRuntime):
 
     With a plan: ``PoplarEngine(model, optimizer, zero_stage=..., plan=...)``; the arguments are
     those of ``ZeroRuntime`` (``max_grad_norm``, ``bucket_size_mb``, ``wrap_policy``,
-    ``process_group``, ``communicator``, ``loss_fn``).
+    ``process_group``, ``communicator``, ``loss_fn``, ``mixed_precision``, ``nonfinite``,
+    ``max_consecutive_skips``). ``mixed_precision``: None or "fp32", "bf16", "fp16" or a
+    ``poplar.MixedPrecision``; ``engine.loss_scale``, ``engine.loss_scaler`` (fp16) and
+    ``engine.skipped_steps`` tell how it goes.
 
     Auto mode (no ``plan``; see ``poplar.auto``): give ``global_batch_size`` and ``loss_fn``
     instead, and the engine profiles every rank's device (largest micro-batch, speed curve),
@@ -62,7 +67,10 @@ class PoplarEngine(ZeroRuntime):
                  plan: Plan | None = None, process_group: Any = None, max_grad_norm: float | None = None,
                  bucket_size_mb: float = 25.0, wrap_policy: Any = None, communicator: Communicator | None = None,
                  global_batch_size: int | None = None, loss_fn: LossFn | None = None, profile_data: Any = None,
-                 cluster: Any = None, device: Device | None = None, auto: AutoOptions | None = None) -> None:
+                 cluster: Any = None, device: Device | None = None, auto: AutoOptions | None = None,
+                 mixed_precision: MixedPrecision | str | None = None,
+                 nonfinite: NonFinitePolicy | str = NonFinitePolicy.SKIP,
+                 max_consecutive_skips: int = 5) -> None:
         comm = communicator if communicator is not None else Communicator(process_group,
                                                                            next(model.parameters()).device)
         self.auto_result: AutoResult | None = None
@@ -70,14 +78,16 @@ class PoplarEngine(ZeroRuntime):
             self.auto_result = auto_plan(comm, model, optimizer, global_batch_size=global_batch_size,
                                          zero_stage=zero_stage, loss_fn=loss_fn, profile_data=profile_data,
                                          cluster=cluster, device=device, options=auto, bucket_size_mb=bucket_size_mb,
-                                         wrap_policy=wrap_policy)
+                                         wrap_policy=wrap_policy, mixed_precision=mixed_precision)
             plan, zero_stage, device = self.auto_result.plan, self.auto_result.plan.zero_stage, \
                 self.auto_result.device
         elif isinstance(plan, Plan) and global_batch_size is not None and global_batch_size != plan.global_batch_size:
             raise ValueError(f"global_batch_size={global_batch_size} but the plan's rows sum to "
                              f"{plan.global_batch_size}; give one of them")
         super().__init__(model, optimizer, plan=plan, zero_stage=zero_stage, max_grad_norm=max_grad_norm,
-                         bucket_size_mb=bucket_size_mb, wrap_policy=wrap_policy, communicator=comm, loss_fn=loss_fn)
+                         bucket_size_mb=bucket_size_mb, wrap_policy=wrap_policy, communicator=comm, loss_fn=loss_fn,
+                         mixed_precision=mixed_precision, nonfinite=nonfinite,
+                         max_consecutive_skips=max_consecutive_skips)
         self.device: Device | None = device
         self.timeline = MicroStepTimeline()
         self.add_observer(self.timeline)

@@ -58,8 +58,8 @@ on every rank together).
 """
 
 from poplar.checkpoint.errors import CheckpointError
-from poplar.checkpoint.kept import Latest, find_latest, save_kept
-from poplar.checkpoint.layout import FORMAT_VERSION, optim_file_name, read_index
+from poplar.checkpoint.kept import Latest, find_latest, read_index, save_kept
+from poplar.checkpoint.layout import FORMAT_VERSION, optim_file_name
 from poplar.checkpoint.load import load_checkpoint
 from poplar.checkpoint.save import save_checkpoint
 

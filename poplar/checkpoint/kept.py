@@ -149,6 +149,15 @@ def _choose(root: Path) -> Latest | None:
     return None
 
 
+def read_index(directory: str | os.PathLike) -> dict[str, Any]:
+    """The parsed index.json of a checkpoint directory (checked for format, version and its
+    checksum); of a directory of kept checkpoints, that of its latest complete one."""
+    try:
+        return parse_index(resolve(Path(directory)))
+    except Invalid as e:
+        raise CheckpointError(str(e)) from None
+
+
 def resolve(directory: Path) -> Path:
     """A kept-checkpoints directory's latest complete checkpoint; any other directory as it is."""
     try:

@@ -33,17 +33,6 @@ def optim_file_name(rank: int, world_size: int) -> str:
     return f"optim-rank{rank}-of{world_size}.safetensors"
 
 
-def read_index(directory: str | os.PathLike) -> dict[str, Any]:
-    """The parsed index.json of a checkpoint directory (checked for format, version and its
-    checksum); of a directory of kept checkpoints, that of its latest complete one."""
-    from poplar.checkpoint.kept import resolve
-
-    try:
-        return parse_index(resolve(Path(directory)))
-    except Invalid as e:
-        raise CheckpointError(str(e)) from None
-
-
 def parse_index(directory: Path) -> dict[str, Any]:
     """``read_index`` raising ``Invalid``, for use before an agreement point."""
     path = directory / INDEX_FILE

@@ -81,6 +81,7 @@ def load_checkpoint(engine: Any, directory: str | os.PathLike, *, verify_hashes:
         engine.stage.load_full_state_dict(loaded["model"])
         engine.optimizer.load_state_dict(loaded["optimizer"])
         engine.restore_iteration(int(index["iteration"]))
+        restore_precision_state(engine, index.get("precision"))
         for kind, state in loaded["rng"].items():
             if kind == "cpu":
                 torch.set_rng_state(state)
@@ -124,6 +125,18 @@ def _check_params(index: dict, expected: dict) -> None:
             lines.append(f"shapes differ: {shapes[:6]}")
         raise Invalid("the checkpoint does not match the model (a different architecture or size?): "
                       + "; ".join(lines))
+
+
+def restore_precision_state(engine: Any, state: dict[str, Any] | None) -> None:
+    """Continue the saved run's skipped-step count and, when both runs scale the loss (fp16), its
+    loss scale. A checkpoint of another policy (or of a version that saved none) leaves the
+    new run's scaler at its initial scale."""
+    if not state:
+        return
+    if state.get("nonfinite"):
+        engine.nonfinite.load_state_dict(state["nonfinite"])
+    if state.get("loss_scaler") and engine.loss_scaler is not None:
+        engine.loss_scaler.load_state_dict(state["loss_scaler"])
 
 
 def _read_rng(engine: Any, index: dict, files: CheckpointFiles) -> dict[str, torch.Tensor]:

@@ -105,8 +105,19 @@ def _index(engine: Any, full: dict[str, torch.Tensor], model_facts: dict[str, An
         "optimizer": {"class": type(engine.optimizer).__name__,
                       "param_groups": [group_hyperparams(g) for g in engine.optimizer.param_groups]},
         "ranks": infos,
+        "precision": precision_state(engine),
         "extra": extra,
     }
+
+
+def precision_state(engine: Any) -> dict[str, Any]:
+    """The precision policy the run trained under, its loss scaler (fp16) and its skipped steps:
+    a resumed run continues them; weights and optimizer state are fp32 under every policy, so
+    a checkpoint loads under any other policy."""
+    policy, scaler = engine.mixed_precision, engine.loss_scaler
+    return {"policy": None if policy is None else policy.to_dict(),
+            "loss_scaler": None if scaler is None else scaler.state_dict(),
+            "nonfinite": engine.nonfinite.state_dict()}
 
 
 def _optimizer_pieces(engine: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

@@ -5,6 +5,9 @@ runs auto mode: profile, plan, train a small Llama-style model on the text shipp
 Then the same engine trains as many iterations under the ``even`` plan (equal shares, the
 micro-batch of the smallest GPU: what DeepSpeed runs), and the demo prints measured throughput
 of both plans and predicted vs measured iteration time. Reports go to ``--report-dir``.
+``--precision bf16|fp16`` trains (and profiles) in mixed precision; the emulated GPUs then run at
+their presets' bf16 / fp16 speed. Cluster B's V100 and T4 have no bf16: there bf16 is refused
+with the reason, and fp16 works.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ def _rank_main(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
     engine = PoplarEngine(model, optimizer, zero_stage=args["stage"], global_batch_size=args["gbs"],
                           loss_fn=llama_loss_fn, profile_data=data, cluster=args["cluster"], max_grad_norm=1.0,
-                          auto=AutoOptions(repeats=2))
+                          auto=AutoOptions(repeats=2), mixed_precision=args["precision"])
     setup_s = time.perf_counter() - t0
     report = args["report_dir"]
     results = {"setup_s": setup_s, "profile": engine.profile.to_dict()}
@@ -51,15 +54,20 @@ def _rank_main(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
 
 
 def run(cluster: str = "B", stage: int = 2, gbs: int = 64, iterations: int = 30, model: str = "llama-tiny",
-        seq_len: int = 64, report_dir: str | None = "runs/demo", log_every: int = 10) -> dict[str, Any]:
+        seq_len: int = 64, report_dir: str | None = "runs/demo", log_every: int = 10,
+        precision: str = "fp32") -> dict[str, Any]:
     from poplar.types.cluster import ClusterSpec
+    from poplar.types.presets import precision_of
 
     spec = ClusterSpec.resolve(cluster)
+    precision = str(precision_of(precision))
+    spec.check_precision(precision)  # bf16 on cluster B's V100 / T4: the reason, before any process starts
     print(f"Poplar demo: {spec.describe()} emulated on this CPU ({spec.world_size} processes, gloo), "
-          f"{model}, ZeRO-{stage}, global batch {gbs}, {iterations} iterations per plan\n", flush=True)
+          f"{model}, ZeRO-{stage}, {precision}, global batch {gbs}, {iterations} iterations per plan\n", flush=True)
     t0 = time.perf_counter()
     args = {"cluster": spec, "stage": stage, "gbs": gbs, "iterations": iterations, "model": model,
-            "seq_len": seq_len, "lr": 3e-3, "seed": 0, "report_dir": report_dir, "log_every": log_every}
+            "seq_len": seq_len, "lr": 3e-3, "seed": 0, "report_dir": report_dir, "log_every": log_every,
+            "precision": precision}
     out = spawn(_rank_main, spec.world_size, (args,), timeout_s=1200, collective_timeout_s=300)[0]
     print(summary(out))
     print(f"\ntotal {time.perf_counter() - t0:.0f} s (profiling and planning {out['setup_s']:.0f} s)"
@@ -81,6 +89,9 @@ def summary(out: dict[str, Any]) -> str:
     losses = out["poplar"]["fit"]["losses"] + out["even"]["fit"]["losses"]
     rows.append(f"\nthroughput poplar / even: {speedup:.2f}x (measured side by side, medians after warm-up)")
     rows.append(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} iterations")
+    prof = out["profile"]
+    rows.append(f"profiled at {prof['meta'].get('precision', 'fp32')}: mbs per rank "
+                + ", ".join(f"{r['device_type']} {r['mbs']}" for r in prof["ranks"]))
     return "\n".join(rows)
 
 
@@ -93,5 +104,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--iterations", type=int, default=30, help="iterations per plan")
     p.add_argument("--model", default="llama-tiny", help="llama-tiny, llama-small, ...")
     p.add_argument("--report-dir", default="runs/demo", help="where reports go ('' for none)")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
+                   help="compute precision (bf16/fp16: mixed precision with fp32 master weights; cluster B's "
+                        "V100 and T4 have no bf16)")
     p.set_defaults(func=lambda a: 0 if run(a.cluster, a.stage, a.gbs, a.iterations, a.model,
-                                           report_dir=a.report_dir or None) else 1)
+                                           report_dir=a.report_dir or None, precision=a.precision) else 1)

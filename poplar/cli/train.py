@@ -3,7 +3,8 @@
 world of one). CUDA + NCCL when the machine has GPUs, gloo on CPU. The config
 (``poplar.train.config``) names the model, data, optimizer, ZeRO stage and global batch; the plan
 comes from auto mode (profiling each rank's GPU, or the emulated cluster's device on CPU), a plan
-file, or an even split. Training logs measured vs predicted times, writes checkpoints and resumes
+file, or an even split. The config's ``bf16`` / ``fp16`` section sets the engine's mixed
+precision (profiling runs under it too). Training logs measured vs predicted times, writes checkpoints and resumes
 from them.
 
 A failure on any rank (a dead peer, a bad batch, a corrupt checkpoint) ends every rank with a
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 
 from poplar.types.logs import log
+from poplar.types.precision import MixedPrecision
 from poplar.train.config import ConfigError, TrainConfig
 
 
@@ -71,6 +73,9 @@ def choose_plan(cfg: TrainConfig, world: int, device: torch.device) -> tuple[Any
     if cfg.plan:
         return Plan.load(cfg.plan), False
     if device.type == "cuda" or cfg.cluster or cfg.profile:
+        if cfg.cluster and cfg.mixed_precision is not None:  # bf16 on an emulated V100 / T4: say so now
+            from poplar.types.cluster import ClusterSpec
+            ClusterSpec.resolve(cfg.cluster).check_precision(cfg.mixed_precision)
         return None, True
     if cfg.micro_batch_size is None:
         raise ConfigError('on a CPU without a GPU to profile, give "poplar.cluster" (emulate a cluster of GPUs), '
@@ -81,6 +86,19 @@ def choose_plan(cfg: TrainConfig, world: int, device: torch.device) -> tuple[Any
         raise ConfigError(f"train_batch_size {gbs} != train_micro_batch_size_per_gpu {cfg.micro_batch_size} x "
                           f"gradient_accumulation_steps {cfg.accum_steps} x {world} ranks")
     return Plan.even(world, gbs, cfg.micro_batch_size), False
+
+
+def describe_precision(policy: MixedPrecision) -> str:
+    """One line about a precision policy, for the log."""
+    text = f"{policy.precision} compute, fp32 master weights and optimizer state"
+    scale = policy.loss_scale
+    if scale is None:
+        return text
+    if scale.dynamic:
+        return (f"{text}, dynamic loss scale from {scale.initial_scale:g} (x{scale.growth_factor:g} after "
+                f"{scale.growth_interval} clean steps, x{scale.backoff:g} after {scale.hysteresis} overflows, "
+                f"min {scale.min_scale:g})")
+    return f"{text}, static loss scale {scale.static_scale:g}"
 
 
 def run(cfg: TrainConfig) -> int:
@@ -94,7 +112,8 @@ def run(cfg: TrainConfig) -> int:
     world = dist.get_world_size() if dist.is_initialized() else 1
     plan, auto = choose_plan(cfg, world, device)
     kwargs: dict[str, Any] = {"zero_stage": cfg.zero_stage, "max_grad_norm": cfg.gradient_clipping,
-                              "bucket_size_mb": cfg.bucket_size_mb, "loss_fn": loss_fn}
+                              "bucket_size_mb": cfg.bucket_size_mb, "loss_fn": loss_fn,
+                              "mixed_precision": cfg.mixed_precision}
     if auto:
         kwargs.update(global_batch_size=cfg.global_batch_size(world), profile_data=data, cluster=cfg.cluster,
                       auto=AutoOptions(strategy=cfg.strategy, profile=cfg.profile,
@@ -105,6 +124,8 @@ def run(cfg: TrainConfig) -> int:
     engine = PoplarEngine(model, optimizer, **kwargs)
     if engine.rank == 0 and not auto:
         log.info(f"plan ({plan.strategy or 'from file'}, ZeRO-{engine.zero_stage}):\n{plan.table()}")
+    if engine.rank == 0 and cfg.mixed_precision is not None:
+        log.info(f"mixed precision: {describe_precision(cfg.mixed_precision)}")
     try:
         engine.fit(data, cfg.iterations, log_every=cfg.log_every, checkpoint_dir=cfg.checkpoint_dir,
                    checkpoint_every=cfg.checkpoint_every, resume=cfg.resume, report_dir=cfg.report_dir,
@@ -120,19 +141,35 @@ def _main(args: argparse.Namespace) -> int:
     cfg = TrainConfig.load(args.config)
     if args.iterations is not None:
         cfg.iterations = args.iterations
+    code = 1
     try:
-        return run(cfg)
+        code = run(cfg)
     except DistributedError as e:  # the same story on every rank; keep it to one paragraph each
         rank = os.environ.get("RANK", "0")
         print(f"poplar train: rank {rank}: {e}", file=sys.stderr, flush=True)
-        return 1
     finally:
-        import torch.distributed as dist
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001 - peers may be gone
-                pass
+        _tear_down()
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        # Under torchrun, a finished rank sometimes aborted at interpreter shutdown ("terminate
+        # called without an active exception": a gloo thread destroyed late), turning a success
+        # into exit status 1. Everything is torn down and flushed by now, so leave at once.
+        os._exit(code)
+    return code
+
+
+def _tear_down() -> None:
+    """The process group last, after every rank is done with it; then flush what was printed."""
+    import logging
+
+    import torch.distributed as dist
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - peers may be gone
+            pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -32,7 +32,8 @@ def profile(model_fn: Callable[[], nn.Module], loss_fn: Callable[[nn.Module, Any
             optimizer_fn: Callable[[nn.Module], torch.optim.Optimizer] | None = None, escalate: bool = True,
             max_batch: int = 4096, repeats: int = 3, bucket_size_mb: float = 25.0, wrap_policy: Any = None,
             memory_scale: float | str = "auto", time_scale: float | str = "auto", model_name: str = "",
-            progress: bool = True, timeout_s: float = 1800.0, output: str | os.PathLike | None = None) -> Profile:
+            progress: bool = True, timeout_s: float = 1800.0, output: str | os.PathLike | None = None,
+            mixed_precision: Any = None) -> Profile:
     """Profile ``model_fn()`` trained with ``loss_fn`` on batches from ``sample_fn``.
 
     Args:
@@ -48,12 +49,16 @@ def profile(model_fn: Callable[[], nn.Module], loss_fn: Callable[[nn.Module, Any
         optimizer_fn: ``optimizer_fn(model)``; default fp32 AdamW (its state is part of memory).
         max_batch: the capacity search stops here. repeats: measurements per timed size.
         output: also save the profile there (JSON).
+        mixed_precision: the precision training will run (None / "fp32", "bf16", "fp16" or a
+            ``MixedPrecision``): every runtime profiled runs under it, and emulated devices
+            compute at their preset's speed for it; recorded in ``profile.meta["precision"]``.
+            A device without it (bf16 on a V100 or T4) is a ``ProfileError`` naming it.
     Returns the ``Profile`` (JSON via ``profile.save(path)``); raises ``ProfileError`` with the
     reason (e.g. the model does not fit even at ZeRO-3) on bad input.
     """
     options = ProfileOptions(zero_stage=zero_stage, escalate=escalate, max_batch=max_batch, repeats=repeats,
                              bucket_size_mb=bucket_size_mb, wrap_policy=wrap_policy, model_name=model_name,
-                             progress=progress)
+                             progress=progress, mixed_precision=mixed_precision)
     optimizer_fn = optimizer_fn or default_optimizer
     log = None if progress else (lambda m: None)
     if dist.is_available() and dist.is_initialized():
@@ -85,7 +90,8 @@ def _emulate(model_fn: Callable, loss_fn: Callable, sample_fn: Callable, cluster
         raise ProfileError(f"zero_stage must be 0, 1, 2 or 3, got {options.zero_stage!r}")
     if cluster is not None:
         inputs = CalibrationInputs(model_fn, loss_fn, sample_fn, optimizer_fn, options.zero_stage,
-                                   options.bucket_size_mb, options.wrap_policy, options.max_batch)
+                                   options.bucket_size_mb, options.wrap_policy, options.max_batch,
+                                   options.mixed_precision)
         emulated = emulate_cluster(cluster, inputs, memory_scale, time_scale)
         if progress and emulated.calibration is not None:
             print(f"[poplar profile] emulating {emulated.spec.describe()} on CPU: memory scale "

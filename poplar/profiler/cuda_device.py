@@ -7,7 +7,10 @@
   ``torch.cuda.OutOfMemoryError`` at the cap exactly as the small card would;
 - recovery: after an OOM the failed step's tensors are released (``gc.collect``) and the
   allocator's cache is emptied (``torch.cuda.empty_cache``), so the next trial starts clean;
-- timing: ``synchronize`` before reading the clock (kernels are asynchronous).
+- timing: ``synchronize`` before reading the clock (kernels are asynchronous);
+- precision: bf16 only where the GPU computes in it natively
+  (``torch.cuda.is_bf16_supported(including_emulation=False)``: compute capability 8.0+), and
+  not when it acts as a preset without bf16 (``from_preset("T4-16G")``).
 
 This path is written to the same interface as the virtual device and kept apart from it; it has
 not run in this project's CI (no GPU there).
@@ -21,6 +24,8 @@ from typing import Any
 import torch
 
 from poplar.profiler.devices import Device, DeviceKind
+from poplar.types.precision import Precision
+from poplar.types.presets import get_preset, precision_of
 
 
 class CudaDevice(Device):
@@ -38,6 +43,7 @@ class CudaDevice(Device):
         dev = torch.device("cuda", idx)
         name = torch.cuda.get_device_name(dev)
         super().__init__(name, device_type or name, dev, nominal_tflops)
+        self.preset_name: str | None = None  # the preset this GPU acts as (from_preset)
         free, total = torch.cuda.mem_get_info(dev)
         self.total_bytes = int(total)
         self.memory_cap_bytes = memory_cap_bytes
@@ -55,10 +61,11 @@ class CudaDevice(Device):
         """This GPU capped to a preset's memory (e.g. an 80 GB card acting as a ``T4-16G``); its
         speed stays its own. The preset's name becomes the device type."""
         if isinstance(preset, str):
-            from poplar.types.presets import get_preset
             preset = get_preset(preset)
-        return cls(index, memory_cap_bytes=preset.capacity_bytes(1.0), device_type=preset.name,
-                   nominal_tflops=preset.nominal_tflops)
+        dev = cls(index, memory_cap_bytes=preset.capacity_bytes(1.0), device_type=preset.name,
+                  nominal_tflops=preset.nominal_tflops)
+        dev.preset_name = preset.name
+        return dev
 
     @property
     def capacity_bytes(self) -> int:
@@ -72,6 +79,18 @@ class CudaDevice(Device):
 
     def peak(self) -> int:
         return int(torch.cuda.max_memory_allocated(self.torch_device))
+
+    def supports(self, precision: Any) -> bool:
+        p = precision_of(precision)
+        if self.preset_name is not None and not get_preset(self.preset_name).supports(p):
+            return False
+        if p is not Precision.BF16:
+            return True
+        with torch.cuda.device(self.torch_device):
+            try:
+                return bool(torch.cuda.is_bf16_supported(including_emulation=False))
+            except TypeError:  # torch < 2.4: no emulation to leave out
+                return bool(torch.cuda.is_bf16_supported())
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.torch_device)

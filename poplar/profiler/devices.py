@@ -78,6 +78,7 @@ class Device(StepObserver, ABC):
 
     What only some devices can do is declared here with a neutral default, so the profiler never
     asks which device it has: ``static_bytes`` (None: model states are not counted apart),
+    ``supports`` (True: every precision),
     ``unpadded`` and ``recording_overflows`` (no-ops: compute is never stretched, and an
     out-of-memory error is always raised), ``late_steps`` and ``last_failure`` (never set), and
     ``profile_meta`` (nothing to record).
@@ -127,6 +128,11 @@ class Device(StepObserver, ABC):
         optimizer state as after the first step, buffers), or None where it sees only the
         allocator's total."""
         return None
+
+    def supports(self, precision: Any) -> bool:
+        """Whether the device computes in ``precision`` (a ``Precision``); True unless a
+        subclass knows better (a CUDA device without bf16, a preset that lacks it)."""
+        return True
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "device_type": self.device_type, "kind": self.kind.value,

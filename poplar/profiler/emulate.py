@@ -19,6 +19,14 @@ time scaled down:
   ``min_step_s`` (sleep precision makes shorter steps noisy) and (b) the real compute, with the
   ranks sharing the machine's cores, stays under half of every device's curve up to its
   mbs, so that the padded compute equals the curve.
+
+Precision. Under a mixed-precision policy (``CalibrationInputs.mixed_precision``) the devices
+emulate their presets at that precision (fp16 / bf16 curves are faster by the presets' dtype
+factors; memory is counted at the real dtypes). The scales do not depend on the precision: the
+memory scale is picked from an fp32 pass (a GPU's memory does not shrink with the dtype, so
+fp16 shows as a larger mbs), and the time scale satisfies both an fp32 pass and the policy's,
+so an fp32 and a bf16 run of the same model emulate the same GPUs. A cluster with a device that
+lacks the precision (bf16 on V100 / T4) is refused before anything runs.
 """
 
 from __future__ import annotations
@@ -36,8 +44,9 @@ from poplar.comm import Communicator
 from poplar.profiler.capacity import CapacitySearch
 from poplar.profiler.local_comm import local_engine
 from poplar.profiler.virtual_device import VirtualDevice
-from poplar.types.cluster import ClusterSpec
-from poplar.types.presets import GIB, get_preset
+from poplar.types.cluster import ClusterError, ClusterSpec
+from poplar.types.precision import MixedPrecision, Precision, resolve_precision
+from poplar.types.presets import GIB, DevicePreset, get_preset, precision_of
 from poplar.types.profiles import ProfileError
 
 TARGET_MIN_MBS = 8
@@ -53,24 +62,55 @@ class Calibration:
     bytes_per_sample: float
     real_s_per_step: tuple[float, float]  # CPU compute: seconds = a + b * batch
     predicted_mbs: dict[str, int]
+    precision: str = "fp32"  # the run's precision (the numbers above are measured at it)
 
     def to_dict(self) -> dict[str, Any]:
         return dict(vars(self))
 
 
-def calibrate(model_fn: Callable, loss_fn: Callable, sample_fn: Callable[[int], Any], cluster: ClusterSpec | str,
-              zero_stage: int, *, optimizer_fn: Callable, bucket_size_mb: float = 25.0, wrap_policy: Any = None,
-              memory_scale: float | str = "auto", time_scale: float | str = "auto",
-              target_min_mbs: int = TARGET_MIN_MBS, min_step_s: float = MIN_STEP_S, max_batch: int = 4096,
-              cores: int | None = None) -> Calibration:
-    """Pick the scales for emulating ``cluster`` with this model (see the module doc)."""
-    spec = ClusterSpec.resolve(cluster)
-    world = spec.world_size
-    types = list(dict.fromkeys(spec.rank_types()))
-    presets = [get_preset(t) for t in types]
+@dataclass
+class CalibrationPass:
+    """Trial steps of batch 1, 2, 4, 8 at one precision: model states, peak bytes and the real
+    CPU seconds per batch (the smallest of three)."""
+
+    precision: Precision
+    state_bytes: int
+    peaks: dict[int, int]
+    seconds: dict[int, float]
+
+    @property
+    def bytes_per_sample(self) -> float:
+        return max((self.peaks[8] - self.peaks[1]) / 7, 1.0)
+
+    @property
+    def real_s_per_step(self) -> tuple[float, float]:
+        """(a, b): the real compute of a step of ``n`` samples is about a + b n seconds."""
+        b = max((self.seconds[8] - self.seconds[1]) / 7, 0.0)
+        return max(self.seconds[1] - b, 0.0), b
+
+    def mbs(self, preset: DevicePreset, memory_scale: float, max_batch: int) -> int:
+        """The batch that ``preset`` at ``memory_scale`` is predicted to fit."""
+        room = preset.capacity_bytes(memory_scale) - self.peaks[1]
+        return max(1, min(max_batch, int(room // self.bytes_per_sample) + 1))
+
+    def time_scale_needed(self, presets: list[DevicePreset], mbs: dict[str, int], share: float,
+                          min_step_s: float) -> float:
+        """The smallest time scale at which every preset's curve at this precision is slow enough
+        (module doc: min_step_s at batch 1 on the fastest, twice the real compute up to mbs)."""
+        real_a, real_b = self.real_s_per_step
+        need = min_step_s / min(p.time_s(1, precision=self.precision) for p in presets)
+        for p in presets:
+            for b in (1, mbs[p.name]):
+                need = max(need, 2.0 * share * (real_a + real_b * b) / p.time_s(b, precision=self.precision))
+        return need
+
+
+def _measure(model_fn: Callable, loss_fn: Callable, sample_fn: Callable[[int], Any], world: int, zero_stage: int,
+             optimizer_fn: Callable, policy: MixedPrecision | None, **runtime_options: Any) -> CalibrationPass:
+    """One calibration pass (``CalibrationPass``) on a LocalCommunicator runtime under ``policy``."""
     model = model_fn()
     runtime = local_engine(model, optimizer_fn(model), world_size=world, rank=0, zero_stage=zero_stage,
-                           device=torch.device("cpu"), bucket_size_mb=bucket_size_mb, wrap_policy=wrap_policy)
+                           device=torch.device("cpu"), mixed_precision=policy, **runtime_options)
     probe = VirtualDevice("calibration", 2 ** 62)
     peaks: dict[int, int] = {}
     seconds: dict[int, float] = {}
@@ -88,24 +128,47 @@ def calibrate(model_fn: Callable, loss_fn: Callable, sample_fn: Callable[[int], 
             state = probe.static_bytes()
     finally:
         torch.set_num_threads(threads)
-    slope = max((peaks[8] - peaks[1]) / 7, 1.0)
-    real_b = max((seconds[8] - seconds[1]) / 7, 0.0)
-    real_a = max(seconds[1] - real_b, 0.0)
+    return CalibrationPass(precision_of(policy), state, peaks, seconds)
+
+
+def calibrate(model_fn: Callable, loss_fn: Callable, sample_fn: Callable[[int], Any], cluster: ClusterSpec | str,
+              zero_stage: int, *, optimizer_fn: Callable, bucket_size_mb: float = 25.0, wrap_policy: Any = None,
+              memory_scale: float | str = "auto", time_scale: float | str = "auto",
+              target_min_mbs: int = TARGET_MIN_MBS, min_step_s: float = MIN_STEP_S, max_batch: int = 4096,
+              cores: int | None = None, mixed_precision: Any = None) -> Calibration:
+    """Pick the scales for emulating ``cluster`` with this model (see the module doc). Under a
+    low-precision policy the memory scale comes from an fp32 pass and the time scale covers
+    both precisions, so fp32 and bf16/fp16 runs of one model emulate the same GPUs."""
+    spec = ClusterSpec.resolve(cluster)
+    policy = resolve_precision(mixed_precision)
+    check_cluster_precision(spec, policy)
+    presets = [get_preset(t) for t in dict.fromkeys(spec.rank_types())]
+    options = {"bucket_size_mb": bucket_size_mb, "wrap_policy": wrap_policy}
+    passes = [_measure(model_fn, loss_fn, sample_fn, spec.world_size, zero_stage, optimizer_fn, None, **options)]
+    if policy is not None:
+        passes.append(_measure(model_fn, loss_fn, sample_fn, spec.world_size, zero_stage, optimizer_fn, policy,
+                               **options))
+    reference, run = passes[0], passes[-1]
     if memory_scale == "auto":
         smallest = min(presets, key=lambda p: p.memory_gb)
-        capacity = peaks[1] + (target_min_mbs - 1 + 0.5) * slope
+        capacity = reference.peaks[1] + (target_min_mbs - 1 + 0.5) * reference.bytes_per_sample
         memory_scale = capacity / (smallest.memory_gb * GIB)
     memory_scale = float(memory_scale)
-    mbs = {p.name: max(1, min(max_batch, int((p.capacity_bytes(memory_scale) - peaks[1]) // slope) + 1))
-           for p in presets}
     if time_scale == "auto":
-        share = max(1.0, world / (cores or os.cpu_count() or 1))  # ranks sharing a core
-        need = min_step_s / min(p.time_s(1) for p in presets)
-        for p in presets:
-            for b in (1, mbs[p.name]):
-                need = max(need, 2.0 * share * (real_a + real_b * b) / p.time_s(b))
-        time_scale = need
-    return Calibration(memory_scale, float(time_scale), state, peaks[1], slope, (real_a, real_b), mbs)
+        share = max(1.0, spec.world_size / (cores or os.cpu_count() or 1))  # ranks sharing a core
+        time_scale = max(c.time_scale_needed(presets, {p.name: c.mbs(p, memory_scale, max_batch) for p in presets},
+                                             share, min_step_s) for c in passes)
+    return Calibration(memory_scale, float(time_scale), run.state_bytes, run.peaks[1], run.bytes_per_sample,
+                       run.real_s_per_step, {p.name: run.mbs(p, memory_scale, max_batch) for p in presets},
+                       str(run.precision))
+
+
+def check_cluster_precision(spec: ClusterSpec, policy: Any) -> None:
+    """ProfileError naming the devices of ``spec`` that lack ``policy``'s precision."""
+    try:
+        spec.check_precision(policy)
+    except ClusterError as e:
+        raise ProfileError(str(e)) from None
 
 
 @dataclass
@@ -120,21 +183,26 @@ class CalibrationInputs:
     bucket_size_mb: float = 25.0
     wrap_policy: Any = None
     max_batch: int = 4096
+    mixed_precision: MixedPrecision | None = None  # the run's precision policy (None: fp32)
 
 
 @dataclass
 class EmulatedCluster:
     """A cluster emulated on CPU: its description, the scales of its presets, and the
-    calibration that picked them (None when both were given)."""
+    calibration that picked them (None when both were given), and the precision its devices
+    compute in."""
 
     spec: ClusterSpec
     memory_scale: float
     time_scale: float
     calibration: Calibration | None = None
+    precision: Precision = Precision.FP32
 
     def device(self, rank: int) -> VirtualDevice:
-        """The virtual device of ``rank``: its preset's memory and speed curve, scaled."""
-        device = VirtualDevice.from_preset(self.spec.rank_types()[rank], self.memory_scale, self.time_scale)
+        """The virtual device of ``rank``: its preset's memory and speed curve (at the cluster's
+        precision), scaled."""
+        device = VirtualDevice.from_preset(self.spec.rank_types()[rank], self.memory_scale, self.time_scale,
+                                           precision=self.precision)
         device.cluster = self.spec
         return device
 
@@ -144,21 +212,25 @@ class EmulatedCluster:
     def meta(self) -> dict[str, Any]:
         """What a profile of this cluster records in its meta."""
         return {"cluster": self.spec.to_dict(), "memory_scale": self.memory_scale, "time_scale": self.time_scale,
-                "calibration": self.calibration.to_dict() if self.calibration else None}
+                "calibration": self.calibration.to_dict() if self.calibration else None,
+                "precision": str(self.precision)}
 
 
 def emulate_cluster(cluster: ClusterSpec | str, inputs: CalibrationInputs, memory_scale: float | str = "auto",
                     time_scale: float | str = "auto") -> EmulatedCluster:
     """``cluster`` (a ClusterSpec, built-in name or file) emulated with this model: the scales
-    given, or calibrated where "auto" (see the module doc). In one process."""
+    given, or calibrated where "auto" (see the module doc). In one process. A device that lacks
+    the inputs' precision (bf16 on a V100 or T4) is a ProfileError naming it."""
     spec = ClusterSpec.resolve(cluster)
+    check_cluster_precision(spec, inputs.mixed_precision)
+    precision = precision_of(inputs.mixed_precision)
     if memory_scale != "auto" and time_scale != "auto":
-        return EmulatedCluster(spec, float(memory_scale), float(time_scale))
+        return EmulatedCluster(spec, float(memory_scale), float(time_scale), precision=precision)
     cal = calibrate(inputs.model_fn, inputs.loss_fn, inputs.sample_fn, spec, inputs.zero_stage,
                     optimizer_fn=inputs.optimizer_fn, bucket_size_mb=inputs.bucket_size_mb,
                     wrap_policy=inputs.wrap_policy, memory_scale=memory_scale, time_scale=time_scale,
-                    max_batch=inputs.max_batch)
-    return EmulatedCluster(spec, cal.memory_scale, cal.time_scale, cal)
+                    max_batch=inputs.max_batch, mixed_precision=inputs.mixed_precision)
+    return EmulatedCluster(spec, cal.memory_scale, cal.time_scale, cal, precision)
 
 
 def emulate_cluster_together(comm: Communicator, cluster: Any, inputs: CalibrationInputs,
@@ -173,6 +245,8 @@ def emulate_cluster_together(comm: Communicator, cluster: Any, inputs: Calibrati
         if spec.world_size != comm.world_size:
             error = (f"cluster {spec.name!r} has {spec.world_size} devices ({spec.describe()}) but the job has "
                      f"{comm.world_size} ranks; launch one rank per device")
+        else:
+            spec.check_precision(inputs.mixed_precision)
     except (ValueError, OSError) as e:
         error = str(e)
     comm.agree(error, f"{what}: cluster", error_type=ProfileError)
@@ -190,9 +264,13 @@ def emulate_cluster_together(comm: Communicator, cluster: Any, inputs: Calibrati
     return emulated
 
 
-def cluster_devices(cluster: ClusterSpec | str, memory_scale: float, time_scale: float) -> list[VirtualDevice]:
-    """One virtual device per rank of ``cluster`` (a ClusterSpec, built-in name or file)."""
-    return EmulatedCluster(ClusterSpec.resolve(cluster), memory_scale, time_scale).devices()
+def cluster_devices(cluster: ClusterSpec | str, memory_scale: float, time_scale: float,
+                    precision: Any = None) -> list[VirtualDevice]:
+    """One virtual device per rank of ``cluster`` (a ClusterSpec, built-in name or file),
+    emulating ``precision`` (a name, ``Precision`` or policy; default fp32)."""
+    spec = ClusterSpec.resolve(cluster)
+    check_cluster_precision(spec, precision)
+    return EmulatedCluster(spec, memory_scale, time_scale, precision=precision_of(precision)).devices()
 
 
 def emulated_rank(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:

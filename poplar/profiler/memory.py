@@ -18,6 +18,10 @@ import torch
 from poplar.zero.base import ZeroStage
 from poplar.zero.optim import optimizer_like, optimizer_state_bytes
 
+# memory_report keys that are not model states: peaks of temporaries (communication buffers,
+# stage-3 gathered parameters), counted as they come and go by transient_bytes / gathered_bytes
+TRANSIENT_KEYS = frozenset({"comm_buffers", "gathered_params"})
+
 
 def predicted_optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of optimizer state after one step (on the parameters' own dtypes)."""
@@ -47,12 +51,16 @@ def _rule_of_thumb(optimizer: torch.optim.Optimizer) -> int:
 
 
 def model_state_bytes(engine: Any, optimizer_bytes: int | None = None) -> dict[str, int]:
-    """params / grads / optimizer / buffers bytes this rank holds between steps, optimizer state
-    as after the first step. Communication buffers are not included (they come and go)."""
+    """Bytes this rank holds between steps, by ``memory_report`` key: params, grads, optimizer
+    (as after the first step), buffers, and whatever else the runtime reports it keeps (under
+    mixed precision the fp32 master weights). Communication buffers are not included (they come
+    and go: ``transient_bytes``)."""
     report = engine.memory_report()
-    opt = report["optimizer"] if optimizer_bytes is None else max(report["optimizer"], optimizer_bytes)
-    return {"params": int(report["params"]), "grads": int(report["grads"]), "optimizer": int(opt),
-            "buffers": int(report.get("buffers", 0))}
+    states = {k: int(v) for k, v in report.items() if k not in TRANSIENT_KEYS}
+    states.setdefault("buffers", 0)
+    if optimizer_bytes is not None:
+        states["optimizer"] = max(states.get("optimizer", 0), int(optimizer_bytes))
+    return states
 
 
 def transient_bytes(stage: ZeroStage) -> int:

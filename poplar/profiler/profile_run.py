@@ -3,7 +3,9 @@ collectives' bandwidth; the result is one ``Profile``, the same on every rank.
 
 Shape (docs/design.md §4, "deadlock trap"), one function per phase of ``profile_rank``:
 
-1. Set-up (``_set_up``): the model's size, agreed on by every rank.
+1. Set-up (``_set_up``): the model's size, and that every rank's device computes in the
+   options' precision (``mixed_precision``: bf16 on a V100 / T4 is one clear error everywhere),
+   agreed on by every rank.
 2. Capacity search and stage escalation (``escalation.find_fitting_stage``): per rank, with no
    collective at all (a ``ZeroRuntime`` over a LocalCommunicator has the real runtime's memory at
    world size N), then one agreement outside any training step, after which every rank takes
@@ -15,6 +17,9 @@ Shape (docs/design.md §4, "deadlock trap"), one function per phase of ``profile
    afterwards.
 4. Collective bandwidth (``timing.measure_comm``), then the profile is assembled from every
    rank's part (``_assemble_profile``).
+
+Every runtime built here runs under the options' precision policy, so memory (the mbs) and speed
+are those of training at that precision; the profile records it (``meta["precision"]``).
 """
 
 from __future__ import annotations
@@ -33,7 +38,9 @@ from poplar.profiler.capacity import DEFAULT_MAX_BATCH, CapacityResult, Capacity
 from poplar.profiler.devices import Device, to_device
 from poplar.profiler.escalation import StageCapacity, find_fitting_stage, format_bytes
 from poplar.profiler.local_comm import local_engine, round_plan
+from poplar.profiler.precision import agree_precision_support, precision_meta
 from poplar.profiler.timing import exposed_costs, measure_comm, run_rounds, summarize, timing_batches
+from poplar.types.precision import MixedPrecision, resolve_precision
 from poplar.types.profiles import CommProfile, Profile, ProfileError, ProfilePoint, RankProfile
 from poplar.zero.runtime import ZeroRuntime
 
@@ -57,6 +64,11 @@ class ProfileOptions:
     model_name: str = ""
     progress: bool = True  # a progress bar of the timing rounds on rank 0 (on a terminal)
     meta: dict[str, Any] = field(default_factory=dict)
+    # the precision policy training will run (None: fp32); "bf16" / "fp16" are resolved to one
+    mixed_precision: MixedPrecision | str | None = None
+
+    def __post_init__(self) -> None:
+        self.mixed_precision = resolve_precision(self.mixed_precision)
 
 
 def _log_to_stderr(message: str) -> None:
@@ -92,7 +104,7 @@ def search_capacity(model_fn: Callable[[], nn.Module], optimizer_fn: Callable, l
         model = model_fn().to(device.torch_device)
         runtime = local_engine(model, optimizer_fn(model), world_size=world_size, rank=rank, zero_stage=stage,
                                device=device.torch_device, bucket_size_mb=options.bucket_size_mb,
-                               wrap_policy=options.wrap_policy)
+                               wrap_policy=options.wrap_policy, mixed_precision=options.mixed_precision)
         attached.enter_context(device.attach(runtime))
         return runtime
 
@@ -195,8 +207,9 @@ def _set_up(model_fn: Callable[[], nn.Module], loss_fn: Callable, sample_fn: Cal
     except Exception as e:  # noqa: BLE001 - every rank must reach the agreement
         error = f"model_fn() failed: {type(e).__name__}: {e}"
     comm.agree(error, "profile set-up", error_type=ProfileError)
+    policy = agree_precision_support(comm, device, options.mixed_precision, "profile precision")
     run.lead(f"{comm.world_size} ranks, model {options.model_name or 'model'} with {run.param_count:,} parameters "
-             f"({format_bytes(run.param_bytes)}), ZeRO-{options.zero_stage}")
+             f"({format_bytes(run.param_bytes)}), ZeRO-{options.zero_stage}, {precision_meta(policy)['precision']}")
     return run
 
 
@@ -215,7 +228,7 @@ def _time_in_lock_step(run: RankRun, fit: StageCapacity) -> LockStepTiming:
     comm.agree(error, "profile timing set-up", error_type=ProfileError)
     runtime = ZeroRuntime(model, optimizer, zero_stage=fit.stage, plan=round_plan([max(b) for b in per_rank]),
                           process_group=run.process_group, bucket_size_mb=options.bucket_size_mb,
-                          wrap_policy=options.wrap_policy)
+                          wrap_policy=options.wrap_policy, mixed_precision=options.mixed_precision)
     try:
         with device.recording_overflows() as overflows, device.attach(runtime):
             measured, rounds, facts = run_rounds(
@@ -259,6 +272,7 @@ def _assemble_profile(run: RankRun, fit: StageCapacity, timing: LockStepTiming,
     for key, value in timing.costs.items():
         setattr(comm_profile, key, value)
     meta = dict(options.meta)
+    meta.update(precision_meta(options.mixed_precision))
     meta.update({"requested_stage": options.zero_stage, "escalations": fit.escalations,
                  "timing_rounds": timing.rounds, "repeats": options.repeats,
                  "timing_estimator": "min over repeats, confirmed by a 2nd measurement within "

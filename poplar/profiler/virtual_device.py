@@ -3,7 +3,8 @@
 Memory. While attached to a runtime, the device's usage is
 
     model states (params + grads + optimizer state as after the first step + module buffers,
-                  from the runtime's ``memory_report``)
+                  and under mixed precision the fp32 master weights: every key of the
+                  runtime's ``memory_report`` but its communication buffers)
   + saved activations (every tensor autograd saves for backward, counted once per storage
     through ``torch.autograd.graph.saved_tensors_hooks``; parameters are not activations)
   + communication buffers the stage holds right now (stage-2 buckets, ...)
@@ -30,68 +31,40 @@ last top-up when ``runtime.backward`` returns makes the micro-step's compute exa
 ``time_s(b)``. "Compute" is wall time minus the seconds the runtime's comm ledger
 recorded inside collectives meanwhile, the same quantity the profiler measures. The real CPU
 compute must stay below the curve (pick the time scale so; ``late_steps`` counts violations).
+
+Precision. A device made from a preset (``PresetCurve``) pads to the preset's curve at the
+precision it computes in: fp16 / bf16 divide the curve's throughput part by the preset's dtype
+factor. By default the device follows the runtime it is attached to (its ``mixed_precision``
+policy; fp32 when detached); ``precision=`` fixes it instead (auto mode and ``emulate`` do), and
+attaching to a runtime of another precision is then an error. A preset without bf16 (V100, T4)
+refuses bf16 either way. Memory needs nothing: saved activations and the runtime's model
+states (the fp32 master included) are counted at their real dtypes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
-from torch import nn
 
 from poplar.profiler.devices import OOM_ERROR, Device, DeviceKind, sleep_until
 from poplar.profiler.memory import gathered_bytes, model_state_bytes, predicted_optimizer_bytes, transient_bytes
+from poplar.profiler.precision import runtime_precision
+from poplar.profiler.saved_tensors import SavedTensors
+from poplar.profiler.speed_curves import PresetCurve, SaturatingCurve
 from poplar.types.cluster import ClusterSpec
+from poplar.types.precision import Precision
+from poplar.types.presets import PresetError, get_preset, precision_of, precision_unsupported_message
+
+__all__ = ["PresetCurve", "SaturatingCurve", "VirtualDevice"]
 
 MIB = 2 ** 20
 # a micro-step is late when its real compute overshoots the curve by more than this (the sleep's
 # own jitter and the learned real backward's error are a fraction of a millisecond)
 LATE_TOLERANCE, LATE_TOLERANCE_S = 0.01, 5e-4
 BACKWARD_MARGIN = 1.3  # room left after the backward pad, in units of the learned real backward
-
-
-@dataclass(frozen=True)
-class SaturatingCurve:
-    """t(b) = overhead_s + (b + half_batch) / peak_speed: speed rises with the batch and flattens
-    at ``peak_speed`` (the shape of the presets' curves). Picklable, for spawned ranks."""
-
-    overhead_s: float
-    half_batch: float
-    peak_speed: float
-
-    def __call__(self, batch: int) -> float:
-        return 0.0 if batch <= 0 else self.overhead_s + (batch + self.half_batch) / self.peak_speed
-
-
-@dataclass(frozen=True)
-class PresetCurve:
-    """A preset's speed curve with its times multiplied by ``time_scale``."""
-
-    preset: str
-    time_scale: float
-
-    def __call__(self, batch: int) -> float:
-        from poplar.types.presets import get_preset
-        return get_preset(self.preset).time_s(batch) * self.time_scale
-
-
-class _Saved:
-    """What autograd keeps for one saved tensor: a detached alias (no reference cycle through the
-    graph) and the storage it pins, released from the count when autograd drops it."""
-
-    __slots__ = ("tensor", "key", "device")
-
-    def __init__(self, tensor: torch.Tensor, key: int, device: "VirtualDevice") -> None:
-        self.tensor, self.key, self.device = tensor, key, device
-
-    def __del__(self) -> None:
-        try:
-            self.device._unref(self.key)
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
 
 
 class VirtualDevice(Device):
@@ -105,13 +78,14 @@ class VirtualDevice(Device):
         forward_fraction: share of ``time_fn(b)`` spent in the forward.
         device_type: type name shared by ranks with the same curve (default: ``name``).
         nominal_tflops: spec-sheet rating, for the ``flops`` baseline only.
+        precision: the precision it emulates (see the module doc); None: the attached runtime's.
     """
 
     kind = DeviceKind.VIRTUAL
 
     def __init__(self, name: str, capacity_bytes: int, *, time_fn: Callable[[int], float] | None = None,
                  slowdown: float | None = None, forward_fraction: float = 1 / 3, device_type: str | None = None,
-                 nominal_tflops: float | None = None, raise_oom: bool = True) -> None:
+                 nominal_tflops: float | None = None, raise_oom: bool = True, precision: Any = None) -> None:
         super().__init__(name, device_type or name, torch.device("cpu"), nominal_tflops)
         if not (isinstance(capacity_bytes, (int, float)) and capacity_bytes > 0):
             raise ValueError(f"virtual device {name}: capacity_bytes must be > 0, got {capacity_bytes!r}")
@@ -131,10 +105,7 @@ class VirtualDevice(Device):
         # memory state
         self._static = 0
         self._predicted_optimizer: int | None = None
-        self._saved_bytes = 0
-        self._saved_refs: dict[int, int] = {}
-        self._saved_sizes: dict[int, int] = {}
-        self._param_keys: set[int] = set()  # storages of parameters (flat buffers), as of the forward start
+        self._saved = SavedTensors(on_saved=self._tensor_saved)  # (a bound method: the device pickles)
         self._static_iteration: int | None = None
         self._deferred: dict[str, Any] | None = None  # an OOM seen inside backward, raised when it returns
         self._failed = False  # an OOM was raised in this micro-step: the runtime's clean-up must not raise again
@@ -142,14 +113,17 @@ class VirtualDevice(Device):
         self._checks = 0
         self._injections: list[dict[str, Any]] = []
         self._real_backward: dict[int, float] = {}  # batch -> real backward compute (EMA), for padding
+        # precision: fixed at construction (None: the attached runtime's, fp32 when detached)
+        self.fixed_precision: Precision | None = None if precision is None else precision_of(precision)
+        self._use_precision(self.fixed_precision or Precision.FP32)
 
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_preset(cls, preset: Any, memory_scale: float, time_scale: float, **kwargs: Any) -> "VirtualDevice":
         """A device with ``preset``'s memory times ``memory_scale`` and its speed curve with times
-        multiplied by ``time_scale`` (``poplar.types.presets.DevicePreset``, or its name)."""
+        multiplied by ``time_scale`` (``poplar.types.presets.DevicePreset``, or its name);
+        ``precision=`` (keyword) fixes the precision it emulates."""
         if isinstance(preset, str):
-            from poplar.types.presets import get_preset
             preset = get_preset(preset)
         if not time_scale > 0:
             raise ValueError(f"time_scale must be > 0, got {time_scale}")
@@ -158,6 +132,28 @@ class VirtualDevice(Device):
                   device_type=preset.name, nominal_tflops=preset.nominal_tflops, **kwargs)
         dev.memory_scale, dev.time_scale = memory_scale, scale
         return dev
+
+    # ------------------------------------------------------------------ precision
+    @property
+    def precision(self) -> Precision:
+        """The precision the device emulates now (its curve's)."""
+        return self._precision
+
+    @property
+    def preset_name(self) -> str | None:
+        return self.time_fn.preset if isinstance(self.time_fn, PresetCurve) else None
+
+    def supports(self, precision: Any) -> bool:
+        name = self.preset_name
+        return name is None or get_preset(name).supports(precision)
+
+    def _use_precision(self, precision: Precision) -> None:
+        if not self.supports(precision):
+            raise PresetError(f"virtual device {self.name}: "
+                              + precision_unsupported_message(precision, {self.name: []}))
+        self._precision = precision
+        if isinstance(self.time_fn, PresetCurve):
+            self.time_fn = self.time_fn.at(precision)
 
     # ------------------------------------------------------------------ probes
     @property
@@ -177,7 +173,7 @@ class VirtualDevice(Device):
 
     @property
     def saved_bytes(self) -> int:
-        return self._saved_bytes
+        return self._saved.bytes
 
     def gathered_bytes(self) -> int:
         return gathered_bytes(self.runtime.stage) if self.runtime is not None else 0
@@ -187,9 +183,9 @@ class VirtualDevice(Device):
 
     def memory_in_use(self) -> int:
         if self.runtime is None:
-            return self._saved_bytes
+            return self._saved.bytes
         stage = self.runtime.stage
-        return self._static + self._saved_bytes + transient_bytes(stage) + gathered_bytes(stage)
+        return self._static + self._saved.bytes + transient_bytes(stage) + gathered_bytes(stage)
 
     def reset_peak(self) -> None:
         self._peak = self.memory_in_use()
@@ -200,7 +196,7 @@ class VirtualDevice(Device):
     def describe(self) -> dict[str, Any]:
         d = super().describe()
         d.update({"memory_scale": self.memory_scale, "time_scale": self.time_scale,
-                  "slowdown": self.slowdown})
+                  "slowdown": self.slowdown, "precision": str(self.precision)})
         return d
 
     def profile_meta(self) -> dict[str, Any]:
@@ -253,7 +249,7 @@ class VirtualDevice(Device):
         if usage > self._capacity:
             self._fail(where, f"virtual device {self.name}: out of memory at {where}: usage {usage / MIB:.3f} MiB > "
                               f"capacity {self._capacity / MIB:.3f} MiB (batch {batch}; model states "
-                              f"{self._static / MIB:.3f}, activations {self._saved_bytes / MIB:.3f}, gathered "
+                              f"{self._static / MIB:.3f}, activations {self._saved.bytes / MIB:.3f}, gathered "
                               f"{self.gathered_bytes() / MIB:.3f} MiB)")
 
     def _fail(self, where: str, message: str, force: bool = False) -> None:
@@ -263,7 +259,7 @@ class VirtualDevice(Device):
             return
         if self._failed or self._deferred is not None:
             return  # the failed micro-step is being cleaned up (its activations are still referenced)
-        failure = {"where": where, "batch": batch, "usage": self.memory_in_use(), "saved": self._saved_bytes,
+        failure = {"where": where, "batch": batch, "usage": self.memory_in_use(), "saved": self._saved.bytes,
                    "gathered": self.gathered_bytes(), "message": message}
         if where == "grad":
             # Inside autograd's post-accumulate-grad hooks an exception leaks the rest of the graph
@@ -279,35 +275,8 @@ class VirtualDevice(Device):
         self.last_failure = failure
         raise OOM_ERROR(failure["message"])
 
-    def _unref(self, key: int) -> None:
-        n = self._saved_refs.get(key, 0) - 1
-        if n <= 0:
-            self._saved_refs.pop(key, None)
-            self._saved_bytes -= self._saved_sizes.pop(key, 0)
-        else:
-            self._saved_refs[key] = n
-
-    def _pack(self, t: torch.Tensor) -> Any:
-        base = t._base
-        if isinstance(t, nn.Parameter) or isinstance(base, nn.Parameter) or t.device.type != "cpu":
-            return t  # parameters (and views of them) are model states, counted already
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        if key == 0 or key in self._param_keys:
-            return t
-        if key in self._saved_refs:
-            self._saved_refs[key] += 1
-        else:
-            self._saved_refs[key] = 1
-            self._saved_sizes[key] = storage.nbytes()
-            self._saved_bytes += storage.nbytes()
-        handle = _Saved(t.detach(), key, self)
+    def _tensor_saved(self) -> None:
         self.check("saved")
-        return handle
-
-    @staticmethod
-    def _unpack(handle: Any) -> torch.Tensor:
-        return handle.tensor if isinstance(handle, _Saved) else handle
 
     def transient_allocated(self) -> None:
         self.check("gather")
@@ -325,11 +294,25 @@ class VirtualDevice(Device):
 
     @contextlib.contextmanager
     def _attached(self, runtime: Any) -> Iterator[None]:
+        running = runtime_precision(runtime)
+        if self.fixed_precision is not None and running is not self.fixed_precision:
+            raise ValueError(f"virtual device {self.name} emulates {self.fixed_precision} but the runtime computes "
+                             f"in {running}: build the runtime with mixed_precision=\"{self.fixed_precision}\" or "
+                             f"the device with precision=\"{running}\"")
+        self._use_precision(running)
+        try:
+            with self._attached_hooks(runtime):
+                yield
+        finally:
+            self._use_precision(self.fixed_precision or Precision.FP32)
+
+    @contextlib.contextmanager
+    def _attached_hooks(self, runtime: Any) -> Iterator[None]:
         self._predicted_optimizer = None
         self.refresh_static(force=True)
         grad_hooks = [p.register_post_accumulate_grad_hook(lambda p: self.check("grad"))
                       for p in runtime.module.parameters() if p.requires_grad]
-        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        hooks = self._saved.hooks()
         hooks.__enter__()
         try:
             yield
@@ -343,8 +326,8 @@ class VirtualDevice(Device):
         self._failed, self._deferred = False, None
         self.refresh_static()
         # storages parameters live in now (stage 0-2 flat buffers, the stage-3 root unit); the
-        # stage-3 blocks gathered later are recognised as parameters by type in _pack
-        self._param_keys = {k for k in (p.untyped_storage().data_ptr() for p in self.runtime.module.parameters())
+        # stage-3 blocks gathered later are recognised as parameters by type (SavedTensors.pack)
+        self._saved.param_keys = {k for k in (p.untyped_storage().data_ptr() for p in self.runtime.module.parameters())
                             if k}
         self.check("forward start")
 

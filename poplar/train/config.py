@@ -14,6 +14,7 @@ directory, as DeepSpeed's are.
       "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "weight_decay": 0.01}},
       "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 10, "warmup_max_lr": 3e-4,
                                                           "total_num_steps": 100}},
+      "bf16": {"enabled": true},                   or "fp16": {"enabled": true, "loss_scale": 0, ...}
       "poplar": {
         "iterations": 100,                          train until this iteration
         "model": "llama-small",                     or {"name": "llama-small", "max_seq_len": 64, ...}
@@ -33,6 +34,14 @@ How the plan is chosen: ``poplar.plan`` if given; otherwise auto mode (profile, 
 a saved ``poplar.profile``; otherwise, on plain CPU, DeepSpeed's even plan from
 ``train_micro_batch_size_per_gpu``. In auto mode the micro-batch and accumulation keys are not
 used: every rank gets its own.
+
+Precision (DeepSpeed's keys, DeepSpeed's meaning): ``"bf16": {"enabled": true}`` computes in
+bf16; ``"fp16": {"enabled": true, ...}`` in fp16 with loss scaling: ``loss_scale`` 0 (default)
+is dynamic, starting at 2 ** ``initial_scale_power`` (16), doubling after ``loss_scale_window``
+(1000) overflow-free steps, halving (not below ``min_loss_scale``, 1) after ``hysteresis`` (2)
+overflows; ``loss_scale`` > 0 is that fixed scale. Either way master weights and optimizer state
+stay fp32 (``poplar.types.precision.MixedPrecision``). Both enabled, an unknown key or a bad
+value is an error naming the key.
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from poplar.types.plans import read_json
+from poplar.types.precision import LossScaleConfig, MixedPrecision, Precision
 
 OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD", "adagrad": "Adagrad", "rmsprop": "RMSprop"}
 SCHEDULERS = ("WarmupLR", "WarmupDecayLR")
@@ -50,6 +60,8 @@ TOP_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accu
             "gradient_clipping", "steps_per_print", "seed", "zero_optimization", "optimizer", "scheduler", "poplar",
             "fp16", "bf16", "wall_clock_breakdown"}
 ZERO_KEYS = {"stage", "reduce_bucket_size"}
+BF16_KEYS = {"enabled"}
+FP16_KEYS = {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"}
 POPLAR_KEYS = {"iterations", "model", "data", "cluster", "strategy", "plan", "profile", "checkpoint", "report_dir",
                "collective_timeout_s", "log_every"}
 
@@ -86,6 +98,7 @@ class TrainConfig:
     resume: bool = True
     report_dir: str | None = None
     collective_timeout_s: float = 300.0
+    mixed_precision: MixedPrecision | None = None  # "bf16" / "fp16" sections; None: fp32
 
     # ------------------------------------------------------------------ reading
     @classmethod
@@ -97,10 +110,8 @@ class TrainConfig:
         if not isinstance(raw, dict):
             raise ConfigError(f"the config must be a JSON object, got {type(raw).__name__}")
         _no_unknown(raw, TOP_KEYS, "the config")
-        for flag in ("fp16", "bf16"):
-            if _get(raw, flag, dict, {}).get("enabled", False):
-                raise ConfigError(f'"{flag}": Poplar trains in fp32; remove the key or set "enabled": false')
         cfg = cls()
+        cfg.mixed_precision = read_precision(raw)
         cfg.train_batch_size = _int(raw, "train_batch_size", None)
         cfg.micro_batch_size = _int(raw, "train_micro_batch_size_per_gpu", None)
         cfg.accum_steps = _int(raw, "gradient_accumulation_steps", None)
@@ -173,6 +184,50 @@ def _int(d: dict, key: str, default: Any, *, minimum: int = 1, where: str = "the
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ConfigError(f'{where}: "{key}" must be an integer >= {minimum}, got {value!r}')
     return value
+
+
+def _enabled(section: dict, name: str) -> bool:
+    value = section.get("enabled", False)
+    if not isinstance(value, bool):
+        raise ConfigError(f'"{name}.enabled" must be true or false, got {value!r}')
+    return value
+
+
+def read_precision(raw: dict) -> MixedPrecision | None:
+    """The precision policy of the ``bf16`` / ``fp16`` sections (DeepSpeed's keys, see the module
+    doc); None for fp32. Every key is checked, enabled or not."""
+    bf16 = _get(raw, "bf16", dict, {}) or {}
+    fp16 = _get(raw, "fp16", dict, {}) or {}
+    _no_unknown(bf16, BF16_KEYS, '"bf16"')
+    _no_unknown(fp16, FP16_KEYS, '"fp16"')
+    use_bf16, use_fp16 = _enabled(bf16, "bf16"), _enabled(fp16, "fp16")
+    scaling = _loss_scale(fp16)
+    if use_bf16 and use_fp16:
+        raise ConfigError('"bf16.enabled" and "fp16.enabled" are both true: enable one of them (bf16 where every '
+                          'GPU has it, Ampere or newer; fp16 otherwise)')
+    if use_bf16:
+        return MixedPrecision(param_dtype=Precision.BF16.dtype)
+    if use_fp16:
+        return MixedPrecision(param_dtype=Precision.FP16.dtype, loss_scale=scaling)
+    return None
+
+
+def _loss_scale(fp16: dict) -> LossScaleConfig:
+    """The ``fp16`` section's loss scaling, DeepSpeed's defaults for keys not given."""
+    where = '"fp16"'
+    scale = fp16.get("loss_scale", 0)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale < 0:
+        raise ConfigError(f'{where}: "loss_scale" must be a number >= 0 (0: dynamic), got {scale!r}')
+    power = _int(fp16, "initial_scale_power", 16, minimum=0, where=where)
+    if power > 64:
+        raise ConfigError(f'{where}: "initial_scale_power" must be at most 64, got {power}')
+    window = _int(fp16, "loss_scale_window", 1000, where=where)
+    hysteresis = _int(fp16, "hysteresis", 2, where=where)
+    floor = fp16.get("min_loss_scale", 1)
+    if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not floor > 0:
+        raise ConfigError(f'{where}: "min_loss_scale" must be a number > 0, got {floor!r}')
+    return LossScaleConfig(initial_scale=2.0 ** power, growth_interval=window, hysteresis=hysteresis,
+                           min_scale=float(floor), static_scale=float(scale) if scale else None)
 
 
 def _read_optimizer(cfg: TrainConfig, raw: dict) -> None:

@@ -10,7 +10,8 @@ the devices are listed. ``bandwidth_gbps`` (GB/s, a collective's bus bandwidth, 
 ``poplar.planner.cost_model``) and ``latency_us`` are optional; the defaults are a PCIe-class
 link. Built-in clusters are the paper's (types and links as in its Table 1, 2 ranks per type
 to keep CPU emulation small; the paper ran A and C with 4 + 4), ``C-1:3`` from its quantity
-study, and a 4-type cluster ``D``.
+study, and a 4-type cluster ``D``. ``check_precision`` refuses a precision some device lacks
+(cluster B's V100 and T4 have no bf16: use fp16 there).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from poplar.types.plans import read_json, write_text_atomic
-from poplar.types.presets import PRESETS, PresetError, get_preset
+from poplar.types.presets import PRESETS, PresetError, get_preset, precision_unsupported_message
 
 DEFAULT_BANDWIDTH_GBPS = 10.0
 DEFAULT_LATENCY_US = 30.0
@@ -79,6 +80,21 @@ class ClusterSpec:
 
     def describe(self) -> str:
         return f"{self.name}: " + " + ".join(f"{d.count}x {d.type}" for d in self.devices)
+
+    def unsupported(self, precision: Any) -> dict[str, list[int]]:
+        """Device types that cannot compute in ``precision`` (a name, ``Precision`` or policy),
+        each with its ranks."""
+        out: dict[str, list[int]] = {}
+        for rank, t in enumerate(self.rank_types()):
+            if not get_preset(t).supports(precision):
+                out.setdefault(t, []).append(rank)
+        return out
+
+    def check_precision(self, precision: Any) -> None:
+        """ClusterError naming the devices that lack ``precision`` (e.g. bf16 on V100 / T4)."""
+        missing = self.unsupported(precision)
+        if missing:
+            raise ClusterError(f"cluster {self.name!r}: {precision_unsupported_message(precision, missing)}")
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"name": self.name, "devices": [{"type": x.type, "count": x.count} for x in self.devices],

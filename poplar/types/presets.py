@@ -28,17 +28,74 @@ inputs for a simulator, good to tens of percent; measured profiles replace them.
 For emulation on CPU, ``capacity_bytes(memory_scale)`` scales the spec memory down so that a
 CPU-sized model fills it like a real model fills the real GPU; the device's speed is what the
 emulator stretches compute to (optionally times a common ``speed_scale``).
+
+Precision. The curve above is the fp32 curve. ``PrecisionSpeedup`` gives each preset's training
+throughput at fp16 and bf16 (mixed precision: tensor-core math, fp32 master weights) relative
+to fp32; the throughput part of the curve is divided by it, the fixed overhead is not:
+
+    time_s(b, precision) = overhead_s + (b + half_batch) / (peak_speed * speedup(precision))
+
+A preset with ``bf16=None`` has no bf16 arithmetic (Volta and Turing: V100, T4; bf16 needs
+compute capability 8.0, Ampere or newer): asking it for bf16 is an error that suggests fp16
+(``precision_unsupported_message``). Sources of the factors:
+[LP] Lambda, same repository, pytorch/pytorch-train-throughput-fp16.csv / -fp32.csv (2023 runs,
+    NGC PyTorch 22.10: "fp16" is AMP, "fp32" on Ampere/Ada is TF32 as the NGC container enables
+    it): single GPU, median of fp16/fp32 over the five NLP workloads (bert_base_squad,
+    bert_large_squad, gnmt, transformerxlbase, transformerxllarge). V100 16GB 3.28, A100 40GB
+    PCIe 1.84, A100 80GB PCIe 1.85, A100 80GB SXM4 1.85, RTX 3090 1.92, RTX 4090 1.89.
+[N] NVIDIA DeepLearningExamples, PyTorch ResNet-50 v1.5 README: T4 throughput at batch 64/128/256,
+    AMP vs FP32 (1165/428, 1190/426, 1198/415; mean 2.80). Inference: NVIDIA publishes no T4
+    training table there, so the T4 factor is an estimate.
+[W] NVIDIA A100 / Ada whitepapers: dense BF16 tensor-core rate = FP16 rate (A100 312, RTX 4090
+    165.2 TFLOPS, FP32 accumulate), so bf16 factors equal the fp16 ones (an estimate: [LP] has no
+    bf16 runs).
+All are planning estimates good to tens of percent (real gains depend on the model: large
+matmuls gain most); measured profiles replace them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
+
+from poplar.types.precision import Precision, resolve_precision
 
 GIB = 2 ** 30
 
 
 class PresetError(ValueError):
-    """An unknown device preset name."""
+    """An unknown device preset name, or a precision a preset does not support."""
+
+
+def precision_of(value: Any) -> Precision:
+    """The compute precision of ``value``: None (fp32), a ``Precision``, its name, or a
+    ``MixedPrecision`` policy (its ``param_dtype``). ValueError naming the accepted values."""
+    policy = resolve_precision(value)
+    return Precision.FP32 if policy is None else policy.precision
+
+
+@dataclass(frozen=True)
+class PrecisionSpeedup:
+    """Training throughput at fp16 and bf16 relative to fp32 on one GPU (> 1: faster);
+    ``bf16`` None: the GPU has no bf16 arithmetic. ``source`` names where the numbers come from."""
+
+    fp16: float
+    bf16: float | None
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.fp16 > 0 or (self.bf16 is not None and not self.bf16 > 0):
+            raise ValueError(f"precision speed-ups must be > 0, got fp16={self.fp16}, bf16={self.bf16}")
+
+    def supports(self, precision: Precision) -> bool:
+        return precision is not Precision.BF16 or self.bf16 is not None
+
+    def factor(self, precision: Precision) -> float | None:
+        """Throughput at ``precision`` / throughput at fp32 (None: not supported)."""
+        return {Precision.FP32: 1.0, Precision.FP16: self.fp16, Precision.BF16: self.bf16}[precision]
+
+
+NO_SPEEDUP = PrecisionSpeedup(1.0, 1.0, "no data: low precision is emulated at fp32 speed")
 
 REFERENCE_SAMPLES_PER_S = 40.0  # reference workload on a V100-SXM2-32GB (relative speed 1.0)
 
@@ -52,21 +109,36 @@ class DevicePreset:
     half_batch: float  # batch at which speed reaches half its peak (before overhead)
     overhead_s: float = 0.004  # fixed seconds per micro-step
     source: str = ""
+    precision_speedup: PrecisionSpeedup = field(default=NO_SPEEDUP)  # fp16 / bf16 vs fp32
 
     @property
     def peak_speed(self) -> float:
-        """Samples/s of the reference workload at very large batch."""
+        """Samples/s of the reference workload at very large batch (fp32)."""
         return self.relative_speed * REFERENCE_SAMPLES_PER_S
 
-    def time_s(self, batch: int | float, speed_scale: float = 1.0) -> float:
-        """Seconds for one micro-step (forward + backward) of ``batch`` samples; 0 for batch 0."""
+    def supports(self, precision: Any) -> bool:
+        """Whether the GPU computes in ``precision`` (see ``precision_of``)."""
+        return self.precision_speedup.supports(precision_of(precision))
+
+    def dtype_factor(self, precision: Any) -> float:
+        """Training throughput at ``precision`` relative to fp32; PresetError if unsupported."""
+        p = precision_of(precision)
+        factor = self.precision_speedup.factor(p)
+        if factor is None:
+            raise PresetError(precision_unsupported_message(p, {self.name: []}))
+        return factor
+
+    def time_s(self, batch: int | float, speed_scale: float = 1.0, precision: Any = None) -> float:
+        """Seconds for one micro-step (forward + backward) of ``batch`` samples computed in
+        ``precision`` (default fp32); 0 for batch 0."""
         if batch <= 0:
             return 0.0
-        return (self.overhead_s + (batch + self.half_batch) / self.peak_speed) / speed_scale
+        peak = self.peak_speed * self.dtype_factor(precision)
+        return (self.overhead_s + (batch + self.half_batch) / peak) / speed_scale
 
-    def speed(self, batch: int | float, speed_scale: float = 1.0) -> float:
+    def speed(self, batch: int | float, speed_scale: float = 1.0, precision: Any = None) -> float:
         """Samples/s at ``batch``."""
-        return batch / self.time_s(batch, speed_scale)
+        return batch / self.time_s(batch, speed_scale, precision)
 
     def capacity_bytes(self, memory_scale: float = 1.0) -> int:
         """Memory the device offers: memory_gb GiB times ``memory_scale`` (use < 1 to emulate a
@@ -76,21 +148,49 @@ class DevicePreset:
         return int(self.memory_gb * GIB * memory_scale)
 
 
+# the factors of [LP], [N], [W] (module doc); the same silicon shares one row
+_AMPERE_DC = PrecisionSpeedup(1.85, 1.85, "[LP] A100 80GB SXM4/PCIe 1.85; bf16 = fp16 rate [W] (estimate)")
+_VOLTA = PrecisionSpeedup(3.28, None, "[LP] V100 16GB 3.28 (no fp32 tensor cores on Volta); no bf16 (Volta)")
 PRESETS: dict[str, DevicePreset] = {p.name: p for p in (
     DevicePreset("A100-80G", 80, 312.0, 2.2, 4.0,
-                 source="[L] A100 40GB SXM4 107/49 = 2.18; the 80 GB SXM4 card, more HBM bandwidth"),
-    DevicePreset("A100-40G", 40, 312.0, 1.86, 4.0, source="[L] A100 40GB PCIe 91/49"),
+                 source="[L] A100 40GB SXM4 107/49 = 2.18; the 80 GB SXM4 card, more HBM bandwidth",
+                 precision_speedup=_AMPERE_DC),
+    DevicePreset("A100-40G", 40, 312.0, 1.86, 4.0, source="[L] A100 40GB PCIe 91/49",
+                 precision_speedup=PrecisionSpeedup(1.84, 1.84, "[LP] A100 40GB PCIe 1.84; bf16 = fp16 rate [W] "
+                                                                "(estimate)")),
     DevicePreset("A800-80G", 80, 312.0, 1.9, 4.0,
-                 source="estimate: A100 80GB PCIe silicon with slower NVLink; [L] A100 PCIe 1.86 + HBM2e"),
+                 source="estimate: A100 80GB PCIe silicon with slower NVLink; [L] A100 PCIe 1.86 + HBM2e",
+                 precision_speedup=PrecisionSpeedup(1.85, 1.85, "estimate: A100 80GB PCIe silicon, [LP] 1.85; "
+                                                                "bf16 = fp16 rate [W]")),
     DevicePreset("V100-16G", 16, 112.0, 0.9, 2.0,
-                 source="estimate: V100 PCIe vs SXM2 clocks/power (1380 vs 1530 MHz, 250 vs 300 W), [L] base"),
+                 source="estimate: V100 PCIe vs SXM2 clocks/power (1380 vs 1530 MHz, 250 vs 300 W), [L] base",
+                 precision_speedup=_VOLTA),
     DevicePreset("V100S-32G", 32, 130.0, 1.0, 2.0,
-                 source="estimate: V100S PCIe clocks/bandwidth ~ V100 SXM2 (1601 MHz, 1134 GB/s), [L] base"),
-    DevicePreset("T4-16G", 16, 65.0, 0.28, 1.0, source="[D] T4 vs V100-PCIe, MLPerf v0.5 training"),
+                 source="estimate: V100S PCIe clocks/bandwidth ~ V100 SXM2 (1601 MHz, 1134 GB/s), [L] base",
+                 precision_speedup=PrecisionSpeedup(3.28, None, "estimate: Volta as [LP] V100 16GB; no bf16")),
+    DevicePreset("T4-16G", 16, 65.0, 0.28, 1.0, source="[D] T4 vs V100-PCIe, MLPerf v0.5 training",
+                 precision_speedup=PrecisionSpeedup(2.8, None, "estimate: [N] T4 AMP/FP32 2.80 (inference "
+                                                               "throughput); no bf16 (Turing)")),
     DevicePreset("RTX3060-12G", 12, 25.5, 0.35, 1.0,
-                 source="estimate: [L] RTX 3090 47/49 = 0.96 scaled by bandwidth 360/936 GB/s and tensor cores"),
-    DevicePreset("RTX4090-24G", 24, 165.2, 1.9, 3.0, source="[L] RTX 4090 93/49"),
+                 source="estimate: [L] RTX 3090 47/49 = 0.96 scaled by bandwidth 360/936 GB/s and tensor cores",
+                 precision_speedup=PrecisionSpeedup(1.92, 1.92, "estimate: GA10x as [LP] RTX 3090 1.92; bf16 = "
+                                                                "fp16 rate (GA10x whitepaper)")),
+    DevicePreset("RTX4090-24G", 24, 165.2, 1.9, 3.0, source="[L] RTX 4090 93/49",
+                 precision_speedup=PrecisionSpeedup(1.89, 1.89, "[LP] RTX 4090 1.89; bf16 = fp16 rate [W] "
+                                                                "(estimate)")),
 )}
+
+
+def precision_unsupported_message(precision: Any, devices: dict[str, list[int]]) -> str:
+    """The error for ``devices`` (device name -> its ranks, may be empty) that cannot compute in
+    ``precision``: names them and what to use instead."""
+    p = precision_of(precision)
+    named = ", ".join(f"{name} (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})" if ranks
+                      else name for name, ranks in devices.items())
+    why = " (bf16 arithmetic needs compute capability 8.0: Ampere or newer)" if p is Precision.BF16 else ""
+    return (f"{p} is not supported on {named}{why}. Use fp16 instead (mixed_precision=\"fp16\", with dynamic "
+            f"loss scaling; in a DeepSpeed config \"fp16\": {{\"enabled\": true}}), or fp32, or leave those "
+            "devices out")
 
 
 def get_preset(name: str) -> DevicePreset:

@@ -4,7 +4,8 @@ The engine drives an iteration as: for each micro-step ``begin_micro_step`` → 
 backward → ``end_micro_step`` (or ``empty_micro_step`` when this rank has no samples left but
 the stage communicates inside micro-steps), then ``reduce_gradients`` → clipping on
 ``grad_tensors`` → ``optimizer_step`` → ``zero_grad``. A stage decides what each rank holds
-and which collectives run where.
+and which collectives run where; under mixed precision (``StagePrecision``) it also keeps the
+fp32 master apart from the low-precision copy the model computes with.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch import nn
 from poplar.comm import Communicator
 from poplar.zero.flat import FlatUnit
 from poplar.zero.optim import optimizer_state_bytes
+from poplar.zero.precision import ModelCast, StagePrecision, cast_inputs
 
 
 class ZeroStage(ABC):
@@ -26,10 +28,15 @@ class ZeroStage(ABC):
     gathered_bytes: int = 0  # stage 3: gathered parameter bytes alive now
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: Communicator,
-                 units: list[FlatUnit]) -> None:
+                 units: list[FlatUnit], precision: StagePrecision = StagePrecision()) -> None:
         self.model, self.optimizer, self.comm, self.units = model, optimizer, comm, units
+        self.precision = precision
         self.peak_transient_bytes = 0  # largest communication buffers held at once, measured
         self._transient = 0
+        self.model_cast: ModelCast | None = None  # frozen parameters and buffers in the compute dtype
+        if precision.compute is not None:
+            self.model_cast = ModelCast(model, precision)
+            model.register_forward_pre_hook(cast_inputs(precision.compute), with_kwargs=True)
 
     # -- bookkeeping of temporary communication buffers (reported by memory_report) --
     def _hold(self, nbytes: int) -> None:
@@ -64,6 +71,18 @@ class ZeroStage(ABC):
         ...
 
     @abstractmethod
+    def held_grads(self) -> list[torch.Tensor]:
+        """The gradients this rank holds before ``reduce_gradients`` (stages 0/1: local, not
+        reduced; stages 2/3: reduced shards), which the non-finite check reads."""
+        ...
+
+    @property
+    def held_grads_limit(self) -> float | None:
+        """The largest magnitude ``held_grads`` may have and still be reduced without overflow
+        (None: being finite is enough)."""
+        return None
+
+    @abstractmethod
     def optimizer_step(self) -> None:
         ...
 
@@ -81,8 +100,9 @@ class ZeroStage(ABC):
         they load on any world size, stage or plan.
         """
         shard_params = getattr(self, "shard_params", None)
-        if shard_params is None:  # the optimizer holds the model's own parameters
-            return [(p, [(u.names[i], 0, p.numel(), 0)]) for u in self.units for i, p in enumerate(u.params)]
+        if shard_params is None:  # stage 0: the model's own parameters, or their fp32 masters
+            held = getattr(self, "master_params", None) or [u.params for u in self.units]
+            return [(p, [(u.names[i], 0, p.numel(), 0)]) for u, ps in zip(self.units, held) for i, p in enumerate(ps)]
         out = []
         for u, shard in zip(self.units, shard_params):
             lo, hi = u.rank * u.shard_numel, (u.rank + 1) * u.shard_numel
@@ -97,6 +117,28 @@ class ZeroStage(ABC):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
+    def unsharded_value(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A copy of a tensor of the model no stage holds (a buffer, a frozen parameter), in the
+        model's own dtype."""
+        return tensor.detach().clone() if self.model_cast is None else self.model_cast.original(tensor)
+
+    def load_unsharded(self, tensor: torch.Tensor, value: torch.Tensor) -> None:
+        if self.model_cast is None:
+            tensor.detach().copy_(value)
+        else:
+            self.model_cast.load(tensor, value)
+
+    @staticmethod
+    def check_state_fits(state: dict[str, torch.Tensor], shapes: dict[str, torch.Size]) -> None:
+        """ValueError unless ``state`` has exactly the keys of ``shapes``, with those shapes."""
+        missing = [k for k in shapes if k not in state]
+        unexpected = [k for k in state if k not in shapes]
+        wrong = [f"{k}: {tuple(state[k].shape)} vs {tuple(v)}" for k, v in shapes.items()
+                 if k in state and state[k].shape != v]
+        if missing or unexpected or wrong:
+            raise ValueError(f"state does not fit the model: missing keys {missing[:5]}, unexpected keys "
+                             f"{unexpected[:5]}, shapes (given vs model) {wrong[:5]}")
+
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Set the model from a complete, unsharded state (keys and shapes as ``full_state_dict``),
         in place, on every rank, without any collective (every rank is given the whole state).
@@ -108,13 +150,7 @@ class ZeroStage(ABC):
         ``state`` into its shard.
         """
         targets = self.model.state_dict()
-        missing = [k for k in targets if k not in state]
-        unexpected = [k for k in state if k not in targets]
-        wrong = [f"{k}: {tuple(state[k].shape)} vs {tuple(v.shape)}" for k, v in targets.items()
-                 if k in state and state[k].shape != v.shape]
-        if missing or unexpected or wrong:
-            raise ValueError(f"state does not fit the model: missing keys {missing[:5]}, unexpected keys "
-                             f"{unexpected[:5]}, shapes (given vs model) {wrong[:5]}")
+        self.check_state_fits(state, {k: v.shape for k, v in targets.items()})
         with torch.no_grad():
             for k, v in targets.items():
                 v.copy_(state[k])
@@ -127,13 +163,20 @@ class ZeroStage(ABC):
     def grad_bytes(self) -> int:
         ...
 
+    def master_bytes(self) -> int:
+        """Bytes of fp32 master weights kept apart from the compute copy (mixed precision)."""
+        return 0
+
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds: model states, module buffers, and the peak of the engine's
-        temporary communication buffers (``comm_buffers``)."""
+        temporary communication buffers (``comm_buffers``). ``params`` is the copy the model
+        computes with; ``master_params`` the fp32 master kept apart from it (mixed precision)."""
         buffers = sum(b.numel() * b.element_size() for b in self.model.buffers())
         frozen = sum(p.numel() * p.element_size() for p in self.model.parameters() if not p.requires_grad)
+        cast = self.model_cast.master_bytes if self.model_cast is not None else 0
         return {
             "params": self.param_bytes() + frozen,
+            "master_params": self.master_bytes() + cast,
             "grads": self.grad_bytes(),
             "optimizer": optimizer_state_bytes(self.optimizer),
             "buffers": buffers,

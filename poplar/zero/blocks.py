@@ -14,6 +14,11 @@ are views into it while the block is gathered. Releasing resizes its storage to 
 points each parameter at an empty tensor (stale use fails with a shape error instead of reading
 freed memory). The views saved by autograd in forward refer to the same storage, which the
 backward gather refills before the block's backward runs.
+
+Mixed precision (``StagePrecision.compute`` set): ``shard`` is the fp32 master; a gather sends it
+cast to the compute dtype into a compute-dtype ``full``, so the gathered bytes are half of
+fp32's. Gradients arrive in the compute dtype and are added into fp32 flat buffers; a lower
+``reduce`` dtype is cast for the reduce-scatter only.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from torch import nn
 
 from poplar.comm import Communicator, PendingCollective
 from poplar.zero.flat import FlatUnit
+from poplar.zero.precision import StagePrecision
 from poplar.zero.reduce_queue import ReduceHandle
 from poplar.zero.wrap import plan_blocks
 
@@ -50,18 +56,25 @@ class GradState(Enum):
 @dataclass
 class GatherHandle:
     """An all-gather in flight. With several units the result lands in ``staged`` (rank-major)
-    and is copied out into the units' buffers; with one it lands in the block's ``full``."""
+    and is copied out into the units' buffers; with one it lands in the block's ``full``.
+    ``source`` is the shard cast to the compute dtype (mixed precision), kept until it is done."""
 
     work: PendingCollective | None
     staged: torch.Tensor | None
+    source: torch.Tensor | None = None
 
     @property
     def staged_nbytes(self) -> int:
         return 0 if self.staged is None else self.staged.numel() * self.staged.element_size()
 
+    @property
+    def held_nbytes(self) -> int:
+        """Transient bytes the gather keeps alive besides the block's ``full``."""
+        return sum(t.numel() * t.element_size() for t in (self.staged, self.source) if t is not None)
+
 
 def build_blocks(model: nn.Module, groups: list[list[tuple[str, nn.Parameter]]], wrap_policy: Any,
-                 comm: Communicator) -> list["ShardedBlock"]:
+                 comm: Communicator, precision: StagePrecision = StagePrecision()) -> list["ShardedBlock"]:
     """The root unit's block (index 0, if it owns anything) and the wrapped blocks, sharded.
     Every rank first checks the policy and agrees on the layout, so a bad policy (or different
     policies on different ranks) is a ``DistributedError`` on every rank before any other collective."""
@@ -80,22 +93,25 @@ def build_blocks(model: nn.Module, groups: list[list[tuple[str, nn.Parameter]]],
             units.append(FlatUnit([p for _, p in named], [n for n, _ in named], gi, comm.world_size, comm.rank, index))
             index += 1
         if units:
-            blocks.append(ShardedBlock(bi, spec.name, spec.module, units))
+            blocks.append(ShardedBlock(bi, spec.name, spec.module, units, precision))
     return blocks
 
 
 class ShardedBlock:
-    def __init__(self, index: int, name: str, module: nn.Module, units: list[FlatUnit]) -> None:
+    def __init__(self, index: int, name: str, module: nn.Module, units: list[FlatUnit],
+                 precision: StagePrecision = StagePrecision()) -> None:
         self.index, self.name, self.module, self.units = index, name, module, units
         u0 = units[0]
         self.world_size, self.rank, self.dtype, self.device = u0.world_size, u0.rank, u0.dtype, u0.device
+        self.precision = precision
+        self.compute_dtype = precision.compute_dtype(self.dtype)  # of the gathered parameters
         self.shard_sizes = [u.shard_numel for u in units]
         self.shard_offsets = [sum(self.shard_sizes[:k]) for k in range(len(units))]
         self.shard_numel = sum(self.shard_sizes)
         self.full_offsets = [sum(u.padded_numel for u in units[:k]) for k in range(len(units))]
         self.full_numel = sum(u.padded_numel for u in units)
         self.element_size = u0.element_size
-        self.gathered_nbytes = self.full_numel * self.element_size
+        self.gathered_nbytes = self.full_numel * torch.empty((), dtype=self.compute_dtype).element_size()
         self.num_params = sum(len(u.params) for u in units)
         self.params = [p for u in units for p in u.params]
 
@@ -110,11 +126,11 @@ class ShardedBlock:
         self.shard_params = [nn.Parameter(self._unit_shard(self.shard, k), requires_grad=True)
                              for k in range(len(units))]
 
-        self.full = torch.empty(self.full_numel, dtype=self.dtype, device=self.device)
+        self.full = torch.empty(self.full_numel, dtype=self.compute_dtype, device=self.device)
         self.views = [[u.slot(self._unit_full(k), i) for i in range(len(u.params))] for k, u in enumerate(units)]
         self._storage = self.full.untyped_storage()
         self._storage.resize_(0)
-        self._empty = torch.empty(0, dtype=self.dtype, device=self.device)
+        self._empty = torch.empty(0, dtype=self.compute_dtype, device=self.device)
         for p in self.params:
             p.data = self._empty
         self.state = BlockState.RELEASED
@@ -146,9 +162,10 @@ class ShardedBlock:
         self._storage.resize_(self.gathered_nbytes)
         self.state = BlockState.GATHERED
         out = self.full if len(self.units) == 1 else torch.empty(
-            self.world_size * self.shard_numel, dtype=self.dtype, device=self.device)
-        work = comm.all_gather(out, self.shard, tag=f"block{self.index}", async_op=async_op)
-        return GatherHandle(work, None if out is self.full else out)
+            self.world_size * self.shard_numel, dtype=self.compute_dtype, device=self.device)
+        source = self.shard if self.compute_dtype == self.dtype else self.shard.to(self.compute_dtype)
+        work = comm.all_gather(out, source, tag=f"block{self.index}", async_op=async_op)
+        return GatherHandle(work, None if out is self.full else out, None if source is self.shard else source)
 
     def finish_gather(self, handle: GatherHandle, use: bool = True) -> None:
         """Wait for the all-gather; with ``use`` point the parameters at the gathered values."""
@@ -164,6 +181,14 @@ class ShardedBlock:
             for u_views, u in zip(self.views, self.units):
                 for v, p in zip(u_views, u.params):
                     p.data = v
+
+    def gather_master(self, comm: Communicator) -> list[torch.Tensor]:
+        """Every unit's full flat master, gathered from the shards in their own dtype (mixed
+        precision: the fp32 values, not the compute copy). A collective."""
+        rows = torch.empty(self.world_size * self.shard_numel, dtype=self.dtype, device=self.device)
+        comm.all_gather(rows, self.shard, tag=f"block{self.index}")
+        rows = rows.view(self.world_size, self.shard_numel)
+        return [rows[:, o:o + s].reshape(-1) for o, s in zip(self.shard_offsets, self.shard_sizes)]
 
     def free(self) -> None:
         for p in self.params:
@@ -202,23 +227,26 @@ class ShardedBlock:
     def start_reduce(self, comm: Communicator, flats: list[torch.Tensor] | None, zeros: torch.Tensor | None
                      ) -> ReduceHandle:
         """Issue the async reduce-scatter of ``flats`` (the block's gradient; None: ``zeros``, a
-        read-only zero buffer of at least ``grad_nbytes``) into ``shard_grad``. The handle's
-        ``held_bytes`` are the transient bytes it keeps alive (output included)."""
+        read-only zero buffer of at least the block's elements, in the reduce dtype) into
+        ``shard_grad``. The handle's ``held_bytes`` are the transient bytes it keeps alive: the
+        output, the gradient (``grad_nbytes``, held since it arrived) and a cast copy, if any."""
         n, sn = self.world_size, self.shard_numel
-        held = sn * self.element_size
+        wire = self.precision.reduce_dtype(self.dtype)
+        wire_size = torch.empty((), dtype=wire).element_size()
+        held = sn * wire_size
         if flats is None:
             assert zeros is not None
             inp = zeros[:n * sn]
         elif len(flats) == 1:
-            inp = flats[0]
-            held += self.grad_nbytes
+            inp = self.precision.for_reduce(flats[0])
+            held += self.grad_nbytes + (0 if inp is flats[0] else n * sn * wire_size)
         else:
-            inp = torch.empty(n * sn, dtype=self.dtype, device=self.device)
+            inp = torch.empty(n * sn, dtype=wire, device=self.device)
             rows = inp.view(n, sn)
             for k, g in enumerate(flats):
                 o, s = self.shard_offsets[k], self.shard_sizes[k]
                 rows[:, o:o + s].copy_(g.view(n, s))
             held += self.grad_nbytes
-        out = torch.empty(sn, dtype=self.dtype, device=self.device)
+        out = torch.empty(sn, dtype=wire, device=self.device)
         work = comm.reduce_scatter(out, inp, tag=f"block{self.index}", async_op=True)
         return ReduceHandle(work, out, inp, self.shard_grad, held)

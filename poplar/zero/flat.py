@@ -49,12 +49,12 @@ class FlatUnit:
     def element_size(self) -> int:
         return torch.empty((), dtype=self.dtype).element_size()
 
-    def new_flat(self, zero: bool = True) -> torch.Tensor:
+    def new_flat(self, zero: bool = True, dtype: torch.dtype | None = None) -> torch.Tensor:
         make = torch.zeros if zero else torch.empty
-        return make(self.padded_numel, dtype=self.dtype, device=self.device)
+        return make(self.padded_numel, dtype=dtype or self.dtype, device=self.device)
 
-    def new_shard(self) -> torch.Tensor:
-        return torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
+    def new_shard(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return torch.zeros(self.shard_numel, dtype=dtype or self.dtype, device=self.device)
 
     def shard_of(self, flat: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a full flat buffer (a view)."""
@@ -98,6 +98,20 @@ def split_into_units(groups: list[list[tuple[str, nn.Parameter]]], world_size: i
                 size += p.numel()
             if current:
                 units.append(_unit(current, gi, world_size, rank, len(units)))
+    return units
+
+
+def gradient_buckets(model: nn.Module, groups: list[list[tuple[str, nn.Parameter]]], world_size: int, rank: int,
+                     bucket_size_mb: float) -> list[FlatUnit]:
+    """The units of stages 0-2: each group cut at ``bucket_size_mb`` (of the parameters' own
+    dtype), in backward order, roughly, numbered in that order."""
+    element = next(model.parameters()).element_size()
+    max_numel = max(1, int(bucket_size_mb * 2**20 / element))
+    units = split_into_units(groups, world_size, rank, max_numel)
+    order = {id(p): i for i, p in enumerate(model.parameters())}
+    units.sort(key=lambda u: -max(order[id(p)] for p in u.params))
+    for i, u in enumerate(units):
+        u.index = i
     return units
 
 

@@ -12,6 +12,13 @@ hands each gradient over to its unit's flat gradient buffer through a post-accum
   collective order is the fixed unit order on every rank; what is not ready when backward
   returns (unused parameters) is sent as zeros. A rank with fewer micro-steps sends zeros.
   At most two reduce-scatters are left in flight (``poplar.zero.reduce_queue``).
+
+Mixed precision (``StagePrecision.compute`` set): the flat buffers the model's parameters view
+hold the low-precision copy; the fp32 master is kept apart (``masters``): whole at stage 0, where
+every rank steps it identically and casts it into the copy; only this rank's shard at stages 1/2,
+where the optimizer steps the shard and the post-step all-gather moves low-precision bytes
+straight into the copy. Gradients arrive in the compute dtype and are accumulated into the fp32
+flat gradients (or buckets); a lower ``reduce`` dtype is cast for the collective only.
 """
 
 from __future__ import annotations
@@ -23,22 +30,29 @@ import torch
 from torch import nn
 
 from poplar.zero.base import ZeroStage
-from poplar.comm import Communicator
+from poplar.comm import Communicator, Phase
 from poplar.zero.flat import FlatUnit
 from poplar.zero.optim import repoint_optimizer
+from poplar.zero.precision import StagePrecision
 from poplar.zero.reduce_queue import ReduceHandle, ReduceQueue
 
 
 class ReplicatedParams(ZeroStage):
     """Shared by stages 0-2: flat parameter buffers and the gradient hand-over hook."""
 
+    master_sharded = True  # mixed precision: each rank keeps only its shard of the fp32 master
+
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: Communicator,
-                 units: list[FlatUnit]) -> None:
-        super().__init__(model, optimizer, comm, units)
-        self.flat_params = []
+                 units: list[FlatUnit], precision: StagePrecision = StagePrecision()) -> None:
+        super().__init__(model, optimizer, comm, units, precision)
+        self.flat_params = []  # what the model's parameters view (the low-precision copy, if any)
+        self.masters: list[torch.Tensor] = []  # mixed precision: per unit, the fp32 master (or its shard)
         for u in units:
             flat = u.new_flat()
             u.copy_params_into(flat)
+            if precision.compute is not None:
+                self.masters.append(u.shard_of(flat).clone() if self.master_sharded else flat)
+                flat = flat.to(precision.compute)
             u.point_params_at(flat)
             self.flat_params.append(flat)
         self._hooks = []
@@ -59,12 +73,16 @@ class ReplicatedParams(ZeroStage):
     def param_bytes(self) -> int:
         return sum(f.numel() * f.element_size() for f in self.flat_params)
 
+    def master_bytes(self) -> int:
+        return sum(m.numel() * m.element_size() for m in self.masters)
+
     def _shard_params(self) -> list[nn.Parameter]:
-        """One optimizer parameter per unit: a view of this rank's slice of the flat buffer, so
-        the optimizer's in-place update lands in the flat buffer."""
+        """One optimizer parameter per unit: a view of this rank's slice of the flat buffer (or
+        its fp32 master shard), so the optimizer's in-place update lands there."""
         shards = []
-        for u, flat in zip(self.units, self.flat_params):
-            shards.append(nn.Parameter(u.shard_of(flat), requires_grad=True))
+        for ui, (u, flat) in enumerate(zip(self.units, self.flat_params)):
+            data = self.masters[ui] if self.masters else u.shard_of(flat)
+            shards.append(nn.Parameter(data, requires_grad=True))
         groups: list[list[nn.Parameter]] = [[] for _ in self.optimizer.param_groups]
         for u, s in zip(self.units, shards):
             groups[u.group_index].append(s)
@@ -73,40 +91,130 @@ class ReplicatedParams(ZeroStage):
 
     def sync_params(self) -> None:
         """Every rank takes each shard from its owner (after a step; at setup this also makes
-        ranks that built different initial weights agree)."""
-        for u, flat in zip(self.units, self.flat_params):
-            local = u.shard_of(flat).detach().clone()  # the input must not alias the output
+        ranks that built different initial weights agree). With a master shard the owner sends
+        it cast to the compute dtype; with a whole master (stage 0) the master is gathered and
+        every rank casts it."""
+        for ui, (u, flat) in enumerate(zip(self.units, self.flat_params)):
+            whole_master = bool(self.masters) and not self.master_sharded
+            target = self.masters[ui] if whole_master else flat
+            if self.masters and self.master_sharded:
+                local = self.masters[ui].to(flat.dtype)
+            else:
+                local = u.shard_of(target).detach().clone()  # the input must not alias the output
             self._hold(local.numel() * local.element_size())
-            self.comm.all_gather(flat, local, tag=f"unit{u.index}")
+            self.comm.all_gather(target, local, tag=f"unit{u.index}")
             self._release(local.numel() * local.element_size())
+            if whole_master:
+                flat.copy_(target)
+
+    # -- mixed precision: the state is the fp32 master's --
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Under mixed precision the fp32 master (stages 1/2: gathered, a collective every rank
+        calls between iterations), with buffers and frozen parameters in the model's dtypes."""
+        if not self.masters:
+            return super().full_state_dict()
+        values: dict[int, torch.Tensor] = {}
+        with self.comm.ledger.scope(Phase.STATE):
+            for ui, u in enumerate(self.units):
+                full = self._whole_master(ui)
+                values.update({id(p): u.slot(full, i).clone() for i, p in enumerate(u.params)})
+                if full is not self.masters[ui]:
+                    self._release(full.numel() * full.element_size())
+        return {k: values[id(v)] if id(v) in values else self.unsharded_value(v)
+                for k, v in self.model.state_dict(keep_vars=True).items()}
+
+    def _whole_master(self, ui: int) -> torch.Tensor:
+        if not self.master_sharded:
+            return self.masters[ui]
+        u = self.units[ui]
+        full = u.new_flat(zero=False)
+        self._hold(full.numel() * full.element_size())
+        self.comm.all_gather(full, self.masters[ui], tag=f"unit{u.index}")
+        return full
+
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """As ``ZeroStage``'s; under mixed precision each value goes into the master (this rank's
+        part of it) and, cast, into the compute copy."""
+        if not self.masters:
+            return super().load_full_state_dict(state)
+        sd = self.model.state_dict(keep_vars=True)
+        self.check_state_fits(state, {k: v.shape for k, v in sd.items()})
+        key_of = {id(v): k for k, v in sd.items()}
+        with torch.no_grad():
+            for ui, u in enumerate(self.units):
+                lo, hi = (u.rank * u.shard_numel, (u.rank + 1) * u.shard_numel) if self.master_sharded \
+                    else (0, u.padded_numel)
+                for i, p in enumerate(u.params):
+                    value = state[key_of[id(p)]].detach().reshape(-1).to(self.masters[ui].dtype)
+                    u.slot(self.flat_params[ui], i).copy_(value.view(u.shapes[i]))
+                    off = u.offsets[i]
+                    a, b = max(lo, off), min(hi, off + value.numel())
+                    if a < b:
+                        self.masters[ui][a - lo:b - lo].copy_(value[a - off:b - off])
+            trained = {id(p) for u in self.units for p in u.params}
+            for k, v in sd.items():
+                if id(v) not in trained:
+                    self.load_unsharded(v, state[k])
 
 
 class Stage0(ReplicatedParams):
     stage = 0
     grads_sharded = False
+    master_sharded = False
 
-    def __init__(self, *args: Any) -> None:
-        super().__init__(*args)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.flat_grads = [u.new_flat() for u in self.units]
+        # mixed precision: the optimizer steps one fp32 master view per model parameter
+        self.master_params: list[list[nn.Parameter]] | None = None
+        if self.masters and not self.master_sharded:
+            self.master_params = [[nn.Parameter(u.slot(m, i)) for i in range(len(u.params))]
+                                  for u, m in zip(self.units, self.masters)]
+            master_of = {id(p): mp for u, mps in zip(self.units, self.master_params) for p, mp in zip(u.params, mps)}
+            repoint_optimizer(self.optimizer, [[master_of.get(id(p), p) for p in g["params"]]
+                                               for g in self.optimizer.param_groups])
 
     def _grad_ready(self, ui: int, si: int, grad: torch.Tensor) -> None:
         self.units[ui].slot(self.flat_grads[ui], si).add_(grad)
 
     def reduce_gradients(self) -> None:
         for u, g in zip(self.units, self.flat_grads):
-            self.comm.all_reduce(g, tag=f"unit{u.index}")
+            wire = self.precision.for_reduce(g)
+            if wire is not g:
+                self._hold(wire.numel() * wire.element_size())
+            self.comm.all_reduce(wire, tag=f"unit{u.index}")
+            if wire is not g:
+                g.copy_(wire)
+                self._release(wire.numel() * wire.element_size())
 
     def grad_tensors(self) -> list[torch.Tensor]:
         return self.flat_grads
 
+    def held_grads(self) -> list[torch.Tensor]:
+        return self.flat_grads
+
+    @property
+    def held_grads_limit(self) -> float | None:
+        # the local gradients are checked before the reduction: in a narrower reduce dtype (fp16)
+        # they must leave room for the sum of every rank's, or it could overflow unseen
+        wire = self.precision.reduce
+        if wire is None or torch.finfo(wire).max >= torch.finfo(self.units[0].dtype).max:
+            return None
+        return torch.finfo(wire).max / self.comm.world_size
+
     def optimizer_step(self) -> None:
-        for u, g in zip(self.units, self.flat_grads):
-            for si, p in enumerate(u.params):
+        stepped = self.master_params or [u.params for u in self.units]
+        for u, g, params in zip(self.units, self.flat_grads, stepped):
+            for si, p in enumerate(params):
                 p.grad = u.slot(g, si)
         self.optimizer.step()
-        for u in self.units:
-            for p in u.params:
+        for params in stepped:
+            for p in params:
                 p.grad = None
+        if self.master_params is not None:
+            with torch.no_grad():
+                for flat, master in zip(self.flat_params, self.masters):
+                    flat.copy_(master)
 
     def zero_grad(self) -> None:
         for g in self.flat_grads:
@@ -119,21 +227,24 @@ class Stage0(ReplicatedParams):
 class Stage1(Stage0):
     stage = 1
     grads_sharded = True
+    master_sharded = True
 
-    def __init__(self, *args: Any) -> None:
-        super().__init__(*args)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.shard_params = self._shard_params()
 
     def reduce_gradients(self) -> None:
         for u, g, s in zip(self.units, self.flat_grads, self.shard_params):
             # the reduced shard lands in this rank's slice of the flat gradient (via a temporary:
             # the output of a reduce-scatter must not alias its input)
-            out = u.new_shard()
-            self._hold(out.numel() * out.element_size())
-            self.comm.reduce_scatter(out, g, tag=f"unit{u.index}")
+            wire = self.precision.for_reduce(g)
+            out = u.new_shard(wire.dtype)
+            held = out.numel() * out.element_size() + (wire.numel() * wire.element_size() if wire is not g else 0)
+            self._hold(held)
+            self.comm.reduce_scatter(out, wire, tag=f"unit{u.index}")
             shard = u.shard_of(g)
             shard.copy_(out)
-            self._release(out.numel() * out.element_size())
+            self._release(held)
             s.grad = shard
 
     def grad_tensors(self) -> list[torch.Tensor]:
@@ -154,8 +265,8 @@ class Stage2(ReplicatedParams):
     communicates_in_micro_steps = True
     reduces_in_flight = 2  # reduce-scatters overlapping backward; each holds one full bucket
 
-    def __init__(self, *args: Any) -> None:
-        super().__init__(*args)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.shard_params = self._shard_params()
         self.shard_grads = [u.new_shard() for u in self.units]
         self._reduces = ReduceQueue(self.reduces_in_flight, self._release)
@@ -187,15 +298,18 @@ class Stage2(ReplicatedParams):
     def _issue(self, ui: int) -> None:
         """Reduce-scatter unit ``ui``'s bucket into its gradient shard (the handle keeps the bucket)."""
         u = self.units[ui]
-        out = u.new_shard()
-        out_bytes = out.numel() * out.element_size()
-        self._hold(out_bytes)
         bucket = self._bucket(ui)
-        work = self.comm.reduce_scatter(out, bucket, tag=f"unit{u.index}", async_op=True)
+        wire = self.precision.for_reduce(bucket)  # the bucket itself, or its copy in the reduce dtype
+        out = u.new_shard(wire.dtype)
+        out_bytes, wire_bytes = out.numel() * out.element_size(), wire.numel() * wire.element_size()
+        self._hold(out_bytes)
+        if wire is not bucket:  # only the copy stays alive
+            self._hold(wire_bytes)
+            self._release(bucket.numel() * bucket.element_size())
+        work = self.comm.reduce_scatter(out, wire, tag=f"unit{u.index}", async_op=True)
         self._buckets[ui] = None
         self._next = ui + 1
-        self._reduces.push(ReduceHandle(work, out, bucket, self.shard_grads[ui],
-                                        out_bytes + u.padded_numel * u.element_size))
+        self._reduces.push(ReduceHandle(work, out, wire, self.shard_grads[ui], out_bytes + wire_bytes))
 
     def end_micro_step(self) -> None:
         while self._next < len(self.units):  # unused parameters: their gradient is zero
@@ -211,6 +325,9 @@ class Stage2(ReplicatedParams):
             s.grad = g
 
     def grad_tensors(self) -> list[torch.Tensor]:
+        return self.shard_grads
+
+    def held_grads(self) -> list[torch.Tensor]:
         return self.shard_grads
 
     def optimizer_step(self) -> None:

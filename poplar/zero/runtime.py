@@ -1,19 +1,13 @@
 """The plan-driven ZeRO runtime: one rank's share of every training step, at stages 0-3.
 
 ``ZeroRuntime`` wraps a model and its optimizer in a ZeRO stage and runs this rank's plan row
-(micro-batch size, accumulation steps, last batch) with the math of one single-process step on
-the whole global batch. It knows nothing above it: the profiler drives it directly, and
-``PoplarEngine`` is it plus auto mode and the training loop.
+with the math of one single-process step on the whole global batch: a micro-batch of m samples
+is scaled by m / global_batch_size and gradients are summed over ranks (docs/design.md §2). It
+knows nothing above it: the profiler drives it, and ``PoplarEngine`` adds auto mode and ``fit``.
 
-Loss scaling: a micro-batch of m samples whose loss is a per-sample mean is scaled by
-m / global_batch_size before backward, and gradients are summed over ranks (never averaged by
-world size), so any plan gives the same step (docs/design.md, "the one invariant").
-
-No hang on bad input: each rank checks its own input and reports at the iteration's status
-reduction, which comes before any gradient collective of stages 0/1; at stages 2/3 a rank with a
-problem still joins every micro-step's collectives with zeros. Every rank then raises the same
-error, naming the failing ranks, and no optimizer step is taken.
-
+Bad input never hangs: each rank reports at the iteration's status reduction (before any gradient
+collective of stages 0/1; at stages 2/3 a failing rank still joins every micro-step's collectives
+with zeros), and every rank raises the same error. Mixed precision and non-finite steps: §3.7.
 A step is extended through observers (``poplar.zero.observers``), never by replacing methods.
 """
 
@@ -29,11 +23,17 @@ from torch import nn
 
 from poplar.comm import CommLedger, Communicator, DistributedError, Phase
 from poplar.types.batches import batch_size_of, slice_batch
+from poplar.types.logs import log
 from poplar.types.plans import Plan
+from poplar.types.precision import MixedPrecision
 from poplar.zero.base import ZeroStage
-from poplar.zero.flat import split_into_units
+from poplar.zero.flat import gradient_buckets
+from poplar.zero.grad_norm import clip_and_unscale
+from poplar.zero.loss_scaler import LossScaler
+from poplar.zero.nonfinite import NonFiniteGuard, NonFinitePolicy, Verdict, local_detail, nonfinite_flag
 from poplar.zero.observers import IterationStats, MicroStep, ObserverHandle, Observers, StepObserver
-from poplar.zero.optim import named_param_groups
+from poplar.zero.precision import StagePrecision
+from poplar.zero.setup import agree_setup, check_arguments, check_policies
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
@@ -54,6 +54,12 @@ class ZeroRuntime:
         wrap_policy: stage 3 only: which modules form a gather/release block.
         communicator: use this ``Communicator`` instead of one on ``process_group``.
         loss_fn: ``loss_fn(module, micro_batch)`` -> mean loss, ``train_step``'s default.
+        mixed_precision: None or "fp32" (plain fp32), "bf16", "fp16" or a ``MixedPrecision``.
+            The model must be fp32: masters and optimizer state stay fp32.
+        nonfinite: ``NonFinitePolicy`` (or "skip" / "raise"): what every rank does when a loss or
+            gradient on some rank is inf or NaN.
+        max_consecutive_skips: with "skip", more non-finite steps in a row than this raise (under
+            fp16 dynamic loss scaling only those at the minimum scale count).
     Every rank constructs it together (set-up is agreed: a bad argument on any rank is a
     ``DistributedError`` on every rank).
     """
@@ -61,7 +67,8 @@ class ZeroRuntime:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, plan: Plan | None,
                  zero_stage: int = 0, process_group: Any = None, max_grad_norm: float | None = None,
                  bucket_size_mb: float = 25.0, wrap_policy: Any = None, communicator: Communicator | None = None,
-                 loss_fn: LossFn | None = None) -> None:
+                 loss_fn: LossFn | None = None, mixed_precision: MixedPrecision | str | None = None,
+                 nonfinite: NonFinitePolicy | str = NonFinitePolicy.SKIP, max_consecutive_skips: int = 5) -> None:
         model_device = next(model.parameters()).device
         self.comm = communicator if communicator is not None else Communicator(process_group, model_device)
         self.comm_ledger: CommLedger = self.comm.ledger
@@ -74,9 +81,15 @@ class ZeroRuntime:
         self.last_stats: IterationStats | None = None
         self.observers = Observers()
 
-        error, groups = self._check_setup(model, optimizer, zero_stage, plan, max_grad_norm, bucket_size_mb)
-        self._agree_setup(error, model, zero_stage, plan)
+        error, groups = check_arguments(self.world_size, model, optimizer, zero_stage, plan, max_grad_norm,
+                                        bucket_size_mb)
+        checked = check_policies(model, mixed_precision, nonfinite, max_consecutive_skips)
+        agree_setup(self.comm, error or checked.error, model, zero_stage, plan, checked.signature)
         assert plan is not None
+        self.mixed_precision: MixedPrecision | None = checked.precision
+        scale_config = checked.precision.loss_scale if checked.precision is not None else None
+        self.loss_scaler: LossScaler | None = LossScaler(scale_config) if scale_config is not None else None
+        self.nonfinite = NonFiniteGuard(checked.nonfinite, max_consecutive_skips)
         self.zero_stage = zero_stage
         self.use_plan(plan)
         self.stage: ZeroStage = self._build_stage(groups, bucket_size_mb, wrap_policy)
@@ -90,54 +103,18 @@ class ZeroRuntime:
         self._reset_iteration()
 
     # ------------------------------------------------------------------ set-up
-    def _check_setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, zero_stage: Any, plan: Any,
-                     max_grad_norm: Any, bucket_size_mb: float) -> tuple[str | None, list]:
-        """This rank's verdict on its arguments (a message naming the fix), without raising:
-        every rank must reach the agreement point."""
-        if zero_stage not in (0, 1, 2, 3):
-            return f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}", []
-        if not isinstance(plan, Plan):
-            return (f"plan must be a poplar.Plan with one RankPlan per rank, got {type(plan).__name__}; "
-                    f"e.g. Plan.even(world_size={self.world_size}, global_batch_size=..., micro_batch_size=...) "
-                    "or poplar.plan(profile, ...); or give global_batch_size= and loss_fn= for auto mode"), []
-        if plan.world_size != self.world_size:
-            return (f"plan has {plan.world_size} rows but the world has {self.world_size} ranks; "
-                    "give one RankPlan per rank"), []
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            return f"max_grad_norm must be > 0 or None, got {max_grad_norm}", []
-        if not bucket_size_mb > 0:
-            return f"bucket_size_mb must be > 0, got {bucket_size_mb}", []
-        devices = {p.device for p in model.parameters()}
-        if len(devices) > 1:
-            return f"model parameters are on several devices {sorted(map(str, devices))}; put the model on one", []
-        groups, error = named_param_groups(model, optimizer)
-        return error, groups
-
-    def _agree_setup(self, error: str | None, model: nn.Module, zero_stage: Any, plan: Any) -> None:
-        """All ranks must have valid arguments, the same plan and stage and the same parameter shapes."""
-        shapes = [(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
-        plan_json = plan.to_json() if isinstance(plan, Plan) else repr(plan)
-        signature = hashlib.sha256(repr((zero_stage, plan_json, shapes)).encode()).hexdigest()
-        self.comm.agree(error, "PoplarEngine setup", signature, mismatch=(
-            "ranks disagree on zero_stage, plan or model parameters; pass the same to every rank"))
-
     def _build_stage(self, groups: list, bucket_size_mb: float, wrap_policy: Any) -> ZeroStage:
+        precision = StagePrecision.of(self.mixed_precision)
         with self.comm_ledger.scope(Phase.SETUP):
             if self.zero_stage == 3:
                 from poplar.zero.sharded import Stage3
                 return Stage3(self.module, self.optimizer, self.comm, groups, wrap_policy,
-                              on_transient=self.observers.transient_allocated)
+                              on_transient=self.observers.transient_allocated, precision=precision)
             from poplar.zero.replicated import Stage0, Stage1, Stage2
 
-            element = next(self.module.parameters()).element_size()
-            max_numel = max(1, int(bucket_size_mb * 2**20 / element))
-            units = split_into_units(groups, self.world_size, self.rank, max_numel)
-            order = {id(p): i for i, p in enumerate(self.module.parameters())}
-            units.sort(key=lambda u: -max(order[id(p)] for p in u.params))  # backward order, roughly
-            for i, u in enumerate(units):
-                u.index = i
+            units = gradient_buckets(self.module, groups, self.world_size, self.rank, bucket_size_mb)
             stage_class = {0: Stage0, 1: Stage1, 2: Stage2}[self.zero_stage]
-            stage = stage_class(self.module, self.optimizer, self.comm, units)
+            stage = stage_class(self.module, self.optimizer, self.comm, units, precision=precision)
             stage.sync_params()
             return stage
 
@@ -284,8 +261,10 @@ class ZeroRuntime:
         step = self._micro_step if self._micro_step is not None else self._open_micro_step(num_samples)
         self._user_forward.close()
         self.observers.backward_start(step, loss)
+        weight = num_samples / self.global_batch_size * (1 if self.loss_scaler is None else self.loss_scaler.scale)
         with self.comm_ledger.scope(Phase.BACKWARD, micro_step=self._micro_steps):
-            (loss * (num_samples / self.global_batch_size)).backward()
+            # in fp32 even for a bf16/fp16 loss: the scaled loss of fp16 would overflow
+            (loss.float() * weight).backward()
             self.stage.end_micro_step()
         self.observers.backward_end(step)
         self._loss_sum += loss.detach().double().reshape(()) * num_samples
@@ -305,12 +284,11 @@ class ZeroRuntime:
                     self.stage.empty_micro_step()
                 self._micro_steps += 1
         with self.comm_ledger.scope(Phase.STEP, micro_step=-1):
-            loss_sum = self._agree_status(error, cause)
-            self.stage.reduce_gradients()
-            if self.max_grad_norm is not None:
-                self.last_grad_norm = self._clip_grad_norm(self.max_grad_norm)
-            self.stage.optimizer_step()
-            self.stage.zero_grad()
+            loss_sum, nonfinite_ranks = self._agree_status(error, cause)
+            if nonfinite_ranks:
+                self._skip_step(nonfinite_ranks)
+            else:
+                self._take_step()
         wall = time.perf_counter() - self._iter_start
         comm_s = self.comm_ledger.seconds(iteration=self.iteration)
         self.last_stats = IterationStats(self.iteration, wall, self._compute_s or max(0.0, wall - comm_s), comm_s,
@@ -320,14 +298,22 @@ class ZeroRuntime:
         self.observers.iteration_end(self.last_stats)
         return loss_sum / self.global_batch_size
 
-    def _agree_status(self, error: str | None, cause: BaseException | None) -> float:
+    def _agree_status(self, error: str | None, cause: BaseException | None) -> tuple[float, int]:
         """The iteration's status reduction: every rank's loss sum, sample count and verdict in
-        one all-reduce. Any failure raises on every rank, with no optimizer step."""
+        one all-reduce of three numbers. The verdict packs two counts: ranks that failed, plus
+        (world size + 1) x ranks that saw a non-finite loss or gradient (exact in float64). Any
+        failure raises on every rank, with no optimizer step. Returns the global loss sum and the
+        number of ranks that saw a non-finite value."""
         dev = self.comm.device
+        base = self.world_size + 1
+        verdict = nonfinite_flag(self.stage.held_grads(), self._loss_sum, self.stage.held_grads_limit) * base
+        if error is not None:
+            verdict = verdict + 1.0
         status = torch.stack([self._loss_sum, torch.tensor(float(self._samples), dtype=torch.float64, device=dev),
-                              torch.tensor(0.0 if error is None else 1.0, dtype=torch.float64, device=dev)])
+                              verdict.reshape(())])
         self.comm.all_reduce(status, tag="status")
-        loss_sum, samples, failed = status.tolist()
+        loss_sum, samples, packed = status.tolist()
+        nonfinite_ranks, failed = divmod(round(packed), base)
         if failed:
             self._abandon_iteration()
             messages = self.comm.all_gather_object(error, tag="status")
@@ -339,7 +325,38 @@ class ZeroRuntime:
             raise DistributedError(
                 f"iteration {self.iteration}: ranks processed {round(samples)} samples in all but the plan's global "
                 f"batch is {self.global_batch_size}; each rank must backward exactly its plan row's samples")
-        return loss_sum
+        return loss_sum, nonfinite_ranks
+
+    def _take_step(self) -> None:
+        self.stage.reduce_gradients()
+        norm = clip_and_unscale(self.stage.grad_tensors(), self.comm, self.stage.grads_sharded, self.max_grad_norm,
+                                self.loss_scale)
+        self.last_grad_norm = norm if self.max_grad_norm is not None else self.last_grad_norm
+        self.stage.optimizer_step()
+        self.stage.zero_grad()
+        self.nonfinite.on_step()
+        if self.loss_scaler is not None:
+            self.loss_scaler.on_good_step()
+
+    def _skip_step(self, nonfinite_ranks: int) -> None:
+        """Some rank saw an inf or NaN: every rank drops the gradients and takes no step, and the
+        loss scale backs off; the policy may raise instead, on every rank alike."""
+        scaler, old_scale = self.loss_scaler, self.loss_scale
+        verdict = self.nonfinite.on_nonfinite(counted=scaler is None or scaler.at_minimum)
+        details = None
+        if verdict is not Verdict.SKIP:  # every rank takes this branch: name the ranks
+            detail = local_detail(self.stage.held_grads(), self._loss_sum, self.stage.held_grads_limit)
+            details = self.comm.all_gather_object(detail, tag="status")
+        self.stage.zero_grad()
+        if scaler is not None:
+            scaler.on_overflow()
+        if details is not None:
+            message = self.nonfinite.message(verdict, self.iteration, details)
+            self._reset_iteration()
+            raise DistributedError(message)
+        if self.rank == 0:
+            log.warning(self.nonfinite.warning(self.iteration, nonfinite_ranks, self.world_size,
+                                               (old_scale, self.loss_scale) if scaler is not None else None))
 
     def _abandon_iteration(self) -> None:
         self.stage.zero_grad()
@@ -356,20 +373,15 @@ class ZeroRuntime:
         self._user_forward.close()
         self.comm_ledger.start_iteration(self.iteration)
 
-    def _clip_grad_norm(self, max_norm: float) -> float:
-        grads = self.stage.grad_tensors()
-        sq = torch.zeros((), dtype=torch.float64, device=self.comm.device)
-        for g in grads:
-            sq += g.detach().double().pow(2).sum()
-        if self.stage.grads_sharded:
-            sq = sq.reshape(1)
-            self.comm.all_reduce(sq, tag="grad_norm")
-        norm = float(sq.sum().sqrt())
-        coef = max_norm / (norm + 1e-6)
-        if coef < 1.0:
-            for g in grads:
-                g.mul_(coef)
-        return norm
+    @property
+    def loss_scale(self) -> float:
+        """The fp16 loss scale of the next iteration (1.0 without loss scaling)."""
+        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+
+    @property
+    def skipped_steps(self) -> int:
+        """Iterations whose optimizer step was skipped for a non-finite loss or gradient."""
+        return self.nonfinite.skipped_steps
 
     # ------------------------------------------------------------------ state
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -377,6 +389,8 @@ class ZeroRuntime:
         return self.stage.full_state_dict()
 
     def memory_report(self) -> dict[str, int]:
-        """Bytes this rank holds: ``params``, ``grads``, ``optimizer``, ``buffers`` (module
-        buffers) and ``comm_buffers`` (peak of the runtime's temporary communication buffers)."""
+        """Bytes this rank holds: ``params`` (the copy the model computes with), ``master_params``
+        (fp32 masters kept apart from it under mixed precision), ``grads``, ``optimizer``,
+        ``buffers`` (module buffers) and ``comm_buffers`` (peak of the runtime's temporary
+        communication buffers); stage 3 adds ``gathered_params``."""
         return self.stage.memory_report()

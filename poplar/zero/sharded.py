@@ -32,6 +32,10 @@ It is collective: all ranks must run the same number of evaluation forwards toge
 Limits: one forward of the model per micro-step, a block runs once per forward (no activation
 checkpointing that recomputes a block), parameters are used only inside their block's forward,
 and the model's parameters are empty between uses: read them with ``full_state_dict()``.
+
+Mixed precision: each block's shard is its fp32 master; the all-gathers send it cast to the
+compute dtype (half of fp32's bytes for bf16/fp16), and ``full_state_dict`` gathers the fp32
+shards (``poplar.zero.sharded_state``).
 """
 
 from __future__ import annotations
@@ -48,7 +52,9 @@ from torch.utils._pytree import tree_leaves
 from poplar.zero.base import ZeroStage
 from poplar.zero.blocks import GatherHandle, GradState, ShardedBlock, build_blocks
 from poplar.comm import Communicator, DistributedError, Phase
+from poplar.zero import sharded_state
 from poplar.zero.optim import repoint_optimizer
+from poplar.zero.precision import StagePrecision
 from poplar.zero.prefetch import Pass, PassKind, PassState, Schedule, backward_items, forward_items
 from poplar.zero.reduce_queue import ReduceQueue
 from poplar.zero.wrap import post_order
@@ -62,9 +68,10 @@ class Stage3(ZeroStage):
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: Communicator,
                  groups: list[list[tuple[str, nn.Parameter]]], wrap_policy: Any = None, *,
-                 prefetch: bool = True, on_transient: Callable[[], None] | None = None) -> None:
-        blocks = build_blocks(model, groups, wrap_policy, comm)
-        super().__init__(model, optimizer, comm, [u for b in blocks for u in b.units])
+                 prefetch: bool = True, on_transient: Callable[[], None] | None = None,
+                 precision: StagePrecision = StagePrecision()) -> None:
+        blocks = build_blocks(model, groups, wrap_policy, comm, precision)
+        super().__init__(model, optimizer, comm, [u for b in blocks for u in b.units], precision)
         self.blocks = blocks
         self.root = blocks[0] if blocks and blocks[0].index == 0 else None
         self.layers = [b for b in blocks if b is not self.root]
@@ -127,14 +134,12 @@ class Stage3(ZeroStage):
         self._gathered[b.index] = b
         self.gathered_bytes += b.gathered_nbytes
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
-        if handle.staged is not None:
-            self._hold(handle.staged_nbytes)
+        self._hold(handle.held_nbytes)
         return handle
 
     def finish_gather(self, b: ShardedBlock, handle: GatherHandle, use: bool) -> None:
         b.finish_gather(handle, use)
-        if handle.staged is not None:
-            self._release(handle.staged_nbytes)
+        self._release(handle.held_nbytes)
 
     def free_gather(self, b: ShardedBlock) -> None:
         if self._gathered.pop(b.index, None) is not None:
@@ -151,7 +156,7 @@ class Stage3(ZeroStage):
         if self._on_gathered is not None and not self._completing:
             self._on_gathered()
 
-    def _gather_now(self, b: ShardedBlock) -> None:
+    def gather_now(self, b: ShardedBlock) -> None:
         self.finish_gather(b, self.start_gather(b), True)
         self.gathered_hook(b)
 
@@ -170,10 +175,12 @@ class Stage3(ZeroStage):
 
     def _start_reduce(self, b: ShardedBlock, flats: list[torch.Tensor] | None) -> None:
         if flats is None and self._zeros is None:
-            self._zeros = torch.zeros(max(x.full_numel for x in self.blocks), dtype=b.dtype, device=b.device)
+            wire = self.precision.reduce_dtype(b.dtype)
+            self._zeros = torch.zeros(max(x.full_numel for x in self.blocks), dtype=wire, device=b.device)
             self._hold(self._zeros.numel() * self._zeros.element_size())
-        self._hold(b.shard_numel * b.element_size)
-        self._reduces.push(b.start_reduce(self.comm, flats, self._zeros))
+        handle = b.start_reduce(self.comm, flats, self._zeros)
+        self._hold(handle.held_bytes - (b.grad_nbytes if flats is not None else 0))  # gradients: held as they came
+        self._reduces.push(handle)
 
     def _wait_reduces(self) -> None:
         self._reduces.drain()
@@ -330,6 +337,9 @@ class Stage3(ZeroStage):
     def grad_tensors(self) -> list[torch.Tensor]:
         return [b.shard_grad for b in self.blocks]
 
+    def held_grads(self) -> list[torch.Tensor]:
+        return [b.shard_grad for b in self.blocks] + [g for b in self.blocks for g in b.late_flats or ()]
+
     def optimizer_step(self) -> None:
         self.optimizer.step()
 
@@ -345,44 +355,28 @@ class Stage3(ZeroStage):
             self._recorded = None
 
     # ------------------------------------------------------------------ state
+    @property
+    def in_pass(self) -> bool:
+        """A forward or micro-step is under way (state must be read between iterations)."""
+        return self._pass is not None
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every block gathered in turn (a collective: all ranks call it, between iterations)."""
-        if self._pass is not None:
-            raise RuntimeError("ZeRO-3: full_state_dict() inside a micro-step; call it between iterations")
-        sd = self.model.state_dict(keep_vars=True)
-        owner = {id(p): b.index for b in self.blocks for p in b.params}
-        out = {k: v.detach().clone() for k, v in sd.items() if id(v) not in owner}
-        with self.comm.ledger.scope(Phase.STATE):
-            for b in self.blocks:
-                self._gather_now(b)
-                out.update({k: v.detach().clone() for k, v in sd.items() if owner.get(id(v)) == b.index})
-                self.free_gather(b)
-        return {k: out[k] for k in sd}
+        """Every block gathered in turn (a collective: all ranks call it, between iterations);
+        under mixed precision the fp32 master shards are gathered."""
+        return sharded_state.full_state_dict(self)
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Set each rank's shards (and the unsharded tensors: buffers, frozen parameters) from a
         complete state, without a collective; ValueError before any change if it does not fit."""
-        sd = self.model.state_dict(keep_vars=True)
-        where = {id(p): (b, k, i) for b in self.blocks for k, u in enumerate(b.units) for i, p in enumerate(u.params)}
-        shape = {key: v.shape for key, v in sd.items()}  # a sharded parameter's own shape is empty
-        shape.update({key: where[id(v)][0].units[where[id(v)][1]].shapes[where[id(v)][2]]
-                      for key, v in sd.items() if id(v) in where})
-        missing = [k for k in sd if k not in state]
-        unexpected = [k for k in state if k not in sd]
-        wrong = [f"{k}: {tuple(state[k].shape)} vs {tuple(shape[k])}" for k in sd
-                 if k in state and state[k].shape != shape[k]]
-        if missing or unexpected or wrong:
-            raise ValueError(f"state does not fit the model: missing keys {missing[:5]}, unexpected keys "
-                             f"{unexpected[:5]}, shapes (given vs model) {wrong[:5]}")
-        with torch.no_grad():
-            for key, v in sd.items():
-                if id(v) in where:  # a tied parameter is loaded once per key, with equal values
-                    b, k, i = where[id(v)]
-                    b.load_param(k, i, state[key])
-                else:
-                    v.copy_(state[key])
+        sharded_state.load_full_state_dict(self, state)
 
     def param_bytes(self) -> int:
+        return 0 if self.precision.separate_master else self._shard_bytes()
+
+    def master_bytes(self) -> int:
+        return self._shard_bytes() if self.precision.separate_master else 0
+
+    def _shard_bytes(self) -> int:
         return sum(b.shard.numel() * b.element_size for b in self.blocks)
 
     def grad_bytes(self) -> int:

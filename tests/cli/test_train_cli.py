@@ -4,6 +4,7 @@ emulated cluster, and refuses a bad config with the key's name."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -78,3 +79,23 @@ def test_bad_config_exits_2_naming_the_key(tmp_path: Path) -> None:
     run = subprocess.run([sys.executable, "-m", "poplar", "train", "--config", "run.json"], cwd=tmp_path,
                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "['train_batch_sise']" in run.stderr, run.stderr[-2000:]
+
+
+@pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed beside this Python")
+def test_torchrun_trains_in_bf16_then_resumes_in_fp16(tmp_path: Path) -> None:
+    """DeepSpeed's precision keys under torchrun; the bf16 checkpoint resumes under fp16."""
+    path = _config(tmp_path, iterations=2)
+    cfg = json.loads(path.read_text())
+    path.write_text(json.dumps({**cfg, "bf16": {"enabled": True}}))
+    run = _torchrun(tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "iteration 2/2" in run.stderr and "bf16" in run.stderr, run.stderr[-3000:]
+    index = json.loads((tmp_path / "ckpt" / "step-00000002" / "index.json").read_text())
+    assert index["precision"]["policy"]["param_dtype"] == "bf16"
+
+    path.write_text(json.dumps({**cfg, "fp16": {"enabled": True, "initial_scale_power": 8}}))
+    again = _torchrun(tmp_path, "--iterations", "4")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed from ckpt at iteration 2" in again.stderr and "iteration 4/4" in again.stderr
+    metrics = json.loads((tmp_path / "report" / "metrics.json").read_text())
+    assert all(math.isfinite(x) for x in metrics["losses"]) and len(metrics["losses"]) == 4, metrics["losses"]

@@ -1,5 +1,6 @@
-"""The `poplar train` config: DeepSpeed keys read as DeepSpeed reads them, every unknown or
-unsupported key refused by name, and the learning-rate schedules."""
+"""The `poplar train` config: DeepSpeed keys read as DeepSpeed reads them (the fp16 / bf16 sections
+as a mixed-precision policy), every unknown or unsupported key refused by name, and the
+learning-rate schedules."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import math
 import pytest
 import torch
 
-from poplar.cli.train import choose_plan
+from poplar.cli.train import choose_plan, describe_precision
 from poplar.train.config import ConfigError, TrainConfig
+from poplar.types.precision import LossScaleConfig, MixedPrecision
 
 BASE = {"train_batch_size": 32, "zero_optimization": {"stage": 2, "reduce_bucket_size": 2 ** 22},
         "gradient_clipping": 1.0, "optimizer": {"type": "adamw", "params": {"lr": 3e-4, "betas": [0.9, 0.95]}},
@@ -29,7 +31,19 @@ def test_reads_deepspeed_keys_and_the_poplar_section() -> None:
 
 @pytest.mark.parametrize("patch, needle", [
     ({"train_batch_sise": 8}, "['train_batch_sise']"),
-    ({"fp16": {"enabled": True}}, "Poplar trains in fp32"),
+    ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, '"bf16.enabled" and "fp16.enabled" are both true'),
+    ({"fp16": {"enabled": True, "loss_scael": 0}}, "\"fp16\" has keys Poplar does not know: ['loss_scael']"),
+    ({"bf16": {"enabled": True, "immediate_grad_update": True}}, "['immediate_grad_update']"),
+    ({"fp16": {"enabled": "yes"}}, '"fp16.enabled" must be true or false'),
+    ({"bf16": {"enabled": 1}}, '"bf16.enabled" must be true or false'),
+    ({"fp16": {"enabled": True, "loss_scale": -1}}, '"loss_scale" must be a number >= 0 (0: dynamic)'),
+    ({"fp16": {"enabled": True, "initial_scale_power": -2}}, '"initial_scale_power" must be an integer >= 0'),
+    ({"fp16": {"enabled": True, "initial_scale_power": 200}}, '"initial_scale_power" must be at most 64'),
+    ({"fp16": {"enabled": True, "loss_scale_window": 0}}, '"loss_scale_window" must be an integer >= 1'),
+    ({"fp16": {"enabled": True, "hysteresis": 1.5}}, '"hysteresis" must be an integer >= 1'),
+    ({"fp16": {"enabled": True, "min_loss_scale": 0}}, '"min_loss_scale" must be a number > 0'),
+    ({"fp16": {"enabled": False, "hysteresis": 0}}, '"hysteresis" must be an integer >= 1'),  # checked, off or on
+    ({"fp16": True}, '"fp16" must be a dict'),
     ({"zero_optimization": {"stage": 5}}, "must be 0, 1, 2 or 3"),
     ({"zero_optimization": {"stage": 1, "overlap_comm": True}}, "['overlap_comm']"),
     ({"optimizer": {"type": "Lamb"}}, "'Lamb' is not supported"),
@@ -48,7 +62,40 @@ def test_bad_keys_are_refused_by_name(patch: dict, needle: str) -> None:
 
 
 def test_disabled_fp16_is_accepted() -> None:
-    assert TrainConfig.from_dict({**BASE, "fp16": {"enabled": False}}).zero_stage == 2
+    cfg = TrainConfig.from_dict({**BASE, "fp16": {"enabled": False}, "bf16": {"enabled": False}})
+    assert cfg.zero_stage == 2 and cfg.mixed_precision is None
+    assert TrainConfig.from_dict(BASE).mixed_precision is None  # fp32 by default
+
+
+def test_bf16_section_maps_to_a_bf16_policy() -> None:
+    policy = TrainConfig.from_dict({**BASE, "bf16": {"enabled": True}, "fp16": {"enabled": False}}).mixed_precision
+    assert policy == MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    assert policy.loss_scale is None  # bf16 has fp32's range: no loss scaling
+
+
+def test_fp16_section_maps_to_deepspeed_loss_scaling() -> None:
+    policy = TrainConfig.from_dict({**BASE, "fp16": {"enabled": True}}).mixed_precision
+    assert policy.param_dtype == torch.float16 and policy.reduce_dtype == torch.float32
+    # DeepSpeed's defaults: dynamic (loss_scale 0) from 2**16, window 1000, hysteresis 2, floor 1
+    assert policy.loss_scale == LossScaleConfig(initial_scale=2.0 ** 16, growth_interval=1000, hysteresis=2,
+                                                min_scale=1.0, static_scale=None)
+    assert policy.loss_scale.dynamic
+    tuned = TrainConfig.from_dict({**BASE, "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 12,
+                                                    "loss_scale_window": 200, "hysteresis": 4,
+                                                    "min_loss_scale": 0.25}}).mixed_precision.loss_scale
+    assert (tuned.initial_scale, tuned.growth_interval, tuned.hysteresis, tuned.min_scale) == (4096.0, 200, 4, 0.25)
+    assert tuned.dynamic and (tuned.growth_factor, tuned.backoff) == (2.0, 0.5)  # DeepSpeed's fixed factors
+    static = TrainConfig.from_dict({**BASE, "fp16": {"enabled": True, "loss_scale": 128}}).mixed_precision
+    assert static.loss_scale.static_scale == 128.0 and not static.loss_scale.dynamic
+
+
+def test_train_passes_the_policy_and_refuses_bf16_on_an_emulated_v100_t4_cluster() -> None:
+    cfg = TrainConfig.from_dict({**BASE, "bf16": {"enabled": True}, "poplar": {"cluster": "B"}})
+    with pytest.raises(ValueError, match=r"bf16 is not supported on V100-16G \(ranks 0, 1\), T4-16G.*Use fp16"):
+        choose_plan(cfg, 4, torch.device("cpu"))
+    fp16 = TrainConfig.from_dict({**BASE, "fp16": {"enabled": True}, "poplar": {"cluster": "B"}})
+    assert choose_plan(fp16, 4, torch.device("cpu")) == (None, True)
+    assert "dynamic loss scale from 65536" in describe_precision(fp16.mixed_precision)
 
 
 def test_schedules_follow_deepspeed() -> None:

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from poplar.types.cluster import BUILTIN_CLUSTERS, ClusterError, ClusterSpec
 from poplar.types.presets import GIB, PRESETS, PresetError, get_preset
@@ -101,3 +102,76 @@ def test_bad_cluster_paths(tmp_path):
     with pytest.raises(ClusterError, match="neither a built-in"):
         ClusterSpec.resolve(str(tmp_path / "none.json"))
     assert json.loads(json.dumps(ClusterSpec.builtin("A").to_dict()))["devices"][0]["type"] == "A100-80G"
+
+
+# ---------------------------------------------------------------------- precision
+NO_BF16 = {"V100-16G", "V100S-32G", "T4-16G"}  # Volta and Turing: no bf16 arithmetic
+
+
+@pytest.mark.parametrize("name", PAPER_GPUS)
+def test_precision_factors_are_sourced_and_speed_up(name):
+    from poplar.types.precision import Precision
+
+    p = get_preset(name)
+    source = p.precision_speedup.source
+    assert "[LP]" in source or "estimate" in source  # measured, or marked as an estimate
+    assert p.dtype_factor("fp32") == 1.0 and p.dtype_factor(None) == 1.0
+    assert 1.5 < p.dtype_factor("fp16") < 4  # tensor cores: a measured gain, not the 8-16x peak ratio
+    assert p.supports("fp16") and p.supports(Precision.FP32)
+    assert p.supports("bf16") == (name not in NO_BF16)
+    if name not in NO_BF16:  # Ampere / Ada: bf16 runs at the fp16 tensor-core rate
+        assert p.dtype_factor(Precision.BF16) == p.dtype_factor("fp16")
+
+
+@pytest.mark.parametrize("name", PAPER_GPUS)
+def test_low_precision_curve_divides_the_throughput_not_the_overhead(name):
+    p = get_preset(name)
+    f = p.dtype_factor("fp16")
+    for b in (1, 8, 64):
+        fp32, fp16 = p.time_s(b), p.time_s(b, precision="fp16")
+        assert fp16 < fp32
+        assert fp16 - p.overhead_s == pytest.approx((fp32 - p.overhead_s) / f)
+        assert p.time_s(b, 2.0, "fp16") == pytest.approx(fp16 / 2)
+    assert p.speed(10 ** 6, precision="fp16") / p.speed(10 ** 6) == pytest.approx(f, rel=1e-3)  # the peak ratio
+    assert p.time_s(0, precision="fp16") == 0
+
+
+def test_volta_gains_more_than_ampere_from_fp16():
+    # no fp32 tensor cores on Volta/Turing; Ampere's "fp32" already uses TF32 ([LP])
+    assert get_preset("V100-16G").dtype_factor("fp16") > get_preset("A100-80G").dtype_factor("fp16")
+    assert get_preset("T4-16G").dtype_factor("fp16") > get_preset("RTX4090-24G").dtype_factor("fp16")
+
+
+@pytest.mark.parametrize("name", sorted(NO_BF16))
+def test_bf16_on_volta_and_turing_is_refused_with_the_fix(name):
+    p = get_preset(name)
+    with pytest.raises(PresetError, match=rf"bf16 is not supported on {name}.*Use fp16 instead"):
+        p.dtype_factor("bf16")
+    with pytest.raises(PresetError, match="compute capability 8.0"):
+        p.time_s(4, precision="bf16")
+
+
+def test_precision_names():
+    from poplar.types.precision import MixedPrecision, Precision
+    from poplar.types.presets import precision_of
+
+    assert precision_of(None) is Precision.FP32 and precision_of("BF16") is Precision.BF16
+    assert precision_of(Precision.FP16) is Precision.FP16
+    assert precision_of(MixedPrecision(param_dtype=torch.float16)) is Precision.FP16
+    with pytest.raises(ValueError, match="'bf16', 'fp16'"):
+        precision_of("int8")
+
+
+def test_cluster_precision_check_names_devices_and_ranks():
+    b = ClusterSpec.builtin("B")
+    assert b.unsupported("bf16") == {"V100-16G": [0, 1], "T4-16G": [2, 3]} and b.unsupported("fp16") == {}
+    with pytest.raises(ClusterError) as e:
+        b.check_precision("bf16")
+    message = str(e.value)
+    assert "cluster 'B'" in message and "V100-16G (ranks 0, 1)" in message and "T4-16G (ranks 2, 3)" in message
+    assert "Use fp16 instead" in message
+    b.check_precision("fp16")
+    b.check_precision(None)
+    ClusterSpec.builtin("A").check_precision("bf16")  # A100s have bf16
+    with pytest.raises(ClusterError, match=r"on V100S-32G \(ranks 2, 3\)\D"):
+        ClusterSpec.builtin("C").check_precision("bf16")

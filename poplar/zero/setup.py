@@ -1,0 +1,93 @@
+"""Set-up checks of the runtime's arguments, as verdicts every rank agrees on.
+
+Each rank checks its arguments without raising (a message naming the fix, or None), so a bad
+value on one rank becomes the same ``DistributedError`` on every rank at the set-up agreement
+(docs/design.md §3.4), which also compares the stage, plan, parameter shapes and policies.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from poplar.comm import Communicator
+from poplar.types.plans import Plan
+from poplar.types.precision import MixedPrecision, resolve_precision
+from poplar.zero.nonfinite import NonFinitePolicy
+from poplar.zero.optim import named_param_groups
+
+
+def check_arguments(world_size: int, model: nn.Module, optimizer: torch.optim.Optimizer, zero_stage: Any, plan: Any,
+                    max_grad_norm: Any, bucket_size_mb: float) -> tuple[str | None, list]:
+    """This rank's verdict on its arguments (a message naming the fix), without raising: every
+    rank must reach the agreement point. Returns (error, the optimizer's groups of parameters)."""
+    if zero_stage not in (0, 1, 2, 3):
+        return f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}", []
+    if not isinstance(plan, Plan):
+        return (f"plan must be a poplar.Plan with one RankPlan per rank, got {type(plan).__name__}; "
+                f"e.g. Plan.even(world_size={world_size}, global_batch_size=..., micro_batch_size=...) "
+                "or poplar.plan(profile, ...); or give global_batch_size= and loss_fn= for auto mode"), []
+    if plan.world_size != world_size:
+        return (f"plan has {plan.world_size} rows but the world has {world_size} ranks; "
+                "give one RankPlan per rank"), []
+    if max_grad_norm is not None and not max_grad_norm > 0:
+        return f"max_grad_norm must be > 0 or None, got {max_grad_norm}", []
+    if not bucket_size_mb > 0:
+        return f"bucket_size_mb must be > 0, got {bucket_size_mb}", []
+    devices = {p.device for p in model.parameters()}
+    if len(devices) > 1:
+        return f"model parameters are on several devices {sorted(map(str, devices))}; put the model on one", []
+    groups, error = named_param_groups(model, optimizer)
+    return error, groups
+
+
+def agree_setup(comm: Communicator, error: str | None, model: nn.Module, zero_stage: Any, plan: Any,
+                policies: str) -> None:
+    """All ranks must have valid arguments, the same plan, stage, policies and parameter shapes."""
+    shapes = [(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
+    plan_json = plan.to_json() if isinstance(plan, Plan) else repr(plan)
+    signature = hashlib.sha256(repr((zero_stage, plan_json, shapes, policies)).encode()).hexdigest()
+    comm.agree(error, "PoplarEngine setup", signature, mismatch=(
+        "ranks disagree on zero_stage, plan or model parameters (or mixed_precision, nonfinite); pass the same "
+        "to every rank"))
+
+
+@dataclass(frozen=True)
+class CheckedPolicies:
+    """The resolved arguments (defaults where a value was bad) and this rank's verdict."""
+
+    precision: MixedPrecision | None
+    nonfinite: NonFinitePolicy
+    error: str | None
+    signature: str
+
+
+def check_policies(model: nn.Module, mixed_precision: Any, nonfinite: Any,
+                   max_consecutive_skips: Any) -> CheckedPolicies:
+    """Resolve ``mixed_precision`` and ``nonfinite``; the first problem found is the error, and
+    ``signature`` what ranks must agree on."""
+    errors: list[str] = []
+    try:
+        precision = resolve_precision(mixed_precision)
+    except ValueError as e:
+        precision = None
+        errors.append(str(e))
+    try:
+        policy = NonFinitePolicy(nonfinite)
+    except ValueError:
+        policy = NonFinitePolicy.SKIP
+        errors.append(f"nonfinite must be 'skip' or 'raise' (a poplar.NonFinitePolicy), got {nonfinite!r}")
+    if isinstance(max_consecutive_skips, bool) or not isinstance(max_consecutive_skips, int) \
+            or max_consecutive_skips < 0:
+        errors.append(f"max_consecutive_skips must be an int >= 0, got {max_consecutive_skips!r}")
+    if precision is not None and precision.low_precision:
+        others = sorted({str(p.dtype) for p in model.parameters() if p.requires_grad and p.dtype != torch.float32})
+        if others:
+            errors.append(f"mixed_precision={precision.precision} needs an fp32 model (its fp32 values are the "
+                          f"master weights) but trainable parameters are {others}; build the model in fp32")
+    signature = repr((None if precision is None else precision.to_dict(), str(policy), max_consecutive_skips))
+    return CheckedPolicies(precision, policy, errors[0] if errors else None, signature)

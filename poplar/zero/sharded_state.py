@@ -1,0 +1,74 @@
+"""The whole model state of a ZeRO-3 stage, read from and written to the ranks' shards.
+
+``full_state_dict`` is a collective (every block is gathered in turn, between iterations);
+under mixed precision it gathers the fp32 master shards, not the compute copy, so the state is
+what the optimizer steps. ``load_full_state_dict`` needs no collective: every rank is given
+the whole state and copies its own part into its shards.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from poplar.comm import Communicator, Phase
+from poplar.zero.blocks import ShardedBlock
+from poplar.zero.precision import StagePrecision
+
+
+class ShardedState(Protocol):
+    """What these functions need of a ZeRO-3 stage (``poplar.zero.sharded.Stage3``)."""
+
+    model: nn.Module
+    blocks: list[ShardedBlock]
+    comm: Communicator
+    precision: StagePrecision
+
+    @property
+    def in_pass(self) -> bool: ...
+    def gather_now(self, b: ShardedBlock) -> None: ...
+    def free_gather(self, b: ShardedBlock) -> None: ...
+    def unsharded_value(self, v: torch.Tensor) -> torch.Tensor: ...
+    def load_unsharded(self, v: torch.Tensor, value: torch.Tensor) -> None: ...
+    def check_state_fits(self, state: dict[str, torch.Tensor], shape: dict[str, Any]) -> None: ...
+
+
+def full_state_dict(stage: ShardedState) -> dict[str, torch.Tensor]:
+    """Every block gathered in turn (a collective: all ranks call it, between iterations)."""
+    if stage.in_pass:
+        raise RuntimeError("ZeRO-3: full_state_dict() inside a micro-step; call it between iterations")
+    sd = stage.model.state_dict(keep_vars=True)
+    owner = {id(p): b.index for b in stage.blocks for p in b.params}
+    out = {k: stage.unsharded_value(v) for k, v in sd.items() if id(v) not in owner}
+    with stage.comm.ledger.scope(Phase.STATE):
+        for b in stage.blocks:
+            if stage.precision.separate_master:
+                flats = b.gather_master(stage.comm)
+                value = {id(p): u.slot(flats[k], i).clone()
+                         for k, u in enumerate(b.units) for i, p in enumerate(u.params)}
+                out.update({k: value[id(v)] for k, v in sd.items() if owner.get(id(v)) == b.index})
+                continue
+            stage.gather_now(b)
+            out.update({k: v.detach().clone() for k, v in sd.items() if owner.get(id(v)) == b.index})
+            stage.free_gather(b)
+    return {k: out[k] for k in sd}
+
+
+def load_full_state_dict(stage: ShardedState, state: dict[str, torch.Tensor]) -> None:
+    """Set each rank's shards (and the unsharded tensors: buffers, frozen parameters) from a
+    complete state, without a collective; ValueError before any change if it does not fit."""
+    sd = stage.model.state_dict(keep_vars=True)
+    where = {id(p): (b, k, i) for b in stage.blocks for k, u in enumerate(b.units) for i, p in enumerate(u.params)}
+    shape = {key: v.shape for key, v in sd.items()}  # a sharded parameter's own shape is empty
+    shape.update({key: where[id(v)][0].units[where[id(v)][1]].shapes[where[id(v)][2]]
+                  for key, v in sd.items() if id(v) in where})
+    stage.check_state_fits(state, shape)
+    with torch.no_grad():
+        for key, v in sd.items():
+            if id(v) in where:  # a tied parameter is loaded once per key, with equal values
+                b, k, i = where[id(v)]
+                b.load_param(k, i, state[key])
+            else:
+                stage.load_unsharded(v, state[key])

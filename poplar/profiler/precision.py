@@ -20,12 +20,13 @@ from poplar.profiler.devices import Device
 from poplar.types.precision import MixedPrecision, Precision, resolve_precision
 from poplar.types.presets import precision_unsupported_message
 from poplar.types.profiles import ProfileError
+from poplar.zero.runtime import ZeroRuntime
 
 
-def runtime_precision(runtime: Any) -> Precision:
+def runtime_precision(runtime: ZeroRuntime) -> Precision:
     """The precision ``runtime`` computes in: its policy's ``param_dtype`` (fp32 without one)."""
-    policy = getattr(runtime, "mixed_precision", None)
-    return policy.precision if isinstance(policy, MixedPrecision) else Precision.FP32
+    policy = runtime.mixed_precision
+    return policy.precision if policy is not None else Precision.FP32
 
 
 def precision_meta(policy: MixedPrecision | None) -> dict[str, Any]:

@@ -3,6 +3,9 @@
 - ``zero3_vs_fsdp2``: Poplar ZeRO-3 ÷ FSDP2 ``fully_shard(reshard_after_forward=True)``, both
   wrapping each transformer block (plus the root), AdamW.
 - ``zero0_vs_ddp``: Poplar ZeRO-0 ÷ ``DistributedDataParallel``.
+- ``zero2_bf16_vs_fsdp2_bf16`` / ``zero3_bf16_vs_fsdp2_bf16``: Poplar ZeRO-2/3 with
+  ``mixed_precision="bf16"`` ÷ FSDP2 with ``MixedPrecisionPolicy(param_dtype=bfloat16,
+  reduce_dtype=float32)`` (``--no-bf16`` leaves these rows out).
 
 Gloo ranks on CPU (``poplar.comm.launch.spawn``), one thread each, a small transformer (~3.3M
 parameters, 4 blocks). Every system trains the same model copy on the same batches; timed
@@ -81,9 +84,9 @@ def batch(rank: int, it: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
 
 
-def make_systems(world: int) -> dict[str, Callable[[torch.Tensor], float]]:
+def make_systems(world: int, bf16: bool) -> dict[str, Callable[[torch.Tensor], float]]:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.nn.parallel import DistributedDataParallel
 
     plan = Plan.even(world, world * BATCH, BATCH)  # one micro-step of BATCH samples per rank
@@ -103,6 +106,19 @@ def make_systems(world: int) -> dict[str, Callable[[torch.Tensor], float]]:
 
     model = DistributedDataParallel(fresh_model())
     systems["torch_ddp"] = _torch_step(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    if not bf16:
+        return systems
+    for stage in (3, 2):
+        model = fresh_model()
+        engine = PoplarEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-3), zero_stage=stage, plan=plan,
+                              wrap_policy={Block} if stage == 3 else None, mixed_precision="bf16")
+        systems[f"poplar_zero{stage}_bf16"] = lambda x, e=engine: e.train_step(x, loss_fn)
+    model = fresh_model()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=True, mp_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True, mp_policy=policy)
+    systems["torch_fsdp2_bf16"] = _torch_step(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
     return systems
 
 
@@ -116,8 +132,8 @@ def _torch_step(model: nn.Module, opt: torch.optim.Optimizer) -> Callable[[torch
     return step
 
 
-def worker(rank: int, world: int, iters: int, repeats: int) -> dict[str, Any]:
-    systems = make_systems(world)
+def worker(rank: int, world: int, iters: int, repeats: int, bf16: bool) -> dict[str, Any]:
+    systems = make_systems(world, bf16)
     losses = {name: [step(batch(rank, it)) for it in range(2)] for name, step in systems.items()}  # warm-up
     times: dict[str, list[float]] = {name: [] for name in systems}
     for rep in range(repeats):
@@ -137,20 +153,27 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--iters", type=int, default=4, help="iterations per timed block")
     ap.add_argument("--repeats", type=int, default=5, help="timed blocks per system (interleaved)")
+    ap.add_argument("--no-bf16", dest="bf16", action="store_false", help="leave out the bf16 rows")
     args = ap.parse_args()
-    out = spawn(worker, args.world, (args.iters, args.repeats), timeout_s=900, collective_timeout_s=300)[0]
+    out = spawn(worker, args.world, (args.iters, args.repeats, args.bf16), timeout_s=900,
+                collective_timeout_s=300)[0]
     med = {name: statistics.median(ts) for name, ts in out["times"].items()}
     psi = sum(p.numel() for p in fresh_model().parameters())
     print(f"{args.world} gloo ranks on CPU, {psi / 1e6:.2f}M parameters, {LAYERS} blocks, {BATCH}x{SEQ} tokens "
           f"per rank, AdamW; median of {args.repeats} blocks of {args.iters} iterations")
-    print(f"{'system':<14} {'s/iter':>8} {'min':>8} {'max':>8}   warm-up losses")
+    print(f"{'system':<18} {'s/iter':>8} {'min':>8} {'max':>8}   warm-up losses")
     for name, ts in out["times"].items():
-        print(f"{name:<14} {med[name]:>8.4f} {min(ts):>8.4f} {max(ts):>8.4f}   "
+        print(f"{name:<18} {med[name]:>8.4f} {min(ts):>8.4f} {max(ts):>8.4f}   "
               + " ".join(f"{v:.4f}" for v in out["losses"][name]))
     result = {"zero3_vs_fsdp2": med["poplar_zero3"] / med["torch_fsdp2"],
               "zero0_vs_ddp": med["poplar_zero0"] / med["torch_ddp"],
               "seconds_per_iter": med, "world": args.world, "params": psi}
     print(f"ZeRO-3 / FSDP2 = {result['zero3_vs_fsdp2']:.3f}   ZeRO-0 / DDP = {result['zero0_vs_ddp']:.3f}")
+    if args.bf16:
+        for stage in (2, 3):
+            result[f"zero{stage}_bf16_vs_fsdp2_bf16"] = med[f"poplar_zero{stage}_bf16"] / med["torch_fsdp2_bf16"]
+        print(f"bf16: ZeRO-2 / FSDP2 = {result['zero2_bf16_vs_fsdp2_bf16']:.3f}   "
+              f"ZeRO-3 / FSDP2 = {result['zero3_bf16_vs_fsdp2_bf16']:.3f}")
     print("RESULT " + json.dumps(result))
 
 

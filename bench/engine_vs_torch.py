@@ -3,6 +3,7 @@
 - ``zero3_vs_fsdp2``: Poplar ZeRO-3 ÷ FSDP2 ``fully_shard(reshard_after_forward=True)``, both
   wrapping each transformer block (plus the root), AdamW.
 - ``zero0_vs_ddp``: Poplar ZeRO-0 ÷ ``DistributedDataParallel``.
+- ``zero1_vs_ddp_zero``: Poplar ZeRO-1 ÷ DDP with ``ZeroRedundancyOptimizer`` (torch's ZeRO-1).
 - ``zero2_bf16_vs_fsdp2_bf16`` / ``zero3_bf16_vs_fsdp2_bf16``: Poplar ZeRO-2/3 with
   ``mixed_precision="bf16"`` ÷ FSDP2 with ``MixedPrecisionPolicy(param_dtype=bfloat16,
   reduce_dtype=float32)`` (``--no-bf16`` leaves these rows out).
@@ -87,11 +88,12 @@ def batch(rank: int, it: int) -> torch.Tensor:
 def make_systems(world: int, bf16: bool) -> dict[str, Callable[[torch.Tensor], float]]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
 
     plan = Plan.even(world, world * BATCH, BATCH)  # one micro-step of BATCH samples per rank
     systems: dict[str, Callable[[torch.Tensor], float]] = {}
-    for stage in (3, 0):
+    for stage in (3, 1, 0):
         model = fresh_model()
         engine = PoplarEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-3), zero_stage=stage, plan=plan,
                               wrap_policy={Block} if stage == 3 else None)
@@ -106,6 +108,9 @@ def make_systems(world: int, bf16: bool) -> dict[str, Callable[[torch.Tensor], f
 
     model = DistributedDataParallel(fresh_model())
     systems["torch_ddp"] = _torch_step(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    model = DistributedDataParallel(fresh_model())
+    systems["torch_ddp_zero"] = _torch_step(model, ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW,
+                                                                           lr=1e-3))
     if not bf16:
         return systems
     for stage in (3, 2):
@@ -167,8 +172,10 @@ def main() -> None:
               + " ".join(f"{v:.4f}" for v in out["losses"][name]))
     result = {"zero3_vs_fsdp2": med["poplar_zero3"] / med["torch_fsdp2"],
               "zero0_vs_ddp": med["poplar_zero0"] / med["torch_ddp"],
+              "zero1_vs_ddp_zero": med["poplar_zero1"] / med["torch_ddp_zero"],
               "seconds_per_iter": med, "world": args.world, "params": psi}
-    print(f"ZeRO-3 / FSDP2 = {result['zero3_vs_fsdp2']:.3f}   ZeRO-0 / DDP = {result['zero0_vs_ddp']:.3f}")
+    print(f"ZeRO-3 / FSDP2 = {result['zero3_vs_fsdp2']:.3f}   ZeRO-0 / DDP = {result['zero0_vs_ddp']:.3f}   "
+          f"ZeRO-1 / DDP+ZeroRedundancyOptimizer = {result['zero1_vs_ddp_zero']:.3f}")
     if args.bf16:
         for stage in (2, 3):
             result[f"zero{stage}_bf16_vs_fsdp2_bf16"] = med[f"poplar_zero{stage}_bf16"] / med["torch_fsdp2_bf16"]

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from poplar.comm import DistributedError
 
 
@@ -13,9 +11,3 @@ class CheckpointError(DistributedError):
 
 class Invalid(Exception):
     """A problem found by one rank, reported at the next agreement point."""
-
-
-def gather_or_raise(comm: Any, error: str | None, payload: Any, what: str) -> list[Any]:
-    """Every rank's payload, or ``CheckpointError`` on every rank naming each failing rank (on
-    every surviving rank, naming the failed collective, if a rank died or timed out)."""
-    return comm.agree(error, what, payload, error_type=CheckpointError)

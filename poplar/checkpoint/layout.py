@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from poplar.checkpoint.errors import CheckpointError, Invalid
+from poplar.checkpoint.errors import Invalid
 
 FORMAT = "poplar-checkpoint"
 FORMAT_VERSION = 1

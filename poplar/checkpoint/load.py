@@ -12,12 +12,11 @@ from typing import Any
 
 import torch
 
-from poplar.checkpoint.errors import CheckpointError, Invalid, gather_or_raise
+from poplar.checkpoint.errors import CheckpointError, Invalid
 from poplar.checkpoint.kept import resolve
 from poplar.checkpoint.layout import check_files, parse_index, ties
 from poplar.checkpoint.reshard import CheckpointFiles, assemble_optimizer
 from poplar.types.plans import Plan
-from poplar.comm import DistributedError
 
 
 def load_checkpoint(engine: Any, directory: str | os.PathLike, *, verify_hashes: bool = True) -> dict[str, Any]:
@@ -49,7 +48,7 @@ def load_checkpoint(engine: Any, directory: str | os.PathLike, *, verify_hashes:
         error = str(e)
     except Exception as e:  # noqa: BLE001 - reported on every rank
         error = f"{type(e).__name__}: {e}"
-    if len(set(gather_or_raise(comm, error, digest, what))) > 1:
+    if len(set(comm.agree(error, what, digest, error_type=CheckpointError))) > 1:
         raise CheckpointError(f"{what}: ranks read different index files; every rank must load the same "
                               "checkpoint directory")
     assert index is not None
@@ -73,7 +72,7 @@ def load_checkpoint(engine: Any, directory: str | os.PathLike, *, verify_hashes:
         error = str(e)
     except Exception as e:  # noqa: BLE001 - an unreadable file or a malformed index, on every rank
         error = f"{type(e).__name__}: {e} (reading {directory})"
-    gather_or_raise(comm, error, None, what)
+    comm.agree(error, what, None, error_type=CheckpointError)
 
     # 3. apply
     error = None

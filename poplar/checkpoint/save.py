@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from poplar.checkpoint.errors import gather_or_raise
+from poplar.checkpoint.errors import CheckpointError
 from poplar.checkpoint.layout import (FORMAT, FORMAT_VERSION, INDEX_FILE, MODEL_FILE, dtype_name, encode_scalar,
                                       group_hyperparams, optim_file_name, sealed, ties)
 from poplar.checkpoint.storage import (check_replaceable, file_facts, publish, remove_replaced,
@@ -36,7 +36,7 @@ def save_checkpoint(engine: Any, directory: str | os.PathLike, *, extra: dict | 
     what = f"save checkpoint {directory}"
     mid = "the engine is in the middle of an iteration; save between iterations" \
         if getattr(engine, "_micro_steps", 0) else None
-    gather_or_raise(comm, mid, None, what)
+    comm.agree(mid, what, None, error_type=CheckpointError)
     full = engine.full_state_dict()  # every rank: a collective at stage 3
 
     # 1. rank 0 makes the temporary directory and tells the others its name
@@ -55,7 +55,7 @@ def save_checkpoint(engine: Any, directory: str | os.PathLike, *, extra: dict | 
             except Exception as e:  # noqa: BLE001 - reported on every rank
                 error = f"{type(e).__name__}: {e}"
     try:
-        tmp_dir = Path(gather_or_raise(comm, error, tmp, what)[0])
+        tmp_dir = Path(comm.agree(error, what, tmp, error_type=CheckpointError)[0])
 
         # 2. every rank writes its optimizer state
         info, error = None, None
@@ -66,7 +66,7 @@ def save_checkpoint(engine: Any, directory: str | os.PathLike, *, extra: dict | 
             info.update(file=name, **file_facts(tmp_dir / name))
         except Exception as e:  # noqa: BLE001
             error = f"{type(e).__name__}: {e}"
-        infos = gather_or_raise(comm, error, info, what)
+        infos = comm.agree(error, what, info, error_type=CheckpointError)
 
         # 3. rank 0 writes the model and the index (last), then moves the directory into place
         error = None
@@ -79,7 +79,7 @@ def save_checkpoint(engine: Any, directory: str | os.PathLike, *, extra: dict | 
                 remove_replaced(directory)
             except Exception as e:  # noqa: BLE001
                 error = f"{type(e).__name__}: {e}"
-        gather_or_raise(comm, error, None, what)
+        comm.agree(error, what, None, error_type=CheckpointError)
     except BaseException:
         # a failed save leaves nothing behind: rank 0 made the temporary directory and removes it
         # (after a successful publish it no longer exists); if rank 0 itself died, a later save

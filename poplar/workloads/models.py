@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from poplar.workloads.configs import (BERT_SIZES, LLAMA_SIZES, BertConfig, LlamaConfig, config_dict,  # noqa: F401
+from poplar.workloads.configs import (BERT_SIZES, LLAMA_SIZES, BertConfig, LlamaConfig,  # noqa: F401
                                       count_params)
 from poplar.workloads.text import IGNORE_INDEX
 

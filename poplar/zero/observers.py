@@ -98,6 +98,9 @@ class Observers:
 
     def __init__(self) -> None:
         self._list: list[StepObserver] = []
+        # snapshots rebuilt on attach/detach, not per point: an observer may detach itself mid-dispatch
+        self._in_order: tuple[StepObserver, ...] = ()
+        self._in_reverse: tuple[StepObserver, ...] = ()
 
     def add(self, observer: StepObserver) -> ObserverHandle:
         if not isinstance(observer, StepObserver):
@@ -105,20 +108,25 @@ class Observers:
         if observer in self._list:
             raise ValueError(f"{type(observer).__name__} is already attached to this runtime")
         self._list.append(observer)
+        self._snapshot()
         return ObserverHandle(self, observer)
 
     def discard(self, observer: StepObserver) -> None:
         if observer in self._list:
             self._list.remove(observer)
+            self._snapshot()
 
     def __bool__(self) -> bool:
         return bool(self._list)
 
-    def _forward(self) -> list[StepObserver]:
-        return list(self._list)
+    def _snapshot(self) -> None:
+        self._in_order, self._in_reverse = tuple(self._list), tuple(reversed(self._list))
 
-    def _backward(self) -> list[StepObserver]:
-        return list(reversed(self._list))
+    def _forward(self) -> tuple[StepObserver, ...]:
+        return self._in_order
+
+    def _backward(self) -> tuple[StepObserver, ...]:
+        return self._in_reverse
 
     def iteration_start(self, iteration: int) -> None:
         for o in self._forward():

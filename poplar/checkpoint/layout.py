@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -15,9 +16,17 @@ import torch
 from poplar.checkpoint.errors import Invalid
 
 FORMAT = "poplar-checkpoint"
+# version 2: the model's weights may be Hugging Face shards (the index's model entry lists
+# "shards"); a checkpoint with one model file is still written as version 1
 FORMAT_VERSION = 1
+SHARDED_FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 INDEX_FILE = "index.json"
 MODEL_FILE = "model.safetensors"
+# the Hugging Face layout (checkpoint.hf_layout): sharded weights, their index, the model's config
+HF_INDEX_FILE = "model.safetensors.index.json"
+HF_CONFIG_FILES = ("config.json", "generation_config.json")
+_SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 # a kept-checkpoints directory's index.json points at its latest step directory (checkpoint.kept)
 POINTER_FORMAT = "poplar-latest-checkpoint"
 POINTER_VERSION = 1
@@ -32,6 +41,22 @@ def optim_file_name(rank: int, world_size: int) -> str:
     return f"optim-rank{rank}-of{world_size}.safetensors"
 
 
+def shard_file_name(i: int, count: int) -> str:
+    """The Hugging Face name of weight shard ``i`` (from 0) of ``count``."""
+    return f"model-{i + 1:05d}-of-{count:05d}.safetensors"
+
+
+def is_model_file(name: str) -> bool:
+    """Whether ``name`` is a file of the model's weights or Hugging Face config in a checkpoint."""
+    return (name in (MODEL_FILE, HF_INDEX_FILE, HF_INDEX_FILE + ".part", *HF_CONFIG_FILES)
+            or _SHARD_FILE.fullmatch(name) is not None)
+
+
+def model_file_entries(model_entry: dict[str, Any]) -> list[dict[str, Any]]:
+    """The weight files an index's "model" entry lists, each with ``file``, ``bytes``, ``sha256``."""
+    return list(model_entry["shards"]) if "shards" in model_entry else [model_entry]
+
+
 def parse_index(directory: Path) -> dict[str, Any]:
     """``read_index`` raising ``Invalid``, for use before an agreement point."""
     path = directory / INDEX_FILE
@@ -43,9 +68,9 @@ def parse_index(directory: Path) -> dict[str, Any]:
     index = read_sealed_json(path)
     if index.get("format") != FORMAT:
         raise Invalid(f"{path} is not a Poplar checkpoint index")
-    if index.get("version") != FORMAT_VERSION:
-        raise Invalid(f"{path} has format version {index.get('version')}; this Poplar reads version "
-                      f"{FORMAT_VERSION}")
+    if index.get("version") not in READABLE_VERSIONS:
+        raise Invalid(f"{path} has format version {index.get('version')}; this Poplar reads versions "
+                      f"{', '.join(map(str, READABLE_VERSIONS))}")
     for key in ("iteration", "world_size", "zero_stage", "model", "optimizer", "ranks"):
         if key not in index:
             raise Invalid(f"{path} lacks '{key}': the checkpoint is corrupt")
@@ -56,7 +81,7 @@ def parse_index(directory: Path) -> dict[str, Any]:
 
 def check_files(directory: Path, index: dict[str, Any]) -> None:
     """Every file the index lists is there with its size (the cheap half of checking them)."""
-    for entry in [index["model"], *index["ranks"]]:
+    for entry in [*model_file_entries(index["model"]), *index["ranks"]]:
         path = directory / entry["file"]
         if not path.is_file():
             raise Invalid(f"checkpoint file {path} is missing")

@@ -15,7 +15,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from poplar.checkpoint.errors import Invalid
-from poplar.checkpoint.layout import decode_scalar, restore_hyperparams
+from poplar.checkpoint.layout import decode_scalar, model_file_entries, restore_hyperparams
 from poplar.checkpoint.storage import sha256
 
 
@@ -33,11 +33,13 @@ class CheckpointFiles:
         return path
 
     def model_state(self) -> dict[str, torch.Tensor]:
-        path = self._checked(self.index["model"])
-        state = load_file(str(path), device="cpu")
+        state: dict[str, torch.Tensor] = {}
+        for entry in model_file_entries(self.index["model"]):  # one file, or Hugging Face shards
+            state.update(load_file(str(self._checked(entry)), device="cpu"))
         table = self.index["model"]["params"]
         if set(state) != set(table):
-            raise Invalid(f"{path} holds other tensors than the index lists: the checkpoint is corrupt")
+            raise Invalid(f"the model files of {self.directory} hold other tensors than the index lists: the "
+                          "checkpoint is corrupt")
         return state
 
     def rank_file(self, r: int) -> Any:

@@ -2,9 +2,11 @@
 trainable parameters each block owns.
 
 A wrap policy is one of:
-- ``None`` (default, for transformer-style models): every module held directly in an
-  ``nn.ModuleList`` or ``nn.Sequential`` (the layer stack), outermost containers only; a model
-  with no such container gets every direct child of the root that holds parameters.
+- ``None`` (default): for a model that names its unsplittable modules (a Hugging Face model's
+  ``_no_split_modules``, e.g. ``{"LlamaDecoderLayer"}``), every module of those classes; otherwise
+  (transformer-style models) every module held directly in an ``nn.ModuleList`` or
+  ``nn.Sequential`` (the layer stack), outermost containers only; a model with no such container
+  gets every direct child of the root that holds parameters.
 - a module class, or a set/list/tuple of classes or class names (``{Block}``, ``{"Block"}``):
   every module that is an instance of one (FSDP's module-class policy);
 - a callable ``policy(name, module) -> bool`` (or ``policy(module) -> bool``).
@@ -61,9 +63,25 @@ def resolve_policy(policy: Any) -> tuple[Policy | None, str | None]:
     return None, f"wrap_policy must be module classes, a callable or None; got {type(policy).__name__}"
 
 
+def no_split_classes(model: nn.Module) -> set[str]:
+    """The class names a model says must not be split across devices (Hugging Face's
+    ``_no_split_modules``; empty for a model that names none)."""
+    names = getattr(model, "_no_split_modules", None)  # a foreign model's convention, not ours
+    if not isinstance(names, (set, frozenset, list, tuple)):
+        return set()
+    return {n for n in names if isinstance(n, str)}
+
+
 def default_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Members of the outermost ModuleList / Sequential containers; else the root's children."""
-    found: list[tuple[str, nn.Module]] = []
+    """The modules of the model's no-split classes, if any own parameters; else members of the
+    outermost ModuleList / Sequential containers; else the root's children."""
+    names = no_split_classes(model)
+    if names:
+        found = [(n, m) for n, m in model.named_modules()
+                 if n and type(m).__name__ in names and any(True for _ in m.parameters())]
+        if found:
+            return found
+    found = []
 
     def visit(prefix: str, module: nn.Module) -> None:
         for name, child in module.named_children():

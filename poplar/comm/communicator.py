@@ -49,7 +49,10 @@ class Communicator:
     def __init__(self, process_group: Any = None, device: torch.device | None = None,
                  ledger: CommLedger | None = None) -> None:
         self.distributed = dist.is_available() and dist.is_initialized()
-        self.group = process_group if process_group is not None else (dist.group.WORLD if self.distributed else None)
+        # None means torch's default group, looked up at each call: holding the group object here
+        # would keep it (and gloo's threads) alive past destroy_process_group(), to be torn down
+        # during interpreter shutdown, where a gloo thread can abort the process
+        self.group = process_group
         self.rank = dist.get_rank(self.group) if self.distributed else 0
         self.world_size = dist.get_world_size(self.group) if self.distributed else 1
         self.device = device or torch.device("cpu")

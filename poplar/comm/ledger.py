@@ -30,7 +30,7 @@ class Phase(str, Enum):
         return self.value
 
 
-@dataclass
+@dataclass(slots=True)
 class CommRecord:
     op: str
     bytes: int
@@ -54,12 +54,13 @@ class LedgerPosition:
 class CommLedger:
     """Every collective, stamped with the position the runtime set.
 
-    Only the latest ``max_records`` records are kept, so a long run does not grow without bound;
+    Only the latest ``max_records`` records are kept (a few MB; the trace report draws them), so a
+    long run's memory stays flat once the window is full;
     ``total_seconds`` counts every collective ever recorded, and the seconds of each of the last
     ``max_iterations`` iterations are kept as running totals (``seconds(iteration=i)`` is O(1)).
     """
 
-    def __init__(self, max_records: int = 200_000, max_iterations: int = 1024) -> None:
+    def __init__(self, max_records: int = 20_000, max_iterations: int = 1024) -> None:
         self.records: deque[CommRecord] = deque(maxlen=max_records)
         self.total_seconds = 0.0
         self._per_iteration: OrderedDict[int, float] = OrderedDict()

@@ -83,11 +83,24 @@ class Plan:
         if not self.ranks:
             raise PlanError("plan has no ranks; give one RankPlan per rank")
         for i, r in enumerate(self.ranks):
+            if not isinstance(r, RankPlan):
+                raise PlanError(f"plan rank {i} must be a RankPlan, got {type(r).__name__}")
             r.validate(f"plan rank {i}")
         if self.global_batch_size == 0:
             raise PlanError("plan processes 0 samples per iteration; give at least one rank samples")
         if self.zero_stage is not None and self.zero_stage not in (0, 1, 2, 3):
             raise PlanError(f"plan zero_stage must be 0-3, got {self.zero_stage}")
+
+    def problem(self, world_size: int) -> str | None:
+        """Why this plan cannot run on ``world_size`` ranks, or None. Checked again each time a
+        runtime takes a plan: its fields may have been edited since it was built."""
+        try:
+            self.validate()
+        except PlanError as e:
+            return str(e)
+        if self.world_size != world_size:
+            return f"plan has {self.world_size} rows but the world has {world_size} ranks; give one RankPlan per rank"
+        return None
 
     @property
     def world_size(self) -> int:

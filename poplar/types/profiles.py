@@ -76,12 +76,42 @@ class Profile:
     meta: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        _require(isinstance(self.ranks, list), "ranks", self.ranks, "a list of rank profiles")
+        for i, r in enumerate(self.ranks):
+            if not isinstance(r, RankProfile):
+                points = _mapping(r, f"ranks[{i}]").get("points")
+                _require(isinstance(points, list), f"ranks[{i}].points", points, "a list of points")
+                for j, point in enumerate(points):
+                    _mapping(point, f"ranks[{i}].points[{j}]")
         self.ranks = [r if isinstance(r, RankProfile) else RankProfile(**r) for r in self.ranks]
         if isinstance(self.comm, dict):
             self.comm = CommProfile(**self.comm)
+        _require(isinstance(self.comm, CommProfile), "comm", self.comm, "an object")
         self.validate()
 
+    def check_types(self) -> None:
+        """Every field has its JSON type; a ``ProfileError`` names the first one that does not."""
+        for name in ("zero_stage", "world_size", "param_count", "param_bytes"):
+            _check(getattr(self, name), name, int)
+        for i, r in enumerate(self.ranks):
+            where = f"ranks[{i}]"
+            for name in ("rank", "mbs", "trial_steps"):
+                _check(getattr(r, name), f"{where}.{name}", int)
+            _check(r.device_type, f"{where}.device_type", str)
+            _check(r.capacity_bytes, f"{where}.capacity_bytes", int, optional=True)
+            for name in ("base_bytes", "bytes_per_sample", "nominal_tflops"):
+                _check(getattr(r, name), f"{where}.{name}", float, optional=True)
+            for j, pt in enumerate(r.points):
+                _check(pt.batch, f"{where}.points[{j}].batch", int)
+                _check(pt.compute_s, f"{where}.points[{j}].compute_s", float)
+                _check(pt.comm_s, f"{where}.points[{j}].comm_s", float)
+        _check(self.comm.bandwidth_bytes_per_s, "comm.bandwidth_bytes_per_s", float)
+        _check(self.comm.latency_s, "comm.latency_s", float)
+        for name in ("exposed_micro_step_s", "exposed_iteration_s", "iteration_overhead_s"):
+            _check(getattr(self.comm, name), f"comm.{name}", float, optional=True)
+
     def validate(self) -> None:
+        self.check_types()
         if not self.ranks:
             raise ProfileError("profile has no ranks; run `poplar profile` on the cluster first")
         if self.world_size != len(self.ranks):
@@ -125,3 +155,22 @@ class Profile:
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Profile":
         return cls.from_dict(read_json(path, "profile file", ProfileError, "; run `poplar profile` first"))
+
+
+def _require(ok: bool, where: str, value: Any, what: str) -> None:
+    if not ok:
+        raise ProfileError(f"profile field {where} must be {what}, got {value!r} ({type(value).__name__})")
+
+
+def _mapping(value: Any, where: str) -> dict[str, Any]:
+    _require(isinstance(value, dict), where, value, "an object")
+    return value
+
+
+def _check(value: Any, where: str, kind: type, optional: bool = False) -> None:
+    """``value`` is a ``kind`` (an int for float fields too; never a bool), or None if optional."""
+    if value is None and optional:
+        return
+    kinds = (int, float) if kind is float else (kind,)
+    what = {int: "an integer", float: "a number", str: "a string"}[kind] + (" or null" if optional else "")
+    _require(isinstance(value, kinds) and not isinstance(value, bool), where, value, what)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from poplar.comm import Communicator
+from poplar.comm import Communicator, DistributedError
 from poplar.types.plans import Plan
 from poplar.types.precision import MixedPrecision, resolve_precision
 from poplar.zero.nonfinite import NonFinitePolicy
@@ -47,13 +47,38 @@ def check_arguments(world_size: int, model: nn.Module, optimizer: torch.optim.Op
 
 def agree_setup(comm: Communicator, error: str | None, model: nn.Module, zero_stage: Any, plan: Any,
                 policies: str) -> None:
-    """All ranks must have valid arguments, the same plan, stage, policies and parameter shapes."""
+    """All ranks must have valid arguments, the same plan, stage, policies and parameter shapes;
+    a difference names the first rank that differs from rank 0 and what differs (the parameter,
+    for shapes), on every rank."""
     shapes = [(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
     plan_json = plan.to_json() if isinstance(plan, Plan) else repr(plan)
-    signature = hashlib.sha256(repr((zero_stage, plan_json, shapes, policies)).encode()).hexdigest()
-    comm.agree(error, "PoplarEngine setup", signature, mismatch=(
-        "ranks disagree on zero_stage, plan or model parameters (or mixed_precision, nonfinite); pass the same "
-        "to every rank"))
+    digest = lambda value: hashlib.sha256(repr(value).encode()).hexdigest()  # noqa: E731
+    mine = {"zero_stage": repr(zero_stage), "plan": digest(plan_json), "mixed_precision, nonfinite": policies,
+            "model parameters": digest(shapes)}
+    values = comm.agree(error, "PoplarEngine setup", mine)
+    for rank, theirs in enumerate(values):
+        differing = [key for key in mine if theirs[key] != values[0][key]]
+        if not differing:
+            continue
+        if differing == ["model parameters"]:  # every rank sees it: name the parameter
+            everyone = comm.all_gather_object(shapes, tag="PoplarEngine setup")
+            where = _first_difference(everyone[0], everyone[rank], rank)
+            raise DistributedError(f"PoplarEngine setup failed: {where}; build the same model on every rank")
+        raise DistributedError(f"PoplarEngine setup failed: rank {rank} was given a different "
+                               f"{' and '.join(differing)} than rank 0; pass the same to every rank")
+
+
+def _first_difference(ours: list[tuple], theirs: list[tuple], rank: int) -> str:
+    """Where rank ``rank``'s (name, shape, dtype) list first differs from rank 0's."""
+    for (n0, s0, d0), (n1, s1, d1) in zip(ours, theirs):
+        if n0 != n1:
+            return f"rank {rank}'s parameter '{n1}' is where rank 0 has '{n0}' (the models differ in structure)"
+        if (s0, d0) != (s1, d1):
+            return (f"rank {rank}'s parameter '{n1}' has shape {list(s1)} ({d1}) but rank 0's has {list(s0)} ({d0})")
+    longer, rank_of = (ours, 0) if len(ours) > len(theirs) else (theirs, rank)
+    extra = longer[min(len(ours), len(theirs))][0]
+    return (f"rank {rank_of} has parameter '{extra}' that rank {rank if rank_of == 0 else 0} lacks "
+            f"({len(ours)} parameters on rank 0, {len(theirs)} on rank {rank})")
 
 
 @dataclass(frozen=True)

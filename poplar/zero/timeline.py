@@ -15,7 +15,7 @@ TimelineEntry = tuple[int, int, float, float]  # (iteration, micro-step, start w
 class MicroStepTimeline(StepObserver):
     """The last ``max_entries`` micro-steps' windows, from ``micro_step_start`` to ``micro_step_end``."""
 
-    def __init__(self, max_entries: int = 50_000) -> None:
+    def __init__(self, max_entries: int = 8_192) -> None:
         self.entries: deque[TimelineEntry] = deque(maxlen=max_entries)
         self._t0 = 0.0
 

@@ -35,6 +35,10 @@ def setup_errors(rank: int, world: int, case: str) -> str:
         kwargs["plan"] = plan_of((3, 2, 0), (2, 2, 0))
     elif case == "stage_on_one_rank" and rank == 0:
         kwargs["zero_stage"] = -1
+    elif case == "shapes_differ" and rank == 1:
+        from tests.toy import TiedNet
+        model = TiedNet(hidden=30)
+        opt = make_optimizer(model, "sgd")
     return _error_of(lambda: PoplarEngine(model, opt, **kwargs))
 
 
@@ -42,7 +46,8 @@ def setup_errors(rank: int, world: int, case: str) -> str:
     ("plan_length", "plan has 3 rows but the world has 2 ranks"),
     ("stage", "zero_stage must be 0, 1, 2 or 3, got 4"),
     ("foreign_optimizer", "not a parameter of the model"),
-    ("plans_differ", "disagree on zero_stage, plan or model"),
+    ("plans_differ", "rank 1 was given a different plan than rank 0"),
+    ("shapes_differ", "rank 1's parameter 'up.weight' has shape [30, 13] (torch.float32) but rank 0's has [29, 13]"),
     ("stage_on_one_rank", "rank 0: zero_stage must be 0, 1, 2 or 3, got -1"),
 ])
 def test_setup_errors_on_every_rank(case: str, needle: str) -> None:

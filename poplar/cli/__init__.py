@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 COMMAND_MODULES = [
     "poplar.cli.demo",
     "poplar.cli.plan",
     "poplar.cli.profile",
+    "poplar.cli.simulate",
     "poplar.cli.train",
 ]
 
@@ -33,7 +35,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
+        return code
+    except BrokenPipeError:
+        # the reader went away (`poplar simulate ... | head`): the rest of the output goes nowhere
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except (ValueError, FileNotFoundError) as e:  # our input errors carry the fix in the message
         print(f"poplar {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -1,21 +1,31 @@
-"""``poplar plan`` and ``poplar simulate``: the planner and the simulator on the command line.
+"""``poplar plan``: the planner on the command line (``poplar simulate`` is in ``poplar.cli.simulate``).
 
     poplar plan --profile profile.json --gbs 256 [--stage 2] [--strategy poplar] [-o plan.json]
-    poplar simulate --cluster B --gbs 256 --stage 2 [--json sim.json]
-    poplar simulate --cluster my_cluster.json --gbs 256 --stage 0
-    poplar simulate --profile profile.json --gbs 256
+    poplar plan --profile auto_profile.json --gbs 256 --stage auto
+
+``--stage auto`` reads a profile that auto mode saved (``AutoOptions(profile_output=...)``): it
+shows the candidate table (ZeRO stage x activation checkpointing: fits, mbs per device type,
+predicted iteration at this global batch, why rejected) and plans the chosen configuration.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from poplar.types.cluster import BUILTIN_CLUSTERS
+from poplar.planner.candidates import format_table, recorded_candidates
 from poplar.planner.planning import STRATEGIES, load_profile, plan
-from poplar.planner.simulator import simulate
 
 
-def _limits(p: argparse.ArgumentParser) -> None:
+def stage_arg(text: str) -> int | str:
+    """A ``--stage`` value: 0-3, or "auto"."""
+    if text == "auto":
+        return text
+    if text in ("0", "1", "2", "3"):
+        return int(text)
+    raise argparse.ArgumentTypeError(f"invalid stage {text!r}: choose 0, 1, 2, 3 or auto")
+
+
+def add_limits(p: argparse.ArgumentParser) -> None:
     p.add_argument("--require-all-ranks", action="store_true",
                    help="every rank must take at least one sample (default: a rank may sit out)")
     p.add_argument("--max-micro-steps", type=int, default=None, metavar="K",
@@ -27,30 +37,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                               description="Plan per-rank micro-batch, accumulation steps and last batch.")
     p.add_argument("--profile", required=True, help="profile JSON written by the profiler")
     p.add_argument("--gbs", type=int, required=True, help="global batch size (samples per optimizer step)")
-    p.add_argument("--stage", type=int, choices=(0, 1, 2, 3), default=None,
-                   help="ZeRO stage (default: the profile's)")
+    p.add_argument("--stage", type=stage_arg, default=None, metavar="{0,1,2,3,auto}",
+                   help="ZeRO stage (default: the profile's); auto: the candidate table of a profile auto mode "
+                        "saved, and the plan of its choice")
     p.add_argument("--strategy", choices=STRATEGIES, default="poplar")
     p.add_argument("-o", "--output", default=None, help="write the plan JSON here")
-    _limits(p)
+    add_limits(p)
     p.set_defaults(func=_plan)
-
-    s = subparsers.add_parser("simulate", help="compare strategies on a cluster or a profile",
-                              description="Predicted throughput of poplar / even / flops on a cluster.")
-    src = s.add_mutually_exclusive_group(required=True)
-    src.add_argument("--cluster", help=f"built-in cluster ({', '.join(BUILTIN_CLUSTERS)}) or a cluster JSON file")
-    src.add_argument("--profile", help="a measured profile JSON instead of device presets")
-    s.add_argument("--gbs", type=int, required=True, help="global batch size")
-    s.add_argument("--stage", type=int, choices=(0, 1, 2, 3), default=None,
-                   help="ZeRO stage (required with --cluster; default: the profile's)")
-    s.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated (default: all)")
-    s.add_argument("--json", default=None, help="write the comparison (with every plan) as JSON here")
-    _limits(s)
-    s.set_defaults(func=_simulate)
 
 
 def _plan(args: argparse.Namespace) -> int:
-    result = plan(args.profile, args.gbs, args.stage, args.strategy, require_all_ranks=args.require_all_ranks,
-                  max_micro_steps=args.max_micro_steps)
+    limits = {"require_all_ranks": args.require_all_ranks, "max_micro_steps": args.max_micro_steps}
+    stage = args.stage
+    rows = None
+    if stage == "auto":
+        profile = load_profile(args.profile)
+        rows = recorded_candidates(profile, args.gbs, **limits)
+        print(f"candidates auto mode profiled (the profile is the choice's; others are lower bounds from it):\n"
+              f"{format_table(rows)}\n")
+        stage = profile.zero_stage
+    result = plan(args.profile, args.gbs, stage, args.strategy, **limits)
+    if rows is not None:
+        result.meta["candidates"] = [r.to_dict() for r in rows]
     print(f"strategy {result.strategy}, ZeRO-{result.zero_stage}")
     print(result.table())
     print(f"predicted {result.meta['predicted_samples_per_s']:.2f} samples/s, communication "
@@ -59,19 +67,4 @@ def _plan(args: argparse.Namespace) -> int:
     if args.output:
         result.save(args.output)
         print(f"wrote {args.output}")
-    return 0
-
-
-def _simulate(args: argparse.Namespace) -> int:
-    strategies = [x.strip() for x in args.strategies.split(",") if x.strip()]
-    unknown = [x for x in strategies if x not in STRATEGIES]
-    if unknown:
-        raise ValueError(f"unknown strategies {unknown}; choose from {', '.join(STRATEGIES)}")
-    source = args.cluster if args.cluster else load_profile(args.profile)
-    sim = simulate(source, args.gbs, args.stage, strategies,
-                   require_all_ranks=args.require_all_ranks, max_micro_steps=args.max_micro_steps)
-    print(sim.table())
-    if args.json:
-        sim.save(args.json)
-        print(f"wrote {args.json}")
     return 0

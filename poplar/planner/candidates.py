@@ -1,0 +1,197 @@
+"""Choosing a configuration: ZeRO stage x activation checkpointing, by predicted iteration time
+(docs/design.md §7.1). Pure computation on profiles (no torch).
+
+A ``CandidateRow`` is one configuration: whether it fits every rank, its mbs per device type,
+its predicted iteration time (from its own timed profile, or an estimate), and why it was
+rejected. ``choose`` picks the fastest that fits (``rule="fastest"``) or the paper's first fit
+(the lowest stage that fits without checkpointing, then with it). ``estimate_profile`` turns a
+timed profile of another configuration into an optimistic one for a candidate (its own mbs; the
+fastest measured speed kept beyond the measured batches; no recomputation cost), so that its
+prediction is a lower bound: a candidate whose bound is not below the best predicted time
+cannot win and is not timed.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from poplar.planner.planning import plan as make_plan
+from poplar.planner.synthetic import ModelSpec, synthetic_profile
+from poplar.types.cluster import ClusterSpec
+from poplar.types.plans import Plan, PlanError
+from poplar.types.presets import get_preset
+from poplar.types.profiles import Profile, ProfileError, ProfilePoint
+
+RULES = ("fastest", "first_fit")
+
+
+@dataclass
+class CandidateRow:
+    stage: int
+    checkpointing: bool
+    fits: bool
+    mbs: dict[str, int] = field(default_factory=dict)  # per device type (smallest over its ranks)
+    predicted_s: float | None = None  # predicted iteration seconds
+    timed: bool = False  # predicted from its own timing rounds (else an estimate, a lower bound)
+    reason: str = ""  # why it was rejected ("" for the choice)
+    chosen: bool = False
+    source: str = ""  # where the prediction comes from, when neither timed nor a bound ("presets")
+
+    @property
+    def name(self) -> str:
+        return f"ZeRO-{self.stage}{' +ckpt' if self.checkpointing else ''}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "CandidateRow":
+        return cls(**d)
+
+
+def mbs_by_type(device_types: list[str], mbs: list[int]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for t, m in zip(device_types, mbs):
+        out[t] = min(out.get(t, m), m)
+    return out
+
+
+def predict(profile: Profile, gbs: int, stage: int, **limits: Any) -> tuple[Plan | None, str]:
+    """The plan of ``profile`` at ``stage`` and "" , or None and why it cannot be planned."""
+    try:
+        return make_plan(profile, gbs, stage, "poplar", **limits), ""
+    except (PlanError, ProfileError, ValueError) as e:
+        return None, f"cannot plan: {e}"
+
+
+def estimate_profile(base: Profile, stage: int, mbs: list[int]) -> Profile:
+    """An optimistic profile of a configuration with per-rank ``mbs``, from ``base`` (timed at
+    another configuration): the measured times up to each rank's mbs, beyond them the fastest
+    measured speed; communication priced by ring formulas at ``stage`` unless ``base`` was
+    measured there."""
+    est = copy.deepcopy(base)
+    est.zero_stage = stage
+    for r, m in zip(est.ranks, mbs):
+        speed = max(p.batch / p.compute_s for p in r.points)
+        pts = [p for p in r.points if p.batch <= m]
+        top = max((p.batch for p in pts), default=0)
+        extra = sorted({b for b in (2 ** k for k in range(int(math.log2(max(m, 1))) + 1)) if top < b <= m} | {m})
+        pts += [ProfilePoint(b, b / speed) for b in extra if b > top]
+        r.points, r.mbs = pts, m
+    est.meta = {**est.meta, "estimated_from": base.zero_stage}
+    return est
+
+
+def with_probe(plain: Profile, probe: Profile) -> Profile:
+    """``plain``'s points below each rank's probed batch, then the probe's (a checkpointed
+    configuration timed at its own mbs): an optimistic base for a checkpointed candidate, since
+    recomputation only adds time to the plain points, and measured where its plan runs most."""
+    out = copy.deepcopy(plain)
+    for r, q in zip(out.ranks, probe.ranks):
+        top = min(p.batch for p in q.points)
+        r.points = sorted([p for p in r.points if p.batch < top] + list(q.points), key=lambda p: p.batch)
+    return out
+
+
+def choose(rows: list[CandidateRow], rule: str = "fastest") -> CandidateRow:
+    """Mark and return the chosen row (``rule``: "fastest" or "first_fit"); reasons for the others."""
+    if rule not in RULES:
+        raise ValueError(f"unknown rule {rule!r}; choose from {', '.join(RULES)}")
+    fitting = [r for r in rows if r.fits and r.predicted_s is not None]
+    if not fitting:
+        raise PlanError("no configuration fits every rank: " + "; ".join(f"{r.name}: {r.reason}" for r in rows))
+    if rule == "first_fit":
+        best = min(fitting, key=lambda r: (r.checkpointing, r.stage))
+    else:
+        best = min(fitting, key=lambda r: (r.predicted_s, r.stage, r.checkpointing))
+    for r in rows:
+        r.chosen = r is best
+        if r is best:
+            r.reason = ""
+        elif r.fits and r.predicted_s is not None and not r.reason:
+            r.reason = (f"slower: {r.predicted_s / best.predicted_s:.2f}x the choice" if rule == "fastest"
+                        else "not the first fit")
+    return best
+
+
+def format_table(rows: list[CandidateRow], measured: dict[str, float] | None = None) -> str:
+    """The candidate table: config, fits, mbs per device type, predicted seconds, why rejected."""
+    types = sorted({t for r in rows for t in r.mbs})
+    head = ["config", "fits"] + [f"mbs {t}" for t in types] + ["predicted s", "source"]
+    if measured is not None:
+        head.append("measured s")
+    head.append("choice / why rejected")
+    lines = []
+    for r in rows:
+        pred = "-" if r.predicted_s is None else f"{r.predicted_s:.4f}"
+        src = r.source or ("timed" if r.timed else ("bound" if r.predicted_s is not None else "-"))
+        cells = [r.name, "yes" if r.fits else "no"] + [str(r.mbs.get(t, "-")) for t in types] + [pred, src]
+        if measured is not None:
+            m = measured.get(r.name)
+            cells.append("-" if m is None else f"{m:.4f}")
+        cells.append("CHOSEN" if r.chosen else r.reason)
+        lines.append(cells)
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *lines)]
+    fmt = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    return "\n".join([fmt(head)] + [fmt(c) for c in lines])
+
+
+def preset_candidates(cluster: ClusterSpec | str, gbs: int, plain: ModelSpec, checkpointed: ModelSpec | None,
+                      stages: tuple[int, ...] = (0, 1, 2, 3), **limits: Any) -> list[CandidateRow]:
+    """Every configuration on a cluster of preset devices (the simulator's synthetic profiles):
+    ``plain`` is the model without checkpointing, ``checkpointed`` with it (None: not a candidate).
+    Nothing is chosen yet (``choose``)."""
+    spec = ClusterSpec.resolve(cluster)
+    types = spec.rank_types()
+    rows = []
+    for ckpt, model in ((False, plain), (True, checkpointed)):
+        if model is None:
+            continue
+        for stage in stages:
+            states = model.state_bytes(stage, spec.world_size) + model.reserve_bytes
+            mbs = {t: max(0, math.floor((get_preset(t).capacity_bytes() - states) / model.activation_bytes_per_sample))
+                   for t in dict.fromkeys(types)}
+            row = CandidateRow(stage, ckpt, all(m >= 1 for m in mbs.values()), mbs, source="presets")
+            rows.append(row)
+            if not row.fits:
+                bad = [t for t, m in mbs.items() if m < 1]
+                row.reason = (f"batch 1 does not fit on {', '.join(bad)} "
+                              f"({states / 2 ** 30:.1f} GiB of model states and reserve)")
+                continue
+            plan, row.reason = predict(synthetic_profile(spec, stage, model), gbs, stage, **limits)
+            row.predicted_s = plan.predicted_iteration_s if plan else None
+    return rows
+
+
+def recorded_candidates(profile: Profile, gbs: int, **limits: Any) -> list[CandidateRow]:
+    """The candidate table auto mode saved with ``profile`` (``meta["auto_choice"]``), predicted
+    again at ``gbs``. The profile is the chosen configuration's: it is planned from its timings
+    and stays the choice; every other fitting configuration gets a lower bound from it
+    (``estimate_profile``), and a bound below the choice says that profiling again at this
+    global batch could choose differently."""
+    saved = (profile.meta.get("auto_choice") or {}).get("candidates")
+    if not saved:
+        raise ValueError(f"this profile holds one configuration (ZeRO-{profile.zero_stage}), not auto mode's "
+                         "candidates: profile in auto mode with AutoOptions(profile_output=...), or ask "
+                         "`poplar simulate --cluster ... --stage auto` for a preset-based table")
+    rows = [CandidateRow.from_dict(d) for d in saved]
+    own = next((r for r in rows if r.chosen), None)
+    if own is None:
+        raise ValueError("the profile's candidate table marks no choice; profile again in auto mode")
+    types = [r.device_type for r in profile.ranks]
+    for r in rows:
+        r.chosen, r.timed, r.source = False, r is own, ""
+        if not r.fits:
+            continue
+        est = profile if r is own else estimate_profile(profile, r.stage, [r.mbs.get(t, 0) for t in types])
+        plan, r.reason = predict(est, gbs, r.stage, **limits)
+        r.predicted_s = plan.predicted_iteration_s if plan else None
+    best = choose([own], "fastest")
+    for r in rows:
+        if r is not own and r.predicted_s is not None:
+            r.reason = (f"lower bound {r.predicted_s:.4f} s >= the choice" if r.predicted_s >= best.predicted_s else
+                        f"lower bound {r.predicted_s:.4f} s < the choice: profile again at this global batch")
+    return rows

@@ -1,0 +1,135 @@
+"""Profiling several configurations (ZeRO stage x activation checkpointing) in one run, for auto
+mode's choice (docs/design.md §7.1).
+
+``CandidateProfiler`` keeps the shape of ``profile_run`` (docs/design.md §4.1): the capacity
+search of every configuration runs on each rank without any collective, and one agreement then
+hands every rank every configuration's mbs per rank; timing rounds (collective, lock-step) run
+only for the configurations the caller asks for, one at a time, each ending in a ``Profile``
+that is the same on every rank. The collectives' bandwidth is measured once and shared. The
+caller (auto mode) must make the same calls on every rank, deciding only from agreed data.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+from torch import nn
+
+from poplar.profiler.capacity import CapacityResult
+from poplar.profiler.devices import Device
+from poplar.profiler.escalation import StageCapacity
+from poplar.profiler.profile_run import (ProfileOptions, RankRun, _assemble_profile, _set_up, _time_in_lock_step,
+                                         default_optimizer, _log_to_stderr)
+from poplar.profiler.timing import measure_comm, timing_batches
+from poplar.types.profiles import CommProfile, Profile, ProfileError
+
+
+@dataclass(frozen=True)
+class Config:
+    """One configuration to profile: a ZeRO stage and an activation checkpointing setting."""
+
+    stage: int
+    checkpointing: Any = None  # None / False off; True or a module policy on
+
+    @property
+    def checkpointed(self) -> bool:
+        return self.checkpointing not in (None, False)
+
+
+@dataclass
+class ConfigCapacity:
+    """What the capacity searches found for one configuration, on every rank."""
+
+    config: Config
+    mbs: list[int]  # per rank; 0: batch 1 does not fit there
+    reasons: list[str]  # per rank, why batch 1 does not fit ("" where it does)
+    result: CapacityResult | None  # this rank's search
+
+    @property
+    def fits(self) -> bool:
+        return all(m >= 1 for m in self.mbs)
+
+
+class CandidateProfiler:
+    """Capacity of every configuration, then timing of chosen ones, on every rank together."""
+
+    def __init__(self, model_fn: Callable[[], nn.Module], loss_fn: Callable, sample_fn: Callable[[int], Any],
+                 device: Device, *, optimizer_fn: Callable | None = None, options: ProfileOptions | None = None,
+                 log: Callable[[str], None] | None = None, process_group: Any = None) -> None:
+        self.run: RankRun = _set_up(model_fn, loss_fn, sample_fn, device, optimizer_fn or default_optimizer,
+                                    options or ProfileOptions(), log or _log_to_stderr, process_group)
+        self.seconds = {"capacity_s": 0.0, "timing_s": 0.0, "comm_s": 0.0}
+        self.rounds = 0  # lock-step timing rounds run
+        self.trial_steps = 0  # this rank's capacity trial steps
+        self._comm: CommProfile | None = None
+
+    def capacities(self, configs: list[Config]) -> list[ConfigCapacity]:
+        """Every configuration's capacity search on this rank (no collective), then one agreement."""
+        t0 = time.perf_counter()
+        run, base = self.run, self.run.options
+        mine: list[tuple[CapacityResult | None, str | None]] = []
+        references: dict[bool, CapacityResult] = {}  # per checkpointing setting: its first search
+        for c in configs:
+            run.options = replace(base, activation_checkpointing=c.checkpointing)
+            try:
+                result = run.search_capacity(c.stage, guided=True, reference=references.get(c.checkpointed))
+                if result.mbs >= 1:
+                    references.setdefault(c.checkpointed, result)
+                mine.append((result, None))
+            except Exception as e:  # noqa: BLE001 - every rank must reach the agreement
+                mine.append((None, f"capacity search of ZeRO-{c.stage}, checkpointing "
+                                   f"{'on' if c.checkpointed else 'off'} failed: {type(e).__name__}: {e}"))
+        run.options = base
+        self.trial_steps += sum(r.trial_steps for r, _ in mine if r is not None)
+        error = next((e for _, e in mine if e), None)
+        verdicts = run.comm.agree(error, "auto mode capacity", [(r.mbs, r.reason) if r else (0, "") for r, _ in mine],
+                                  error_type=ProfileError)
+        self.seconds["capacity_s"] += time.perf_counter() - t0
+        return [ConfigCapacity(c, [v[i][0] for v in verdicts], [v[i][1] for v in verdicts], mine[i][0])
+                for i, c in enumerate(configs)]
+
+    def time(self, capacity: ConfigCapacity, reuse: Profile | None = None,
+             sizes: list[list[int]] | None = None) -> Profile:
+        """Lock-step timing rounds of one fitting configuration: its ``Profile`` (every rank).
+
+        ``reuse``: a profile timed at a configuration whose micro-steps compute the same (the same
+        checkpointing at another of stages 0-2: they differ only in communication, which a
+        micro-step's measured compute leaves out). Its points up to each rank's mbs are kept and
+        only the batches it lacks are timed, plus each rank's mbs: the rounds also measure this
+        stage's own communication and fixed overhead. ``sizes``: per rank, the batches to time
+        (a probe; the profile then holds only those points)."""
+        if not capacity.fits or capacity.result is None:
+            raise ValueError("only a configuration that fits every rank can be timed")
+        per_rank = sizes or [timing_batches(m) for m in capacity.mbs]
+        if reuse is not None:
+            have = [{p.batch for p in r.points} for r in reuse.ranks]
+            per_rank = [sorted({b for b in bs if b not in h} | {m}) for bs, h, m in zip(per_rank, have, capacity.mbs)]
+        run, base = self.run, self.run.options
+        run.options = replace(base, zero_stage=capacity.config.stage,
+                              activation_checkpointing=capacity.config.checkpointing)
+        try:
+            t0 = time.perf_counter()
+            fit = StageCapacity(capacity.config.stage, capacity.result, list(capacity.mbs))
+            timing = _time_in_lock_step(run, fit, per_rank)
+            if reuse is not None:
+                mine, mbs = {p.batch for p in timing.points}, capacity.mbs[run.comm.rank]
+                kept = [p for p in reuse.ranks[run.comm.rank].points if p.batch not in mine and p.batch <= mbs]
+                timing.points = sorted(timing.points + kept, key=lambda p: p.batch)
+            self.seconds["timing_s"] += time.perf_counter() - t0
+            self.rounds += timing.rounds
+            if self._comm is None:
+                t0 = time.perf_counter()
+                self._comm = measure_comm(run.comm) if base.measure_comm else None
+                self.seconds["comm_s"] += time.perf_counter() - t0
+            comm = copy.deepcopy(self._comm)  # the profile sets its measured stage on it
+            run.phase_seconds = dict(self.seconds)
+            return _assemble_profile(run, fit, timing, comm)
+        finally:
+            run.options = base
+
+    @property
+    def total_seconds(self) -> float:
+        return sum(self.seconds.values())

@@ -1,0 +1,119 @@
+"""`poplar simulate` what-ifs (--add beside the current cluster, --model, --stage auto's candidate
+table), `poplar plan --stage auto` from a profile auto mode saved, and output into a closed pipe
+ending without a traceback."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from poplar.cli import main
+from poplar.cli.model_specs import resolve_model
+from poplar.planner.candidates import CandidateRow
+from poplar.planner.synthetic import synthetic_profile
+
+ROOT = Path(__file__).resolve().parents[2]
+SIMULATE = [sys.executable, "-m", "poplar", "simulate", "--cluster", "B", "--gbs", "64", "--stage", "auto",
+            "--add", "T4-16G:2"]
+
+
+def _run(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_output_into_head_ends_without_a_traceback() -> None:
+    cmd = " ".join(SIMULATE) + " | head -1"
+    p = subprocess.run(["bash", "-c", cmd], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.startswith("model ") and len(p.stdout.splitlines()) == 1, p
+    assert "Traceback" not in p.stderr and "BrokenPipe" not in p.stderr, p.stderr
+
+
+def test_output_into_a_closed_pipe_ends_without_a_traceback() -> None:
+    # the reading end is closed before the command writes anything: every write fails
+    p = subprocess.Popen(SIMULATE, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p.stdout.close()
+    err = p.stderr.read()
+    assert p.wait(timeout=120) == 1
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_add_shows_both_clusters_side_by_side(capsys: pytest.CaptureFixture) -> None:
+    code, out, _ = _run(capsys, "simulate", "--cluster", "B", "--gbs", "256", "--stage", "2", "--add", "T4-16G:2")
+    assert code == 0
+    lines = out.splitlines()
+    assert "current" in lines[1] and "with --add T4-16G:2" in lines[1]
+    assert lines[2].split()[1:3] == ["B:", "2x"] and "B+2xT4-16G: 2x V100-16G + 4x T4-16G" in lines[2]
+    assert lines[3].split() == ["ranks", "4", "6"]
+    poplar = next(x for x in lines if x.startswith("poplar samples/s")).split()
+    assert float(poplar[3]) > float(poplar[2]) and poplar[4].endswith("x)")  # two more T4s help at gbs 256
+    # then each cluster's own table
+    assert sum(x.startswith("cluster B: ") for x in lines) == 1 and sum(x.startswith("cluster B+2x") for x in lines) == 1
+
+
+def test_stage_auto_shows_the_candidate_table(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    out_json = tmp_path / "sim.json"
+    code, out, _ = _run(capsys, "simulate", "--cluster", "A", "--gbs", "256", "--stage", "auto", "--model",
+                        "llama-1.1b", "--json", str(out_json))
+    assert code == 0
+    lines = out.splitlines()
+    head = next(i for i, x in enumerate(lines) if x.startswith("config"))
+    assert "mbs A100-40G" in lines[head] and "mbs A100-80G" in lines[head] and "predicted s" in lines[head]
+    table = lines[head + 1:head + 9]
+    assert [x.split()[0] + (" +ckpt" if "+ckpt" in x else "") for x in table] == \
+        [f"ZeRO-{s}" for s in range(4)] + [f"ZeRO-{s} +ckpt" for s in range(4)]
+    assert sum("CHOSEN" in x for x in table) == 1
+    assert "no" in table[0].split() and "does not fit on A100-40G" in table[0]  # 1.1B at ZeRO-0 on 40 GB
+    saved = json.loads(out_json.read_text())
+    rows = [CandidateRow.from_dict(d) for d in saved["candidates"]]
+    chosen = next(r for r in rows if r.chosen)
+    assert chosen.checkpointing and saved["config"] == chosen.name  # checkpointing wins where memory binds
+    assert chosen.predicted_s == min(r.predicted_s for r in rows if r.fits)
+    assert saved["first_fit"] == "ZeRO-2"
+
+
+def test_model_from_a_hf_config(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    cfg = {"model_type": "gpt2", "n_embd": 768, "n_layer": 12, "n_head": 12, "n_positions": 1024, "vocab_size": 50257,
+           "activation_function": "gelu_new"}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    model = resolve_model(str(path))
+    assert abs(model.plain.param_count - 124.4e6) < 1e6  # GPT-2 small
+    assert model.checkpointed.activation_bytes_per_sample < model.plain.activation_bytes_per_sample / 2
+    assert model.checkpointed.work_scale > model.plain.work_scale
+    code, out, _ = _run(capsys, "simulate", "--cluster", "B", "--gbs", "64", "--stage", "1", "--model", str(path),
+                        "--seq", "512")
+    assert code == 0 and "[gpt2]" in out and "seq 512" in out
+    path.write_text(json.dumps({"vocab_size": 10}))
+    code, _, err = _run(capsys, "simulate", "--cluster", "B", "--gbs", "64", "--stage", "1", "--model", str(path))
+    assert code == 2 and "hidden_size" in err and "transformer" in err
+
+
+def test_plan_stage_auto_reads_the_candidates_auto_mode_saved(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    profile = synthetic_profile("B", 1)
+    mbs = {r.device_type: r.mbs for r in profile.ranks}
+    rows = [CandidateRow(0, False, False, {t: 0 for t in mbs}, reason="batch 1 does not fit on rank 0"),
+            CandidateRow(1, False, True, mbs, 1.0, True, chosen=True),
+            CandidateRow(3, False, True, {t: m + 1 for t, m in mbs.items()}, 2.0, False)]
+    profile.meta["auto_choice"] = {"rule": "fastest", "candidates": [r.to_dict() for r in rows]}
+    path = tmp_path / "profile.json"
+    profile.save(path)
+    code, out, _ = _run(capsys, "plan", "--profile", str(path), "--gbs", "128", "--stage", "auto",
+                        "-o", str(tmp_path / "plan.json"))
+    assert code == 0 and "CHOSEN" in out and "strategy poplar, ZeRO-1" in out
+    assert "lower bound" in next(x for x in out.splitlines() if x.startswith("ZeRO-3"))
+    saved = json.loads((tmp_path / "plan.json").read_text())
+    assert [r["chosen"] for r in saved["meta"]["candidates"]] == [False, True, False]
+    # the same table from `poplar simulate --profile`
+    code, out, _ = _run(capsys, "simulate", "--profile", str(path), "--gbs", "128", "--stage", "auto")
+    assert code == 0 and "CHOSEN" in out and "ZeRO-1" in out
+    # a single-configuration profile has no table: the error says how to get one
+    plain = tmp_path / "plain.json"
+    synthetic_profile("B", 1).save(plain)
+    code, _, err = _run(capsys, "plan", "--profile", str(plain), "--gbs", "128", "--stage", "auto")
+    assert code == 2 and "profile_output" in err and "poplar simulate" in err

@@ -42,11 +42,18 @@ communication compute does not hide and the iteration's fixed overhead are measu
 profiler on the critical rank -- so the ideal is a reachable iteration, not a bare sum of
 compute. (b) is ``min_fraction_of_ideal_plan``; where (a) misses, a note splits its gap.
 ``median_prediction_err`` is the median over every cluster x stage x plan of |predicted /
-measured - 1| (Poplar's plans alone: ``median_prediction_err_poplar``); the JSON splits each
-error into profiled vs true curves and true-curve model vs run.
+measured - 1| (Poplar's plans alone: ``median_prediction_err_poplar``), ``max_prediction_err``
+the largest; the JSON splits each error into profiled vs true curves and true-curve model vs run.
+
+Honest emulation: ``late_step_fraction`` is the share of every padded micro-step (profiling and
+training, every rank) whose real CPU compute overshot its device's curve. A cluster above 1 %
+did not emulate its GPUs: it is re-calibrated with a smaller margin (more headroom) and run
+again, up to ``--attempts`` times, and if still above, its rows are marked INVALID and
+``valid`` is false in the RESULT. ``--full`` adds the paper-size row, cluster C as 4 + 4 ranks.
 
     .venv/bin/python bench/hetero.py [--clusters A,B,C,C-1:3] [--stages 0,1,2,3] [--iterations 10]
                                      [--rounds 2] [--warmup 1] [--gbs 48] [--precision fp32] [--json PATH]
+                                     [--full] [--attempts 3]
 """
 
 from __future__ import annotations
@@ -75,16 +82,22 @@ from poplar.planner.ideal import ideal
 from poplar.types.plans import Plan, write_text_atomic
 from poplar.types.precision import resolve_precision
 from poplar.profiler.capacity import CapacitySearch
-from poplar.profiler.emulate import calibrate, cluster_devices
+from poplar.profiler.calibration import MARGIN, calibrate
+from poplar.profiler.emulate import cluster_devices
+from poplar.profiler.speed_padding import LATE_BUDGET, late_fraction
 from poplar.profiler.local_comm import local_engine
 from poplar.profiler.profile_run import ProfileOptions, default_optimizer, profile_rank
 from poplar.types.profiles import Profile
 
 STRATEGIES = ("poplar", "even", "flops")
 CLUSTERS = ("A", "B", "C", "C-1:3")
+# the paper-size row of --full: cluster C as 4 + 4 ranks
+C_4_4 = ClusterSpec("C-4+4", [{"type": "A800-80G", "count": 4}, {"type": "V100S-32G", "count": 4}])
+ATTEMPTS = 3  # runs of a cluster whose late micro-steps exceed the budget: re-calibrated with a smaller margin
 VOCAB = 260  # the byte vocabulary of the small Llama sizes
 TARGETS = {"min_speedup_vs_even": 1.0, "min_speedup_vs_flops": 1.0, "speedup_vs_even_cluster_B": 1.3,
-           "min_fraction_of_ideal": 0.95, "median_prediction_err": 0.05}
+           "min_fraction_of_ideal": 0.95, "median_prediction_err": 0.02, "max_prediction_err": 0.06,
+           "late_step_fraction": LATE_BUDGET}
 
 
 def tokens(batch: int, seq: int, seed: int) -> torch.Tensor:
@@ -175,6 +188,7 @@ def worker(rank: int, world: int, job: dict) -> dict:
     out = {}
     for stage in job["stages"]:
         t0 = time.perf_counter()
+        padded0, late0 = device.padded_steps, device.late_steps
         options = ProfileOptions(zero_stage=stage, escalate=False, repeats=job["repeats"], model_name=job["model"],
                                  mixed_precision=job["precision"])
         prof = profile_rank(job["model_fn"], llama_loss_fn, job["sample_fn"], device,
@@ -188,7 +202,8 @@ def worker(rank: int, world: int, job: dict) -> dict:
         runs = train(job, device, stage, {s: p for s, p in plans.items() if same[s] == s}, rank)
         log(f"ZeRO-{stage}: profile {t_prof:.0f} s, training {time.perf_counter() - t1:.0f} s")
         out[stage] = {"true_mbs": truth, "runs": {s: runs[same[s]] for s in plans}, "same_as": same,
-                      "profile_s": t_prof}
+                      "profile_s": t_prof, "padded_steps": device.padded_steps - padded0,
+                      "late_steps_all": device.late_steps - late0}
         if rank == 0:
             out[stage].update(profile=prof.to_dict(), plans={s: p.to_dict() for s, p in plans.items()})
     return out
@@ -229,7 +244,10 @@ def analyse(name: str, stage: int, results: list[dict], devices: list, args: arg
                            "mbs_match": mbs_prof == mbs_true, "ideal_s": best.iteration_s,
                            "ideal": best.to_dict(), "profile_s": head["profile_s"],
                            "late_steps": sum(sum(r[stage]["runs"][s]["late"]) for r in results
-                                             for s in STRATEGIES), "plans": {}}
+                                             for s in STRATEGIES), "plans": {},
+                           # profiling and training, every rank: micro-steps padded and those late
+                           "padded_steps": sum(r[stage]["padded_steps"] for r in results),
+                           "late_steps_all": sum(r[stage]["late_steps_all"] for r in results)}
     for s, p in plans.items():
         per_rank = [r[stage]["runs"][s] for r in results]
         ok = [i for i, m in enumerate(per_rank[0]["measured"]) if m]
@@ -254,6 +272,7 @@ def analyse(name: str, stage: int, results: list[dict], devices: list, args: arg
     pp = row["plans"]
     row["speedup_vs_even"] = pp["poplar"]["samples_per_s"] / pp["even"]["samples_per_s"]
     row["speedup_vs_flops"] = pp["poplar"]["samples_per_s"] / pp["flops"]["samples_per_s"]
+    row["late_step_fraction"] = late_fraction(row["late_steps_all"], row["padded_steps"])
     row["fraction_of_ideal_measured"] = best.iteration_s / pp["poplar"]["measured_s"]
     row["fraction_of_ideal_plan"] = best.iteration_s / pp["poplar"]["true_s"]
     losses = [pp[s]["loss"] for s in STRATEGIES]  # same data, same init: plans must not change the math
@@ -293,15 +312,25 @@ def notes(rows: list[dict], result: dict) -> list[str]:
                    f"{r['profile']['comm']['latency_s'] * 1e3:.1f} ms); {r['late_steps']} late micro-steps")
     if result["median_prediction_err"] > TARGETS["median_prediction_err"]:
         plans = [p for r in rows for p in r["plans"].values()]
-        out.append(f"median_prediction_err {result['median_prediction_err']:.3f} > 0.05: median |profiled / true "
+        out.append(f"median_prediction_err {result['median_prediction_err']:.3f} > "
+                   f"{TARGETS['median_prediction_err']}: median |profiled / true "
                    f"curves - 1| {statistics.median(abs(p['profile_err']) for p in plans):.3f}, median |true-curve "
                    f"model / measured - 1| {statistics.median(abs(p['model_err']) for p in plans):.3f}")
+    if result["max_prediction_err"] > TARGETS["max_prediction_err"]:
+        r, s = max(((r, s) for r in rows for s in r["plans"]), key=lambda x: abs(x[0]["plans"][x[1]]["prediction_err"]))
+        p = r["plans"][s]
+        out.append(f"max_prediction_err {result['max_prediction_err']:.3f} > {TARGETS['max_prediction_err']} on "
+                   f"{r['cluster']} ZeRO-{r['stage']} {s}: profiled vs true curves {100 * p['profile_err']:+.1f}%, "
+                   f"true-curve model vs run {100 * p['model_err']:+.1f}%")
+    if result["late_step_fraction"] > TARGETS["late_step_fraction"]:
+        out.append(f"late_step_fraction {result['late_step_fraction']:.3f} > {LATE_BUDGET}: the emulated devices did "
+                   f"not hold their speed (rows marked INVALID); the figures above do not count")
     return out
 
 
 def table(rows: list[dict]) -> str:
     head = ("| cluster | ZeRO | mbs profiled = true | poplar samples/s | even | flops | x even | x flops "
-            "| predicted s | measured s | pred err | ideal s | of ideal (measured) | of ideal (plan) |")
+            "| predicted s | measured s | pred err | ideal s | of ideal (measured) | of ideal (plan) | late |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         p = r["plans"]
@@ -314,7 +343,8 @@ def table(rows: list[dict]) -> str:
             f"| {r['speedup_vs_flops']:.2f}{same('flops')} "
             f"| {p['poplar']['predicted_s']:.3f} | {p['poplar']['measured_s']:.3f} "
             f"| {100 * p['poplar']['prediction_err']:+.1f}% | {r['ideal_s']:.3f} "
-            f"| {r['fraction_of_ideal_measured']:.3f} | {r['fraction_of_ideal_plan']:.3f} |")
+            f"| {r['fraction_of_ideal_measured']:.3f} | {r['fraction_of_ideal_plan']:.3f} "
+            f"| {100 * r['late_step_fraction']:.1f}%{'' if r['valid'] else ' INVALID'} |")
     return "\n".join(lines)
 
 
@@ -331,6 +361,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=3, help="profiler measurements per batch size")
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"], help="compute precision")
     ap.add_argument("--json", default=None, help="write every measurement here")
+    ap.add_argument("--full", action="store_true", help="add the paper-size row: cluster C as 4 + 4 ranks")
+    ap.add_argument("--attempts", type=int, default=ATTEMPTS,
+                    help="runs of a cluster whose late micro-steps exceed 1%% (each re-calibrated)")
     args = ap.parse_args()
     if not all(s.strip() in ("0", "1", "2", "3") for s in args.stages.split(",")):
         ap.error(f"--stages must be a comma-separated list of 0-3, got {args.stages!r}")
@@ -346,6 +379,8 @@ def parse_args() -> argparse.Namespace:
             spec.check_precision(args.precision)
     except ClusterError as e:
         ap.error(str(e))
+    if args.full:
+        args.specs.append(C_4_4)
     return args
 
 
@@ -358,18 +393,32 @@ def main() -> None:
     rows, meta = [], {}
     for spec in args.specs:
         t0 = time.perf_counter()
-        cal = calibrate(model_fn, llama_loss_fn, sample_fn, spec, 0, optimizer_fn=default_optimizer,
-                        mixed_precision=policy)
-        devices = cluster_devices(spec, cal.memory_scale, cal.time_scale, policy)
-        print(f"# {spec.describe()}: memory scale {cal.memory_scale:.3g}, time scale {cal.time_scale:.3g}",
-              file=sys.stderr, flush=True)
-        job = {"model": args.model, "model_fn": model_fn, "sample_fn": sample_fn, "stages": args.stages,
-               "devices": devices, "repeats": args.repeats, "gbs": args.gbs, "seq": args.seq,
-               "warmup": args.warmup, "iterations": args.iterations, "rounds": args.rounds, "precision": policy}
-        results = spawn(worker, spec.world_size, (job,), timeout_s=3600, collective_timeout_s=900)
-        for stage in args.stages:
-            rows.append(analyse(spec.name, stage, results, devices, args))
-        meta[spec.name] = {"calibration": cal.to_dict(), "seconds": time.perf_counter() - t0}
+        margin, attempts = MARGIN, []
+        for attempt in range(args.attempts):
+            cal = calibrate(model_fn, llama_loss_fn, sample_fn, spec, 0, optimizer_fn=default_optimizer,
+                            mixed_precision=policy, margin=margin)
+            devices = cluster_devices(spec, cal.memory_scale, cal.time_scale, policy)
+            print(f"# {spec.describe()}: memory scale {cal.memory_scale:.3g}, time scale {cal.time_scale:.3g} "
+                  f"(margin {margin:.2f})", file=sys.stderr, flush=True)
+            job = {"model": args.model, "model_fn": model_fn, "sample_fn": sample_fn, "stages": args.stages,
+                   "devices": devices, "repeats": args.repeats, "gbs": args.gbs, "seq": args.seq,
+                   "warmup": args.warmup, "iterations": args.iterations, "rounds": args.rounds, "precision": policy}
+            results = spawn(worker, spec.world_size, (job,), timeout_s=3600, collective_timeout_s=900)
+            cluster_rows = [analyse(spec.name, stage, results, devices, args) for stage in args.stages]
+            late = late_fraction(sum(r["late_steps_all"] for r in cluster_rows),
+                                 sum(r["padded_steps"] for r in cluster_rows))
+            attempts.append({"margin": margin, "time_scale": cal.time_scale, "late_step_fraction": late})
+            if late <= LATE_BUDGET:
+                break
+            # the emulation lost its speed: the run does not count; calibrate again with more room
+            print(f"# {spec.name}: {100 * late:.1f}% of micro-steps late (budget {100 * LATE_BUDGET:.0f}%): "
+                  + ("re-calibrating with margin %.2f" % (0.7 * margin) if attempt + 1 < args.attempts
+                     else "kept as INVALID"), file=sys.stderr, flush=True)
+            margin *= 0.7
+        for r in cluster_rows:
+            r["valid"] = late <= LATE_BUDGET
+        rows += cluster_rows
+        meta[spec.name] = {"calibration": cal.to_dict(), "seconds": time.perf_counter() - t0, "attempts": attempts}
         print(f"# {spec.name}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     print(table(rows))
     errs = [abs(p["prediction_err"]) for r in rows for p in r["plans"].values()]
@@ -381,10 +430,14 @@ def main() -> None:
         "min_fraction_of_ideal": min(r["fraction_of_ideal_measured"] for r in rows),
         "min_fraction_of_ideal_plan": min(r["fraction_of_ideal_plan"] for r in rows),
         "median_prediction_err": statistics.median(errs),
+        "max_prediction_err": max(errs),
+        "late_step_fraction": late_fraction(sum(r["late_steps_all"] for r in rows), sum(r["padded_steps"] for r in rows)),
+        "valid": all(r["valid"] for r in rows),
         "median_prediction_err_poplar": statistics.median(abs(r["plans"]["poplar"]["prediction_err"]) for r in rows),
         "mbs_all_match": all(r["mbs_match"] for r in rows),
         "max_loss_diff": max(r["max_loss_diff"] for r in rows),
-        "late_steps": sum(r["late_steps"] for r in rows),
+        "late_steps": sum(r["late_steps_all"] for r in rows), "padded_steps": sum(r["padded_steps"] for r in rows),
+        "attempts": {name: len(m["attempts"]) for name, m in meta.items()},
         "wall_s": round(time.perf_counter() - t_start, 1), "gbs": args.gbs, "model": args.model, "seq": args.seq,
         "precision": args.precision, "iterations": args.iterations, "warmup": args.warmup, "rounds": args.rounds,
         "clusters": [s.name for s in args.specs], "stages": args.stages, "targets": TARGETS}

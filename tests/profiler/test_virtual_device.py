@@ -207,3 +207,43 @@ def test_emulated_micro_steps_synchronise_like_gpus(stage: int) -> None:
         # the fast rank waits ~40 ms (the curves' gap) in every micro-step, the slow one only for
         # the collectives themselves (more at stage 3: one per block); the bounds allow a busy machine
         assert 0.025 < fast[k] < 0.1 and fast[k] > slow[k] + 0.015, (k, fast, slow)
+
+
+def test_zero3_blocks_are_paced_along_the_curve() -> None:
+    """At ZeRO-3 the device pads at every block boundary, so a block's forward starts at its
+    share of the emulated forward, not when the CPU got there; the micro-step still lasts the curve."""
+    curve = SaturatingCurve(0.3, 2.0, 1000.0)  # far slower than the real compute
+    engine = engine_at(3, world=1, rank=0)
+    device = VirtualDevice("d", 100 * MB, time_fn=curve)
+    starts: list[float] = []
+    backward_starts: list[float] = []
+
+    class Clock:  # forward start, then each block's forward start, seen after the device's hooks
+        def __call__(self, module, args) -> None:
+            if torch.is_grad_enabled():
+                starts.append(time.perf_counter())
+
+        def after(self, module, args, output) -> None:
+            if torch.is_grad_enabled() and output.requires_grad:
+                output.register_hook(lambda g: backward_starts.append(time.perf_counter()))
+
+    clock = Clock()
+    for name in engine.stage.block_names():
+        engine.module.get_submodule(name).register_forward_pre_hook(clock)
+        engine.module.get_submodule(name).register_forward_hook(clock.after)
+    with device.attach(engine), MicroStepTimer(engine, device) as timer:
+        for _ in range(3):
+            starts.clear(), backward_starts.clear()
+            t0 = time.perf_counter()
+            step(engine, 4)
+            t1 = time.perf_counter()
+    forward = device.forward_fraction * curve(4)
+    offsets = [s - t0 for s in starts]
+    # three blocks spread over the forward: the last one starts well inside it, in order
+    assert offsets == sorted(offsets) and offsets[-1] > 0.3 * forward and offsets[-1] < forward
+    assert offsets[-1] - offsets[0] > 0.15 * forward
+    # the backward's blocks begin spread over the backward too, not all at its end
+    assert len(backward_starts) == 3 and backward_starts[-1] - backward_starts[0] > 0.1 * (curve(4) - forward)
+    assert t1 - t0 == pytest.approx(curve(4), rel=0.1)
+    assert timer.records[-1][0] == pytest.approx(curve(4), rel=0.05)
+    assert device.late_steps == 0

@@ -1,0 +1,92 @@
+"""Honest emulation: the calibration's headroom under concurrency, and the late-step count."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from poplar.profiler import SaturatingCurve, VirtualDevice
+from poplar.profiler.calibration import (TimingJob, batches_to_time, combine, interpolate, time_scale_needed,
+                                         time_trials)
+from poplar.profiler.local_comm import local_engine, search_plan, use_plan
+from poplar.profiler.profile_run import default_optimizer
+from poplar.profiler.speed_padding import LATE_BUDGET, late_fraction
+from poplar.types.presets import get_preset
+from poplar.workloads import get_workload
+
+WORKLOAD = get_workload("token-mlp")
+MB = 10 ** 6
+
+
+def test_interpolation_between_and_beyond_the_measured_batches() -> None:
+    seconds = {1: 1.0, 2: 1.5, 8: 3.0}
+    assert interpolate(seconds, 1) == 1.0 and interpolate(seconds, 2) == 1.5
+    assert interpolate(seconds, 5) == pytest.approx(2.25)
+    assert interpolate(seconds, 12) == pytest.approx(3.0 + 4 * 0.25)  # the last segment's slope
+    assert batches_to_time({"a": 13, "b": 3}) == [1, 2, 3, 4, 8, 13]
+
+
+def test_time_scale_keeps_the_concurrent_compute_within_the_margin() -> None:
+    presets = [get_preset("A800-80G"), get_preset("V100S-32G")]
+    mbs = {"fp32": {"A800-80G": 20, "V100S-32G": 9}}
+    concurrent = {"fp32": {1: 0.010, 2: 0.012, 4: 0.016, 8: 0.024, 9: 0.026, 20: 0.050}}
+    for margin in (0.6, 0.3):
+        scale = time_scale_needed(presets, mbs, concurrent, margin, min_step_s=0.0)
+        worst = max(interpolate(concurrent["fp32"], b) / (p.time_s(b) * scale)
+                    for p in presets for b in range(1, mbs["fp32"][p.name] + 1))
+        assert worst == pytest.approx(margin)  # the tightest batch sits exactly at the margin
+    # the fastest device's batch-1 step must last min_step_s
+    scale = time_scale_needed(presets, mbs, {"fp32": {1: 1e-9}}, 0.6, min_step_s=0.004)
+    assert presets[0].time_s(1) * scale == pytest.approx(0.004)
+
+
+def test_combine_takes_the_slowest_ranks_median() -> None:
+    everyone = [{"fp32": {1: [1.0, 5.0, 2.0], 4: [3.0, 3.0, 3.0]}},
+                {"fp32": {1: [1.5, 1.5, 9.0], 4: [2.0, 4.0, 3.5]}}]
+    assert combine(everyone) == {"fp32": {1: 2.0, 4: 3.5}}
+
+
+def test_time_trials_measure_every_batch_and_pass_every_barrier() -> None:
+    barriers = []
+    job = TimingJob(WORKLOAD.model_fn, WORKLOAD.loss_fn, WORKLOAD.sample_fn, default_optimizer, 2, 1, [None],
+                    [1, 3], repeats=2)
+    out = time_trials(job, 0, lambda: barriers.append(1))
+    assert set(out["fp32"]) == {1, 3} and all(len(v) == 2 and min(v) > 0 for v in out["fp32"].values())
+    assert len(barriers) == 3 * 2  # (repeats + warm-up) x batches
+
+    def failing_model() -> torch.nn.Module:
+        raise RuntimeError("no model")
+
+    barriers.clear()
+    bad = TimingJob(failing_model, WORKLOAD.loss_fn, WORKLOAD.sample_fn, default_optimizer, 2, 1, [None], [1, 3],
+                    repeats=2)
+    with pytest.raises(RuntimeError, match="no model"):
+        time_trials(bad, 0, lambda: barriers.append(1))
+    assert len(barriers) == 3 * 2  # a failing rank still meets the others at every barrier
+
+
+def _steps(device: VirtualDevice, n: int) -> None:
+    model = WORKLOAD.model_fn()
+    engine = local_engine(model, default_optimizer(model), world_size=1, rank=0, zero_stage=0,
+                          device=torch.device("cpu"))
+    with device.attach(engine):
+        for _ in range(n):
+            use_plan(engine, search_plan(1, 0, 4))
+            engine.train_step(WORKLOAD.sample_fn(4), WORKLOAD.loss_fn)
+
+
+def test_a_curve_faster_than_the_cpu_makes_every_step_late() -> None:
+    device = VirtualDevice("too-fast", 100 * MB, time_fn=SaturatingCurve(0.0, 0.0, 1e12))
+    _steps(device, 3)
+    assert device.padded_steps == 3 and device.late_steps == 3 and device.late_step_fraction == 1.0
+    assert device.late_step_fraction > LATE_BUDGET
+
+
+def test_unpadded_steps_are_not_counted_and_bad_room_is_refused() -> None:
+    device = VirtualDevice("d", 100 * MB, time_fn=SaturatingCurve(0.0, 0.0, 1e12))
+    with device.unpadded():
+        _steps(device, 2)
+    assert device.padded_steps == 0 and device.late_step_fraction == 0.0
+    assert late_fraction(0, 0) == 0.0 and late_fraction(1, 50) == 0.02
+    with pytest.raises(ValueError, match="backward_room"):
+        VirtualDevice("d", MB, time_fn=SaturatingCurve(0.0, 0.0, 1.0), backward_room=1.0)

@@ -17,13 +17,24 @@ directory, as DeepSpeed's are.
       "bf16": {"enabled": true},                   or "fp16": {"enabled": true, "loss_scale": 0, ...}
       "poplar": {
         "iterations": 100,                          train until this iteration
-        "model": "llama-small",                     or {"name": "llama-small", "max_seq_len": 64, ...}
-        "data": {"path": null, "seq_len": 64},      a UTF-8 text file; null: the corpus shipped with Poplar
+        "model": "llama-small",                     or {"name": "llama-small", "max_seq_len": 64, ...},
+                                                    {"hf_config": "gpt2/config.json", "n_layer": 2} (a Hugging
+                                                    Face config, randomly initialised), or "pkg.mod:function"
+                                                    / {"factory": "pkg.mod:function", ...keyword arguments}
+        "data": {"path": null, "seq_len": 64,       a .txt or .jsonl file; null: the corpus shipped with Poplar
+                 "tokenizer": null,                 null: byte-level; or a Hugging Face tokenizer.json
+                 "packing": true,                   false: one padded sample per document, token-weighted loss
+                 "text_key": "text",                the JSONL field holding the text
+                 "eval_fraction": 0.1,              held out for evaluation (0: none), or "eval_path": a file
+                 "eval_path": null},
+        "eval_every": null,                         evaluate every k iterations (and always at the end)
+        "tensorboard": null,                        event files in report_dir/tensorboard (null: if installed)
+        "activation_checkpointing": false,          true (the layer stack), a class name or a list of them
         "cluster": "B",                             CPU: emulate this cluster (built-in name or JSON file)
         "strategy": "poplar",                       or "even" / "flops"
         "plan": null,                               a plan JSON: use it, no profiling
         "profile": null,                            a profile JSON: plan from it, no profiling
-        "checkpoint": {"dir": "runs/x/ckpt", "every": 50, "resume": true},
+        "checkpoint": {"dir": "runs/x/ckpt", "every": 50, "resume": true, "keep": 2},
         "report_dir": "runs/x",
         "collective_timeout_s": 300
       }
@@ -46,16 +57,19 @@ value is an error naming the key.
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from poplar.train.schedule import LRSchedule
 from poplar.types.plans import read_json
 from poplar.types.precision import LossScaleConfig, MixedPrecision, Precision
 
 OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD", "adagrad": "Adagrad", "rmsprop": "RMSprop"}
-SCHEDULERS = ("WarmupLR", "WarmupDecayLR")
+SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
+SCHEDULER_KEYS = {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "total_num_steps",
+                  "warmup_min_ratio", "cos_min_ratio"}
+DATA_KEYS = {"path", "seq_len", "tokenizer", "packing", "text_key", "eval_fraction", "eval_path"}
 TOP_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
             "gradient_clipping", "steps_per_print", "seed", "zero_optimization", "optimizer", "scheduler", "poplar",
             "fp16", "bf16", "wall_clock_breakdown"}
@@ -63,7 +77,7 @@ ZERO_KEYS = {"stage", "reduce_bucket_size"}
 BF16_KEYS = {"enabled"}
 FP16_KEYS = {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"}
 POPLAR_KEYS = {"iterations", "model", "data", "cluster", "strategy", "plan", "profile", "checkpoint", "report_dir",
-               "collective_timeout_s", "log_every"}
+               "collective_timeout_s", "log_every", "eval_every", "tensorboard", "activation_checkpointing"}
 
 
 class ConfigError(ValueError):
@@ -87,14 +101,25 @@ class TrainConfig:
     iterations: int = 100
     model: str = "llama-small"
     model_overrides: dict[str, Any] = field(default_factory=dict)
+    model_hf_config: str | None = None  # a Hugging Face config.json (then ``model`` is unused)
+    model_factory: str | None = None  # "package.module:function" (then ``model`` is unused)
     data_path: str | None = None
     seq_len: int = 64
+    tokenizer: str | None = None  # None: byte-level
+    packing: bool = True
+    text_key: str = "text"
+    eval_fraction: float = 0.1
+    eval_path: str | None = None
+    eval_every: int | None = None
+    tensorboard: bool | None = None
+    activation_checkpointing: Any = None
     cluster: str | None = None
     strategy: str = "poplar"
     plan: str | None = None
     profile: str | None = None
     checkpoint_dir: str | None = None
     checkpoint_every: int | None = None
+    checkpoint_keep: int = 2  # the newest checkpoints kept in checkpoint_dir
     resume: bool = True
     report_dir: str | None = None
     collective_timeout_s: float = 300.0
@@ -143,23 +168,17 @@ class TrainConfig:
             return mbs * (gas or 1) * world_size
         return tbs
 
-    def lr_at(self, iteration: int) -> float | None:
-        """The scheduler's learning rate for ``iteration`` (None without a scheduler)."""
+    def lr_schedule(self) -> LRSchedule | None:
+        """The ``scheduler`` section as an ``LRSchedule`` (None without one); ``WarmupCosineLR``
+        scales the optimizer's lr, as DeepSpeed's does."""
         if self.scheduler is None:
             return None
-        p = self.scheduler_params
-        lo, hi, warm = p.get("warmup_min_lr", 0.0), p.get("warmup_max_lr", 1e-3), p.get("warmup_num_steps", 1000)
-        if iteration < warm:
-            if p.get("warmup_type", "log") == "log":
-                gamma = math.log(iteration + 1) / math.log(warm) if warm > 1 else 1.0
-            else:
-                gamma = iteration / warm
-        else:
-            gamma = 1.0
-        if self.scheduler == "WarmupDecayLR" and iteration >= warm:
-            total = p["total_num_steps"]
-            gamma = max(0.0, (total - iteration) / max(1.0, total - warm))
-        return lo + gamma * (hi - lo)
+        return LRSchedule.from_deepspeed(self.scheduler, self.scheduler_params, self.optimizer_params.get("lr"))
+
+    def lr_at(self, iteration: int) -> float | None:
+        """The scheduler's learning rate for ``iteration`` (None without a scheduler)."""
+        schedule = self.lr_schedule()
+        return None if schedule is None else schedule(iteration)
 
 
 def _no_unknown(d: dict, known: set[str], where: str) -> None:
@@ -247,31 +266,27 @@ def _read_optimizer(cfg: TrainConfig, raw: dict) -> None:
         if sched.get("type") not in SCHEDULERS:
             raise ConfigError(f'"scheduler.type" {sched.get("type")!r} is not supported; use one of {SCHEDULERS}')
         cfg.scheduler, cfg.scheduler_params = sched["type"], dict(_get(sched, "params", dict, {}) or {})
-        known = {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "total_num_steps"}
-        _no_unknown(cfg.scheduler_params, known, '"scheduler.params"')
+        _no_unknown(cfg.scheduler_params, SCHEDULER_KEYS, '"scheduler.params"')
         if cfg.scheduler_params.get("warmup_type", "log") not in ("log", "linear"):
             raise ConfigError('"scheduler.params.warmup_type" must be "log" or "linear"')
-        if cfg.scheduler == "WarmupDecayLR" and "total_num_steps" not in cfg.scheduler_params:
-            raise ConfigError('"WarmupDecayLR" needs "scheduler.params.total_num_steps"')
+        if cfg.scheduler in ("WarmupDecayLR", "WarmupCosineLR") and "total_num_steps" not in cfg.scheduler_params:
+            raise ConfigError(f'"{cfg.scheduler}" needs "scheduler.params.total_num_steps"')
 
 
 def _read_poplar(cfg: TrainConfig, p: dict) -> None:
     _no_unknown(p, POPLAR_KEYS, '"poplar"')
     cfg.iterations = _int(p, "iterations", cfg.iterations, minimum=0, where='"poplar"')
-    model = p.get("model", cfg.model)
-    if isinstance(model, dict):
-        model = dict(model)
-        if "name" not in model:
-            raise ConfigError('"poplar.model" as an object needs "name", e.g. {"name": "llama-small", "n_layers": 4}')
-        cfg.model, cfg.model_overrides = str(model.pop("name")), model
-    elif isinstance(model, str):
-        cfg.model = model
-    else:
-        raise ConfigError(f'"poplar.model" must be a name or an object, got {model!r}')
-    data = _get(p, "data", dict, {}) or {}
-    _no_unknown(data, {"path", "seq_len"}, '"poplar.data"')
-    cfg.data_path = data.get("path")
-    cfg.seq_len = _int(data, "seq_len", cfg.seq_len, where='"poplar.data"')
+    _read_model(cfg, p.get("model", cfg.model))
+    _read_data(cfg, _get(p, "data", dict, {}) or {})
+    cfg.eval_every = _int(p, "eval_every", None, where='"poplar"')
+    cfg.tensorboard = p.get("tensorboard")
+    if cfg.tensorboard not in (None, True, False):
+        raise ConfigError(f'"poplar.tensorboard" must be true, false or null, got {cfg.tensorboard!r}')
+    ac = p.get("activation_checkpointing")
+    if not (ac is None or isinstance(ac, (bool, str)) or (isinstance(ac, list) and all(isinstance(x, str) for x in ac))):
+        raise ConfigError(f'"poplar.activation_checkpointing" must be true/false, a module class name or a list '
+                          f'of them, got {ac!r}')
+    cfg.activation_checkpointing = set(ac) if isinstance(ac, list) else ({ac} if isinstance(ac, str) else ac)
     for key in ("cluster", "plan", "profile", "report_dir"):
         value = p.get(key)
         if value is not None and not isinstance(value, str):
@@ -281,9 +296,10 @@ def _read_poplar(cfg: TrainConfig, p: dict) -> None:
     if cfg.strategy not in ("poplar", "even", "flops"):
         raise ConfigError(f'"poplar.strategy" must be "poplar", "even" or "flops", got {cfg.strategy!r}')
     ckpt = _get(p, "checkpoint", dict, {}) or {}
-    _no_unknown(ckpt, {"dir", "every", "resume"}, '"poplar.checkpoint"')
+    _no_unknown(ckpt, {"dir", "every", "resume", "keep"}, '"poplar.checkpoint"')
     cfg.checkpoint_dir = ckpt.get("dir")
     cfg.checkpoint_every = _int(ckpt, "every", None, where='"poplar.checkpoint"')
+    cfg.checkpoint_keep = _int(ckpt, "keep", 2, where='"poplar.checkpoint"')
     cfg.resume = bool(ckpt.get("resume", True))
     if cfg.checkpoint_every and not cfg.checkpoint_dir:
         raise ConfigError('"poplar.checkpoint.every" needs "poplar.checkpoint.dir"')
@@ -293,3 +309,50 @@ def _read_poplar(cfg: TrainConfig, p: dict) -> None:
     cfg.collective_timeout_s = float(timeout)
     if "log_every" in p:
         cfg.log_every = _int(p, "log_every", 10, minimum=0, where='"poplar"')
+
+
+def _read_model(cfg: TrainConfig, model: Any) -> None:
+    """A built-in name, "package.module:function", or an object with one of "name", "hf_config",
+    "factory" and keyword overrides."""
+    if isinstance(model, str):
+        model = {"factory": model} if ":" in model else {"name": model}
+    if not isinstance(model, dict):
+        raise ConfigError(f'"poplar.model" must be a name, "package.module:function" or an object, got {model!r}')
+    model = dict(model)
+    kinds = [k for k in ("name", "hf_config", "factory") if k in model]
+    if len(kinds) != 1:
+        raise ConfigError('"poplar.model" as an object needs exactly one of "name" (built-in, e.g. "llama-small"), '
+                          '"hf_config" (a Hugging Face config.json) or "factory" ("package.module:function"), '
+                          f"got {sorted(model)}")
+    value = model.pop(kinds[0])
+    if not isinstance(value, str) or (kinds[0] == "factory" and ":" not in value):
+        raise ConfigError(f'"poplar.model.{kinds[0]}" must be a string' +
+                          (' of the form "package.module:function"' if kinds[0] == "factory" else "") +
+                          f", got {value!r}")
+    cfg.model_overrides = model
+    cfg.model, cfg.model_hf_config, cfg.model_factory = cfg.model, None, None
+    if kinds[0] == "name":
+        cfg.model = value
+    elif kinds[0] == "hf_config":
+        cfg.model_hf_config = value
+    else:
+        cfg.model_factory = value
+
+
+def _read_data(cfg: TrainConfig, data: dict) -> None:
+    where = '"poplar.data"'
+    _no_unknown(data, DATA_KEYS, where)
+    cfg.seq_len = _int(data, "seq_len", cfg.seq_len, where=where)
+    for key in ("path", "tokenizer", "eval_path"):
+        value = data.get(key)
+        if value is not None and not isinstance(value, str):
+            raise ConfigError(f'{where}: "{key}" must be a path (a string) or null, got {value!r}')
+    cfg.data_path, cfg.tokenizer, cfg.eval_path = data.get("path"), data.get("tokenizer"), data.get("eval_path")
+    cfg.packing = data.get("packing", True)
+    if not isinstance(cfg.packing, bool):
+        raise ConfigError(f'{where}: "packing" must be true or false, got {cfg.packing!r}')
+    cfg.text_key = str(data.get("text_key", "text"))
+    frac = data.get("eval_fraction", 0.1)
+    if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0 <= frac < 1:
+        raise ConfigError(f'{where}: "eval_fraction" must be a number in [0, 1) (0: no held-out set), got {frac!r}')
+    cfg.eval_fraction = float(frac)

@@ -53,7 +53,7 @@ def test_reads_deepspeed_keys_and_the_poplar_section() -> None:
     ({"poplar": {"iteratons": 3}}, "['iteratons']"),
     ({"poplar": {"strategy": "fastest"}}, '"poplar.strategy" must be'),
     ({"poplar": {"checkpoint": {"every": 2}}}, "needs \"poplar.checkpoint.dir\""),
-    ({"poplar": {"model": {"n_layers": 2}}}, "needs \"name\""),
+    ({"poplar": {"model": {"n_layers": 2}}}, "needs exactly one of \"name\""),
 ])
 def test_bad_keys_are_refused_by_name(patch: dict, needle: str) -> None:
     with pytest.raises(ConfigError) as e:

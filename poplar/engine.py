@@ -9,6 +9,8 @@ virtual device found by auto mode is attached last, as an observer of the step.
 
 from __future__ import annotations
 
+import gc
+
 from typing import Any, Callable
 
 import torch
@@ -49,9 +51,14 @@ class PoplarEngine(ZeroRuntime):
     instead, and the engine profiles every rank's device (largest micro-batch, speed curve),
     plans with ``auto.strategy`` and logs the plan; ``zero_stage`` is raised if the model does
     not fit batch 1 somewhere.
+    By default (``AutoOptions.choose="fastest"``) auto mode tries every ZeRO stage with activation
+    checkpointing off and on (``activation_checkpointing=None``; a value given fixes it) and
+    runs the configuration with the shortest predicted iteration that fits every rank; the
+    candidate table is logged and kept in ``plan.meta["candidates"]``.
 
         global_batch_size: samples per optimizer step.
-        loss_fn: ``loss_fn(module, micro_batch)`` -> mean loss; also ``train_step``'s default.
+        loss_fn: ``loss_fn(module, micro_batch)`` -> mean loss, or ``(loss_sum, count)`` for
+            token-weighted losses (docs/design.md §2); also ``train_step``'s default.
         profile_data: what profiling trains on: a map-style dataset or ``sample_fn(b)``
             (a batch of ``b`` samples).
         cluster: on CPU, emulate this cluster (a ``ClusterSpec``, a built-in name or a cluster
@@ -70,7 +77,7 @@ class PoplarEngine(ZeroRuntime):
                  cluster: Any = None, device: Device | None = None, auto: AutoOptions | None = None,
                  mixed_precision: MixedPrecision | str | None = None,
                  nonfinite: NonFinitePolicy | str = NonFinitePolicy.SKIP,
-                 max_consecutive_skips: int = 5) -> None:
+                 max_consecutive_skips: int = 5, activation_checkpointing: Any = None) -> None:
         comm = communicator if communicator is not None else Communicator(process_group,
                                                                            next(model.parameters()).device)
         self.auto_result: AutoResult | None = None
@@ -78,16 +85,18 @@ class PoplarEngine(ZeroRuntime):
             self.auto_result = auto_plan(comm, model, optimizer, global_batch_size=global_batch_size,
                                          zero_stage=zero_stage, loss_fn=loss_fn, profile_data=profile_data,
                                          cluster=cluster, device=device, options=auto, bucket_size_mb=bucket_size_mb,
-                                         wrap_policy=wrap_policy, mixed_precision=mixed_precision)
+                                         wrap_policy=wrap_policy, mixed_precision=mixed_precision,
+                                         activation_checkpointing=activation_checkpointing)
             plan, zero_stage, device = self.auto_result.plan, self.auto_result.plan.zero_stage, \
                 self.auto_result.device
+            activation_checkpointing = self.auto_result.activation_checkpointing
         elif isinstance(plan, Plan) and global_batch_size is not None and global_batch_size != plan.global_batch_size:
             raise ValueError(f"global_batch_size={global_batch_size} but the plan's rows sum to "
                              f"{plan.global_batch_size}; give one of them")
         super().__init__(model, optimizer, plan=plan, zero_stage=zero_stage, max_grad_norm=max_grad_norm,
                          bucket_size_mb=bucket_size_mb, wrap_policy=wrap_policy, communicator=comm, loss_fn=loss_fn,
                          mixed_precision=mixed_precision, nonfinite=nonfinite,
-                         max_consecutive_skips=max_consecutive_skips)
+                         max_consecutive_skips=max_consecutive_skips, activation_checkpointing=activation_checkpointing)
         self.device: Device | None = device
         self.timeline = MicroStepTimeline()
         self.add_observer(self.timeline)
@@ -103,10 +112,14 @@ class PoplarEngine(ZeroRuntime):
 
     def close(self) -> None:
         """Detach the virtual device (auto mode on an emulated cluster); the engine stays usable
-        at CPU speed without a memory cap."""
+        at CPU speed without a memory cap. Also collects the reference cycles profiling and training
+        left behind, while ``torch.distributed`` is still up: freed later, during interpreter
+        shutdown, their gloo resources can abort a finished process (SIGABRT, "terminate called
+        without an active exception"). Call it before ``destroy_process_group()``."""
         if self._device_ctx is not None:
             ctx, self._device_ctx = self._device_ctx, None
             ctx.__exit__(None, None, None)
+        gc.collect()
 
     def __enter__(self) -> "PoplarEngine":
         return self

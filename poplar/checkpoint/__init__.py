@@ -5,6 +5,11 @@ A checkpoint is a directory::
     model.safetensors              the full model (engine.full_state_dict(), written by rank 0);
                                    plain ``model.load_state_dict(safetensors.torch.load_file(...))``
                                    works (tied weights are stored under each of their keys)
+                                   (above ``max_shard_bytes``: Hugging Face shards
+                                   ``model-0000i-of-0000N.safetensors`` and
+                                   ``model.safetensors.index.json``; a ``transformers`` model
+                                   also gets ``config.json``, so ``from_pretrained(dir)``
+                                   loads it; ``checkpoint.hf_layout``)
     optim-rank{r}-of{N}.safetensors  rank r's optimizer state, cut by model parameter name and
                                    element range, plus its RNG states ("rng/cpu", "rng/cuda")
     index.json                     format version, world size, stage, plan, iteration, the

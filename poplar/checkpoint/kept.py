@@ -77,7 +77,8 @@ def step_name(iteration: int) -> str:
     return f"step-{iteration:08d}"
 
 
-def save_kept(engine: Any, directory: str | os.PathLike, *, keep: int = 2, extra: dict | None = None) -> Path:
+def save_kept(engine: Any, directory: str | os.PathLike, *, keep: int = 2, extra: dict | None = None,
+              max_shard_bytes: int | str | None = None) -> Path:
     """Save a checkpoint of ``engine`` into ``directory/step-<iteration>``, point
     ``directory/index.json`` at it, and keep the newest ``keep`` complete checkpoints.
 
@@ -93,7 +94,7 @@ def save_kept(engine: Any, directory: str | os.PathLike, *, keep: int = 2, extra
     what = f"save checkpoint {step}"
     error = _on_rank0(comm.rank, prepare, root, step)
     comm.agree(error, what, error_type=CheckpointError)
-    save_checkpoint(engine, step, extra=extra)
+    save_checkpoint(engine, step, extra=extra, max_shard_bytes=max_shard_bytes)
     error = _on_rank0(comm.rank, commit, root, step, engine.iteration, keep)
     comm.agree(error, what, error_type=CheckpointError)
     return step

@@ -39,7 +39,7 @@ def load_checkpoint(engine: Any, directory: str | os.PathLike, *, verify_hashes:
     # 1. the index, on every rank; every rank must be between iterations and read the same index
     error, index, digest = None, None, None
     try:
-        if getattr(engine, "_micro_steps", 0):
+        if engine.in_iteration:
             raise Invalid("the engine is in the middle of an iteration; load a checkpoint between iterations")
         directory = resolve(directory)
         index = parse_index(directory)

@@ -15,16 +15,22 @@ import torch
 from safetensors.torch import save_file
 
 from poplar.checkpoint.errors import CheckpointError
-from poplar.checkpoint.layout import (FORMAT, FORMAT_VERSION, INDEX_FILE, MODEL_FILE, dtype_name, encode_scalar,
-                                      group_hyperparams, optim_file_name, sealed, ties)
+from poplar.checkpoint.hf_layout import shard_bytes, write_model
+from poplar.checkpoint.layout import (FORMAT, FORMAT_VERSION, INDEX_FILE, SHARDED_FORMAT_VERSION, dtype_name,
+                                      encode_scalar, group_hyperparams, optim_file_name, sealed, ties)
 from poplar.checkpoint.storage import (check_replaceable, file_facts, publish, remove_replaced,
                                        remove_stale_temporaries, temporary_prefix, write_json)
 
 
-def save_checkpoint(engine: Any, directory: str | os.PathLike, *, extra: dict | None = None) -> Path:
+def save_checkpoint(engine: Any, directory: str | os.PathLike, *, extra: dict | None = None,
+                    max_shard_bytes: int | str | None = None) -> Path:
     """Write a checkpoint of ``engine`` (model, optimizer state, iteration, RNG) to ``directory``.
 
     Call on every rank between iterations. ``extra`` (rank 0's is kept) must be JSON-serialisable.
+    The model's weights are in the Hugging Face layout (``checkpoint.hf_layout``): one
+    ``model.safetensors``, or shards of at most ``max_shard_bytes`` (bytes or e.g. "500MB";
+    default 5 GB) with ``model.safetensors.index.json``; a ``transformers.PreTrainedModel`` also
+    gets its ``config.json``, so ``from_pretrained(directory)`` loads the trained weights.
     Returns the directory. Raises ``CheckpointError`` on every rank if any rank fails, and on
     every surviving rank if one dies. ``directory`` never holds a partial checkpoint: after a
     failure it holds the previous one (if any), or the new one if rank 0 had already moved it
@@ -34,9 +40,13 @@ def save_checkpoint(engine: Any, directory: str | os.PathLike, *, extra: dict | 
     rank, world = comm.rank, comm.world_size
     directory = Path(directory)
     what = f"save checkpoint {directory}"
+    try:
+        shard_limit, bad_size = shard_bytes(max_shard_bytes), None
+    except ValueError as e:
+        shard_limit, bad_size = 0, str(e)
     mid = "the engine is in the middle of an iteration; save between iterations" \
-        if getattr(engine, "_micro_steps", 0) else None
-    comm.agree(mid, what, None, error_type=CheckpointError)
+        if engine.in_iteration else None
+    comm.agree(mid or bad_size, what, None, error_type=CheckpointError)
     full = engine.full_state_dict()  # every rank: a collective at stage 3
 
     # 1. rank 0 makes the temporary directory and tells the others its name
@@ -72,8 +82,8 @@ def save_checkpoint(engine: Any, directory: str | os.PathLike, *, extra: dict | 
         error = None
         if rank == 0:
             try:
-                save_file(_unshared_cpu(full), str(tmp_dir / MODEL_FILE), metadata={"format": FORMAT})
-                index = _index(engine, full, file_facts(tmp_dir / MODEL_FILE), infos, extra)
+                model_entry = write_model(tmp_dir, _unshared_cpu(full), engine.module, shard_limit)
+                index = _index(engine, full, model_entry, infos, extra)
                 write_json(tmp_dir / INDEX_FILE, sealed(index))
                 publish(tmp_dir, directory)
                 remove_replaced(directory)
@@ -90,18 +100,18 @@ def save_checkpoint(engine: Any, directory: str | os.PathLike, *, extra: dict | 
     return directory
 
 
-def _index(engine: Any, full: dict[str, torch.Tensor], model_facts: dict[str, Any], infos: list[dict],
+def _index(engine: Any, full: dict[str, torch.Tensor], model_entry: dict[str, Any], infos: list[dict],
            extra: dict | None) -> dict[str, Any]:
     params = {k: {"shape": list(v.shape), "dtype": dtype_name(v.dtype)} for k, v in full.items()}
     return {
-        "format": FORMAT, "version": FORMAT_VERSION,
+        "format": FORMAT, "version": SHARDED_FORMAT_VERSION if "shards" in model_entry else FORMAT_VERSION,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "torch": torch.__version__,
         "iteration": engine.iteration,
         "world_size": engine.comm.world_size,
         "zero_stage": engine.zero_stage,
         "plan": engine.plan.to_dict() if engine.plan is not None else None,
-        "model": {"file": MODEL_FILE, **model_facts, "params": params, "tied": ties(engine.module)},
+        "model": {**model_entry, "params": params, "tied": ties(engine.module)},
         "optimizer": {"class": type(engine.optimizer).__name__,
                       "param_groups": [group_hyperparams(g) for g in engine.optimizer.param_groups]},
         "ranks": infos,
@@ -126,7 +136,9 @@ def _optimizer_pieces(engine: Any) -> tuple[dict[str, torch.Tensor], dict[str, A
     group_of = {id(p): gi for gi, g in enumerate(opt.param_groups) for p in g["params"]}
     tensors: dict[str, torch.Tensor] = {}
     pieces = []
-    for p, segments in engine.stage.optimizer_segments():
+    # ZeRO-0 replicates the optimizer state on every rank: rank 0's copy is the checkpoint's
+    replicated_copy = engine.zero_stage == 0 and engine.comm.rank != 0
+    for p, segments in [] if replicated_copy else engine.stage.optimizer_segments():
         state = opt.state.get(p, {})
         per_element, scalars = {}, {}
         for key, value in state.items():

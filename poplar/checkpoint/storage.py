@@ -14,7 +14,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from poplar.checkpoint.layout import INDEX_FILE, MODEL_FILE, POINTER_FORMAT
+from poplar.checkpoint.layout import INDEX_FILE, POINTER_FORMAT, is_model_file
 
 
 def check_replaceable(directory: Path) -> None:
@@ -171,7 +171,7 @@ def remove_stale_temporaries(directory: Path, stale_after_s: float = STALE_TEMPO
 def _is_stale_partial_save(path: Path, stale_after_s: float) -> bool:
     newest = path.lstat().st_mtime
     for entry in path.iterdir():
-        if entry.name not in (MODEL_FILE, _INDEX_PART) and not _OPTIM_FILE.fullmatch(entry.name):
+        if entry.name != _INDEX_PART and not is_model_file(entry.name) and not _OPTIM_FILE.fullmatch(entry.name):
             return False
         if entry.is_symlink() or not entry.is_file():
             return False

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from poplar.comm.launch import spawn
+from poplar.profiler.speed_padding import LATE_BUDGET, late_fraction
 
 
 def _rank_main(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
@@ -46,11 +47,21 @@ def _rank_main(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
             if rank == 0:
                 print(f"\n[poplar] switching to the {strategy} plan for comparison:\n{engine.plan.table()}",
                       file=sys.stderr, flush=True)
+        late0, padded0 = _padding_counts(engine.device)
         fit = engine.fit(data, (i + 1) * args["iterations"], log_every=args["log_every"],
                          report_dir=f"{report}/{strategy}" if report else None)
-        results[strategy] = {"plan": engine.plan.to_dict(), "fit": fit.to_dict()}
+        late, padded = _padding_counts(engine.device)
+        results[strategy] = {"plan": engine.plan.to_dict(), "fit": fit.to_dict(),
+                             "late_steps": late - late0, "padded_steps": padded - padded0}
     engine.close()
     return results
+
+
+def _padding_counts(device: Any) -> tuple[int, int]:
+    """(late, padded) micro-steps of an emulated device so far; (0, 0) on a real GPU."""
+    from poplar.profiler.virtual_device import VirtualDevice
+
+    return (device.late_steps, device.padded_steps) if isinstance(device, VirtualDevice) else (0, 0)
 
 
 def run(cluster: str = "B", stage: int = 2, gbs: int = 64, iterations: int = 30, model: str = "llama-tiny",
@@ -68,7 +79,11 @@ def run(cluster: str = "B", stage: int = 2, gbs: int = 64, iterations: int = 30,
     args = {"cluster": spec, "stage": stage, "gbs": gbs, "iterations": iterations, "model": model,
             "seq_len": seq_len, "lr": 3e-3, "seed": 0, "report_dir": report_dir, "log_every": log_every,
             "precision": precision}
-    out = spawn(_rank_main, spec.world_size, (args,), timeout_s=1200, collective_timeout_s=300)[0]
+    everyone = spawn(_rank_main, spec.world_size, (args,), timeout_s=1200, collective_timeout_s=300)
+    out = everyone[0]
+    for strategy in ("poplar", "even"):  # every rank's devices: did the emulation hold its speed?
+        out[strategy]["late_steps"] = sum(o[strategy]["late_steps"] for o in everyone)
+        out[strategy]["padded_steps"] = sum(o[strategy]["padded_steps"] for o in everyone)
     print(summary(out))
     print(f"\ntotal {time.perf_counter() - t0:.0f} s (profiling and planning {out['setup_s']:.0f} s)"
           + (f"; reports (plan, profile, metrics, Perfetto trace, curves) in {report_dir}/" if report_dir else ""))
@@ -87,7 +102,16 @@ def summary(out: dict[str, Any]) -> str:
                     f"{fit['predicted_iteration_s']:>12.4f} {err:>+7.1%}   {shape}")
     speedup = out["poplar"]["fit"]["samples_per_s"] / out["even"]["fit"]["samples_per_s"]
     losses = out["poplar"]["fit"]["losses"] + out["even"]["fit"]["losses"]
-    rows.append(f"\nthroughput poplar / even: {speedup:.2f}x (measured side by side, medians after warm-up)")
+    late = {s: late_fraction(out[s].get("late_steps", 0), out[s].get("padded_steps", 0)) for s in ("poplar", "even")}
+    if max(late.values()) > LATE_BUDGET:
+        worst = max(late, key=late.get)
+        rows.append(f"\nthe emulation did NOT hold its speed: {100 * late[worst]:.1f}% of the {worst} run's micro-steps "
+                    f"were late (their real CPU compute overran the emulated GPU time; budget "
+                    f"{100 * LATE_BUDGET:.0f}%), so the ratio below and the prediction errors above measure this "
+                    f"machine's load, not the plans; run again on a quieter machine")
+    rows.append(f"\nthroughput poplar / even: {speedup:.2f}x (measured side by side, medians after warm-up)"
+                + ("" if max(late.values()) <= LATE_BUDGET else " -- NOT VALID, see above")
+                + f"; late micro-steps: poplar {100 * late['poplar']:.1f}%, even {100 * late['even']:.1f}%")
     rows.append(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} iterations")
     prof = out["profile"]
     rows.append(f"profiled at {prof['meta'].get('precision', 'fp32')}: mbs per rank "

@@ -7,14 +7,19 @@ file, or an even split. The config's ``bf16`` / ``fp16`` section sets the engine
 precision (profiling runs under it too). Training logs measured vs predicted times, writes checkpoints and resumes
 from them.
 
-A failure on any rank (a dead peer, a bad batch, a corrupt checkpoint) ends every rank with a
-one-paragraph error on stderr and exit status 1; the last complete checkpoint stays as it was.
+A failure on any rank (a dead peer, a bad batch, a corrupt checkpoint) ends every rank with exit
+status 1 and one error on stderr, printed once by the first rank that failed, naming the ranks
+that died where that can be known (``poplar.comm.failure``); the last complete checkpoint stays as
+it was. SIGTERM or SIGINT (preemption; torchrun forwards them) stops every rank after the same
+iteration, which is checkpointed and reported; rank 0 prints one line and every rank exits with
+128 + the signal's number (``poplar.train.preemption``).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from datetime import timedelta
 from typing import Any
@@ -24,6 +29,10 @@ import torch
 from poplar.types.logs import log
 from poplar.types.precision import MixedPrecision
 from poplar.train.config import ConfigError, TrainConfig
+from poplar.train.preemption import Preempted
+
+FAILURE_GRACE_S = 10.0  # how long the reporting rank waits for failing ranks not known dead to check in
+_BOARD: list[Any] = []  # this process's FailureBoard (poplar.comm.failure), once the job has started
 
 
 def init_distributed(timeout_s: float) -> torch.device:
@@ -45,25 +54,6 @@ def init_distributed(timeout_s: float) -> torch.device:
         kwargs["device_id"] = device
     dist.init_process_group(**kwargs)
     return device
-
-
-def build(cfg: TrainConfig, device: torch.device) -> tuple[Any, Any, Any, Any]:
-    """Model (on ``device``), optimizer, loss function and training dataset of the config."""
-    from poplar.workloads.models import create_model, loss_fn_for
-    from poplar.workloads.text import MaskedTextBlocks, TextBlocks
-
-    overrides = dict(cfg.model_overrides)
-    if cfg.model.startswith("llama") or cfg.model.startswith("bert"):
-        overrides.setdefault("max_seq_len", max(cfg.seq_len, 8))
-    model = create_model(cfg.model, seed=cfg.seed, **overrides).to(device)
-    blocks = MaskedTextBlocks if cfg.model.startswith("bert") else TextBlocks
-    data = blocks(cfg.data_path, seq_len=cfg.seq_len, split="train")
-    opt_class = getattr(torch.optim, cfg.optimizer)
-    try:
-        optimizer = opt_class(model.parameters(), **cfg.optimizer_params)
-    except TypeError as e:
-        raise ConfigError(f'"optimizer.params" do not fit torch.optim.{cfg.optimizer}: {e}') from None
-    return model, optimizer, loss_fn_for(model), data
 
 
 def choose_plan(cfg: TrainConfig, world: int, device: torch.device) -> tuple[Any, bool]:
@@ -105,31 +95,55 @@ def run(cfg: TrainConfig) -> int:
     from poplar.auto import AutoOptions
     from poplar.engine import PoplarEngine
 
+    from poplar.cli import run_parts
+    from poplar.types.profiles import Profile
+
     device = init_distributed(cfg.collective_timeout_s)
+    _join_failure_board()
     torch.manual_seed(cfg.seed)
-    model, optimizer, loss_fn, data = build(cfg, device)
+    parts = run_parts.build_parts(cfg, device)
+    model, optimizer, loss_fn, data = parts.model, parts.optimizer, parts.loss_fn, parts.train_data
     import torch.distributed as dist
     world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0:
+        log.info(f"data: {parts.about_data}")
     plan, auto = choose_plan(cfg, world, device)
     kwargs: dict[str, Any] = {"zero_stage": cfg.zero_stage, "max_grad_norm": cfg.gradient_clipping,
                               "bucket_size_mb": cfg.bucket_size_mb, "loss_fn": loss_fn,
                               "mixed_precision": cfg.mixed_precision}
+    if cfg.activation_checkpointing:
+        kwargs["activation_checkpointing"] = cfg.activation_checkpointing
+    fingerprint = None
     if auto:
+        profile: Any = cfg.profile
+        if profile is None:  # a restart plans from the profile saved with the checkpoints when nothing changed
+            fingerprint = run_parts.profile_fingerprint(cfg, model, data[0], world)
+            saved = run_parts.reusable_profile(cfg, fingerprint, rank)
+            profile = Profile.from_dict(saved) if saved is not None else None
         kwargs.update(global_batch_size=cfg.global_batch_size(world), profile_data=data, cluster=cfg.cluster,
-                      auto=AutoOptions(strategy=cfg.strategy, profile=cfg.profile,
+                      auto=AutoOptions(strategy=cfg.strategy, profile=profile,
                                        profile_output=os.path.join(cfg.report_dir, "profile.json")
                                        if cfg.report_dir else None))
     else:
         kwargs["plan"] = plan
     engine = PoplarEngine(model, optimizer, **kwargs)
+    if fingerprint is not None:
+        run_parts.save_profile(cfg, engine.profile, fingerprint, rank)
     if engine.rank == 0 and not auto:
         log.info(f"plan ({plan.strategy or 'from file'}, ZeRO-{engine.zero_stage}):\n{plan.table()}")
     if engine.rank == 0 and cfg.mixed_precision is not None:
         log.info(f"mixed precision: {describe_precision(cfg.mixed_precision)}")
+    # fit handles SIGTERM while it trains and then gives back the handler it found: SIG_IGN, so a
+    # SIGTERM torchrun sends once it sees a peer die cannot end this rank between fit's failure
+    # and the failure line (a second SIGTERM during fit then no longer kills at once)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         engine.fit(data, cfg.iterations, log_every=cfg.log_every, checkpoint_dir=cfg.checkpoint_dir,
-                   checkpoint_every=cfg.checkpoint_every, resume=cfg.resume, report_dir=cfg.report_dir,
-                   seed=cfg.seed, lr_at=cfg.lr_at if cfg.scheduler else None)
+                   checkpoint_every=cfg.checkpoint_every, keep_checkpoints=cfg.checkpoint_keep, resume=cfg.resume,
+                   report_dir=cfg.report_dir, seed=cfg.seed, lr_schedule=cfg.lr_schedule(),
+                   stop_on_signals=True, eval_data=parts.eval_data, eval_every=cfg.eval_every,
+                   tensorboard=cfg.tensorboard)
     finally:
         engine.close()
     return 0
@@ -144,9 +158,13 @@ def _main(args: argparse.Namespace) -> int:
     code = 1
     try:
         code = run(cfg)
-    except DistributedError as e:  # the same story on every rank; keep it to one paragraph each
-        rank = os.environ.get("RANK", "0")
-        print(f"poplar train: rank {rank}: {e}", file=sys.stderr, flush=True)
+    except Preempted as e:
+        code = e.exit_code
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"poplar train: {e}", file=sys.stderr, flush=True)
+    except DistributedError as e:
+        _destroy_group()  # first: peers blocked in a collective with this rank fail now, not at a timeout
+        _report_failure(e)
     finally:
         _tear_down()
     if "TORCHELASTIC_RUN_ID" in os.environ:
@@ -157,16 +175,49 @@ def _main(args: argparse.Namespace) -> int:
     return code
 
 
-def _tear_down() -> None:
-    """The process group last, after every rank is done with it; then flush what was printed."""
-    import logging
+def _join_failure_board() -> None:
+    from poplar.comm.failure import FailureBoard
 
+    board = FailureBoard.from_env(int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
+    if board is not None:
+        board.register()
+        _BOARD[:] = [board]
+
+
+def _report_failure(error: BaseException) -> None:
+    """Print the failure once for the whole job (see ``poplar.comm.failure``), before torchrun,
+    which SIGTERMs the survivors once it sees a rank die, can end this process."""
+    from poplar.comm.failure import failure_line
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the agent waits 30 s before it kills
+    board = _BOARD[0] if _BOARD else None
+    dead: list[int] = []
+    silent: list[int] = []
+    try:
+        if board is not None:
+            if not board.check_in():
+                return
+            dead, silent = board.absent(FAILURE_GRACE_S)
+    except Exception:  # noqa: BLE001 - the store is gone too: report for this rank alone
+        pass
+    print(f"poplar train: {failure_line(str(error), dead, silent)}", file=sys.stderr, flush=True)
+
+
+def _destroy_group() -> None:
     import torch.distributed as dist
+
     if dist.is_initialized():
         try:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - peers may be gone
             pass
+
+
+def _tear_down() -> None:
+    """The process group last, after every rank is done with it; then flush what was printed."""
+    import logging
+
+    _destroy_group()
     sys.stdout.flush()
     sys.stderr.flush()
     logging.shutdown()

@@ -24,6 +24,7 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
+from poplar.profiler.capacity_model import PeakModel, guided_mbs, peak_model
 from poplar.profiler.devices import Device, is_oom, to_device
 from poplar.profiler.local_comm import search_plan, use_plan
 from poplar.profiler.memory import gathered_bytes
@@ -178,6 +179,47 @@ class CapacitySearch:
         self.result.oom_events.append(event)
         if event.batch == 1:
             self.result.reason = event.message
+
+    def run_guided(self, reference: "CapacityResult | None" = None) -> CapacityResult:
+        """The search guided by a memory model (``capacity_model``): a line through this
+        configuration's batch-1 peak, with the slope of ``reference`` (the search of another
+        configuration of the same model with the same activation memory: another ZeRO stage)
+        or, without one, batch 1's own bytes above the base. The batch-1 step always runs
+        first: a runtime's first step can hold less than the later ones (lazily built state)."""
+        res = self.result
+        if not self.trial(1):
+            return res
+        model = None
+        if 1 in res.peaks and reference is not None and reference.mbs >= 1 and 1 in reference.peaks:
+            model = peak_model(reference.peaks, reference.bytes_per_sample)
+            model = model.shifted(res.peaks[1] - reference.peaks[1]) if model is not None else None
+        elif 1 in res.peaks and res.base_bytes is not None:
+            model = PeakModel(1, float(res.peaks[1]), float(max(res.peaks[1] - res.base_bytes, 1)))
+        guide = {"model": model}
+
+        def trial(batch: int) -> bool:
+            ok = self.trial(batch)
+            m, fail = guide["model"], self.device.last_failure
+            if m is not None:
+                if ok and batch in res.peaks:
+                    own = peak_model(res.peaks)
+                    guide["model"] = own if own is not None and batch == max(res.peaks) else m.moved(batch,
+                                                                                                   res.peaks[batch])
+                elif not ok and fail and fail.get("usage"):
+                    guide["model"] = m.moved(batch, fail["usage"])
+                else:
+                    guide["model"] = None
+            return ok
+
+        def guess() -> int | None:
+            m = guide["model"]
+            return None if m is None else m.largest(res.capacity_bytes)
+        res.estimate = guess()
+        res.mbs = guided_mbs(trial, guess, self.max_batch, lo=1)
+        res.capped = res.mbs >= self.max_batch
+        res.bytes_per_sample = _slope(res.peaks) or res.bytes_per_sample or (
+            reference.bytes_per_sample if reference is not None else None)
+        return res
 
     def run(self) -> CapacityResult:
         res = self.result

@@ -21,16 +21,14 @@ records overflows (used in lock-step rounds, where raising could leave other ran
 profiler checks the record at an agreement point). Usage grows linearly with the batch, so the
 largest fitting batch is well defined: the batch whose peak is the last below the capacity.
 
-Speed. Each micro-step's compute is stretched by sleeping so that it takes the device's curve
-``time_s(b)`` (or ``slowdown`` times the real compute): the forward is padded to
-``forward_fraction * time_s(b)`` when the root module returns; the backward is padded before
-autograd starts, leaving room for its real compute (learned per batch size), so that the
-gradients -- and the reduce-scatters and gathers the stages issue from their hooks -- come when a
-GPU's would, and at stages 2/3 faster ranks really wait inside every micro-step's collectives; a
-last top-up when ``runtime.backward`` returns makes the micro-step's compute exactly
-``time_s(b)``. "Compute" is wall time minus the seconds the runtime's comm ledger
-recorded inside collectives meanwhile, the same quantity the profiler measures. The real CPU
-compute must stay below the curve (pick the time scale so; ``late_steps`` counts violations).
+Speed (``speed_padding.SpeedPadding``): each micro-step's compute is stretched by sleeping so
+that it takes the device's curve ``time_s(b)`` (or ``slowdown`` times the real compute); the
+backward is padded before autograd runs, so collectives come when a GPU's would; at ZeRO-3 both
+passes are paced block by block instead (``block_pacing``). The real CPU
+compute must stay below the curve (calibration picks the time scale so); ``late_steps`` of
+``padded_steps`` overshot it. Attached to a runtime with activation checkpointing, a micro-step
+takes ``1 + forward_fraction`` times the curve (the forward runs again in backward), and the
+recomputation's saved tensors are counted while they live (``SavedTensors.recomputed``).
 
 Precision. A device made from a preset (``PresetCurve``) pads to the preset's curve at the
 precision it computes in: fp16 / bf16 divide the curve's throughput part by the preset's dtype
@@ -44,15 +42,17 @@ states (the fp32 master included) are counted at their real dtypes.
 from __future__ import annotations
 
 import contextlib
-import time
 from typing import Any, Callable, Iterator
 
 import torch
 
-from poplar.profiler.devices import OOM_ERROR, Device, DeviceKind, sleep_until
+from poplar.profiler.block_pacing import BlockHooks
+from poplar.profiler.devices import OOM_ERROR, Device, DeviceKind
+from poplar.profiler.faults import FaultSchedule
 from poplar.profiler.memory import gathered_bytes, model_state_bytes, predicted_optimizer_bytes, transient_bytes
 from poplar.profiler.precision import runtime_precision
 from poplar.profiler.saved_tensors import SavedTensors
+from poplar.profiler.speed_padding import SpeedPadding
 from poplar.profiler.speed_curves import PresetCurve, SaturatingCurve
 from poplar.types.cluster import ClusterSpec
 from poplar.types.precision import Precision
@@ -61,13 +61,9 @@ from poplar.types.presets import PresetError, get_preset, precision_of, precisio
 __all__ = ["PresetCurve", "SaturatingCurve", "VirtualDevice"]
 
 MIB = 2 ** 20
-# a micro-step is late when its real compute overshoots the curve by more than this (the sleep's
-# own jitter and the learned real backward's error are a fraction of a millisecond)
-LATE_TOLERANCE, LATE_TOLERANCE_S = 0.01, 5e-4
-BACKWARD_MARGIN = 1.3  # room left after the backward pad, in units of the learned real backward
 
 
-class VirtualDevice(Device):
+class VirtualDevice(SpeedPadding, Device):
     """An emulated GPU on CPU.
 
     Args:
@@ -79,13 +75,16 @@ class VirtualDevice(Device):
         device_type: type name shared by ranks with the same curve (default: ``name``).
         nominal_tflops: spec-sheet rating, for the ``flops`` baseline only.
         precision: the precision it emulates (see the module doc); None: the attached runtime's.
+        backward_room: share of ``time_fn(b)`` left for the real backward after its pad, at
+            least (``speed_padding``; calibration sets its margin).
     """
 
     kind = DeviceKind.VIRTUAL
 
     def __init__(self, name: str, capacity_bytes: int, *, time_fn: Callable[[int], float] | None = None,
                  slowdown: float | None = None, forward_fraction: float = 1 / 3, device_type: str | None = None,
-                 nominal_tflops: float | None = None, raise_oom: bool = True, precision: Any = None) -> None:
+                 nominal_tflops: float | None = None, raise_oom: bool = True, precision: Any = None,
+                 backward_room: float = 0.0) -> None:
         super().__init__(name, device_type or name, torch.device("cpu"), nominal_tflops)
         if not (isinstance(capacity_bytes, (int, float)) and capacity_bytes > 0):
             raise ValueError(f"virtual device {name}: capacity_bytes must be > 0, got {capacity_bytes!r}")
@@ -105,14 +104,18 @@ class VirtualDevice(Device):
         # memory state
         self._static = 0
         self._predicted_optimizer: int | None = None
-        self._saved = SavedTensors(on_saved=self._tensor_saved)  # (a bound method: the device pickles)
+        self._saved = SavedTensors(on_saved=self._tensor_saved,  # (bound methods: the device pickles)
+                                   on_recomputed=self._tensor_recomputed)
+        # activation checkpointing recomputes the forward in backward: one more forward's time
+        self._recompute_factor = 1.0
         self._static_iteration: int | None = None
         self._deferred: dict[str, Any] | None = None  # an OOM seen inside backward, raised when it returns
         self._failed = False  # an OOM was raised in this micro-step: the runtime's clean-up must not raise again
         self._peak = 0
         self._checks = 0
         self._injections: list[dict[str, Any]] = []
-        self._real_backward: dict[int, float] = {}  # batch -> real backward compute (EMA), for padding
+        self.faults: FaultSchedule | None = None  # injected drift (poplar.profiler.faults)
+        self._init_padding(backward_room)
         # precision: fixed at construction (None: the attached runtime's, fp32 when detached)
         self.fixed_precision: Precision | None = None if precision is None else precision_of(precision)
         self._use_precision(self.fixed_precision or Precision.FP32)
@@ -158,13 +161,14 @@ class VirtualDevice(Device):
     # ------------------------------------------------------------------ probes
     @property
     def capacity_bytes(self) -> int:
-        return self._capacity
+        return self._capacity if self.faults is None else self.faults.capacity(self._capacity, self.runtime)
 
     def time_s(self, batch: int) -> float:
         """The device's true compute seconds for a micro-step of ``batch`` samples."""
         if self.time_fn is None:
             raise ValueError(f"virtual device {self.name} has a slowdown factor, not a time curve")
-        return float(self.time_fn(batch))
+        return float(self.time_fn(batch)) * (1.0 if self.faults is None else self.faults.time_factor(self.runtime)) \
+            * self._recompute_factor
 
     @property
     def pads(self) -> bool:
@@ -246,9 +250,9 @@ class VirtualDevice(Device):
                     self._injections.remove(inj)
                     self._fail(where, f"injected out-of-memory at {where} (batch {batch}, usage "
                                       f"{usage / MIB:.3f} MiB)", force=True)
-        if usage > self._capacity:
+        if usage > self.capacity_bytes:
             self._fail(where, f"virtual device {self.name}: out of memory at {where}: usage {usage / MIB:.3f} MiB > "
-                              f"capacity {self._capacity / MIB:.3f} MiB (batch {batch}; model states "
+                              f"capacity {self.capacity_bytes / MIB:.3f} MiB (batch {batch}; model states "
                               f"{self._static / MIB:.3f}, activations {self._saved.bytes / MIB:.3f}, gathered "
                               f"{self.gathered_bytes() / MIB:.3f} MiB)")
 
@@ -261,7 +265,7 @@ class VirtualDevice(Device):
             return  # the failed micro-step is being cleaned up (its activations are still referenced)
         failure = {"where": where, "batch": batch, "usage": self.memory_in_use(), "saved": self._saved.bytes,
                    "gathered": self.gathered_bytes(), "message": message}
-        if where == "grad":
+        if where in ("grad", "recompute"):  # inside autograd: raised when backward returns
             # Inside autograd's post-accumulate-grad hooks an exception leaks the rest of the graph
             # (its saved tensors stay alive until the next backward; seen on torch 2.13), so the OOM
             # is raised when backward returns: the step still fails, and its memory is released.
@@ -274,6 +278,9 @@ class VirtualDevice(Device):
         self._open = None
         self.last_failure = failure
         raise OOM_ERROR(failure["message"])
+
+    def _tensor_recomputed(self) -> None:
+        self.check("recompute")
 
     def _tensor_saved(self) -> None:
         self.check("saved")
@@ -313,11 +320,21 @@ class VirtualDevice(Device):
         grad_hooks = [p.register_post_accumulate_grad_hook(lambda p: self.check("grad"))
                       for p in runtime.module.parameters() if p.requires_grad]
         hooks = self._saved.hooks()
+        checkpointing = runtime.activation_checkpointing
+        recompute = checkpointing.add_recompute_context(self._saved.recomputed)
+        self._recompute_factor = 1.0 + self.forward_fraction if checkpointing.enabled else 1.0
+        names = runtime.stage.block_names()
+        self._blocks = BlockHooks(runtime.module, names, self) if names else None  # per-block padding
         hooks.__enter__()
         try:
             yield
         finally:
             hooks.__exit__(None, None, None)
+            if self._blocks is not None:
+                self._blocks.remove()
+                self._blocks = None
+            recompute.remove()
+            self._recompute_factor = 1.0
             for h in grad_hooks:
                 h.remove()
 
@@ -333,49 +350,15 @@ class VirtualDevice(Device):
 
     def _forward_end(self) -> None:
         self.check("forward end")
-        step = self._open
-        if step is None or not self.pads:
-            return
-        now = time.perf_counter()
-        compute = self._compute_s(step, now)
-        step["real_forward"] = compute
-        if self.slowdown is not None:
-            sleep_until(now + (self.slowdown - 1) * compute)
-        else:
-            sleep_until(now + self.forward_fraction * self.time_s(step["batch"]) - compute)
-        step["forward_compute"] = self._compute_s(step)
+        if self._open is not None and self.pads:
+            self._pad_forward(self._open)
 
     def _backward_start(self, loss: torch.Tensor) -> None:
         super()._backward_start(loss)
         self.check("backward start")
         step = self._open
-        if step is None or not self.pads or not (torch.is_tensor(loss) and loss.requires_grad):
-            return
-        if self.slowdown is not None:
-            def queue(grad: torch.Tensor) -> None:
-                torch.autograd.Variable._execution_engine.queue_callback(self._pad_backward)
-            loss.register_hook(queue)
-            return
-        # Pad the backward *before* autograd runs, leaving room for its real compute (learned per
-        # batch size; twice the real forward at first): the gradients, and the reduce-scatters and
-        # gathers the stages issue from their hooks, then come at the emulated device's time, so
-        # at stages 2/3 a faster rank waits for a slower one inside every micro-step, as on GPUs.
-        batch = step["batch"]
-        real = self._real_backward.get(batch, 2.0 * step.get("real_forward", 0.0))
-        now = time.perf_counter()
-        compute = self._compute_s(step, now)
-        sleep_until(now + self.time_s(batch) - BACKWARD_MARGIN * real - compute)
-        step["after_pad"] = self._compute_s(step)
-
-    def _pad_backward(self) -> None:
-        """Slowdown mode: when autograd has finished, stretch the backward's real compute."""
-        step = self._open
-        if step is None:
-            return
-        now = time.perf_counter()
-        compute = self._compute_s(step, now)
-        real_backward = compute - step.get("forward_compute", compute)
-        sleep_until(now + (self.slowdown - 1) * max(real_backward, 0.0))
+        if step is not None and self.pads and torch.is_tensor(loss) and loss.requires_grad:
+            self._pad_backward_start(step, loss)
 
     def _backward_end(self) -> None:
         if self._deferred is not None:
@@ -383,16 +366,7 @@ class VirtualDevice(Device):
             self._raise(failure)
         step = self._open
         if step is not None and self.pads and self.slowdown is None:
-            now = time.perf_counter()
-            compute = self._compute_s(step, now)
-            if "after_pad" in step:  # learn the real compute that follows the backward pad
-                real = max(compute - step["after_pad"], 0.0)
-                seen = self._real_backward.get(step["batch"])
-                self._real_backward[step["batch"]] = real if seen is None else 0.7 * seen + 0.3 * real
-            target = self.time_s(step["batch"])
-            if compute > target + max(LATE_TOLERANCE_S, LATE_TOLERANCE * target):
-                self.late_steps += 1
-            sleep_until(now + target - compute)
+            self._top_up(step)
         if step is not None:
             self.check("backward end")
         super()._backward_end()

@@ -5,7 +5,9 @@ Every rank runs it together. Per iteration each rank records its ``IterationStat
 ``log_every`` iterations the ranks exchange them (one small object all-gather, at the same
 iteration on every rank) and rank 0 logs the iteration time against the plan's prediction and,
 per rank, its samples, compute seconds (collective time taken out) beside the planned ones, its
-idle time (the slowest rank's compute minus its own) and its blocked communication time.
+blocked communication time (waiting for slower ranks included) and its idle time, the rest of
+its step (optimizer step, bookkeeping): compute + comm + idle is the rank's step wall time, all
+three measured around the step.
 
 ``iterations`` is the total to reach, as DeepSpeed's ``train_iters``: a resumed run goes on
 from the checkpoint's iteration, and one that has already reached it does nothing (and says so).
@@ -34,6 +36,9 @@ from typing import Any, Callable
 
 from poplar.engine import register_fit_loop
 from poplar.train.data import PlanLoader
+from poplar.train.monitor import FitMonitor
+from poplar.train.preemption import Preempted, StopSignals
+from poplar.train.replan import ReplanOptions, make_replanner
 from poplar.train.report import write_metrics
 from poplar.types.logs import log, progress_bar
 
@@ -63,6 +68,11 @@ class FitResult:
     ranks: list[RankSummary] = field(default_factory=list)
     checkpoints: list[str] = field(default_factory=list)
     iterations: list[dict[str, Any]] = field(default_factory=list)  # per iteration: loss and per-rank times
+    replans: list[dict[str, Any]] = field(default_factory=list)  # re-planning decisions (poplar.train.replan)
+    tokens_per_s: float | None = None  # tokens_per_s, mfu, throughput: poplar.train.throughput
+    mfu: float | None = None
+    throughput: dict[str, Any] | None = None
+    evals: list[dict[str, Any]] = field(default_factory=list)  # poplar.train.evaluation
 
     @property
     def prediction_error(self) -> float | None:
@@ -93,13 +103,14 @@ def _make_loader(engine: Any, data: Any, seed: int, loader_kwargs: dict[str, Any
     return PlanLoader.for_engine(data, engine, seed=seed, **loader_kwargs)
 
 
-def _resume(engine: Any, loader: PlanLoader, checkpoint_dir: str | os.PathLike) -> bool:
+def _resume(engine: Any, loader: PlanLoader, checkpoint_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """Load the latest checkpoint; returns its ``extra`` (None without a checkpoint)."""
     from poplar.checkpoint import load_checkpoint
     from poplar.checkpoint.kept import agree_on_latest
 
     latest = agree_on_latest(engine.comm, checkpoint_dir)  # every rank; they must all find the same
     if latest is None:
-        return False
+        return None
     meta = load_checkpoint(engine, latest.path)  # every rank; a rank that cannot read it fails them all
     data_state = (meta.get("extra") or {}).get("data")
     if data_state is not None:
@@ -111,12 +122,16 @@ def _resume(engine: Any, loader: PlanLoader, checkpoint_dir: str | os.PathLike) 
             log.warning(f"not resuming from a damaged or incomplete checkpoint: {reason}")
         log.info(f"resumed from {checkpoint_dir} at iteration {engine.iteration}: {latest.path} "
                  f"({latest.source.value}; saved by {meta['world_size']} ranks at ZeRO-{meta['zero_stage']})")
-    return True
+    return meta.get("extra") or {}
 
 
-def _stats_row(engine: Any, loss: float) -> tuple[float, float, float, float, int]:
+def _stats_row(engine: Any, loss: float, more: tuple, span: tuple[float, float]) -> tuple:
+    """``more``: the monitor's (tokens, peak memory bytes, lr); ``span``: this rank's wall and
+    blocked-in-collectives seconds measured around the step, so that compute + comm + idle is
+    the step's wall (the ledger's per-iteration total also holds the loop's own collectives
+    between steps)."""
     s = engine.last_stats
-    return (loss, s.wall_s, s.compute_s, s.comm_s, s.samples)
+    return (loss, span[0], s.compute_s, span[1], s.samples, *more)
 
 
 def _window_records(rows: list[list[tuple]], first: int) -> list[dict[str, Any]]:
@@ -125,11 +140,14 @@ def _window_records(rows: list[list[tuple]], first: int) -> list[dict[str, Any]]
     records = []
     for k in range(min(len(r) for r in rows)):
         compute = [rows[r][k][2] for r in range(world)]
-        slowest = max(compute)
-        records.append({"iteration": first + k, "loss": rows[0][k][0],
+        records.append({"iteration": first + k, "loss": rows[0][k][0], "lr": rows[0][k][7],
                         "wall_s": max(rows[r][k][1] for r in range(world)),
-                        "ranks": [{"compute_s": compute[r], "comm_s": rows[r][k][3], "idle_s": slowest - compute[r],
-                                   "samples": rows[r][k][4]} for r in range(world)]})
+                        # per rank: compute + comm + idle = its wall (idle: neither forward/backward nor in a
+                        # collective: the optimizer step, bookkeeping)
+                        "ranks": [{"wall_s": rows[r][k][1], "compute_s": compute[r], "comm_s": rows[r][k][3],
+                                   "idle_s": max(0.0, rows[r][k][1] - compute[r] - rows[r][k][3]),
+                                   "samples": rows[r][k][4], "tokens": rows[r][k][5], "peak_bytes": rows[r][k][6]}
+                                  for r in range(world)]})
     return records
 
 
@@ -150,7 +168,10 @@ def _window_table(engine: Any, records: list[dict[str, Any]]) -> str:
 def fit(engine: Any, data: Any, iterations: int, *, loss_fn: Any = None, log_every: int = 10, warmup: int = 1,
         checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int | None = None, resume: bool = True,
         keep_checkpoints: int = 2, report_dir: str | os.PathLike | None = None, progress: bool = True, seed: int = 0,
-        lr_at: Callable[[int], float | None] | None = None, **loader_kwargs: Any) -> FitResult:
+        lr_at: Callable[[int], float | None] | None = None, stop_on_signals: bool = False,
+        lr_schedule: Any = None, eval_data: Any = None, eval_every: int | None = None, tensorboard: bool | None = None,
+        tokens_fn: Callable[[Any], int] | None = None, flops_per_token: float | None = None,
+        replan: bool | ReplanOptions | None = None, **loader_kwargs: Any) -> FitResult:
     """Train ``engine`` until its iteration count reaches ``iterations``.
 
     Args:
@@ -165,6 +186,20 @@ def fit(engine: Any, data: Any, iterations: int, *, loss_fn: Any = None, log_eve
         progress: a progress bar on rank 0 (when stderr is a terminal).
         lr_at: a schedule: ``lr_at(iteration)`` is set as every param group's learning rate
             before that iteration (a function of the iteration alone, so a resume continues it).
+        lr_schedule: a ``poplar.train.schedule.LRSchedule`` (warmup + cosine / linear decay), saved
+            in checkpoints; instead of ``lr_at``.
+        eval_data / eval_every: evaluate on this held-out dataset every ``eval_every`` iterations
+            and at the end; exact over ranks (``poplar.train.evaluation``).
+        tensorboard / tokens_fn / flops_per_token: event files in ``report_dir/tensorboard`` (None:
+            when installed), token counting and model FLOPs per token for tokens/s and MFU
+            (``poplar.train.monitor``, ``poplar.train.throughput``).
+        stop_on_signals: SIGTERM / SIGINT on any rank stop every rank after the same iteration,
+            which is checkpointed (with ``checkpoint_dir``) and reported; then ``Preempted`` is
+            raised on every rank (``poplar.train.preemption``). Costs one tiny all-reduce per
+            iteration. ``poplar train`` turns it on.
+        replan: re-plan when a rank's speed or memory drifts (``poplar.train.replan``): None = on
+            when the engine has a profile, True / False, or ``ReplanOptions`` (threshold, patience
+            K, margin, ...). Costs one small all-gather per iteration while on.
     """
     if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 0:
         raise ValueError(f"iterations must be an int >= 0, got {iterations!r}")
@@ -173,12 +208,19 @@ def fit(engine: Any, data: Any, iterations: int, *, loss_fn: Any = None, log_eve
     if isinstance(keep_checkpoints, bool) or not isinstance(keep_checkpoints, int) or keep_checkpoints < 1:
         raise ValueError(f"keep_checkpoints must be an int >= 1 (how many checkpoints to keep), got "
                          f"{keep_checkpoints!r}")
+    if lr_at is not None and lr_schedule is not None:
+        raise ValueError("give lr_schedule or lr_at, not both")
     loader = _make_loader(engine, data, seed, loader_kwargs)
+    replanner = make_replanner(engine, replan)
+    monitor = FitMonitor(engine, lr_schedule=lr_schedule or lr_at, eval_data=eval_data, eval_every=eval_every,
+                         collate_fn=loader_kwargs.get("collate_fn"), tokens_fn=tokens_fn, loss_fn=loss_fn,
+                         flops_per_token=flops_per_token, report_dir=report_dir, tensorboard=tensorboard)
     if checkpoint_dir is not None and resume:
-        _resume(engine, loader, checkpoint_dir)
+        monitor.load_state(_resume(engine, loader, checkpoint_dir))
     start = engine.iteration
     rank0 = engine.rank == 0
     if start >= iterations:
+        monitor.close()
         return _nothing_to_do(engine, iterations, report_dir)
     bar = progress_bar(iterations - start, "training", progress and rank0)
     rows: list[tuple] = []
@@ -188,54 +230,75 @@ def fit(engine: Any, data: Any, iterations: int, *, loss_fn: Any = None, log_eve
     t_loop = time.perf_counter()
     t_measured: float | None = None if warmup > 0 else t_loop
     gathered, logged = start, 0  # the next iteration to gather, and how many records were logged
+    stop, signum = (StopSignals().install() if stop_on_signals else None), None
 
     try:
         while engine.iteration < iterations:
             if engine.iteration - start == warmup:
                 t_measured = time.perf_counter()
-            if lr_at is not None and (lr := lr_at(engine.iteration)) is not None:
-                for group in engine.optimizer.param_groups:
-                    group["lr"] = lr
+            monitor.before_step(engine.iteration)
             batch = next(loader)
-            loss = engine.train_step(batch, loss_fn)
+            t_step, c_step = time.perf_counter(), engine.comm_ledger.total_seconds
+            loss, batch = (engine.train_step(batch, loss_fn), batch) if replanner is None else \
+                replanner.step(loader, batch, loss_fn)
+            span = (time.perf_counter() - t_step, engine.comm_ledger.total_seconds - c_step)
             losses.append(loss)
-            rows.append(_stats_row(engine, loss))
+            rows.append(_stats_row(engine, loss, (*monitor.row(batch), monitor.lr(engine.iteration - 1)), span))
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.4f}")
             done = engine.iteration == iterations
+            monitor.after_step(done, bar)
+            if stop is not None and not done:
+                signum = stop.agreed(engine.comm)  # every rank: the same answer
             log_now = done or bool(log_every and (engine.iteration - start) % log_every == 0)
             save_now = checkpoint_dir is not None and (
-                done or bool(checkpoint_every and engine.iteration % checkpoint_every == 0))
-            if log_now or (save_now and report_dir is not None):  # the metrics written at a save cover it
+                done or signum is not None or bool(checkpoint_every and engine.iteration % checkpoint_every == 0))
+            # the metrics written at a save, or at a stop, cover it
+            if log_now or ((save_now or signum is not None) and report_dir is not None):
                 records += _gather(engine, rows, gathered)
                 gathered, rows = engine.iteration, []
             if log_now and records[logged:]:
-                _log_window(engine, records[logged:], rank0, iterations, bar)
+                _log_window(engine, records[logged:], rank0, iterations, bar, monitor.window(records[logged:]))
                 logged = len(records)
             if save_now:
-                checkpoints.append(_save(engine, loader, checkpoint_dir, keep_checkpoints))
+                checkpoints.append(_save(engine, loader, checkpoint_dir, keep_checkpoints, monitor.state()))
                 if report_dir is not None and rank0:  # a run resumed from this checkpoint has the metrics up to it
                     partial = _result(engine, start, losses, records, time.perf_counter() - t_loop, t_measured,
                                       warmup, checkpoints)
+                    monitor.complete(partial, warmup)
                     write_metrics(Path(report_dir) / "metrics.json", partial.to_dict())
+            if signum is not None:
+                break
     finally:
         bar.close()
+        if stop is not None:
+            stop.uninstall()
+        monitor.close()
     seconds = time.perf_counter() - t_loop
     result = _result(engine, start, losses, records, seconds, t_measured, warmup, checkpoints)
+    result.replans = replanner.records() if replanner is not None else []
+    monitor.complete(result, warmup)
+    if signum is not None:  # every rank: write the reports, then stop
+        from poplar.checkpoint.kept import step_name
+
+        if report_dir is not None:
+            write_reports(engine, result, report_dir)
+        raise Preempted(signum, engine.iteration, None if checkpoint_dir is None else str(
+            Path(checkpoint_dir) / step_name(engine.iteration)))
     if rank0:
         err = result.prediction_error
         log.info(f"done: iterations {start}..{engine.iteration}, {result.samples_per_s:.1f} samples/s, "
-                 f"iteration {result.median_iteration_s:.4f} s"
+                 f"iteration {result.median_iteration_s:.4f} s" + monitor.summary(result)
                  + (f" (predicted {result.predicted_iteration_s:.4f} s, {err:+.1%})" if err is not None else ""))
     if report_dir is not None:
         write_reports(engine, result, report_dir)
     return result
 
 
-def _save(engine: Any, loader: PlanLoader, checkpoint_dir: str | os.PathLike, keep: int) -> str:
+def _save(engine: Any, loader: PlanLoader, checkpoint_dir: str | os.PathLike, keep: int, more: dict) -> str:
     from poplar.checkpoint.kept import save_kept
 
-    save_kept(engine, checkpoint_dir, keep=keep, extra={"data": loader.state_dict()})
+    save_kept(engine, checkpoint_dir, keep=keep, extra={"data": loader.state_dict(), **more})
     return f"{checkpoint_dir}@{engine.iteration}"
 
 
@@ -256,7 +319,7 @@ def _gather(engine: Any, rows: list[tuple], first: int) -> list[dict[str, Any]]:
     return _window_records(everyone, first) if rows else []
 
 
-def _log_window(engine: Any, records: list[dict[str, Any]], rank0: bool, total: int, bar: Any) -> None:
+def _log_window(engine: Any, records: list[dict[str, Any]], rank0: bool, total: int, bar: Any, rates: str) -> None:
     if not rank0:
         return
     wall = statistics.median(r["wall_s"] for r in records)
@@ -264,7 +327,7 @@ def _log_window(engine: Any, records: list[dict[str, Any]], rank0: bool, total: 
     vs = f" (predicted {pred:.4f} s, {(wall - pred) / pred:+.1%})" if pred else ""
     message = (f"iteration {engine.iteration}/{total}: loss {records[-1]['loss']:.4f}, "
                f"{engine.global_batch_size / wall:.1f} samples/s, iteration {wall:.4f} s{vs}\n"
-               f"{_window_table(engine, records)}")
+               + (f"  {rates}\n" if rates else "") + _window_table(engine, records))
     bar.write("[poplar] " + message, file=sys.stderr)
 
 
@@ -306,7 +369,7 @@ def _write_report_files(engine: Any, result: FitResult, out: Path, timelines: li
 
     out.mkdir(parents=True, exist_ok=True)
     write_metrics(out / "metrics.json", result.to_dict())
-    write_trace(out / "trace.json", timelines)
+    write_trace(out / "trace.json", timelines, result.replans)
     engine.plan.save(out / "plan.json")
     if engine.profile is not None:
         engine.profile.save(out / "profile.json")

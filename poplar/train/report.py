@@ -21,7 +21,7 @@ from poplar.types.profiles import Profile
 
 
 _RUN_KEYS = ("start_iteration", "end_iteration", "seconds", "samples_per_s", "median_iteration_s",
-             "predicted_iteration_s", "checkpoints")
+             "predicted_iteration_s", "checkpoints", "tokens_per_s", "mfu")
 
 
 def write_metrics(path: str | os.PathLike, metrics: dict[str, Any]) -> None:
@@ -30,19 +30,20 @@ def write_metrics(path: str | os.PathLike, metrics: dict[str, Any]) -> None:
     ``iterations`` (and their ``losses``) cover every iteration from ``first_iteration``: those
     before this run's ``start_iteration`` come from the metrics.json already at ``path`` (written
     by the run this one resumed, at its end or at its checkpoints); this run's replace any from
-    its start on. ``runs`` has each run's summary (start and end iteration, seconds, throughput,
+    its start on, and ``evals`` likewise. ``runs`` has each run's summary (start and end iteration, seconds, throughput,
     checkpoints); the other fields are this run's. A run from iteration 0 starts a new file.
     """
     path = Path(path)
     start = metrics["start_iteration"]
     earlier = _earlier_metrics(path) if start > 0 else None
     out = dict(metrics)
-    runs = [{k: metrics[k] for k in _RUN_KEYS}]
+    runs = [{k: metrics.get(k) for k in _RUN_KEYS}]
     if earlier is not None:
         before = [r for r in earlier["iterations"] if r["iteration"] < start]
         out["iterations"] = before + metrics["iterations"]
         out["losses"] = [r["loss"] for r in before] + metrics["losses"]
         runs = [r for r in earlier.get("runs") or [] if r["start_iteration"] < start] + runs
+        out["evals"] = [e for e in earlier.get("evals") or [] if e["iteration"] <= start] + metrics.get("evals", [])
     out["first_iteration"] = out["iterations"][0]["iteration"] if out["iterations"] else start
     out["runs"] = runs
     write_text_atomic(path, json.dumps(out, indent=1) + "\n")
@@ -71,8 +72,9 @@ def rank_timeline(engine: Any, device: str = "") -> dict[str, Any]:
     return {"rank": engine.rank, "device": device, "compute": list(engine.timeline), "comm": comm}
 
 
-def chrome_trace(ranks: list[dict[str, Any]]) -> dict[str, Any]:
-    """Trace events for every rank: one process per rank, compute and communication threads."""
+def chrome_trace(ranks: list[dict[str, Any]], replans: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Trace events for every rank: one process per rank, compute and communication threads;
+    each re-planning decision (``poplar.train.replan``) is a global instant event."""
     starts = [c[2] for r in ranks for c in r["compute"]] + [c[4] for r in ranks for c in r["comm"]]
     t0 = min(starts, default=0.0)
     us = lambda s: round((s - t0) * 1e6, 1)  # noqa: E731 - trace timestamps are microseconds
@@ -100,11 +102,15 @@ def chrome_trace(ranks: list[dict[str, Any]]) -> dict[str, Any]:
             if last - end > 0:
                 events.append({"ph": "X", "name": "idle", "cat": "idle", "pid": pid, "tid": 2, "ts": us(end),
                                "dur": round((last - end) * 1e6, 1), "args": {"iteration": it}})
+    for e in replans or []:
+        events.append({"ph": "i", "s": "g", "name": f"{'re-plan' if e['applied'] else 'drift, plan kept'} "
+                       f"({e['kind']})", "cat": "replan", "pid": 0, "tid": 0, "ts": us(e["at"]), "args": e})
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
-def write_trace(path: str | os.PathLike, ranks: list[dict[str, Any]]) -> None:
-    write_text_atomic(path, json.dumps(chrome_trace(ranks)))
+def write_trace(path: str | os.PathLike, ranks: list[dict[str, Any]], replans: list[dict[str, Any]] | None = None
+                ) -> None:
+    write_text_atomic(path, json.dumps(chrome_trace(ranks, replans)))
 
 
 def write_curves_png(path: str | os.PathLike, profile: Profile, plan: Plan | None = None) -> bool:

@@ -51,6 +51,10 @@ class ZeroStage(ABC):
         """Communication buffers held right now (stage-2 buckets, stage-1 temporaries, ...)."""
         return self._transient
 
+    def block_names(self) -> list[str] | None:
+        """Names of the modules gathered and released as one (ZeRO-3's blocks); None below it."""
+        return None
+
     # -- the iteration, as the engine drives it --
     def begin_micro_step(self) -> None:
         pass

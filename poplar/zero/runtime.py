@@ -1,9 +1,10 @@
 """The plan-driven ZeRO runtime: one rank's share of every training step, at stages 0-3.
 
 ``ZeroRuntime`` wraps a model and its optimizer in a ZeRO stage and runs this rank's plan row
-with the math of one single-process step on the whole global batch: a micro-batch of m samples
-is scaled by m / global_batch_size and gradients are summed over ranks (docs/design.md §2). It
-knows nothing above it: the profiler drives it, and ``PoplarEngine`` adds auto mode and ``fit``.
+with the math of one single-process step on the whole global batch: a mean loss over m samples
+weighs m / gbs, a (loss_sum, count) pair is divided by the global count at step time, gradients
+are summed over ranks (docs/design.md §2, ``poplar.zero.iteration_status``). It knows nothing
+above it: the profiler drives it, and ``PoplarEngine`` adds auto mode and ``fit``.
 
 Bad input never hangs: each rank reports at the iteration's status reduction (before any gradient
 collective of stages 0/1; at stages 2/3 a failing rank still joins every micro-step's collectives
@@ -24,18 +25,24 @@ from torch import nn
 from poplar.comm import CommLedger, Communicator, DistributedError, Phase
 from poplar.types.batches import batch_size_of, slice_batch
 from poplar.types.logs import log
-from poplar.types.plans import Plan
+from poplar.types.plans import Plan, PlanError
 from poplar.types.precision import MixedPrecision
+from poplar.zero import activation_checkpointing as checkpointing
 from poplar.zero.base import ZeroStage
-from poplar.zero.flat import gradient_buckets
+from poplar.zero.failures import IterationFailed, failure_kind
+from poplar.zero.frames import release_frames
 from poplar.zero.grad_norm import clip_and_unscale
+from poplar.zero.iteration_status import (IterationStatus, LossAccumulator, check_batch, failure_message,
+                                          reduce_status, skip_empty_step, status_error)
 from poplar.zero.loss_scaler import LossScaler
 from poplar.zero.nonfinite import NonFiniteGuard, NonFinitePolicy, Verdict, local_detail, nonfinite_flag
 from poplar.zero.observers import IterationStats, MicroStep, ObserverHandle, Observers, StepObserver
 from poplar.zero.precision import StagePrecision
 from poplar.zero.setup import agree_setup, check_arguments, check_policies
+from poplar.zero.stage_factory import build_stage
 
-LossFn = Callable[[nn.Module, Any], torch.Tensor]
+# returns the mean loss of the micro-batch, or a pair (loss_sum, count) (docs/design.md §2)
+LossFn = Callable[[nn.Module, Any], Any]
 
 
 class ZeroRuntime:
@@ -53,13 +60,16 @@ class ZeroRuntime:
         bucket_size_mb: gradient bucket size of stages 0-2 (each bucket is one collective).
         wrap_policy: stage 3 only: which modules form a gather/release block.
         communicator: use this ``Communicator`` instead of one on ``process_group``.
-        loss_fn: ``loss_fn(module, micro_batch)`` -> mean loss, ``train_step``'s default.
+        loss_fn: ``loss_fn(module, micro_batch)`` -> the mean loss, or a pair ``(loss_sum, count)``
+            (token-weighted, docs/design.md §2); ``train_step``'s default.
         mixed_precision: None or "fp32" (plain fp32), "bf16", "fp16" or a ``MixedPrecision``.
             The model must be fp32: masters and optimizer state stay fp32.
         nonfinite: ``NonFinitePolicy`` (or "skip" / "raise"): what every rank does when a loss or
             gradient on some rank is inf or NaN.
         max_consecutive_skips: with "skip", more non-finite steps in a row than this raise (under
             fp16 dynamic loss scaling only those at the minimum scale count).
+        activation_checkpointing: None/False, True (the wrap policy's blocks) or a policy naming
+            module classes: recompute their forward in backward (``poplar.zero.activation_checkpointing``).
     Every rank constructs it together (set-up is agreed: a bad argument on any rank is a
     ``DistributedError`` on every rank).
     """
@@ -68,7 +78,8 @@ class ZeroRuntime:
                  zero_stage: int = 0, process_group: Any = None, max_grad_norm: float | None = None,
                  bucket_size_mb: float = 25.0, wrap_policy: Any = None, communicator: Communicator | None = None,
                  loss_fn: LossFn | None = None, mixed_precision: MixedPrecision | str | None = None,
-                 nonfinite: NonFinitePolicy | str = NonFinitePolicy.SKIP, max_consecutive_skips: int = 5) -> None:
+                 nonfinite: NonFinitePolicy | str = NonFinitePolicy.SKIP, max_consecutive_skips: int = 5,
+                 activation_checkpointing: Any = None) -> None:
         model_device = next(model.parameters()).device
         self.comm = communicator if communicator is not None else Communicator(process_group, model_device)
         self.comm_ledger: CommLedger = self.comm.ledger
@@ -78,6 +89,7 @@ class ZeroRuntime:
         self.max_grad_norm = max_grad_norm
         self.iteration = 0
         self.last_grad_norm: float | None = None
+        self.last_loss_count: float | None = None
         self.last_stats: IterationStats | None = None
         self.observers = Observers()
 
@@ -92,9 +104,15 @@ class ZeroRuntime:
         self.nonfinite = NonFiniteGuard(checked.nonfinite, max_consecutive_skips)
         self.zero_stage = zero_stage
         self.use_plan(plan)
-        self.stage: ZeroStage = self._build_stage(groups, bucket_size_mb, wrap_policy)
+        self.stage: ZeroStage = build_stage(zero_stage, model, optimizer, self.comm, groups, bucket_size_mb,
+                                            wrap_policy, StagePrecision.of(self.mixed_precision),
+                                            self.observers.transient_allocated)
+        # after the stage: its block hooks run around the checkpoint's (docs/design.md §3.8)
+        self.activation_checkpointing = checkpointing.setup(
+            self.comm, model, activation_checkpointing, wrap_policy, self.stage.block_names())
         self._micro_step: MicroStep | None = None
         self._user_forward = contextlib.ExitStack()  # the ledger scope of a user loop's forward
+        self._losses = LossAccumulator(self.comm.device)
         # the first hook opens a micro-step of a loop of the user's own (and stamps the ZeRO-3 root
         # gather with it); the second tells observers the forward starts, after any root gather
         model.register_forward_pre_hook(self._open_user_micro_step, with_kwargs=True, prepend=True)
@@ -103,21 +121,6 @@ class ZeroRuntime:
         self._reset_iteration()
 
     # ------------------------------------------------------------------ set-up
-    def _build_stage(self, groups: list, bucket_size_mb: float, wrap_policy: Any) -> ZeroStage:
-        precision = StagePrecision.of(self.mixed_precision)
-        with self.comm_ledger.scope(Phase.SETUP):
-            if self.zero_stage == 3:
-                from poplar.zero.sharded import Stage3
-                return Stage3(self.module, self.optimizer, self.comm, groups, wrap_policy,
-                              on_transient=self.observers.transient_allocated, precision=precision)
-            from poplar.zero.replicated import Stage0, Stage1, Stage2
-
-            units = gradient_buckets(self.module, groups, self.world_size, self.rank, bucket_size_mb)
-            stage_class = {0: Stage0, 1: Stage1, 2: Stage2}[self.zero_stage]
-            stage = stage_class(self.module, self.optimizer, self.comm, units, precision=precision)
-            stage.sync_params()
-            return stage
-
     def add_observer(self, observer: StepObserver) -> ObserverHandle:
         """Call ``observer`` at the step's points from now on; ``handle.remove()`` detaches it."""
         return self.observers.add(observer)
@@ -129,10 +132,8 @@ class ZeroRuntime:
         error = None
         if self._micro_steps:
             error = "set_plan() inside an iteration; call it between iterations"
-        elif not isinstance(plan, Plan):
-            error = f"plan must be a poplar.Plan, got {type(plan).__name__}"
-        elif plan.world_size != self.world_size:
-            error = f"plan has {plan.world_size} rows but the world has {self.world_size} ranks"
+        else:
+            error = plan.problem(self.world_size) if isinstance(plan, Plan) else f"plan must be a Plan, got {plan!r}"
         digest = hashlib.sha256(plan.to_json().encode()).hexdigest() if error is None else None
         self.comm.agree(error, "set_plan", digest,
                         mismatch="ranks were given different plans; pass the same plan to every rank")
@@ -141,8 +142,8 @@ class ZeroRuntime:
     def use_plan(self, plan: Plan) -> None:
         """``set_plan`` without its agreement collective, for callers whose ranks derive the plan
         from data they already agreed on (the profiler switches plans every timing round)."""
-        if plan.world_size != self.world_size:
-            raise ValueError(f"plan has {plan.world_size} rows but the runtime's world has {self.world_size} ranks")
+        if (problem := plan.problem(self.world_size)) is not None:  # edited since it was built?
+            raise PlanError(problem)
         self.plan, self.rank_plan, self.global_batch_size = plan, plan.ranks[self.rank], plan.global_batch_size
 
     def restore_iteration(self, iteration: int) -> None:
@@ -154,36 +155,22 @@ class ZeroRuntime:
     def train_step(self, batch: Any, loss_fn: LossFn | None = None) -> float:
         """Run this rank's micro-steps on ``batch`` (its n_i samples), reduce, clip, step.
 
-        ``loss_fn(module, micro_batch)`` returns the mean loss over the micro-batch (default: the
-        runtime's ``loss_fn``). Returns the per-sample mean loss over the whole global batch (the
-        same float on every rank).
+        ``loss_fn(module, micro_batch)`` returns the mean loss over the micro-batch, or a pair
+        ``(loss_sum, count)`` (default: the runtime's ``loss_fn``). Returns the global mean loss,
+        per sample or per counted item (NaN if the global count is 0), the same float on every rank.
         """
         self._begin_iteration()
         loss_fn = loss_fn if loss_fn is not None else self.loss_fn
-        error, cause = self._check_batch(batch, loss_fn)
+        error, cause = check_batch(batch, self.rank_plan, loss_fn)
         start = 0
         for k, m in enumerate(self.rank_plan.micro_batch_sizes() if error is None else []):
             failure = self._run_micro_step(batch, start, m, k, loss_fn)
             if failure is not None:
                 error, cause = f"micro-step {k}: {type(failure).__name__}: {failure}", failure
+                release_frames(failure)  # its activations are freed now, not by a later gc
                 break
             start += m
         return self._finish_iteration(error, cause)
-
-    def _check_batch(self, batch: Any, loss_fn: LossFn | None) -> tuple[str | None, BaseException | None]:
-        try:
-            n = batch_size_of(batch)
-        except ValueError as e:
-            return str(e), e
-        if n != self.rank_plan.num_samples:
-            row = self.rank_plan
-            return (f"batch has {n} samples but this rank's plan row (micro_batch_size={row.micro_batch_size}, "
-                    f"accum_steps={row.accum_steps}, last_batch_size={row.last_batch_size}) needs "
-                    f"{row.num_samples}; give each rank its slice of the global batch (poplar's sampler does "
-                    "this)"), None
-        if loss_fn is None:
-            return "no loss_fn: pass train_step(batch, loss_fn) or PoplarEngine(..., loss_fn=...)", None
-        return None, None
 
     def _run_micro_step(self, batch: Any, start: int, m: int, k: int, loss_fn: LossFn) -> Exception | None:
         """Forward and backward of micro-step ``k`` (``m`` samples from ``start``); the error, if
@@ -194,8 +181,6 @@ class ZeroRuntime:
             with self.comm_ledger.scope(Phase.FORWARD, micro_step=k):
                 self.stage.begin_micro_step()
                 loss = loss_fn(self.module, slice_batch(batch, start, m))
-            if not (torch.is_tensor(loss) and loss.numel() == 1):
-                raise TypeError(f"loss_fn must return a one-element tensor (the mean loss), got {loss!r}")
             self.backward(loss, m)
         except Exception as e:  # reported to every rank at the status reduction
             self._abort_micro_step(step, e, k)
@@ -247,8 +232,9 @@ class ZeroRuntime:
             step.forward_ended = True
             self.observers.forward_end(step)
 
-    def backward(self, loss: torch.Tensor, num_samples: int) -> None:
-        """Backward of one micro-step whose ``loss`` is the mean over ``num_samples`` samples.
+    def backward(self, loss: torch.Tensor | tuple[torch.Tensor, Any], num_samples: int) -> None:
+        """Backward of one micro-step of ``num_samples`` samples whose ``loss`` is their mean, or a
+        pair ``(loss_sum, count)`` (one kind per iteration on every rank; docs/design.md §2).
 
         For your own loop: call it once per micro-step of this rank's plan row, then ``step()``.
         At stages 2/3 it runs the micro-step's collectives, so every rank must call it no more
@@ -258,17 +244,15 @@ class ZeroRuntime:
             raise RuntimeError(
                 f"backward called {self._micro_steps + 1} times in one iteration but the plan's largest "
                 f"micro-step count is {self.plan.max_micro_steps}; call step() after this rank's micro-steps")
+        # in fp32 even for a bf16/fp16 loss: the scaled loss of fp16 would overflow
+        objective = self._losses.objective(loss, num_samples, self.global_batch_size)
         step = self._micro_step if self._micro_step is not None else self._open_micro_step(num_samples)
         self._user_forward.close()
-        self.observers.backward_start(step, loss)
-        weight = num_samples / self.global_batch_size * (1 if self.loss_scaler is None else self.loss_scaler.scale)
+        self.observers.backward_start(step, objective)
         with self.comm_ledger.scope(Phase.BACKWARD, micro_step=self._micro_steps):
-            # in fp32 even for a bf16/fp16 loss: the scaled loss of fp16 would overflow
-            (loss.float() * weight).backward()
+            (objective * self.loss_scale).backward()
             self.stage.end_micro_step()
         self.observers.backward_end(step)
-        self._loss_sum += loss.detach().double().reshape(()) * num_samples
-        self._samples += num_samples
         self._micro_steps += 1
         self._micro_step = None
         self.observers.micro_step_end(step)
@@ -284,53 +268,46 @@ class ZeroRuntime:
                     self.stage.empty_micro_step()
                 self._micro_steps += 1
         with self.comm_ledger.scope(Phase.STEP, micro_step=-1):
-            loss_sum, nonfinite_ranks = self._agree_status(error, cause)
-            if nonfinite_ranks:
-                self._skip_step(nonfinite_ranks)
+            status = self._agree_status(error, cause)
+            if status.nonfinite_ranks:
+                self._skip_step(status.nonfinite_ranks)
+            elif status.empty:
+                self._skip_empty_step()
             else:
-                self._take_step()
+                self._take_step(self._losses.divisor(status))
+            self._losses.end_iteration(status)
         wall = time.perf_counter() - self._iter_start
         comm_s = self.comm_ledger.seconds(iteration=self.iteration)
         self.last_stats = IterationStats(self.iteration, wall, self._compute_s or max(0.0, wall - comm_s), comm_s,
-                                         self._samples, self._micro_steps)
+                                         self._losses.samples, self._micro_steps)
+        self.last_loss_count = status.count if status.sum_ranks else None
         self.iteration += 1
         self._reset_iteration()
         self.observers.iteration_end(self.last_stats)
-        return loss_sum / self.global_batch_size
+        return status.mean_loss(self.global_batch_size)
 
-    def _agree_status(self, error: str | None, cause: BaseException | None) -> tuple[float, int]:
-        """The iteration's status reduction: every rank's loss sum, sample count and verdict in
-        one all-reduce of three numbers. The verdict packs two counts: ranks that failed, plus
-        (world size + 1) x ranks that saw a non-finite loss or gradient (exact in float64). Any
-        failure raises on every rank, with no optimizer step. Returns the global loss sum and the
-        number of ranks that saw a non-finite value."""
-        dev = self.comm.device
-        base = self.world_size + 1
-        verdict = nonfinite_flag(self.stage.held_grads(), self._loss_sum, self.stage.held_grads_limit) * base
-        if error is not None:
-            verdict = verdict + 1.0
-        status = torch.stack([self._loss_sum, torch.tensor(float(self._samples), dtype=torch.float64, device=dev),
-                              verdict.reshape(())])
-        self.comm.all_reduce(status, tag="status")
-        loss_sum, samples, packed = status.tolist()
-        nonfinite_ranks, failed = divmod(round(packed), base)
-        if failed:
+    def _agree_status(self, error: str | None, cause: BaseException | None) -> IterationStatus:
+        """The iteration's status reduction (``poplar.zero.iteration_status``): one all-reduce of
+        every rank's loss sum, samples, count, loss kind and failed and non-finite flags. Any
+        failure raises on every rank, with no optimizer step."""
+        error = error if error is not None else self._losses.error
+        flag = nonfinite_flag(self.stage.held_grads(), self._losses.loss_sum, self.stage.held_grads_limit)
+        status = reduce_status(self.comm, self._losses, error is not None, flag)
+        if status.failed_ranks:
             self._abandon_iteration()
-            messages = self.comm.all_gather_object(error, tag="status")
-            lines = [f"  rank {r}: {m}" for r, m in enumerate(messages) if m is not None]
-            raise DistributedError(f"iteration {self.iteration} failed on {len(lines)} of {self.world_size} "
-                                   "ranks; no optimizer step was taken:\n" + "\n".join(lines)) from cause
-        if round(samples) != self.global_batch_size:
+            said = self.comm.all_gather_object(None if error is None else (error, failure_kind(cause)), tag="status")
+            raise IterationFailed(failure_message(self.iteration, [m and m[0] for m in said]), self.iteration,
+                                  {r: m[1] for r, m in enumerate(said) if m is not None}) from cause
+        agreed_error = status_error(status, self.iteration, self.global_batch_size, self.world_size)
+        if agreed_error is not None:
             self._abandon_iteration()
-            raise DistributedError(
-                f"iteration {self.iteration}: ranks processed {round(samples)} samples in all but the plan's global "
-                f"batch is {self.global_batch_size}; each rank must backward exactly its plan row's samples")
-        return loss_sum, nonfinite_ranks
+            raise DistributedError(agreed_error)
+        return status
 
-    def _take_step(self) -> None:
+    def _take_step(self, divisor: float) -> None:
         self.stage.reduce_gradients()
         norm = clip_and_unscale(self.stage.grad_tensors(), self.comm, self.stage.grads_sharded, self.max_grad_norm,
-                                self.loss_scale)
+                                self.loss_scale * divisor)
         self.last_grad_norm = norm if self.max_grad_norm is not None else self.last_grad_norm
         self.stage.optimizer_step()
         self.stage.zero_grad()
@@ -345,7 +322,7 @@ class ZeroRuntime:
         verdict = self.nonfinite.on_nonfinite(counted=scaler is None or scaler.at_minimum)
         details = None
         if verdict is not Verdict.SKIP:  # every rank takes this branch: name the ranks
-            detail = local_detail(self.stage.held_grads(), self._loss_sum, self.stage.held_grads_limit)
+            detail = local_detail(self.stage.held_grads(), self._losses.loss_sum, self.stage.held_grads_limit)
             details = self.comm.all_gather_object(detail, tag="status")
         self.stage.zero_grad()
         if scaler is not None:
@@ -358,13 +335,19 @@ class ZeroRuntime:
             log.warning(self.nonfinite.warning(self.iteration, nonfinite_ranks, self.world_size,
                                                (old_scale, self.loss_scale) if scaler is not None else None))
 
+    def _skip_empty_step(self) -> None:
+        """Sum losses counting 0 items in all: 0/0, skipped as a non-finite step (§2) or raised."""
+        self.stage.zero_grad()
+        if (error := skip_empty_step(self.nonfinite, self.iteration, self.rank)) is not None:
+            self._reset_iteration()
+            raise DistributedError(error)
+
     def _abandon_iteration(self) -> None:
         self.stage.zero_grad()
         self._reset_iteration()
 
     def _reset_iteration(self) -> None:
-        self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.comm.device)
-        self._samples = 0
+        self._losses.reset()
         self._micro_steps = 0
         self._micro_step = None
         self._compute_s = 0.0
@@ -382,6 +365,10 @@ class ZeroRuntime:
     def skipped_steps(self) -> int:
         """Iterations whose optimizer step was skipped for a non-finite loss or gradient."""
         return self.nonfinite.skipped_steps
+
+    @property
+    def in_iteration(self) -> bool:  # between an iteration's first micro-step and its step(): no save, load or set_plan
+        return self._started is not None
 
     # ------------------------------------------------------------------ state
     def full_state_dict(self) -> dict[str, torch.Tensor]:

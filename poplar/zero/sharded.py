@@ -29,8 +29,12 @@ and backward) starts then. A later change of order stays exact and hang-free, an
 
 Evaluation: ``engine.module(x)`` under ``torch.no_grad()`` gathers and releases block by block.
 It is collective: all ranks must run the same number of evaluation forwards together.
-Limits: one forward of the model per micro-step, a block runs once per forward (no activation
-checkpointing that recomputes a block), parameters are used only inside their block's forward,
+Activation checkpointing (``poplar.zero.activation_checkpointing``): a checkpointed module lies
+inside one block, whose recomputation runs in backward after the schedule gathered the block for
+its backward; the block's hooks recognise it (``recomputing()``), check that the block is
+gathered, and issue, gather and release nothing, so the list of collectives is unchanged.
+Limits: one forward of the model per micro-step, a block runs once per forward (besides its
+recomputation), parameters are used only inside their block's forward,
 and the model's parameters are empty between uses: read them with ``full_state_dict()``.
 
 Mixed precision: each block's shard is its fp32 master; the all-gathers send it cast to the
@@ -49,8 +53,9 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
+from poplar.zero.activation_checkpointing import recomputing
 from poplar.zero.base import ZeroStage
-from poplar.zero.blocks import GatherHandle, GradState, ShardedBlock, build_blocks
+from poplar.zero.blocks import BlockState, GatherHandle, GradState, ShardedBlock, build_blocks
 from poplar.comm import Communicator, DistributedError, Phase
 from poplar.zero import sharded_state
 from poplar.zero.optim import repoint_optimizer
@@ -104,6 +109,9 @@ class Stage3(ZeroStage):
             for k, u in enumerate(b.units):
                 for i, p in enumerate(u.params):
                     p.register_post_accumulate_grad_hook(partial(self._grad_ready, b, k, i))
+
+    def block_names(self) -> list[str]:
+        return [b.name for b in self.layers]
 
     # ------------------------------------------------------------------ orders
     def _set_orders(self, pre: list[int], post: list[int]) -> None:
@@ -230,6 +238,11 @@ class Stage3(ZeroStage):
             self._pass = None
 
     def _block_pre(self, b: ShardedBlock, module: nn.Module, args: Any) -> None:
+        if recomputing():  # activation checkpointing: the backward schedule gathered the block
+            if b.state is not BlockState.GATHERED:
+                raise RuntimeError(f"ZeRO-3: block '{b.name}' is recomputed (activation checkpointing) while its "
+                                   "parameters are released; checkpoint modules inside one block")
+            return
         p = self._pass
         if p is None:
             raise RuntimeError(f"ZeRO-3: block '{b.name}' ran outside a forward of the engine's model; call "
@@ -245,7 +258,7 @@ class Stage3(ZeroStage):
 
     def _block_post(self, b: ShardedBlock, module: nn.Module, args: Any, output: Any) -> None:
         p = self._pass
-        if p is None:
+        if p is None or recomputing():  # a recomputation keeps the block for its backward
             return
         p.post_order.append(b.index)
         self.free_gather(b)

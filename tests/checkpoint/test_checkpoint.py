@@ -127,7 +127,7 @@ def reshard_load(rank: int, directory: str, stage: int) -> dict:
 
 
 def two_rank_worker(rank: int, world: int, root: str, three_rank_dir: str) -> dict:
-    out = {"bitwise": resume_worker(rank, world, str(Path(root) / "bitwise"), (2,)),
+    out = {"bitwise": resume_worker(rank, world, str(Path(root) / "bitwise"), (0, 2)),
            "reshard": {stage: reshard_load(rank, three_rank_dir, stage) for stage in (0, 1)},
            "refusals": refusals(rank, Path(root) / "refusals")}
     try:
@@ -149,13 +149,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 def test_resume_is_bitwise(runs: dict) -> None:
-    """2 gloo ranks at stage 2: 4 iterations straight = 2, save, new engine, load, 2."""
-    _check_bitwise([r["bitwise"] for r in runs["results"]], (2,), PLAN2)
+    """2 gloo ranks at stages 0 and 2: 4 iterations straight = 2, save, new engine, load, 2
+    (at stage 0 every rank holds the whole optimizer state; rank 0 alone writes it)."""
+    _check_bitwise([r["bitwise"] for r in runs["results"]], (0, 2), PLAN2)
     # the layout: one consolidated model, one optimizer file per rank, an index; no temporary left
     bitwise = runs["root"] / "bitwise"
     assert sorted(os.listdir(bitwise / "stage2")) == ["index.json", "model.safetensors",
                                                       "optim-rank0-of2.safetensors", "optim-rank1-of2.safetensors"]
-    assert os.listdir(bitwise) == ["stage2"]
+    assert sorted(os.listdir(bitwise)) == ["stage0", "stage2"]
 
 
 def _check_continuation(runs: dict, stage: int) -> None:

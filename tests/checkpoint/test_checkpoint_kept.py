@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from torch.utils.data import Dataset
 
 import poplar.checkpoint.kept as kept_module
+import poplar.checkpoint.hf_layout as hf_layout_module
 import poplar.checkpoint.save as save_module
 from poplar.checkpoint import CheckpointError, find_latest, load_checkpoint, read_index, save_checkpoint
 from poplar.checkpoint.kept import Source, step_name
@@ -132,8 +133,9 @@ def _arm(point: Point, rank: int, root: Path) -> None:
             _die(point.how)
         return out
 
-    if rank == point.rank:
+    if rank == point.rank:  # the model files are written by hf_layout, the rank files by save
         save_module.save_file, os.replace, kept_module.save_checkpoint = save_file, replace, save_checkpoint
+        hf_layout_module.save_file = save_file
 
 
 def _record_saves(root: Path) -> None:

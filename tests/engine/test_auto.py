@@ -33,8 +33,9 @@ def auto_rank(rank: int, world: int, tmp: str) -> dict:
     engine = PoplarEngine(model, opt, zero_stage=1, global_batch_size=GBS, loss_fn=llama_loss_fn,
                           profile_data=data, cluster=PAIR,
                           auto=AutoOptions(repeats=1, profile_output=f"{tmp}/profile.json", progress=False))
+    planned = engine.plan.to_dict()  # auto mode's plan (a drifting rank may get a new one during fit)
     fit = engine.fit(data, 3, log_every=0, progress=False)
-    out = {"plan": engine.plan.to_dict(), "profile": engine.profile.to_dict(), "losses": fit.losses,
+    out = {"plan": planned, "profile": engine.profile.to_dict(), "losses": fit.losses,
            "device": engine.device.describe(), "stage": engine.zero_stage, "fit_ranks": len(fit.ranks)}
     engine.close()
     # a second engine reuses the saved profile: no profiling, the same plan, the same emulated device
@@ -54,8 +55,11 @@ def test_auto_mode_profiles_plans_and_trains(tmp_path: Path) -> None:
     assert r0["plan"] == r1["plan"] and r0["profile"] == r1["profile"]
     assert [r.device_type for r in profile.ranks] == ["V100-16G", "T4-16G"]
     assert profile.meta["emulated"] and profile.meta["memory_scale"] > 0
-    plan = Plan.from_dict(r0["plan"])
+    plan = Plan.from_dict(json.loads(json.dumps(r0["plan"])))  # a copy: its meta is popped below
     assert plan.global_batch_size == GBS and plan.strategy == "poplar" and plan.zero_stage == r0["stage"] >= 1
+    chosen = [r for r in plan.meta.pop("candidates") if r["chosen"]]  # auto mode's choice, recorded
+    assert len(chosen) == 1 and chosen[0]["stage"] == plan.zero_stage and plan.meta.pop("choice_rule") == "fastest"
+    assert plan.meta.pop("profiling_s")["capacity_s"] > 0
     assert plan.to_dict() == make_plan(profile, GBS, plan.zero_stage).to_dict()  # what the planner says
     assert plan.ranks[0].num_samples > plan.ranks[1].num_samples  # the V100 is ~3x the T4
     for rank, row in enumerate(plan.ranks):

@@ -3,6 +3,8 @@ reference that every engine test compares against (docs/design.md §2)."""
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -68,10 +70,20 @@ def reference_run(kind: str, gbs: int, iterations: int, max_grad_norm: float | N
                   ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Plain single-process training on the whole global batch."""
     model = make_model()
-    opt = make_optimizer(model, kind)
+    return train_reference(model, make_optimizer(model, kind), lambda it: loss_fn(model, global_batch(it, gbs)),
+                           iterations, max_grad_norm)
+
+
+def train_reference(model: nn.Module, opt: torch.optim.Optimizer, loss_at: Callable[[int], Any], iterations: int,
+                    max_grad_norm: float | None) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Single-process training, the reference of every parity test: ``loss_at(iteration)`` is the
+    whole global batch's mean loss, or a pair (loss_sum, count) trained as sum / count."""
     losses = []
     for it in range(iterations):
-        loss = loss_fn(model, global_batch(it, gbs))
+        loss = loss_at(it)
+        if isinstance(loss, tuple):
+            total, count = loss
+            loss = total / count
         loss.backward()
         if max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)

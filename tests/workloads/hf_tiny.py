@@ -8,6 +8,7 @@ import warnings
 import torch
 
 from poplar.workloads.hf import IGNORE_INDEX, causal_lm_loss_fn, masked_lm_loss_fn
+from tests.toy import train_reference
 
 VOCAB, SEQ, PAD, MASK = 100, 12, 0, 3
 KINDS = ("gpt2", "llama", "bert")
@@ -70,18 +71,8 @@ def reference(kind: str, gbs: int, iterations: int, max_norm: float | None
               ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """One process, the whole global batch, loss = Σ token losses / Σ counted tokens."""
     model = make_model(kind)
-    opt = optimizer(model)
-    losses = []
-    for it in range(iterations):
-        total, count = loss_fn_of(kind)(model, global_batch(kind, it, gbs))
-        loss = total / count
-        loss.backward()
-        if max_norm is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return train_reference(model, optimizer(model), lambda it: loss_fn_of(kind)(model, global_batch(kind, it, gbs)),
+                           iterations, max_norm)
 
 
 def is_key_bias(name: str) -> bool:

@@ -17,7 +17,7 @@ from poplar.comm import DistributedError
 from poplar.comm.launch import spawn
 from poplar.engine import PoplarEngine
 from poplar.types.precision import LossScaleConfig, MixedPrecision
-from tests.toy import VOCAB, global_batch, make_model, make_optimizer, max_rel_err, plan_of
+from tests.toy import VOCAB, global_batch, make_model, make_optimizer, max_rel_err, plan_of, train_reference
 
 ITERATIONS, GBS = 3, 14
 PLANS = [plan_of((3, 2, 1), (0, 0, 0), (2, 3, 1)),  # n_i = 7, 0, 7
@@ -52,18 +52,8 @@ def part(batch: tuple, plan, rank: int) -> tuple:
 
 def reference(max_norm: float | None) -> tuple[list[float], dict[str, torch.Tensor]]:
     model = make_model()
-    opt = make_optimizer(model, "sgd")
-    losses = []
-    for it in range(ITERATIONS):
-        total, count = sum_loss(model, token_batch(it))
-        loss = total / count
-        loss.backward()
-        if max_norm is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return train_reference(model, make_optimizer(model, "sgd"), lambda it: sum_loss(model, token_batch(it)),
+                           ITERATIONS, max_norm)
 
 
 def engine_for(stage: int, plan, **kwargs) -> PoplarEngine:

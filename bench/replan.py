@@ -6,7 +6,8 @@ process each with a ``VirtualDevice`` of its preset, scales calibrated as in ben
 profile every rank once (``profile_rank``), then, with rank ``--slow-rank`` slowed
 ``--factor``x from iteration ``--slow-at`` (``poplar.profiler.faults.FaultSchedule``), train
 three runs of ``--iterations`` iterations from the same initial model on the same data, one
-after the other in the same processes:
+after the other in the same processes, in ``--rounds`` rounds (2; odd rounds in reverse order,
+medians pooled over the rounds, so a machine whose speed wanders favours none of them):
 
 - fixed:  the plan made at start-up, re-planning off;
 - replan: the same with ``replan=ReplanOptions()`` (10 % threshold, K = 3, 5 % margin);
@@ -14,12 +15,12 @@ after the other in the same processes:
   from the profile with the slowed rank's curve multiplied by the true factor (the new ideal:
   what an oracle that knew the drift would run).
 
-Reported: median iteration seconds (slowest rank's wall time; the per-iteration stats
-exchange of re-planning included) of each run after the switch; ``recovery_iterations`` = the
+Reported: median iteration seconds (slowest rank's wall time; drift detection reads the stats
+the step's status reduction already shares, so it adds no collective) of each run after the switch; ``recovery_iterations`` = the
 first iteration on the re-planned plan minus ``--slow-at``; ``fraction_of_new_ideal`` = ideal
 median / replan median over the iterations from that switch on; the largest relative
 difference between the parameters of the replan and fixed runs (SGD with momentum: the math
-must not change); the per-iteration exchange's median cost; and, in a last run of
+must not change); and, in a last run of
 ``--quiet-iterations`` without any fault while a busy process loads the machine, the number
 of re-plans (false ones: there is no drift to follow). Medians over the iterations; one line
 per cluster; the last line is ``RESULT {json}``.
@@ -114,9 +115,8 @@ def run(job: dict, rank: int, device: Any, profile: Profile, name: str, data: To
     else:
         result = engine.fit(data, total, replan=name != "fixed" and ReplanOptions(), **common)
         records, replans = result.iterations, result.replans
-    exchange = [r.seconds for r in engine.comm_ledger.records if r.tag == "fit:replan"]
     out = {"walls": [r["wall_s"] for r in records], "replans": replans, "late": device.late_steps - late,
-           "micro_steps": counter.count, "exchange_s": exchange}
+           "micro_steps": counter.count}
     if engine.rank == 0 and name in ("fixed", "replan"):
         out["state"] = engine.full_state_dict()
     handle.remove()
@@ -130,57 +130,78 @@ def worker(rank: int, world: int, job: dict) -> dict:
     profile = profile_rank(job["model_fn"], llama_loss_fn, job["sample_fn"], device, optimizer_fn=default_optimizer,
                            options=options, log=lambda m: None)
     data = Tokens(job["gbs"] * 4, job["seq"])
-    out = {name: run(job, rank, device, profile, name, data) for name in ("fixed", "replan", "ideal")}
+    names = ("fixed", "replan", "ideal")
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    for k in range(job["rounds"]):  # odd rounds in reverse order: a machine that drifts favours no run
+        for name in (names if k % 2 == 0 else names[::-1]):
+            runs[name].append(run(job, rank, device, profile, name, data))
+    out: dict[str, Any] = {name: merged(rs) for name, rs in runs.items()}
     load = None
     if rank == 0 and job["load"]:  # a co-tenant busy on the machine during the quiet run
         load = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
-        out["quiet"] = run(job, rank, device, profile, "quiet", data)
+        out["quiet"] = merged([run(job, rank, device, profile, "quiet", data)])
     finally:
         if load is not None:
             load.kill()
             load.wait()
     if rank == 0:
-        out["plans"] = {"start": make_plan(profile, job["gbs"], job["stage"]).to_dict()}
+        ideal = make_plan(slowed(profile, job["slow_rank"], job["factor"]), job["gbs"], job["stage"])
+        out["plans"] = {"start": make_plan(profile, job["gbs"], job["stage"]).to_dict(),
+                        "ideal": [[r.micro_batch_size, r.accum_steps, r.last_batch_size] for r in ideal.ranks],
+                        "ideal_predicted_s": ideal.predicted_iteration_s}
     return out
+
+
+def merged(rounds: list[dict]) -> dict[str, Any]:
+    """One run's rounds: walls and decisions per round, late and micro-step counts summed."""
+    first = rounds[0]
+    return {**first, "walls": [r["walls"] for r in rounds], "replans": [r["replans"] for r in rounds],
+            "late": sum(r["late"] for r in rounds), "micro_steps": sum(r["micro_steps"] for r in rounds)}
 
 
 # ---------------------------------------------------------------------- in the parent
 def analyse(name: str, results: list[dict], args: argparse.Namespace) -> dict[str, Any]:
     r0 = results[0]
-    walls = {k: r0[k]["walls"] for k in ("fixed", "replan", "ideal")}
-    applied = [e for e in r0["replan"]["replans"] if e["applied"] and e["iteration"] > args.slow_at]
-    early = sum(e["applied"] and e["iteration"] <= args.slow_at for e in r0["replan"]["replans"])
-    switch = applied[0]["iteration"] if applied else None
-    after = switch if switch is not None else args.iterations
-    med = {k: statistics.median(w[after:]) if w[after:] else float("nan") for k, w in walls.items()}
-    before = {k: statistics.median(w[1:args.slow_at]) for k, w in walls.items()}
+    names = ("fixed", "replan", "ideal")
+    switches, early = [], 0  # per round: the first iteration on the re-planned plan
+    for events in r0["replan"]["replans"]:
+        applied = [e for e in events if e["applied"] and e["iteration"] > args.slow_at]
+        early += sum(e["applied"] and e["iteration"] <= args.slow_at for e in events)
+        switches.append(applied[0]["iteration"] if applied else None)
+    switch = None if None in switches else max(switches)
+    starts = [s if s is not None else args.iterations for s in switches]
+    med = {k: median_or_nan([x for w, a in zip(r0[k]["walls"], starts) for x in w[a:]]) for k in names}
+    before = {k: statistics.median([x for w in r0[k]["walls"] for x in w[1:args.slow_at]]) for k in names}
     state_f, state_r = r0["fixed"]["state"], r0["replan"]["state"]
     diff = max(float((state_r[k] - state_f[k]).norm() / state_f[k].norm().clamp_min(1e-12)) for k in state_f)
     late = sum(r[k]["late"] for r in results for k in ("fixed", "replan", "ideal", "quiet"))
     steps = sum(r[k]["micro_steps"] for r in results for k in ("fixed", "replan", "ideal", "quiet"))
-    exchange = [s for r in results for s in r["replan"]["exchange_s"]]
     return {"cluster": name, "switch_iteration": switch,
             "recovery_iterations": (switch - args.slow_at) if switch is not None else None,
             "median_s_before": before, "median_s_after": med,
             "fraction_of_new_ideal": med["ideal"] / med["replan"] if switch is not None else 0.0,
             "speedup_vs_fixed": med["fixed"] / med["replan"] if switch is not None else 1.0,
-            "param_diff": diff, "false_replans": early + sum(e["applied"] for e in r0["quiet"]["replans"]),
-            "drift_notes_quiet": len(r0["quiet"]["replans"]), "replans": r0["replan"]["replans"],
-            "late_steps": late, "micro_steps": steps,
-            "exchange_ms": 1e3 * statistics.median(exchange) if exchange else None}
+            "param_diff": diff, "false_replans": early + sum(e["applied"] for e in r0["quiet"]["replans"][0]),
+            "drift_notes_quiet": len(r0["quiet"]["replans"][0]), "replans": r0["replan"]["replans"][0],
+            "switches": switches,
+            "ideal_rows": r0["plans"]["ideal"], "ideal_predicted_s": r0["plans"]["ideal_predicted_s"],
+            "late_steps": late, "micro_steps": steps}
+
+
+def median_or_nan(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
 
 
 def table(rows: list[dict]) -> str:
     head = (f"{'cluster':>7} {'fixed s':>8} {'replan s':>8} {'ideal s':>8} {'x ideal':>7} {'vs fixed':>8} "
-            f"{'switch':>6} {'n':>3} {'param diff':>10} {'false':>5} {'xchg ms':>7}")
+            f"{'switch':>6} {'n':>3} {'param diff':>10} {'false':>5}")
     lines = [head, "-" * len(head)]
     for r in rows:
         m = r["median_s_after"]
         lines.append(f"{r['cluster']:>7} {m['fixed']:>8.4f} {m['replan']:>8.4f} {m['ideal']:>8.4f} "
                      f"{r['fraction_of_new_ideal']:>7.3f} {r['speedup_vs_fixed']:>7.2f}x {str(r['switch_iteration']):>6} "
-                     f"{str(r['recovery_iterations']):>3} {r['param_diff']:>10.2e} {r['false_replans']:>5} "
-                     f"{(r['exchange_ms'] or 0):>7.2f}")
+                     f"{str(r['recovery_iterations']):>3} {r['param_diff']:>10.2e} {r['false_replans']:>5}")
     return "\n".join(lines)
 
 
@@ -198,10 +219,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--seq", type=int, default=16)
     ap.add_argument("--model", default="llama-tiny")
     ap.add_argument("--repeats", type=int, default=2, help="profiler measurements per batch size")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="rounds of the fixed / replan / ideal runs (odd rounds in reverse order); medians pool them")
     ap.add_argument("--short", action="store_true", help="20 iterations, slowdown at 6, 30 quiet ones")
     args = ap.parse_args()
     if args.short:
-        args.iterations, args.slow_at, args.quiet_iterations, args.repeats = 20, 6, 30, 1
+        args.iterations, args.slow_at, args.quiet_iterations, args.repeats, args.rounds = 20, 6, 30, 1, 1
     if not 1 < args.slow_at < args.iterations:
         ap.error("--slow-at must be between 2 and --iterations - 1")
     return args
@@ -223,7 +246,7 @@ def main() -> None:
                "stage": args.stage, "gbs": args.gbs, "seq": args.seq, "iterations": args.iterations,
                "slow_at": args.slow_at, "slow_rank": args.slow_rank, "factor": args.factor,
                "faults": FaultSchedule(slow_factor=args.factor, slow_from=args.slow_at), "quiet": args.quiet_iterations,
-               "load": not args.no_load, "repeats": args.repeats}
+               "load": not args.no_load, "repeats": args.repeats, "rounds": args.rounds}
         results = spawn(worker, spec.world_size, (job,), timeout_s=3600, collective_timeout_s=900)
         rows.append(analyse(spec.name, results, args))
     print(table(rows))
@@ -232,7 +255,8 @@ def main() -> None:
             print(f"note: {r['cluster']}: {'re-plan' if e['applied'] else 'drift noted'} at iteration "
                   f"{e['iteration']} ({e['kind']}, ranks {e['ranks']}, correction "
                   f"{ {k: round(v, 3) for k, v in e['correction'].items()} }): predicted "
-                  f"{e['predicted_before_s']:.4f} s -> {e['predicted_after_s']:.4f} s")
+                  f"{e['predicted_before_s']:.4f} s -> {e['predicted_after_s']:.4f} s, rows {e['plan']}")
+        print(f"note: {r['cluster']}: the new ideal's rows {r['ideal_rows']}, predicted {r['ideal_predicted_s']:.4f} s")
     recov = [r["recovery_iterations"] for r in rows]
     late, steps = sum(r["late_steps"] for r in rows), sum(r["micro_steps"] for r in rows)
     result = {"fraction_of_new_ideal": min(r["fraction_of_new_ideal"] for r in rows),
@@ -241,10 +265,9 @@ def main() -> None:
               "max_param_diff_vs_no_replan": max(r["param_diff"] for r in rows),
               "late_step_fraction": late / steps if steps else 0.0,
               "speedup_vs_fixed": min(r["speedup_vs_fixed"] for r in rows),
-              "exchange_ms": statistics.median(r["exchange_ms"] for r in rows if r["exchange_ms"] is not None),
               "drift_notes_quiet": sum(r["drift_notes_quiet"] for r in rows),
               "iterations": args.iterations, "slow_at": args.slow_at, "factor": args.factor,
-              "quiet_iterations": args.quiet_iterations, "load": not args.no_load, "stage": args.stage,
+              "quiet_iterations": args.quiet_iterations, "rounds": args.rounds, "load": not args.no_load, "stage": args.stage,
               "gbs": args.gbs, "clusters": [r["cluster"] for r in rows], "targets": TARGETS,
               "wall_s": round(time.perf_counter() - t_start, 1)}
     print("RESULT " + json.dumps(result))

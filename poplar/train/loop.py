@@ -199,7 +199,7 @@ def fit(engine: Any, data: Any, iterations: int, *, loss_fn: Any = None, log_eve
             iteration. ``poplar train`` turns it on.
         replan: re-plan when a rank's speed or memory drifts (``poplar.train.replan``): None = on
             when the engine has a profile, True / False, or ``ReplanOptions`` (threshold, patience
-            K, margin, ...). Costs one small all-gather per iteration while on.
+            K, margin, ...). Adds no collective: the per-rank stats ride the step's status reduction.
     """
     if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 0:
         raise ValueError(f"iterations must be an int >= 0, got {iterations!r}")

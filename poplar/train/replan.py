@@ -3,9 +3,9 @@ measurements, plan again and switch plans between iterations (docs/design.md §1
 
 ``fit(..., replan=...)`` drives a ``Replanner`` instead of calling ``engine.train_step`` itself:
 
-- **Speed.** After every iteration one small all-gather shares each rank's compute seconds
-  (communication taken out) and samples, so every rank holds the same numbers and takes the
-  same decisions without another agreement. A rank whose measured / expected compute stays
+- **Speed.** Every iteration's status reduction already hands every rank each rank's compute
+  seconds (communication taken out) and samples (``IterationStats.rank_compute_s``), so every
+  rank holds the same numbers and takes the same decisions with no collective of its own. A rank whose measured / expected compute stays
   beyond ``threshold`` for ``patience`` iterations in a row has drifted; its points in the live
   profile are multiplied by the median of those ratios (a speed factor: a cubic spline is linear
   in its data, so the whole curve scales) and the ranks it belongs to become a device type of
@@ -34,7 +34,6 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-import torch
 
 from poplar.planner import make_problem, plan as make_plan
 from poplar.planner.cost_model import evaluate_rows
@@ -122,7 +121,6 @@ class Replanner:
         self.ratios: list[list[float]] = [[] for _ in range(world)]  # the current streak's ratios per rank
         self.quiet = 0  # cool-down iterations left
         self.events: list[ReplanEvent] = []
-        self.exchange_s: list[float] = []  # seconds of each per-iteration stats all-gather
 
     # ------------------------------------------------------------------ one iteration
     def step(self, loader: PlanLoader, batch: Any, loss_fn: Any) -> tuple[float, Any]:
@@ -145,17 +143,12 @@ class Replanner:
 
     # ------------------------------------------------------------------ speed
     def _observe(self, loader: PlanLoader) -> None:
-        engine = self.engine
-        world, stats = engine.world_size, engine.last_stats
-        mine = torch.tensor([stats.compute_s, float(stats.samples)], dtype=torch.float64)
-        everyone = torch.zeros(2 * world, dtype=torch.float64)
-        t0 = time.perf_counter()
-        engine.comm.all_gather(everyone, mine, tag="fit:replan")
-        self.exchange_s.append(time.perf_counter() - t0)
-        values = everyone.tolist()
-        for r in range(world):
-            compute, samples, expected = values[2 * r], values[2 * r + 1], self.expected[r]
-            ratio = compute / expected if samples > 0 and expected > 0 else 1.0
+        stats = self.engine.last_stats
+        if stats is None or not stats.rank_compute_s:
+            return
+        for r, (compute, samples) in enumerate(zip(stats.rank_compute_s, stats.rank_samples)):
+            expected = self.expected[r]
+            ratio = compute / expected if samples > 0 and expected > 0 and compute > 0 else 1.0
             if abs(ratio - 1.0) > self.options.threshold:
                 self.ratios[r].append(ratio)
             else:

@@ -12,9 +12,11 @@ A micro-step's loss comes in one of two kinds, and a rank's ``LossAccumulator`` 
   power of two w near 1 / (the previous iteration's global count; gbs at first) and the divisor is
   count x w: multiplying by a power of two is exact, so the result is bitwise the same for any w.
 
-The iteration ends with the status reduction: one all-reduce of seven float64 numbers per rank
+The iteration ends with the status reduction: one all-reduce of 7 + 2 x world float64 numbers
 (loss sum, samples, failed flag, non-finite flag, count, and whether it used mean or sum
-losses), so every rank reaches the same verdict: a failure, a sample total other than gbs, loss
+losses, then one slot pair per rank that only that rank fills: its compute seconds and samples,
+so the sum hands every rank every rank's measured compute with no collective of its own, which
+drift detection reads), so every rank reaches the same verdict: a failure, a sample total other than gbs, loss
 kinds mixed across ranks or an invalid count is an error on every rank; otherwise the step's
 gradient divisor and its global mean loss follow.
 """
@@ -137,6 +139,8 @@ class IterationStatus:
     count: float
     mean_ranks: int  # ranks whose micro-steps returned mean losses
     sum_ranks: int  # ranks whose micro-steps returned (loss_sum, count) pairs
+    rank_compute_s: tuple[float, ...] = ()  # each rank's forward+backward seconds, collectives taken out
+    rank_samples: tuple[int, ...] = ()  # each rank's samples this iteration
 
     @property
     def kind(self) -> LossKind:
@@ -154,20 +158,27 @@ class IterationStatus:
         return self.loss_sum / global_batch_size
 
 
-def reduce_status(comm: Communicator, losses: LossAccumulator, failed: bool, nonfinite: torch.Tensor
-                  ) -> IterationStatus:
-    """The one all-reduce of the iteration's status (``nonfinite``: this rank's 0/1 flag, float64)."""
-    dev = comm.device
+def reduce_status(comm: Communicator, losses: LossAccumulator, failed: bool, nonfinite: torch.Tensor,
+                  compute_s: float = 0.0) -> IterationStatus:
+    """The one all-reduce of the iteration's status (``nonfinite``: this rank's 0/1 flag, float64;
+    ``compute_s``: this rank's measured compute seconds, shared in its own slot)."""
+    dev, world, rank = comm.device, comm.world_size, comm.rank
     kind = losses.kind
     head = torch.tensor([float(losses.samples), 1.0 if failed else 0.0], dtype=torch.float64, device=dev)
     tail = torch.tensor([1.0 if kind is LossKind.MEAN else 0.0, 1.0 if kind is LossKind.SUM else 0.0],
                         dtype=torch.float64, device=dev)
+    slots = torch.zeros(2 * world, dtype=torch.float64, device=dev)
+    slots[2 * rank] = compute_s
+    slots[2 * rank + 1] = float(losses.samples)
     status = torch.cat([losses.loss_sum.reshape(1), head, nonfinite.reshape(1).to(torch.float64),
-                        losses.count.reshape(1), tail])
+                        losses.count.reshape(1), tail, slots])
     comm.all_reduce(status, tag="status")
-    loss_sum, samples, failed_ranks, nonfinite_ranks, count, mean_ranks, sum_ranks = status.tolist()
+    values = status.tolist()
+    loss_sum, samples, failed_ranks, nonfinite_ranks, count, mean_ranks, sum_ranks = values[:7]
+    per_rank = values[7:]
     return IterationStatus(loss_sum, round(samples), round(failed_ranks), round(nonfinite_ranks), count,
-                           round(mean_ranks), round(sum_ranks))
+                           round(mean_ranks), round(sum_ranks), tuple(per_rank[0::2]),
+                           tuple(round(x) for x in per_rank[1::2]))
 
 
 def status_error(status: IterationStatus, iteration: int, global_batch_size: int, world_size: int) -> str | None:

@@ -39,7 +39,9 @@ class MicroStep:
 class IterationStats:
     """What one iteration cost this rank, measured: ``compute_s`` is forward+backward time with
     the seconds spent blocked in collectives taken out; ``comm_s`` is all the iteration's
-    blocked collective time (waiting for slower ranks included)."""
+    blocked collective time (waiting for slower ranks included). ``rank_compute_s`` and
+    ``rank_samples`` are every rank's compute seconds and samples, shared by the iteration's
+    status reduction (empty for a step that failed before it)."""
 
     iteration: int
     wall_s: float
@@ -47,6 +49,8 @@ class IterationStats:
     comm_s: float
     samples: int
     micro_steps: int
+    rank_compute_s: tuple[float, ...] = ()
+    rank_samples: tuple[int, ...] = ()
 
 
 class StepObserver:

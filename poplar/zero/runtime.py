@@ -279,7 +279,8 @@ class ZeroRuntime:
         wall = time.perf_counter() - self._iter_start
         comm_s = self.comm_ledger.seconds(iteration=self.iteration)
         self.last_stats = IterationStats(self.iteration, wall, self._compute_s or max(0.0, wall - comm_s), comm_s,
-                                         self._losses.samples, self._micro_steps)
+                                         self._losses.samples, self._micro_steps, status.rank_compute_s,
+                                         status.rank_samples)
         self.last_loss_count = status.count if status.sum_ranks else None
         self.iteration += 1
         self._reset_iteration()
@@ -292,7 +293,7 @@ class ZeroRuntime:
         failure raises on every rank, with no optimizer step."""
         error = error if error is not None else self._losses.error
         flag = nonfinite_flag(self.stage.held_grads(), self._losses.loss_sum, self.stage.held_grads_limit)
-        status = reduce_status(self.comm, self._losses, error is not None, flag)
+        status = reduce_status(self.comm, self._losses, error is not None, flag, self._compute_s)
         if status.failed_ranks:
             self._abandon_iteration()
             said = self.comm.all_gather_object(None if error is None else (error, failure_kind(cause)), tag="status")

@@ -6,7 +6,11 @@ most 5 MB and an iteration-time drift of at most 5 %, both last window against t
 first holds the warm-up). The last line is
 ``RESULT {"rss_growth_mb": ..., "iteration_time_drift": ..., "iteration_time_trend": ...}``
 (the worse rank of each); the trend is the Theil-Sen line through the window medians from the
-second window on, which one noisy window on a shared 2-core machine barely moves.
+second window on, which one noisy window on a shared 2-core machine barely moves. A shared
+machine's own speed wanders by 10-20 % over minutes, so each window also builds a fresh engine
+and runs it alternately with the long-lived one for ``--paired`` iterations: the ratio of their
+medians ("vs fresh") moves only with what the long-lived engine accumulated, and its change
+from the second window to the last is ``paired_drift_vs_fresh_engine``.
 
     python bench/soak.py [--iterations 10000] [--window 1000]
 """
@@ -63,23 +67,39 @@ def trend_over_run(medians: list[float]) -> float:
     return statistics.median(slopes) * (len(medians) - 1) / statistics.median(medians)
 
 
-def worker(rank: int, world: int, iterations: int, window: int) -> list[dict]:
+def build(world: int) -> PoplarEngine:
     torch.manual_seed(0)
     model = Tiny()
-    engine = PoplarEngine(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), zero_stage=3,
-                          plan=Plan.even(world, GBS, 2), loss_fn=loss_fn)
+    return PoplarEngine(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), zero_stage=3,
+                        plan=Plan.even(world, GBS, 2), loss_fn=loss_fn)
+
+
+def worker(rank: int, world: int, iterations: int, window: int, paired: int) -> list[dict]:
+    engine = build(world)
     data = torch.randint(0, VOCAB, (64, GBS, SEQ + 1), generator=torch.Generator().manual_seed(1))
     share = GBS // world
     rows, times = [], []
+    fresh, fresh_times, paired_times = None, [], []
     for it in range(iterations):
         batch = data[it % len(data), rank * share:(rank + 1) * share]
+        if it % window == 0:  # a fresh engine, run alternately with the long-lived one: the reference
+            fresh, fresh_times, paired_times = build(world), [], []
         t0 = time.perf_counter()
         engine.train_step(batch)
         times.append(time.perf_counter() - t0)
+        if fresh is not None:
+            paired_times.append(times[-1])
+            t0 = time.perf_counter()
+            fresh.train_step(batch)
+            fresh_times.append(time.perf_counter() - t0)
+            if len(fresh_times) == paired:
+                fresh.close()
+                fresh = None
         if (it + 1) % window == 0:
             gc.collect()  # what stays after a collection is what grows for real
             rows.append({"window": (it + 1) // window, "rss_mb": rss_mb(),
                          "median_iteration_ms": 1e3 * statistics.median(times[-window:]),
+                         "paired_ratio": statistics.median(paired_times) / statistics.median(fresh_times),
                          "ledger_records": len(engine.comm_ledger.records)})
     engine.close()
     return rows
@@ -89,24 +109,32 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iterations", type=int, default=10_000)
     ap.add_argument("--window", type=int, default=1_000)
+    ap.add_argument("--paired", type=int, default=200,
+                    help="iterations per window run alternately with a freshly built engine (the reference)")
     args = ap.parse_args()
+    if not 0 < args.paired <= args.window:
+        raise SystemExit("--paired must be between 1 and --window")
     if args.iterations < 3 * args.window:
         raise SystemExit("--iterations must be at least 3 windows (the first is the warm-up)")
-    results = spawn(worker, 2, (args.iterations, args.window), timeout_s=3600, collective_timeout_s=120)
+    results = spawn(worker, 2, (args.iterations, args.window, args.paired), timeout_s=3600, collective_timeout_s=120)
     print(f"{'window':>6} {'iterations':>12} " + " ".join(f"{f'rank{r} RSS MB':>13} {f'rank{r} ms':>9}"
-                                                          for r in range(len(results))) + f" {'ledger':>7}")
+                                                          for r in range(len(results))) + f" {'vs fresh':>8} {'ledger':>7}")
     for k in range(len(results[0])):
         first = k * args.window
         print(f"{k + 1:>6} {f'{first}-{first + args.window - 1}':>12} "
               + " ".join(f"{res[k]['rss_mb']:>13.1f} {res[k]['median_iteration_ms']:>9.3f}" for res in results)
-              + f" {results[0][k]['ledger_records']:>7}")
+              + f" {max(res[k]['paired_ratio'] for res in results):>8.3f} {results[0][k]['ledger_records']:>7}")
     growth = max(res[-1]["rss_mb"] - res[1]["rss_mb"] for res in results)
     drift = max(res[-1]["median_iteration_ms"] / res[1]["median_iteration_ms"] - 1 for res in results)
     trend = max(trend_over_run([row["median_iteration_ms"] for row in res[1:]]) for res in results)
     print(f"last window vs second: RSS {growth:+.2f} MB (target <= 5), iteration time {drift:+.1%} (target <= 5 %)")
+    paired = max(res[-1]["paired_ratio"] / res[1]["paired_ratio"] - 1 for res in results)
+    print(f"long-lived engine / a fresh one run alternately with it, last window vs second: {paired:+.1%} "
+          "(what the engine's own state adds; the machine's drift cancels)")
     print(f"trend of the window medians from the second window on (Theil-Sen, over the run): {trend:+.1%}")
     print("RESULT " + json.dumps({"rss_growth_mb": round(growth, 3), "iteration_time_drift": round(drift, 4),
                                   "iteration_time_trend": round(trend, 4),
+                                  "paired_drift_vs_fresh_engine": round(paired, 4),
                                   "iterations": args.iterations, "window": args.window, "ranks": len(results),
                                   "zero_stage": 3}))
 

@@ -32,6 +32,7 @@ from torch import nn
 from poplar.zero.base import ZeroStage
 from poplar.comm import Communicator, Phase
 from poplar.zero.flat import FlatUnit
+from poplar.zero.grad_hooks import on_grad_accumulated
 from poplar.zero.optim import repoint_optimizer
 from poplar.zero.precision import StagePrecision
 from poplar.zero.reduce_queue import ReduceHandle, ReduceQueue
@@ -58,13 +59,11 @@ class ReplicatedParams(ZeroStage):
         self._hooks = []
         for ui, u in enumerate(units):
             for si, p in enumerate(u.params):
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(ui, si)))
+                self._hooks.append(on_grad_accumulated(p, self._take_grad, ui, si))
 
-    def _make_hook(self, ui: int, si: int) -> Any:
-        def hook(p: nn.Parameter) -> None:
-            self._grad_ready(ui, si, p.grad)
-            p.grad = None
-        return hook
+    def _take_grad(self, ui: int, si: int, p: nn.Parameter) -> None:
+        self._grad_ready(ui, si, p.grad)
+        p.grad = None
 
     @abstractmethod
     def _grad_ready(self, ui: int, si: int, grad: torch.Tensor) -> None:

@@ -14,8 +14,7 @@ its parameters' gradients have arrived) interleaved with one reduce-scatter per 
 sequence never depends on what the hooks ask for or when, so a rank whose forward visits blocks
 in another order (or skips one) still matches, ``end_micro_step`` completes whatever a pass did
 not issue (an exception mid-micro-step, unused parameters), and a rank with fewer micro-steps
-(or none) replays the sequence with zero gradients (``empty_micro_step``) — stage-3 plans may
-differ in micro-step counts. Gradients that arrive after their block's reduce-scatter had to be
+(or none) replays the sequence with zero gradients (``empty_micro_step``). Gradients that arrive after their block's reduce-scatter had to be
 issued early (only when a rank's backward runs blocks out of the recorded order) are kept and
 reduce-scattered once at the iteration's end, after a one-number-per-block all-reduce that
 tells every rank which blocks have such gradients.
@@ -34,12 +33,11 @@ inside one block, whose recomputation runs in backward after the schedule gather
 its backward; the block's hooks recognise it (``recomputing()``), check that the block is
 gathered, and issue, gather and release nothing, so the list of collectives is unchanged.
 Limits: one forward of the model per micro-step, a block runs once per forward (besides its
-recomputation), parameters are used only inside their block's forward,
-and the model's parameters are empty between uses: read them with ``full_state_dict()``.
+recomputation), parameters are used only inside their block's forward, and the model's
+parameters are empty between uses: read them with ``full_state_dict()``.
 
 Mixed precision: each block's shard is its fp32 master; the all-gathers send it cast to the
-compute dtype (half of fp32's bytes for bf16/fp16), and ``full_state_dict`` gathers the fp32
-shards (``poplar.zero.sharded_state``).
+compute dtype (half of fp32's bytes for bf16/fp16); ``full_state_dict`` gathers the fp32 shards.
 """
 
 from __future__ import annotations
@@ -56,6 +54,7 @@ from torch.utils._pytree import tree_leaves
 from poplar.zero.activation_checkpointing import recomputing
 from poplar.zero.base import ZeroStage
 from poplar.zero.blocks import BlockState, GatherHandle, GradState, ShardedBlock, build_blocks
+from poplar.zero.grad_hooks import on_grad_accumulated
 from poplar.comm import Communicator, DistributedError, Phase
 from poplar.zero import sharded_state
 from poplar.zero.optim import repoint_optimizer
@@ -100,6 +99,7 @@ class Stage3(ZeroStage):
         self._completing = False  # in end_micro_step: no memory check may interrupt its collectives
         self._set_orders([b.index for b in self.layers], post_order(self.layers))
 
+        self._blocks_by_index = {b.index: b for b in blocks}
         model.register_forward_pre_hook(self._root_pre)
         model.register_forward_hook(self._root_post, always_call=True)
         for b in self.layers:
@@ -108,7 +108,7 @@ class Stage3(ZeroStage):
         for b in blocks:
             for k, u in enumerate(b.units):
                 for i, p in enumerate(u.params):
-                    p.register_post_accumulate_grad_hook(partial(self._grad_ready, b, k, i))
+                    on_grad_accumulated(p, self._grad_ready, b.index, k, i)
 
     def block_names(self) -> list[str]:
         return [b.name for b in self.layers]
@@ -276,8 +276,8 @@ class Stage3(ZeroStage):
         if self._prefetching():
             p.bwd.prefetch_after(b)
 
-    def _grad_ready(self, b: ShardedBlock, k: int, i: int, param: nn.Parameter) -> None:
-        grad, param.grad = param.grad, None
+    def _grad_ready(self, block_index: int, k: int, i: int, param: nn.Parameter) -> None:
+        b, (grad, param.grad) = self._blocks_by_index[block_index], (param.grad, None)
         p = self._pass
         if p is None or not p.train or p.bwd is None:
             raise RuntimeError("ZeRO-3: a gradient arrived outside a micro-step; call engine.backward(loss, n)")

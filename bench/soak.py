@@ -33,6 +33,7 @@ from poplar.engine import PoplarEngine
 from poplar.types.plans import Plan
 
 VOCAB, DIM, SEQ, GBS = 64, 32, 8, 8
+WARM_UP = 20  # steps of each fresh reference engine left out of the pairs
 
 
 class Tiny(nn.Module):
@@ -78,29 +79,27 @@ def worker(rank: int, world: int, iterations: int, window: int, paired: int) -> 
     engine = build(world)
     data = torch.randint(0, VOCAB, (64, GBS, SEQ + 1), generator=torch.Generator().manual_seed(1))
     share = GBS // world
-    rows, times = [], []
-    fresh, fresh_times, paired_times = None, [], []
+    rows, times, ratios, fresh = [], [], [], None
     for it in range(iterations):
         batch = data[it % len(data), rank * share:(rank + 1) * share]
         if it % window == 0:  # a fresh engine, run alternately with the long-lived one: the reference
-            fresh, fresh_times, paired_times = build(world), [], []
+            fresh, ratios = build(world), []
         t0 = time.perf_counter()
         engine.train_step(batch)
         times.append(time.perf_counter() - t0)
         if fresh is not None:
-            paired_times.append(times[-1])
             t0 = time.perf_counter()
             fresh.train_step(batch)
-            fresh_times.append(time.perf_counter() - t0)
-            if len(fresh_times) == paired:
+            if it % window >= WARM_UP:  # the fresh engine's first steps allocate
+                ratios.append(times[-1] / (time.perf_counter() - t0))
+            if len(ratios) == paired:
                 fresh.close()
                 fresh = None
         if (it + 1) % window == 0:
             gc.collect()  # what stays after a collection is what grows for real
             rows.append({"window": (it + 1) // window, "rss_mb": rss_mb(),
                          "median_iteration_ms": 1e3 * statistics.median(times[-window:]),
-                         "paired_ratio": statistics.median(paired_times) / statistics.median(fresh_times),
-                         "ledger_records": len(engine.comm_ledger.records)})
+                         "paired_ratio": statistics.median(ratios), "ledger_records": len(engine.comm_ledger.records)})
     engine.close()
     return rows
 
@@ -112,8 +111,8 @@ def main() -> None:
     ap.add_argument("--paired", type=int, default=200,
                     help="iterations per window run alternately with a freshly built engine (the reference)")
     args = ap.parse_args()
-    if not 0 < args.paired <= args.window:
-        raise SystemExit("--paired must be between 1 and --window")
+    if not 0 < args.paired <= args.window - WARM_UP:
+        raise SystemExit(f"--paired must be between 1 and --window - {WARM_UP}")
     if args.iterations < 3 * args.window:
         raise SystemExit("--iterations must be at least 3 windows (the first is the warm-up)")
     results = spawn(worker, 2, (args.iterations, args.window, args.paired), timeout_s=3600, collective_timeout_s=120)

@@ -82,7 +82,7 @@ from poplar.planner.ideal import ideal
 from poplar.types.plans import Plan, write_text_atomic
 from poplar.types.precision import resolve_precision
 from poplar.profiler.capacity import CapacitySearch
-from poplar.profiler.calibration import MARGIN, calibrate
+from poplar.profiler.calibration import MARGIN, calibrate_stages
 from poplar.profiler.emulate import cluster_devices
 from poplar.profiler.speed_padding import LATE_BUDGET, late_fraction
 from poplar.profiler.local_comm import local_engine
@@ -395,8 +395,8 @@ def main() -> None:
         t0 = time.perf_counter()
         margin, attempts = MARGIN, []
         for attempt in range(args.attempts):
-            cal = calibrate(model_fn, llama_loss_fn, sample_fn, spec, 0, optimizer_fn=default_optimizer,
-                            mixed_precision=policy, margin=margin)
+            cal = calibrate_stages(model_fn, llama_loss_fn, sample_fn, spec, args.stages,
+                                   optimizer_fn=default_optimizer, mixed_precision=policy, margin=margin)
             devices = cluster_devices(spec, cal.memory_scale, cal.time_scale, policy)
             print(f"# {spec.describe()}: memory scale {cal.memory_scale:.3g}, time scale {cal.time_scale:.3g} "
                   f"(margin {margin:.2f})", file=sys.stderr, flush=True)

@@ -48,23 +48,41 @@ class BlockPaced(Protocol):
 
 
 class Fractions:
-    """Per micro-step size, the share of a pass's real compute done before each boundary."""
+    """Per micro-step size, the share of a pass's real compute done before each boundary, and
+    the pass's real compute (averages over the passes seen)."""
 
     def __init__(self) -> None:
         self._by_batch: dict[tuple[int, int], list[float]] = {}
+        self._total: dict[tuple[int, int], float] = {}
 
     def get(self, batch: int, count: int) -> list[float] | None:
-        """The learned shares for ``count`` boundaries at ``batch`` samples (None: none yet)."""
-        return self._by_batch.get((batch, count))
+        """The learned shares for ``count`` boundaries at ``batch`` samples (None: none yet),
+        made non-decreasing from the right: one pass that stalled before a boundary must not
+        pace that boundary beyond the ones after it."""
+        shares = self._by_batch.get((batch, count))
+        if shares is None:
+            return None
+        out, low = [], 1.0
+        for share in reversed(shares):
+            low = min(low, share)
+            out.append(low)
+        return out[::-1]
+
+    def real_s(self, batch: int, count: int) -> float | None:
+        """The pass's learned real compute seconds (None: none yet)."""
+        return self._total.get((batch, count))
 
     def learn(self, batch: int, marks: list[float], total: float) -> None:
         """Record one pass: real compute seconds at each boundary, and in the whole pass."""
         if not marks or total <= 0:
             return
+        key = (batch, len(marks))
         new = [min(max(m / total, 0.0), 1.0) for m in marks]
-        seen = self._by_batch.get((batch, len(new)))
-        self._by_batch[(batch, len(new))] = new if seen is None else [
+        seen = self._by_batch.get(key)
+        self._by_batch[key] = new if seen is None else [
             (1 - LEARN_WEIGHT) * s + LEARN_WEIGHT * n for s, n in zip(seen, new)]
+        old = self._total.get(key)
+        self._total[key] = total if old is None else (1 - LEARN_WEIGHT) * old + LEARN_WEIGHT * total
 
 
 class BlockHooks:

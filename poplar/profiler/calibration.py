@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import numpy as np
@@ -324,3 +324,20 @@ def calibrate(model_fn: Callable, loss_fn: Callable, sample_fn: Callable[[int], 
                    mixed_precision=mixed_precision)
     concurrent = spawn_timing(prep.job) if prep.job is not None else {}
     return finish(prep, concurrent, margin=margin, min_step_s=min_step_s)
+
+
+def calibrate_stages(model_fn: Callable, loss_fn: Callable, sample_fn: Callable[[int], Any],
+                     cluster: ClusterSpec | str, stages: list[int], **options: Any) -> Calibration:
+    """One emulation for runs at several ZeRO stages: the memory scale of the lowest stage (a
+    GPU's memory does not depend on the stage), and the largest time scale that any stage
+    needs with it. A higher stage computes more per micro-step on the CPU (casting and copying
+    shards, its hooks) and fits larger batches, so a time scale calibrated at ZeRO-0 alone can
+    leave ZeRO-3's micro-steps late."""
+    low, *rest = sorted(set(stages))
+    cal = calibrate(model_fn, loss_fn, sample_fn, cluster, low, **options)
+    for stage in rest[-1:]:  # the highest stage computes the most per micro-step
+        fixed = {**options, "memory_scale": cal.memory_scale}
+        other = calibrate(model_fn, loss_fn, sample_fn, cluster, stage, **fixed)
+        if other.time_scale > cal.time_scale:
+            cal = replace(cal, time_scale=other.time_scale)
+    return cal

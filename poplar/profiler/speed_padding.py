@@ -48,6 +48,16 @@ LATE_BUDGET = 0.01  # a run with more late micro-steps than this fraction does n
 BLOCK_LEAD = 0.1
 
 
+def _boundary(share: float, emulated_s: float, real_s: float | None) -> float:
+    """Seconds into a pass of ``emulated_s`` to pace a boundary at ``share`` of its real compute
+    to: ``BLOCK_LEAD`` early, and early enough that the rest of the pass's real compute (the
+    learned ``real_s``, with ``BACKWARD_MARGIN`` room) still ends on the curve."""
+    target = (share - BLOCK_LEAD) * emulated_s
+    if real_s is not None:
+        target = min(target, emulated_s - BACKWARD_MARGIN * (1 - share) * real_s)
+    return target
+
+
 def late_fraction(late: int, padded: int) -> float:
     """Late micro-steps over padded ones (0 when nothing was padded)."""
     return late / padded if padded else 0.0
@@ -94,9 +104,11 @@ class SpeedPadding:
         compute = self._compute_s(step, now)
         marks = step.setdefault("forward_marks", [])
         marks.append(compute - step.get("paced", 0.0))
-        shares = self._forward_shares.get(step["batch"], self._blocks.count)
+        batch, count = step["batch"], self._blocks.count
+        shares = self._forward_shares.get(batch, count)
         if shares is not None and len(marks) <= len(shares):
-            target = (shares[len(marks) - 1] - BLOCK_LEAD) * self.forward_fraction * self.time_s(step["batch"])
+            target = _boundary(shares[len(marks) - 1], self.forward_fraction * self.time_s(batch),
+                               self._forward_shares.real_s(batch, count))
             self._pace_to(step, now, target - compute)
 
     def block_forward_end(self) -> bool:
@@ -117,7 +129,7 @@ class SpeedPadding:
         marks.append(compute - step["b0"] - (step.get("paced", 0.0) - step["b0_paced"]))
         shares = step.get("backward_shares")
         if shares is not None and len(marks) <= len(shares):
-            lead = (shares[len(marks) - 1] - BLOCK_LEAD) * step["backward_s"]
+            lead = _boundary(shares[len(marks) - 1], step["backward_s"], step.get("backward_real_s"))
             self._pace_to(step, now, step["b0"] + lead - compute)
 
     def _learn_forward(self, step: dict[str, Any], compute: float) -> None:
@@ -140,6 +152,7 @@ class SpeedPadding:
         if shares is None:
             return False
         step["backward_shares"], step["backward_s"] = shares, self.time_s(step["batch"]) - compute
+        step["backward_real_s"] = self._backward_shares.real_s(step["batch"], len(shares))
         return True
 
     @property

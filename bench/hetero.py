@@ -6,7 +6,7 @@ Clusters (``poplar.types.cluster``, 2 ranks per type): A = A100-80G + A100-40G (
 memory), B = V100-16G + T4-16G (different speed, same memory), C = A800-80G + V100S-32G (both
 differ), C-1:3 = 1 A800-80G + 3 V100S-32G. Each cluster runs as one spawned process per rank, each
 rank with a ``VirtualDevice`` of its preset (memory and time scaled to the model by
-``poplar.profiler.emulate.calibrate``; its compute is padded to the preset's curve, so its true
+``poplar.profiler.calibration.calibrate_stages``, whose time scale covers the highest stage; its compute is padded to the preset's curve, so its true
 curve t_i(b) = preset.time_s(b) x time_scale is known). Model: Llama-style (``poplar.workloads.models``,
 ``llama-tiny`` by default), next-token loss on random tokens; AdamW. ``--precision fp16|bf16`` profiles
 and trains in mixed precision, devices at their presets' fp16/bf16 speed (no bf16 on V100/T4).

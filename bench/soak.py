@@ -3,16 +3,21 @@ by `train_step` (its ledger, observers and timeline all on). Per window of 1,000
 prints each rank's resident memory (RSS) at the window's end and the median iteration time.
 A long job must cost the same at iteration 100,000 as at 1,000: targets are an RSS growth of at
 most 5 MB and an iteration-time drift of at most 5 %, both last window against the second (the
-first holds the warm-up). The last line is
-``RESULT {"rss_growth_mb": ..., "iteration_time_drift": ..., "iteration_time_trend": ...}``
-(the worse rank of each); the trend is the Theil-Sen line through the window medians from the
-second window on, which one noisy window on a shared 2-core machine barely moves. A shared
-machine's own speed wanders by 10-20 % over minutes, so each window also builds a fresh engine
-and runs it alternately with the long-lived one for ``--paired`` iterations: the ratio of their
-medians ("vs fresh") moves only with what the long-lived engine accumulated, and its change
-from the second window to the last is ``paired_drift_vs_fresh_engine``.
+first holds the warm-up).
 
-    python bench/soak.py [--iterations 10000] [--window 1000]
+The machine's own speed is not constant: on a shared 2-core machine the median iteration of
+one window moves by 10-20 % over minutes, up or down, whatever the engine does. So, as every
+bench here does, the time is measured against a reference side by side: each window builds a
+fresh engine and runs it alternately with the long-lived one for ``--paired`` iterations
+(after its first 20); "vs fresh" is the median of their per-pair ratios (long-lived / fresh),
+which moves only with what the long-lived engine has accumulated. ``iteration_time_drift`` is
+its change from the second window to the last; the raw change of the window medians is
+``raw_iteration_time_drift`` and their Theil-Sen trend ``raw_iteration_time_trend``. The last
+line is ``RESULT {"rss_growth_mb": ..., "iteration_time_drift": ..., ...}`` (the worse rank of
+each). Building a fresh engine every window also checks that dropped engines are freed: each
+one that stayed alive would add its model and buffers to the RSS.
+
+    python bench/soak.py [--iterations 10000] [--window 1000] [--paired 200]
 """
 
 from __future__ import annotations
@@ -126,14 +131,14 @@ def main() -> None:
     growth = max(res[-1]["rss_mb"] - res[1]["rss_mb"] for res in results)
     drift = max(res[-1]["median_iteration_ms"] / res[1]["median_iteration_ms"] - 1 for res in results)
     trend = max(trend_over_run([row["median_iteration_ms"] for row in res[1:]]) for res in results)
-    print(f"last window vs second: RSS {growth:+.2f} MB (target <= 5), iteration time {drift:+.1%} (target <= 5 %)")
     paired = max(res[-1]["paired_ratio"] / res[1]["paired_ratio"] - 1 for res in results)
-    print(f"long-lived engine / a fresh one run alternately with it, last window vs second: {paired:+.1%} "
-          "(what the engine's own state adds; the machine's drift cancels)")
-    print(f"trend of the window medians from the second window on (Theil-Sen, over the run): {trend:+.1%}")
-    print("RESULT " + json.dumps({"rss_growth_mb": round(growth, 3), "iteration_time_drift": round(drift, 4),
-                                  "iteration_time_trend": round(trend, 4),
-                                  "paired_drift_vs_fresh_engine": round(paired, 4),
+    print(f"last window vs second: RSS {growth:+.2f} MB (target <= 5); iteration time vs a fresh engine run "
+          f"alternately with it {paired:+.1%} (target <= 5 %); raw window medians {drift:+.1%} (the machine's drift "
+          "included)")
+    print(f"raw trend of the window medians from the second window on (Theil-Sen, over the run): {trend:+.1%}")
+    print("RESULT " + json.dumps({"rss_growth_mb": round(growth, 3), "iteration_time_drift": round(paired, 4),
+                                  "raw_iteration_time_drift": round(drift, 4),
+                                  "raw_iteration_time_trend": round(trend, 4),
                                   "iterations": args.iterations, "window": args.window, "ranks": len(results),
                                   "zero_stage": 3}))
 

@@ -131,7 +131,7 @@ def _measure(comm: Communicator, model: nn.Module, optimizer: torch.optim.Optimi
     model_fn = lambda: copy.deepcopy(snapshot)  # noqa: E731
     optimizer_fn = lambda m: clone_optimizer(optimizer, m, model)  # noqa: E731
     inputs = CalibrationInputs(model_fn, loss_fn, sample_fn, optimizer_fn, zero_stage, bucket_size_mb, wrap_policy,
-                               options.max_batch, policy)
+                               options.max_batch, policy, _heaviest_config(choice, zero_stage))
     profile = None
     if options.profile is not None:
         profile, options = _load_profile(comm, options, policy, say)
@@ -290,6 +290,17 @@ def _load_profile(comm: Communicator, options: AutoOptions, policy: MixedPrecisi
         options = replace(options, memory_scale=profile.meta["memory_scale"],
                           time_scale=profile.meta["time_scale"])  # emulate the devices it measured
     return profile, options
+
+
+def _heaviest_config(choice: "Choice", zero_stage: int) -> tuple[int, Any] | None:
+    """The configuration among the candidates whose micro-steps compute the most on a CPU (the
+    highest stage, checkpointed if any is): the emulation's time scale must cover it too."""
+    if not choice.active:
+        return None
+    configs = choice.configs(zero_stage)
+    stage = max((c.stage for c in configs), default=zero_stage)
+    checkpointing = next((c.checkpointing for c in configs if c.checkpointed), None)
+    return None if (stage, checkpointing) == (zero_stage, None) else (stage, checkpointing)
 
 
 def _rank_device(comm: Communicator, home: torch.device, cluster: Any, device: Device | None, options: AutoOptions,

@@ -5,8 +5,9 @@ A ``CandidateRow`` is one configuration: whether it fits every rank, its mbs per
 its predicted iteration time (from its own timed profile, or an estimate), and why it was
 rejected. ``choose`` picks the fastest that fits (``rule="fastest"``) or the paper's first fit
 (the lowest stage that fits without checkpointing, then with it). ``estimate_profile`` turns a
-timed profile of another configuration into an optimistic one for a candidate (its own mbs; the
-fastest measured speed kept beyond the measured batches; no recomputation cost), so that its
+timed profile of another configuration into an optimistic one for a candidate (its own mbs;
+beyond the measured batches the smallest measured cost per added sample, ``optimistic_time``;
+no recomputation cost), so that its
 prediction is a lower bound: a candidate whose bound is not below the best predicted time
 cannot win and is not timed.
 """
@@ -75,14 +76,29 @@ def estimate_profile(base: Profile, stage: int, mbs: list[int]) -> Profile:
     est = copy.deepcopy(base)
     est.zero_stage = stage
     for r, m in zip(est.ranks, mbs):
-        speed = max(p.batch / p.compute_s for p in r.points)
         pts = [p for p in r.points if p.batch <= m]
         top = max((p.batch for p in pts), default=0)
         extra = sorted({b for b in (2 ** k for k in range(int(math.log2(max(m, 1))) + 1)) if top < b <= m} | {m})
-        pts += [ProfilePoint(b, b / speed) for b in extra if b > top]
+        pts += [ProfilePoint(b, optimistic_time(r.points, b)) for b in extra if b > top]
         r.points, r.mbs = pts, m
     est.meta = {**est.meta, "estimated_from": base.zero_stage}
     return est
+
+
+def optimistic_time(points: list[ProfilePoint], batch: int) -> float:
+    """An optimistic micro-step time at ``batch``, beyond the measured points: from the largest
+    measured batch on, the smallest cost per added sample seen between measured batches (a GPU's
+    speed keeps growing with the batch while a fixed per-step cost is spread thinner, so keeping
+    the fastest measured *speed* would overestimate a larger batch's time), and never slower than
+    the fastest measured speed."""
+    pts = sorted(points, key=lambda p: p.batch)
+    last = pts[-1]
+    at_best_speed = batch * min(p.compute_s / p.batch for p in pts)
+    steps = [(b.compute_s - a.compute_s) / (b.batch - a.batch) for a, b in zip(pts, pts[1:])]
+    marginal = min((x for x in steps if x > 0), default=None)
+    if marginal is None or batch <= last.batch:
+        return at_best_speed
+    return min(at_best_speed, last.compute_s + (batch - last.batch) * marginal)
 
 
 def with_probe(plain: Profile, probe: Profile) -> Profile:

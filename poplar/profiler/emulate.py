@@ -27,7 +27,7 @@ lacks the precision (bf16 on V100 / T4) is refused before anything runs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -35,8 +35,9 @@ from torch import nn
 
 from poplar.comm import Communicator
 from poplar.profiler.faults import FaultSchedule
-from poplar.profiler.calibration import (MARGIN, Calibration, CalibrationPass, calibrate, check_cluster_precision,
-                                         TimingJob, combine, finish, prepare, time_trials)
+from poplar.profiler.calibration import (MARGIN, MIN_STEP_S, Calibration, CalibrationPass, Prepared,
+                                         batches_to_time, calibrate, check_cluster_precision, TimingJob, combine,
+                                         finish, measure_pass, prepare, time_scale_needed, time_trials)
 from poplar.profiler.virtual_device import VirtualDevice
 from poplar.types.cluster import ClusterSpec
 from poplar.types.precision import MixedPrecision, Precision
@@ -60,6 +61,10 @@ class CalibrationInputs:
     wrap_policy: Any = None
     max_batch: int = 4096
     mixed_precision: MixedPrecision | None = None  # the run's precision policy (None: fp32)
+    # the heaviest configuration the job may train, (ZeRO stage, activation checkpointing), when
+    # it differs from zero_stage without checkpointing (auto mode trying higher stages and
+    # checkpointing): its micro-steps, at the larger batches it fits, are timed too
+    heaviest: tuple[int, Any] | None = None
 
 
 @dataclass
@@ -148,20 +153,32 @@ def emulate_cluster_together(comm: Communicator, cluster: Any, inputs: Calibrati
             prep = _prepare(spec, inputs, memory_scale, time_scale)
         except Exception as e:  # noqa: BLE001 - reported on every rank
             error = f"calibrating the emulated cluster failed: {type(e).__name__}: {e}"
+    heavy_mbs = None
+    if prep is not None and prep.job is not None and inputs.heaviest is not None and error is None:
+        try:
+            heavy_batches, heavy_mbs = _heaviest(prep, inputs)
+        except Exception as e:  # noqa: BLE001 - reported on every rank
+            error = f"calibrating the emulated cluster's heaviest configuration failed: {type(e).__name__}: {e}"
     # the batches to time travel, not the job: a rank's model_fn may be a closure (auto mode)
-    shared = (error, prep.job.batches if prep is not None and prep.job is not None else None)
-    error, batches = comm.all_gather_object(shared, tag="emulate:prepare")[0]
+    configs = None
+    if prep is not None and prep.job is not None:
+        configs = [(inputs.zero_stage, None, prep.job.batches)]
+        if heavy_mbs is not None:
+            configs.append((*inputs.heaviest, heavy_batches))
+    error, configs = comm.all_gather_object((error, configs), tag="emulate:prepare")[0]
     if error is not None:
         raise ProfileError(f"{what}: {error}")
-    timed: Any = {}
-    if batches is not None:
+    timed: Any = []
+    if configs is not None:
         token = torch.zeros(1)
         policies = [None] if inputs.mixed_precision is None else [None, inputs.mixed_precision]
-        job = TimingJob(inputs.model_fn, inputs.loss_fn, inputs.sample_fn, inputs.optimizer_fn, spec.world_size,
-                        inputs.zero_stage, policies, batches,
-                        options={"bucket_size_mb": inputs.bucket_size_mb, "wrap_policy": inputs.wrap_policy})
         try:
-            timed = time_trials(job, comm.rank, lambda: comm.all_reduce(token, tag="emulate:barrier"))
+            for stage, checkpointing, batches in configs:
+                job = TimingJob(inputs.model_fn, inputs.loss_fn, inputs.sample_fn, inputs.optimizer_fn,
+                                spec.world_size, stage, policies, batches,
+                                options={"bucket_size_mb": inputs.bucket_size_mb, "wrap_policy": inputs.wrap_policy,
+                                         "activation_checkpointing": checkpointing})
+                timed.append(time_trials(job, comm.rank, lambda: comm.all_reduce(token, tag="emulate:barrier")))
         except Exception as e:  # noqa: BLE001 - agreed below (a rank that fails stops at its next barrier)
             timed = f"rank {comm.rank}: calibration timing failed: {type(e).__name__}: {e}"
     everyone = comm.all_gather_object(timed, tag="emulate:timing")
@@ -171,7 +188,11 @@ def emulate_cluster_together(comm: Communicator, cluster: Any, inputs: Calibrati
         try:
             if failed:
                 raise RuntimeError("; ".join(failed))
-            cal = finish(prep, combine(everyone) if batches is not None else {})
+            cal = finish(prep, combine([t[0] for t in everyone]) if configs is not None else {})
+            if heavy_mbs is not None:  # the heaviest configuration's real compute within the margin too
+                need = time_scale_needed(prep.presets, heavy_mbs, combine([t[1] for t in everyone]), cal.margin,
+                                         MIN_STEP_S)
+                cal = replace(cal, time_scale=max(cal.time_scale, need))
             emulated = EmulatedCluster(spec, cal.memory_scale, cal.time_scale, cal, precision, cal.margin)
         except Exception as e:  # noqa: BLE001 - reported on every rank
             emulated = f"calibrating the emulated cluster failed: {type(e).__name__}: {e}"
@@ -180,6 +201,19 @@ def emulate_cluster_together(comm: Communicator, cluster: Any, inputs: Calibrati
         raise ProfileError(f"{what}: {emulated}")
     assert emulated is not None
     return emulated
+
+
+def _heaviest(prep: Prepared, inputs: CalibrationInputs) -> tuple[list[int], dict[str, dict[str, int]]]:
+    """Rank 0: the batches to time for ``inputs.heaviest`` and its predicted mbs per precision
+    and device, from single-process passes under that configuration at the chosen memory scale."""
+    assert prep.job is not None and inputs.heaviest is not None
+    stage, checkpointing = inputs.heaviest
+    job = replace(prep.job, zero_stage=stage, batches=[],
+                  options={**prep.job.options, "activation_checkpointing": checkpointing})
+    passes = [measure_pass(job, p) for p in job.policies]
+    mbs_at = {str(c.precision): {p.name: c.mbs(p, prep.memory_scale, inputs.max_batch) for p in prep.presets}
+              for c in passes}
+    return sorted({b for m in mbs_at.values() for b in batches_to_time(m)}), mbs_at
 
 
 def cluster_devices(cluster: ClusterSpec | str, memory_scale: float, time_scale: float,

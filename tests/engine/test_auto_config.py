@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from poplar.planner.candidates import CandidateRow, choose, estimate_profile, format_table, with_probe
+from poplar.planner.candidates import (CandidateRow, choose, estimate_profile, format_table, optimistic_time,
+                                        with_probe)
 from poplar.profiler.capacity_model import guided_mbs
 from poplar.profiler.profile_run import ProfileOptions, default_optimizer, search_capacity
 from poplar.profiler.saved_tensors import SavedTensors
@@ -117,5 +118,14 @@ def test_a_probe_at_mbs_replaces_the_plain_points_from_its_batch_up() -> None:
     assert [(p.batch, p.compute_s) for p in base.ranks[1].points] == [(1, 0.2), (2, 0.4)]
     est = estimate_profile(base, 1, [16, 2])
     first = {p.batch: p.compute_s for p in est.ranks[0].points}
-    assert first[16] == pytest.approx(16 / 24)  # beyond the probe: its speed, the fastest measured
+    # beyond the probe: from its point on, the smallest measured cost per added sample (4 -> 12)
+    assert first[16] == pytest.approx(0.5 + 4 * (0.5 - 0.25) / 8)
     assert est.ranks[1].mbs == 2 and est.zero_stage == 1
+
+
+def test_the_estimate_beyond_the_measured_batches_is_a_lower_bound_on_an_affine_curve() -> None:
+    # a GPU-like curve, t(b) = 0.1 + 0.05 b, measured at 1 and 2 only: its speed keeps growing
+    base = _profile([{1: 0.15, 2: 0.2}])
+    est = {p.batch: p.compute_s for p in estimate_profile(base, 0, [8]).ranks[0].points}
+    assert est[8] == pytest.approx(0.1 + 0.05 * 8)  # keeping the speed of batch 2 would say 0.8
+    assert optimistic_time(base.ranks[0].points, 1) == pytest.approx(0.1)  # never slower than the best speed

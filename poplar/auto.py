@@ -372,7 +372,10 @@ def auto_plan(comm: Communicator, model: nn.Module, optimizer: torch.optim.Optim
     finally:
         if home.type != "cpu":
             model.to(home)
-    if profile.zero_stage != zero_stage:
+    if profile.zero_stage != zero_stage and choice.chosen is not None:
+        ckpt = " with activation checkpointing" if choice.chosen.checkpointed else ""
+        say(f"running at ZeRO-{profile.zero_stage}{ckpt}: the fastest configuration that fits (table above)")
+    elif profile.zero_stage != zero_stage:
         say(f"ZeRO-{zero_stage} does not fit batch 1 on every rank: running at ZeRO-{profile.zero_stage}")
     try:
         plan = make_plan(profile, global_batch_size, profile.zero_stage, options.strategy,

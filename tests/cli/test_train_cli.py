@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -65,7 +66,8 @@ def test_torchrun_auto_mode_on_an_emulated_cluster(tmp_path: Path) -> None:
     _config(tmp_path, cluster="pair.json", iterations=2)
     run = _torchrun(tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "plan (poplar, ZeRO-2" in run.stderr and "V100-16G" in run.stderr and "predicted" in run.stderr
+    # auto mode picks the fastest configuration from ZeRO-2 up (which one depends on the timing)
+    assert re.search(r"plan \(poplar, ZeRO-[23]", run.stderr) and "V100-16G" in run.stderr and "predicted" in run.stderr
     profile = json.loads((tmp_path / "report" / "profile.json").read_text())
     assert [r["device_type"] for r in profile["ranks"]] == ["V100-16G", "T4-16G"]
     plan = json.loads((tmp_path / "report" / "plan.json").read_text())

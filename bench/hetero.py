@@ -6,7 +6,8 @@ Clusters (``poplar.types.cluster``, 2 ranks per type): A = A100-80G + A100-40G (
 memory), B = V100-16G + T4-16G (different speed, same memory), C = A800-80G + V100S-32G (both
 differ), C-1:3 = 1 A800-80G + 3 V100S-32G. Each cluster runs as one spawned process per rank, each
 rank with a ``VirtualDevice`` of its preset (memory and time scaled to the model by
-``poplar.profiler.calibration.calibrate_stages``, whose time scale covers the highest stage; its compute is padded to the preset's curve, so its true
+``poplar.profiler.calibration.calibrate_stages``, whose time scale covers the highest stage; its
+compute is padded to the preset's curve, so its true
 curve t_i(b) = preset.time_s(b) x time_scale is known). Model: Llama-style (``poplar.workloads.models``,
 ``llama-tiny`` by default), next-token loss on random tokens; AdamW. ``--precision fp16|bf16`` profiles
 and trains in mixed precision, devices at their presets' fp16/bf16 speed (no bf16 on V100/T4).
@@ -82,8 +83,8 @@ from poplar.planner.ideal import ideal
 from poplar.types.plans import Plan, write_text_atomic
 from poplar.types.precision import resolve_precision
 from poplar.profiler.capacity import CapacitySearch
-from poplar.profiler.calibration import MARGIN, calibrate_stages
-from poplar.profiler.emulate import cluster_devices
+from poplar.profiler.calibration import calibrate_stages
+from poplar.profiler.emulate import cluster_devices, until_on_time
 from poplar.profiler.speed_padding import LATE_BUDGET, late_fraction
 from poplar.profiler.local_comm import local_engine
 from poplar.profiler.profile_run import ProfileOptions, default_optimizer, profile_rank
@@ -393,8 +394,9 @@ def main() -> None:
     rows, meta = [], {}
     for spec in args.specs:
         t0 = time.perf_counter()
-        margin, attempts = MARGIN, []
-        for attempt in range(args.attempts):
+        attempts: list[dict] = []
+
+        def once(margin: float, spec: ClusterSpec = spec) -> tuple[tuple[list[dict], Any], float]:
             cal = calibrate_stages(model_fn, llama_loss_fn, sample_fn, spec, args.stages,
                                    optimizer_fn=default_optimizer, mixed_precision=policy, margin=margin)
             devices = cluster_devices(spec, cal.memory_scale, cal.time_scale, policy)
@@ -408,13 +410,9 @@ def main() -> None:
             late = late_fraction(sum(r["late_steps_all"] for r in cluster_rows),
                                  sum(r["padded_steps"] for r in cluster_rows))
             attempts.append({"margin": margin, "time_scale": cal.time_scale, "late_step_fraction": late})
-            if late <= LATE_BUDGET:
-                break
-            # the emulation lost its speed: the run does not count; calibrate again with more room
-            print(f"# {spec.name}: {100 * late:.1f}% of micro-steps late (budget {100 * LATE_BUDGET:.0f}%): "
-                  + ("re-calibrating with margin %.2f" % (0.7 * margin) if attempt + 1 < args.attempts
-                     else "kept as INVALID"), file=sys.stderr, flush=True)
-            margin *= 0.7
+            return (cluster_rows, cal), late
+
+        (cluster_rows, cal), late, _ = until_on_time(spec.name, args.attempts, once)
         for r in cluster_rows:
             r["valid"] = late <= LATE_BUDGET
         rows += cluster_rows

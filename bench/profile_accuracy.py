@@ -37,8 +37,8 @@ import numpy as np
 from poplar.types.cluster import ClusterSpec
 from poplar.comm.launch import spawn
 from poplar.planner.curves import SpeedCurve
-from poplar.profiler.calibration import MARGIN, calibrate_stages
-from poplar.profiler.emulate import cluster_devices
+from poplar.profiler.calibration import calibrate_stages
+from poplar.profiler.emulate import cluster_devices, until_on_time
 from poplar.profiler.speed_padding import LATE_BUDGET, late_fraction
 from poplar.profiler.profile_run import ProfileOptions, default_optimizer, profile_rank
 from poplar.types.presets import precision_of
@@ -94,18 +94,13 @@ def run_cluster(name: str, args: argparse.Namespace, stages: list[int], precisio
     rows (with their errors) for the report. A run whose late micro-steps exceed the budget is
     re-calibrated with a smaller margin and run again (up to ``--attempts``); still late, its
     rows are marked invalid."""
-    margin = MARGIN
-    for attempt in range(args.attempts):
+    def once(margin: float) -> tuple[list[dict], float]:
         report = _run_cluster_once(name, args, stages, precisions, margin)
-        late = late_fraction(sum(r["late_steps"] for r in report), sum(r["padded_steps"] for r in report))
-        if late <= LATE_BUDGET:
-            break
-        print(f"# {name}: {100 * late:.1f}% of micro-steps late (budget {100 * LATE_BUDGET:.0f}%): "
-              + ("re-calibrating with margin %.2f" % (0.7 * margin) if attempt + 1 < args.attempts
-                 else "kept as INVALID"), file=sys.stderr, flush=True)
-        margin *= 0.7
+        return report, late_fraction(sum(r["late_steps"] for r in report), sum(r["padded_steps"] for r in report))
+
+    report, late, attempts = until_on_time(name, args.attempts, once)
     for r in report:
-        r["valid"], r["attempts"] = late <= LATE_BUDGET, attempt + 1
+        r["valid"], r["attempts"] = late <= LATE_BUDGET, attempts
     return report
 
 

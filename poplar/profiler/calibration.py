@@ -335,9 +335,8 @@ def calibrate_stages(model_fn: Callable, loss_fn: Callable, sample_fn: Callable[
     leave ZeRO-3's micro-steps late."""
     low, *rest = sorted(set(stages))
     cal = calibrate(model_fn, loss_fn, sample_fn, cluster, low, **options)
-    for stage in rest[-1:]:  # the highest stage computes the most per micro-step
+    if rest:  # the highest stage computes the most per micro-step
         fixed = {**options, "memory_scale": cal.memory_scale}
-        other = calibrate(model_fn, loss_fn, sample_fn, cluster, stage, **fixed)
-        if other.time_scale > cal.time_scale:
-            cal = replace(cal, time_scale=other.time_scale)
+        other = calibrate(model_fn, loss_fn, sample_fn, cluster, rest[-1], **fixed)
+        cal = replace(cal, time_scale=max(cal.time_scale, other.time_scale))
     return cal

@@ -90,3 +90,24 @@ def test_unpadded_steps_are_not_counted_and_bad_room_is_refused() -> None:
     assert late_fraction(0, 0) == 0.0 and late_fraction(1, 50) == 0.02
     with pytest.raises(ValueError, match="backward_room"):
         VirtualDevice("d", MB, time_fn=SaturatingCurve(0.0, 0.0, 1.0), backward_room=1.0)
+
+
+def test_a_late_emulated_run_is_made_again_with_more_headroom_then_kept_as_invalid() -> None:
+    from poplar.profiler.emulate import until_on_time
+
+    margins: list[float] = []
+
+    def late_once(margin: float) -> tuple[str, float]:
+        margins.append(margin)
+        return f"run {len(margins)}", 0.05 if len(margins) == 1 else 0.0
+
+    assert until_on_time("X", 3, late_once, margin=0.6) == ("run 2", 0.0, 2)
+    assert margins == pytest.approx([0.6, 0.42])
+    margins.clear()
+
+    def always_late(margin: float) -> tuple[str, float]:
+        margins.append(margin)
+        return "late", 0.02
+
+    assert until_on_time("X", 2, always_late, margin=0.6) == ("late", 0.02, 2)  # over budget: invalid
+    assert margins == pytest.approx([0.6, 0.42])

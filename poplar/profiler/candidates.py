@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass, replace
+from enum import Enum
 from typing import Any, Callable
 
 from torch import nn
@@ -23,7 +24,7 @@ from poplar.profiler.devices import Device
 from poplar.profiler.escalation import StageCapacity
 from poplar.profiler.profile_run import (ProfileOptions, RankRun, _assemble_profile, _set_up, _time_in_lock_step,
                                          default_optimizer, _log_to_stderr)
-from poplar.profiler.timing import measure_comm, timing_batches
+from poplar.profiler.timing import Confirmation, TimingGrid, measure_comm, timing_batches
 from poplar.types.profiles import CommProfile, Profile, ProfileError
 
 
@@ -39,6 +40,13 @@ class Config:
         return self.checkpointing not in (None, False)
 
 
+class Reuse(Enum):
+    """How a timed profile given to ``CandidateProfiler.time`` relates to the configuration timed."""
+
+    SAME_COMPUTE = "same_compute"  # another configuration whose micro-steps compute the same
+    SAME_CONFIG = "same_config"  # this configuration, timed at some batches (a probe)
+
+
 @dataclass
 class ConfigCapacity:
     """What the capacity searches found for one configuration, on every rank."""
@@ -51,6 +59,13 @@ class ConfigCapacity:
     @property
     def fits(self) -> bool:
         return all(m >= 1 for m in self.mbs)
+
+
+def uncovered(grid: list[int], have: set[int], mbs: int) -> set[int]:
+    """The batches of ``grid`` (sorted) that no batch in ``have`` stands in for: one from a grid
+    batch up to, not including, the grid's next (and at most ``mbs``) does."""
+    bounds = grid[1:] + [mbs + 1]
+    return {b for b, nxt in zip(grid, bounds) if not any(b <= p < nxt and p <= mbs for p in have)}
 
 
 class CandidateProfiler:
@@ -91,29 +106,36 @@ class CandidateProfiler:
         return [ConfigCapacity(c, [v[i][0] for v in verdicts], [v[i][1] for v in verdicts], mine[i][0])
                 for i, c in enumerate(configs)]
 
-    def time(self, capacity: ConfigCapacity, reuse: Profile | None = None,
-             sizes: list[list[int]] | None = None) -> Profile:
+    def time(self, capacity: ConfigCapacity, reuse: Profile | None = None, how: Reuse = Reuse.SAME_COMPUTE,
+             sizes: list[list[int]] | None = None, grid: TimingGrid = TimingGrid.DENSE,
+             confirm: Confirmation = Confirmation.REPEAT) -> Profile:
         """Lock-step timing rounds of one fitting configuration: its ``Profile`` (every rank).
 
-        ``reuse``: a profile timed at a configuration whose micro-steps compute the same (the same
-        checkpointing at another of stages 0-2: they differ only in communication, which a
-        micro-step's measured compute leaves out). Its points up to each rank's mbs are kept and
-        only the batches it lacks are timed, plus each rank's mbs: the rounds also measure this
-        stage's own communication and fixed overhead. ``sizes``: per rank, the batches to time
-        (a probe; the profile then holds only those points)."""
+        ``reuse``: a timed profile whose points up to each rank's mbs are kept, so that only the
+        batches it lacks are timed (``uncovered``). ``how`` says what it is: ``SAME_COMPUTE``, a configuration
+        whose micro-steps compute the same (the same checkpointing at another of stages 0-2: they
+        differ only in communication, which a micro-step's measured compute leaves out), and each
+        rank's mbs is timed again, since the rounds also measure this stage's own communication
+        and fixed overhead; ``SAME_CONFIG``, this configuration's own probe. ``sizes``: per rank,
+        the batches to time (a probe; the profile then holds only those points), else ``grid``'s
+        batches up to each rank's mbs; ``confirm``: when a measurement is trusted. Only the
+        profiler's first timing has a warm-up round: the later ones run computations this process
+        has already run."""
         if not capacity.fits or capacity.result is None:
             raise ValueError("only a configuration that fits every rank can be timed")
-        per_rank = sizes or [timing_batches(m) for m in capacity.mbs]
+        per_rank = sizes or [timing_batches(m, grid) for m in capacity.mbs]
         if reuse is not None:
             have = [{p.batch for p in r.points} for r in reuse.ranks]
-            per_rank = [sorted({b for b in bs if b not in h} | {m}) for bs, h, m in zip(per_rank, have, capacity.mbs)]
+            again = [{m} if how is Reuse.SAME_COMPUTE else set() for m in capacity.mbs]
+            per_rank = [sorted(uncovered(bs, h, m) | a) for bs, h, a, m in zip(per_rank, have, again, capacity.mbs)]
+            per_rank = [bs or [1] for bs in per_rank]  # a rank with every point still runs each round: its cheapest
         run, base = self.run, self.run.options
         run.options = replace(base, zero_stage=capacity.config.stage,
                               activation_checkpointing=capacity.config.checkpointing)
         try:
             t0 = time.perf_counter()
             fit = StageCapacity(capacity.config.stage, capacity.result, list(capacity.mbs))
-            timing = _time_in_lock_step(run, fit, per_rank)
+            timing = _time_in_lock_step(run, fit, per_rank, warmup=self.rounds == 0, confirm=confirm)
             if reuse is not None:
                 mine, mbs = {p.batch for p in timing.points}, capacity.mbs[run.comm.rank]
                 kept = [p for p in reuse.ranks[run.comm.rank].points if p.batch not in mine and p.batch <= mbs]

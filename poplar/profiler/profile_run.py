@@ -40,7 +40,7 @@ from poplar.profiler.devices import Device, to_device
 from poplar.profiler.escalation import StageCapacity, find_fitting_stage, format_bytes
 from poplar.profiler.local_comm import local_engine, round_plan
 from poplar.profiler.precision import agree_precision_support, precision_meta
-from poplar.profiler.timing import exposed_costs, measure_comm, run_rounds, summarize, timing_batches
+from poplar.profiler.timing import Confirmation, exposed_costs, measure_comm, run_rounds, summarize, timing_batches
 from poplar.types.precision import MixedPrecision, resolve_precision
 from poplar.types.profiles import CommProfile, Profile, ProfileError, ProfilePoint, RankProfile
 from poplar.zero.runtime import ZeroRuntime
@@ -189,6 +189,7 @@ class LockStepTiming:
     costs: dict[str, float]  # exposed communication and overhead (``timing.exposed_costs``)
     comm_seconds: float  # seconds in collectives over all rounds
     collectives: tuple[list[list], list[list]]  # ``runtime_collectives`` of the last round
+    confirm: Confirmation = Confirmation.REPEAT  # when a measurement was trusted
 
 
 def profile_rank(model_fn: Callable[[], nn.Module], loss_fn: Callable, sample_fn: Callable[[int], Any],
@@ -233,9 +234,19 @@ def _set_up(model_fn: Callable[[], nn.Module], loss_fn: Callable, sample_fn: Cal
     return run
 
 
-def _time_in_lock_step(run: RankRun, fit: StageCapacity, per_rank: list[list[int]] | None = None) -> LockStepTiming:
+def _time_in_lock_step(run: RankRun, fit: StageCapacity, per_rank: list[list[int]] | None = None,
+                       warmup: bool = True, confirm: Confirmation = Confirmation.REPEAT) -> LockStepTiming:
     """Lock-step timing rounds at every rank's timing batches (``per_rank``: these instead), with
-    the real runtime and its collectives; a memory overflow in any round fails the run on every rank."""
+    the real runtime and its collectives; a memory overflow in any round fails the run on every
+    rank. ``warmup``: an unmeasured first round; ``confirm``: when a measurement is trusted
+    (``run_rounds``). The garbage collections in it,
+    the device's ``release`` at the end among them, skip what existed before it."""
+    with _young_garbage_only():
+        return _timing_rounds(run, fit, per_rank, warmup, confirm)
+
+
+def _timing_rounds(run: RankRun, fit: StageCapacity, per_rank: list[list[int]] | None,
+                   warmup: bool, confirm: Confirmation) -> LockStepTiming:
     comm, device, options = run.comm, run.device, run.options
     per_rank = per_rank or [timing_batches(m) for m in fit.mbs]
     error, batches = None, {}
@@ -255,7 +266,7 @@ def _time_in_lock_step(run: RankRun, fit: StageCapacity, per_rank: list[list[int
             measured, rounds, facts = run_rounds(
                 runtime, device, per_rank, batches, run.loss_fn, comm, repeats=options.repeats,
                 max_extra_passes=options.max_extra_passes, tolerance=options.tolerance, log=run.lead,
-                progress=options.progress and comm.rank == 0)
+                progress=options.progress and comm.rank == 0, warmup=warmup, confirm=confirm)
     except DistributedError as e:  # the runtime reported a failed round on every rank
         raise ProfileError(f"a lock-step timing round failed: {e}") from None
     error = None
@@ -265,7 +276,7 @@ def _time_in_lock_step(run: RankRun, fit: StageCapacity, per_rank: list[list[int
     comm.agree(error, "profile timing memory", error_type=ProfileError)
     costs = exposed_costs(comm.all_gather_object(facts, tag="profile:costs"))
     timing = LockStepTiming(summarize(measured), rounds, costs, runtime.comm_ledger.seconds(),
-                            runtime_collectives(runtime))
+                            runtime_collectives(runtime), confirm)
     del runtime, model, optimizer, batches
     device.release()
     return timing
@@ -298,7 +309,9 @@ def _assemble_profile(run: RankRun, fit: StageCapacity, timing: LockStepTiming,
                  "activation_checkpointing": options.activation_checkpointing not in (None, False), "escalations": fit.escalations,
                  "timing_rounds": timing.rounds, "repeats": options.repeats,
                  "timing_estimator": "min over repeats, confirmed by a 2nd measurement within "
-                                     f"{options.tolerance:.0%} (up to {options.max_extra_passes} extra passes)",
+                                     f"{options.tolerance:.0%} (up to {options.max_extra_passes} extra passes)"
+                                     + (", or by a single one that keeps the curve's shape"
+                                        if timing.confirm is Confirmation.CURVE else ""),
                  "comm_fit": "seconds = latency_s + bus volume / bandwidth (ring: 2(N-1)/N V all-reduce, "
                              "(N-1)/N V reduce-scatter/all-gather)",
                  "ranks": {str(r): rank_notes for r, (_, rank_notes) in enumerate(parts)},

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from enum import Enum
 from typing import Any, Callable
 
 import numpy as np
@@ -41,16 +42,23 @@ from poplar.zero.observers import MicroStep, StepObserver
 from poplar.zero.runtime import ZeroRuntime
 
 
-def timing_batches(mbs: int) -> list[int]:
-    """Batch sizes to time on a rank whose largest batch is ``mbs``: powers of two, the points
-    halfway between them in log scale (3 * 2^k), and ``mbs`` itself."""
+class TimingGrid(Enum):
+    """Which batch sizes up to a rank's mbs are timed."""
+
+    DENSE = "dense"  # powers of two, the points halfway between them in log scale, and mbs
+    SPARSE = "sparse"  # powers of two and mbs: half the cost, for candidates after the first (auto mode)
+
+
+def timing_batches(mbs: int, grid: TimingGrid = TimingGrid.DENSE) -> list[int]:
+    """Batch sizes to time on a rank whose largest batch is ``mbs``: powers of two, with the
+    ``DENSE`` grid the points halfway between them in log scale (3 * 2^k), and ``mbs`` itself."""
     if mbs < 1:
         return []
     sizes = {mbs}
     k = 1
     while k <= mbs:
         sizes.add(k)
-        if 3 * k // 2 <= mbs and k >= 2:
+        if grid is TimingGrid.DENSE and 3 * k // 2 <= mbs and k >= 2:
             sizes.add(3 * k // 2)
         k *= 2
     return sorted(sizes)
@@ -74,6 +82,38 @@ def settled(times: list[float], tolerance: float) -> bool:
         return False
     a, b = sorted(times)[:2]
     return b <= a * (1 + tolerance)
+
+
+class Confirmation(Enum):
+    """When a timed batch's measurement is trusted, or measured again."""
+
+    REPEAT = "repeat"  # once a second measurement confirms its minimum (``settled``)
+    CURVE = "curve"  # a single one, unless it breaks the curve's shape (``breaks_curve``), then as REPEAT
+
+
+def breaks_curve(batch: int, best: dict[int, float], tolerance: float) -> bool:
+    """Whether ``batch``'s time (``best``: per batch, the smallest measured) is out of shape:
+    more per sample than a smaller batch, or more than a larger batch's time, by over
+    ``tolerance``. A device's time per sample does not rise with the batch, nor its time fall,
+    and interference only ever adds time, so such a point is the one that was disturbed."""
+    t = best[batch]
+    return any(b < batch and t / batch > best[b] / b * (1 + tolerance) or
+               b > batch and t > best[b] * (1 + tolerance) for b in best)
+
+
+def unconfirmed(measured: dict[int, list[float]], batches: list[int], tolerance: float,
+                rule: Confirmation) -> list[int]:
+    """The batches among ``batches`` to measure again under ``rule`` (``measured``: per batch,
+    its compute seconds so far)."""
+    best = {b: min(ts) for b, ts in measured.items() if ts}
+    out = []
+    for b in batches:
+        times = measured.get(b, [])
+        if settled(times, tolerance):
+            continue
+        if rule is Confirmation.REPEAT or len(times) != 1 or breaks_curve(b, best, tolerance):
+            out.append(b)
+    return out
 
 
 class MicroStepTimer(StepObserver):
@@ -109,16 +149,20 @@ class MicroStepTimer(StepObserver):
 def run_rounds(runtime: ZeroRuntime, device: Device, per_rank: list[list[int]], batches: dict[int, Any],
                loss_fn: Callable, comm: Communicator, *, repeats: int = 3, max_extra_passes: int = 3,
                tolerance: float = 0.02, log: Callable[[str], None] = lambda m: None,
-               progress: bool = False) -> tuple[dict[int, list[tuple[float, float]]], int, list[tuple]]:
+               progress: bool = False, warmup: bool = True, confirm: Confirmation = Confirmation.REPEAT
+               ) -> tuple[dict[int, list[tuple[float, float]]], int, list[tuple]]:
     """Run the lock-step rounds; return, per batch size this rank ran, its (compute, comm)
     measurements (warm-up dropped), the number of rounds, and per round this rank's
     (compute, micro-step comm, end-of-iteration comm, overhead) seconds (warm-up dropped).
 
-    After the ``repeats`` passes, batches whose smallest compute time is not yet confirmed by a
-    second measurement within ``tolerance`` (interference on a shared machine) are measured
-    again, in up to ``max_extra_passes`` more passes. Which batches each rank re-measures is
+    After the ``repeats`` passes, batches whose smallest compute time is not yet confirmed
+    (``confirm``: by a second measurement within ``tolerance``, or, with ``CURVE``, a single one
+    that keeps the curve's shape; interference on a shared machine) are measured again, in up to
+    ``max_extra_passes`` more passes. Which batches each rank re-measures is
     agreed with one ``all_gather_object`` between rounds, outside any training step.
-    ``progress`` draws a progress bar of the rounds (on a terminal)."""
+    ``progress`` draws a progress bar of the rounds (on a terminal). ``warmup=False`` leaves out
+    the unmeasured first round (the process already ran this computation: a profiler's later
+    timings); a disturbed first round is then one more measurement the minimum discards."""
     rank = runtime.rank
     out: dict[int, list[tuple[float, float]]] = {}
     facts: list[tuple] = []
@@ -140,12 +184,12 @@ def run_rounds(runtime: ZeroRuntime, device: Device, per_rank: list[list[int]], 
                     end_comm = runtime.comm_ledger.seconds(iteration=stats.iteration, phase="step")
                     facts.append((compute, micro_comm, end_comm, stats.wall_s - compute - micro_comm - end_comm))
 
-        rounds = round_schedule(per_rank, repeats)
+        rounds = round_schedule(per_rank, repeats, warmup)
         log(f"timing: {len(rounds)} lock-step rounds")
         bar = progress_bar(len(rounds), "profiling: timing rounds", progress)
-        run(rounds, skip_first=True)
+        run(rounds, skip_first=warmup)
         for extra in range(max_extra_passes):
-            mine = [b for b in per_rank[rank] if not settled([c for c, _ in out.get(b, [])], tolerance)]
+            mine = unconfirmed({b: [c for c, _ in ms] for b, ms in out.items()}, per_rank[rank], tolerance, confirm)
             everyone = comm.all_gather_object(mine, tag="profile:unsettled")
             if not any(everyone):
                 break

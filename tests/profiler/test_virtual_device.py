@@ -13,7 +13,7 @@ from poplar.profiler.local_comm import local_engine, search_plan, use_plan
 from poplar.profiler.memory import predicted_optimizer_bytes
 from poplar.types.presets import PresetError
 from poplar.profiler.profile_run import default_optimizer
-from poplar.profiler.timing import MicroStepTimer, timing_batches
+from poplar.profiler.timing import Confirmation, MicroStepTimer, TimingGrid, breaks_curve, timing_batches, unconfirmed
 from poplar.comm import DistributedError
 from poplar.workloads import get_workload
 
@@ -169,6 +169,31 @@ def test_timing_batches() -> None:
     assert timing_batches(1) == [1]
     assert timing_batches(13) == [1, 2, 3, 4, 6, 8, 12, 13]
     assert timing_batches(64) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]
+    assert timing_batches(26, TimingGrid.SPARSE) == [1, 2, 4, 8, 16, 26]
+    assert timing_batches(1, TimingGrid.SPARSE) == [1]
+
+
+def test_a_reused_point_stands_in_for_the_grid_batch_below_it() -> None:
+    from poplar.profiler.candidates import uncovered
+    assert uncovered([1, 2, 4, 8, 16, 24], {20}, 24) == {1, 2, 4, 8, 24}  # 20 covers 16 (up to 24)
+    assert uncovered([1, 2, 4, 8, 16, 26], {26}, 26) == {1, 2, 4, 8, 16}
+    assert uncovered([1, 2, 4, 8, 16, 30], {1, 2, 4, 8, 16, 26}, 30) == {30}
+    assert uncovered([1, 2, 4, 7], {9}, 7) == {1, 2, 4, 7}  # beyond mbs: no use
+
+
+def test_a_single_measurement_is_trusted_only_where_it_keeps_the_curves_shape() -> None:
+    best = {1: 1.0, 2: 1.8, 4: 3.2, 8: 6.0}
+    assert not any(breaks_curve(b, best, 0.02) for b in best)
+    assert breaks_curve(4, {**best, 4: 3.7}, 0.02)  # more per sample than batch 2 (0.925 > 0.9)
+    assert breaks_curve(2, {**best, 2: 3.4}, 0.02)  # slower than batch 4
+    once = {b: [t] for b, t in best.items()}
+    assert unconfirmed(once, [1, 2, 4, 8], 0.02, Confirmation.CURVE) == []
+    assert unconfirmed(once, [1, 2, 4, 8], 0.02, Confirmation.REPEAT) == [1, 2, 4, 8]
+    disturbed = {**once, 4: [3.7]}
+    assert unconfirmed(disturbed, [1, 2, 4, 8], 0.02, Confirmation.CURVE) == [4]
+    # two measurements that disagree are measured again under either rule; agreeing ones are settled
+    assert unconfirmed({**once, 4: [3.2, 3.5]}, [4], 0.02, Confirmation.CURVE) == [4]
+    assert unconfirmed({**once, 4: [3.2, 3.21]}, [4], 0.02, Confirmation.REPEAT) == []
 
 
 def test_sleep_is_not_the_bottleneck() -> None:

@@ -44,9 +44,8 @@ from poplar.profiler.cuda_device import CudaDevice
 from poplar.profiler.devices import Device
 from poplar.profiler.emulate import CalibrationInputs, emulate_cluster_together
 from poplar.profiler.precision import agree_precision_support, profile_precision
-from poplar.planner.candidates import (RULES, CandidateRow, choose, estimate_profile, format_table, mbs_by_type,
-                                       predict, with_probe)
-from poplar.profiler.candidates import CandidateProfiler, Config
+from poplar.auto.choice import Choice, choose_configuration, heaviest_config
+from poplar.planner.candidates import RULES, CandidateRow
 from poplar.profiler.profile_run import ProfileOptions, profile_rank
 from poplar.types.logs import log
 from poplar.types.plans import Plan, PlanError
@@ -125,13 +124,13 @@ def clone_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module,
 def _measure(comm: Communicator, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable,
              sample_fn: Any, zero_stage: int, home: torch.device, cluster: Any, device: Device | None,
              options: AutoOptions, bucket_size_mb: float, wrap_policy: Any, policy: MixedPrecision | None,
-             say: Callable[[str], None], choice: "Choice") -> tuple[Profile, Device | None]:
+             say: Callable[[str], None], choice: Choice) -> tuple[Profile, Device | None]:
     """The profile (measured, or loaded from ``options.profile``) and this rank's device."""
     snapshot = copy.deepcopy(model)  # on the CPU: the caller moved the model there
     model_fn = lambda: copy.deepcopy(snapshot)  # noqa: E731
     optimizer_fn = lambda m: clone_optimizer(optimizer, m, model)  # noqa: E731
     inputs = CalibrationInputs(model_fn, loss_fn, sample_fn, optimizer_fn, zero_stage, bucket_size_mb, wrap_policy,
-                               options.max_batch, policy, _heaviest_config(choice, zero_stage))
+                               options.max_batch, policy, heaviest_config(choice, zero_stage))
     profile = None
     if options.profile is not None:
         profile, options = _load_profile(comm, options, policy, say)
@@ -143,7 +142,9 @@ def _measure(comm: Communicator, model: nn.Module, optimizer: torch.optim.Optimi
                                model_name=type(model).__name__, progress=options.progress,
                                meta=device.profile_meta(), mixed_precision=policy)
         if choice.active:
-            profile = _choose(comm, model_fn, loss_fn, sample_fn, optimizer_fn, device, popts, options, choice, say)
+            profile = choose_configuration(comm, model_fn, loss_fn, sample_fn, optimizer_fn, device, popts, choice, say,
+                                           require_all_ranks=options.require_all_ranks,
+                                           max_micro_steps=options.max_micro_steps)
             if options.profile_output is not None and comm.rank == 0:
                 profile.save(options.profile_output)
             return profile, device
@@ -159,110 +160,6 @@ def _measure(comm: Communicator, model: nn.Module, optimizer: torch.optim.Optimi
     elif device is not None:  # a reused profile: the device must still compute at the run's precision
         agree_precision_support(comm, device, policy, "auto mode precision")
     return profile, device
-
-
-@dataclass
-class Choice:
-    """What auto mode chooses among: the global batch, the rule, and the checkpointing settings
-    (the engine's ``activation_checkpointing``: None lets auto mode try off and on)."""
-
-    gbs: int
-    rule: str
-    checkpointing: Any
-    stages: tuple[int, ...]
-    active: bool = True  # False: profile one configuration (escalating), as the paper does
-    rows: list[CandidateRow] | None = None
-    chosen: Config | None = None
-
-    def configs(self, zero_stage: int) -> list[Config]:
-        settings = [None, True] if self.checkpointing is None else [self.checkpointing]
-        stages = sorted(s for s in set(self.stages) if s >= zero_stage)  # the stage asked for is a floor
-        return [Config(s, c) for c in settings for s in stages]
-
-
-def _choose(comm: Communicator, model_fn: Callable, loss_fn: Callable, sample_fn: Any, optimizer_fn: Callable,
-            device: Device, popts: ProfileOptions, options: AutoOptions, choice: Choice,
-            say: Callable[[str], None]) -> Profile:
-    """Capacity of every configuration (no collective), timing of the first fit, then of each
-    candidate whose lower bound could beat the best prediction so far; choose (docs/design.md §7.1)."""
-    limits = {"require_all_ranks": options.require_all_ranks, "max_micro_steps": options.max_micro_steps}
-    prof = CandidateProfiler(model_fn, loss_fn, sample_fn, device, optimizer_fn=optimizer_fn, options=popts,
-                             log=lambda m: say(m.removeprefix("[poplar profile] ")), process_group=comm.group)
-    types = comm.all_gather_object(device.device_type, tag="auto:types")
-    caps = prof.capacities(choice.configs(popts.zero_stage))
-    rows = [CandidateRow(c.config.stage, c.config.checkpointed, c.fits, mbs_by_type(types, c.mbs)) for c in caps]
-    for row, c in zip(rows, caps):
-        if not c.fits:
-            bad = [r for r, m in enumerate(c.mbs) if m < 1]
-            row.reason = f"batch 1 does not fit on rank {bad[0]} ({types[bad[0]]})" + \
-                (f" and {len(bad) - 1} more" if len(bad) > 1 else "")
-    profiles: dict[int, Profile] = {}
-    probes: dict[bool, tuple[Profile, Profile]] = {}  # checkpointing on: (the probe, the plain profile it scales)
-    noise = popts.tolerance  # a bound within this fraction of the best cannot win by more than the noise
-
-    def same_compute(i: int) -> Profile | None:
-        """A timed profile whose micro-steps compute as candidate i's do (stages 0-2, same setting)."""
-        return next((profiles[j] for j in profiles if rows[j].checkpointing == rows[i].checkpointing
-                     and rows[j].stage < 3 and rows[i].stage < 3), None)
-
-    def time(i: int) -> None:
-        reuse = same_compute(i)
-        say(f"timing {rows[i].name}{' (new batch sizes only)' if reuse else ''} ...")
-        profiles[i] = prof.time(caps[i], reuse=reuse)
-        plan, why = predict(profiles[i], choice.gbs, rows[i].stage, **limits)
-        rows[i].predicted_s, rows[i].timed = (plan.predicted_iteration_s, True) if plan else (None, True)
-        rows[i].reason = why
-
-    def bound(i: int, best: float) -> None:
-        timed = [j for j in profiles if rows[j].predicted_s is not None] or list(profiles)
-        same = [j for j in timed if rows[j].checkpointing == rows[i].checkpointing]
-        if same:
-            base = profiles[same[0]]
-        elif rows[i].checkpointing and True in probes:
-            base = with_probe(probes[True][1], probes[True][0])
-        else:
-            base = profiles[timed[0]]
-        plan, why = predict(estimate_profile(base, rows[i].stage, caps[i].mbs), choice.gbs, rows[i].stage, **limits)
-        rows[i].predicted_s, rows[i].reason = (plan.predicted_iteration_s if plan else None), why
-        if plan and plan.predicted_iteration_s >= best * (1 - noise):
-            rows[i].reason = (f"not timed: lower bound {plan.predicted_iteration_s:.4f} s >= best {best:.4f} s"
-                              + (f" - {noise:.0%} noise" if plan.predicted_iteration_s < best else ""))
-
-    fitting = sorted((i for i, r in enumerate(rows) if r.fits), key=lambda i: (rows[i].checkpointing, rows[i].stage))
-    if not fitting:
-        choose(rows, choice.rule)  # raises, naming every configuration's reason
-    time(fitting[0])
-    while choice.rule == "fastest":
-        best = min((rows[i].predicted_s for i in profiles if rows[i].predicted_s is not None), default=float("inf"))
-        for i in fitting:
-            if i not in profiles:
-                bound(i, best)
-        hopeful = [i for i in fitting if i not in profiles and rows[i].predicted_s is not None
-                   and rows[i].predicted_s < best * (1 - noise)]
-        if not hopeful:
-            break
-        nxt = min(hopeful, key=lambda i: rows[i].predicted_s)
-        plain = next((j for j in profiles if not rows[j].checkpointing), None)
-        if rows[nxt].checkpointing and True not in probes and not any(rows[j].checkpointing for j in profiles) \
-                and plain is not None:
-            # a cheap probe first: a few rounds at the candidate's own mbs, where its plan runs most
-            say(f"probing {rows[nxt].name} at its mbs ...")
-            probes[True] = (prof.time(caps[nxt], sizes=[[m] for m in caps[nxt].mbs]), profiles[plain])
-            continue
-        time(nxt)
-    pick = choose([r for i, r in enumerate(rows) if i in profiles] or rows, choice.rule)
-    index = rows.index(pick)
-    choice.rows, choice.chosen = rows, caps[index].config
-    profile = profiles[index]
-    profile.meta["auto_choice"] = {"rule": choice.rule, "profiling_s": {k: round(v, 3) for k, v in prof.seconds.items()},
-                                   "timed": len(profiles), "probed": len(probes), "timing_rounds": prof.rounds,
-                                   "candidates": [r.to_dict() for r in rows]}
-    say(f"configurations ({choice.rule}; profiling {prof.total_seconds:.1f} s: capacity "
-        f"{prof.seconds['capacity_s']:.1f} s, timing {prof.seconds['timing_s']:.1f} s ({prof.rounds} rounds), "
-        f"collectives {prof.seconds['comm_s']:.1f} s; {len(profiles)} timed, {len(probes)} probed):\n"
-        + format_table(rows))
-    return Profile.from_dict(comm.all_gather_object(profile.to_dict() if comm.rank == 0 else None,
-                                                    tag="auto:profile")[0])
 
 
 def _load_profile(comm: Communicator, options: AutoOptions, policy: MixedPrecision | None,
@@ -290,17 +187,6 @@ def _load_profile(comm: Communicator, options: AutoOptions, policy: MixedPrecisi
         options = replace(options, memory_scale=profile.meta["memory_scale"],
                           time_scale=profile.meta["time_scale"])  # emulate the devices it measured
     return profile, options
-
-
-def _heaviest_config(choice: "Choice", zero_stage: int) -> tuple[int, Any] | None:
-    """The configuration among the candidates whose micro-steps compute the most on a CPU (the
-    highest stage, checkpointed if any is): the emulation's time scale must cover it too."""
-    if not choice.active:
-        return None
-    configs = choice.configs(zero_stage)
-    stage = max((c.stage for c in configs), default=zero_stage)
-    checkpointing = next((c.checkpointing for c in configs if c.checkpointed), None)
-    return None if (stage, checkpointing) == (zero_stage, None) else (stage, checkpointing)
 
 
 def _rank_device(comm: Communicator, home: torch.device, cluster: Any, device: Device | None, options: AutoOptions,

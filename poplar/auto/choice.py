@@ -1,0 +1,146 @@
+"""Auto mode's choice among configurations (ZeRO stage x activation checkpointing) by predicted
+iteration time (docs/design.md §7.1): every candidate's capacity, collective-free; the first fit
+timed; then, while a candidate's lower bound could beat the best prediction so far, a probe at
+its mbs (a few rounds where its plan runs most) or its timing. Timings after the first reuse
+what an earlier one measured with the same compute, on the sparse grid, with a measurement
+repeated only where it breaks the curve's shape: together about a single-stage profile's cost.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from poplar.comm import Communicator
+from poplar.planner.candidates import CandidateRow, choose, estimate_profile, format_table, mbs_by_type, predict, \
+    with_probe
+from poplar.profiler.candidates import CandidateProfiler, Config, Reuse
+from poplar.profiler.devices import Device
+from poplar.profiler.profile_run import ProfileOptions
+from poplar.profiler.timing import Confirmation, TimingGrid
+from poplar.types.profiles import Profile
+
+
+@dataclass
+class Choice:
+    """What auto mode chooses among: the global batch, the rule, and the checkpointing settings
+    (the engine's ``activation_checkpointing``: None lets auto mode try off and on)."""
+
+    gbs: int
+    rule: str
+    checkpointing: Any
+    stages: tuple[int, ...]
+    active: bool = True  # False: profile one configuration (escalating), as the paper does
+    rows: list[CandidateRow] | None = None
+    chosen: Config | None = None
+
+    def configs(self, zero_stage: int) -> list[Config]:
+        settings = [None, True] if self.checkpointing is None else [self.checkpointing]
+        stages = sorted(s for s in set(self.stages) if s >= zero_stage)  # the stage asked for is a floor
+        return [Config(s, c) for c in settings for s in stages]
+
+
+def choose_configuration(comm: Communicator, model_fn: Callable, loss_fn: Callable, sample_fn: Any,
+                         optimizer_fn: Callable, device: Device, popts: ProfileOptions, choice: Choice,
+                         say: Callable[[str], None], **limits: Any) -> Profile:
+    """Capacity of every configuration (no collective), timing of the first fit, then of each
+    candidate whose lower bound could beat the best prediction so far; choose (docs/design.md §7.1).
+    ``limits``: the planner's (``require_all_ranks``, ``max_micro_steps``). Returns the chosen
+    configuration's profile (the same on every rank) and records the choice in ``choice``."""
+    prof = CandidateProfiler(model_fn, loss_fn, sample_fn, device, optimizer_fn=optimizer_fn, options=popts,
+                             log=lambda m: say(m.removeprefix("[poplar profile] ")), process_group=comm.group)
+    types = comm.all_gather_object(device.device_type, tag="auto:types")
+    caps = prof.capacities(choice.configs(popts.zero_stage))
+    rows = [CandidateRow(c.config.stage, c.config.checkpointed, c.fits, mbs_by_type(types, c.mbs)) for c in caps]
+    for row, c in zip(rows, caps):
+        if not c.fits:
+            bad = [r for r, m in enumerate(c.mbs) if m < 1]
+            row.reason = f"batch 1 does not fit on rank {bad[0]} ({types[bad[0]]})" + \
+                (f" and {len(bad) - 1} more" if len(bad) > 1 else "")
+    profiles: dict[int, Profile] = {}  # timed candidates
+    probes: dict[int, Profile] = {}  # candidates timed at their mbs only
+    noise = popts.tolerance  # a bound within this fraction of the best cannot win by more than the noise
+
+    def same_compute(i: int, among: dict[int, Profile]) -> Profile | None:
+        """A profile in ``among`` whose micro-steps compute as candidate i's do (stages 0-2, same setting)."""
+        return next((among[j] for j in among if rows[j].checkpointing == rows[i].checkpointing
+                     and (j == i or rows[j].stage < 3 and rows[i].stage < 3)), None)
+
+    def time(i: int) -> None:
+        # the sparse grid (powers of two and mbs), a measurement repeated only where it breaks
+        # the curve's shape: a quarter of a single-stage profile's rounds per candidate
+        reuse, how = same_compute(i, profiles) or same_compute(i, probes), Reuse.SAME_COMPUTE
+        if i in probes:  # its own probe measured its mbs and its costs
+            reuse, how = (with_probe(reuse, probes[i]) if reuse else probes[i]), Reuse.SAME_CONFIG
+        say(f"timing {rows[i].name}{' (new batch sizes only)' if reuse else ''} ...")
+        profiles[i] = prof.time(caps[i], reuse=reuse, how=how, grid=TimingGrid.SPARSE, confirm=Confirmation.CURVE)
+        plan, why = predict(profiles[i], choice.gbs, rows[i].stage, **limits)
+        rows[i].predicted_s, rows[i].timed = (plan.predicted_iteration_s, True) if plan else (None, True)
+        rows[i].reason = why
+
+    def bound(i: int, best: float) -> None:
+        timed = [j for j in profiles if rows[j].predicted_s is not None] or list(profiles)
+        same = [j for j in timed if rows[j].checkpointing == rows[i].checkpointing]
+        plain = next((j for j in timed if not rows[j].checkpointing), None)
+        checkpointed = next((probes[j] for j in probes if rows[j].checkpointing), None)
+        if same:
+            base = profiles[same[0]]
+        elif rows[i].checkpointing and checkpointed is not None and plain is not None:
+            base = with_probe(profiles[plain], checkpointed)  # recomputation measured at a probe
+        else:
+            base = profiles[timed[0]]
+        if i in probes:
+            base = with_probe(base, probes[i])
+        plan, why = predict(estimate_profile(base, rows[i].stage, caps[i].mbs), choice.gbs, rows[i].stage, **limits)
+        rows[i].predicted_s, rows[i].reason = (plan.predicted_iteration_s if plan else None), why
+        if plan and plan.predicted_iteration_s >= best * (1 - noise):
+            rows[i].reason = (f"not timed: lower bound {plan.predicted_iteration_s:.4f} s >= best {best:.4f} s"
+                              + (f" - {noise:.0%} noise" if plan.predicted_iteration_s < best else ""))
+
+    fitting = sorted((i for i, r in enumerate(rows) if r.fits), key=lambda i: (rows[i].checkpointing, rows[i].stage))
+    if not fitting:
+        choose(rows, choice.rule)  # raises, naming every configuration's reason
+    time(fitting[0])
+    while choice.rule == "fastest":
+        best = min((rows[i].predicted_s for i in profiles if rows[i].predicted_s is not None), default=float("inf"))
+        for i in fitting:
+            if i not in profiles:
+                bound(i, best)
+        hopeful = [i for i in fitting if i not in profiles and rows[i].predicted_s is not None
+                   and rows[i].predicted_s < best * (1 - noise)]
+        if not hopeful:
+            break
+        nxt = min(hopeful, key=lambda i: rows[i].predicted_s)
+        if same_compute(nxt, profiles) is None and same_compute(nxt, probes) is None:
+            # a cheap probe first: a few rounds at the candidate's own mbs, where its plan runs
+            # most; its bound then holds its own speed there, and a full timing reuses them
+            say(f"probing {rows[nxt].name} at its mbs ...")
+            probes[nxt] = prof.time(caps[nxt], sizes=[[m] for m in caps[nxt].mbs])
+            continue
+        time(nxt)
+    pick = choose([r for i, r in enumerate(rows) if i in profiles] or rows, choice.rule)
+    index = rows.index(pick)
+    choice.rows, choice.chosen = rows, caps[index].config
+    profile = profiles[index]
+    profile.meta["auto_choice"] = {"rule": choice.rule, "profiling_s": {k: round(v, 3) for k, v in prof.seconds.items()},
+                                   "timed": len(profiles), "probed": len(probes), "timing_rounds": prof.rounds,
+                                   "candidates": [r.to_dict() for r in rows]}
+    say(f"configurations ({choice.rule}; profiling {prof.total_seconds:.1f} s: capacity "
+        f"{prof.seconds['capacity_s']:.1f} s, timing {prof.seconds['timing_s']:.1f} s ({prof.rounds} rounds), "
+        f"collectives {prof.seconds['comm_s']:.1f} s; {len(profiles)} timed, {len(probes)} probed):\n"
+        + format_table(rows))
+    return Profile.from_dict(comm.all_gather_object(profile.to_dict() if comm.rank == 0 else None,
+                                                    tag="auto:profile")[0])
+
+
+
+
+def heaviest_config(choice: Choice, zero_stage: int) -> tuple[int, Any] | None:
+    """The configuration among the candidates whose micro-steps compute the most on a CPU (the
+    highest stage, checkpointed if any is): the emulation's time scale must cover it too."""
+    if not choice.active:
+        return None
+    configs = choice.configs(zero_stage)
+    stage = max((c.stage for c in configs), default=zero_stage)
+    checkpointing = next((c.checkpointing for c in configs if c.checkpointed), None)
+    return None if (stage, checkpointing) == (zero_stage, None) else (stage, checkpointing)

@@ -88,7 +88,7 @@ class Confirmation(Enum):
     """When a timed batch's measurement is trusted, or measured again."""
 
     REPEAT = "repeat"  # once a second measurement confirms its minimum (``settled``)
-    CURVE = "curve"  # a single one, unless it breaks the curve's shape (``breaks_curve``), then as REPEAT
+    CURVE = "curve"  # its minimum keeps the curve's shape (``breaks_curve``), or as REPEAT
 
 
 def breaks_curve(batch: int, best: dict[int, float], tolerance: float) -> bool:
@@ -111,7 +111,7 @@ def unconfirmed(measured: dict[int, list[float]], batches: list[int], tolerance:
         times = measured.get(b, [])
         if settled(times, tolerance):
             continue
-        if rule is Confirmation.REPEAT or len(times) != 1 or breaks_curve(b, best, tolerance):
+        if rule is Confirmation.REPEAT or not times or breaks_curve(b, best, tolerance):
             out.append(b)
     return out
 
@@ -156,7 +156,7 @@ def run_rounds(runtime: ZeroRuntime, device: Device, per_rank: list[list[int]], 
     (compute, micro-step comm, end-of-iteration comm, overhead) seconds (warm-up dropped).
 
     After the ``repeats`` passes, batches whose smallest compute time is not yet confirmed
-    (``confirm``: by a second measurement within ``tolerance``, or, with ``CURVE``, a single one
+    (``confirm``: by a second measurement within ``tolerance``, or, with ``CURVE``, by a minimum
     that keeps the curve's shape; interference on a shared machine) are measured again, in up to
     ``max_extra_passes`` more passes. Which batches each rank re-measures is
     agreed with one ``all_gather_object`` between rounds, outside any training step.

@@ -191,8 +191,10 @@ def test_a_single_measurement_is_trusted_only_where_it_keeps_the_curves_shape() 
     assert unconfirmed(once, [1, 2, 4, 8], 0.02, Confirmation.REPEAT) == [1, 2, 4, 8]
     disturbed = {**once, 4: [3.7]}
     assert unconfirmed(disturbed, [1, 2, 4, 8], 0.02, Confirmation.CURVE) == [4]
-    # two measurements that disagree are measured again under either rule; agreeing ones are settled
-    assert unconfirmed({**once, 4: [3.2, 3.5]}, [4], 0.02, Confirmation.CURVE) == [4]
+    # measured again: the minimum decides under CURVE; REPEAT needs two that agree
+    assert unconfirmed({**once, 4: [3.7, 3.2]}, [4], 0.02, Confirmation.CURVE) == []
+    assert unconfirmed({**once, 4: [3.9, 3.7]}, [4], 0.02, Confirmation.CURVE) == [4]  # two that agree are trusted, on shape or not
+    assert unconfirmed({**once, 4: [3.7, 3.2]}, [4], 0.02, Confirmation.REPEAT) == [4]
     assert unconfirmed({**once, 4: [3.2, 3.21]}, [4], 0.02, Confirmation.REPEAT) == []
 
 

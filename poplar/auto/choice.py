@@ -112,10 +112,12 @@ def choose_configuration(comm: Communicator, model_fn: Callable, loss_fn: Callab
             break
         nxt = min(hopeful, key=lambda i: rows[i].predicted_s)
         if same_compute(nxt, profiles) is None and same_compute(nxt, probes) is None:
-            # a cheap probe first: a few rounds at the candidate's own mbs, where its plan runs
-            # most; its bound then holds its own speed there, and a full timing reuses them
+            # a cheap probe first: one round at the candidate's own mbs, where its plan runs
+            # most; its bound then holds its own speed there, and a full timing keeps it. One
+            # measurement: a disturbed probe raises the bound by the disturbance at most, so it
+            # can only make a candidate within that of the best go untimed
             say(f"probing {rows[nxt].name} at its mbs ...")
-            probes[nxt] = prof.time(caps[nxt], sizes=[[m] for m in caps[nxt].mbs])
+            probes[nxt] = prof.time(caps[nxt], sizes=[[m] for m in caps[nxt].mbs], confirm=Confirmation.CURVE)
             continue
         time(nxt)
     pick = choose([r for i, r in enumerate(rows) if i in profiles] or rows, choice.rule)

@@ -119,8 +119,8 @@ class CandidateProfiler:
         and fixed overhead; ``SAME_CONFIG``, this configuration's own probe. ``sizes``: per rank,
         the batches to time (a probe; the profile then holds only those points), else ``grid``'s
         batches up to each rank's mbs; ``confirm``: when a measurement is trusted. Only the
-        profiler's first timing has a warm-up round: the later ones run computations this process
-        has already run."""
+        profiler's first timing can have a warm-up round: the later ones run computations this
+        process has already run (and so did its capacity searches)."""
         if not capacity.fits or capacity.result is None:
             raise ValueError("only a configuration that fits every rank can be timed")
         per_rank = sizes or [timing_batches(m, grid) for m in capacity.mbs]
@@ -135,7 +135,12 @@ class CandidateProfiler:
         try:
             t0 = time.perf_counter()
             fit = StageCapacity(capacity.config.stage, capacity.result, list(capacity.mbs))
-            timing = _time_in_lock_step(run, fit, per_rank, warmup=self.rounds == 0, confirm=confirm)
+            # a warm-up round only before the first timing, and only where two agreeing
+            # measurements are wanted: the capacity searches already ran the same computations
+            # in this process, and with CURVE a first round still slow enough to matter breaks
+            # the curve's shape and is measured again
+            warmup = self.rounds == 0 and confirm is Confirmation.REPEAT
+            timing = _time_in_lock_step(run, fit, per_rank, warmup=warmup, confirm=confirm)
             if reuse is not None:
                 mine, mbs = {p.batch for p in timing.points}, capacity.mbs[run.comm.rank]
                 kept = [p for p in reuse.ranks[run.comm.rank].points if p.batch not in mine and p.batch <= mbs]

@@ -1,0 +1,81 @@
+"""Auto mode's timing of candidates on a 2-rank emulated cluster (virtual devices, gloo): a probe
+is one round at each rank's mbs; the probed configuration's full timing keeps the probe's point
+(``Reuse.SAME_CONFIG``) and times only the sparse grid's other batches; another stage with the
+same compute keeps those points and times its own mbs again (``Reuse.SAME_COMPUTE``). Every
+point is the device's padded curve."""
+
+from __future__ import annotations
+
+import pytest
+
+from poplar.comm.launch import spawn
+from poplar.profiler import SaturatingCurve, VirtualDevice
+from poplar.profiler.candidates import CandidateProfiler, Config, Reuse, uncovered
+from poplar.profiler.profile_run import ProfileOptions
+from poplar.profiler.timing import Confirmation, TimingGrid, timing_batches
+from poplar.workloads import get_workload
+
+WORKLOAD = get_workload("token-mlp")
+KB = 1000
+# t(1) ~ 20 ms: well above the real CPU compute of the tiny model
+CURVES = [SaturatingCurve(0.016, 4.0, 2000.0), SaturatingCurve(0.018, 1.0, 500.0)]
+CAPACITIES = [3600 * KB, 1500 * KB]
+
+
+def worker(rank: int, world: int, devices: list[VirtualDevice]) -> dict:
+    import torch
+    torch.set_num_threads(1)
+    device = devices[rank]
+    prof = CandidateProfiler(WORKLOAD.model_fn, WORKLOAD.loss_fn, WORKLOAD.sample_fn, device,
+                             options=ProfileOptions(repeats=1, bucket_size_mb=0.03, progress=False),
+                             log=lambda m: None)
+    caps = prof.capacities([Config(0), Config(1)])
+    curve = dict(confirm=Confirmation.CURVE)
+    probe = prof.time(caps[0], sizes=[[m] for m in caps[0].mbs], **curve)
+    probe_rounds = prof.rounds
+    full = prof.time(caps[0], reuse=probe, how=Reuse.SAME_CONFIG, grid=TimingGrid.SPARSE, **curve)
+    full_rounds = prof.rounds - probe_rounds
+    other = prof.time(caps[1], reuse=full, how=Reuse.SAME_COMPUTE, grid=TimingGrid.SPARSE, **curve)
+    return {"mbs": [c.mbs for c in caps], "probe": probe.to_dict(), "full": full.to_dict(), "other": other.to_dict(),
+            "rounds": (probe_rounds, full_rounds, prof.rounds - probe_rounds - full_rounds)}
+
+
+@pytest.fixture(scope="module")
+def run() -> list[dict]:
+    devices = [VirtualDevice(f"d{i}", c, time_fn=t) for i, (c, t) in enumerate(zip(CAPACITIES, CURVES))]
+    return spawn(worker, 2, (devices,), timeout_s=300, collective_timeout_s=120)
+
+
+def points(profile: dict, rank: int) -> dict[int, float]:
+    return {p["batch"]: p["compute_s"] for p in profile["ranks"][rank]["points"]}
+
+
+def test_the_probe_is_one_round_at_each_ranks_mbs(run: list[dict]) -> None:
+    mbs0 = run[0]["mbs"][0]
+    assert min(mbs0) >= 4, mbs0  # enough batches for a grid
+    assert run[0]["rounds"][0] == 1
+    for r in range(2):
+        assert list(points(run[0]["probe"], r)) == [mbs0[r]]
+
+
+def test_the_full_timing_keeps_the_probe_and_times_the_rest_of_the_sparse_grid(run: list[dict]) -> None:
+    mbs0 = run[0]["mbs"][0]
+    for r in range(2):
+        full, probe = points(run[0]["full"], r), points(run[0]["probe"], r)
+        assert sorted(full) == timing_batches(mbs0[r], TimingGrid.SPARSE)
+        assert full[mbs0[r]] == probe[mbs0[r]]  # kept, not measured again
+        for b, t in full.items():  # the device's curve, measured or kept
+            assert t == pytest.approx(CURVES[r](b), rel=0.05), (r, b)
+    # every other grid batch is new; a curve that keeps its shape needs one pass, perhaps a few re-measures
+    new = max(len(uncovered(timing_batches(m, TimingGrid.SPARSE), {m}, m)) for m in mbs0)
+    assert new <= run[0]["rounds"][1] <= new + 3
+
+
+def test_a_same_compute_stage_keeps_the_points_and_times_its_own_mbs(run: list[dict]) -> None:
+    mbs0, mbs1 = run[0]["mbs"]
+    assert all(b >= a for a, b in zip(mbs0, mbs1))  # stage 1 shards optimizer state: at least as much room
+    for r in range(2):
+        other, full = points(run[0]["other"], r), points(run[0]["full"], r)
+        assert mbs1[r] in other and other[mbs1[r]] == pytest.approx(CURVES[r](mbs1[r]), rel=0.05)
+        kept = {b: t for b, t in other.items() if b in full and b != mbs1[r]}
+        assert kept and all(t == full[b] for b, t in kept.items())

@@ -136,7 +136,8 @@ def rank_main(rank: int, world: int, cluster: str, gbs: int, iterations: int, re
     chosen = next(r for r in auto.candidates if r.chosen).name if auto.candidates else f"ZeRO-{auto.plan.zero_stage}"
     late = device.late_steps, device.padded_steps
     return {"rows": [r.to_dict() for r in rows], "measured": measured, "auto": chosen, "first_fit": first_fit,
-            "auto_profiling_s": auto_s, "single_profile_s": single_s, "chosen_single_s": chosen_single_s, "auto_split": auto.plan.meta["profiling_s"],
+            "auto_profiling_s": auto_s, "single_profile_s": single_s, "chosen_single_s": chosen_single_s,
+            "auto_split": auto.plan.meta["profiling_s"],
             "single_split": single.meta["ranks"][str(rank)]["phase_seconds"],
             "rounds": (auto.profile.meta["auto_choice"]["timing_rounds"], single.meta["timing_rounds"]), "auto_table": format_table(auto.candidates or []),
             "late": late}

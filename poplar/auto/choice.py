@@ -68,7 +68,7 @@ def choose_configuration(comm: Communicator, model_fn: Callable, loss_fn: Callab
 
     def time(i: int) -> None:
         # the sparse grid (powers of two and mbs), a measurement repeated only where it breaks
-        # the curve's shape: a quarter of a single-stage profile's rounds per candidate
+        # the curve's shape: fewer and cheaper rounds than a single-stage profile's
         reuse, how = same_compute(i, profiles) or same_compute(i, probes), Reuse.SAME_COMPUTE
         if i in probes:  # its own probe measured its mbs and its costs
             reuse, how = (with_probe(reuse, probes[i]) if reuse else probes[i]), Reuse.SAME_CONFIG
@@ -133,8 +133,6 @@ def choose_configuration(comm: Communicator, model_fn: Callable, loss_fn: Callab
         + format_table(rows))
     return Profile.from_dict(comm.all_gather_object(profile.to_dict() if comm.rank == 0 else None,
                                                     tag="auto:profile")[0])
-
-
 
 
 def heaviest_config(choice: Choice, zero_stage: int) -> tuple[int, Any] | None:

@@ -62,10 +62,10 @@ class ConfigCapacity:
 
 
 def uncovered(grid: list[int], have: set[int], mbs: int) -> set[int]:
-    """The batches of ``grid`` (sorted) that no batch in ``have`` stands in for: one from a grid
-    batch up to, not including, the grid's next (and at most ``mbs``) does."""
+    """The batches of ``grid`` (sorted, up to ``mbs``) that no batch in ``have`` stands in for:
+    one from a grid batch up to, not including, the grid's next (after the last: ``mbs``) does."""
     bounds = grid[1:] + [mbs + 1]
-    return {b for b, nxt in zip(grid, bounds) if not any(b <= p < nxt and p <= mbs for p in have)}
+    return {b for b, nxt in zip(grid, bounds) if not any(b <= p < nxt for p in have)}
 
 
 class CandidateProfiler:
@@ -112,11 +112,12 @@ class CandidateProfiler:
         """Lock-step timing rounds of one fitting configuration: its ``Profile`` (every rank).
 
         ``reuse``: a timed profile whose points up to each rank's mbs are kept, so that only the
-        batches it lacks are timed (``uncovered``). ``how`` says what it is: ``SAME_COMPUTE``, a configuration
-        whose micro-steps compute the same (the same checkpointing at another of stages 0-2: they
-        differ only in communication, which a micro-step's measured compute leaves out), and each
-        rank's mbs is timed again, since the rounds also measure this stage's own communication
-        and fixed overhead; ``SAME_CONFIG``, this configuration's own probe. ``sizes``: per rank,
+        batches it lacks are timed (``uncovered``). ``how`` says what it is: ``SAME_COMPUTE``, a
+        configuration whose micro-steps compute the same (the same checkpointing at another of
+        stages 0-2: they differ only in communication, which a micro-step's measured compute
+        leaves out), and each rank's mbs is timed again, since the rounds also measure this
+        stage's own communication and fixed overhead; ``SAME_CONFIG``, this configuration's own
+        probe. ``sizes``: per rank,
         the batches to time (a probe; the profile then holds only those points), else ``grid``'s
         batches up to each rank's mbs; ``confirm``: when a measurement is trusted. Only the
         profiler's first timing can have a warm-up round: the later ones run computations this
@@ -135,10 +136,8 @@ class CandidateProfiler:
         try:
             t0 = time.perf_counter()
             fit = StageCapacity(capacity.config.stage, capacity.result, list(capacity.mbs))
-            # a warm-up round only before the first timing, and only where two agreeing
-            # measurements are wanted: the capacity searches already ran the same computations
-            # in this process, and with CURVE a first round still slow enough to matter breaks
-            # the curve's shape and is measured again
+            # with CURVE a first round still slow enough to matter breaks the curve's shape and
+            # is measured again, so only a first REPEAT timing has a warm-up round
             warmup = self.rounds == 0 and confirm is Confirmation.REPEAT
             timing = _time_in_lock_step(run, fit, per_rank, warmup=warmup, confirm=confirm)
             if reuse is not None:

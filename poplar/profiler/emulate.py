@@ -27,8 +27,8 @@ lacks the precision (bf16 on V100 / T4) is refused before anything runs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
 import sys
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, TypeVar
 
 import torch
@@ -36,10 +36,10 @@ from torch import nn
 
 from poplar.comm import Communicator
 from poplar.profiler.faults import FaultSchedule
-from poplar.profiler.speed_padding import LATE_BUDGET
 from poplar.profiler.calibration import (MARGIN, MIN_STEP_S, Calibration, CalibrationPass, Prepared,
                                          batches_to_time, calibrate, check_cluster_precision, TimingJob, combine,
                                          finish, measure_pass, prepare, time_scale_needed, time_trials)
+from poplar.profiler.speed_padding import LATE_BUDGET
 from poplar.profiler.virtual_device import VirtualDevice
 from poplar.types.cluster import ClusterSpec
 from poplar.types.precision import MixedPrecision, Precision

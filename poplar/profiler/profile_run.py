@@ -239,8 +239,8 @@ def _time_in_lock_step(run: RankRun, fit: StageCapacity, per_rank: list[list[int
     """Lock-step timing rounds at every rank's timing batches (``per_rank``: these instead), with
     the real runtime and its collectives; a memory overflow in any round fails the run on every
     rank. ``warmup``: an unmeasured first round; ``confirm``: when a measurement is trusted
-    (``run_rounds``). The garbage collections in it,
-    the device's ``release`` at the end among them, skip what existed before it."""
+    (``run_rounds``). The garbage collections in it, the device's ``release`` at the end among
+    them, skip what existed before it."""
     with _young_garbage_only():
         return _timing_rounds(run, fit, per_rank, warmup, confirm)
 

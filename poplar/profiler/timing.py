@@ -158,11 +158,11 @@ def run_rounds(runtime: ZeroRuntime, device: Device, per_rank: list[list[int]], 
     After the ``repeats`` passes, batches whose smallest compute time is not yet confirmed
     (``confirm``: by a second measurement within ``tolerance``, or, with ``CURVE``, by a minimum
     that keeps the curve's shape; interference on a shared machine) are measured again, in up to
-    ``max_extra_passes`` more passes. Which batches each rank re-measures is
-    agreed with one ``all_gather_object`` between rounds, outside any training step.
+    ``max_extra_passes`` more passes. Which batches each rank re-measures is agreed with one
+    ``all_gather_object`` between rounds, outside any training step.
     ``progress`` draws a progress bar of the rounds (on a terminal). ``warmup=False`` leaves out
-    the unmeasured first round (the process already ran this computation: a profiler's later
-    timings); a disturbed first round is then one more measurement the minimum discards."""
+    the unmeasured first round (the process already ran this computation); a first round slowed
+    by it is then a measurement the confirmation rule discards or measures again."""
     rank = runtime.rank
     out: dict[int, list[tuple[float, float]]] = {}
     facts: list[tuple] = []

@@ -40,7 +40,8 @@ from poplar.profiler.devices import Device, to_device
 from poplar.profiler.escalation import StageCapacity, find_fitting_stage, format_bytes
 from poplar.profiler.local_comm import local_engine, round_plan
 from poplar.profiler.precision import agree_precision_support, precision_meta
-from poplar.profiler.timing import Confirmation, exposed_costs, measure_comm, run_rounds, summarize, timing_batches
+from poplar.profiler.exposure import BALANCED_REPEATS, balanced_batches, exposed_costs
+from poplar.profiler.timing import Confirmation, measure_comm, run_rounds, summarize, timing_batches
 from poplar.types.precision import MixedPrecision, resolve_precision
 from poplar.types.profiles import CommProfile, Profile, ProfileError, ProfilePoint, RankProfile
 from poplar.zero.runtime import ZeroRuntime
@@ -186,7 +187,7 @@ class LockStepTiming:
 
     points: list[ProfilePoint]
     rounds: int
-    costs: dict[str, float]  # exposed communication and overhead (``timing.exposed_costs``)
+    costs: dict[str, float]  # exposed communication and overhead (``exposure.exposed_costs``)
     comm_seconds: float  # seconds in collectives over all rounds
     collectives: tuple[list[list], list[list]]  # ``runtime_collectives`` of the last round
     confirm: Confirmation = Confirmation.REPEAT  # when a measurement was trusted
@@ -274,12 +275,46 @@ def _timing_rounds(run: RankRun, fit: StageCapacity, per_rank: list[list[int]] |
         error = ("a timing round exceeded the device memory although the capacity search found that it fits: "
                  + overflows[0]["message"])
     comm.agree(error, "profile timing memory", error_type=ProfileError)
-    costs = exposed_costs(comm.all_gather_object(facts, tag="profile:costs"))
+    balanced: list[list[tuple]] | None = None
+    if fit.stage in (2, 3) and comm.world_size > 1:
+        balanced, extra = _balanced_rounds(run, fit, runtime, measured, batches)
+        rounds += extra
+    costs = exposed_costs(comm.all_gather_object(facts, tag="profile:costs"), balanced)
     timing = LockStepTiming(summarize(measured), rounds, costs, runtime.comm_ledger.seconds(),
                             runtime_collectives(runtime), confirm)
     del runtime, model, optimizer, batches
     device.release()
     return timing
+
+
+def _balanced_rounds(run: RankRun, fit: StageCapacity, runtime: ZeroRuntime,
+                     measured: dict[int, list[tuple[float, float]]], batches: dict[int, Any]
+                     ) -> tuple[list[list[tuple]], int]:
+    """Rounds in which every rank's compute takes about as long as the others' (``exposure``):
+    every rank's facts of them, and their number."""
+    comm, device, options = run.comm, run.device, run.options
+    best = {b: min(c for c, _ in ms) for b, ms in measured.items()}
+    per_rank = balanced_batches(comm.all_gather_object(best, tag="profile:balance"), fit.mbs)
+    error = None
+    try:
+        for b in per_rank[comm.rank]:
+            if b not in batches:
+                batches[b] = to_device(run.sample_fn(b), device.torch_device)
+    except Exception as e:  # noqa: BLE001 - every rank must reach the agreement
+        error = f"balanced timing set-up failed: {type(e).__name__}: {e}"
+    comm.agree(error, "profile balanced timing set-up", error_type=ProfileError)
+    try:
+        with device.recording_overflows() as overflows, device.attach(runtime):
+            _, rounds, facts = run_rounds(runtime, device, per_rank, batches, run.loss_fn, comm,
+                                          repeats=BALANCED_REPEATS, max_extra_passes=0, warmup=False)
+    except DistributedError as e:
+        raise ProfileError(f"a balanced timing round failed: {e}") from None
+    error = None
+    if overflows:
+        error = ("a balanced timing round exceeded the device memory although the capacity search found that "
+                 "it fits: " + overflows[0]["message"])
+    comm.agree(error, "profile balanced timing memory", error_type=ProfileError)
+    return comm.all_gather_object(facts, tag="profile:balanced"), rounds
 
 
 def _assemble_profile(run: RankRun, fit: StageCapacity, timing: LockStepTiming,

@@ -15,12 +15,9 @@ first synchronisation is after backward), at stage 2 these are the reduce-scatte
 the all-gathers of forward and backward and the reduce-scatters; a collective's seconds include
 the time spent waiting for slower ranks, which is exactly what must not count as compute.
 
-Each round also tells what the iteration costs besides compute (``exposed_costs``): on the
-round's slowest rank, which waits for no one, the seconds blocked in the micro-step's
-collectives are the communication that compute did not hide (prefetched all-gathers and
-reduce-scatters left in flight overlap it), the seconds in the iteration's closing collectives
-are its exposed end communication, and the rest of the iteration outside the micro-step is its
-fixed overhead (the optimizer step, zeroing, bookkeeping). The planner adds them to its model.
+Each round also records, per rank, what the iteration cost besides compute (its micro-step and
+closing communication and its overhead); ``exposure.exposed_costs`` turns them into the planner's
+model of the communication compute did not hide.
 """
 
 from __future__ import annotations
@@ -153,7 +150,8 @@ def run_rounds(runtime: ZeroRuntime, device: Device, per_rank: list[list[int]], 
                ) -> tuple[dict[int, list[tuple[float, float]]], int, list[tuple]]:
     """Run the lock-step rounds; return, per batch size this rank ran, its (compute, comm)
     measurements (warm-up dropped), the number of rounds, and per round this rank's
-    (compute, micro-step comm, end-of-iteration comm, overhead) seconds (warm-up dropped).
+    (compute, micro-step comm, end-of-iteration comm, overhead) seconds and the round's pass
+    (0: the first over the ranks' batches; warm-up dropped).
 
     After the ``repeats`` passes, batches whose smallest compute time is not yet confirmed
     (``confirm``: by a second measurement within ``tolerance``, or, with ``CURVE``, by a minimum
@@ -169,7 +167,7 @@ def run_rounds(runtime: ZeroRuntime, device: Device, per_rank: list[list[int]], 
     count = 0
     with MicroStepTimer(runtime, device) as timer:
 
-        def run(rounds: list[list[int]], skip_first: bool) -> None:
+        def run(rounds: list[list[int]], skip_first: bool, first_pass: int) -> None:
             nonlocal count
             for r, row in enumerate(rounds):
                 use_plan(runtime, round_plan(row))
@@ -182,12 +180,14 @@ def run_rounds(runtime: ZeroRuntime, device: Device, per_rank: list[list[int]], 
                     compute, micro_comm = timer.records[-1]
                     stats = runtime.last_stats
                     end_comm = runtime.comm_ledger.seconds(iteration=stats.iteration, phase="step")
-                    facts.append((compute, micro_comm, end_comm, stats.wall_s - compute - micro_comm - end_comm))
+                    facts.append((compute, micro_comm, end_comm, stats.wall_s - compute - micro_comm - end_comm,
+                                  first_pass + (r - int(skip_first)) // length))
 
+        length = max(len(s) for s in per_rank)
         rounds = round_schedule(per_rank, repeats, warmup)
         log(f"timing: {len(rounds)} lock-step rounds")
         bar = progress_bar(len(rounds), "profiling: timing rounds", progress)
-        run(rounds, skip_first=warmup)
+        run(rounds, skip_first=warmup, first_pass=0)
         for extra in range(max_extra_passes):
             mine = unconfirmed({b: [c for c, _ in ms] for b, ms in out.items()}, per_rank[rank], tolerance, confirm)
             everyone = comm.all_gather_object(mine, tag="profile:unsettled")
@@ -197,22 +197,9 @@ def run_rounds(runtime: ZeroRuntime, device: Device, per_rank: list[list[int]], 
             log(f"timing: re-measuring {sum(map(len, everyone))} unconfirmed points (pass {extra + 1})")
             extra_rounds = round_schedule(again, 1, warmup=False)
             bar.total += len(extra_rounds)
-            run(extra_rounds, skip_first=False)
+            run(extra_rounds, skip_first=False, first_pass=repeats + extra)
         bar.close()
     return out, count, facts
-
-
-def exposed_costs(everyone: list[list[tuple]]) -> dict[str, float]:
-    """From every rank's per-round facts (``run_rounds``): the medians over rounds, on each
-    round's slowest rank, of its micro-step communication, end-of-iteration communication and
-    overhead (seconds)."""
-    rounds = min(len(f) for f in everyone)
-    if rounds == 0:
-        return {}
-    critical = [max((f[k] for f in everyone), key=lambda x: x[0]) for k in range(rounds)]
-    return {"exposed_micro_step_s": statistics.median(c[1] for c in critical),
-            "exposed_iteration_s": statistics.median(c[2] for c in critical),
-            "iteration_overhead_s": max(0.0, statistics.median(c[3] for c in critical))}
 
 
 def summarize(measured: dict[int, list[tuple[float, float]]]) -> list[ProfilePoint]:

@@ -292,7 +292,7 @@ def _balanced_rounds(run: RankRun, fit: StageCapacity, runtime: ZeroRuntime,
                      ) -> tuple[list[list[tuple]], int]:
     """Rounds in which every rank's compute takes about as long as the others' (``exposure``):
     every rank's facts of them, and their number."""
-    comm, device, options = run.comm, run.device, run.options
+    comm, device = run.comm, run.device
     best = {b: min(c for c, _ in ms) for b, ms in measured.items()}
     per_rank = balanced_batches(comm.all_gather_object(best, tag="profile:balance"), fit.mbs)
     error = None

@@ -32,20 +32,15 @@ Stages 0/1 synchronise only at the end, so ranks run their micro-steps independe
 Stages 2/3 synchronise in every micro-step, so micro-step k lasts as long as its slowest rank.
 With K = max_i (gas_i + [lbs_i > 0]) lock-step micro-steps and s_ik the size of rank i's k-th
 micro-step (0 once it has run all of its own; such a rank joins the collective with zeros):
-    T = sum_{k=1..K} (max_i t_i(s_ik) + c_m(max_i t_i(s_ik))) + c_s
-The predicted communication of a plan is c_s (stages 0/1) or K c_m + c_s (stages 2/3). Measured,
-c_m of a micro-step depends on its slowest rank's compute tau: c_m(tau) = c_m + slope (tau - tau0),
-tau clamped to the compute the profile's rounds spanned, slope in [-1, 0] (longer compute hides
-more of the prefetched and in-flight collectives; tau + c_m(tau) never falls as tau grows, which
-the exact searches rely on). Idle time of rank i is T - C_i.
+    T = sum_{k=1..K} (max_i t_i(s_ik) + c_m) + c_s
+The predicted communication of a plan is c_s (stages 0/1) or K c_m + c_s (stages 2/3). No
+overlap of communication with compute is modelled; idle time of rank i is T - C_i.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
-
-import numpy as np
 
 from poplar.planner.curves import SpeedCurve
 
@@ -64,10 +59,6 @@ class CommModel:
     iteration_ops: Ops = ()
     exposed_micro_step_s: float | None = None
     exposed_iteration_s: float | None = None  # closing collectives + fixed overhead
-    # how the measured micro-step exposure changes with the step's compute (``per_micro_step_s``)
-    exposed_slope: float = 0.0
-    exposed_at_s: float = 0.0
-    exposed_range_s: tuple[float, float] | None = None
 
     @classmethod
     def from_profile(cls, profile: Any) -> "CommModel":
@@ -78,9 +69,7 @@ class CommModel:
         return cls(profile.world_size, float(profile.param_bytes), float(c.bandwidth_bytes_per_s),
                    float(c.latency_s or 0.0), c.collectives_stage,
                    tuple((str(op), float(n)) for op, n in c.micro_step),
-                   tuple((str(op), float(n)) for op, n in c.iteration), c.exposed_micro_step_s, end,
-                   float(c.exposed_micro_step_slope or 0.0), float(c.exposed_at_compute_s or 0.0),
-                   tuple(c.exposed_compute_range_s) if c.exposed_compute_range_s else None)
+                   tuple((str(op), float(n)) for op, n in c.iteration), c.exposed_micro_step_s, end)
 
     def call_s(self, op: str, nbytes: float) -> float:
         """One collective of a ``nbytes`` buffer (the full, unsharded size)."""
@@ -106,18 +95,9 @@ class CommModel:
             return 0.0
         return 2 * (n - 1) / n * self.param_bytes / self.bandwidth_bytes_per_s + self.latency_s
 
-    def per_micro_step_s(self, stage: int, compute_s: Any = None) -> Any:
-        """c_m of a lock-step micro-step whose slowest rank computes ``compute_s`` seconds (a
-        number or an array of them; None: the measured rounds' typical compute). Measured, it
-        falls with the compute along the profiled slope, within the compute the profile spanned
-        (longer compute hides more of the prefetched and in-flight collectives)."""
+    def per_micro_step_s(self, stage: int) -> float:
         if self.measured_stage == stage and self.exposed_micro_step_s is not None:
-            if stage not in (2, 3):
-                return 0.0
-            if compute_s is None or not self.exposed_slope or self.exposed_range_s is None:
-                return self.exposed_micro_step_s
-            at = np.clip(compute_s, *self.exposed_range_s)
-            return np.maximum(0.0, self.exposed_micro_step_s + self.exposed_slope * (at - self.exposed_at_s))
+            return self.exposed_micro_step_s if stage in (2, 3) else 0.0
         if self._measured(stage):
             return sum(self.call_s(op, n) for op, n in self.micro_step_ops)
         return {0: 0.0, 1: 0.0, 2: self.collective_s(), 3: 3 * self.collective_s()}[stage]
@@ -174,7 +154,7 @@ def evaluate_rows(rows: Sequence[Row], curves: Mapping[str, SpeedCurve], stage: 
     for (_, _, gas, lbs) in distinct:
         marks.update((gas, gas + 1) if lbs > 0 else (gas,))
     cuts = sorted(m for m in marks if 0 <= m <= steps)
-    compute_wall = exposed = 0.0
+    compute_wall = 0.0
     for start, end in zip(cuts, cuts[1:]):
         slowest = 0.0
         for (dtype, b, gas, lbs) in distinct:
@@ -183,6 +163,5 @@ def evaluate_rows(rows: Sequence[Row], curves: Mapping[str, SpeedCurve], stage: 
             elif start == gas and lbs > 0:
                 slowest = max(slowest, curves[dtype].time(lbs))
         compute_wall += (end - start) * slowest
-        exposed += (end - start) * float(comm.per_micro_step_s(stage, slowest))
-    comm_s = exposed + comm.per_iteration_s(stage)
+    comm_s = steps * comm.per_micro_step_s(stage) + comm.per_iteration_s(stage)
     return Evaluation(per_rank, compute_wall + comm_s, comm_s, steps)

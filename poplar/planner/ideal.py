@@ -43,7 +43,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -54,7 +54,6 @@ from poplar.planner.groups import DeviceGroup
 from poplar.planner.zero01 import canonical
 
 Row = tuple[str, int, int, int]  # (device_type, b, gas, lbs)
-StepSeconds = Callable[[Any], Any]  # a lock-step's compute (seconds, or an array) -> its seconds
 
 
 @dataclass
@@ -103,8 +102,7 @@ def ideal(groups: Sequence[DeviceGroup], global_batch_size: int, zero_stage: int
         per_type = None
         rows = _independent(groups, gbs)
     else:
-        per_type = _lockstep(groups, gbs, lambda tau: tau + comm.per_micro_step_s(zero_stage, tau),
-                             comm.per_iteration_s(zero_stage))
+        per_type = _lockstep(groups, gbs, comm.per_micro_step_s(zero_stage), comm.per_iteration_s(zero_stage))
         rows = _per_rank(groups, per_type, gbs)
     curves = {g.device_type: g.curve for g in groups}
     ev = evaluate_rows(rows, curves, zero_stage, comm)
@@ -197,9 +195,8 @@ class _Programme:
     types of bit set S still in their full phase. Every entry keeps a back-pointer (source set,
     source samples, step) so the cheapest path can be replayed into rows."""
 
-    def __init__(self, groups: Sequence[DeviceGroup], b: Sequence[int], gbs: int, step_s: StepSeconds,
-                 c_s: float) -> None:
-        self.groups, self.b, self.gbs, self.step_s = groups, b, gbs, step_s
+    def __init__(self, groups: Sequence[DeviceGroup], b: Sequence[int], gbs: int, c_m: float, c_s: float) -> None:
+        self.groups, self.b, self.gbs, self.c_m = groups, b, gbs, c_m
         self.full_t = [g.curve.time(x) for g, x in zip(groups, b)]
         self.start = sum(1 << t for t, x in enumerate(b) if x > 0)
         sets = [s for s in range(self.start + 1) if (s & ~self.start) == 0]
@@ -209,7 +206,7 @@ class _Programme:
         # same plan as one with b = its last batch and one full step (another b vector).
         self.steps: list[_Step] = [_Step("full")]
         self.first = min(self._samples(self.start), gbs)
-        self.cost[self.start][self.first] = c_s + float(step_s(self._step_time(self.start)))
+        self.cost[self.start][self.first] = c_s + self._step_time(self.start) + c_m
         self.parent[self.start][2][self.first] = 0
 
     def _samples(self, s: int) -> int:
@@ -247,7 +244,7 @@ class _Programme:
     def _close(self, s: int) -> None:
         """Any number of full steps of the types in ``s``: along each chain n, n + M, n + 2M, ...
         the best entry is min over i <= j of a_i + (j - i) seconds."""
-        m, seconds, g = self._samples(s), float(self.step_s(self._step_time(s))), self.gbs
+        m, seconds, g = self._samples(s), self._step_time(s) + self.c_m, self.gbs
         a = self.cost[s]
         rows = -(-g // m)
         grid = np.full(rows * m, np.inf)
@@ -295,7 +292,7 @@ class _Programme:
             return
         tau, lasts = tau[keep], lasts[:, keep]
         took = np.stack([self.groups[i].curve.times_of(n) for i, n in zip(leaving, lasts)])
-        seconds = self.step_s(np.maximum(floor, took.max(axis=0)))
+        seconds = np.maximum(floor, took.max(axis=0)) + self.c_m
         counts = np.array([self.groups[i].count for i in leaving])
         gains = self._samples(rest) + counts @ lasts
         order = np.lexsort((seconds, gains))  # per gain, the cheapest first
@@ -333,24 +330,22 @@ class _Programme:
         return [(self.b[t], gas[t], last[t]) if self.b[t] else (0, 0, 0) for t in range(len(self.groups))]
 
 
-def _lockstep(groups: Sequence[DeviceGroup], gbs: int, step_s: StepSeconds, c_s: float,
+def _lockstep(groups: Sequence[DeviceGroup], gbs: int, c_m: float, c_s: float,
               prune: bool = True) -> tuple[list, float, int]:
     """Cheapest per-type rows over every vector of full-step sizes b. Vectors are tried in the
     order of a lower bound and the search stops once the bound reaches the best found: after the
-    first full step (M(b) samples in step_s(max_t t_t(b_t))), every further step of time tau holds
+    first full step (M(b) samples in max_t t_t(b_t) + c_m), every further step of time tau holds
     at most cap(tau) = sum_t count_t B_t(tau) samples, so the rest costs at least
-    L(gbs - M(b)), L(r) = min_tau (step_s(tau) + L(r - cap(tau))), L(r <= 0) = 0. ``step_s(tau)``:
-    a lock-step's seconds with compute tau, communication included (non-decreasing in tau)."""
+    L(gbs - M(b)), L(r) = min_tau (tau + c_m + L(r - cap(tau))), L(r <= 0) = 0."""
     tau = np.unique(np.concatenate([g.curve.times for g in groups]))
     cap = sum(g.count * g.curve.max_batch_within(tau) for g in groups)
     rest = np.zeros(gbs + 1)
-    seconds = step_s(tau)
     for r in range(1, gbs + 1):
-        rest[r] = float(np.min(seconds + rest[np.maximum(r - cap, 0)]))
+        rest[r] = float(np.min(tau + c_m + rest[np.maximum(r - cap, 0)]))
     vectors = []
     for b in itertools.product(*[range(g.mbs + 1) for g in groups]):
         if any(b):
-            first = float(step_s(max(g.curve.time(x) for g, x in zip(groups, b))))
+            first = max(g.curve.time(x) for g, x in zip(groups, b)) + c_m
             held = sum(g.count * x for g, x in zip(groups, b))
             vectors.append((c_s + first + rest[max(gbs - held, 0)], b))
     vectors.sort()
@@ -358,7 +353,7 @@ def _lockstep(groups: Sequence[DeviceGroup], gbs: int, step_s: StepSeconds, c_s:
     for bound, b in vectors:
         if prune and bound >= best:
             break
-        prog = _Programme(groups, b, gbs, step_s, c_s)
+        prog = _Programme(groups, b, gbs, c_m, c_s)
         value = prog.run()
         tried += 1
         if value < best:

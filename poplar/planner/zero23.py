@@ -5,7 +5,7 @@ micro-step in which it runs l_i <= b_i samples. All ranks with samples share the
 accumulation steps); a rank with l_i = 0 joins the last collective with zeros, and a rank with
 b_i = 0 takes no samples at all but still joins every collective (allowed: the engine lets a
 rank contribute zeros). With the cost model (see ``cost_model``), such a plan costs
-    G (tau1 + c_m(tau1)) + [last step] (tau2 + c_m(tau2)) + c_s,   tau1 = max_i t_i(b_i), tau2 = max_i t_i(l_i).
+    G (tau1 + c_m) + [last step] (tau2 + c_m) + c_s,   tau1 = max_i t_i(b_i), tau2 = max_i t_i(l_i).
 
 Search. Candidate step times are the finite set {t_g(b) : device type g, 1 <= b <= mbs_g}. For a
 candidate tau, b_g(tau) = largest b with t_g(b) <= tau (curves are non-decreasing, so this is a
@@ -13,7 +13,7 @@ binary search) and M(tau) = sum_g count_g b_g(tau) is the most samples one micro
 <= tau can hold. For every candidate tau1 as the full-step time:
     K = ceil(gbs / M(tau1)) micro-steps (K - 1 full ones),   R = gbs - (K - 1) M(tau1) in [1, M(tau1)],
     tau2 = the smallest candidate with M(tau2) >= R,
-    cost = (K - 1)(tau1 + c_m(tau1)) + tau2 + c_m(tau2) + c_s,
+    cost = (K - 1)(tau1 + c_m) + tau2 + c_m + c_s,
 and the cheapest candidate wins. This refines Algorithm 2's wall = gas (t + c_m): the last
 micro-step is priced at its own, shorter time tau2 instead of a full tau1.
 
@@ -47,9 +47,8 @@ def allocate_zero23(groups: list[DeviceGroup], gbs: int, stage: int, comm: CommM
                     require_all_ranks: bool = False,
                     max_micro_steps: int | None = None) -> tuple[Rows, dict[str, Any]]:
     """Rows (b, gas, lbs) per rank of each group for stages 2/3, and what the search chose."""
-    c_s = comm.per_iteration_s(stage)
+    c_m, c_s = comm.per_micro_step_s(stage), comm.per_iteration_s(stage)
     cand = np.unique(np.concatenate([g.curve.times for g in groups]))
-    step = cand + comm.per_micro_step_s(stage, cand)  # a lock-step's seconds, non-decreasing in tau
     counts = np.array([g.count for g in groups], dtype=np.int64)
     fits = np.stack([g.curve.max_batch_within(cand) for g in groups])  # b_g(tau), shape (G, C)
     capacity = counts @ fits  # M(tau), non-decreasing in tau
@@ -71,7 +70,7 @@ def allocate_zero23(groups: list[DeviceGroup], gbs: int, stage: int, comm: CommM
     if require_all_ranks:  # a single micro-step must still give every rank a sample
         last_idx = np.where(steps == 1, np.maximum(last_idx, first_all), last_idx)
     last_idx = np.minimum(last_idx, cand.size - 1)
-    cost = np.where(valid, (steps - 1) * step + step[last_idx] + c_s, np.inf)
+    cost = np.where(valid, (steps - 1) * (cand + c_m) + cand[last_idx] + c_m + c_s, np.inf)
     best = int(np.lexsort((steps, cost))[0])  # cheapest; on a tie, fewer micro-steps
     k, r, j = int(steps[best]), int(rest[best]), int(last_idx[best])
 

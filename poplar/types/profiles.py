@@ -58,11 +58,8 @@ class CommProfile:
     collectives_stage: int | None = None
     micro_step: list[list] = field(default_factory=list)
     iteration: list[list] = field(default_factory=list)
-    # measured at collectives_stage on the critical rank (poplar.profiler.exposure.exposed_costs):
+    # measured at collectives_stage on the critical rank (poplar.profiler.timing.exposed_costs):
     exposed_micro_step_s: float | None = None  # communication a micro-step's compute did not hide
-    exposed_micro_step_slope: float | None = None  # its change per second of compute, in [-1, 0]
-    exposed_at_compute_s: float | None = None  # the compute at which exposed_micro_step_s holds
-    exposed_compute_range_s: list[float] | None = None  # the critical compute the rounds spanned
     exposed_iteration_s: float | None = None  # the iteration's closing collectives
     iteration_overhead_s: float | None = None  # optimizer step and the rest outside micro-steps
 
@@ -110,15 +107,8 @@ class Profile:
                 _check(pt.comm_s, f"{where}.points[{j}].comm_s", float)
         _check(self.comm.bandwidth_bytes_per_s, "comm.bandwidth_bytes_per_s", float)
         _check(self.comm.latency_s, "comm.latency_s", float)
-        for name in ("exposed_micro_step_s", "exposed_micro_step_slope", "exposed_at_compute_s",
-                     "exposed_iteration_s", "iteration_overhead_s"):
+        for name in ("exposed_micro_step_s", "exposed_iteration_s", "iteration_overhead_s"):
             _check(getattr(self.comm, name), f"comm.{name}", float, optional=True)
-        span = self.comm.exposed_compute_range_s
-        if span is not None:
-            _require(isinstance(span, list) and len(span) == 2, "comm.exposed_compute_range_s", span,
-                     "a [low, high] pair of seconds or null")
-            for j, x in enumerate(span):
-                _check(x, f"comm.exposed_compute_range_s[{j}]", float)
 
     def validate(self) -> None:
         self.check_types()

@@ -6,7 +6,6 @@ number of full micro-steps G >= 1 on ranks with samples, b_i <= mbs_i and a last
 l_i <= b_i. Run ``python -m tests.planner.test_planner_bruteforce`` for the worst cases over more seeds.
 """
 
-import dataclasses
 import math
 import random
 import sys
@@ -37,13 +36,6 @@ def random_groups(rng: random.Random, max_types=3, max_count=2, max_mbs=4) -> li
 
 def random_comm(rng: random.Random, world: int) -> CommModel:
     return CommModel(world, rng.choice([0.0, 1e6, 1e8, 1e9]), 1e9, rng.choice([0.0, 1e-3]))
-
-
-def sloped_comm(comm: CommModel, stage: int, slope: float) -> CommModel:
-    """``comm`` measured at ``stage``: 0.4 s exposed per micro-step at 1 s of compute, changing
-    by ``slope`` per second of compute between 0.5 and 3 s."""
-    return dataclasses.replace(comm, measured_stage=stage, exposed_micro_step_s=0.4, exposed_iteration_s=0.1,
-                               exposed_slope=slope, exposed_at_s=1.0, exposed_range_s=(0.5, 3.0))
 
 
 def fastest_split(curve: SpeedCurve, n: int) -> float:
@@ -80,7 +72,7 @@ def brute_zero01(groups, gbs, comm, stage, require_all=False) -> float:
 
 def brute_zero23(groups, gbs, comm, stage, require_all=False) -> float:
     ranks = [g.curve for g in groups for _ in range(g.count)]
-    c_s = comm.per_iteration_s(stage)
+    c_m, c_s = comm.per_micro_step_s(stage), comm.per_iteration_s(stage)
     options = []  # per rank: (b, l, t(b), t(l)) with 0 <= l <= b <= mbs
     for c in ranks:
         options.append(np.array([(b, l, c.time(b), c.time(l)) for b in range(c.mbs + 1) for l in range(b + 1)]))
@@ -97,9 +89,7 @@ def brute_zero23(groups, gbs, comm, stage, require_all=False) -> float:
             ok &= np.all(b >= 1, axis=0)
         if not ok.any():
             continue
-        step1 = t1 + comm.per_micro_step_s(stage, t1)
-        step2 = np.where(t2 > 0, t2 + comm.per_micro_step_s(stage, t2), 0.0)
-        cost = full * step1 + step2 + c_s
+        cost = full * (t1 + c_m) + np.where(t2 > 0, t2 + c_m, 0.0) + c_s
         best = min(best, float(cost[ok].min()))
     return best
 
@@ -136,8 +126,6 @@ def run_zero23(seed: int, count: int):
         world = sum(g.count for g in groups)
         require_all = require_all and gbs >= world
         for stage in (2, 3):
-            if gbs % 2:  # a measured exposure that falls as a step's compute grows
-                comm = sloped_comm(comm, stage, slope=-0.3 * (gbs % 3))
             got = plan_problem(Problem(groups, comm, stage, gbs, require_all), "poplar").predicted_iteration_s
             yield got, brute_zero23(groups, gbs, comm, stage, require_all)
 

@@ -16,6 +16,7 @@ from poplar.planner.candidates import CandidateRow, choose, estimate_profile, fo
     with_probe
 from poplar.profiler.candidates import CandidateProfiler, Config, Reuse
 from poplar.profiler.devices import Device
+from poplar.profiler.exposure import ExposureRounds
 from poplar.profiler.profile_run import ProfileOptions
 from poplar.profiler.timing import Confirmation, TimingGrid
 from poplar.types.profiles import Profile
@@ -117,7 +118,8 @@ def choose_configuration(comm: Communicator, model_fn: Callable, loss_fn: Callab
             # measurement: a disturbed probe raises the bound by the disturbance at most, so it
             # can only make a candidate within that of the best go untimed
             say(f"probing {rows[nxt].name} at its mbs ...")
-            probes[nxt] = prof.time(caps[nxt], sizes=[[m] for m in caps[nxt].mbs], confirm=Confirmation.CURVE)
+            probes[nxt] = prof.time(caps[nxt], sizes=[[m] for m in caps[nxt].mbs], confirm=Confirmation.CURVE,
+                                    exposure=ExposureRounds.GRID)
             continue
         time(nxt)
     pick = choose([r for i, r in enumerate(rows) if i in profiles] or rows, choice.rule)

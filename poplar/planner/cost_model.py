@@ -33,8 +33,13 @@ Stages 2/3 synchronise in every micro-step, so micro-step k lasts as long as its
 With K = max_i (gas_i + [lbs_i > 0]) lock-step micro-steps and s_ik the size of rank i's k-th
 micro-step (0 once it has run all of its own; such a rank joins the collective with zeros):
     T = sum_{k=1..K} (max_i t_i(s_ik) + c_m) + c_s
-The predicted communication of a plan is c_s (stages 0/1) or K c_m + c_s (stages 2/3). No
-overlap of communication with compute is modelled; idle time of rank i is T - C_i.
+The predicted communication of a plan is c_s (stages 0/1) or K c_m + c_s (stages 2/3). Measured,
+c_m is the exposure of a step in which every rank finishes together, the planner's steps; a step
+whose slowest device type leads the next type by a fraction g of its compute (ranks of one type
+tie, as in the profiler's rounds) costs c_m + (c_lead - c_m) min(1, g / LEAD_SCALE), the others
+already waiting at its collectives (``CommModel.lockstep_s``). ``evaluate_rows`` and the exact
+``ideal`` price steps so; the ZeRO-2/3 allocator prices every step at c_m, the steps it builds
+being balanced. Idle time of rank i is T - C_i.
 """
 
 from __future__ import annotations
@@ -42,7 +47,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+import numpy as np
+
 from poplar.planner.curves import SpeedCurve
+from poplar.types.profiles import LEAD_SCALE
 
 
 Ops = tuple[tuple[str, float], ...]  # (op, bytes of the full buffer) per collective
@@ -59,6 +67,9 @@ class CommModel:
     iteration_ops: Ops = ()
     exposed_micro_step_s: float | None = None
     exposed_iteration_s: float | None = None  # closing collectives + fixed overhead
+    exposed_lead_s: float | None = None  # a micro-step's when its slowest rank leads (``led_micro_step_s``)
+    exposed_short_s: float | None = None  # a shorter balanced micro-step's
+    exposed_at_s: tuple[float, float] | None = None  # the compute of the short and the balanced one
 
     @classmethod
     def from_profile(cls, profile: Any) -> "CommModel":
@@ -69,7 +80,9 @@ class CommModel:
         return cls(profile.world_size, float(profile.param_bytes), float(c.bandwidth_bytes_per_s),
                    float(c.latency_s or 0.0), c.collectives_stage,
                    tuple((str(op), float(n)) for op, n in c.micro_step),
-                   tuple((str(op), float(n)) for op, n in c.iteration), c.exposed_micro_step_s, end)
+                   tuple((str(op), float(n)) for op, n in c.iteration), c.exposed_micro_step_s, end,
+                   c.exposed_micro_step_lead_s, c.exposed_short_step_s,
+                   tuple(c.exposed_compute_s) if c.exposed_compute_s else None)
 
     def call_s(self, op: str, nbytes: float) -> float:
         """One collective of a ``nbytes`` buffer (the full, unsharded size)."""
@@ -101,6 +114,39 @@ class CommModel:
         if self._measured(stage):
             return sum(self.call_s(op, n) for op, n in self.micro_step_ops)
         return {0: 0.0, 1: 0.0, 2: self.collective_s(), 3: 3 * self.collective_s()}[stage]
+
+    def led_micro_step_s(self, stage: int, lead: Any, compute: Any = None) -> Any:
+        """c_m of a micro-step whose slowest device type leads the next by ``lead`` (a fraction
+        of its compute) and computes ``compute`` seconds (numbers or arrays): measured, the
+        balanced exposure (interpolated in the compute between the short and the balanced step's,
+        constant beyond them) plus the lead's change, in full from ``LEAD_SCALE`` on; otherwise
+        ``per_micro_step_s``."""
+        balanced = self.per_micro_step_s(stage)
+        lead = np.asarray(lead, dtype=float)
+        if self.measured_stage != stage or stage not in (2, 3) or self.exposed_micro_step_s is None:
+            return balanced + 0.0 * lead
+        base = balanced + 0.0 * lead
+        if compute is not None and self.exposed_short_s is not None and self.exposed_at_s is not None:
+            base = np.interp(compute, self.exposed_at_s, (self.exposed_short_s, balanced)) + 0.0 * lead
+        if self.exposed_lead_s is None:
+            return base
+        return np.maximum(0.0, base + (self.exposed_lead_s - balanced) * np.minimum(1.0, lead / LEAD_SCALE))
+
+    def cheapest_micro_step_s(self, stage: int) -> float:
+        """The least c_m any micro-step pays (a lower bound for searches)."""
+        return float(min(self.led_micro_step_s(stage, g, t) for g in (0.0, 1.0) for t in (0.0, np.inf)))
+
+    def lockstep_s(self, stage: int, per_type: Any) -> Any:
+        """Seconds of lock-step micro-steps from each device type's compute in them (axis 0: the
+        types, each its slowest rank's, 0 for a type with nothing to run; further axes: steps):
+        the slowest compute plus c_m at its lead over the next type. With one type every rank
+        ties with the slowest."""
+        t = np.sort(np.asarray(per_type, dtype=float).reshape(len(per_type), -1), axis=0)[::-1]
+        slowest = t[0]
+        second = t[1] if t.shape[0] > 1 else slowest
+        lead = np.where(slowest > 0, (slowest - second) / np.where(slowest > 0, slowest, 1.0), 0.0)
+        out = slowest + self.led_micro_step_s(stage, lead, slowest)
+        return out if np.ndim(per_type) > 1 else float(out[0])
 
     def per_iteration_s(self, stage: int) -> float:
         if self.measured_stage == stage and self.exposed_iteration_s is not None:
@@ -154,14 +200,14 @@ def evaluate_rows(rows: Sequence[Row], curves: Mapping[str, SpeedCurve], stage: 
     for (_, _, gas, lbs) in distinct:
         marks.update((gas, gas + 1) if lbs > 0 else (gas,))
     cuts = sorted(m for m in marks if 0 <= m <= steps)
-    compute_wall = 0.0
+    compute_wall = exposed = 0.0
     for start, end in zip(cuts, cuts[1:]):
-        slowest = 0.0
+        per_type: dict[str, float] = {}
         for (dtype, b, gas, lbs) in distinct:
-            if start < gas:
-                slowest = max(slowest, curves[dtype].time(b))
-            elif start == gas and lbs > 0:
-                slowest = max(slowest, curves[dtype].time(lbs))
+            t = curves[dtype].time(b) if start < gas else curves[dtype].time(lbs) if start == gas and lbs > 0 else 0.0
+            per_type[dtype] = max(per_type.get(dtype, 0.0), t)  # 0: done, it waits in the collectives
+        slowest = max(per_type.values())
         compute_wall += (end - start) * slowest
-    comm_s = steps * comm.per_micro_step_s(stage) + comm.per_iteration_s(stage)
+        exposed += (end - start) * (comm.lockstep_s(stage, list(per_type.values())) - slowest)
+    comm_s = exposed + comm.per_iteration_s(stage)
     return Evaluation(per_rank, compute_wall + comm_s, comm_s, steps)

@@ -30,7 +30,10 @@ Stages 2/3 (lock-step). Two facts make an exact search small:
    so far, capped at gbs) with these transitions gives the cheapest plan for those b_t; tau only
    needs the finitely many values t_t(l) (and the full step time). The first step is a full step
    of every type with b_t > 0 (a type leaving in step 1 is the plan with b_t = its last batch).
-Enumerating the b_t makes the search exact. Vectors are visited in the order of a lower bound
+Enumerating the b_t makes the search exact. With a measured lead exposure (``cost_model``: a
+step whose slowest type leads the next pays other communication than a balanced one) fact 1 is
+no longer a proof, since filling a type up to a step's time changes the lead; the tests compare
+the search with brute force over random instances, leads priced below and above balance. Vectors are visited in the order of a lower bound
 (first full step + the cheapest cover of the remaining samples by steps of any time, ignoring
 the b_t) and the search stops when the bound reaches the best plan found; each dynamic programme
 costs O(4^types) vector operations of length ~gbs x sum_t mbs_t. Milliseconds for the
@@ -43,7 +46,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -54,6 +57,7 @@ from poplar.planner.groups import DeviceGroup
 from poplar.planner.zero01 import canonical
 
 Row = tuple[str, int, int, int]  # (device_type, b, gas, lbs)
+StepPrice = Callable[[Any], Any]  # per-type compute of lock-steps (types x steps) -> their seconds
 
 
 @dataclass
@@ -102,7 +106,8 @@ def ideal(groups: Sequence[DeviceGroup], global_batch_size: int, zero_stage: int
         per_type = None
         rows = _independent(groups, gbs)
     else:
-        per_type = _lockstep(groups, gbs, comm.per_micro_step_s(zero_stage), comm.per_iteration_s(zero_stage))
+        per_type = _lockstep(groups, gbs, lambda times: comm.lockstep_s(zero_stage, times),
+                             comm.cheapest_micro_step_s(zero_stage), comm.per_iteration_s(zero_stage))
         rows = _per_rank(groups, per_type, gbs)
     curves = {g.device_type: g.curve for g in groups}
     ev = evaluate_rows(rows, curves, zero_stage, comm)
@@ -195,8 +200,9 @@ class _Programme:
     types of bit set S still in their full phase. Every entry keeps a back-pointer (source set,
     source samples, step) so the cheapest path can be replayed into rows."""
 
-    def __init__(self, groups: Sequence[DeviceGroup], b: Sequence[int], gbs: int, c_m: float, c_s: float) -> None:
-        self.groups, self.b, self.gbs, self.c_m = groups, b, gbs, c_m
+    def __init__(self, groups: Sequence[DeviceGroup], b: Sequence[int], gbs: int, price: StepPrice,
+                 c_s: float) -> None:
+        self.groups, self.b, self.gbs, self.price = groups, b, gbs, price
         self.full_t = [g.curve.time(x) for g, x in zip(groups, b)]
         self.start = sum(1 << t for t, x in enumerate(b) if x > 0)
         sets = [s for s in range(self.start + 1) if (s & ~self.start) == 0]
@@ -206,7 +212,7 @@ class _Programme:
         # same plan as one with b = its last batch and one full step (another b vector).
         self.steps: list[_Step] = [_Step("full")]
         self.first = min(self._samples(self.start), gbs)
-        self.cost[self.start][self.first] = c_s + self._step_time(self.start) + c_m
+        self.cost[self.start][self.first] = c_s + float(price(self._full_step(self.start)))
         self.parent[self.start][2][self.first] = 0
 
     def _samples(self, s: int) -> int:
@@ -214,6 +220,10 @@ class _Programme:
 
     def _step_time(self, s: int) -> float:
         return max((self.full_t[t] for t in _bits(s)), default=0.0)
+
+    def _full_step(self, s: int) -> list[float]:
+        """Per type, its compute in a full step of the types in ``s`` (0: nothing to run)."""
+        return [self.full_t[t] if s >> t & 1 else 0.0 for t in range(len(self.groups))]
 
     def _set(self, dst: int, where: np.ndarray, vals: np.ndarray, src: int, src_n: np.ndarray,
              step: np.ndarray | int) -> None:
@@ -244,7 +254,7 @@ class _Programme:
     def _close(self, s: int) -> None:
         """Any number of full steps of the types in ``s``: along each chain n, n + M, n + 2M, ...
         the best entry is min over i <= j of a_i + (j - i) seconds."""
-        m, seconds, g = self._samples(s), self._step_time(s) + self.c_m, self.gbs
+        m, seconds, g = self._samples(s), float(self.price(self._full_step(s))), self.gbs
         a = self.cost[s]
         rows = -(-g // m)
         grid = np.full(rows * m, np.inf)
@@ -292,7 +302,9 @@ class _Programme:
             return
         tau, lasts = tau[keep], lasts[:, keep]
         took = np.stack([self.groups[i].curve.times_of(n) for i, n in zip(leaving, lasts)])
-        seconds = np.maximum(floor, took.max(axis=0)) + self.c_m
+        per_type = np.repeat(np.array(self._full_step(rest))[:, None], tau.size, axis=1)
+        per_type[leaving] = took
+        seconds = self.price(per_type)
         counts = np.array([self.groups[i].count for i in leaving])
         gains = self._samples(rest) + counts @ lasts
         order = np.lexsort((seconds, gains))  # per gain, the cheapest first
@@ -330,13 +342,14 @@ class _Programme:
         return [(self.b[t], gas[t], last[t]) if self.b[t] else (0, 0, 0) for t in range(len(self.groups))]
 
 
-def _lockstep(groups: Sequence[DeviceGroup], gbs: int, c_m: float, c_s: float,
+def _lockstep(groups: Sequence[DeviceGroup], gbs: int, price: StepPrice, c_m: float, c_s: float,
               prune: bool = True) -> tuple[list, float, int]:
     """Cheapest per-type rows over every vector of full-step sizes b. Vectors are tried in the
     order of a lower bound and the search stops once the bound reaches the best found: after the
-    first full step (M(b) samples in max_t t_t(b_t) + c_m), every further step of time tau holds
-    at most cap(tau) = sum_t count_t B_t(tau) samples, so the rest costs at least
-    L(gbs - M(b)), L(r) = min_tau (tau + c_m + L(r - cap(tau))), L(r <= 0) = 0."""
+    first full step (M(b) samples in ``price`` of its per-type compute), every further step of
+    time tau holds at most cap(tau) = sum_t count_t B_t(tau) samples, so the rest costs at least
+    L(gbs - M(b)), L(r) = min_tau (tau + c_m + L(r - cap(tau))), L(r <= 0) = 0, with c_m the least
+    any step's communication costs. ``price``: per-type compute of lock-steps -> their seconds."""
     tau = np.unique(np.concatenate([g.curve.times for g in groups]))
     cap = sum(g.count * g.curve.max_batch_within(tau) for g in groups)
     rest = np.zeros(gbs + 1)
@@ -345,7 +358,7 @@ def _lockstep(groups: Sequence[DeviceGroup], gbs: int, c_m: float, c_s: float,
     vectors = []
     for b in itertools.product(*[range(g.mbs + 1) for g in groups]):
         if any(b):
-            first = max(g.curve.time(x) for g, x in zip(groups, b)) + c_m
+            first = float(price([g.curve.time(x) for g, x in zip(groups, b)]))
             held = sum(g.count * x for g, x in zip(groups, b))
             vectors.append((c_s + first + rest[max(gbs - held, 0)], b))
     vectors.sort()
@@ -353,7 +366,7 @@ def _lockstep(groups: Sequence[DeviceGroup], gbs: int, c_m: float, c_s: float,
     for bound, b in vectors:
         if prune and bound >= best:
             break
-        prog = _Programme(groups, b, gbs, c_m, c_s)
+        prog = _Programme(groups, b, gbs, price, c_s)
         value = prog.run()
         tried += 1
         if value < best:

@@ -22,6 +22,7 @@ from torch import nn
 from poplar.profiler.capacity import CapacityResult
 from poplar.profiler.devices import Device
 from poplar.profiler.escalation import StageCapacity
+from poplar.profiler.exposure import ExposureRounds
 from poplar.profiler.profile_run import (ProfileOptions, RankRun, _assemble_profile, _set_up, _time_in_lock_step,
                                          default_optimizer, _log_to_stderr)
 from poplar.profiler.timing import Confirmation, TimingGrid, measure_comm, timing_batches
@@ -108,7 +109,8 @@ class CandidateProfiler:
 
     def time(self, capacity: ConfigCapacity, reuse: Profile | None = None, how: Reuse = Reuse.SAME_COMPUTE,
              sizes: list[list[int]] | None = None, grid: TimingGrid = TimingGrid.DENSE,
-             confirm: Confirmation = Confirmation.REPEAT) -> Profile:
+             confirm: Confirmation = Confirmation.REPEAT, exposure: ExposureRounds = ExposureRounds.STEADY
+             ) -> Profile:
         """Lock-step timing rounds of one fitting configuration: its ``Profile`` (every rank).
 
         ``reuse``: a timed profile whose points up to each rank's mbs are kept, so that only the
@@ -119,7 +121,8 @@ class CandidateProfiler:
         stage's own communication and fixed overhead; ``SAME_CONFIG``, this configuration's own
         probe. ``sizes``: per rank,
         the batches to time (a probe; the profile then holds only those points), else ``grid``'s
-        batches up to each rank's mbs; ``confirm``: when a measurement is trusted. Only the
+        batches up to each rank's mbs; ``confirm``: when a measurement is trusted; ``exposure``:
+        which rounds measure the exposed communication (``GRID`` for a probe). Only the
         profiler's first timing can have a warm-up round: the later ones run computations this
         process has already run (and so did its capacity searches)."""
         if not capacity.fits or capacity.result is None:
@@ -139,7 +142,7 @@ class CandidateProfiler:
             # with CURVE a first round still slow enough to matter breaks the curve's shape and
             # is measured again, so only a first REPEAT timing has a warm-up round
             warmup = self.rounds == 0 and confirm is Confirmation.REPEAT
-            timing = _time_in_lock_step(run, fit, per_rank, warmup=warmup, confirm=confirm)
+            timing = _time_in_lock_step(run, fit, per_rank, warmup=warmup, confirm=confirm, exposure=exposure)
             if reuse is not None:
                 mine, mbs = {p.batch for p in timing.points}, capacity.mbs[run.comm.rank]
                 kept = [p for p in reuse.ranks[run.comm.rank].points if p.batch not in mine and p.batch <= mbs]

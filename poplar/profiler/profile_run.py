@@ -40,7 +40,7 @@ from poplar.profiler.devices import Device, to_device
 from poplar.profiler.escalation import StageCapacity, find_fitting_stage, format_bytes
 from poplar.profiler.local_comm import local_engine, round_plan
 from poplar.profiler.precision import agree_precision_support, precision_meta
-from poplar.profiler.exposure import BALANCED_REPEATS, balanced_batches, exposed_costs
+from poplar.profiler.exposure import STEADY_ROUNDS, ExposureRounds, SteadyRounds, exposed_costs, exposure_batches
 from poplar.profiler.timing import Confirmation, measure_comm, run_rounds, summarize, timing_batches
 from poplar.types.precision import MixedPrecision, resolve_precision
 from poplar.types.profiles import CommProfile, Profile, ProfileError, ProfilePoint, RankProfile
@@ -236,18 +236,19 @@ def _set_up(model_fn: Callable[[], nn.Module], loss_fn: Callable, sample_fn: Cal
 
 
 def _time_in_lock_step(run: RankRun, fit: StageCapacity, per_rank: list[list[int]] | None = None,
-                       warmup: bool = True, confirm: Confirmation = Confirmation.REPEAT) -> LockStepTiming:
+                       warmup: bool = True, confirm: Confirmation = Confirmation.REPEAT,
+                       exposure: ExposureRounds = ExposureRounds.STEADY) -> LockStepTiming:
     """Lock-step timing rounds at every rank's timing batches (``per_rank``: these instead), with
     the real runtime and its collectives; a memory overflow in any round fails the run on every
     rank. ``warmup``: an unmeasured first round; ``confirm``: when a measurement is trusted
-    (``run_rounds``). The garbage collections in it, the device's ``release`` at the end among
-    them, skip what existed before it."""
+    (``run_rounds``); ``exposure``: which rounds measure the exposed communication. The garbage
+    collections in it, the device's ``release`` at the end among them, skip what existed before it."""
     with _young_garbage_only():
-        return _timing_rounds(run, fit, per_rank, warmup, confirm)
+        return _timing_rounds(run, fit, per_rank, warmup, confirm, exposure)
 
 
 def _timing_rounds(run: RankRun, fit: StageCapacity, per_rank: list[list[int]] | None,
-                   warmup: bool, confirm: Confirmation) -> LockStepTiming:
+                   warmup: bool, confirm: Confirmation, exposure: ExposureRounds) -> LockStepTiming:
     comm, device, options = run.comm, run.device, run.options
     per_rank = per_rank or [timing_batches(m) for m in fit.mbs]
     error, batches = None, {}
@@ -275,11 +276,11 @@ def _timing_rounds(run: RankRun, fit: StageCapacity, per_rank: list[list[int]] |
         error = ("a timing round exceeded the device memory although the capacity search found that it fits: "
                  + overflows[0]["message"])
     comm.agree(error, "profile timing memory", error_type=ProfileError)
-    balanced: list[list[tuple]] | None = None
-    if fit.stage in (2, 3) and comm.world_size > 1:
-        balanced, extra = _balanced_rounds(run, fit, runtime, measured, batches)
-        rounds += extra
-    costs = exposed_costs(comm.all_gather_object(facts, tag="profile:costs"), balanced)
+    steady: dict[SteadyRounds, list[list[tuple]]] = {}
+    if exposure is ExposureRounds.STEADY and fit.stage in (2, 3) and comm.world_size > 1:
+        steady = _steady_rounds(run, fit, runtime, measured, batches)
+        rounds += STEADY_ROUNDS * len(steady)
+    costs = exposed_costs(comm.all_gather_object(facts, tag="profile:costs"), steady)
     timing = LockStepTiming(summarize(measured), rounds, costs, runtime.comm_ledger.seconds(),
                             runtime_collectives(runtime), confirm)
     del runtime, model, optimizer, batches
@@ -287,34 +288,38 @@ def _timing_rounds(run: RankRun, fit: StageCapacity, per_rank: list[list[int]] |
     return timing
 
 
-def _balanced_rounds(run: RankRun, fit: StageCapacity, runtime: ZeroRuntime,
-                     measured: dict[int, list[tuple[float, float]]], batches: dict[int, Any]
-                     ) -> tuple[list[list[tuple]], int]:
-    """Rounds in which every rank's compute takes about as long as the others' (``exposure``):
-    every rank's facts of them, and their number."""
+def _steady_rounds(run: RankRun, fit: StageCapacity, runtime: ZeroRuntime,
+                   measured: dict[int, list[tuple[float, float]]], batches: dict[int, Any]
+                   ) -> dict[SteadyRounds, list[list[tuple]]]:
+    """Per configuration of ``exposure_batches``, ``STEADY_ROUNDS`` rounds of one shape in a row:
+    every rank's facts of them."""
     comm, device = run.comm, run.device
     best = {b: min(c for c, _ in ms) for b, ms in measured.items()}
-    per_rank = balanced_batches(comm.all_gather_object(best, tag="profile:balance"), fit.mbs)
+    everyone = comm.all_gather_object((best, device.device_type), tag="profile:steady")
+    configs = exposure_batches([b for b, _ in everyone], fit.mbs, [t for _, t in everyone])
     error = None
     try:
-        for b in per_rank[comm.rank]:
-            if b not in batches:
-                batches[b] = to_device(run.sample_fn(b), device.torch_device)
+        for per_rank in configs.values():
+            if per_rank[comm.rank] not in batches:
+                batches[per_rank[comm.rank]] = to_device(run.sample_fn(per_rank[comm.rank]), device.torch_device)
     except Exception as e:  # noqa: BLE001 - every rank must reach the agreement
-        error = f"balanced timing set-up failed: {type(e).__name__}: {e}"
-    comm.agree(error, "profile balanced timing set-up", error_type=ProfileError)
+        error = f"steady timing set-up failed: {type(e).__name__}: {e}"
+    comm.agree(error, "profile steady timing set-up", error_type=ProfileError)
+    out = {}
     try:
         with device.recording_overflows() as overflows, device.attach(runtime):
-            _, rounds, facts = run_rounds(runtime, device, per_rank, batches, run.loss_fn, comm,
-                                          repeats=BALANCED_REPEATS, max_extra_passes=0, warmup=False)
+            for config, per_rank in configs.items():
+                _, _, facts = run_rounds(runtime, device, [[b] for b in per_rank], batches, run.loss_fn, comm,
+                                         repeats=STEADY_ROUNDS, max_extra_passes=0, warmup=False)
+                out[config] = comm.all_gather_object(facts, tag=f"profile:steady:{config.value}")
     except DistributedError as e:
-        raise ProfileError(f"a balanced timing round failed: {e}") from None
+        raise ProfileError(f"a steady timing round failed: {e}") from None
     error = None
     if overflows:
-        error = ("a balanced timing round exceeded the device memory although the capacity search found that "
+        error = ("a steady timing round exceeded the device memory although the capacity search found that "
                  "it fits: " + overflows[0]["message"])
-    comm.agree(error, "profile balanced timing memory", error_type=ProfileError)
-    return comm.all_gather_object(facts, tag="profile:balanced"), rounds
+    comm.agree(error, "profile steady timing memory", error_type=ProfileError)
+    return out
 
 
 def _assemble_profile(run: RankRun, fit: StageCapacity, timing: LockStepTiming,

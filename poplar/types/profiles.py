@@ -44,6 +44,12 @@ class RankProfile:
         self.points = [p if isinstance(p, ProfilePoint) else ProfilePoint(**p) for p in self.points]
 
 
+# A lock-step micro-step whose slowest rank leads the next slowest by this fraction of its compute
+# or more exposes ``CommProfile.exposed_micro_step_lead_s``; with every rank finishing together,
+# ``exposed_micro_step_s``; in between, in proportion (``poplar.profiler.exposure``).
+LEAD_SCALE = 0.1
+
+
 @dataclass
 class CommProfile:
     """Measured collective performance: time(bytes) ~= latency_s + bytes / bandwidth; which
@@ -60,6 +66,9 @@ class CommProfile:
     iteration: list[list] = field(default_factory=list)
     # measured at collectives_stage on the critical rank (poplar.profiler.timing.exposed_costs):
     exposed_micro_step_s: float | None = None  # communication a micro-step's compute did not hide
+    exposed_micro_step_lead_s: float | None = None  # the same when its slowest rank leads by LEAD_SCALE
+    exposed_short_step_s: float | None = None  # the balanced one of a shorter step
+    exposed_compute_s: list[float] | None = None  # [short, balanced]: the compute those held at
     exposed_iteration_s: float | None = None  # the iteration's closing collectives
     iteration_overhead_s: float | None = None  # optimizer step and the rest outside micro-steps
 
@@ -107,8 +116,15 @@ class Profile:
                 _check(pt.comm_s, f"{where}.points[{j}].comm_s", float)
         _check(self.comm.bandwidth_bytes_per_s, "comm.bandwidth_bytes_per_s", float)
         _check(self.comm.latency_s, "comm.latency_s", float)
-        for name in ("exposed_micro_step_s", "exposed_iteration_s", "iteration_overhead_s"):
+        for name in ("exposed_micro_step_s", "exposed_micro_step_lead_s", "exposed_short_step_s",
+                     "exposed_iteration_s", "iteration_overhead_s"):
             _check(getattr(self.comm, name), f"comm.{name}", float, optional=True)
+        at = self.comm.exposed_compute_s
+        if at is not None:
+            _require(isinstance(at, list) and len(at) == 2, "comm.exposed_compute_s", at,
+                     "a [short, balanced] pair of seconds or null")
+            for j, x in enumerate(at):
+                _check(x, f"comm.exposed_compute_s[{j}]", float)
 
     def validate(self) -> None:
         self.check_types()

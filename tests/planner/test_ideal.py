@@ -2,6 +2,7 @@
 small instances, never beaten by any strategy's plan under the same curves, and its own plan
 reaches it."""
 
+import dataclasses
 import itertools
 import math
 import random
@@ -112,6 +113,19 @@ def test_ideal_equals_brute_force(stage):
         check_plan(got, groups, gbs, stage, comm)
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_ideal_equals_brute_force_when_a_leading_step_exposes_less(stage):
+    rng = random.Random(40 + stage)
+    for i in range(25):
+        groups, gbs, comm = random_instance(rng, 8, max_types=3, max_count=2, max_mbs=3, max_world=3)
+        comm = dataclasses.replace(comm, measured_stage=stage, exposed_micro_step_s=0.5, exposed_iteration_s=0.1,
+                                   exposed_lead_s=[0.1, 0.3, 0.8][i % 3],  # 0.8: leading costs more
+                                   exposed_short_s=0.9 if i % 2 else None, exposed_at_s=(0.5, 2.0))
+        got = ideal(groups, gbs, stage, comm)
+        assert got.iteration_s == pytest.approx(brute_force(groups, gbs, stage, comm), rel=1e-12, abs=1e-12)
+        check_plan(got, groups, gbs, stage, comm)
+
+
 def test_fastest_splits_match_enumeration():
     rng = random.Random(3)
     for _ in range(20):
@@ -170,8 +184,12 @@ def test_lockstep_pruning_keeps_the_optimum(stage):
     for _ in range(12):
         groups, gbs, comm = random_instance(rng, 50, max_types=2, max_count=3, max_mbs=9, max_world=5)
         c_m, c_s = comm.per_micro_step_s(stage), comm.per_iteration_s(stage)
-        _, pruned, tried = _lockstep(groups, gbs, c_m, c_s)
-        _, full, every = _lockstep(groups, gbs, c_m, c_s, prune=False)
+
+        def price(times):
+            return comm.lockstep_s(stage, times)
+
+        _, pruned, tried = _lockstep(groups, gbs, price, c_m, c_s)
+        _, full, every = _lockstep(groups, gbs, price, c_m, c_s, prune=False)
         assert pruned == pytest.approx(full, rel=1e-12)
         assert tried <= every
 

@@ -1,59 +1,90 @@
-"""The exposed-communication model from timing-round facts: a slope robust to a disturbed round,
-the first pass left out, the level taken from balanced rounds, and balanced batch choices."""
+"""The exposed-communication model from timing-round facts: the first pass left out, rounds whose
+slowest rank led apart from the others, the balanced rounds' median, balanced batch choices, and
+how the cost model prices a step by its slowest rank's lead."""
 
 import pytest
 
-from poplar.profiler.exposure import balanced_batches, exposed_costs
+from poplar.planner.cost_model import CommModel, evaluate_rows
+from poplar.planner.curves import SpeedCurve
+from poplar.profiler.exposure import SteadyRounds, exposed_costs, exposure_batches
+
+import numpy as np
 
 
-def facts(computes, micro, pass_of, end=0.01, overhead=0.002, others=0.001):
-    """Two ranks' facts: rank 0 is each round's slowest, rank 1 computes ``others`` seconds."""
-    slow = [(c, micro(c, p), end, overhead, p) for c, p in zip(computes, pass_of)]
-    fast = [(others, 0.2, 0.0, 0.0, p) for p in pass_of]
-    return [slow, fast]
+def facts(rounds, end=0.01, overhead=0.002):
+    """Three ranks' facts from (slowest's compute, the next rank's compute, micro comm, pass) per
+    round; the second rank ties with the slowest (same type), the third is ``other``."""
+    slow = [(c, m, end, overhead, p) for c, _, m, p in rounds]
+    twin = [(c * 0.999, 0.0, end, overhead, p) for c, _, m, p in rounds]
+    other = [(o, 0.05, end, overhead, p) for _, o, _, p in rounds]
+    return [slow, twin, other]
 
 
-def test_slope_and_level_come_from_later_passes_and_survive_a_disturbed_round():
-    computes = [0.05, 0.1, 0.15, 0.2] * 3
-    passes = [0] * 4 + [1] * 4 + [2] * 4
-
-    def micro(c, p):
-        return 0.04 - 0.1 * c + (0.03 if p == 0 else 0.0)
-
-    grid = facts(computes, micro, passes)
-    grid[0][6] = (0.15, 0.2, 0.01, 0.002, 1)  # one disturbed round
-    costs = exposed_costs(grid)
-    assert costs["exposed_micro_step_slope"] == pytest.approx(-0.1, abs=1e-9)
-    at = costs["exposed_at_compute_s"]
-    assert costs["exposed_micro_step_s"] == pytest.approx(0.04 - 0.1 * at, abs=1e-9)  # the first pass's +0.03 left out
-    assert costs["exposed_compute_range_s"] == [0.05, 0.2]
+def test_grid_rounds_split_by_lead_and_the_first_pass_is_left_out():
+    led = [(0.2, 0.1, 0.02, p) for p in (1, 1, 2, 2)]  # leads by 50 %
+    tied = [(0.2, 0.199, 0.04, p) for p in (1, 1, 2, 2)]  # the other type finishes together
+    first = [(0.2, 0.1, 0.09, 0)] * 4
+    costs = exposed_costs(facts(first + led + tied))
+    assert costs["exposed_micro_step_lead_s"] == pytest.approx(0.02)
+    assert costs["exposed_micro_step_s"] == pytest.approx(0.04)
     assert costs["exposed_iteration_s"] == pytest.approx(0.01)
     assert costs["iteration_overhead_s"] == pytest.approx(0.002)
 
 
-def test_balanced_rounds_set_the_level_along_the_grid_slope():
-    computes = [0.05, 0.1, 0.15, 0.2] * 2
-    grid = facts(computes, lambda c, p: 0.04 - 0.1 * c, [1] * 8)
-    balanced = facts([0.1, 0.2] * 3, lambda c, p: 0.05 - 0.1 * c, [0, 0, 1, 1, 2, 2])
-    costs = exposed_costs(grid, balanced)
-    assert costs["exposed_micro_step_slope"] == pytest.approx(-0.1, abs=1e-9)
-    assert costs["exposed_micro_step_s"] == pytest.approx(0.05 - 0.1 * costs["exposed_at_compute_s"], abs=1e-9)
+def test_steady_rounds_give_both_exposures_after_settling():
+    grid = facts([(0.2, 0.1, 0.02, 1)] * 6)
+    balanced = facts([(0.15, 0.149, 0.06, p) for p in (0, 1)] + [(0.15, 0.149, 0.035, p) for p in (2, 3, 4)]
+                     + [(0.15, 0.149, 0.5, 5)], end=0.03)
+    led = facts([(0.15, 0.07, 0.09, p) for p in (0, 1)] + [(0.15, 0.07, 0.025, p) for p in (2, 3, 4, 5)])
+    costs = exposed_costs(grid, {SteadyRounds.BALANCED: balanced, SteadyRounds.LED: led})
+    assert costs["exposed_micro_step_s"] == pytest.approx(0.035)  # median of the settled rounds
+    assert costs["exposed_micro_step_lead_s"] == pytest.approx(0.025)
+    assert costs["exposed_iteration_s"] == pytest.approx(0.03)  # the balanced rounds' end
+    one_type = exposed_costs(grid, {SteadyRounds.BALANCED: balanced})
+    assert one_type["exposed_micro_step_lead_s"] is None and one_type["exposed_short_step_s"] is None
+    short = facts([(0.05, 0.049, 0.06, p) for p in range(6)])
+    costs = exposed_costs(grid, {SteadyRounds.BALANCED: balanced, SteadyRounds.SMALL: short})
+    assert costs["exposed_short_step_s"] == pytest.approx(0.06)
+    assert costs["exposed_compute_s"] == pytest.approx([0.05, 0.15])
 
 
-def test_exposure_never_rises_with_compute():
-    computes = [0.05, 0.1, 0.15, 0.2] * 2
-    costs = exposed_costs(facts(computes, lambda c, p: 0.01 + 2.0 * c, [1] * 8))
-    assert costs["exposed_micro_step_slope"] == 0.0
+def test_without_lead_rounds_there_is_no_lead_exposure():
+    costs = exposed_costs(facts([(0.2, 0.199, 0.04, 1)] * 5))
+    assert costs["exposed_micro_step_lead_s"] is None
+    assert costs["exposed_micro_step_s"] == pytest.approx(0.04)
 
 
-def test_balanced_batches_give_every_rank_about_the_same_compute():
+def test_exposure_batches_balance_the_ranks_or_let_the_slowest_type_lead():
     fast = {b: 0.01 + 0.002 * b for b in (1, 2, 4, 8, 16, 20)}
     slow = {b: 0.02 + 0.006 * b for b in (1, 2, 4, 8)}
-    chosen = balanced_batches([fast, slow], [20, 8])
-    assert [len(c) for c in chosen] == [2, 2]
-    for level in range(2):
-        b_fast, b_slow = chosen[0][level], chosen[1][level]
-        t_fast, t_slow = 0.01 + 0.002 * b_fast, 0.02 + 0.006 * b_slow
-        assert abs(t_fast / t_slow - 1) < 0.1
-    # the top level is the largest compute every rank reaches: the fast rank's at its mbs
-    assert [c[-1] for c in chosen] == [20, 5]
+    chosen = exposure_batches([fast, fast, slow], [20, 20, 8], ["F", "F", "S"])
+    # balanced: the largest compute every rank reaches (the fast ranks' at their mbs, 0.05 s)
+    assert chosen[SteadyRounds.BALANCED] == [20, 20, 5]
+    assert chosen[SteadyRounds.SMALL] == [8, 8, 1]  # a third of it is below the slow type's least, 0.026 s
+    # led: the slow type there, the fast ones at half of it
+    led = chosen[SteadyRounds.LED]
+    assert led[2] == 5 and led[0] == led[1] and abs(fast[4] + 0.002 * (led[0] - 4) - 0.025) <= 0.0011
+    assert SteadyRounds.LED not in exposure_batches([fast, fast], [20, 20], ["F", "F"])
+
+
+def test_a_step_is_priced_by_its_slowest_rows_lead():
+    curves = {"X": SpeedCurve("X", np.array([1.0, 2.0, 3.0, 4.0])),
+              "Y": SpeedCurve("Y", np.array([1.9, 3.8]))}
+    comm = CommModel(2, 0.0, 1e9, measured_stage=2, exposed_micro_step_s=0.4, exposed_iteration_s=0.1,
+                     exposed_lead_s=0.2)
+
+    def comm_s(rows):
+        return evaluate_rows(rows, curves, 2, comm).comm_s
+
+    assert comm_s([("X", 4, 1, 0), ("Y", 2, 1, 0)]) == pytest.approx(0.1 + 0.4 * 0.5 + 0.2 * 0.5)  # 5 % lead
+    assert comm_s([("X", 3, 1, 0), ("Y", 2, 1, 0)]) == pytest.approx(0.1 + 0.2)  # leads by 21 %
+    assert comm_s([("X", 2, 1, 0), ("Y", 1, 1, 0)]) == pytest.approx(0.1 + 0.4 * 0.5 + 0.2 * 0.5)
+    # two steps: together (lead 0 within a row), then X alone while Y waits
+    assert comm_s([("X", 2, 2, 0), ("Y", 1, 1, 0)]) == pytest.approx(0.1 + 0.3 + 0.2)
+    short = CommModel(2, 0.0, 1e9, measured_stage=2, exposed_micro_step_s=0.4, exposed_iteration_s=0.1,
+                      exposed_lead_s=0.2, exposed_short_s=0.6, exposed_at_s=(1.0, 3.0))
+    # Y alone at 1.9 s after X is done (lead 1): 0.6 + (0.5 - 0.2) * 0.9 / 2 ... interpolated, then the lead's -0.2
+    assert evaluate_rows([("X", 1, 1, 0), ("Y", 1, 1, 0)], curves, 2, short).comm_s == pytest.approx(
+        0.1 + 0.6 + (0.4 - 0.6) * (1.9 - 1.0) / 2.0 - 0.2)
+    no_lead = CommModel(2, 0.0, 1e9, measured_stage=2, exposed_micro_step_s=0.4, exposed_iteration_s=0.1)
+    assert evaluate_rows([("X", 3, 1, 0), ("Y", 2, 1, 0)], curves, 2, no_lead).comm_s == pytest.approx(0.5)

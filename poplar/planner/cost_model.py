@@ -37,7 +37,10 @@ The predicted communication of a plan is c_s (stages 0/1) or K c_m + c_s (stages
 c_m is the exposure of a step in which every rank finishes together, the planner's steps; a step
 whose slowest device type leads the next type by a fraction g of its compute (ranks of one type
 tie, as in the profiler's rounds) costs c_m + (c_lead - c_m) min(1, g / LEAD_SCALE), the others
-already waiting at its collectives (``CommModel.lockstep_s``). ``evaluate_rows`` and the exact
+already waiting at its collectives (``CommModel.lockstep_s``); c_s likewise, with the lead of
+the last lock-step (stages 2/3) or of the ranks' compute C_i (stages 0/1). At stages 2/3 a
+micro-step whose batches differ from the one before it (the first follows the iteration's last)
+adds the measured ``exposed_switch_s``. ``evaluate_rows`` and the exact
 ``ideal`` price steps so; the ZeRO-2/3 allocator prices every step at c_m, the steps it builds
 being balanced. Idle time of rank i is T - C_i.
 """
@@ -54,6 +57,7 @@ from poplar.types.profiles import LEAD_SCALE
 
 
 Ops = tuple[tuple[str, float], ...]  # (op, bytes of the full buffer) per collective
+Led = tuple[tuple[str, float], ...]  # (device type, seconds) per leading type
 
 
 @dataclass(frozen=True)
@@ -67,22 +71,26 @@ class CommModel:
     iteration_ops: Ops = ()
     exposed_micro_step_s: float | None = None
     exposed_iteration_s: float | None = None  # closing collectives + fixed overhead
-    exposed_lead_s: float | None = None  # a micro-step's when its slowest rank leads (``led_micro_step_s``)
-    exposed_short_s: float | None = None  # a shorter balanced micro-step's
-    exposed_at_s: tuple[float, float] | None = None  # the compute of the short and the balanced one
+    exposed_lead_s: Led | None = None  # a micro-step's per leading device type (``led_micro_step_s``)
+    exposed_steps: tuple[tuple[float, ...], tuple[float, ...]] | None = None  # (computes, exposures) balanced
+    exposed_end_lead_s: Led | None = None  # exposed_iteration_s per leading device type
+    exposed_switch_s: float = 0.0  # more for a micro-step whose batches differ from the step before
 
     @classmethod
     def from_profile(cls, profile: Any) -> "CommModel":
         c = profile.comm
-        end = None
+        end = end_lead = None
         if c.exposed_iteration_s is not None:
             end = c.exposed_iteration_s + (c.iteration_overhead_s or 0.0)
+        if c.exposed_iteration_lead_s:
+            end_lead = tuple((t, x + (c.iteration_overhead_s or 0.0)) for t, x in sorted(c.exposed_iteration_lead_s.items()))
         return cls(profile.world_size, float(profile.param_bytes), float(c.bandwidth_bytes_per_s),
                    float(c.latency_s or 0.0), c.collectives_stage,
                    tuple((str(op), float(n)) for op, n in c.micro_step),
                    tuple((str(op), float(n)) for op, n in c.iteration), c.exposed_micro_step_s, end,
-                   c.exposed_micro_step_lead_s, c.exposed_short_step_s,
-                   tuple(c.exposed_compute_s) if c.exposed_compute_s else None)
+                   tuple(sorted(c.exposed_micro_step_lead_s.items())) if c.exposed_micro_step_lead_s else None,
+                   (tuple(c.exposed_step_compute_s), tuple(c.exposed_step_s)) if c.exposed_step_s else None,
+                   end_lead, float(c.exposed_switch_s or 0.0))
 
     def call_s(self, op: str, nbytes: float) -> float:
         """One collective of a ``nbytes`` buffer (the full, unsharded size)."""
@@ -115,38 +123,53 @@ class CommModel:
             return sum(self.call_s(op, n) for op, n in self.micro_step_ops)
         return {0: 0.0, 1: 0.0, 2: self.collective_s(), 3: 3 * self.collective_s()}[stage]
 
-    def led_micro_step_s(self, stage: int, lead: Any, compute: Any = None) -> Any:
-        """c_m of a micro-step whose slowest device type leads the next by ``lead`` (a fraction
-        of its compute) and computes ``compute`` seconds (numbers or arrays): measured, the
-        balanced exposure (interpolated in the compute between the short and the balanced step's,
-        constant beyond them) plus the lead's change, in full from ``LEAD_SCALE`` on; otherwise
-        ``per_micro_step_s``."""
+    def led_micro_step_s(self, stage: int, lead: Any, compute: Any = None, leader: Any = None) -> Any:
+        """c_m of a micro-step whose slowest device type ``leader`` leads the next by ``lead`` (a
+        fraction of its compute) and computes ``compute`` seconds (numbers, or arrays of them and
+        of type names): measured, the balanced exposure (interpolated in the compute between the
+        measured levels, constant beyond them) plus the change the leader's led rounds measured,
+        in full from ``LEAD_SCALE`` on; otherwise ``per_micro_step_s``."""
         balanced = self.per_micro_step_s(stage)
         lead = np.asarray(lead, dtype=float)
         if self.measured_stage != stage or stage not in (2, 3) or self.exposed_micro_step_s is None:
             return balanced + 0.0 * lead
         base = balanced + 0.0 * lead
-        if compute is not None and self.exposed_short_s is not None and self.exposed_at_s is not None:
-            base = np.interp(compute, self.exposed_at_s, (self.exposed_short_s, balanced)) + 0.0 * lead
-        if self.exposed_lead_s is None:
+        if compute is not None and self.exposed_steps is not None:
+            base = np.interp(compute, *self.exposed_steps) + 0.0 * lead
+        if self.exposed_lead_s is None or leader is None:
             return base
-        return np.maximum(0.0, base + (self.exposed_lead_s - balanced) * np.minimum(1.0, lead / LEAD_SCALE))
+        change = _per_leader(self.exposed_lead_s, leader, balanced) - balanced
+        return np.maximum(0.0, base + change * np.minimum(1.0, lead / LEAD_SCALE))
 
     def cheapest_micro_step_s(self, stage: int) -> float:
         """The least c_m any micro-step pays (a lower bound for searches)."""
-        return float(min(self.led_micro_step_s(stage, g, t) for g in (0.0, 1.0) for t in (0.0, np.inf)))
+        leaders = [t for t, _ in self.exposed_lead_s or ()] or [None]
+        return float(min(self.led_micro_step_s(stage, g, t, who) for g in (0.0, 1.0) for t in (0.0, np.inf)
+                         for who in leaders))
 
-    def lockstep_s(self, stage: int, per_type: Any) -> Any:
+    def lockstep_s(self, stage: int, per_type: Any, types: Sequence[str]) -> Any:
         """Seconds of lock-step micro-steps from each device type's compute in them (axis 0: the
-        types, each its slowest rank's, 0 for a type with nothing to run; further axes: steps):
-        the slowest compute plus c_m at its lead over the next type. With one type every rank
-        ties with the slowest."""
-        t = np.sort(np.asarray(per_type, dtype=float).reshape(len(per_type), -1), axis=0)[::-1]
+        ``types``, each its slowest rank's, 0 for a type with nothing to run; further axes:
+        steps): the slowest compute plus c_m at its lead over the next type. With one type every
+        rank ties with the slowest."""
+        raw = np.asarray(per_type, dtype=float).reshape(len(per_type), -1)
+        t = np.sort(raw, axis=0)[::-1]
         slowest = t[0]
         second = t[1] if t.shape[0] > 1 else slowest
         lead = np.where(slowest > 0, (slowest - second) / np.where(slowest > 0, slowest, 1.0), 0.0)
-        out = slowest + self.led_micro_step_s(stage, lead, slowest)
+        leader = np.asarray(types)[np.argmax(raw, axis=0)]
+        out = slowest + self.led_micro_step_s(stage, lead, slowest, leader)
         return out if np.ndim(per_type) > 1 else float(out[0])
+
+    def led_iteration_s(self, stage: int, lead: float, leader: str | None) -> float:
+        """c_s of an iteration whose slowest device type ``leader`` leads the next by ``lead`` at
+        its end: measured, from the balanced end at 0 to its led one at ``LEAD_SCALE`` and on."""
+        balanced = self.per_iteration_s(stage)
+        if (self.measured_stage != stage or self.exposed_iteration_s is None or self.exposed_end_lead_s is None
+                or leader is None):
+            return balanced
+        change = float(_per_leader(self.exposed_end_lead_s, leader, balanced)) - balanced
+        return balanced + change * min(1.0, lead / LEAD_SCALE)
 
     def per_iteration_s(self, stage: int) -> float:
         if self.measured_stage == stage and self.exposed_iteration_s is not None:
@@ -160,12 +183,22 @@ class CommModel:
 Row = tuple[str, int, int, int]  # (device_type, b, gas, lbs)
 
 
+def _per_leader(led: Led, leader: Any, otherwise: float) -> Any:
+    """``led``'s seconds for each leading type in ``leader`` (a name or an array of names)."""
+    table = dict(led)
+    if isinstance(leader, str):
+        return table.get(leader, otherwise)
+    return np.array([table.get(str(t), otherwise) for t in np.ravel(leader)]).reshape(np.shape(leader))
+
+
 @dataclass
 class Evaluation:
     compute_s: list[float]  # C_i per rank
     iteration_s: float  # T
     comm_s: float
     micro_steps: int  # K: lock-step micro-steps (stages 2/3) / most micro-steps of any rank (0/1)
+    end_s: float = 0.0  # of comm_s, what the iteration's end costs (c_s at its lead)
+    switch_s: float = 0.0  # of comm_s, what the micro-steps that change batches add
 
     def idle_s(self) -> list[float]:
         return [self.iteration_s - c for c in self.compute_s]
@@ -192,8 +225,11 @@ def evaluate_rows(rows: Sequence[Row], curves: Mapping[str, SpeedCurve], stage: 
     per_rank = [distinct[row] for row in rows]
     steps = max((gas + (1 if lbs > 0 else 0) for (_, _, gas, lbs) in distinct), default=0)
     if stage in (0, 1):
-        comm_s = comm.per_iteration_s(stage)
-        return Evaluation(per_rank, max(per_rank) + comm_s, comm_s, steps)
+        totals: dict[str, float] = {}
+        for row, c in distinct.items():
+            totals[row[0]] = max(totals.get(row[0], 0.0), c)
+        comm_s = comm.led_iteration_s(stage, *_lead(totals))
+        return Evaluation(per_rank, max(per_rank) + comm_s, comm_s, steps, comm_s)
     # Lock-step: micro-step k (0-based) of a row costs t(b) for k < gas, t(lbs) at k == gas.
     # Between consecutive breakpoints every row's cost is constant, so sum segment by segment.
     marks = {0, steps}
@@ -201,13 +237,31 @@ def evaluate_rows(rows: Sequence[Row], curves: Mapping[str, SpeedCurve], stage: 
         marks.update((gas, gas + 1) if lbs > 0 else (gas,))
     cuts = sorted(m for m in marks if 0 <= m <= steps)
     compute_wall = exposed = 0.0
+    last: dict[str, float] = {}
+    shapes = []
     for start, end in zip(cuts, cuts[1:]):
+        shapes.append(tuple(b if start < gas else lbs if start == gas else 0 for (_, b, gas, lbs) in distinct))
         per_type: dict[str, float] = {}
         for (dtype, b, gas, lbs) in distinct:
             t = curves[dtype].time(b) if start < gas else curves[dtype].time(lbs) if start == gas and lbs > 0 else 0.0
             per_type[dtype] = max(per_type.get(dtype, 0.0), t)  # 0: done, it waits in the collectives
         slowest = max(per_type.values())
         compute_wall += (end - start) * slowest
-        exposed += (end - start) * (comm.lockstep_s(stage, list(per_type.values())) - slowest)
-    comm_s = exposed + comm.per_iteration_s(stage)
-    return Evaluation(per_rank, compute_wall + comm_s, comm_s, steps)
+        exposed += (end - start) * (comm.lockstep_s(stage, list(per_type.values()), list(per_type)) - slowest)
+        last = per_type
+    end_s = comm.led_iteration_s(stage, *_lead(last))
+    # iterations repeat, so the first micro-step follows the last one
+    switch_s = comm.exposed_switch_s * sum(a != b for a, b in zip(shapes, shapes[-1:] + shapes[:-1]))
+    if comm.measured_stage != stage:
+        switch_s = 0.0
+    comm_s = exposed + end_s + switch_s
+    return Evaluation(per_rank, compute_wall + comm_s, comm_s, steps, end_s, switch_s)
+
+
+def _lead(per_type: Mapping[str, float]) -> tuple[float, str | None]:
+    """How far the slowest device type leads the next, as a fraction of its time (0 with one
+    type), and which type that is."""
+    ordered = sorted(per_type.items(), key=lambda kv: -kv[1])
+    if len(ordered) < 2 or ordered[0][1] <= 0:
+        return 0.0, ordered[0][0] if ordered else None
+    return (ordered[0][1] - ordered[1][1]) / ordered[0][1], ordered[0][0]

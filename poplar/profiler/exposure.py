@@ -7,30 +7,39 @@ On the round's slowest rank the micro-step comm is the communication its compute
 (prefetched all-gathers and reduce-scatters in flight overlap it), the end comm the iteration's
 closing collectives, and the overhead the rest of the iteration outside the micro-step.
 
-How much a step exposes depends on how far its slowest rank leads the others. Leading by a
-tenth of its compute or more (``LEAD_SCALE``), it finds the others already waiting at every
-collective, and its collectives run at once. When every rank finishes together, as in the
-planner's steps, each collective waits for whichever rank comes last, block by block at ZeRO-3,
-and competes with the others' work: ZeRO-2 plans ran 5-7 % slower than a model priced from
-grid rounds, whose slowest device type mostly leads by far. It also depends on the history: the
-grid rounds change every rank's batch from round to round, and the first two rounds of a shape
-expose more than the rounds after them (2 A100-80G + 2 A100-40G at ZeRO-3: about 0.05 s against
-0.035 s). So at stages 2/3 the micro-step exposure comes from steady rounds: one shape for
-``STEADY_ROUNDS`` rounds in a row, the first ``SETTLING`` left out, in two configurations
-(``exposure_batches``):
+How much a step, or the iteration's end, exposes depends on how far its slowest rank leads the
+others. Leading by a tenth of its compute or more (``LEAD_SCALE``), it finds the others already
+waiting at every collective, and its collectives run at once. When every rank finishes together,
+as in the planner's plans, each collective waits for whichever rank comes last, block by block at
+ZeRO-3, and competes with the others' work: ZeRO-2 plans ran 5-7 % slower than a model priced
+from grid rounds, whose slowest device type mostly leads by far, and on 1 A800 + 3 V100S at
+ZeRO-3 the end of a balanced iteration exposed 0.020 s, that of one led by the A800 about half.
+It also depends on the history: the grid rounds change every rank's batch from round to round,
+and the first two rounds of a shape expose more than the rounds after them (2 A100-80G + 2
+A100-40G at ZeRO-3: about 0.05 s against 0.035 s per step). So with two ranks or more the
+exposure comes from steady rounds: one shape for ``STEADY_ROUNDS`` rounds in a row, the first
+``SETTLING`` left out, in up to three configurations (``exposure_batches``):
 - balanced: every rank at the largest compute all ranks reach, where planned steps run;
-- small: the same at a third of it or the least all reach, since shorter steps hide less (a plan's last micro-step is
-  often short): the balanced exposure is interpolated between the two in the step's compute;
-- led: the slowest device type at the balanced compute, the others at half of it.
-One round's exposure varies by about a quarter on a shared machine, hence medians of eight. Without
-steady rounds (stages 0/1) the grid rounds give the medians, the first pass left out when later
-passes give enough rounds (it runs every shape for the first time).
+- led, one per device type: that type there, the others at half of it (a lone A800 leading three
+  V100S exposed about half what the three V100S leading it did: ranks that tie wait on each other);
+- short and shortest (stages 2/3): balanced at a third of it and at the least all reach, since
+  shorter steps hide less (a plan's last micro-step is often short, one sample at times); the
+  balanced micro-step exposure is interpolated between the levels in the step's compute.
+A step whose batches differ from the step before it (an iteration of a full micro-step and a
+shorter last one alternates shapes) exposes what a grid round does, which changes shape every
+round: the grid's led rounds less the steady led rounds is that step's extra (``exposed_switch_s``;
+0.009 s per ZeRO-3 step on 1 A800 + 3 V100S, where a 9 + 3 plan ran 9 % slower than without it).
+One round's exposure varies by about a quarter on a shared machine, hence medians of eight.
+Without steady rounds (a probe) the grid rounds give the medians, split by lead, the first pass
+left out when later passes give enough rounds (it runs every shape for the first time).
 """
 
 from __future__ import annotations
 
 import statistics
+from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 import numpy as np
 
@@ -46,24 +55,33 @@ class ExposureRounds(Enum):
     """Which rounds a timing measures the exposed communication in."""
 
     GRID = "grid"  # its timing rounds alone (a probe)
-    STEADY = "steady"  # and, at stages 2/3 with two ranks or more, the steady rounds
+    STEADY = "steady"  # and, with two ranks or more, the steady rounds
 
 
 class SteadyRounds(Enum):
     """The configurations of the steady rounds."""
 
     BALANCED = "balanced"  # every rank's compute about the same, the largest all reach
-    SMALL = "small"  # the same at a third of that: how exposure grows as steps get shorter
-    LED = "led"  # the slowest device type leads the others by about half its compute
+    SHORT = "short"  # the same at a third of that: how exposure grows as steps get shorter
+    SHORTEST = "shortest"  # the same at the least compute every rank reaches
+    LED = "led"  # one device type leads the others by about half its compute
 
 
-def exposure_batches(best: list[dict[int, float]], mbs: list[int], types: list[str]) -> dict[SteadyRounds, list[int]]:
+@dataclass(frozen=True)
+class SteadyConfig:
+    """One configuration of steady rounds: its kind, and the device type that leads in a LED one."""
+
+    kind: SteadyRounds
+    leader: str = ""
+
+
+def exposure_batches(best: list[dict[int, float]], mbs: list[int], types: list[str],
+                     stage: int) -> dict[SteadyConfig, list[int]]:
     """Per configuration, every rank's batch, from ``best`` (per rank, its measured seconds per
     timed batch, interpolated in between): the balanced one at the largest compute every rank
-    reaches, the small one at a third of it (or the least every rank reaches, if that is under 70 %
-    of the balanced compute; else none), the led one (with two
-    device types or more) with the slowest type there and the others at half of it. The slowest type is the one with the most seconds per sample at its
-    smallest timed batch."""
+    reaches, at stages 2/3 the short one at a third of it and the shortest one at the least every
+    rank reaches (each only if under 70 % of the next level up), and with two device types or more
+    one led configuration per type: that type there, the others at half of it."""
     top = min(max(times.values()) for times in best)
 
     def batch_near(rank: int, seconds: float) -> int:
@@ -74,13 +92,17 @@ def exposure_batches(best: list[dict[int, float]], mbs: list[int], types: list[s
 
     ranks = range(len(best))
     low = max(min(times.values()) for times in best)
-    out = {SteadyRounds.BALANCED: [batch_near(i, top) for i in ranks]}
-    short = max(top / 3, low)
-    if short < 0.7 * top:
-        out[SteadyRounds.SMALL] = [batch_near(i, short) for i in ranks]
+    out = {SteadyConfig(SteadyRounds.BALANCED): [batch_near(i, top) for i in ranks]}
+    if stage in (2, 3):
+        above = top
+        for config, seconds in ((SteadyRounds.SHORT, top / 3), (SteadyRounds.SHORTEST, low)):
+            if low <= seconds < 0.7 * above:
+                out[SteadyConfig(config)] = [batch_near(i, seconds) for i in ranks]
+                above = seconds
     if len(set(types)) > 1:
-        slowest = types[max(ranks, key=lambda i: best[i][min(best[i])] / min(best[i]))]
-        out[SteadyRounds.LED] = [batch_near(i, top if types[i] == slowest else top / 2) for i in ranks]
+        for leader in sorted(set(types)):
+            out[SteadyConfig(SteadyRounds.LED, leader)] = [batch_near(i, top if types[i] == leader else top / 2)
+                                                           for i in ranks]
     return out
 
 
@@ -98,32 +120,40 @@ def _critical(everyone: list[list[tuple]], settled_from: int) -> list[tuple[tupl
 
 
 def exposed_costs(grid: list[list[tuple]],
-                  steady: dict[SteadyRounds, list[list[tuple]]] | None = None) -> dict[str, float | None]:
+                  steady: dict[SteadyConfig, list[list[tuple]]] | None = None) -> dict[str, Any]:
     """The profile's exposed communication (``CommProfile.exposed_*``) from every rank's facts of
-    the grid rounds and, at stages 2/3, of the steady rounds. Without steady rounds the grid
-    rounds give the balanced exposure (those whose slowest rank did not lead, or all) and the
-    lead one (those whose slowest rank led by ``LEAD_SCALE`` or more)."""
+    the grid rounds and of the steady rounds, if any. Without steady rounds the grid
+    rounds give the balanced exposure (those whose slowest rank did not lead, or all), and there
+    is no lead exposure per device type."""
     if min(len(f) for f in grid) == 0:
         return {}
     critical = _critical(grid, 1)
-    settled = {k: _critical(v, SETTLING) for k, v in (steady or {}).items() if min(len(f) for f in v) > 0}
-    ends, small, at = critical, None, None
-    if SteadyRounds.BALANCED in settled:
-        ends = settled[SteadyRounds.BALANCED]
-        together = [facts[1] for facts, _ in ends]
-        led = [facts[1] for facts, _ in settled.get(SteadyRounds.LED, [])]
-        if SteadyRounds.SMALL in settled:
-            shorter = settled[SteadyRounds.SMALL]
-            small = statistics.median(facts[1] for facts, _ in shorter)
-            at = [statistics.median(facts[0] for facts, _ in shorter), statistics.median(facts[0] for facts, _ in ends)]
+    settled = {k: [f for f, _ in _critical(v, SETTLING)] for k, v in (steady or {}).items()
+               if min(len(f) for f in v) > 0}
+    at: list[float] | None = None
+    levels: list[float] | None = None
+    switch: float | None = None
+    led: dict[str, list[tuple]] = {k.leader: v for k, v in settled.items() if k.kind is SteadyRounds.LED}
+    balanced = SteadyConfig(SteadyRounds.BALANCED)
+    if balanced in settled:
+        together = settled[balanced]
+        grid_led = [facts[1] for facts, lead in critical if lead >= LEAD_SCALE]
+        pooled = [f[1] for fs in led.values() for f in fs]
+        if pooled and len(grid_led) >= MIN_ROUNDS:
+            switch = max(0.0, statistics.median(grid_led) - statistics.median(pooled))
+        steps = [settled[SteadyConfig(k)] for k in (SteadyRounds.SHORTEST, SteadyRounds.SHORT)
+                 if SteadyConfig(k) in settled]
+        if steps:
+            steps.append(together)
+            at = [statistics.median(f[0] for f in fs) for fs in steps]
+            levels = [statistics.median(f[1] for f in fs) for fs in steps]
     else:
-        together = [facts[1] for facts, lead in critical if lead < LEAD_SCALE]
+        together = [facts for facts, lead in critical if lead < LEAD_SCALE]
         if len(together) < MIN_ROUNDS:
-            together = [facts[1] for facts, _ in critical]
-        led = [facts[1] for facts, lead in critical if lead >= LEAD_SCALE]
-        led = led if len(led) >= MIN_ROUNDS else []
-    return {"exposed_micro_step_s": statistics.median(together),
-            "exposed_micro_step_lead_s": statistics.median(led) if led else None,
-            "exposed_short_step_s": small, "exposed_compute_s": at,
-            "exposed_iteration_s": statistics.median(facts[2] for facts, _ in ends),
-            "iteration_overhead_s": max(0.0, statistics.median(facts[3] for facts, _ in ends))}
+            together = [facts for facts, _ in critical]
+    return {"exposed_micro_step_s": statistics.median(f[1] for f in together),
+            "exposed_micro_step_lead_s": {t: statistics.median(f[1] for f in fs) for t, fs in led.items()} or None,
+            "exposed_step_compute_s": at, "exposed_step_s": levels, "exposed_switch_s": switch,
+            "exposed_iteration_s": statistics.median(f[2] for f in together),
+            "exposed_iteration_lead_s": {t: statistics.median(f[2] for f in fs) for t, fs in led.items()} or None,
+            "iteration_overhead_s": max(0.0, statistics.median(f[3] for f in together))}

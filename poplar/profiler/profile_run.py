@@ -40,7 +40,7 @@ from poplar.profiler.devices import Device, to_device
 from poplar.profiler.escalation import StageCapacity, find_fitting_stage, format_bytes
 from poplar.profiler.local_comm import local_engine, round_plan
 from poplar.profiler.precision import agree_precision_support, precision_meta
-from poplar.profiler.exposure import STEADY_ROUNDS, ExposureRounds, SteadyRounds, exposed_costs, exposure_batches
+from poplar.profiler.exposure import STEADY_ROUNDS, ExposureRounds, SteadyConfig, exposed_costs, exposure_batches
 from poplar.profiler.timing import Confirmation, measure_comm, run_rounds, summarize, timing_batches
 from poplar.types.precision import MixedPrecision, resolve_precision
 from poplar.types.profiles import CommProfile, Profile, ProfileError, ProfilePoint, RankProfile
@@ -276,8 +276,8 @@ def _timing_rounds(run: RankRun, fit: StageCapacity, per_rank: list[list[int]] |
         error = ("a timing round exceeded the device memory although the capacity search found that it fits: "
                  + overflows[0]["message"])
     comm.agree(error, "profile timing memory", error_type=ProfileError)
-    steady: dict[SteadyRounds, list[list[tuple]]] = {}
-    if exposure is ExposureRounds.STEADY and fit.stage in (2, 3) and comm.world_size > 1:
+    steady: dict[SteadyConfig, list[list[tuple]]] = {}
+    if exposure is ExposureRounds.STEADY and comm.world_size > 1:
         steady = _steady_rounds(run, fit, runtime, measured, batches)
         rounds += STEADY_ROUNDS * len(steady)
     costs = exposed_costs(comm.all_gather_object(facts, tag="profile:costs"), steady)
@@ -290,13 +290,13 @@ def _timing_rounds(run: RankRun, fit: StageCapacity, per_rank: list[list[int]] |
 
 def _steady_rounds(run: RankRun, fit: StageCapacity, runtime: ZeroRuntime,
                    measured: dict[int, list[tuple[float, float]]], batches: dict[int, Any]
-                   ) -> dict[SteadyRounds, list[list[tuple]]]:
+                   ) -> dict[SteadyConfig, list[list[tuple]]]:
     """Per configuration of ``exposure_batches``, ``STEADY_ROUNDS`` rounds of one shape in a row:
     every rank's facts of them."""
     comm, device = run.comm, run.device
     best = {b: min(c for c, _ in ms) for b, ms in measured.items()}
     everyone = comm.all_gather_object((best, device.device_type), tag="profile:steady")
-    configs = exposure_batches([b for b, _ in everyone], fit.mbs, [t for _, t in everyone])
+    configs = exposure_batches([b for b, _ in everyone], fit.mbs, [t for _, t in everyone], fit.stage)
     error = None
     try:
         for per_rank in configs.values():
@@ -311,7 +311,7 @@ def _steady_rounds(run: RankRun, fit: StageCapacity, runtime: ZeroRuntime,
             for config, per_rank in configs.items():
                 _, _, facts = run_rounds(runtime, device, [[b] for b in per_rank], batches, run.loss_fn, comm,
                                          repeats=STEADY_ROUNDS, max_extra_passes=0, warmup=False)
-                out[config] = comm.all_gather_object(facts, tag=f"profile:steady:{config.value}")
+                out[config] = comm.all_gather_object(facts, tag=f"profile:steady:{config.kind.value}:{config.leader}")
     except DistributedError as e:
         raise ProfileError(f"a steady timing round failed: {e}") from None
     error = None

@@ -44,9 +44,10 @@ class RankProfile:
         self.points = [p if isinstance(p, ProfilePoint) else ProfilePoint(**p) for p in self.points]
 
 
-# A lock-step micro-step whose slowest rank leads the next slowest by this fraction of its compute
-# or more exposes ``CommProfile.exposed_micro_step_lead_s``; with every rank finishing together,
-# ``exposed_micro_step_s``; in between, in proportion (``poplar.profiler.exposure``).
+# A lock-step micro-step (an iteration's end) whose slowest device type leads the next by this
+# fraction of its compute or more exposes ``CommProfile.exposed_micro_step_lead_s[type]``
+# (``exposed_iteration_lead_s``); with every rank finishing together, ``exposed_micro_step_s``
+# (``exposed_iteration_s``); in between, in proportion (``poplar.profiler.exposure``).
 LEAD_SCALE = 0.1
 
 
@@ -66,10 +67,13 @@ class CommProfile:
     iteration: list[list] = field(default_factory=list)
     # measured at collectives_stage on the critical rank (poplar.profiler.timing.exposed_costs):
     exposed_micro_step_s: float | None = None  # communication a micro-step's compute did not hide
-    exposed_micro_step_lead_s: float | None = None  # the same when its slowest rank leads by LEAD_SCALE
-    exposed_short_step_s: float | None = None  # the balanced one of a shorter step
-    exposed_compute_s: list[float] | None = None  # [short, balanced]: the compute those held at
+    exposed_micro_step_lead_s: dict[str, float] | None = None  # per leading device type: the same led by it
+    # balanced exposure of shorter steps too: at each of these computes (ascending), this much
+    exposed_step_compute_s: list[float] | None = None
+    exposed_step_s: list[float] | None = None
+    exposed_switch_s: float | None = None  # more per micro-step whose batches differ from the step before
     exposed_iteration_s: float | None = None  # the iteration's closing collectives
+    exposed_iteration_lead_s: dict[str, float] | None = None  # per leading device type: the same led by it
     iteration_overhead_s: float | None = None  # optimizer step and the rest outside micro-steps
 
 
@@ -116,15 +120,21 @@ class Profile:
                 _check(pt.comm_s, f"{where}.points[{j}].comm_s", float)
         _check(self.comm.bandwidth_bytes_per_s, "comm.bandwidth_bytes_per_s", float)
         _check(self.comm.latency_s, "comm.latency_s", float)
-        for name in ("exposed_micro_step_s", "exposed_micro_step_lead_s", "exposed_short_step_s",
-                     "exposed_iteration_s", "iteration_overhead_s"):
+        for name in ("exposed_micro_step_s", "exposed_switch_s", "exposed_iteration_s", "iteration_overhead_s"):
             _check(getattr(self.comm, name), f"comm.{name}", float, optional=True)
-        at = self.comm.exposed_compute_s
-        if at is not None:
-            _require(isinstance(at, list) and len(at) == 2, "comm.exposed_compute_s", at,
-                     "a [short, balanced] pair of seconds or null")
-            for j, x in enumerate(at):
-                _check(x, f"comm.exposed_compute_s[{j}]", float)
+        for name in ("exposed_micro_step_lead_s", "exposed_iteration_lead_s"):
+            led = getattr(self.comm, name)
+            if led is not None:
+                _require(isinstance(led, dict), f"comm.{name}", led, "an object of seconds per device type or null")
+                for dtype, x in led.items():
+                    _check(x, f"comm.{name}[{dtype!r}]", float)
+        at, level = self.comm.exposed_step_compute_s, self.comm.exposed_step_s
+        if at is not None or level is not None:
+            _require(isinstance(at, list) and isinstance(level, list) and len(at) == len(level),
+                     "comm.exposed_step_compute_s / exposed_step_s", (at, level), "two lists of equal length")
+            for j, (x, y) in enumerate(zip(at, level)):
+                _check(x, f"comm.exposed_step_compute_s[{j}]", float)
+                _check(y, f"comm.exposed_step_s[{j}]", float)
 
     def validate(self) -> None:
         self.check_types()

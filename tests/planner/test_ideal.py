@@ -119,8 +119,8 @@ def test_ideal_equals_brute_force_when_a_leading_step_exposes_less(stage):
     for i in range(25):
         groups, gbs, comm = random_instance(rng, 8, max_types=3, max_count=2, max_mbs=3, max_world=3)
         comm = dataclasses.replace(comm, measured_stage=stage, exposed_micro_step_s=0.5, exposed_iteration_s=0.1,
-                                   exposed_lead_s=[0.1, 0.3, 0.8][i % 3],  # 0.8: leading costs more
-                                   exposed_short_s=0.9 if i % 2 else None, exposed_at_s=(0.5, 2.0))
+                                   exposed_lead_s=(("T0", [0.1, 0.3, 0.8][i % 3]), ("T1", 0.2)),  # 0.8: more
+                                   exposed_steps=((0.3, 0.8, 2.0), (1.2, 0.9, 0.5)) if i % 2 else None)
         got = ideal(groups, gbs, stage, comm)
         assert got.iteration_s == pytest.approx(brute_force(groups, gbs, stage, comm), rel=1e-12, abs=1e-12)
         check_plan(got, groups, gbs, stage, comm)
@@ -186,7 +186,7 @@ def test_lockstep_pruning_keeps_the_optimum(stage):
         c_m, c_s = comm.per_micro_step_s(stage), comm.per_iteration_s(stage)
 
         def price(times):
-            return comm.lockstep_s(stage, times)
+            return comm.lockstep_s(stage, times, [g.device_type for g in groups])
 
         _, pruned, tried = _lockstep(groups, gbs, price, c_m, c_s)
         _, full, every = _lockstep(groups, gbs, price, c_m, c_s, prune=False)

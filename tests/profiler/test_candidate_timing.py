@@ -1,5 +1,5 @@
 """Auto mode's timing of candidates on a 2-rank emulated cluster (virtual devices, gloo): a probe
-is one round at each rank's mbs; the probed configuration's full timing keeps the probe's point
+is one round at each rank's mbs (no steady rounds); the probed configuration's full timing keeps the probe's point
 (``Reuse.SAME_CONFIG``) and times only the sparse grid's other batches; another stage with the
 same compute keeps those points and times its own mbs again (``Reuse.SAME_COMPUTE``). Every
 point is the device's padded curve."""
@@ -11,6 +11,7 @@ import pytest
 from poplar.comm.launch import spawn
 from poplar.profiler import SaturatingCurve, VirtualDevice
 from poplar.profiler.candidates import CandidateProfiler, Config, Reuse, uncovered
+from poplar.profiler.exposure import STEADY_ROUNDS, ExposureRounds
 from poplar.profiler.profile_run import ProfileOptions
 from poplar.profiler.timing import Confirmation, TimingGrid, timing_batches
 from poplar.workloads import get_workload
@@ -31,7 +32,7 @@ def worker(rank: int, world: int, devices: list[VirtualDevice]) -> dict:
                              log=lambda m: None)
     caps = prof.capacities([Config(0), Config(1)])
     curve = dict(confirm=Confirmation.CURVE)
-    probe = prof.time(caps[0], sizes=[[m] for m in caps[0].mbs], **curve)
+    probe = prof.time(caps[0], sizes=[[m] for m in caps[0].mbs], exposure=ExposureRounds.GRID, **curve)
     probe_rounds = prof.rounds
     full = prof.time(caps[0], reuse=probe, how=Reuse.SAME_CONFIG, grid=TimingGrid.SPARSE, **curve)
     full_rounds = prof.rounds - probe_rounds
@@ -66,8 +67,9 @@ def test_the_full_timing_keeps_the_probe_and_times_the_rest_of_the_sparse_grid(r
         assert full[mbs0[r]] == probe[mbs0[r]]  # kept, not measured again
         for b, t in full.items():  # the device's curve, measured or kept
             assert t == pytest.approx(CURVES[r](b), rel=0.05), (r, b)
-    # every other grid batch is new; a curve that keeps its shape needs one pass, perhaps a few re-measures
-    new = max(len(uncovered(timing_batches(m, TimingGrid.SPARSE), {m}, m)) for m in mbs0)
+    # every other grid batch is new; a curve that keeps its shape needs one pass, perhaps a few
+    # re-measures; then the steady rounds: balanced, and led by each of the two types
+    new = max(len(uncovered(timing_batches(m, TimingGrid.SPARSE), {m}, m)) for m in mbs0) + 3 * STEADY_ROUNDS
     assert new <= run[0]["rounds"][1] <= new + 3
 
 

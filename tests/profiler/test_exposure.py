@@ -6,7 +6,10 @@ import pytest
 
 from poplar.planner.cost_model import CommModel, evaluate_rows
 from poplar.planner.curves import SpeedCurve
-from poplar.profiler.exposure import SteadyRounds, exposed_costs, exposure_batches
+from poplar.profiler.exposure import SteadyConfig, SteadyRounds, exposed_costs, exposure_batches
+
+BALANCED, SHORT, SHORTEST = (SteadyConfig(k) for k in (SteadyRounds.BALANCED, SteadyRounds.SHORT, SteadyRounds.SHORTEST))
+LED_S, LED_F = SteadyConfig(SteadyRounds.LED, "S"), SteadyConfig(SteadyRounds.LED, "F")
 
 import numpy as np
 
@@ -20,13 +23,13 @@ def facts(rounds, end=0.01, overhead=0.002):
     return [slow, twin, other]
 
 
-def test_grid_rounds_split_by_lead_and_the_first_pass_is_left_out():
+def test_grid_rounds_that_did_not_lead_give_the_exposure_without_the_first_pass():
     led = [(0.2, 0.1, 0.02, p) for p in (1, 1, 2, 2)]  # leads by 50 %
     tied = [(0.2, 0.199, 0.04, p) for p in (1, 1, 2, 2)]  # the other type finishes together
     first = [(0.2, 0.1, 0.09, 0)] * 4
     costs = exposed_costs(facts(first + led + tied))
-    assert costs["exposed_micro_step_lead_s"] == pytest.approx(0.02)
-    assert costs["exposed_micro_step_s"] == pytest.approx(0.04)
+    assert costs["exposed_micro_step_lead_s"] is None  # which type led, the grid does not say
+    assert costs["exposed_micro_step_s"] == pytest.approx(0.04)  # the rounds that did not lead
     assert costs["exposed_iteration_s"] == pytest.approx(0.01)
     assert costs["iteration_overhead_s"] == pytest.approx(0.002)
 
@@ -35,17 +38,24 @@ def test_steady_rounds_give_both_exposures_after_settling():
     grid = facts([(0.2, 0.1, 0.02, 1)] * 6)
     balanced = facts([(0.15, 0.149, 0.06, p) for p in (0, 1)] + [(0.15, 0.149, 0.035, p) for p in (2, 3, 4)]
                      + [(0.15, 0.149, 0.5, 5)], end=0.03)
-    led = facts([(0.15, 0.07, 0.09, p) for p in (0, 1)] + [(0.15, 0.07, 0.025, p) for p in (2, 3, 4, 5)])
-    costs = exposed_costs(grid, {SteadyRounds.BALANCED: balanced, SteadyRounds.LED: led})
+    led = facts([(0.15, 0.07, 0.09, p) for p in (0, 1)] + [(0.15, 0.07, 0.025, p) for p in (2, 3, 4, 5)], end=0.015)
+    other = facts([(0.15, 0.07, 0.012, p) for p in range(6)], end=0.005)
+    costs = exposed_costs(grid, {BALANCED: balanced, LED_S: led, LED_F: other})
     assert costs["exposed_micro_step_s"] == pytest.approx(0.035)  # median of the settled rounds
-    assert costs["exposed_micro_step_lead_s"] == pytest.approx(0.025)
+    assert costs["exposed_micro_step_lead_s"] == pytest.approx({"S": 0.025, "F": 0.012})
     assert costs["exposed_iteration_s"] == pytest.approx(0.03)  # the balanced rounds' end
-    one_type = exposed_costs(grid, {SteadyRounds.BALANCED: balanced})
-    assert one_type["exposed_micro_step_lead_s"] is None and one_type["exposed_short_step_s"] is None
+    assert costs["exposed_iteration_lead_s"] == pytest.approx({"S": 0.015, "F": 0.005})
+    # the grid's led rounds (0.02) less the steady led ones pooled (median 0.0185)
+    assert costs["exposed_switch_s"] == pytest.approx(0.0015)
+    switching = facts([(0.2, 0.1, 0.04, 1)] * 6)
+    assert exposed_costs(switching, {BALANCED: balanced, LED_S: led})["exposed_switch_s"] == pytest.approx(0.015)
+    one_type = exposed_costs(grid, {BALANCED: balanced})
+    assert one_type["exposed_micro_step_lead_s"] is None and one_type["exposed_step_s"] is None
     short = facts([(0.05, 0.049, 0.06, p) for p in range(6)])
-    costs = exposed_costs(grid, {SteadyRounds.BALANCED: balanced, SteadyRounds.SMALL: short})
-    assert costs["exposed_short_step_s"] == pytest.approx(0.06)
-    assert costs["exposed_compute_s"] == pytest.approx([0.05, 0.15])
+    shortest = facts([(0.02, 0.0199, 0.09, p) for p in range(6)])
+    costs = exposed_costs(grid, {BALANCED: balanced, SHORT: short, SHORTEST: shortest})
+    assert costs["exposed_step_compute_s"] == pytest.approx([0.02, 0.05, 0.15])
+    assert costs["exposed_step_s"] == pytest.approx([0.09, 0.06, 0.035])
 
 
 def test_without_lead_rounds_there_is_no_lead_exposure():
@@ -54,24 +64,27 @@ def test_without_lead_rounds_there_is_no_lead_exposure():
     assert costs["exposed_micro_step_s"] == pytest.approx(0.04)
 
 
-def test_exposure_batches_balance_the_ranks_or_let_the_slowest_type_lead():
+def test_exposure_batches_balance_the_ranks_or_let_each_type_lead():
     fast = {b: 0.01 + 0.002 * b for b in (1, 2, 4, 8, 16, 20)}
     slow = {b: 0.02 + 0.006 * b for b in (1, 2, 4, 8)}
-    chosen = exposure_batches([fast, fast, slow], [20, 20, 8], ["F", "F", "S"])
+    chosen = exposure_batches([fast, fast, slow], [20, 20, 8], ["F", "F", "S"], stage=3)
     # balanced: the largest compute every rank reaches (the fast ranks' at their mbs, 0.05 s)
-    assert chosen[SteadyRounds.BALANCED] == [20, 20, 5]
-    assert chosen[SteadyRounds.SMALL] == [8, 8, 1]  # a third of it is below the slow type's least, 0.026 s
-    # led: the slow type there, the fast ones at half of it
-    led = chosen[SteadyRounds.LED]
+    assert chosen[BALANCED] == [20, 20, 5]
+    # a third of it is below the slow type's least (0.026 s): one shorter level only, at that least
+    assert SHORT not in chosen and chosen[SHORTEST] == [8, 8, 1]
+    # led by the slow type: it there, the fast ones at half of it; led by the fast type likewise
+    led = chosen[LED_S]
     assert led[2] == 5 and led[0] == led[1] and abs(fast[4] + 0.002 * (led[0] - 4) - 0.025) <= 0.0011
-    assert SteadyRounds.LED not in exposure_batches([fast, fast], [20, 20], ["F", "F"])
+    assert chosen[LED_F][:2] == [20, 20] and chosen[LED_F][2] == 1  # 0.025 s: the slow type's least is closest
+    assert LED_F not in exposure_batches([fast, fast], [20, 20], ["F", "F"], stage=3)
+    assert SHORTEST not in exposure_batches([fast, fast, slow], [20, 20, 8], ["F", "F", "S"], stage=1)
 
 
 def test_a_step_is_priced_by_its_slowest_rows_lead():
     curves = {"X": SpeedCurve("X", np.array([1.0, 2.0, 3.0, 4.0])),
               "Y": SpeedCurve("Y", np.array([1.9, 3.8]))}
     comm = CommModel(2, 0.0, 1e9, measured_stage=2, exposed_micro_step_s=0.4, exposed_iteration_s=0.1,
-                     exposed_lead_s=0.2)
+                     exposed_lead_s=(("X", 0.2), ("Y", 0.2)))
 
     def comm_s(rows):
         return evaluate_rows(rows, curves, 2, comm).comm_s
@@ -82,9 +95,17 @@ def test_a_step_is_priced_by_its_slowest_rows_lead():
     # two steps: together (lead 0 within a row), then X alone while Y waits
     assert comm_s([("X", 2, 2, 0), ("Y", 1, 1, 0)]) == pytest.approx(0.1 + 0.3 + 0.2)
     short = CommModel(2, 0.0, 1e9, measured_stage=2, exposed_micro_step_s=0.4, exposed_iteration_s=0.1,
-                      exposed_lead_s=0.2, exposed_short_s=0.6, exposed_at_s=(1.0, 3.0))
+                      exposed_lead_s=(("X", 0.2), ("Y", 0.2)), exposed_steps=((1.0, 3.0), (0.6, 0.4)))
     # Y alone at 1.9 s after X is done (lead 1): 0.6 + (0.5 - 0.2) * 0.9 / 2 ... interpolated, then the lead's -0.2
     assert evaluate_rows([("X", 1, 1, 0), ("Y", 1, 1, 0)], curves, 2, short).comm_s == pytest.approx(
         0.1 + 0.6 + (0.4 - 0.6) * (1.9 - 1.0) / 2.0 - 0.2)
+    ends = CommModel(2, 0.0, 1e9, measured_stage=0, exposed_iteration_s=0.1, exposed_end_lead_s=(("X", 0.04), ("Y", 0.04)))
+    assert evaluate_rows([("X", 4, 1, 0), ("Y", 2, 1, 0)], curves, 0, ends).comm_s == pytest.approx(0.07)  # 5 %
+    assert evaluate_rows([("X", 2, 1, 0), ("Y", 2, 1, 0)], curves, 0, ends).comm_s == pytest.approx(0.04)
+    switch = CommModel(2, 0.0, 1e9, measured_stage=2, exposed_micro_step_s=0.4, exposed_iteration_s=0.1,
+                       exposed_switch_s=0.05)
+    assert evaluate_rows([("X", 2, 2, 0), ("Y", 1, 2, 0)], curves, 2, switch).switch_s == 0.0  # one shape
+    assert evaluate_rows([("X", 2, 1, 1), ("Y", 1, 1, 1)], curves, 2, switch).switch_s == pytest.approx(0.1)
+    assert evaluate_rows([("X", 2, 2, 1), ("Y", 1, 2, 0)], curves, 2, switch).switch_s == pytest.approx(0.1)
     no_lead = CommModel(2, 0.0, 1e9, measured_stage=2, exposed_micro_step_s=0.4, exposed_iteration_s=0.1)
     assert evaluate_rows([("X", 3, 1, 0), ("Y", 2, 1, 0)], curves, 2, no_lead).comm_s == pytest.approx(0.5)

@@ -74,7 +74,9 @@ def choose_configuration(comm: Communicator, model_fn: Callable, loss_fn: Callab
         if i in probes:  # its own probe measured its mbs and its costs
             reuse, how = (with_probe(reuse, probes[i]) if reuse else probes[i]), Reuse.SAME_CONFIG
         say(f"timing {rows[i].name}{' (new batch sizes only)' if reuse else ''} ...")
-        profiles[i] = prof.time(caps[i], reuse=reuse, how=how, grid=TimingGrid.SPARSE, confirm=Confirmation.CURVE)
+        # the steady rounds would cost each candidate about a single-stage profile's grid again
+        profiles[i] = prof.time(caps[i], reuse=reuse, how=how, grid=TimingGrid.SPARSE, confirm=Confirmation.CURVE,
+                                exposure=ExposureRounds.GRID)
         plan, why = predict(profiles[i], choice.gbs, rows[i].stage, **limits)
         rows[i].predicted_s, rows[i].timed = (plan.predicted_iteration_s, True) if plan else (None, True)
         rows[i].reason = why

@@ -67,10 +67,12 @@ def test_the_full_timing_keeps_the_probe_and_times_the_rest_of_the_sparse_grid(r
         assert full[mbs0[r]] == probe[mbs0[r]]  # kept, not measured again
         for b, t in full.items():  # the device's curve, measured or kept
             assert t == pytest.approx(CURVES[r](b), rel=0.05), (r, b)
-    # every other grid batch is new; a curve that keeps its shape needs one pass, perhaps a few
-    # re-measures; then the steady rounds: balanced, and led by each of the two types
-    new = max(len(uncovered(timing_batches(m, TimingGrid.SPARSE), {m}, m)) for m in mbs0) + 3 * STEADY_ROUNDS
-    assert new <= run[0]["rounds"][1] <= new + 3
+    # every other grid batch is new: one pass, and at most 3 more passes over the batches a
+    # disturbed measurement broke the shape of (on a loaded machine); then the steady rounds:
+    # balanced, and led by each of the two types
+    grid = max(len(uncovered(timing_batches(m, TimingGrid.SPARSE), {m}, m)) for m in mbs0)
+    steady = 3 * STEADY_ROUNDS
+    assert grid + steady <= run[0]["rounds"][1] <= 4 * grid + steady
 
 
 def test_a_same_compute_stage_keeps_the_points_and_times_its_own_mbs(run: list[dict]) -> None:

@@ -1,6 +1,6 @@
 """Exposed communication: what of the collectives a step's compute did not hide, on the rank
-that waited for no one, from the lock-step timing rounds (``timing.run_rounds``) and, at stages
-2/3, from steady rounds that repeat one shape the way a training run repeats its plan's.
+that waited for no one, from the lock-step timing rounds (``timing.run_rounds``) and, with two
+ranks or more, from steady rounds that repeat one shape the way a training run repeats its plan's.
 
 Every round's facts, per rank: (compute, micro-step comm, end-of-iteration comm, overhead, pass).
 On the round's slowest rank the micro-step comm is the communication its compute did not hide
@@ -18,10 +18,11 @@ It also depends on the history: the grid rounds change every rank's batch from r
 and the first two rounds of a shape expose more than the rounds after them (2 A100-80G + 2
 A100-40G at ZeRO-3: about 0.05 s against 0.035 s per step). So with two ranks or more the
 exposure comes from steady rounds: one shape for ``STEADY_ROUNDS`` rounds in a row, the first
-``SETTLING`` left out, in up to three configurations (``exposure_batches``):
+``SETTLING`` left out, in these configurations (``exposure_batches``):
 - balanced: every rank at the largest compute all ranks reach, where planned steps run;
-- led, one per device type: that type there, the others at half of it (a lone A800 leading three
-  V100S exposed about half what the three V100S leading it did: ranks that tie wait on each other);
+- led, one per device type: that type there, the others at half of it (on 1 A800 + 3 V100S at
+  ZeRO-3 the lone A800 leading exposed 0.026 s per step and 0.008 s at the end, the three V100S
+  leading 0.033 s and 0.014 s: ranks that tie wait on each other);
 - short and shortest (stages 2/3): balanced at a third of it and at the least all reach, since
   shorter steps hide less (a plan's last micro-step is often short, one sample at times); the
   balanced micro-step exposure is interpolated between the levels in the step's compute.
@@ -30,8 +31,9 @@ shorter last one alternates shapes) exposes what a grid round does, which change
 round: the grid's led rounds less the steady led rounds is that step's extra (``exposed_switch_s``;
 0.009 s per ZeRO-3 step on 1 A800 + 3 V100S, where a 9 + 3 plan ran 9 % slower than without it).
 One round's exposure varies by about a quarter on a shared machine, hence medians of eight.
-Without steady rounds (a probe) the grid rounds give the medians, split by lead, the first pass
-left out when later passes give enough rounds (it runs every shape for the first time).
+Without steady rounds (a probe) the grid rounds that did not lead give the balanced medians and
+there is no lead exposure; the first pass is left out when later passes give enough rounds (it
+runs every shape for the first time).
 """
 
 from __future__ import annotations

@@ -250,10 +250,9 @@ def evaluate_rows(rows: Sequence[Row], curves: Mapping[str, SpeedCurve], stage: 
         exposed += (end - start) * (comm.lockstep_s(stage, list(per_type.values()), list(per_type)) - slowest)
         last = per_type
     end_s = comm.led_iteration_s(stage, *_lead(last))
-    # iterations repeat, so the first micro-step follows the last one
-    switch_s = comm.exposed_switch_s * sum(a != b for a, b in zip(shapes, shapes[-1:] + shapes[:-1]))
-    if comm.measured_stage != stage:
-        switch_s = 0.0
+    switch_s = 0.0
+    if comm.measured_stage == stage:  # iterations repeat, so the first micro-step follows the last one
+        switch_s = comm.exposed_switch_s * sum(a != b for a, b in zip(shapes, shapes[-1:] + shapes[:-1]))
     comm_s = exposed + end_s + switch_s
     return Evaluation(per_rank, compute_wall + comm_s, comm_s, steps, end_s, switch_s)
 

@@ -271,11 +271,7 @@ def _timing_rounds(run: RankRun, fit: StageCapacity, per_rank: list[list[int]] |
                 progress=options.progress and comm.rank == 0, warmup=warmup, confirm=confirm)
     except DistributedError as e:  # the runtime reported a failed round on every rank
         raise ProfileError(f"a lock-step timing round failed: {e}") from None
-    error = None
-    if overflows:
-        error = ("a timing round exceeded the device memory although the capacity search found that it fits: "
-                 + overflows[0]["message"])
-    comm.agree(error, "profile timing memory", error_type=ProfileError)
+    _agree_it_fitted(comm, overflows, "timing")
     steady: dict[SteadyConfig, list[list[tuple]]] = {}
     if exposure is ExposureRounds.STEADY and comm.world_size > 1:
         steady = _steady_rounds(run, fit, runtime, measured, batches)
@@ -314,12 +310,17 @@ def _steady_rounds(run: RankRun, fit: StageCapacity, runtime: ZeroRuntime,
                 out[config] = comm.all_gather_object(facts, tag=f"profile:steady:{config.kind.value}:{config.leader}")
     except DistributedError as e:
         raise ProfileError(f"a steady timing round failed: {e}") from None
+    _agree_it_fitted(comm, overflows, "steady timing")
+    return out
+
+
+def _agree_it_fitted(comm: Communicator, overflows: list[dict], rounds: str) -> None:
+    """Every rank learns whether any rank's ``rounds`` rounds exceeded its device memory."""
     error = None
     if overflows:
-        error = ("a steady timing round exceeded the device memory although the capacity search found that "
-                 "it fits: " + overflows[0]["message"])
-    comm.agree(error, "profile steady timing memory", error_type=ProfileError)
-    return out
+        error = (f"a {rounds} round exceeded the device memory although the capacity search found that it fits: "
+                 + overflows[0]["message"])
+    comm.agree(error, f"profile {rounds} memory", error_type=ProfileError)
 
 
 def _assemble_profile(run: RankRun, fit: StageCapacity, timing: LockStepTiming,

@@ -30,7 +30,11 @@ A step whose batches differ from the step before it (an iteration of a full micr
 shorter last one alternates shapes) exposes what a grid round does, which changes shape every
 round: the grid's led rounds less the steady led rounds is that step's extra (``exposed_switch_s``;
 0.009 s per ZeRO-3 step on 1 A800 + 3 V100S, where a 9 + 3 plan ran 9 % slower than without it).
-One round's exposure varies by about a quarter on a shared machine, hence medians of eight.
+One round's exposure varies by about a quarter on a shared machine, where a whole plan's
+prediction needs its exposure to about a percent of the iteration: the steady rounds of a
+configuration go on, ``STEADY_CHUNK`` at a time, until the median of the step's exposure plus the
+end's is known that well (``more_steady_rounds``: its standard error at most ``precision`` of
+the round's median time), at most ``MAX_STEADY_ROUNDS`` rounds; a steady device stops at the first.
 Without steady rounds (a probe) the grid rounds that did not lead give the balanced medians and
 there is no lead exposure; the first pass is left out when later passes give enough rounds (it
 runs every shape for the first time).
@@ -48,8 +52,11 @@ import numpy as np
 from poplar.types.profiles import LEAD_SCALE
 
 MIN_ROUNDS = 4  # grid rounds needed to leave the first pass out
-STEADY_ROUNDS = 10  # rounds of one shape in a row
+STEADY_ROUNDS = 10  # rounds of one shape in a row, at least
 SETTLING = 2  # of them left out
+STEADY_CHUNK = 8  # more rounds at a time while the exposure is not known well enough
+MAX_STEADY_ROUNDS = 42  # rounds of one configuration at most
+EXPOSURE_PRECISION = 0.01  # the standard error of the median exposure, in round times
 TIE = 0.02  # ranks whose compute is within this fraction of the slowest's tie with it
 
 
@@ -119,6 +126,31 @@ def _critical(everyone: list[list[tuple]], settled_from: int) -> list[tuple[tupl
         out.append((slowest, (slowest[0] - max(others)) / slowest[0] if others and slowest[0] > 0 else 0.0))
     later = [c for c in out if c[0][4] >= settled_from]
     return later if later and len(later) >= min(MIN_ROUNDS, rounds - settled_from) else out
+
+
+def more_steady_rounds(everyone: list[list[tuple]], precision: float = EXPOSURE_PRECISION) -> int:
+    """How many more rounds one steady configuration needs (0: none), from every rank's facts of
+    its rounds so far: ``STEADY_CHUNK`` while the standard error of the median exposed seconds (the
+    slowest rank's micro-step plus end-of-iteration comm, settled rounds; 1.25 x 1.48 x MAD / sqrt(n)
+    for a median of a roughly normal sample) exceeds ``precision`` of the median round time,
+    up to ``MAX_STEADY_ROUNDS`` in all. The same facts give every rank the same answer."""
+    rounds = min(len(f) for f in everyone)
+    if rounds >= MAX_STEADY_ROUNDS or rounds <= SETTLING or precision <= 0:
+        return 0
+    settled = [f for f, _ in _critical(everyone, SETTLING)]
+    exposed = [f[1] + f[2] for f in settled]
+    middle = statistics.median(exposed)
+    spread = statistics.median(abs(x - middle) for x in exposed)
+    error = 1.2533 * 1.4826 * spread / len(exposed) ** 0.5
+    if error <= precision * statistics.median(f[0] + f[1] + f[2] for f in settled):
+        return 0
+    return min(STEADY_CHUNK, MAX_STEADY_ROUNDS - rounds)
+
+
+def continued(earlier: list[tuple], later: list[tuple]) -> list[tuple]:
+    """One rank's facts of a configuration's rounds, ``later`` run right after ``earlier``: their
+    pass numbers (the round's index in a steady run) go on from there."""
+    return earlier + [(*f[:4], f[4] + len(earlier)) for f in later]
 
 
 def exposed_costs(grid: list[list[tuple]],

@@ -40,7 +40,8 @@ from poplar.profiler.devices import Device, to_device
 from poplar.profiler.escalation import StageCapacity, find_fitting_stage, format_bytes
 from poplar.profiler.local_comm import local_engine, round_plan
 from poplar.profiler.precision import agree_precision_support, precision_meta
-from poplar.profiler.exposure import STEADY_ROUNDS, ExposureRounds, SteadyConfig, exposed_costs, exposure_batches
+from poplar.profiler.exposure import (EXPOSURE_PRECISION, STEADY_ROUNDS, ExposureRounds, SteadyConfig, continued,
+                                     exposed_costs, exposure_batches, more_steady_rounds)
 from poplar.profiler.timing import Confirmation, measure_comm, run_rounds, summarize, timing_batches
 from poplar.types.precision import MixedPrecision, resolve_precision
 from poplar.types.profiles import CommProfile, Profile, ProfileError, ProfilePoint, RankProfile
@@ -70,9 +71,14 @@ class ProfileOptions:
     mixed_precision: MixedPrecision | str | None = None
     # the runtime's activation_checkpointing (None / False off, True, or a module policy)
     activation_checkpointing: Any = None
+    # steady rounds go on until the exposure is known to this fraction of a round (0: the least)
+    exposure_precision: float = EXPOSURE_PRECISION
 
     def __post_init__(self) -> None:
         self.mixed_precision = resolve_precision(self.mixed_precision)
+        if not self.exposure_precision >= 0:
+            raise ValueError(f"exposure_precision must be >= 0 (a fraction of a round's time; 0: the fewest "
+                             f"steady rounds), got {self.exposure_precision}")
 
 
 def _log_to_stderr(message: str) -> None:
@@ -275,7 +281,7 @@ def _timing_rounds(run: RankRun, fit: StageCapacity, per_rank: list[list[int]] |
     steady: dict[SteadyConfig, list[list[tuple]]] = {}
     if exposure is ExposureRounds.STEADY and comm.world_size > 1:
         steady = _steady_rounds(run, fit, runtime, measured, batches)
-        rounds += STEADY_ROUNDS * len(steady)
+        rounds += sum(len(facts[comm.rank]) for facts in steady.values())
     costs = exposed_costs(comm.all_gather_object(facts, tag="profile:costs"), steady)
     timing = LockStepTiming(summarize(measured), rounds, costs, runtime.comm_ledger.seconds(),
                             runtime_collectives(runtime), confirm)
@@ -287,8 +293,8 @@ def _timing_rounds(run: RankRun, fit: StageCapacity, per_rank: list[list[int]] |
 def _steady_rounds(run: RankRun, fit: StageCapacity, runtime: ZeroRuntime,
                    measured: dict[int, list[tuple[float, float]]], batches: dict[int, Any]
                    ) -> dict[SteadyConfig, list[list[tuple]]]:
-    """Per configuration of ``exposure_batches``, ``STEADY_ROUNDS`` rounds of one shape in a row:
-    every rank's facts of them."""
+    """Per configuration of ``exposure_batches``, rounds of one shape in a row (``STEADY_ROUNDS``,
+    then more while ``more_steady_rounds`` asks): every rank's facts of them."""
     comm, device = run.comm, run.device
     best = {b: min(c for c, _ in ms) for b, ms in measured.items()}
     everyone = comm.all_gather_object((best, device.device_type), tag="profile:steady")
@@ -305,9 +311,14 @@ def _steady_rounds(run: RankRun, fit: StageCapacity, runtime: ZeroRuntime,
     try:
         with device.recording_overflows() as overflows, device.attach(runtime):
             for config, per_rank in configs.items():
-                _, _, facts = run_rounds(runtime, device, [[b] for b in per_rank], batches, run.loss_fn, comm,
-                                         repeats=STEADY_ROUNDS, max_extra_passes=0, warmup=False)
-                out[config] = comm.all_gather_object(facts, tag=f"profile:steady:{config.kind.value}:{config.leader}")
+                everyone, more = [[] for _ in range(comm.world_size)], STEADY_ROUNDS
+                while more:
+                    _, _, facts = run_rounds(runtime, device, [[b] for b in per_rank], batches, run.loss_fn, comm,
+                                             repeats=more, max_extra_passes=0, warmup=False)
+                    tag = f"profile:steady:{config.kind.value}:{config.leader}:{len(everyone[0])}"
+                    everyone = [continued(a, b) for a, b in zip(everyone, comm.all_gather_object(facts, tag=tag))]
+                    more = more_steady_rounds(everyone, run.options.exposure_precision)
+                out[config] = everyone
     except DistributedError as e:
         raise ProfileError(f"a steady timing round failed: {e}") from None
     _agree_it_fitted(comm, overflows, "steady timing")

@@ -6,7 +6,8 @@ import pytest
 
 from poplar.planner.cost_model import CommModel, evaluate_rows
 from poplar.planner.curves import SpeedCurve
-from poplar.profiler.exposure import SteadyConfig, SteadyRounds, exposed_costs, exposure_batches
+from poplar.profiler.exposure import (MAX_STEADY_ROUNDS, STEADY_CHUNK, STEADY_ROUNDS, SteadyConfig, SteadyRounds,
+                                     continued, exposed_costs, exposure_batches, more_steady_rounds)
 
 BALANCED, SHORT, SHORTEST = (SteadyConfig(k) for k in (SteadyRounds.BALANCED, SteadyRounds.SHORT, SteadyRounds.SHORTEST))
 LED_S, LED_F = SteadyConfig(SteadyRounds.LED, "S"), SteadyConfig(SteadyRounds.LED, "F")
@@ -32,6 +33,25 @@ def test_grid_rounds_that_did_not_lead_give_the_exposure_without_the_first_pass(
     assert costs["exposed_micro_step_s"] == pytest.approx(0.04)  # the rounds that did not lead
     assert costs["exposed_iteration_s"] == pytest.approx(0.01)
     assert costs["iteration_overhead_s"] == pytest.approx(0.002)
+
+
+def test_steady_rounds_go_on_until_the_median_exposure_is_known_to_a_percent_of_a_round():
+    # a round of 0.2 s compute + about 0.05 s exposed: 1 % of it is about 2.5 ms of standard error
+
+    def rounds(n, spread):  # micro-step exposures spread evenly over 0.04 +- spread
+        return facts([(0.2, 0.199, 0.04 + spread * ((7 * p) % 11 - 5) / 5, p) for p in range(n)])
+
+    assert more_steady_rounds(rounds(STEADY_ROUNDS, 0.0)) == 0  # the same every round: known at once
+    noisy = rounds(STEADY_ROUNDS, 0.02)
+    assert more_steady_rounds(noisy) == STEADY_CHUNK  # MAD about 0.01: 1.86 x 0.01 / sqrt(8) = 6.6 ms
+    assert more_steady_rounds(noisy, precision=0.06) == 0 and more_steady_rounds(noisy, precision=0) == 0
+    still = [continued(a, b) for a, b in zip(noisy, rounds(STEADY_CHUNK, 0.02))]
+    assert [f[4] for f in still[0]] == list(range(STEADY_ROUNDS + STEADY_CHUNK))  # the passes go on
+    assert more_steady_rounds(still) == STEADY_CHUNK  # 16 settled: 5.6 ms
+    calmer = [continued(a, b) for a, b in zip(noisy, rounds(STEADY_CHUNK, 0.0))]
+    assert more_steady_rounds(calmer) == 0  # half of the 16 the same: the median is known
+    assert more_steady_rounds(rounds(MAX_STEADY_ROUNDS - 3, 0.02)) == 3  # up to the cap, never past it
+    assert more_steady_rounds(rounds(MAX_STEADY_ROUNDS, 0.02)) == 0
 
 
 def test_steady_rounds_give_both_exposures_after_settling():

@@ -41,8 +41,8 @@ already waiting at its collectives (``CommModel.lockstep_s``); c_s likewise, wit
 the last lock-step (stages 2/3) or of the ranks' compute C_i (stages 0/1). At stages 2/3 a
 micro-step whose batches differ from the one before it (the first follows the iteration's last)
 adds the measured ``exposed_switch_s``. ``evaluate_rows`` and the exact
-``ideal`` price steps so; the ZeRO-2/3 allocator prices every step at c_m, the steps it builds
-being balanced. Idle time of rank i is T - C_i.
+``ideal`` price steps so; the ZeRO-2/3 allocator searches with every step at c_m, then prices
+its shortlist, with led last steps, by ``evaluate_rows``. Idle time of rank i is T - C_i.
 """
 
 from __future__ import annotations
@@ -140,6 +140,12 @@ class CommModel:
             return base
         change = _per_leader(self.exposed_lead_s, leader, balanced) - balanced
         return np.maximum(0.0, base + change * np.minimum(1.0, lead / LEAD_SCALE))
+
+    def prices_by_shape(self, stage: int) -> bool:
+        """Whether a step's exposure at ``stage`` depends on its shape (its compute, who leads,
+        a change of batches), not only on its being a step: measured levels, leads or switches."""
+        return self.measured_stage == stage and stage in (2, 3) and self.exposed_micro_step_s is not None and bool(
+            self.exposed_lead_s or self.exposed_steps or self.exposed_end_lead_s or self.exposed_switch_s)
 
     def cheapest_micro_step_s(self, stage: int) -> float:
         """The least c_m any micro-step pays (a lower bound for searches)."""

@@ -67,7 +67,8 @@ def _poplar(p: Problem) -> tuple[list, dict[str, Any]]:
     if p.stage in (0, 1):
         return allocate_zero01(p.groups, p.gbs, p.require_all_ranks, p.max_micro_steps,
                                evaluate=lambda rows: p.evaluate(rows).iteration_s)
-    return allocate_zero23(p.groups, p.gbs, p.stage, p.comm, p.require_all_ranks, p.max_micro_steps)
+    return allocate_zero23(p.groups, p.gbs, p.stage, p.comm, p.require_all_ranks, p.max_micro_steps,
+                           evaluate=lambda rows: p.evaluate(rows).iteration_s)
 
 
 STRATEGY_ROWS: dict[str, Callable[[Problem], tuple[list, dict[str, Any]]]] = {

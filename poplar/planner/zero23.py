@@ -28,11 +28,25 @@ more micro-steps; any plan obeying a limit is matched by a candidate that obeys 
 Not searched: plans whose last micro-step is larger than the full ones (l_i > b_i); brute force
 found one beating this shape in 1 of 272 tiny random instances.
 Cost: O(C log C) for C = sum_g mbs_g candidates, independent of the number of ranks.
+
+Measured exposure. A profile's exposure depends on which device type leads a step and by how
+much (``cost_model``: a step led by a tenth or more exposes what that type's steady rounds
+measured, a balanced one the balanced figure), which the constant c_m above does not see: on
+4 A800 + 4 V100S at ZeRO-3 the exact ideal's 9 + 3 single step, led by the A800s, was priced
+3 % below the balanced 8 + 4 this search chose (and the even plan, led by the V100S, ran faster
+than 8 + 4 although it computes 26 % longer).
+So with ``evaluate`` (the full cost model), where the exposure depends on a step's shape
+(``CommModel.prices_by_shape``), the ``SHORTLIST`` cheapest distinct full steps of the
+search are priced again with their last step in every led form too: each device type in turn
+at each of its batches that leaves the step room (no more than its full-step batch), the other
+types filled up under its time and the excess taken from them first. The cheapest plan by
+``evaluate`` wins; with no exposure measured, ``evaluate`` is the constant model and the search's
+own plan wins, exactly as above.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -41,12 +55,14 @@ from poplar.planner.cost_model import CommModel
 from poplar.planner.groups import DeviceGroup, TypeShares, shift_samples
 
 Rows = list[list[tuple[int, int, int]]]  # per group, per rank of the group: (b, gas, lbs)
+SHORTLIST = 4  # distinct full steps of the search priced again with led last steps
 
 
 def allocate_zero23(groups: list[DeviceGroup], gbs: int, stage: int, comm: CommModel,
-                    require_all_ranks: bool = False,
-                    max_micro_steps: int | None = None) -> tuple[Rows, dict[str, Any]]:
-    """Rows (b, gas, lbs) per rank of each group for stages 2/3, and what the search chose."""
+                    require_all_ranks: bool = False, max_micro_steps: int | None = None,
+                    evaluate: Callable[[Rows], float] | None = None) -> tuple[Rows, dict[str, Any]]:
+    """Rows (b, gas, lbs) per rank of each group for stages 2/3, and what the search chose;
+    ``evaluate`` (seconds of rows by the full cost model): led last steps priced too."""
     c_m, c_s = comm.per_micro_step_s(stage), comm.per_iteration_s(stage)
     cand = np.unique(np.concatenate([g.curve.times for g in groups]))
     counts = np.array([g.count for g in groups], dtype=np.int64)
@@ -71,27 +87,70 @@ def allocate_zero23(groups: list[DeviceGroup], gbs: int, stage: int, comm: CommM
         last_idx = np.where(steps == 1, np.maximum(last_idx, first_all), last_idx)
     last_idx = np.minimum(last_idx, cand.size - 1)
     cost = np.where(valid, (steps - 1) * (cand + c_m) + cand[last_idx] + c_m + c_s, np.inf)
-    best = int(np.lexsort((steps, cost))[0])  # cheapest; on a tie, fewer micro-steps
-    k, r, j = int(steps[best]), int(rest[best]), int(last_idx[best])
+    order = [int(i) for i in np.lexsort((steps, cost)) if valid[i]]  # cheapest; on a tie, fewer micro-steps
+    best = order[0]
 
-    shares = [TypeShares(g.count, int(fits[gi, j])) for gi, g in enumerate(groups)]
-    excess = int(capacity[j]) - r
-    floor = 1 if (require_all_ranks and k == 1) else 0
-    shift_samples(shares, excess, -1, key=lambda gi, n: groups[gi].curve.time(n), floor=floor)
+    def build(i: int, last: list[int], leader: int | None) -> Rows:
+        """Rows of candidate ``i`` (its micro-steps and full step) with a last step of ``last``
+        samples per rank of each group before its excess is taken back, from groups other than
+        ``leader`` first."""
+        k, shares = int(steps[i]), [TypeShares(g.count, n) for g, n in zip(groups, last)]
+        floor = 1 if (require_all_ranks and k == 1) else 0
+        shift_samples(shares, sum(g.count * n for g, n in zip(groups, last)) - int(rest[i]), -1, floor=floor,
+                      key=lambda gi, n: groups[gi].curve.time(n) - (1e9 if gi == leader else 0.0))
+        lasts = [s.per_rank(-1) for s in shares]
+        if k == 1:
+            return lockstep_rows([[0] * g.count for g in groups], lasts, 0)
+        return lockstep_rows([[int(fits[gi, i])] * g.count for gi, g in enumerate(groups)], lasts, k - 1)
 
-    lasts = [s.per_rank(-1) for s in shares]
-    if k == 1:
-        rows = lockstep_rows([[0] * g.count for g in groups], lasts, 0)
-    else:
-        rows = lockstep_rows([[int(fits[gi, best])] * g.count for gi, g in enumerate(groups)], lasts, k - 1)
+    rows = build(best, [int(fits[gi, last_idx[best]]) for gi in range(len(groups))], None)
+    chosen, search_s = best, float(cost[best])
+    if evaluate is not None and comm.prices_by_shape(stage):
+        priced = {_key(rows): (evaluate(rows), 0, rows, best)}
+        first: dict[tuple, int] = {}  # per distinct full step (micro-steps, batches), its cheapest candidate
+        for i in order:
+            first.setdefault((int(steps[i]), tuple(fits[:, i].tolist()) if steps[i] > 1 else ()), i)
+        for i in list(first.values())[:SHORTLIST]:
+            for last, leader in _led_lasts(groups, fits[:, i] if steps[i] > 1 else None, int(rest[i])):
+                if require_all_ranks and steps[i] == 1 and min(last) == 0:
+                    continue
+                candidate = build(i, last, leader)
+                key = _key(candidate)
+                if key not in priced:
+                    priced[key] = (evaluate(candidate), len(priced), candidate, i)
+        search_s, _, rows, chosen = min(priced.values(), key=lambda v: v[:2])
+    k = int(steps[chosen])
+    in_last = [(g, lbs if lbs else b if gas == k else 0) for g, grp in zip(groups, rows) for b, gas, lbs in grp]
     meta = {
-        "full_step_s": float(cand[best]) if k > 1 else None,
-        "last_step_s": float(cand[j]),
+        "full_step_s": float(cand[chosen]) if k > 1 else None,
+        "last_step_s": max(g.curve.time(n) for g, n in in_last),
         "micro_steps": k,
         "candidates": int(cand.size),
-        "search_predicted_s": float(cost[best]),
+        "search_predicted_s": search_s,
     }
     return rows, meta
+
+
+def _key(rows: Rows) -> tuple:
+    return tuple(tuple(grp) for grp in rows)
+
+
+def _led_lasts(groups: list[DeviceGroup], full: np.ndarray | None, rest: int) -> list[tuple[list[int], int]]:
+    """Last steps led by each group in turn, as (samples per rank of each group before the
+    excess is taken back, the leader): the leader at each of its batches up to ``full`` (its
+    full-step batch; its mbs for a single step), the others at the most they fit in the same
+    time (no more than their full-step batch), when that holds the ``rest`` samples."""
+    out = []
+    for gi, g in enumerate(groups):
+        top = g.curve.mbs if full is None else int(full[gi])
+        for b in range(1, top + 1):
+            tau = np.array([g.curve.time(b)])
+            last = [b if hi == gi else int(h.curve.max_batch_within(tau)[0]) for hi, h in enumerate(groups)]
+            if full is not None:
+                last = [min(n, int(f)) for n, f in zip(last, full)]
+            if sum(h.count * n for h, n in zip(groups, last)) >= rest:
+                out.append((last, gi))
+    return out
 
 
 def lockstep_rows(full: list[list[int]], last: list[list[int]], n_full: int) -> Rows:

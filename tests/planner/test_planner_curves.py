@@ -117,3 +117,12 @@ def test_ranks_of_a_type_share_one_curve_with_the_smallest_mbs():
     assert groups[0].curve.time(1) == pytest.approx(0.5 * (0.02 + 0.024))  # median of two ranks
     p = plan(prof, 100, 0)
     assert all(r.micro_batch_size <= 6 and r.last_batch_size <= 6 for r in p.ranks)
+
+
+def test_splits_that_tie_within_a_tenth_of_a_percent_go_to_the_plainer_one():
+    from poplar.planner.zero01 import best_split
+    times = 0.1 + 0.01 * np.arange(1, 9)  # t(b) = 0.1 + 0.01 b, mbs 8: every 2-step split of 9 costs 0.29
+    times[6] -= 1e-5  # 2 + 7 faster by 0.003 %: a tie
+    assert best_split(SpeedCurve("V", times), 9)[:3] == (8, 1, 1)  # 2 steps, last <= b, largest b
+    times[6] -= 3e-3  # 1 % faster: a real difference
+    assert best_split(SpeedCurve("V", times), 9)[:3] == (7, 1, 2)  # as fast as 2 + 7, and plainer

@@ -311,14 +311,14 @@ def _steady_rounds(run: RankRun, fit: StageCapacity, runtime: ZeroRuntime,
     try:
         with device.recording_overflows() as overflows, device.attach(runtime):
             for config, per_rank in configs.items():
-                everyone, more = [[] for _ in range(comm.world_size)], STEADY_ROUNDS
+                so_far, more = [[] for _ in range(comm.world_size)], STEADY_ROUNDS  # every rank's facts
                 while more:
                     _, _, facts = run_rounds(runtime, device, [[b] for b in per_rank], batches, run.loss_fn, comm,
                                              repeats=more, max_extra_passes=0, warmup=False)
-                    tag = f"profile:steady:{config.kind.value}:{config.leader}:{len(everyone[0])}"
-                    everyone = [continued(a, b) for a, b in zip(everyone, comm.all_gather_object(facts, tag=tag))]
-                    more = more_steady_rounds(everyone, run.options.exposure_precision)
-                out[config] = everyone
+                    tag = f"profile:steady:{config.kind.value}:{config.leader}:{len(so_far[0])}"
+                    so_far = [continued(a, b) for a, b in zip(so_far, comm.all_gather_object(facts, tag=tag))]
+                    more = more_steady_rounds(so_far, run.options.exposure_precision)
+                out[config] = so_far
     except DistributedError as e:
         raise ProfileError(f"a steady timing round failed: {e}") from None
     _agree_it_fitted(comm, overflows, "steady timing")

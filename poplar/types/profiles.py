@@ -65,7 +65,7 @@ class CommProfile:
     collectives_stage: int | None = None
     micro_step: list[list] = field(default_factory=list)
     iteration: list[list] = field(default_factory=list)
-    # measured at collectives_stage on the critical rank (poplar.profiler.timing.exposed_costs):
+    # measured at collectives_stage on the critical rank (poplar.profiler.exposure.exposed_costs):
     exposed_micro_step_s: float | None = None  # communication a micro-step's compute did not hide
     exposed_micro_step_lead_s: dict[str, float] | None = None  # per leading device type: the same led by it
     # balanced exposure of shorter steps too: at each of these computes (ascending), this much

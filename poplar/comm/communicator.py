@@ -6,12 +6,19 @@ rank was blocked, stamped with the position where it was issued.
 
 Reductions always use ``ReduceOp.SUM``; the engine scales losses itself (averaging by world
 size is wrong for uneven batches).
+
+A ``LinkPacing`` (``Communicator.paced``) hears of every tensor collective when it is issued and
+when it is done, before the rank's blocked seconds are stopped: an emulated interconnect
+(``poplar.profiler.virtual_link``) sleeps there until the collective would have ended on the
+link it emulates. Object collectives (agreement, profile assembly) are control traffic and are
+not paced.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Any
+from typing import Any, Iterator, Protocol
 
 import torch
 import torch.distributed as dist
@@ -25,18 +32,35 @@ _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+class LinkPacing(Protocol):
+    """An emulated link's view of the tensor collectives (the same calls, in the same order, on
+    every rank): ``issued`` before a collective starts, returning a ticket, and ``done`` with
+    that ticket once the collective is complete on this rank."""
+
+    def issued(self, op: str, nbytes: int) -> Any:
+        ...
+
+    def done(self, ticket: Any) -> None:
+        ...
+
+
 class PendingCollective:
     """An async collective in flight; ``wait()`` blocks until it is done and records the seconds
     blocked (issue time included) at the position where it was issued."""
 
-    def __init__(self, comm: "Communicator", work: Any, op: str, nbytes: int, issue_s: float, tag: str) -> None:
+    def __init__(self, comm: "Communicator", work: Any, op: str, nbytes: int, issue_s: float, tag: str,
+                 ticket: Any = None) -> None:
         self.comm, self.work, self.op, self.nbytes, self.issue_s, self.tag = comm, work, op, nbytes, issue_s, tag
+        self.ticket = ticket  # the pacing link's, when the collective was issued on one
         self.position = comm.ledger.position
 
     def wait(self) -> None:
         t0 = self.comm.start_timer()
         if self.work is not None:
             self.comm.guard(self.op, self.tag, self.work.wait)
+        if self.ticket is not None and self.comm.link is not None:
+            self.comm.link.done(self.ticket)
+            self.ticket = None
         blocked = self.issue_s + self.comm.stop_timer(t0)
         with self.comm.ledger.at(self.position):
             self.comm.ledger.add(self.op, self.nbytes, blocked, self.tag)
@@ -45,6 +69,8 @@ class PendingCollective:
 class Communicator:
     """The engine's only door to ``torch.distributed``. With no process group initialised it
     runs as a world of one (every collective is a local copy), so single-process use works."""
+
+    link: LinkPacing | None = None  # paces tensor collectives while set (``paced``)
 
     def __init__(self, process_group: Any = None, device: torch.device | None = None,
                  ledger: CommLedger | None = None) -> None:
@@ -59,6 +85,20 @@ class Communicator:
         self.ledger = ledger or CommLedger()
         self.backend = dist.get_backend(self.group) if self.distributed else "none"
 
+    @contextlib.contextmanager
+    def paced(self, link: LinkPacing | None) -> Iterator["Communicator"]:
+        """Until the block ends, tensor collectives are paced by ``link`` (None: not paced)."""
+        if link is None:
+            yield self
+            return
+        if self.link is not None and self.link is not link:
+            raise RuntimeError("this communicator is already paced by another link")
+        outer, self.link = self.link, link
+        try:
+            yield self
+        finally:
+            self.link = outer
+
     # timing: on CUDA synchronise so queued compute is not billed to the collective
     def start_timer(self) -> float:
         if self.device.type == "cuda":
@@ -72,10 +112,14 @@ class Communicator:
 
     def _run(self, op: str, nbytes: int, fn: Any, async_op: bool, tag: str) -> PendingCollective | None:
         t0 = self.start_timer()
+        link = self.link if self.world_size > 1 else None
+        ticket = link.issued(op, nbytes) if link is not None else None
         work = self.guard(op, tag, lambda: fn(async_op)) if self.world_size > 1 else None
         if async_op:
             issue = time.perf_counter() - t0
-            return PendingCollective(self, work, op, nbytes, issue, tag)
+            return PendingCollective(self, work, op, nbytes, issue, tag, ticket)
+        if link is not None:
+            link.done(ticket)
         self.ledger.add(op, nbytes, self.stop_timer(t0), tag)
         return None
 

@@ -151,7 +151,8 @@ class CandidateProfiler:
             self.rounds += timing.rounds
             if self._comm is None:
                 t0 = time.perf_counter()
-                self._comm = measure_comm(run.comm) if base.measure_comm else None
+                with run.device.pacing(run.comm):
+                    self._comm = measure_comm(run.comm) if base.measure_comm else None
                 self.seconds["comm_s"] += time.perf_counter() - t0
             comm = copy.deepcopy(self._comm)  # the profile sets its measured stage on it
             run.phase_seconds = dict(self.seconds)

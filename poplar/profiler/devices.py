@@ -96,6 +96,7 @@ class Device(StepObserver, ABC):
         self.last_failure: dict[str, Any] | None = None  # what the device saw at the last OOM it raised itself
         self.overflows: list[dict[str, Any]] = []  # memory overflows recorded instead of raised
         self._open: dict[str, Any] | None = None  # the micro-step in progress
+        self.link: Any = None  # an emulated interconnect (``comm.LinkPacing``) pacing its collectives
 
     # ---- probes (subclasses) ----
     @property
@@ -156,6 +157,11 @@ class Device(StepObserver, ABC):
         raises by itself records nothing: its OOM fails the round on every rank instead."""
         self.overflows.clear()
         yield self.overflows
+
+    def pacing(self, comm: Any) -> contextlib.AbstractContextManager:
+        """Pace ``comm``'s tensor collectives by this device's emulated link while the block
+        runs (``Communicator.paced``; nothing for a device without one)."""
+        return comm.paced(self.link)
 
     # ---- attaching to a runtime ----
     @contextlib.contextmanager

@@ -41,6 +41,7 @@ from poplar.profiler.calibration import (MARGIN, MIN_STEP_S, Calibration, Calibr
                                          finish, measure_pass, prepare, time_scale_needed, time_trials)
 from poplar.profiler.speed_padding import LATE_BUDGET
 from poplar.profiler.virtual_device import VirtualDevice
+from poplar.profiler.virtual_link import LinkSpec, VirtualLink
 from poplar.types.cluster import ClusterSpec
 from poplar.types.precision import MixedPrecision, Precision
 from poplar.types.presets import precision_of
@@ -240,14 +241,22 @@ def until_on_time(name: str, attempts: int, run_once: Callable[[float], tuple[T,
 
 
 def cluster_devices(cluster: ClusterSpec | str, memory_scale: float, time_scale: float,
-                    precision: Any = None, faults: dict[int, FaultSchedule] | None = None) -> list[VirtualDevice]:
+                    precision: Any = None, faults: dict[int, FaultSchedule] | None = None,
+                    link: LinkSpec | None = None) -> list[VirtualDevice]:
     """One virtual device per rank of ``cluster`` (a ClusterSpec, built-in name or file),
     emulating ``precision`` (a name, ``Precision`` or policy; default fp32); ``faults``: injected
-    drift per rank (``poplar.profiler.faults``)."""
+    drift per rank (``poplar.profiler.faults``); ``link``: the emulated interconnect that paces
+    the ranks' collectives (``virtual_link``; None: the machine's own)."""
     spec = ClusterSpec.resolve(cluster)
     check_cluster_precision(spec, precision)
-    return EmulatedCluster(spec, memory_scale, time_scale, precision=precision_of(precision),
-                           faults=dict(faults or {})).devices()
+    devices = EmulatedCluster(spec, memory_scale, time_scale, precision=precision_of(precision),
+                              faults=dict(faults or {})).devices()
+    if link is not None:
+        if link.world_size != spec.world_size:
+            raise ValueError(f"the link joins {link.world_size} ranks but cluster {spec.name} has {spec.world_size}")
+        for rank, device in enumerate(devices):
+            device.link = VirtualLink(link, rank)
+    return devices
 
 
 def emulated_rank(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:

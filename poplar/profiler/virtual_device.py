@@ -308,7 +308,7 @@ class VirtualDevice(SpeedPadding, Device):
                              f"the device with precision=\"{running}\"")
         self._use_precision(running)
         try:
-            with self._attached_hooks(runtime):
+            with self._attached_hooks(runtime), self.pacing(runtime.comm):
                 yield
         finally:
             self._use_precision(self.fixed_precision or Precision.FP32)

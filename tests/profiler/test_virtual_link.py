@@ -1,0 +1,140 @@
+"""The virtual link: paced collectives last the link's time from the last rank's issue, the
+ranks leave them together, async collectives queue on the link, and a rank that skips a paced
+collective is a clear error, not a hang."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from poplar.comm import Communicator
+from poplar.comm.launch import RankFailure, spawn
+from poplar.profiler.virtual_link import LinkSpec, VirtualLink
+
+LATENCY = 0.04  # far above a 2-rank gloo all-reduce on a quiet machine, so the link sets the time
+
+
+def paced_sync(rank: int, world: int, spec: LinkSpec) -> dict:
+    torch.set_num_threads(1)
+    link = VirtualLink(spec, rank)
+    comm = Communicator()
+    comm.all_reduce(torch.zeros(1))  # warm the group up, unpaced
+    out = {"issue": [], "end": []}
+    with comm.paced(link):
+        for i in range(4):
+            time.sleep(0.03 * rank if i % 2 else 0.0)  # rank 1 arrives 30 ms late every other time
+            out["issue"].append(time.perf_counter())
+            t = torch.full((1000,), float(rank))
+            comm.all_reduce(t)
+            out["end"].append(time.perf_counter())
+            assert t[0].item() == sum(range(world))
+    out["blocked"] = [r.seconds for r in comm.ledger.records if r.op == "all_reduce"][1:]
+    out["late"], out["paced"] = link.late_collectives, link.paced_collectives
+    return out
+
+
+def paced_async(rank: int, world: int, spec: LinkSpec) -> list[float]:
+    torch.set_num_threads(1)
+    link = VirtualLink(spec, rank)
+    comm = Communicator()
+    comm.all_reduce(torch.zeros(1))
+    with comm.paced(link):
+        t0 = time.perf_counter()
+        pending = [comm.all_gather(torch.zeros(2 * 1000), torch.zeros(1000), async_op=True) for _ in range(3)]
+        ends = []
+        for p in pending:
+            p.wait()
+            ends.append(time.perf_counter() - t0)
+    return ends
+
+
+def one_rank_unpaced(rank: int, world: int, spec: LinkSpec) -> None:
+    comm = Communicator()
+    with comm.paced(VirtualLink(spec, rank) if rank == 0 else None):
+        comm.all_reduce(torch.zeros(4))  # rank 1 issues it outside the link
+
+
+@pytest.fixture
+def spec() -> LinkSpec:
+    s = LinkSpec.create(LATENCY, 1e12, 2)
+    yield s
+    s.remove()
+
+
+def test_a_paced_collective_lasts_the_links_time_from_the_last_issue(spec: LinkSpec) -> None:
+    ranks = spawn(paced_sync, 2, (spec,), timeout_s=60)
+    for i in range(4):
+        last_issue = max(r["issue"][i] for r in ranks)
+        ends = [r["end"][i] - last_issue for r in ranks]
+        # every rank leaves at the last issue + the link's time (a busy machine may only delay it)
+        assert min(ends) > LATENCY - 0.001 and max(ends) < LATENCY + 0.015
+        assert max(ends) - min(ends) < 0.005  # together
+    # the rank that waited 30 ms for its peer was blocked 30 ms longer, and the ledger says so
+    assert ranks[0]["blocked"][1] - ranks[1]["blocked"][1] == pytest.approx(0.03, abs=0.01)
+    assert all(r["paced"] == 4 for r in ranks)
+
+
+def test_async_collectives_queue_on_the_link(spec: LinkSpec) -> None:
+    for ends in spawn(paced_async, 2, (spec,), timeout_s=60):
+        # issued together, carried one after another: done at 1, 2 and 3 link times
+        for k, end in enumerate(ends, start=1):
+            assert k * LATENCY - 0.001 < end < k * LATENCY + 0.015
+
+
+def test_a_collective_outside_the_link_on_one_rank_is_a_clear_error(spec: LinkSpec) -> None:
+    with pytest.raises(RankFailure, match="was not issued on ranks \\[1\\]"):
+        spawn(one_rank_unpaced, 2, (spec,), timeout_s=60)
+
+
+def test_the_link_prices_collectives_like_the_profilers_ring_fit(spec: LinkSpec) -> None:
+    wide = LinkSpec(0.001, 1e9, 4, spec.board_path)
+    assert wide.seconds("all_reduce", 10 ** 6) == pytest.approx(0.001 + 1.5e-3)
+    assert wide.seconds("all_gather", 10 ** 6) == pytest.approx(0.001 + 0.75e-3)
+    with pytest.raises(ValueError, match="bandwidth > 0"):
+        LinkSpec(0.001, 0.0, 4, spec.board_path)
+
+
+def engine_on_link(rank: int, world: int, spec: LinkSpec) -> dict:
+    """A ZeRO-0 engine whose virtual device has the link: its gradient all-reduce takes the link's time."""
+    from poplar.engine import PoplarEngine
+    from poplar.profiler import SaturatingCurve, VirtualDevice
+    from poplar.profiler.profile_run import default_optimizer
+    from poplar.types.plans import Plan, RankPlan
+    from poplar.workloads import get_workload
+
+    torch.set_num_threads(1)
+    workload = get_workload("token-mlp")
+    device = VirtualDevice("d", 10 ** 9, time_fn=SaturatingCurve(0.01, 0.0, 1e9))
+    device.link = VirtualLink(spec, rank)
+    model = workload.model_fn()
+    engine = PoplarEngine(model, default_optimizer(model), zero_stage=0, plan=Plan([RankPlan(2, 1)] * 2),
+                          loss_fn=workload.loss_fn, device=device)
+    for _ in range(2):
+        engine.train_step(workload.sample_fn(2))
+    records = [r for r in engine.comm_ledger.of(iteration=engine.iteration - 1) if r.op == "all_reduce"]
+    return {"seconds": [r.seconds for r in records], "paced": device.link.paced_collectives}
+
+
+def test_a_virtual_device_paces_its_engines_collectives_on_its_link(spec: LinkSpec) -> None:
+    for rank in spawn(engine_on_link, 2, (spec,), timeout_s=120):
+        assert rank["paced"] >= 2 and rank["seconds"]
+        # every all-reduce of the step was blocked at least the link's time
+        assert min(rank["seconds"]) > LATENCY - 0.001, rank
+
+
+def test_the_link_fit_takes_a_quantile_of_the_real_collectives_with_a_margin() -> None:
+    from poplar.profiler.link_calibration import fit_link
+
+    small = [("all_reduce", 4096, s) for s in np.linspace(0.001, 0.010, 10)]
+    # large all-gathers: 10 ms more than the small ones at every quantile -> 10 ms of bus volume
+    large = [("all_gather", 4 * 10 ** 6, s + 0.010) for s in np.linspace(0.001, 0.010, 10)]
+    latency, bandwidth = fit_link(small + large, 4, quantile=0.9, margin=0.5)
+    q = float(np.quantile(np.linspace(0.001, 0.010, 10), 0.9))
+    assert latency == pytest.approx(q / 0.5)
+    # bus volume 3/4 x 4 MB must take (q + 10 ms) / 0.5 - latency = 20 ms
+    assert bandwidth == pytest.approx(3e6 / 0.020)
+    with pytest.raises(ValueError, match="margin"):
+        fit_link(small, 4, margin=0.0)

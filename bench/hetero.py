@@ -52,9 +52,17 @@ did not emulate its GPUs: it is re-calibrated with a smaller margin (more headro
 again, up to ``--attempts`` times, and if still above, its rows are marked INVALID and
 ``valid`` is false in the RESULT. ``--full`` adds the paper-size row, cluster C as 4 + 4 ranks.
 
+The link (``--link emulated``, the default): the cluster's collectives run on a virtual link
+(``poplar.profiler.virtual_link``) of a speed measured on this machine per cluster
+(``link_calibration.measure_link``: the 90th percentile of real gloo collectives of its world
+size, / 0.8), so that communication, like compute, lasts a known time and not whatever the
+shared cores allow at that minute; calibration times the devices on a runtime paced by it.
+``late_collective_fraction`` is the share of collectives whose real gloo time overshot the link.
+``--link machine`` runs the collectives as gloo does.
+
     .venv/bin/python bench/hetero.py [--clusters A,B,C,C-1:3] [--stages 0,1,2,3] [--iterations 24]
                                      [--rounds 3] [--warmup 1] [--gbs 48] [--precision fp32] [--json PATH]
-                                     [--full] [--attempts 3]
+                                     [--full] [--attempts 3] [--link emulated|machine]
 """
 
 from __future__ import annotations
@@ -66,7 +74,7 @@ import json
 import statistics
 import sys
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -85,9 +93,11 @@ from poplar.types.precision import resolve_precision
 from poplar.profiler.capacity import CapacitySearch
 from poplar.profiler.calibration import calibrate_stages
 from poplar.profiler.emulate import cluster_devices, until_on_time
+from poplar.profiler.link_calibration import measure_link
+from poplar.profiler.virtual_link import LinkSpec
 from poplar.profiler.speed_padding import LATE_BUDGET, late_fraction
 from poplar.profiler.local_comm import local_engine
-from poplar.profiler.profile_run import ProfileOptions, default_optimizer, profile_rank
+from poplar.profiler.profile_run import ProfileOptions, default_optimizer, model_size, profile_rank
 from poplar.types.profiles import Profile
 
 STRATEGIES = ("poplar", "even", "flops")
@@ -190,6 +200,7 @@ def worker(rank: int, world: int, job: dict) -> dict:
     for stage in job["stages"]:
         t0 = time.perf_counter()
         padded0, late0 = device.padded_steps, device.late_steps
+        link0 = (device.link.paced_collectives, device.link.late_collectives) if device.link else (0, 0)
         options = ProfileOptions(zero_stage=stage, escalate=False, repeats=job["repeats"], model_name=job["model"],
                                  mixed_precision=job["precision"])
         prof = profile_rank(job["model_fn"], llama_loss_fn, job["sample_fn"], device,
@@ -204,7 +215,9 @@ def worker(rank: int, world: int, job: dict) -> dict:
         log(f"ZeRO-{stage}: profile {t_prof:.0f} s, training {time.perf_counter() - t1:.0f} s")
         out[stage] = {"true_mbs": truth, "runs": {s: runs[same[s]] for s in plans}, "same_as": same,
                       "profile_s": t_prof, "padded_steps": device.padded_steps - padded0,
-                      "late_steps_all": device.late_steps - late0}
+                      "late_steps_all": device.late_steps - late0,
+                      "paced_collectives": (device.link.paced_collectives if device.link else 0) - link0[0],
+                      "late_collectives": (device.link.late_collectives if device.link else 0) - link0[1]}
         if rank == 0:
             out[stage].update(profile=prof.to_dict(), plans={s: p.to_dict() for s, p in plans.items()})
     return out
@@ -248,7 +261,10 @@ def analyse(name: str, stage: int, results: list[dict], devices: list, args: arg
                                              for s in STRATEGIES), "plans": {},
                            # profiling and training, every rank: micro-steps padded and those late
                            "padded_steps": sum(r[stage]["padded_steps"] for r in results),
-                           "late_steps_all": sum(r[stage]["late_steps_all"] for r in results)}
+                           "late_steps_all": sum(r[stage]["late_steps_all"] for r in results),
+                           # collectives the emulated link carried, and those whose real one overshot it
+                           "paced_collectives": sum(r[stage]["paced_collectives"] for r in results),
+                           "late_collectives": sum(r[stage]["late_collectives"] for r in results)}
     for s, p in plans.items():
         per_rank = [r[stage]["runs"][s] for r in results]
         ok = [i for i, m in enumerate(per_rank[0]["measured"]) if m]
@@ -349,6 +365,21 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+@contextlib.contextmanager
+def cluster_link(spec: ClusterSpec, kind: str, model_fn: Any) -> Iterator[tuple[LinkSpec | None, dict | None]]:
+    """The cluster's emulated link (``--link emulated``: measured on this machine, its board
+    removed afterwards) and its fit; (None, None) for the machine's own collectives."""
+    if kind != "emulated":
+        yield None, None
+        return
+    fit = measure_link(spec.world_size, model_size(model_fn())[1])
+    link = LinkSpec.create(fit["latency_s"], fit["bandwidth_bytes_per_s"], spec.world_size)
+    try:
+        yield link, fit
+    finally:
+        link.remove()
+
+
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--clusters", default=",".join(CLUSTERS), help="built-in names or cluster files")
@@ -364,6 +395,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"], help="compute precision")
     ap.add_argument("--json", default=None, help="write every measurement here")
     ap.add_argument("--full", action="store_true", help="add the paper-size row: cluster C as 4 + 4 ranks")
+    ap.add_argument("--link", default="emulated", choices=["emulated", "machine"],
+                    help="emulated: a virtual link of calibrated speed paces the collectives; machine: gloo as is")
     ap.add_argument("--attempts", type=int, default=ATTEMPTS,
                     help="runs of a cluster whose late micro-steps exceed 1%% (each re-calibrated)")
     args = ap.parse_args()
@@ -398,19 +431,25 @@ def main() -> None:
         attempts: list[dict] = []
 
         def once(margin: float, spec: ClusterSpec = spec) -> tuple[tuple[list[dict], Any], float]:
-            cal = calibrate_stages(model_fn, llama_loss_fn, sample_fn, spec, args.stages,
-                                   optimizer_fn=default_optimizer, mixed_precision=policy, margin=margin)
-            devices = cluster_devices(spec, cal.memory_scale, cal.time_scale, policy)
-            print(f"# {spec.describe()}: memory scale {cal.memory_scale:.3g}, time scale {cal.time_scale:.3g} "
-                  f"(margin {margin:.2f})", file=sys.stderr, flush=True)
-            job = {"model": args.model, "model_fn": model_fn, "sample_fn": sample_fn, "stages": args.stages,
-                   "devices": devices, "repeats": args.repeats, "gbs": args.gbs, "seq": args.seq,
-                   "warmup": args.warmup, "iterations": args.iterations, "rounds": args.rounds, "precision": policy}
-            results = spawn(worker, spec.world_size, (job,), timeout_s=3600, collective_timeout_s=900)
+            with cluster_link(spec, args.link, model_fn) as (link, fit):
+                cal = calibrate_stages(model_fn, llama_loss_fn, sample_fn, spec, args.stages, link=link,
+                                       optimizer_fn=default_optimizer, mixed_precision=policy, margin=margin)
+                devices = cluster_devices(spec, cal.memory_scale, cal.time_scale, policy, link=link)
+                print(f"# {spec.describe()}: memory scale {cal.memory_scale:.3g}, time scale {cal.time_scale:.3g} "
+                      f"(margin {margin:.2f}), {link.describe() if link else 'the machine link'}",
+                      file=sys.stderr, flush=True)
+                job = {"model": args.model, "model_fn": model_fn, "sample_fn": sample_fn, "stages": args.stages,
+                       "devices": devices, "repeats": args.repeats, "gbs": args.gbs, "seq": args.seq,
+                       "warmup": args.warmup, "iterations": args.iterations, "rounds": args.rounds,
+                       "precision": policy}
+                results = spawn(worker, spec.world_size, (job,), timeout_s=3600, collective_timeout_s=900)
             cluster_rows = [analyse(spec.name, stage, results, devices, args) for stage in args.stages]
             late = late_fraction(sum(r["late_steps_all"] for r in cluster_rows),
                                  sum(r["padded_steps"] for r in cluster_rows))
-            attempts.append({"margin": margin, "time_scale": cal.time_scale, "late_step_fraction": late})
+            attempts.append({"margin": margin, "time_scale": cal.time_scale, "late_step_fraction": late, "link": fit,
+                             "late_collective_fraction": late_fraction(
+                                 sum(r["late_collectives"] for r in cluster_rows),
+                                 sum(r["paced_collectives"] for r in cluster_rows))})
             return (cluster_rows, cal), late
 
         (cluster_rows, cal), late, _ = until_on_time(spec.name, args.attempts, once)
@@ -431,6 +470,9 @@ def main() -> None:
         "median_prediction_err": statistics.median(errs),
         "max_prediction_err": max(errs),
         "late_step_fraction": late_fraction(sum(r["late_steps_all"] for r in rows), sum(r["padded_steps"] for r in rows)),
+        "late_collective_fraction": late_fraction(sum(r["late_collectives"] for r in rows),
+                                                  sum(r["paced_collectives"] for r in rows)),
+        "link": args.link,
         "valid": all(r["valid"] for r in rows),
         "median_prediction_err_poplar": statistics.median(abs(r["plans"]["poplar"]["prediction_err"]) for r in rows),
         "mbs_all_match": all(r["mbs_match"] for r in rows),

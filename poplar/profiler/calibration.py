@@ -19,6 +19,12 @@ CPU-sized model on this machine (docs/design.md §4.5).
   points interpolated linearly), so a load that grows by a further ``1 / margin`` after
   calibration still leaves the devices on time.
 
+A cluster with an emulated interconnect (``virtual_link``) is timed on a real runtime over the
+job's process group, its collectives paced by that link: a run's micro-step then also does the
+collectives' CPU work, and at ZeRO-3 every rank leaves each block's all-gather at the same
+moment and computes the next block alongside all the others, which the trial steps of a
+LocalCommunicator runtime (no collectives) do not see.
+
 Under a mixed-precision policy both fp32 and the policy's precision are measured and the time
 scale satisfies both, so fp32 and bf16/fp16 runs of one model emulate the same GPUs; the memory
 scale comes from the fp32 pass (a GPU's memory does not shrink with the dtype).
@@ -41,8 +47,11 @@ import numpy as np
 import torch
 
 from poplar.profiler.capacity import CapacitySearch
-from poplar.profiler.local_comm import local_engine
+from poplar.profiler.local_comm import local_engine, use_plan
 from poplar.profiler.virtual_device import VirtualDevice
+from poplar.profiler.virtual_link import LinkSpec, VirtualLink
+from poplar.types.plans import Plan, RankPlan
+from poplar.zero.runtime import ZeroRuntime
 from poplar.types.cluster import ClusterError, ClusterSpec
 from poplar.types.precision import MixedPrecision, Precision, resolve_precision
 from poplar.types.presets import GIB, DevicePreset, get_preset, precision_of
@@ -126,12 +135,28 @@ class TimingJob:
     batches: list[int]
     repeats: int = TIMING_REPEATS
     options: dict[str, Any] = field(default_factory=dict)
+    link: LinkSpec | None = None  # the cluster's emulated interconnect: time on a real runtime paced by it
 
 
 def _runtime(job: TimingJob, rank: int, policy: MixedPrecision | None) -> Any:
     model = job.model_fn()
     return local_engine(model, job.optimizer_fn(model), world_size=job.world, rank=rank, zero_stage=job.zero_stage,
                         device=torch.device("cpu"), mixed_precision=policy, **job.options)
+
+
+def _linked_runtime(job: TimingJob, rank: int, policy: MixedPrecision | None, probe: VirtualDevice) -> Any:
+    """A runtime on the job's process group whose collectives the cluster's link paces (through
+    ``probe``): its trial steps pay what a run's do, the collectives' CPU work and every rank
+    released from each collective at once. Every rank runs the same plan, so they agree."""
+    model = job.model_fn()
+    probe.link = VirtualLink(job.link, rank)
+    return ZeroRuntime(model, job.optimizer_fn(model), zero_stage=job.zero_stage,
+                       plan=Plan([RankPlan(1, 1, 0)] * job.world), mixed_precision=policy, **job.options)
+
+
+def _linked_trial(runtime: Any, job: TimingJob, batch: int) -> None:
+    use_plan(runtime, Plan([RankPlan(batch, 1, 0)] * job.world))
+    runtime.train_step(job.sample_fn(batch), job.loss_fn)
 
 
 def measure_pass(job: TimingJob, policy: MixedPrecision | None) -> CalibrationPass:
@@ -169,16 +194,19 @@ def time_trials(job: TimingJob, rank: int, barrier: Callable[[], None]) -> dict[
     torch.set_num_threads(1)
     try:
         for policy in job.policies:
-            runtime = _runtime(job, rank, policy)
             probe = VirtualDevice("calibration", 2 ** 62)
+            runtime = _runtime(job, rank, policy) if job.link is None else _linked_runtime(job, rank, policy, probe)
             seconds: dict[int, list[float]] = {b: [] for b in job.batches}
             with probe.attach(runtime):
-                search = CapacitySearch(runtime, probe, job.sample_fn, job.loss_fn, job.zero_stage)
+                search = None if job.link else CapacitySearch(runtime, probe, job.sample_fn, job.loss_fn,
+                                                                      job.zero_stage)
                 for rep in range(job.repeats + 1):  # the first pass warms up
                     for b in job.batches:
                         barrier()
                         passed += 1
-                        if not search.trial(b):
+                        if search is None:
+                            _linked_trial(runtime, job, b)
+                        elif not search.trial(b):
                             raise RuntimeError(f"calibration step of batch {b} ran out of memory")
                         if rep > 0:
                             seconds[b].append(runtime.last_stats.compute_s)
@@ -278,16 +306,18 @@ class Prepared:
 def prepare(model_fn: Callable, loss_fn: Callable, sample_fn: Callable[[int], Any], cluster: ClusterSpec | str,
             zero_stage: int, *, optimizer_fn: Callable, bucket_size_mb: float = 25.0, wrap_policy: Any = None,
             memory_scale: float | str = "auto", time_scale: float | str = "auto",
-            target_min_mbs: int = TARGET_MIN_MBS, max_batch: int = 4096, mixed_precision: Any = None) -> Prepared:
+            target_min_mbs: int = TARGET_MIN_MBS, max_batch: int = 4096, mixed_precision: Any = None,
+            link: LinkSpec | None = None) -> Prepared:
     """The passes of one process (fp32, and the policy's precision if it has one) and the
-    memory scale; the concurrent timing job for the time scale."""
+    memory scale; the concurrent timing job for the time scale (on a runtime paced by ``link``
+    when the cluster has an emulated one)."""
     spec = ClusterSpec.resolve(cluster)
     policy = resolve_precision(mixed_precision)
     check_cluster_precision(spec, policy)
     presets = [get_preset(t) for t in dict.fromkeys(spec.rank_types())]
     policies = [None] if policy is None else [None, policy]
     job = TimingJob(model_fn, loss_fn, sample_fn, optimizer_fn, spec.world_size, zero_stage, policies, [],
-                    options={"bucket_size_mb": bucket_size_mb, "wrap_policy": wrap_policy})
+                    options={"bucket_size_mb": bucket_size_mb, "wrap_policy": wrap_policy}, link=link)
     passes = [measure_pass(job, p) for p in policies]
     scale = pick_memory_scale(passes[0], presets, target_min_mbs) if memory_scale == "auto" else float(memory_scale)
     mbs_at = {str(c.precision): {p.name: c.mbs(p, scale, max_batch) for p in presets} for c in passes}
@@ -315,13 +345,14 @@ def calibrate(model_fn: Callable, loss_fn: Callable, sample_fn: Callable[[int], 
               zero_stage: int, *, optimizer_fn: Callable, bucket_size_mb: float = 25.0, wrap_policy: Any = None,
               memory_scale: float | str = "auto", time_scale: float | str = "auto",
               target_min_mbs: int = TARGET_MIN_MBS, min_step_s: float = MIN_STEP_S, max_batch: int = 4096,
-              mixed_precision: Any = None, margin: float = MARGIN) -> Calibration:
+              mixed_precision: Any = None, margin: float = MARGIN, link: LinkSpec | None = None) -> Calibration:
     """Pick the scales for emulating ``cluster`` with this model (module doc), from one process:
-    the concurrent timing runs on a spawned job of the cluster's world size."""
+    the concurrent timing runs on a spawned job of the cluster's world size (its collectives
+    paced by ``link``, the cluster's emulated interconnect, if it has one)."""
     prep = prepare(model_fn, loss_fn, sample_fn, cluster, zero_stage, optimizer_fn=optimizer_fn,
                    bucket_size_mb=bucket_size_mb, wrap_policy=wrap_policy, memory_scale=memory_scale,
                    time_scale=time_scale, target_min_mbs=target_min_mbs, max_batch=max_batch,
-                   mixed_precision=mixed_precision)
+                   mixed_precision=mixed_precision, link=link)
     concurrent = spawn_timing(prep.job) if prep.job is not None else {}
     return finish(prep, concurrent, margin=margin, min_step_s=min_step_s)
 

@@ -111,3 +111,20 @@ def test_a_late_emulated_run_is_made_again_with_more_headroom_then_kept_as_inval
 
     assert until_on_time("X", 2, always_late, margin=0.6) == ("late", 0.02, 2)  # over budget: invalid
     assert margins == pytest.approx([0.6, 0.42])
+
+
+def test_linked_timing_runs_real_paced_collectives_and_keeps_them_out_of_the_compute() -> None:
+    """With an emulated link the trial steps run on the job's process group, every collective
+    paced by the link: the compute measured stays far below the link's 50 ms per collective
+    (the pacing is communication, not compute), and every rank measured every batch."""
+    from poplar.profiler.calibration import spawn_timing
+    from poplar.profiler.virtual_link import LinkSpec
+
+    link = LinkSpec.create(0.05, 1e12, 2)
+    try:
+        job = TimingJob(WORKLOAD.model_fn, WORKLOAD.loss_fn, WORKLOAD.sample_fn, default_optimizer, 2, 2, [None],
+                        [1, 4], repeats=1, link=link)
+        seconds = spawn_timing(job, timeout_s=120)["fp32"]
+    finally:
+        link.remove()
+    assert set(seconds) == {1, 4} and all(0 < s < 0.04 for s in seconds.values()), seconds

@@ -129,3 +129,17 @@ def test_a_step_is_priced_by_its_slowest_rows_lead():
     assert evaluate_rows([("X", 2, 2, 1), ("Y", 1, 2, 0)], curves, 2, switch).switch_s == pytest.approx(0.1)
     no_lead = CommModel(2, 0.0, 1e9, measured_stage=2, exposed_micro_step_s=0.4, exposed_iteration_s=0.1)
     assert evaluate_rows([("X", 3, 1, 0), ("Y", 2, 1, 0)], curves, 2, no_lead).comm_s == pytest.approx(0.5)
+
+
+def test_the_switch_compares_grid_and_steady_rounds_at_the_same_compute():
+    """Where shorter steps expose more (the levels' slope), a grid round that computed less is
+    not a switch: only what it exposes beyond the slope counts."""
+    balanced = facts([(0.15, 0.149, 0.10, p) for p in range(6)])
+    short = facts([(0.05, 0.049, 0.14, p) for p in range(6)])  # slope: -0.04 s of exposure per 0.1 s
+    led = facts([(0.15, 0.07, 0.09, p) for p in range(6)])
+    on_slope = facts([(0.05, 0.02, 0.13, 1)] * 6)  # 0.09 + 0.04: what its compute predicts
+    costs = exposed_costs(on_slope, {BALANCED: balanced, SHORT: short, LED_S: led})
+    assert costs["exposed_switch_s"] == pytest.approx(0.0)
+    above = facts([(0.05, 0.02, 0.15, 1)] * 6)  # 0.02 more than the slope predicts
+    assert exposed_costs(above, {BALANCED: balanced, SHORT: short, LED_S: led})["exposed_switch_s"] == \
+        pytest.approx(0.02)

@@ -49,18 +49,18 @@ class PendingCollective:
     blocked (issue time included) at the position where it was issued."""
 
     def __init__(self, comm: "Communicator", work: Any, op: str, nbytes: int, issue_s: float, tag: str,
-                 ticket: Any = None) -> None:
+                 link: LinkPacing | None = None, ticket: Any = None) -> None:
         self.comm, self.work, self.op, self.nbytes, self.issue_s, self.tag = comm, work, op, nbytes, issue_s, tag
-        self.ticket = ticket  # the pacing link's, when the collective was issued on one
+        self.link, self.ticket = link, ticket  # the link it was issued on, if paced, and its ticket there
         self.position = comm.ledger.position
 
     def wait(self) -> None:
         t0 = self.comm.start_timer()
         if self.work is not None:
             self.comm.guard(self.op, self.tag, self.work.wait)
-        if self.ticket is not None and self.comm.link is not None:
-            self.comm.link.done(self.ticket)
-            self.ticket = None
+        if self.link is not None:  # the link it was issued on, even if the paced block has ended
+            self.link.done(self.ticket)
+            self.link = None
         blocked = self.issue_s + self.comm.stop_timer(t0)
         with self.comm.ledger.at(self.position):
             self.comm.ledger.add(self.op, self.nbytes, blocked, self.tag)
@@ -117,7 +117,7 @@ class Communicator:
         work = self.guard(op, tag, lambda: fn(async_op)) if self.world_size > 1 else None
         if async_op:
             issue = time.perf_counter() - t0
-            return PendingCollective(self, work, op, nbytes, issue, tag, ticket)
+            return PendingCollective(self, work, op, nbytes, issue, tag, link, ticket)
         if link is not None:
             link.done(ticket)
         self.ledger.add(op, nbytes, self.stop_timer(t0), tag)

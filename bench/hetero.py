@@ -193,6 +193,11 @@ def train(job: dict, device: Any, stage: int, plans: dict[str, Plan], rank: int)
     return out
 
 
+def link_counts(device: Any) -> tuple[int, int]:
+    """(paced, late) collectives of the device's emulated link so far; (0, 0) without one."""
+    return (device.link.paced_collectives, device.link.late_collectives) if device.link else (0, 0)
+
+
 def worker(rank: int, world: int, job: dict) -> dict:
     device = job["devices"][rank]
     log = (lambda m: print(f"    {m}", file=sys.stderr, flush=True)) if rank == 0 else (lambda m: None)
@@ -200,7 +205,7 @@ def worker(rank: int, world: int, job: dict) -> dict:
     for stage in job["stages"]:
         t0 = time.perf_counter()
         padded0, late0 = device.padded_steps, device.late_steps
-        link0 = (device.link.paced_collectives, device.link.late_collectives) if device.link else (0, 0)
+        link0 = link_counts(device)
         options = ProfileOptions(zero_stage=stage, escalate=False, repeats=job["repeats"], model_name=job["model"],
                                  mixed_precision=job["precision"])
         prof = profile_rank(job["model_fn"], llama_loss_fn, job["sample_fn"], device,
@@ -216,8 +221,8 @@ def worker(rank: int, world: int, job: dict) -> dict:
         out[stage] = {"true_mbs": truth, "runs": {s: runs[same[s]] for s in plans}, "same_as": same,
                       "profile_s": t_prof, "padded_steps": device.padded_steps - padded0,
                       "late_steps_all": device.late_steps - late0,
-                      "paced_collectives": (device.link.paced_collectives if device.link else 0) - link0[0],
-                      "late_collectives": (device.link.late_collectives if device.link else 0) - link0[1]}
+                      "paced_collectives": link_counts(device)[0] - link0[0],
+                      "late_collectives": link_counts(device)[1] - link0[1]}
         if rank == 0:
             out[stage].update(profile=prof.to_dict(), plans={s: p.to_dict() for s, p in plans.items()})
     return out

@@ -53,7 +53,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from poplar.planner.curves import SpeedCurve
-from poplar.types.profiles import LEAD_SCALE
+from poplar.types.profiles import LEAD_SCALE, bus_bytes
 
 
 Ops = tuple[tuple[str, float], ...]  # (op, bytes of the full buffer) per collective
@@ -97,8 +97,7 @@ class CommModel:
         n = self.world_size
         if n <= 1:
             return 0.0
-        factor = 2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n
-        return factor * nbytes / self.bandwidth_bytes_per_s + self.latency_s
+        return bus_bytes(op, nbytes, n) / self.bandwidth_bytes_per_s + self.latency_s
 
     def _measured(self, stage: int) -> bool:
         return self.measured_stage == stage and bool(self.micro_step_ops or self.iteration_ops)

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from poplar.profiler.virtual_link import LinkSpec, VirtualLink
+from poplar.types.profiles import bus_bytes
 
 LINK_QUANTILE = 0.9
 LINK_MARGIN = 0.8  # the real collectives' quantile at most this share of the link's time
@@ -72,10 +73,9 @@ def fit_link(samples: list[tuple[str, int, float]], world: int, *, quantile: flo
     small = min(n for _, n in need)
     latency = max(v for (op, n), v in need.items() if n == small)
     bandwidth = 1e15
-    probe = LinkSpec(0.0, 1.0, world, "")  # its ring factors
     for (op, n), v in need.items():
         if n != small and v > latency:
-            bandwidth = min(bandwidth, probe.seconds(op, n) / (v - latency))
+            bandwidth = min(bandwidth, bus_bytes(op, n, world) / (v - latency))
     return latency, bandwidth
 
 

@@ -33,7 +33,7 @@ import torch
 from poplar.types.logs import progress_bar
 from poplar.profiler.devices import Device
 from poplar.profiler.local_comm import round_plan, use_plan
-from poplar.types.profiles import CommProfile, ProfilePoint
+from poplar.types.profiles import CommProfile, ProfilePoint, bus_bytes
 from poplar.comm import Communicator
 from poplar.zero.observers import MicroStep, StepObserver
 from poplar.zero.runtime import ZeroRuntime
@@ -234,10 +234,10 @@ def measure_comm(comm: Communicator, sizes: tuple[int, ...] = DEFAULT_COMM_SIZES
         full = torch.zeros(numel, device=dev)
         shard = torch.zeros(numel // n, device=dev)
         nbytes = numel * 4
-        ops = {"all_reduce": (lambda: comm.all_reduce(full), 2 * (n - 1) / n),
-               "reduce_scatter": (lambda: comm.reduce_scatter(shard, full), (n - 1) / n),
-               "all_gather": (lambda: comm.all_gather(full, shard), (n - 1) / n)}
-        for op, (call, factor) in ops.items():
+        ops = {"all_reduce": lambda: comm.all_reduce(full),
+               "reduce_scatter": lambda: comm.reduce_scatter(shard, full),
+               "all_gather": lambda: comm.all_gather(full, shard)}
+        for op, call in ops.items():
             times = []
             for rep in range(reps + 1):
                 comm.all_reduce(barrier)
@@ -247,7 +247,7 @@ def measure_comm(comm: Communicator, sizes: tuple[int, ...] = DEFAULT_COMM_SIZES
                     torch.cuda.synchronize(dev)
                 if rep > 0:  # the first call of each shape warms up
                     times.append(time.perf_counter() - t0)
-            xs.append(factor * nbytes)
+            xs.append(bus_bytes(op, nbytes, n))
             ys.append(statistics.median(times))
     # every rank must report the same link: use rank-averaged times
     t = torch.tensor(ys, dtype=torch.float64, device=dev)

@@ -1,5 +1,5 @@
 """A virtual link: the interconnect of an emulated cluster, with a known speed, paced like a
-virtual device's compute (docs/design.md §4.6).
+virtual device's compute (docs/design.md §4.7).
 
 Between processes sharing a few CPU cores, a gloo collective takes as long as the scheduler
 lets it: on a 2-core machine a 4-rank all-reduce of a few hundred KB lasts 3-8 ms and an 8-rank
@@ -28,12 +28,15 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections import deque
 import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from poplar.types.profiles import bus_bytes
 
 
 SLOTS = 1 << 14  # rows of the board: far more than the collectives a rank can issue ahead of another
@@ -80,9 +83,7 @@ class LinkSpec:
 
     def seconds(self, op: str, nbytes: int) -> float:
         """How long the link takes for one collective of ``nbytes`` (the full buffer)."""
-        n = self.world_size
-        factor = 2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n
-        return self.latency_s + factor * nbytes / self.bandwidth_bytes_per_s
+        return self.latency_s + bus_bytes(op, nbytes, self.world_size) / self.bandwidth_bytes_per_s
 
     def describe(self) -> str:
         return f"link {1e3 * self.latency_s:.2f} ms + {self.bandwidth_bytes_per_s / 1e9:.3g} GB/s"
@@ -108,7 +109,7 @@ class VirtualLink:
         self.paced_collectives = 0
         self.late_collectives = 0
         self._board: np.memmap | None = None
-        self._open: list[_Ticket] = []  # issued, end not yet computed, in issue order
+        self._open: deque[_Ticket] = deque()  # issued, end not yet computed, in issue order
         self._free = 0.0  # when the link finished the last collective it computed
 
     def __getstate__(self) -> dict[str, Any]:  # the board is mapped again in the process that unpickles
@@ -131,7 +132,7 @@ class VirtualLink:
         """Sleep until the link would have finished ``ticket``'s collective (its real one is done)."""
         real_end = time.perf_counter()
         while ticket.end is None:
-            self._compute_end(self._open.pop(0))
+            self._compute_end(self._open.popleft())
         self.paced_collectives += 1
         if self.real_seconds is not None:
             self.real_seconds.append(real_end - (ticket.end - ticket.seconds))

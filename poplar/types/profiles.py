@@ -51,6 +51,13 @@ class RankProfile:
 LEAD_SCALE = 0.1
 
 
+def bus_bytes(op: str, nbytes: float, world_size: int) -> float:
+    """Bytes a ring moves for one collective of a ``nbytes`` buffer (the full, unsharded size):
+    2 (N-1)/N of it for an all-reduce, (N-1)/N for a reduce-scatter or an all-gather."""
+    n = world_size
+    return (2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n) * nbytes
+
+
 @dataclass
 class CommProfile:
     """Measured collective performance: time(bytes) ~= latency_s + bytes / bandwidth; which

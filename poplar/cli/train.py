@@ -163,8 +163,12 @@ def _main(args: argparse.Namespace) -> int:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"poplar train: {e}", file=sys.stderr, flush=True)
     except DistributedError as e:
-        _destroy_group()  # first: peers blocked in a collective with this rank fail now, not at a timeout
-        _report_failure(e)
+        # check in before the group goes: destroying a gloo group whose peer died can abort this
+        # process (SIGABRT), and a rank gone without checking in would be named as dead
+        reporter = _check_in_failure()
+        _destroy_group()  # then: peers blocked in a collective with this rank fail now, not at a timeout
+        if reporter:
+            _report_failure(e)
     finally:
         _tear_down()
     if "TORCHELASTIC_RUN_ID" in os.environ:
@@ -184,19 +188,31 @@ def _join_failure_board() -> None:
         _BOARD[:] = [board]
 
 
+def _check_in_failure() -> bool:
+    """Say on the failure board (see ``poplar.comm.failure``) that this rank failed; True if this
+    rank is the one to print the job's failure line (the first to check in, or any rank without a
+    board). Ignores SIGTERM from here on: torchrun SIGTERMs the survivors once it sees a rank die
+    (it waits 30 s before it kills), and the line must come out first."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    board = _BOARD[0] if _BOARD else None
+    if board is None:
+        return True
+    try:
+        return board.check_in()
+    except Exception:  # noqa: BLE001 - the store is gone too: report for this rank alone
+        _BOARD.clear()
+        return True
+
+
 def _report_failure(error: BaseException) -> None:
-    """Print the failure once for the whole job (see ``poplar.comm.failure``), before torchrun,
-    which SIGTERMs the survivors once it sees a rank die, can end this process."""
+    """Print the failure once for the whole job, led by the ranks that died or never checked in."""
     from poplar.comm.failure import failure_line
 
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the agent waits 30 s before it kills
     board = _BOARD[0] if _BOARD else None
     dead: list[int] = []
     silent: list[int] = []
     try:
         if board is not None:
-            if not board.check_in():
-                return
             dead, silent = board.absent(FAILURE_GRACE_S)
     except Exception:  # noqa: BLE001 - the store is gone too: report for this rank alone
         pass

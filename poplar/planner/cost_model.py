@@ -36,9 +36,9 @@ micro-step (0 once it has run all of its own; such a rank joins the collective w
 The predicted communication of a plan is c_s (stages 0/1) or K c_m + c_s (stages 2/3). Measured,
 c_m is the exposure of a step in which every rank finishes together, the planner's steps; a step
 whose slowest device type leads the next type by a fraction g of its compute (ranks of one type
-tie, as in the profiler's rounds) costs c_m + (c_lead - c_m) min(1, g / LEAD_SCALE), the others
-already waiting at its collectives (``CommModel.lockstep_s``); c_s likewise, with the lead of
-the last lock-step (stages 2/3) or of the ranks' compute C_i (stages 0/1). At stages 2/3 a
+tie, as in the profiler's rounds) costs c_m + (c_lead - c_m) min(1, g / LED_ROUNDS_LEAD), c_lead
+measured with the others at half its compute (``CommModel.lockstep_s``); c_s likewise, with the
+lead of the last lock-step (stages 2/3) or of the ranks' compute C_i (stages 0/1). At stages 2/3 a
 micro-step whose batches differ from the one before it (the first follows the iteration's last)
 adds the measured ``exposed_switch_s``. ``evaluate_rows`` and the exact
 ``ideal`` price steps so; the ZeRO-2/3 allocator searches with every step at c_m, then prices
@@ -53,7 +53,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from poplar.planner.curves import SpeedCurve
-from poplar.types.profiles import LEAD_SCALE, bus_bytes
+from poplar.types.profiles import LED_ROUNDS_LEAD, bus_bytes
 
 
 Ops = tuple[tuple[str, float], ...]  # (op, bytes of the full buffer) per collective
@@ -127,7 +127,7 @@ class CommModel:
         fraction of its compute) and computes ``compute`` seconds (numbers, or arrays of them and
         of type names): measured, the balanced exposure (interpolated in the compute between the
         measured levels, constant beyond them) plus the change the leader's led rounds measured,
-        in full from ``LEAD_SCALE`` on; otherwise ``per_micro_step_s``."""
+        in full from ``LED_ROUNDS_LEAD`` on; otherwise ``per_micro_step_s``."""
         balanced = self.per_micro_step_s(stage)
         lead = np.asarray(lead, dtype=float)
         if self.measured_stage != stage or stage not in (2, 3) or self.exposed_micro_step_s is None:
@@ -138,7 +138,7 @@ class CommModel:
         if self.exposed_lead_s is None or leader is None:
             return base
         change = _per_leader(self.exposed_lead_s, leader, balanced) - balanced
-        return np.maximum(0.0, base + change * np.minimum(1.0, lead / LEAD_SCALE))
+        return np.maximum(0.0, base + change * np.minimum(1.0, lead / LED_ROUNDS_LEAD))
 
     def prices_by_shape(self, stage: int) -> bool:
         """Whether a step's exposure at ``stage`` depends on its shape (its compute, who leads,
@@ -168,13 +168,13 @@ class CommModel:
 
     def led_iteration_s(self, stage: int, lead: float, leader: str | None) -> float:
         """c_s of an iteration whose slowest device type ``leader`` leads the next by ``lead`` at
-        its end: measured, from the balanced end at 0 to its led one at ``LEAD_SCALE`` and on."""
+        its end: measured, from the balanced end at 0 to its led one at ``LED_ROUNDS_LEAD`` and on."""
         balanced = self.per_iteration_s(stage)
         if (self.measured_stage != stage or self.exposed_iteration_s is None or self.exposed_end_lead_s is None
                 or leader is None):
             return balanced
         change = float(_per_leader(self.exposed_end_lead_s, leader, balanced)) - balanced
-        return balanced + change * min(1.0, lead / LEAD_SCALE)
+        return balanced + change * min(1.0, lead / LED_ROUNDS_LEAD)
 
     def per_iteration_s(self, stage: int) -> float:
         if self.measured_stage == stage and self.exposed_iteration_s is not None:

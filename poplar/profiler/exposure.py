@@ -8,8 +8,9 @@ On the round's slowest rank the micro-step comm is the communication its compute
 closing collectives, and the overhead the rest of the iteration outside the micro-step.
 
 How much a step, or the iteration's end, exposes depends on how far its slowest rank leads the
-others. Leading by a tenth of its compute or more (``LEAD_SCALE``), it finds the others already
-waiting at every collective, and its collectives run at once. When every rank finishes together,
+others. Leading by far, it finds the others already waiting at every collective, and its
+collectives run at once (a grid round leading by ``LEAD_SCALE`` counts as led; the planner
+prices a step's lead in proportion, up to ``LED_ROUNDS_LEAD``, where the led rounds measure). When every rank finishes together,
 as in the planner's plans, each collective waits for whichever rank comes last, block by block at
 ZeRO-3, and competes with the others' work: ZeRO-2 plans ran 5-7 % slower than a model priced
 from grid rounds, whose slowest device type mostly leads by far, and on 1 A800 + 3 V100S at
@@ -53,7 +54,7 @@ from typing import Any
 
 import numpy as np
 
-from poplar.types.profiles import LEAD_SCALE
+from poplar.types.profiles import LEAD_SCALE, LED_ROUNDS_LEAD
 
 MIN_ROUNDS = 4  # grid rounds needed to leave the first pass out
 STEADY_ROUNDS = 10  # rounds of one shape in a row, at least
@@ -114,7 +115,8 @@ def exposure_batches(best: list[dict[int, float]], mbs: list[int], types: list[s
                 above = seconds
     if len(set(types)) > 1:
         for leader in sorted(set(types)):
-            out[SteadyConfig(SteadyRounds.LED, leader)] = [batch_near(i, top if types[i] == leader else top / 2)
+            out[SteadyConfig(SteadyRounds.LED, leader)] = [batch_near(i, top if types[i] == leader
+                                                           else top * (1 - LED_ROUNDS_LEAD))
                                                            for i in ranks]
     return out
 

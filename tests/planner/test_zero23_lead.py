@@ -42,9 +42,9 @@ def test_a_led_single_step_wins_where_leading_exposes_less() -> None:
     constant, _ = allocate_zero23(p.groups, 48, 3, comm)
     assert constant == [[(8, 1, 0)] * 4, [(4, 1, 0)] * 4]  # balanced: 0.08 s each
     got = plan_problem(p, "poplar")
-    # X at 9 samples (0.09 s) leads Y's 3 (0.06 s) by a third: 0.09 + 0.09 exposed, not 0.08 + 0.15
-    # (10 + 2 leads as fully, but its step is longer)
-    assert [(r.micro_batch_size, r.accum_steps) for r in got.ranks] == [(9, 1)] * 4 + [(3, 1)] * 4
+    # X at 10 samples (0.10 s) leads Y's 2 (0.04 s) by 60 %, past the led rounds' half: 0.10 + 0.09
+    # exposed, not 0.08 + 0.15 (9 + 3 leads by a third and gets two thirds of the gain: 0.09 + 0.11)
+    assert [(r.micro_batch_size, r.accum_steps) for r in got.ranks] == [(10, 1)] * 4 + [(2, 1)] * 4
     assert got.predicted_iteration_s < p.evaluate(constant).iteration_s - 0.02
     assert got.predicted_iteration_s == pytest.approx(family_best(p), rel=1e-12)
 

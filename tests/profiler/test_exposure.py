@@ -109,19 +109,21 @@ def test_a_step_is_priced_by_its_slowest_rows_lead():
     def comm_s(rows):
         return evaluate_rows(rows, curves, 2, comm).comm_s
 
-    assert comm_s([("X", 4, 1, 0), ("Y", 2, 1, 0)]) == pytest.approx(0.1 + 0.4 * 0.5 + 0.2 * 0.5)  # 5 % lead
-    assert comm_s([("X", 3, 1, 0), ("Y", 2, 1, 0)]) == pytest.approx(0.1 + 0.2)  # leads by 21 %
-    assert comm_s([("X", 2, 1, 0), ("Y", 1, 1, 0)]) == pytest.approx(0.1 + 0.4 * 0.5 + 0.2 * 0.5)
+    # the lead's gain (0.2 of 0.4) in proportion to the lead, in full from the led rounds' 50 %
+    assert comm_s([("X", 4, 1, 0), ("Y", 2, 1, 0)]) == pytest.approx(0.1 + 0.4 - 0.2 * 0.1)  # 5 % lead
+    assert comm_s([("X", 3, 1, 0), ("Y", 2, 1, 0)]) == pytest.approx(0.1 + 0.4 - 0.2 * (0.8 / 3.8) / 0.5)  # 21 %
+    assert comm_s([("X", 2, 1, 0), ("Y", 1, 1, 0)]) == pytest.approx(0.1 + 0.4 - 0.2 * 0.1)
     # two steps: together (lead 0 within a row), then X alone while Y waits
-    assert comm_s([("X", 2, 2, 0), ("Y", 1, 1, 0)]) == pytest.approx(0.1 + 0.3 + 0.2)
+    assert comm_s([("X", 2, 2, 0), ("Y", 1, 1, 0)]) == pytest.approx(0.1 + 0.38 + 0.2)
     short = CommModel(2, 0.0, 1e9, measured_stage=2, exposed_micro_step_s=0.4, exposed_iteration_s=0.1,
                       exposed_lead_s=(("X", 0.2), ("Y", 0.2)), exposed_steps=((1.0, 3.0), (0.6, 0.4)))
-    # Y alone at 1.9 s after X is done (lead 1): 0.6 + (0.5 - 0.2) * 0.9 / 2 ... interpolated, then the lead's -0.2
+    # Y at 1.9 s leads X's 1.0 s by 47 %: the level interpolated at 1.9 s, then that much of the lead's -0.2
     assert evaluate_rows([("X", 1, 1, 0), ("Y", 1, 1, 0)], curves, 2, short).comm_s == pytest.approx(
-        0.1 + 0.6 + (0.4 - 0.6) * (1.9 - 1.0) / 2.0 - 0.2)
+        0.1 + 0.6 + (0.4 - 0.6) * (1.9 - 1.0) / 2.0 - 0.2 * (0.9 / 1.9) / 0.5)
     ends = CommModel(2, 0.0, 1e9, measured_stage=0, exposed_iteration_s=0.1, exposed_end_lead_s=(("X", 0.04), ("Y", 0.04)))
-    assert evaluate_rows([("X", 4, 1, 0), ("Y", 2, 1, 0)], curves, 0, ends).comm_s == pytest.approx(0.07)  # 5 %
-    assert evaluate_rows([("X", 2, 1, 0), ("Y", 2, 1, 0)], curves, 0, ends).comm_s == pytest.approx(0.04)
+    assert evaluate_rows([("X", 4, 1, 0), ("Y", 2, 1, 0)], curves, 0, ends).comm_s == pytest.approx(0.094)  # 5 %
+    assert evaluate_rows([("X", 2, 1, 0), ("Y", 2, 1, 0)], curves, 0, ends).comm_s == pytest.approx(
+        0.1 - 0.06 * (1.8 / 3.8) / 0.5)  # Y leads by 47 %
     switch = CommModel(2, 0.0, 1e9, measured_stage=2, exposed_micro_step_s=0.4, exposed_iteration_s=0.1,
                        exposed_switch_s=0.05)
     assert evaluate_rows([("X", 2, 2, 0), ("Y", 1, 2, 0)], curves, 2, switch).switch_s == 0.0  # one shape

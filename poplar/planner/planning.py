@@ -30,6 +30,9 @@ from poplar.planner.zero23 import allocate_zero23
 from poplar.types.profiles import Profile, ProfileError
 
 STRATEGIES = ("poplar", "even", "flops")
+# the cost model's resolution, relative: on the emulated clusters its median error is 0.7-1 %, and
+# plans predicted 0.1-0.3 % apart ran 0.6 % the other way
+PLAN_TIE = 0.01
 
 
 @dataclass
@@ -42,6 +45,7 @@ class Problem:
     gbs: int
     require_all_ranks: bool = False
     max_micro_steps: int | None = None
+    plan_tie: float = PLAN_TIE  # poplar keeps a conventional plan predicted this close (0: never)
 
     @property
     def world_size(self) -> int:
@@ -64,11 +68,28 @@ class Problem:
 
 
 def _poplar(p: Problem) -> tuple[list, dict[str, Any]]:
+    """The allocator's plan, unless a conventional one (``flops``, where the profile has spec
+    ratings, or ``even``) is predicted within ``plan_tie`` of it: a gain below the cost model's
+    resolution is not one a run shows, and a run then gets the plan a user would set by hand."""
     if p.stage in (0, 1):
-        return allocate_zero01(p.groups, p.gbs, p.require_all_ranks, p.max_micro_steps,
-                               evaluate=lambda rows: p.evaluate(rows).iteration_s)
-    return allocate_zero23(p.groups, p.gbs, p.stage, p.comm, p.require_all_ranks, p.max_micro_steps,
-                           evaluate=lambda rows: p.evaluate(rows).iteration_s)
+        rows, info = allocate_zero01(p.groups, p.gbs, p.require_all_ranks, p.max_micro_steps,
+                                     evaluate=lambda rows: p.evaluate(rows).iteration_s)
+    else:
+        rows, info = allocate_zero23(p.groups, p.gbs, p.stage, p.comm, p.require_all_ranks, p.max_micro_steps,
+                                     evaluate=lambda rows: p.evaluate(rows).iteration_s)
+    own = p.evaluate(rows).iteration_s
+    kept = None
+    for name in ("flops", "even"):
+        try:
+            other, _ = STRATEGY_ROWS[name](p)
+        except PlanError:  # no spec ratings, or no such plan within the constraints
+            continue
+        seconds = p.evaluate(other).iteration_s
+        if seconds <= own * (1 + p.plan_tie) and (kept is None or seconds < kept[1]):
+            kept = (name, seconds, other)
+    if kept is None or p.flatten(kept[2]) == p.flatten(rows):
+        return rows, info
+    return kept[2], {**info, "kept": {"strategy": kept[0], "predicted_s": kept[1], "own_predicted_s": own}}
 
 
 STRATEGY_ROWS: dict[str, Callable[[Problem], tuple[list, dict[str, Any]]]] = {

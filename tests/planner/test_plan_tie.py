@@ -1,0 +1,49 @@
+"""Poplar's tie rule: a conventional plan (``flops``, ``even``) predicted within the cost model's
+resolution of the allocator's own is kept, and the plan's meta says so; a clear gain is not."""
+
+import numpy as np
+import pytest
+
+from poplar.planner.cost_model import CommModel
+from poplar.planner.curves import SpeedCurve
+from poplar.planner.groups import DeviceGroup
+from poplar.planner.planning import Problem, plan_problem
+
+
+def two_types(y_per_sample: float) -> list[DeviceGroup]:
+    """X at 1 ms a sample, rated twice Y's TFLOP/s; Y at ``y_per_sample``."""
+    return [DeviceGroup("X", [0], SpeedCurve("X", 0.001 * np.arange(1, 301)), nominal_tflops=2.0),
+            DeviceGroup("Y", [1], SpeedCurve("Y", y_per_sample * np.arange(1, 301)), nominal_tflops=1.0)]
+
+
+def shares(plan) -> list[int]:
+    return [r.num_samples for r in plan.ranks]
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_near_tie_keeps_the_flops_plan(stage: int) -> None:
+    # flops: 200 + 100 samples, Y last at 0.202 s; the allocator's 201 + 99 ends at 0.201 s, 0.5 % sooner
+    problem = Problem(two_types(0.00202), CommModel(2, 0.0, 1e9), stage, 300)
+    own = plan_problem(Problem(two_types(0.00202), CommModel(2, 0.0, 1e9), stage, 300, plan_tie=0.0), "poplar")
+    assert shares(own) == [201, 99]
+    got = plan_problem(problem, "poplar")
+    assert shares(got) == shares(plan_problem(problem, "flops")) == [200, 100]
+    kept = got.meta["search"]["kept"]
+    assert kept["strategy"] == "flops"
+    assert kept["own_predicted_s"] == pytest.approx(own.predicted_iteration_s)
+    assert got.predicted_iteration_s == pytest.approx(kept["predicted_s"]) == pytest.approx(0.202)
+
+
+def test_a_clear_gain_keeps_the_allocators_plan() -> None:
+    # Y at 2.2 ms: flops' 200 + 100 ends at 0.22 s, the allocator's plan about 7 % sooner
+    problem = Problem(two_types(0.0022), CommModel(2, 0.0, 1e9), 0, 300)
+    got = plan_problem(problem, "poplar")
+    assert "kept" not in got.meta["search"]
+    assert got.predicted_iteration_s < plan_problem(problem, "flops").predicted_iteration_s * 0.95
+
+
+def test_without_spec_ratings_the_tie_falls_back_to_even() -> None:
+    groups = [DeviceGroup("X", [0], SpeedCurve("X", 0.001 * np.arange(1, 301))),
+              DeviceGroup("Y", [1], SpeedCurve("Y", 0.001005 * np.arange(1, 301)))]
+    got = plan_problem(Problem(groups, CommModel(2, 0.0, 1e9), 0, 300), "poplar")
+    assert shares(got) == [150, 150] and got.meta["search"]["kept"]["strategy"] == "even"

@@ -120,6 +120,9 @@ class CapacitySearch:
         self.runtime, self.device, self.sample_fn, self.loss_fn = runtime, device, sample_fn, loss_fn
         self.stage, self.max_batch, self.log, self.rebuild = stage, max_batch, log or (lambda s: None), rebuild
         self.result = CapacityResult(stage=stage, capacity_bytes=device.capacity_bytes, mbs=0, trial_steps=0)
+        # a real allocator also counts earlier runtimes' uncollected garbage: it would shrink the
+        # capacity found and, collected by the first recovery, read as memory the runtime lost
+        device.release()
 
     def trial(self, batch: int) -> bool:
         """One real training step of ``batch`` samples; False on out-of-memory (then released)."""

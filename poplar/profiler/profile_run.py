@@ -122,6 +122,7 @@ def search_capacity(model_fn: Callable[[], nn.Module], optimizer_fn: Callable, l
         return runtime
 
     with device.unpadded(), _young_garbage_only():
+        search: CapacitySearch | None = None
         try:
             search = CapacitySearch(build(), device, sample_fn, loss_fn, stage, options.max_batch, log, rebuild=build)
             result = search.run_guided(reference) if guided else search.run()
@@ -130,6 +131,9 @@ def search_capacity(model_fn: Callable[[], nn.Module], optimizer_fn: Callable, l
                 result.state_bytes = state_bytes
             return result
         finally:
+            # drop the runtime before collecting: held here, it would outlive the release below as
+            # reference cycles that keep its GPU memory until some later collection
+            search = None
             attached.close()
             device.release()
 

@@ -49,3 +49,19 @@ def test_cuda_capacity_search_and_recovery(stage: int, capped_device) -> None:
         assert not search.trial(result.mbs + max(1, result.mbs // 8))
         use_plan(engine, search_plan(2, 0, result.mbs))
         engine.train_step(W.sample_fn(result.mbs).cuda(), W.loss_fn)
+
+
+def test_capacity_search_leaves_no_garbage_on_the_gpu(capped_device) -> None:
+    """The search's last runtime is collected before it returns, not left as reference cycles
+    holding GPU memory until some later collection (which a later search would misread)."""
+    import gc
+
+    def search() -> None:
+        search_capacity(W.model_fn, default_optimizer, W.loss_fn, W.sample_fn, capped_device, world_size=2, rank=0,
+                        stage=2, options=ProfileOptions(bucket_size_mb=4.0), log=lambda m: None)
+
+    search()  # the first also allocates the libraries' workspaces, which stay
+    gc.collect()
+    before = torch.cuda.memory_allocated(capped_device.torch_device)
+    search()
+    assert torch.cuda.memory_allocated(capped_device.torch_device) == before

@@ -42,7 +42,11 @@ def init_distributed(timeout_s: float) -> torch.device:
     if "RANK" not in os.environ or dist.is_initialized():
         return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     if torch.cuda.is_available():
-        local = int(os.environ.get("LOCAL_RANK", 0))
+        local, visible = int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count()
+        if local >= visible:  # else set_device dies with CUDA's "invalid device ordinal"
+            raise ConfigError(f"local rank {local} has no GPU: {visible} visible on this machine, so start at most "
+                              f"{visible} ranks per node (torchrun --nproc_per_node), or train on CPU with gloo "
+                              f"by hiding the GPUs (CUDA_VISIBLE_DEVICES=)")
         torch.cuda.set_device(local)
         device, backend = torch.device("cuda", local), "nccl"
     else:

@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli.test_train_cli import REPO, TORCHRUN, _config
+from tests.cli.test_train_cli import CPU_ONLY, REPO, TORCHRUN, _config
 
 DEADLINE_S = 90.0
 
 
 def _launch(tmp: Path, log: Path, *args: str) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **CPU_ONLY}
     return subprocess.Popen([str(TORCHRUN), "--standalone", "--nproc_per_node", "2", "-m", "poplar", "train",
                              "--config", "run.json", *args], cwd=tmp, env=env, stdout=subprocess.DEVNULL,
                             stderr=log.open("w"), start_new_session=True)
@@ -67,7 +67,7 @@ def test_sigterm_to_torchrun_checkpoints_the_current_iteration_and_the_run_resum
 
     again = subprocess.run([str(TORCHRUN), "--standalone", "--nproc_per_node", "2", "-m", "poplar", "train",
                             "--config", "run.json", "--iterations", str(stopped + 2)], cwd=tmp_path,
-                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
+                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **CPU_ONLY},
                            capture_output=True, text=True, timeout=DEADLINE_S)
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"resumed from ckpt at iteration {stopped}" in again.stderr
@@ -78,7 +78,7 @@ def test_sigterm_to_torchrun_checkpoints_the_current_iteration_and_the_run_resum
 def test_sigint_stops_a_single_process_run_with_status_130(tmp_path: Path) -> None:
     _config(tmp_path, iterations=100_000, checkpoint={"dir": "ckpt", "every": 1000}, log_every=1)
     log = tmp_path / "run.log"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **CPU_ONLY}
     proc = subprocess.Popen([sys.executable, "-m", "poplar", "train", "--config", "run.json"], cwd=tmp_path, env=env,
                             stdout=subprocess.DEVNULL, stderr=log.open("w"), start_new_session=True)
     deadline = time.monotonic() + DEADLINE_S
@@ -114,7 +114,7 @@ def _worker_pid(launcher: int, rank: int) -> int | None:
 def test_a_killed_rank_gives_one_line_that_names_it(tmp_path: Path) -> None:
     _config(tmp_path, iterations=100_000, log_every=1)
     log = tmp_path / "run.log"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **CPU_ONLY}
     proc = subprocess.Popen([str(TORCHRUN), "--standalone", "--nproc_per_node", "3", "-m", "poplar", "train",
                              "--config", "run.json"], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
                             stderr=log.open("w"), start_new_session=True)

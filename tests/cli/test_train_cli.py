@@ -1,5 +1,5 @@
 """`torchrun -m poplar train --config ...` trains on CPU (gloo), resumes, runs auto mode on an
-emulated cluster, and refuses a bad config with the key's name."""
+emulated cluster, and refuses a bad config with the key's name, or more ranks than GPUs."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import pytest
 
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 REPO = Path(__file__).resolve().parents[2]
+CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}  # these runs test the gloo path, also on a machine with fewer GPUs than ranks
 
 
 def _config(tmp: Path, **poplar: object) -> Path:
@@ -36,7 +37,7 @@ def _config(tmp: Path, **poplar: object) -> Path:
 
 
 def _torchrun(tmp: Path, *args: str, nproc: int = 2) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **CPU_ONLY}
     return subprocess.run([str(TORCHRUN), "--standalone", "--nproc_per_node", str(nproc), "-m", "poplar", "train",
                            "--config", "run.json", *args], cwd=tmp, env=env, capture_output=True, text=True,
                           timeout=240)
@@ -101,3 +102,19 @@ def test_torchrun_trains_in_bf16_then_resumes_in_fp16(tmp_path: Path) -> None:
     assert "resumed from ckpt at iteration 2" in again.stderr and "iteration 4/4" in again.stderr
     metrics = json.loads((tmp_path / "report" / "metrics.json").read_text())
     assert all(math.isfinite(x) for x in metrics["losses"]) and len(metrics["losses"]) == 4, metrics["losses"]
+
+
+def test_more_local_ranks_than_gpus_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA, local rank 1 of a one-GPU machine is refused by name before CUDA fails on it."""
+    import torch
+
+    from poplar.cli.train import init_distributed
+    from poplar.train.config import ConfigError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: pytest.fail("set_device was reached"))
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(ConfigError, match="local rank 1 has no GPU: 1 visible"):
+        init_distributed(60.0)

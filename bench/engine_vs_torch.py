@@ -8,13 +8,16 @@
   ``mixed_precision="bf16"`` ÷ FSDP2 with ``MixedPrecisionPolicy(param_dtype=bfloat16,
   reduce_dtype=float32)`` (``--no-bf16`` leaves these rows out).
 
-Gloo ranks on CPU (``poplar.comm.launch.spawn``), one thread each, a small transformer (~3.3M
-parameters, 4 blocks). Every system trains the same model copy on the same batches; timed
-blocks of iterations are interleaved (A, B, A, B, ...) after a warm-up, each block's time is the
-slowest rank's, and ratios are of medians (ours ÷ torch: < 1 means Poplar is faster).
-Prints a table and, last, ``RESULT {json}``.
+By default gloo ranks on CPU (``poplar.comm.launch.spawn``), one thread each, a small transformer
+(~3.3M parameters, 4 blocks). ``--device cuda`` runs a world of one on this machine's GPU with
+NCCL and a larger model (the ``GPU`` sizes below; ``--dim/--layers/--heads/--seq/--batch/--vocab``
+override either preset), timing with ``torch.cuda.synchronize()`` around each block. Every system
+trains the same model copy on the same batches; timed blocks of iterations are interleaved
+(A, B, A, B, ...) after a warm-up, each block's time is the slowest rank's, and ratios are of
+medians (ours ÷ torch: < 1 means Poplar is faster). Prints a table and, last, ``RESULT {json}``.
 
     python bench/engine_vs_torch.py [--world 2] [--iters 4] [--repeats 5]
+    python bench/engine_vs_torch.py --device cuda [--layers 12]
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import argparse
 import json
 import statistics
 import time
+from dataclasses import asdict, dataclass, replace
+from datetime import timedelta
 from typing import Any, Callable
 
 import torch
@@ -31,35 +36,48 @@ import torch.nn.functional as F
 from torch import nn
 
 from poplar.engine import PoplarEngine
-from poplar.comm.launch import spawn
+from poplar.comm.launch import free_port, spawn
 from poplar.types.plans import Plan
 
-VOCAB, DIM, HEADS, LAYERS, SEQ, BATCH = 512, 256, 4, 4, 64, 8
+
+@dataclass(frozen=True)
+class Shape:
+    vocab: int
+    dim: int
+    heads: int
+    layers: int
+    seq: int
+    batch: int  # samples per rank per iteration
+
+
+CPU = Shape(vocab=512, dim=256, heads=4, layers=4, seq=64, batch=8)
+GPU = Shape(vocab=32000, dim=1024, heads=16, layers=12, seq=1024, batch=8)
 
 
 class Block(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, c: Shape) -> None:
         super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
-        self.qkv, self.proj = nn.Linear(DIM, 3 * DIM), nn.Linear(DIM, DIM)
-        self.up, self.down = nn.Linear(DIM, 4 * DIM), nn.Linear(4 * DIM, DIM)
+        self.heads = c.heads
+        self.ln1, self.ln2 = nn.LayerNorm(c.dim), nn.LayerNorm(c.dim)
+        self.qkv, self.proj = nn.Linear(c.dim, 3 * c.dim), nn.Linear(c.dim, c.dim)
+        self.up, self.down = nn.Linear(c.dim, 4 * c.dim), nn.Linear(4 * c.dim, c.dim)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        b, t, _ = h.shape
-        q, k, v = self.qkv(self.ln1(h)).view(b, t, 3, HEADS, DIM // HEADS).permute(2, 0, 3, 1, 4)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, DIM)
+        b, t, d = h.shape
+        q, k, v = self.qkv(self.ln1(h)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
         h = h + self.proj(a)
         return h + self.down(F.gelu(self.up(self.ln2(h))))
 
 
 class LM(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, c: Shape) -> None:
         super().__init__()
-        self.embed = nn.Embedding(VOCAB, DIM)
-        self.pos = nn.Parameter(torch.zeros(SEQ, DIM))
-        self.layers = nn.ModuleList(Block() for _ in range(LAYERS))
-        self.norm = nn.LayerNorm(DIM)
-        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.embed = nn.Embedding(c.vocab, c.dim)
+        self.pos = nn.Parameter(torch.zeros(c.seq, c.dim))
+        self.layers = nn.ModuleList(Block(c) for _ in range(c.layers))
+        self.norm = nn.LayerNorm(c.dim)
+        self.head = nn.Linear(c.dim, c.vocab, bias=False)
         self.head.weight = self.embed.weight
         nn.init.normal_(self.embed.weight, std=0.02)
 
@@ -72,53 +90,54 @@ class LM(nn.Module):
 
 def loss_fn(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     logits = model(tokens[:, :-1])
-    return F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))
 
 
-def fresh_model() -> LM:
+def fresh_model(c: Shape, device: torch.device) -> LM:
     torch.manual_seed(0)
-    return LM()
+    return LM(c).to(device)
 
 
-def batch(rank: int, it: int) -> torch.Tensor:
+def batch(c: Shape, rank: int, it: int, device: torch.device) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 * it + rank)
-    return torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+    return torch.randint(0, c.vocab, (c.batch, c.seq + 1), generator=g).to(device)
 
 
-def make_systems(world: int, bf16: bool) -> dict[str, Callable[[torch.Tensor], float]]:
+def make_systems(c: Shape, world: int, bf16: bool, device: torch.device) -> dict[str, Callable[[torch.Tensor], float]]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
 
-    plan = Plan.even(world, world * BATCH, BATCH)  # one micro-step of BATCH samples per rank
+    plan = Plan.even(world, world * c.batch, c.batch)  # one micro-step of c.batch samples per rank
     systems: dict[str, Callable[[torch.Tensor], float]] = {}
     for stage in (3, 1, 0):
-        model = fresh_model()
+        model = fresh_model(c, device)
         engine = PoplarEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-3), zero_stage=stage, plan=plan,
                               wrap_policy={Block} if stage == 3 else None)
         systems[f"poplar_zero{stage}"] = lambda x, e=engine: e.train_step(x, loss_fn)
 
-    model = fresh_model()
-    mesh = init_device_mesh("cpu", (world,))
+    model = fresh_model(c, device)
+    mesh = init_device_mesh(device.type, (world,))
     for layer in model.layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=True)
     fully_shard(model, mesh=mesh, reshard_after_forward=True)
+    ids = [device.index or 0] if device.type == "cuda" else None
     systems["torch_fsdp2"] = _torch_step(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
 
-    model = DistributedDataParallel(fresh_model())
+    model = DistributedDataParallel(fresh_model(c, device), device_ids=ids)
     systems["torch_ddp"] = _torch_step(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
-    model = DistributedDataParallel(fresh_model())
+    model = DistributedDataParallel(fresh_model(c, device), device_ids=ids)
     systems["torch_ddp_zero"] = _torch_step(model, ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW,
                                                                            lr=1e-3))
     if not bf16:
         return systems
     for stage in (3, 2):
-        model = fresh_model()
+        model = fresh_model(c, device)
         engine = PoplarEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-3), zero_stage=stage, plan=plan,
                               wrap_policy={Block} if stage == 3 else None, mixed_precision="bf16")
         systems[f"poplar_zero{stage}_bf16"] = lambda x, e=engine: e.train_step(x, loss_fn)
-    model = fresh_model()
+    model = fresh_model(c, device)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=True, mp_policy=policy)
@@ -137,20 +156,43 @@ def _torch_step(model: nn.Module, opt: torch.optim.Optimizer) -> Callable[[torch
     return step
 
 
-def worker(rank: int, world: int, iters: int, repeats: int, bf16: bool) -> dict[str, Any]:
-    systems = make_systems(world, bf16)
-    losses = {name: [step(batch(rank, it)) for it in range(2)] for name, step in systems.items()}  # warm-up
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def worker(rank: int, world: int, c: Shape, iters: int, repeats: int, bf16: bool,
+           device_type: str = "cpu") -> dict[str, Any]:
+    device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    systems = make_systems(c, world, bf16, device)
+    losses = {name: [step(batch(c, rank, it, device)) for it in range(2)] for name, step in systems.items()}  # warm-up
     times: dict[str, list[float]] = {name: [] for name in systems}
     for rep in range(repeats):
         for name, step in systems.items():
+            xs = [batch(c, rank, 2 + rep * iters + it, device) for it in range(iters)]
             dist.barrier()
+            _sync(device)
             t0 = time.perf_counter()
-            for it in range(iters):
-                step(batch(rank, 2 + rep * iters + it))
-            slowest = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            for x in xs:
+                step(x)
+            _sync(device)
+            slowest = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             times[name].append(float(slowest) / iters)
-    return {"times": times, "losses": losses}
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    return {"times": times, "losses": losses, "peak_bytes": peak}
+
+
+def run_cuda(c: Shape, iters: int, repeats: int, bf16: bool) -> dict[str, Any]:
+    """A world of one on this process's GPU, over NCCL."""
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=300), device_id=device)
+    try:
+        return worker(0, 1, c, iters, repeats, bf16, "cuda")
+    finally:
+        dist.destroy_process_group()
 
 
 def main() -> None:
@@ -159,12 +201,24 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=4, help="iterations per timed block")
     ap.add_argument("--repeats", type=int, default=5, help="timed blocks per system (interleaved)")
     ap.add_argument("--no-bf16", dest="bf16", action="store_false", help="leave out the bf16 rows")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cpu: gloo ranks (--world); cuda: a world of one on GPU 0 over NCCL")
+    for field in ("vocab", "dim", "heads", "layers", "seq", "batch"):
+        ap.add_argument(f"--{field}", type=int, help=f"override the preset's {field}")
     args = ap.parse_args()
-    out = spawn(worker, args.world, (args.iters, args.repeats, args.bf16), timeout_s=900,
-                collective_timeout_s=300)[0]
+    c = CPU if args.device == "cpu" else GPU
+    c = replace(c, **{k: getattr(args, k) for k in asdict(c) if getattr(args, k) is not None})
+    if args.device == "cuda":
+        args.world = 1
+        out = run_cuda(c, args.iters, args.repeats, args.bf16)
+        where = f"1 NCCL rank on {torch.cuda.get_device_name(0)}"
+    else:
+        out = spawn(worker, args.world, (c, args.iters, args.repeats, args.bf16), timeout_s=900,
+                    collective_timeout_s=300)[0]
+        where = f"{args.world} gloo ranks on CPU"
     med = {name: statistics.median(ts) for name, ts in out["times"].items()}
-    psi = sum(p.numel() for p in fresh_model().parameters())
-    print(f"{args.world} gloo ranks on CPU, {psi / 1e6:.2f}M parameters, {LAYERS} blocks, {BATCH}x{SEQ} tokens "
+    psi = sum(p.numel() for p in LM(c).parameters())
+    print(f"{where}, {psi / 1e6:.2f}M parameters, {c.layers} blocks, {c.batch}x{c.seq} tokens "
           f"per rank, AdamW; median of {args.repeats} blocks of {args.iters} iterations")
     print(f"{'system':<18} {'s/iter':>8} {'min':>8} {'max':>8}   warm-up losses")
     for name, ts in out["times"].items():
@@ -174,6 +228,8 @@ def main() -> None:
               "zero0_vs_ddp": med["poplar_zero0"] / med["torch_ddp"],
               "zero1_vs_ddp_zero": med["poplar_zero1"] / med["torch_ddp_zero"],
               "seconds_per_iter": med, "world": args.world, "params": psi}
+    if args.device == "cuda":
+        result.update(device=torch.cuda.get_device_name(0), shape=asdict(c), peak_gib=out["peak_bytes"] / 2 ** 30)
     print(f"ZeRO-3 / FSDP2 = {result['zero3_vs_fsdp2']:.3f}   ZeRO-0 / DDP = {result['zero0_vs_ddp']:.3f}   "
           f"ZeRO-1 / DDP+ZeroRedundancyOptimizer = {result['zero1_vs_ddp_zero']:.3f}")
     if args.bf16:

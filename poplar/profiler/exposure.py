@@ -26,7 +26,12 @@ exposure comes from steady rounds: one shape for ``STEADY_ROUNDS`` rounds in a r
   leading 0.033 s and 0.014 s: ranks that tie wait on each other);
 - short and shortest (stages 2/3): balanced at a third of it and at the least all reach, since
   shorter steps hide less (a plan's last micro-step is often short, one sample at times); the
-  balanced micro-step exposure is interpolated between the levels in the step's compute.
+  balanced micro-step exposure is interpolated between the levels in the step's compute;
+- long (stages 2/3, where a rank's largest batch computes well past the balanced level): every
+  rank at its own largest batch, so longer steps are priced from a measurement, not as the
+  balanced level (2 V100 + 2 T4 at ZeRO-3: the T4s at 11 samples compute 3x the balanced level
+  and exposed 0.075 s per step where that level is 0.12 s; `even` there was predicted 5-8 %
+  slow). It is led by its slowest type, so its level is its exposure less that lead's change.
 A step whose batches differ from the step before it (an iteration of a full micro-step and a
 shorter last one alternates shapes) exposes what a grid round does, which changes shape every
 round: the grid's led rounds less the steady led rounds is that step's extra (``exposed_switch_s``;
@@ -78,6 +83,7 @@ class SteadyRounds(Enum):
     BALANCED = "balanced"  # every rank's compute about the same, the largest all reach
     SHORT = "short"  # the same at a third of that: how exposure grows as steps get shorter
     SHORTEST = "shortest"  # the same at the least compute every rank reaches
+    LONG = "long"  # every rank at its own largest batch: the slowest type leads, far past balanced
     LED = "led"  # one device type leads the others by about half its compute
 
 
@@ -94,8 +100,9 @@ def exposure_batches(best: list[dict[int, float]], mbs: list[int], types: list[s
     """Per configuration, every rank's batch, from ``best`` (per rank, its measured seconds per
     timed batch, interpolated in between): the balanced one at the largest compute every rank
     reaches, at stages 2/3 the short one at a third of it and the shortest one at the least every
-    rank reaches (each only if under 70 % of the next level up), and with two device types or more
-    one led configuration per type: that type there, the others at half of it."""
+    rank reaches (each only if under 70 % of the next level up) and the long one, every rank at its
+    mbs (only if the balanced level is under 70 % of the longest rank's), and with two device types
+    or more one led configuration per type: that type there, the others at half of it."""
     top = min(max(times.values()) for times in best)
 
     def batch_near(rank: int, seconds: float) -> int:
@@ -113,6 +120,9 @@ def exposure_batches(best: list[dict[int, float]], mbs: list[int], types: list[s
             if low <= seconds < 0.7 * above:
                 out[SteadyConfig(config)] = [batch_near(i, seconds) for i in ranks]
                 above = seconds
+        longest = max(ranks, key=lambda i: max(best[i].values()))
+        if top < 0.7 * max(best[longest].values()):
+            out[SteadyConfig(SteadyRounds.LONG, types[longest])] = list(mbs)
     if len(set(types)) > 1:
         for leader in sorted(set(types)):
             out[SteadyConfig(SteadyRounds.LED, leader)] = [batch_near(i, top if types[i] == leader
@@ -159,6 +169,21 @@ def continued(earlier: list[tuple], later: list[tuple]) -> list[tuple]:
     return earlier + [(*f[:4], f[4] + len(earlier)) for f in later]
 
 
+def _long_level(steady: dict[SteadyConfig, list[list[tuple]]], led: dict[str, list[tuple]],
+                balanced: float) -> tuple[float, float] | None:
+    """(compute, exposure) of the long rounds as a balanced level: their median exposure less
+    what their leader's lead changes (the led rounds' change, in proportion to the long rounds'
+    median lead up to ``LED_ROUNDS_LEAD``), since the cost model adds that back for a led step."""
+    config = next((k for k in steady if k.kind is SteadyRounds.LONG), None)
+    if config is None or min(len(f) for f in steady[config]) == 0:
+        return None
+    critical = _critical(steady[config], SETTLING)
+    lead = statistics.median(g for _, g in critical)
+    change = statistics.median(f[1] for f in led[config.leader]) - balanced if config.leader in led else 0.0
+    return (statistics.median(f[0] for f, _ in critical),
+            statistics.median(f[1] for f, _ in critical) - change * min(1.0, lead / LED_ROUNDS_LEAD))
+
+
 def exposed_costs(grid: list[list[tuple]],
                   steady: dict[SteadyConfig, list[list[tuple]]] | None = None) -> dict[str, Any]:
     """The profile's exposed communication (``CommProfile.exposed_*``) from every rank's facts of
@@ -183,6 +208,7 @@ def exposed_costs(grid: list[list[tuple]],
             steps.append(together)
             at = [statistics.median(f[0] for f in fs) for fs in steps]
             levels = [statistics.median(f[1] for f in fs) for fs in steps]
+        long_level = _long_level(steady or {}, led, statistics.median(f[1] for f in together))
         pooled = [f for fs in led.values() for f in fs]
         grid_led = [facts for facts, lead in critical if lead >= LEAD_SCALE]
         if pooled and len(grid_led) >= MIN_ROUNDS:
@@ -193,6 +219,9 @@ def exposed_costs(grid: list[list[tuple]],
             c_led = statistics.median(f[0] for f in pooled)
             grid = [f[1] + slope * (c_led - f[0]) for f in grid_led]
             switch = max(0.0, statistics.median(grid) - statistics.median(f[1] for f in pooled))
+        if long_level is not None and long_level[0] > statistics.median(f[0] for f in together):
+            at = (at or [statistics.median(f[0] for f in together)]) + [long_level[0]]
+            levels = (levels or [statistics.median(f[1] for f in together)]) + [long_level[1]]
     else:
         together = [facts for facts, lead in critical if lead < LEAD_SCALE]
         if len(together) < MIN_ROUNDS:

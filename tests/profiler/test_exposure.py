@@ -11,6 +11,7 @@ from poplar.profiler.exposure import (MAX_STEADY_ROUNDS, STEADY_CHUNK, STEADY_RO
 
 BALANCED, SHORT, SHORTEST = (SteadyConfig(k) for k in (SteadyRounds.BALANCED, SteadyRounds.SHORT, SteadyRounds.SHORTEST))
 LED_S, LED_F = SteadyConfig(SteadyRounds.LED, "S"), SteadyConfig(SteadyRounds.LED, "F")
+LONG_S = SteadyConfig(SteadyRounds.LONG, "S")
 
 import numpy as np
 
@@ -145,3 +146,32 @@ def test_the_switch_compares_grid_and_steady_rounds_at_the_same_compute():
     above = facts([(0.05, 0.02, 0.15, 1)] * 6)  # 0.02 more than the slope predicts
     assert exposed_costs(above, {BALANCED: balanced, SHORT: short, LED_S: led})["exposed_switch_s"] == \
         pytest.approx(0.02)
+
+
+def test_a_long_level_where_a_rank_computes_far_past_the_balanced_one():
+    """Same mbs, one type 3x slower (2 V100 + 2 T4): its largest batch computes 3x the balanced
+    level, and the long rounds (every rank at its mbs) measure how much such a step exposes."""
+    fast = {b: 0.01 * b for b in (1, 2, 4, 8, 11)}
+    slow = {b: 0.03 * b for b in (1, 2, 4, 8, 11)}
+    chosen = exposure_batches([fast, fast, slow], [11, 11, 11], ["F", "F", "S"], stage=3)
+    assert chosen[BALANCED] == [11, 11, 4] and chosen[LONG_S] == [11, 11, 11]
+    assert LONG_S not in exposure_batches([fast, fast, slow], [11, 11, 11], ["F", "F", "S"], stage=1)
+    assert not any(k.kind is SteadyRounds.LONG for k in exposure_batches([fast] * 3, [11] * 3, ["F"] * 3, stage=3))
+
+    grid = facts([(0.2, 0.1, 0.02, 1)] * 6)
+    balanced = facts([(0.15, 0.149, 0.035, p) for p in range(6)])
+    led = facts([(0.15, 0.07, 0.025, p) for p in range(6)])  # S leading by half exposes 0.01 less
+    long = facts([(0.45, 0.15, 0.02, p) for p in range(6)])  # S at 0.45 s leads by 2/3
+    costs = exposed_costs(grid, {BALANCED: balanced, LED_S: led, LONG_S: long})
+    # as a balanced level: 0.02 less the lead's -0.01, which the cost model adds back
+    assert costs["exposed_step_compute_s"] == pytest.approx([0.15, 0.45])
+    assert costs["exposed_step_s"] == pytest.approx([0.035, 0.03])
+    comm = CommModel(3, 0.0, 1e9, measured_stage=3, exposed_micro_step_s=costs["exposed_micro_step_s"],
+                     exposed_lead_s=tuple(sorted(costs["exposed_micro_step_lead_s"].items())),
+                     exposed_steps=(tuple(costs["exposed_step_compute_s"]), tuple(costs["exposed_step_s"])))
+    assert comm.led_micro_step_s(3, 2 / 3, 0.45, "S") == pytest.approx(0.02)  # what the long rounds measured
+    assert comm.led_micro_step_s(3, 0.0, 0.3, "S") == pytest.approx(0.0325)  # balanced, halfway
+    short = facts([(0.05, 0.049, 0.06, p) for p in range(6)])
+    with_short = exposed_costs(grid, {BALANCED: balanced, SHORT: short, LED_S: led, LONG_S: long})
+    assert with_short["exposed_step_compute_s"] == pytest.approx([0.05, 0.15, 0.45])
+    assert with_short["exposed_step_s"] == pytest.approx([0.06, 0.035, 0.03])

@@ -10,11 +10,12 @@ closing collectives, and the overhead the rest of the iteration outside the micr
 How much a step, or the iteration's end, exposes depends on how far its slowest rank leads the
 others. Leading by far, it finds the others already waiting at every collective, and its
 collectives run at once (a grid round leading by ``LEAD_SCALE`` counts as led; the planner
-prices a step's lead in proportion, up to ``LED_ROUNDS_LEAD``, where the led rounds measure). When every rank finishes together,
-as in the planner's plans, each collective waits for whichever rank comes last, block by block at
-ZeRO-3, and competes with the others' work: ZeRO-2 plans ran 5-7 % slower than a model priced
-from grid rounds, whose slowest device type mostly leads by far, and on 1 A800 + 3 V100S at
-ZeRO-3 the end of a balanced iteration exposed 0.020 s, that of one led by the A800 about half.
+prices a step's lead in proportion, up to ``LED_ROUNDS_LEAD``, where the led rounds measure).
+When every rank finishes together, as in the planner's plans, each collective waits for
+whichever rank comes last, block by block at ZeRO-3, and competes with the others' work: ZeRO-2
+plans ran 5-7 % slower than a model priced from grid rounds, whose slowest device type mostly
+leads by far, and on 1 A800 + 3 V100S at ZeRO-3 the end of a balanced iteration exposed 0.020 s,
+that of one led by the A800 about half.
 It also depends on the history: the grid rounds change every rank's batch from round to round,
 and the first two rounds of a shape expose more than the rounds after them (2 A100-80G + 2
 A100-40G at ZeRO-3: about 0.05 s against 0.035 s per step). So with two ranks or more the
@@ -29,9 +30,10 @@ exposure comes from steady rounds: one shape for ``STEADY_ROUNDS`` rounds in a r
   balanced micro-step exposure is interpolated between the levels in the step's compute;
 - long (stages 2/3, where a rank's largest batch computes well past the balanced level): every
   rank at its own largest batch, so longer steps are priced from a measurement, not as the
-  balanced level (2 V100 + 2 T4 at ZeRO-3: the T4s at 11 samples compute 3x the balanced level
-  and exposed 0.075 s per step where that level is 0.12 s; `even` there was predicted 5-8 %
-  slow). It is led by its slowest type, so its level is its exposure less that lead's change.
+  balanced level (2 V100 + 2 T4 at ZeRO-3: the T4s at their mbs computed 0.17 s, near 3x the
+  balanced 0.06 s, and exposed 0.091 s per step against its 0.122 s; `even`, whose T4 steps are
+  that long, had been predicted 5-8 % slow). It is led by its slowest type, so its level is its
+  exposure less that lead's change.
 A step whose batches differ from the step before it (an iteration of a full micro-step and a
 shorter last one alternates shapes) exposes what a grid round does, which changes shape every
 round: the grid's led rounds less the steady led rounds is that step's extra (``exposed_switch_s``;

@@ -206,11 +206,11 @@ def exposed_costs(grid: list[list[tuple]],
         together = settled[balanced]
         steps = [settled[SteadyConfig(k)] for k in (SteadyRounds.SHORTEST, SteadyRounds.SHORT)
                  if SteadyConfig(k) in settled]
+        level = (statistics.median(f[0] for f in together), statistics.median(f[1] for f in together))
         if steps:
-            steps.append(together)
-            at = [statistics.median(f[0] for f in fs) for fs in steps]
-            levels = [statistics.median(f[1] for f in fs) for fs in steps]
-        long_level = _long_level(steady or {}, led, statistics.median(f[1] for f in together))
+            at = [statistics.median(f[0] for f in fs) for fs in steps] + [level[0]]
+            levels = [statistics.median(f[1] for f in fs) for fs in steps] + [level[1]]
+        long_level = _long_level(steady or {}, led, level[1])
         pooled = [f for fs in led.values() for f in fs]
         grid_led = [facts for facts, lead in critical if lead >= LEAD_SCALE]
         if pooled and len(grid_led) >= MIN_ROUNDS:
@@ -221,9 +221,8 @@ def exposed_costs(grid: list[list[tuple]],
             c_led = statistics.median(f[0] for f in pooled)
             grid = [f[1] + slope * (c_led - f[0]) for f in grid_led]
             switch = max(0.0, statistics.median(grid) - statistics.median(f[1] for f in pooled))
-        if long_level is not None and long_level[0] > statistics.median(f[0] for f in together):
-            at = (at or [statistics.median(f[0] for f in together)]) + [long_level[0]]
-            levels = (levels or [statistics.median(f[1] for f in together)]) + [long_level[1]]
+        if long_level is not None and long_level[0] > level[0]:
+            at, levels = (at or [level[0]]) + [long_level[0]], (levels or [level[1]]) + [long_level[1]]
     else:
         together = [facts for facts, lead in critical if lead < LEAD_SCALE]
         if len(together) < MIN_ROUNDS:

@@ -47,6 +47,9 @@ prediction needs its exposure to about a percent of the iteration: the steady ro
 configuration go on, ``STEADY_CHUNK`` at a time, until the median of the step's exposure plus the
 end's is known that well (``more_steady_rounds``: its standard error at most ``precision`` of
 the round's median time), at most ``MAX_STEADY_ROUNDS`` rounds; a steady device stops at the first.
+The largest of the configurations' standard errors goes to the profile (``exposed_error``): under
+load a configuration can end at the cap still known less well, and the planner then asks a larger
+predicted gain before it leaves a conventional plan.
 Without steady rounds (a probe) the grid rounds that did not lead give the balanced medians and
 there is no lead exposure; the first pass is left out when later passes give enough rounds (it
 runs every shape for the first time).
@@ -146,21 +149,29 @@ def _critical(everyone: list[list[tuple]], settled_from: int) -> list[tuple[tupl
     return later if later and len(later) >= min(MIN_ROUNDS, rounds - settled_from) else out
 
 
-def more_steady_rounds(everyone: list[list[tuple]], precision: float = EXPOSURE_PRECISION) -> int:
-    """How many more rounds one steady configuration needs (0: none), from every rank's facts of
-    its rounds so far: ``STEADY_CHUNK`` while the standard error of the median exposed seconds (the
-    slowest rank's micro-step plus end-of-iteration comm, settled rounds; 1.25 x 1.48 x MAD / sqrt(n)
-    for a median of a roughly normal sample) exceeds ``precision`` of the median round time,
-    up to ``MAX_STEADY_ROUNDS`` in all. The same facts give every rank the same answer."""
-    rounds = min(len(f) for f in everyone)
-    if rounds >= MAX_STEADY_ROUNDS or rounds <= SETTLING or precision <= 0:
-        return 0
+def exposure_error(everyone: list[list[tuple]]) -> float:
+    """The standard error of one steady configuration's median exposed seconds (the slowest
+    rank's micro-step plus end-of-iteration comm, settled rounds; 1.25 x 1.48 x MAD / sqrt(n) for
+    a median of a roughly normal sample), as a fraction of its median round time; 0 with no
+    settled round."""
+    if min(len(f) for f in everyone) <= SETTLING:
+        return 0.0
     settled = [f for f, _ in _critical(everyone, SETTLING)]
     exposed = [f[1] + f[2] for f in settled]
     middle = statistics.median(exposed)
     spread = statistics.median(abs(x - middle) for x in exposed)
-    error = 1.2533 * 1.4826 * spread / len(exposed) ** 0.5
-    if error <= precision * statistics.median(f[0] + f[1] + f[2] for f in settled):
+    round_s = statistics.median(f[0] + f[1] + f[2] for f in settled)
+    return 1.2533 * 1.4826 * spread / len(exposed) ** 0.5 / round_s if round_s > 0 else 0.0
+
+
+def more_steady_rounds(everyone: list[list[tuple]], precision: float = EXPOSURE_PRECISION) -> int:
+    """How many more rounds one steady configuration needs (0: none), from every rank's facts of
+    its rounds so far: ``STEADY_CHUNK`` while its ``exposure_error`` exceeds ``precision``, up to
+    ``MAX_STEADY_ROUNDS`` in all. The same facts give every rank the same answer."""
+    rounds = min(len(f) for f in everyone)
+    if rounds >= MAX_STEADY_ROUNDS or rounds <= SETTLING or precision <= 0:
+        return 0
+    if exposure_error(everyone) <= precision:
         return 0
     return min(STEADY_CHUNK, MAX_STEADY_ROUNDS - rounds)
 
@@ -232,4 +243,5 @@ def exposed_costs(grid: list[list[tuple]],
             "exposed_step_compute_s": at, "exposed_step_s": levels, "exposed_switch_s": switch,
             "exposed_iteration_s": statistics.median(f[2] for f in together),
             "exposed_iteration_lead_s": {t: statistics.median(f[2] for f in fs) for t, fs in led.items()} or None,
-            "iteration_overhead_s": max(0.0, statistics.median(f[3] for f in together))}
+            "iteration_overhead_s": max(0.0, statistics.median(f[3] for f in together)),
+            "exposed_error": max((exposure_error(steady[k]) for k in settled), default=None)}

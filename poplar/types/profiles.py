@@ -87,6 +87,9 @@ class CommProfile:
     exposed_iteration_s: float | None = None  # the iteration's closing collectives
     exposed_iteration_lead_s: dict[str, float] | None = None  # per leading device type: the same led by it
     iteration_overhead_s: float | None = None  # optimizer step and the rest outside micro-steps
+    # how well the steady rounds knew their exposure: the largest standard error of a
+    # configuration's median, as a fraction of its round time (None: no steady rounds)
+    exposed_error: float | None = None
 
 
 @dataclass
@@ -132,7 +135,8 @@ class Profile:
                 _check(pt.comm_s, f"{where}.points[{j}].comm_s", float)
         _check(self.comm.bandwidth_bytes_per_s, "comm.bandwidth_bytes_per_s", float)
         _check(self.comm.latency_s, "comm.latency_s", float)
-        for name in ("exposed_micro_step_s", "exposed_switch_s", "exposed_iteration_s", "iteration_overhead_s"):
+        for name in ("exposed_micro_step_s", "exposed_switch_s", "exposed_iteration_s", "iteration_overhead_s",
+                     "exposed_error"):
             _check(getattr(self.comm, name), f"comm.{name}", float, optional=True)
         for name in ("exposed_micro_step_lead_s", "exposed_iteration_lead_s"):
             led = getattr(self.comm, name)
@@ -170,6 +174,9 @@ class Profile:
                         f"(need 1 <= batch <= mbs={r.mbs} and compute_s > 0)")
         if not self.comm.bandwidth_bytes_per_s > 0:
             raise ProfileError(f"comm bandwidth must be > 0, got {self.comm.bandwidth_bytes_per_s}")
+        if self.comm.exposed_error is not None and not 0 <= self.comm.exposed_error < 1:
+            raise ProfileError(f"comm.exposed_error must be a fraction in [0, 1), got {self.comm.exposed_error}; "
+                               "re-run the profiler")
 
     def device_types(self) -> list[str]:
         """Distinct device types, in order of first appearance."""

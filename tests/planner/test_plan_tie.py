@@ -7,7 +7,8 @@ import pytest
 from poplar.planner.cost_model import CommModel
 from poplar.planner.curves import SpeedCurve
 from poplar.planner.groups import DeviceGroup
-from poplar.planner.planning import Problem, plan_problem
+from poplar.planner.planning import Problem, plan, plan_problem
+from poplar.types.profiles import CommProfile, Profile, ProfileError, ProfilePoint, RankProfile
 
 
 def two_types(y_per_sample: float) -> list[DeviceGroup]:
@@ -47,3 +48,27 @@ def test_without_spec_ratings_the_tie_falls_back_to_even() -> None:
               DeviceGroup("Y", [1], SpeedCurve("Y", 0.001005 * np.arange(1, 301)))]
     got = plan_problem(Problem(groups, CommModel(2, 0.0, 1e9), 0, 300), "poplar")
     assert shares(got) == [150, 150] and got.meta["search"]["kept"]["strategy"] == "even"
+
+
+@pytest.mark.parametrize("exposed_error, kept", [(None, False), (0.004, False), (0.01, True)])
+def test_a_profile_that_knew_its_exposure_less_well_widens_the_tie(exposed_error, kept) -> None:
+    # Y at 2.05 ms: the allocator's 202 + 98 ends at 0.202 s, 1.5 % before flops' 200 + 100 (0.205 s):
+    # past the 1 % tie, within two standard errors of 1 %
+    def rank(i: int, dtype: str, per_sample: float, tflops: float) -> RankProfile:
+        points = [ProfilePoint(b, per_sample * b) for b in (1, 50, 100, 200, 300)]
+        return RankProfile(i, dtype, 300, points, nominal_tflops=tflops)
+
+    prof = Profile(0, 2, 10, 40, [rank(0, "X", 0.001, 2.0), rank(1, "Y", 0.00205, 1.0)],
+                   CommProfile(1e12, exposed_error=exposed_error))
+    got = plan(prof, 300, 0)
+    assert shares(got) == ([200, 100] if kept else [202, 98])
+    assert ("kept" in got.meta["search"]) == kept
+    if kept:
+        assert got.meta["search"]["kept"]["tie"] == pytest.approx(2 * exposed_error)
+        assert got.meta["search"]["kept"]["own_predicted_s"] == pytest.approx(0.202, rel=1e-3)
+
+
+def test_a_profile_with_an_exposure_error_outside_a_fraction_is_refused() -> None:
+    points = [ProfilePoint(b, 0.001 * b) for b in (1, 2)]
+    with pytest.raises(ProfileError, match="exposed_error"):
+        Profile(0, 1, 10, 40, [RankProfile(0, "X", 2, points)], CommProfile(1e12, exposed_error=1.5))

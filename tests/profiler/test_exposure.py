@@ -7,7 +7,8 @@ import pytest
 from poplar.planner.cost_model import CommModel, evaluate_rows
 from poplar.planner.curves import SpeedCurve
 from poplar.profiler.exposure import (MAX_STEADY_ROUNDS, STEADY_CHUNK, STEADY_ROUNDS, SteadyConfig, SteadyRounds,
-                                     continued, exposed_costs, exposure_batches, more_steady_rounds)
+                                     continued, exposed_costs, exposure_batches, exposure_error,
+                                     more_steady_rounds)
 
 BALANCED, SHORT, SHORTEST = (SteadyConfig(k) for k in (SteadyRounds.BALANCED, SteadyRounds.SHORT, SteadyRounds.SHORTEST))
 LED_S, LED_F = SteadyConfig(SteadyRounds.LED, "S"), SteadyConfig(SteadyRounds.LED, "F")
@@ -53,6 +54,21 @@ def test_steady_rounds_go_on_until_the_median_exposure_is_known_to_a_percent_of_
     assert more_steady_rounds(calmer) == 0  # half of the 16 the same: the median is known
     assert more_steady_rounds(rounds(MAX_STEADY_ROUNDS - 3, 0.02)) == 3  # up to the cap, never past it
     assert more_steady_rounds(rounds(MAX_STEADY_ROUNDS, 0.02)) == 0
+
+
+def test_the_profile_keeps_the_least_well_known_configurations_standard_error():
+    def rounds(n, spread):
+        return facts([(0.2, 0.199, 0.04 + spread * ((7 * p) % 11 - 5) / 5, p) for p in range(n)])
+
+    assert exposure_error(rounds(STEADY_ROUNDS, 0.0)) == 0.0
+    assert exposure_error(rounds(2, 0.02)) == 0.0  # nothing settled yet
+    noisy = exposure_error(rounds(STEADY_ROUNDS, 0.02))
+    assert noisy == pytest.approx(0.0078 / 0.25, rel=0.02)  # 7.8 ms of a 0.25 s round
+    assert exposure_error(rounds(STEADY_ROUNDS, 0.01)) == pytest.approx(noisy / 2, rel=0.05)
+    grid = facts([(0.2, 0.1, 0.02, 1)] * 6)
+    costs = exposed_costs(grid, {BALANCED: rounds(STEADY_ROUNDS, 0.01), LED_S: rounds(STEADY_ROUNDS, 0.02)})
+    assert costs["exposed_error"] == pytest.approx(noisy)
+    assert exposed_costs(grid)["exposed_error"] is None  # a probe has no steady rounds
 
 
 def test_steady_rounds_give_both_exposures_after_settling():

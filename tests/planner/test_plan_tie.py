@@ -72,3 +72,16 @@ def test_a_profile_with_an_exposure_error_outside_a_fraction_is_refused() -> Non
     points = [ProfilePoint(b, 0.001 * b) for b in (1, 2)]
     with pytest.raises(ProfileError, match="exposed_error"):
         Profile(0, 1, 10, 40, [RankProfile(0, "X", 2, points)], CommProfile(1e12, exposed_error=1.5))
+
+
+def test_within_the_tie_flops_comes_before_even_even_when_even_is_the_allocators_plan() -> None:
+    # equally fast types behind a link that takes 10 s: even's 150 + 150 is the allocator's plan,
+    # flops' 200 + 100 is predicted 0.5 % slower
+    groups = [DeviceGroup("X", [0], SpeedCurve("X", 0.001 * np.arange(1, 301)), nominal_tflops=2.0),
+              DeviceGroup("Y", [1], SpeedCurve("Y", 0.001 * np.arange(1, 301)), nominal_tflops=1.0)]
+    link = CommModel(2, 1e9, 1e8)  # an all-reduce of 1 GB: 2 x 1/2 x 1e9 / 1e8 = 10 s
+    own = plan_problem(Problem(groups, link, 0, 300, plan_tie=0.0), "poplar")
+    assert shares(own) == [150, 150] == shares(plan_problem(Problem(groups, link, 0, 300), "even"))
+    got = plan_problem(Problem(groups, link, 0, 300), "poplar")
+    assert shares(got) == [200, 100] and got.meta["search"]["kept"]["strategy"] == "flops"
+    assert got.predicted_iteration_s == pytest.approx(own.predicted_iteration_s + 0.05)

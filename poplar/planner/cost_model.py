@@ -36,8 +36,10 @@ micro-step (0 once it has run all of its own; such a rank joins the collective w
 The predicted communication of a plan is c_s (stages 0/1) or K c_m + c_s (stages 2/3). Measured,
 c_m is the exposure of a step in which every rank finishes together, the planner's steps; a step
 whose slowest device type leads the next type by a fraction g of its compute (ranks of one type
-tie, as in the profiler's rounds) costs c_m + (c_lead - c_m) min(1, g / LED_ROUNDS_LEAD), c_lead
-measured with the others at half its compute (``CommModel.lockstep_s``); c_s likewise, with the
+tie, as in the profiler's rounds) costs c_m + ``lead_change``(g): the change c_lead - c_m measured
+with the others at half its compute (g = ``LED_ROUNDS_LEAD``) in full from there on, piecewise
+linear below it through 0 at g = 0 and the change the small led rounds measured at their lead
+(``CommModel.lockstep_s``); c_s likewise, with the
 lead of the last lock-step (stages 2/3) or of the ranks' compute C_i (stages 0/1). At stages 2/3 a
 micro-step whose batches differ from the one before it (the first follows the iteration's last)
 adds the measured ``exposed_switch_s``. ``evaluate_rows`` and the exact
@@ -53,7 +55,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from poplar.planner.curves import SpeedCurve
-from poplar.types.profiles import LED_ROUNDS_LEAD, bus_bytes
+from poplar.types.profiles import bus_bytes, lead_change
 
 
 Ops = tuple[tuple[str, float], ...]  # (op, bytes of the full buffer) per collective
@@ -75,22 +77,30 @@ class CommModel:
     exposed_steps: tuple[tuple[float, ...], tuple[float, ...]] | None = None  # (computes, exposures) balanced
     exposed_end_lead_s: Led | None = None  # exposed_iteration_s per leading device type
     exposed_switch_s: float = 0.0  # more for a micro-step whose batches differ from the step before
+    small_lead: Led | None = None  # per leading device type, the lead of its small led rounds
+    exposed_small_lead_s: Led | None = None  # a micro-step's exposure there
+    exposed_end_small_lead_s: Led | None = None  # the iteration's end's (closing + fixed overhead)
 
     @classmethod
     def from_profile(cls, profile: Any) -> "CommModel":
         c = profile.comm
-        end = end_lead = None
+        end = None
+        overhead = c.iteration_overhead_s or 0.0
         if c.exposed_iteration_s is not None:
-            end = c.exposed_iteration_s + (c.iteration_overhead_s or 0.0)
-        if c.exposed_iteration_lead_s:
-            end_lead = tuple((t, x + (c.iteration_overhead_s or 0.0)) for t, x in sorted(c.exposed_iteration_lead_s.items()))
+            end = c.exposed_iteration_s + overhead
+
+        def per_type(seconds: dict[str, float] | None, add: float = 0.0) -> Led | None:
+            return tuple((t, x + add) for t, x in sorted(seconds.items())) if seconds else None
+
         return cls(profile.world_size, float(profile.param_bytes), float(c.bandwidth_bytes_per_s),
                    float(c.latency_s or 0.0), c.collectives_stage,
                    tuple((str(op), float(n)) for op, n in c.micro_step),
                    tuple((str(op), float(n)) for op, n in c.iteration), c.exposed_micro_step_s, end,
-                   tuple(sorted(c.exposed_micro_step_lead_s.items())) if c.exposed_micro_step_lead_s else None,
+                   per_type(c.exposed_micro_step_lead_s),
                    (tuple(c.exposed_step_compute_s), tuple(c.exposed_step_s)) if c.exposed_step_s else None,
-                   end_lead, float(c.exposed_switch_s or 0.0))
+                   per_type(c.exposed_iteration_lead_s, overhead), float(c.exposed_switch_s or 0.0),
+                   per_type(c.exposed_small_lead), per_type(c.exposed_micro_step_small_lead_s),
+                   per_type(c.exposed_iteration_small_lead_s, overhead))
 
     def call_s(self, op: str, nbytes: float) -> float:
         """One collective of a ``nbytes`` buffer (the full, unsharded size)."""
@@ -126,8 +136,8 @@ class CommModel:
         """c_m of a micro-step whose slowest device type ``leader`` leads the next by ``lead`` (a
         fraction of its compute) and computes ``compute`` seconds (numbers, or arrays of them and
         of type names): measured, the balanced exposure (interpolated in the compute between the
-        measured levels, constant beyond them) plus the change the leader's led rounds measured,
-        in full from ``LED_ROUNDS_LEAD`` on; otherwise ``per_micro_step_s``."""
+        measured levels, constant beyond them) plus the ``lead_change`` the leader's led rounds
+        measured; otherwise ``per_micro_step_s``."""
         balanced = self.per_micro_step_s(stage)
         lead = np.asarray(lead, dtype=float)
         if self.measured_stage != stage or stage not in (2, 3) or self.exposed_micro_step_s is None:
@@ -138,7 +148,14 @@ class CommModel:
         if self.exposed_lead_s is None or leader is None:
             return base
         change = _per_leader(self.exposed_lead_s, leader, balanced) - balanced
-        return np.maximum(0.0, base + change * np.minimum(1.0, lead / LED_ROUNDS_LEAD))
+        return np.maximum(0.0, base + self._lead_change(lead, change, self.exposed_small_lead_s, leader, balanced))
+
+    def _lead_change(self, lead: Any, change: Any, small: Led | None, leader: Any, balanced: float) -> Any:
+        """``lead_change`` with the leader's small led rounds (``small``: their exposure), if measured."""
+        if self.small_lead is None or small is None:
+            return lead_change(lead, change)
+        return lead_change(lead, change, _per_leader(self.small_lead, leader, np.nan),
+                           _per_leader(small, leader, np.nan) - balanced)
 
     def prices_by_shape(self, stage: int) -> bool:
         """Whether a step's exposure at ``stage`` depends on its shape (its compute, who leads,
@@ -149,7 +166,8 @@ class CommModel:
     def cheapest_micro_step_s(self, stage: int) -> float:
         """The least c_m any micro-step pays (a lower bound for searches)."""
         leaders = [t for t, _ in self.exposed_lead_s or ()] or [None]
-        return float(min(self.led_micro_step_s(stage, g, t, who) for g in (0.0, 1.0) for t in (0.0, np.inf)
+        corners = (0.0, 1.0, *(g for _, g in self.small_lead or ()))  # the lead's change is piecewise linear
+        return float(min(self.led_micro_step_s(stage, g, t, who) for g in corners for t in (0.0, np.inf)
                          for who in leaders))
 
     def lockstep_s(self, stage: int, per_type: Any, types: Sequence[str]) -> Any:
@@ -168,13 +186,13 @@ class CommModel:
 
     def led_iteration_s(self, stage: int, lead: float, leader: str | None) -> float:
         """c_s of an iteration whose slowest device type ``leader`` leads the next by ``lead`` at
-        its end: measured, from the balanced end at 0 to its led one at ``LED_ROUNDS_LEAD`` and on."""
+        its end: measured, the balanced end plus the ``lead_change`` the leader's led rounds measured."""
         balanced = self.per_iteration_s(stage)
         if (self.measured_stage != stage or self.exposed_iteration_s is None or self.exposed_end_lead_s is None
                 or leader is None):
             return balanced
         change = float(_per_leader(self.exposed_end_lead_s, leader, balanced)) - balanced
-        return balanced + change * min(1.0, lead / LED_ROUNDS_LEAD)
+        return balanced + float(self._lead_change(lead, change, self.exposed_end_small_lead_s, leader, balanced))
 
     def per_iteration_s(self, stage: int) -> float:
         if self.measured_stage == stage and self.exposed_iteration_s is not None:

@@ -25,6 +25,10 @@ exposure comes from steady rounds: one shape for ``STEADY_ROUNDS`` rounds in a r
 - led, one per device type: that type there, the others at half of it (on 1 A800 + 3 V100S at
   ZeRO-3 the lone A800 leading exposed 0.026 s per step and 0.008 s at the end, the three V100S
   leading 0.033 s and 0.014 s: ranks that tie wait on each other);
+- led by a little, one per device type: that type there, the others at ``1 - SMALL_LEAD`` of it,
+  since how the change grows with the lead differs (1 A800 + 3 V100S at ZeRO-2, the A800 leading:
+  0.0518 s balanced, 0.0486 s led by 0.1, 0.0475 s by 0.5; 4 A800 + 4 V100S about linear to 0.5); its
+  measured median lead goes to the profile too (``exposed_small_lead``);
 - short and shortest (stages 2/3): balanced at a third of it and at the least all reach, since
   shorter steps hide less (a plan's last micro-step is often short, one sample at times); the
   balanced micro-step exposure is interpolated between the levels in the step's compute;
@@ -64,7 +68,7 @@ from typing import Any
 
 import numpy as np
 
-from poplar.types.profiles import LEAD_SCALE, LED_ROUNDS_LEAD
+from poplar.types.profiles import LEAD_SCALE, LED_ROUNDS_LEAD, SMALL_LEAD, lead_change
 
 MIN_ROUNDS = 4  # grid rounds needed to leave the first pass out
 STEADY_ROUNDS = 10  # rounds of one shape in a row, at least
@@ -90,6 +94,7 @@ class SteadyRounds(Enum):
     SHORTEST = "shortest"  # the same at the least compute every rank reaches
     LONG = "long"  # every rank at its own largest batch: the slowest type leads, far past balanced
     LED = "led"  # one device type leads the others by about half its compute
+    LED_SMALL = "led_small"  # the same, the others at ``1 - SMALL_LEAD`` of it: how the change grows
 
 
 @dataclass(frozen=True)
@@ -107,14 +112,17 @@ def exposure_batches(best: list[dict[int, float]], mbs: list[int], types: list[s
     reaches, at stages 2/3 the short one at a third of it and the shortest one at the least every
     rank reaches (each only if under 70 % of the next level up) and the long one, every rank at its
     mbs (only if the balanced level is under 70 % of the longest rank's), and with two device types
-    or more one led configuration per type: that type there, the others at half of it."""
+    or more one led configuration per type, that type there and the others at half of it, and one
+    led by ``SMALL_LEAD`` where the batches give a distinct lead between a half and twice that."""
     top = min(max(times.values()) for times in best)
 
-    def batch_near(rank: int, seconds: float) -> int:
+    def curve(rank: int) -> np.ndarray:
         times = best[rank]
         xs = sorted(times)
-        curve = np.interp(np.arange(1, mbs[rank] + 1), xs, [times[b] for b in xs])
-        return int(np.argmin(np.abs(curve - seconds))) + 1
+        return np.interp(np.arange(1, mbs[rank] + 1), xs, [times[b] for b in xs])
+
+    def batch_near(rank: int, seconds: float) -> int:
+        return int(np.argmin(np.abs(curve(rank) - seconds))) + 1
 
     ranks = range(len(best))
     low = max(min(times.values()) for times in best)
@@ -130,9 +138,14 @@ def exposure_batches(best: list[dict[int, float]], mbs: list[int], types: list[s
             out[SteadyConfig(SteadyRounds.LONG, types[longest])] = list(mbs)
     if len(set(types)) > 1:
         for leader in sorted(set(types)):
-            out[SteadyConfig(SteadyRounds.LED, leader)] = [batch_near(i, top if types[i] == leader
-                                                           else top * (1 - LED_ROUNDS_LEAD))
-                                                           for i in ranks]
+            for kind, lead in ((SteadyRounds.LED, LED_ROUNDS_LEAD), (SteadyRounds.LED_SMALL, SMALL_LEAD)):
+                batches = [batch_near(i, top if types[i] == leader else top * (1 - lead)) for i in ranks]
+                seconds = [curve(i)[b - 1] for i, b in enumerate(batches)]
+                slowest = max(s for s, t in zip(seconds, types) if t == leader)
+                led_by = 1 - max(s for s, t in zip(seconds, types) if t != leader) / slowest
+                if kind is SteadyRounds.LED or (SMALL_LEAD / 2 <= led_by <= 2 * SMALL_LEAD
+                                                and batches not in out.values()):
+                    out[SteadyConfig(kind, leader)] = batches
     return out
 
 
@@ -183,18 +196,20 @@ def continued(earlier: list[tuple], later: list[tuple]) -> list[tuple]:
 
 
 def _long_level(steady: dict[SteadyConfig, list[list[tuple]]], led: dict[str, list[tuple]],
-                balanced: float) -> tuple[float, float] | None:
+                small_led: dict[str, tuple[float, float]], balanced: float) -> tuple[float, float] | None:
     """(compute, exposure) of the long rounds as a balanced level: their median exposure less
     what their leader's lead changes (the led rounds' change, in proportion to the long rounds'
-    median lead up to ``LED_ROUNDS_LEAD``), since the cost model adds that back for a led step."""
+    median lead, ``lead_change``), since the cost model adds that back for a led step."""
     config = next((k for k in steady if k.kind is SteadyRounds.LONG), None)
     if config is None or min(len(f) for f in steady[config]) == 0:
         return None
     critical = _critical(steady[config], SETTLING)
     lead = statistics.median(g for _, g in critical)
     change = statistics.median(f[1] for f in led[config.leader]) - balanced if config.leader in led else 0.0
+    at, small = small_led.get(config.leader, (None, None))
     return (statistics.median(f[0] for f, _ in critical),
-            statistics.median(f[1] for f, _ in critical) - change * min(1.0, lead / LED_ROUNDS_LEAD))
+            statistics.median(f[1] for f, _ in critical)
+            - float(lead_change(lead, change, at, None if small is None else small - balanced)))
 
 
 def exposed_costs(grid: list[list[tuple]],
@@ -212,6 +227,11 @@ def exposed_costs(grid: list[list[tuple]],
     levels: list[float] | None = None
     switch: float | None = None
     led: dict[str, list[tuple]] = {k.leader: v for k, v in settled.items() if k.kind is SteadyRounds.LED}
+    small: dict[str, list[tuple[tuple, float]]] = {k.leader: _critical(steady[k], SETTLING) for k in settled
+                                                   if k.kind is SteadyRounds.LED_SMALL}
+    # per leader: (its median lead, its micro-step's median exposure) in the small led rounds
+    small_led = {t: (statistics.median(g for _, g in c), statistics.median(f[1] for f, _ in c))
+                 for t, c in small.items()}
     balanced = SteadyConfig(SteadyRounds.BALANCED)
     if balanced in settled:
         together = settled[balanced]
@@ -221,7 +241,7 @@ def exposed_costs(grid: list[list[tuple]],
         if steps:
             at = [statistics.median(f[0] for f in fs) for fs in steps] + [level[0]]
             levels = [statistics.median(f[1] for f in fs) for fs in steps] + [level[1]]
-        long_level = _long_level(steady or {}, led, level[1])
+        long_level = _long_level(steady or {}, led, small_led, level[1])
         pooled = [f for fs in led.values() for f in fs]
         grid_led = [facts for facts, lead in critical if lead >= LEAD_SCALE]
         if pooled and len(grid_led) >= MIN_ROUNDS:
@@ -243,5 +263,8 @@ def exposed_costs(grid: list[list[tuple]],
             "exposed_step_compute_s": at, "exposed_step_s": levels, "exposed_switch_s": switch,
             "exposed_iteration_s": statistics.median(f[2] for f in together),
             "exposed_iteration_lead_s": {t: statistics.median(f[2] for f in fs) for t, fs in led.items()} or None,
+            "exposed_small_lead": {t: at for t, (at, _) in small_led.items()} or None,
+            "exposed_micro_step_small_lead_s": {t: x for t, (_, x) in small_led.items()} or None,
+            "exposed_iteration_small_lead_s": {t: statistics.median(f[2] for f, _ in c) for t, c in small.items()} or None,
             "iteration_overhead_s": max(0.0, statistics.median(f[3] for f in together)),
             "exposed_error": max((exposure_error(steady[k]) for k in settled), default=None)}

@@ -13,6 +13,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
+
 from poplar.types.plans import read_json, write_text_atomic
 
 
@@ -51,9 +53,30 @@ LEAD_SCALE = 0.1
 # others at half of it. A lock-step micro-step (an iteration's end) whose slowest device type
 # leads the next by this fraction or more exposes ``CommProfile.exposed_micro_step_lead_s[type]``
 # (``exposed_iteration_lead_s``); with every rank finishing together, ``exposed_micro_step_s``
-# (``exposed_iteration_s``); in between, in proportion to the lead: measured plans led by a
-# fifth ran 2-4 % slower than when the full led exposure applied from a tenth on.
+# (``exposed_iteration_s``); in between, as ``lead_change`` says: measured plans led by a fifth
+# ran 2-4 % slower than when the full led exposure applied from a tenth on.
 LED_ROUNDS_LEAD = 0.5
+# The lead of the profiler's small led rounds (the others at 85 % of the leader): how the change
+# grows with the lead. A lone leader takes most of it by a lead of 0.1-0.2, several leaders more
+# gradually, so one straight line to ``LED_ROUNDS_LEAD`` cannot fit both (``lead_change``).
+SMALL_LEAD = 0.15
+
+
+def lead_change(lead: Any, change: Any, small_lead: Any = None, small_change: Any = None) -> Any:
+    """What of the led exposure ``change`` (measured at ``LED_ROUNDS_LEAD``) a step led by
+    ``lead`` pays: piecewise linear through 0 at no lead, ``small_change`` at the measured
+    ``small_lead`` and ``change`` from ``LED_ROUNDS_LEAD`` on; a straight line from 0 where the
+    small lead is absent (None or NaN) or outside (0, ``LED_ROUNDS_LEAD``). Numbers or arrays."""
+    lead = np.asarray(lead, dtype=float)
+    if small_lead is None:
+        return change * np.minimum(1.0, lead / LED_ROUNDS_LEAD)
+    at = np.asarray(small_lead, dtype=float)
+    usable = (at > 0) & (at < LED_ROUNDS_LEAD)  # False for NaN
+    at = np.where(usable, at, LED_ROUNDS_LEAD / 2)
+    small = np.where(usable, small_change, np.asarray(change, dtype=float) / 2)  # on the straight line
+    below = small * lead / at
+    above = small + (change - small) * np.minimum(1.0, (lead - at) / (LED_ROUNDS_LEAD - at))
+    return np.where(lead < at, below, above)
 
 
 def bus_bytes(op: str, nbytes: float, world_size: int) -> float:
@@ -86,6 +109,11 @@ class CommProfile:
     exposed_switch_s: float | None = None  # more per micro-step whose batches differ from the step before
     exposed_iteration_s: float | None = None  # the iteration's closing collectives
     exposed_iteration_lead_s: dict[str, float] | None = None  # per leading device type: the same led by it
+    # per leading device type, its small led rounds (``SMALL_LEAD``): their measured median lead,
+    # and the micro-step's and the iteration's end's exposure there (``lead_change``)
+    exposed_small_lead: dict[str, float] | None = None
+    exposed_micro_step_small_lead_s: dict[str, float] | None = None
+    exposed_iteration_small_lead_s: dict[str, float] | None = None
     iteration_overhead_s: float | None = None  # optimizer step and the rest outside micro-steps
     # how well the steady rounds knew their exposure: the largest standard error of a
     # configuration's median, as a fraction of its round time (None: no steady rounds)
@@ -138,10 +166,12 @@ class Profile:
         for name in ("exposed_micro_step_s", "exposed_switch_s", "exposed_iteration_s", "iteration_overhead_s",
                      "exposed_error"):
             _check(getattr(self.comm, name), f"comm.{name}", float, optional=True)
-        for name in ("exposed_micro_step_lead_s", "exposed_iteration_lead_s"):
+        for name in ("exposed_micro_step_lead_s", "exposed_iteration_lead_s", "exposed_small_lead",
+                     "exposed_micro_step_small_lead_s", "exposed_iteration_small_lead_s"):
             led = getattr(self.comm, name)
             if led is not None:
-                _require(isinstance(led, dict), f"comm.{name}", led, "an object of seconds per device type or null")
+                what = "leads" if name == "exposed_small_lead" else "seconds"
+                _require(isinstance(led, dict), f"comm.{name}", led, f"an object of {what} per device type or null")
                 for dtype, x in led.items():
                     _check(x, f"comm.{name}[{dtype!r}]", float)
         at, level = self.comm.exposed_step_compute_s, self.comm.exposed_step_s
@@ -177,6 +207,10 @@ class Profile:
         if self.comm.exposed_error is not None and not 0 <= self.comm.exposed_error < 1:
             raise ProfileError(f"comm.exposed_error must be a fraction in [0, 1), got {self.comm.exposed_error}; "
                                "re-run the profiler")
+        for dtype, lead in (self.comm.exposed_small_lead or {}).items():
+            if not 0 <= lead < 1:
+                raise ProfileError(f"comm.exposed_small_lead[{dtype!r}] must be a fraction in [0, 1), got {lead}; "
+                                   "re-run the profiler")
 
     def device_types(self) -> list[str]:
         """Distinct device types, in order of first appearance."""

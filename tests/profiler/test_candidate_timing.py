@@ -75,9 +75,10 @@ def test_the_full_timing_keeps_the_probe_and_times_the_rest_of_the_sparse_grid(r
             assert on_curve(t, CURVES[r](b)), (r, b, t)
     # every other grid batch is new: one pass, and at most 3 more passes over the batches a
     # disturbed measurement broke the shape of (on a loaded machine); then the steady rounds:
-    # balanced, and led by each of the two types, each until its exposure is known well enough
+    # balanced, led by each of the two types, and by a little where the batches allow one, each
+    # until its exposure is known well enough
     grid = max(len(uncovered(timing_batches(m, TimingGrid.SPARSE), {m}, m)) for m in mbs0)
-    assert grid + 3 * STEADY_ROUNDS <= run[0]["rounds"][1] <= 4 * grid + 3 * MAX_STEADY_ROUNDS
+    assert grid + 3 * STEADY_ROUNDS <= run[0]["rounds"][1] <= 4 * grid + 5 * MAX_STEADY_ROUNDS
 
 
 def test_a_same_compute_stage_keeps_the_points_and_times_its_own_mbs(run: list[dict]) -> None:

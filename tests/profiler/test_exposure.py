@@ -13,6 +13,7 @@ from poplar.profiler.exposure import (MAX_STEADY_ROUNDS, STEADY_CHUNK, STEADY_RO
 BALANCED, SHORT, SHORTEST = (SteadyConfig(k) for k in (SteadyRounds.BALANCED, SteadyRounds.SHORT, SteadyRounds.SHORTEST))
 LED_S, LED_F = SteadyConfig(SteadyRounds.LED, "S"), SteadyConfig(SteadyRounds.LED, "F")
 LONG_S = SteadyConfig(SteadyRounds.LONG, "S")
+SMALL_S, SMALL_F = SteadyConfig(SteadyRounds.LED_SMALL, "S"), SteadyConfig(SteadyRounds.LED_SMALL, "F")
 
 import numpy as np
 
@@ -191,3 +192,36 @@ def test_a_long_level_where_a_rank_computes_far_past_the_balanced_one():
     with_short = exposed_costs(grid, {BALANCED: balanced, SHORT: short, LED_S: led, LONG_S: long})
     assert with_short["exposed_step_compute_s"] == pytest.approx([0.05, 0.15, 0.45])
     assert with_short["exposed_step_s"] == pytest.approx([0.06, 0.035, 0.03])
+
+
+def test_small_led_rounds_where_the_batches_give_a_small_lead():
+    fast = {b: 0.01 + 0.002 * b for b in (1, 2, 4, 8, 16, 20)}
+    slow = {b: 0.02 + 0.006 * b for b in (1, 2, 4, 8)}
+    chosen = exposure_batches([fast, fast, slow], [20, 20, 8], ["F", "F", "S"], stage=2)
+    # S at the balanced 0.05 s, F near 85 % of it: 16 samples, 0.042 s, a lead of 0.16
+    assert chosen[SMALL_S] == [16, 16, 5]
+    assert chosen[SMALL_F] == [20, 20, 4]  # S at 4 samples, 0.044 s: led by 0.12
+    # S's batches are 0.03 s apart: near 85 % of F's 0.05 s is one sample, led by 0.4, no small lead
+    coarse = {1: 0.03, 2: 0.06}
+    assert SMALL_F not in exposure_batches([fast, fast, coarse], [20, 20, 2], ["F", "F", "S"], stage=2)
+
+
+def test_small_led_rounds_give_the_lead_and_exposure_where_the_change_starts():
+    grid = facts([(0.2, 0.1, 0.02, 1)] * 6)
+    balanced = facts([(0.15, 0.149, 0.035, p) for p in range(6)], end=0.03)
+    led = facts([(0.15, 0.07, 0.025, p) for p in range(6)], end=0.015)  # S leading by half: 0.01 less
+    # S leading by 0.16: most of that already; the first two rounds settle
+    small = facts([(0.15, 0.126, 0.05, p) for p in (0, 1)] + [(0.15, 0.126, 0.027, p) for p in range(2, 7)],
+                  end=0.02)
+    costs = exposed_costs(grid, {BALANCED: balanced, LED_S: led, SMALL_S: small})
+    assert costs["exposed_small_lead"] == pytest.approx({"S": 0.16})
+    assert costs["exposed_micro_step_small_lead_s"] == pytest.approx({"S": 0.027})
+    assert costs["exposed_iteration_small_lead_s"] == pytest.approx({"S": 0.02})
+    assert costs["exposed_micro_step_lead_s"] == pytest.approx({"S": 0.025})  # the led rounds alone
+    assert exposed_costs(grid, {BALANCED: balanced, LED_S: led})["exposed_small_lead"] is None
+    # long rounds led by 0.16 as a balanced level: 0.02 less the small rounds' -0.008, not a third of -0.01
+    long = facts([(0.45, 0.378, 0.02, p) for p in range(6)])
+    costs = exposed_costs(grid, {BALANCED: balanced, LED_S: led, SMALL_S: small, LONG_S: long})
+    assert costs["exposed_step_s"] == pytest.approx([0.035, 0.028])
+    straight = exposed_costs(grid, {BALANCED: balanced, LED_S: led, LONG_S: long})
+    assert straight["exposed_step_s"] == pytest.approx([0.035, 0.02 + 0.01 * 0.16 / 0.5])

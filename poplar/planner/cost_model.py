@@ -166,8 +166,8 @@ class CommModel:
     def cheapest_micro_step_s(self, stage: int) -> float:
         """The least c_m any micro-step pays (a lower bound for searches)."""
         leaders = [t for t, _ in self.exposed_lead_s or ()] or [None]
-        corners = (0.0, 1.0, *(g for _, g in self.small_lead or ()))  # the lead's change is piecewise linear
-        return float(min(self.led_micro_step_s(stage, g, t, who) for g in corners for t in (0.0, np.inf)
+        # the lead's change is monotone in the lead (``lead_change``): its ends bound it
+        return float(min(self.led_micro_step_s(stage, g, t, who) for g in (0.0, 1.0) for t in (0.0, np.inf)
                          for who in leaders))
 
     def lockstep_s(self, stage: int, per_type: Any, types: Sequence[str]) -> Any:

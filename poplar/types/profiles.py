@@ -66,14 +66,18 @@ def lead_change(lead: Any, change: Any, small_lead: Any = None, small_change: An
     """What of the led exposure ``change`` (measured at ``LED_ROUNDS_LEAD``) a step led by
     ``lead`` pays: piecewise linear through 0 at no lead, ``small_change`` at the measured
     ``small_lead`` and ``change`` from ``LED_ROUNDS_LEAD`` on; a straight line from 0 where the
-    small lead is absent (None or NaN) or outside (0, ``LED_ROUNDS_LEAD``). Numbers or arrays."""
+    small lead is absent (None or NaN) or outside (0, ``LED_ROUNDS_LEAD``). The change grows
+    with the lead and saturates, so a small change measured past the full one (or of the other
+    sign) is noise and is held to it (between 0 and ``change``). Numbers or arrays."""
     lead = np.asarray(lead, dtype=float)
+    change = np.asarray(change, dtype=float)
     if small_lead is None:
         return change * np.minimum(1.0, lead / LED_ROUNDS_LEAD)
     at = np.asarray(small_lead, dtype=float)
     usable = (at > 0) & (at < LED_ROUNDS_LEAD)  # False for NaN
     at = np.where(usable, at, LED_ROUNDS_LEAD / 2)
-    small = np.where(usable, small_change, np.asarray(change, dtype=float) / 2)  # on the straight line
+    small = np.clip(small_change, np.minimum(0.0, change), np.maximum(0.0, change))
+    small = np.where(usable, small, change / 2)  # on the straight line
     below = small * lead / at
     above = small + (change - small) * np.minimum(1.0, (lead - at) / (LED_ROUNDS_LEAD - at))
     return np.where(lead < at, below, above)

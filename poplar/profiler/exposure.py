@@ -116,13 +116,11 @@ def exposure_batches(best: list[dict[int, float]], mbs: list[int], types: list[s
     led by ``SMALL_LEAD`` where the batches give a distinct lead between a half and twice that."""
     top = min(max(times.values()) for times in best)
 
-    def curve(rank: int) -> np.ndarray:
-        times = best[rank]
-        xs = sorted(times)
-        return np.interp(np.arange(1, mbs[rank] + 1), xs, [times[b] for b in xs])
+    curves = [np.interp(np.arange(1, mbs[i] + 1), sorted(times), [times[b] for b in sorted(times)])
+              for i, times in enumerate(best)]  # seconds at every batch 1..mbs
 
     def batch_near(rank: int, seconds: float) -> int:
-        return int(np.argmin(np.abs(curve(rank) - seconds))) + 1
+        return int(np.argmin(np.abs(curves[rank] - seconds))) + 1
 
     ranks = range(len(best))
     low = max(min(times.values()) for times in best)
@@ -138,14 +136,16 @@ def exposure_batches(best: list[dict[int, float]], mbs: list[int], types: list[s
             out[SteadyConfig(SteadyRounds.LONG, types[longest])] = list(mbs)
     if len(set(types)) > 1:
         for leader in sorted(set(types)):
-            for kind, lead in ((SteadyRounds.LED, LED_ROUNDS_LEAD), (SteadyRounds.LED_SMALL, SMALL_LEAD)):
-                batches = [batch_near(i, top if types[i] == leader else top * (1 - lead)) for i in ranks]
-                seconds = [curve(i)[b - 1] for i, b in enumerate(batches)]
-                slowest = max(s for s, t in zip(seconds, types) if t == leader)
-                led_by = 1 - max(s for s, t in zip(seconds, types) if t != leader) / slowest
-                if kind is SteadyRounds.LED or (SMALL_LEAD / 2 <= led_by <= 2 * SMALL_LEAD
-                                                and batches not in out.values()):
-                    out[SteadyConfig(kind, leader)] = batches
+            def led(lead: float) -> list[int]:
+                return [batch_near(i, top if types[i] == leader else top * (1 - lead)) for i in ranks]
+
+            out[SteadyConfig(SteadyRounds.LED, leader)] = led(LED_ROUNDS_LEAD)
+            batches = led(SMALL_LEAD)
+            seconds = [curves[i][b - 1] for i, b in enumerate(batches)]
+            slowest = max(x for x, t in zip(seconds, types) if t == leader)
+            led_by = 1 - max(x for x, t in zip(seconds, types) if t != leader) / slowest
+            if SMALL_LEAD / 2 <= led_by <= 2 * SMALL_LEAD and batches not in out.values():
+                out[SteadyConfig(SteadyRounds.LED_SMALL, leader)] = batches
     return out
 
 

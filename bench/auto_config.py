@@ -43,11 +43,13 @@ from poplar.comm import Communicator  # noqa: E402
 from poplar.comm.launch import spawn  # noqa: E402
 from poplar.engine import PoplarEngine  # noqa: E402
 from poplar.planner.candidates import CandidateRow, format_table, mbs_by_type, predict  # noqa: E402
-from poplar.profiler.calibration import pick_memory_scale, prepare  # noqa: E402
-from poplar.profiler.candidates import CandidateProfiler, Config  # noqa: E402
-from poplar.profiler.profile_run import ProfileOptions, default_optimizer, profile_rank  # noqa: E402
-from poplar.types.cluster import ClusterSpec  # noqa: E402
-from poplar.types.presets import get_preset  # noqa: E402
+from poplar.emulation import Scales, cluster_device  # noqa: E402
+from poplar.emulation.calibration import pick_memory_scale, prepare  # noqa: E402
+from poplar.profiler.configurations import CandidateProfiler  # noqa: E402
+from poplar.types.configuration import Configuration  # noqa: E402
+from poplar.profiler.profile_run import ProfileJob, ProfileOptions, default_optimizer, profile_rank  # noqa: E402
+from poplar.emulation.cluster import ClusterSpec  # noqa: E402
+from poplar.emulation.presets import get_preset  # noqa: E402
 from poplar.workloads.models import create_model, llama_loss_fn  # noqa: E402
 from poplar.workloads.text import TextBlocks  # noqa: E402
 
@@ -68,7 +70,7 @@ def memory_scale(cluster: str, fits: int | None) -> float | str:
     samples of the model at ZeRO-0 (one process, batch 1-8 trial steps)."""
     if fits is None:
         return "auto"
-    prep = prepare(model_fn, llama_loss_fn, sample_fn, cluster, 0, optimizer_fn=default_optimizer, time_scale=1.0)
+    prep = prepare(ProfileJob(model_fn, llama_loss_fn, sample_fn), cluster, scales=Scales(time=1.0))
     presets = [get_preset(t) for t in dict.fromkeys(ClusterSpec.resolve(cluster).rank_types())]
     return pick_memory_scale(prep.passes[0], presets, fits)
 
@@ -79,10 +81,10 @@ def rank_main(rank: int, world: int, cluster: str, gbs: int, iterations: int, re
     comm = Communicator(None, torch.device("cpu"))
     model = model_fn()
     opt = default_optimizer(model)
-    quiet = AutoOptions(repeats=repeats, progress=False, max_batch=1024, memory_scale=scale)
+    device = cluster_device(cluster, rank, scales=Scales(memory=scale))
+    quiet = AutoOptions(profile_data=sample_fn, device=device, repeats=repeats, progress=False, max_batch=1024)
     # auto mode: its choice and profiling seconds (the device it emulates is reused below)
-    auto = auto_plan(comm, model, opt, global_batch_size=gbs, zero_stage=0, loss_fn=llama_loss_fn,
-                     profile_data=sample_fn, cluster=cluster, options=quiet)
+    auto = auto_plan(comm, model, opt, global_batch_size=gbs, zero_stage=0, loss_fn=llama_loss_fn, options=quiet)
     auto_s = sum(auto.plan.meta["profiling_s"].values())  # capacity searches, timing rounds, collectives
     device = auto.device
     # the paper's single-stage profile (ZeRO-0, escalating): the yardstick and the first fit
@@ -102,11 +104,11 @@ def rank_main(rank: int, world: int, cluster: str, gbs: int, iterations: int, re
                  log=lambda m: None)
     chosen_single_s = time.perf_counter() - t0
     # every candidate: timed, planned, trained
-    prof = CandidateProfiler(model_fn, llama_loss_fn, sample_fn, device, optimizer_fn=default_optimizer,
-                             options=ProfileOptions(repeats=repeats, progress=False, max_batch=1024),
-                             log=lambda m: None)
+    job = ProfileJob(model_fn, llama_loss_fn, sample_fn, default_optimizer,
+                     ProfileOptions(repeats=repeats, progress=False, max_batch=1024))
+    prof = CandidateProfiler(job, device, log=lambda m: None)
     types = comm.all_gather_object(device.device_type)
-    caps = prof.capacities([Config(s, c) for c in (None, True) for s in range(4)])
+    caps = prof.capacities([Configuration(s, c) for c in (None, True) for s in range(4)])
     rows, measured = [], {}
     for cap in caps:
         row = CandidateRow(cap.config.stage, cap.config.checkpointed, cap.fits, mbs_by_type(types, cap.mbs))

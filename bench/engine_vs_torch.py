@@ -38,6 +38,7 @@ from torch import nn
 from poplar.engine import PoplarEngine
 from poplar.comm.launch import free_port, spawn
 from poplar.types.plans import Plan
+from poplar.zero.config import ZeroConfig
 
 
 @dataclass(frozen=True)
@@ -113,8 +114,7 @@ def make_systems(c: Shape, world: int, bf16: bool, device: torch.device) -> dict
     systems: dict[str, Callable[[torch.Tensor], float]] = {}
     for stage in (3, 1, 0):
         model = fresh_model(c, device)
-        engine = PoplarEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-3), zero_stage=stage, plan=plan,
-                              wrap_policy={Block} if stage == 3 else None)
+        engine = PoplarEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-3), zero_stage=ZeroConfig(stage, wrap_policy={Block} if stage == 3 else None), plan=plan)
         systems[f"poplar_zero{stage}"] = lambda x, e=engine: e.train_step(x, loss_fn)
 
     model = fresh_model(c, device)
@@ -134,8 +134,7 @@ def make_systems(c: Shape, world: int, bf16: bool, device: torch.device) -> dict
         return systems
     for stage in (3, 2):
         model = fresh_model(c, device)
-        engine = PoplarEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-3), zero_stage=stage, plan=plan,
-                              wrap_policy={Block} if stage == 3 else None, mixed_precision="bf16")
+        engine = PoplarEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-3), zero_stage=ZeroConfig(stage, wrap_policy={Block} if stage == 3 else None), plan=plan, mixed_precision="bf16")
         systems[f"poplar_zero{stage}_bf16"] = lambda x, e=engine: e.train_step(x, loss_fn)
     model = fresh_model(c, device)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

@@ -2,11 +2,11 @@
 (DeepSpeed) and `flops` (Whale-like) baselines, how close it comes to the ideal, and how well
 its predictions hold.
 
-Clusters (``poplar.types.cluster``, 2 ranks per type): A = A100-80G + A100-40G (same speed, different
+Clusters (``poplar.emulation.cluster``, 2 ranks per type): A = A100-80G + A100-40G (same speed, different
 memory), B = V100-16G + T4-16G (different speed, same memory), C = A800-80G + V100S-32G (both
 differ), C-1:3 = 1 A800-80G + 3 V100S-32G. Each cluster runs as one spawned process per rank, each
 rank with a ``VirtualDevice`` of its preset (memory and time scaled to the model by
-``poplar.profiler.calibration.calibrate_stages``, whose time scale covers the highest stage; its
+``poplar.emulation.calibration.calibrate_stages``, whose time scale covers the highest stage; its
 compute is padded to the preset's curve, so its true
 curve t_i(b) = preset.time_s(b) x time_scale is known). Model: Llama-style (``poplar.workloads.models``,
 ``llama-tiny`` by default), next-token loss on random tokens; AdamW. ``--precision fp16|bf16`` profiles
@@ -32,7 +32,7 @@ profiled curves + the profile's communication model) vs measured; and the ideal.
 The ideal: the shortest iteration any runnable plan (one row b, gas, lbs per rank, b and lbs up
 to the rank's true mbs, gbs samples in all) reaches under the devices' TRUE curves, with
 communication and fixed per-iteration overhead priced exactly as the plan's prediction prices
-them (the cost model with the profile's measurements); computed exactly by ``poplar.planner.ideal`` (stages
+them (the cost model with the profile's measurements); computed exactly by ``poplar.emulation.ideal`` (stages
 0/1: a threshold search over the finite set of single-rank times; 2/3: a dynamic programme over
 lock-steps, checked against brute force in tests/test_ideal.py). Two fractions:
   (b) plan:     ideal / Poplar's plan priced with the true curves -- plan quality, no noise;
@@ -53,7 +53,7 @@ again, up to ``--attempts`` times, and if still above, its rows are marked INVAL
 ``valid`` is false in the RESULT. ``--full`` adds the paper-size row, cluster C as 4 + 4 ranks.
 
 The link (``--link emulated``, the default): the cluster's collectives run on a virtual link
-(``poplar.profiler.virtual_link``) of a speed measured on this machine per cluster
+(``poplar.emulation.virtual_link``) of a speed measured on this machine per cluster
 (``link_calibration.measure_link``: the 90th percentile of real gloo collectives of its world
 size, / 0.8), so that communication, like compute, lasts a known time and not whatever the
 shared cores allow at that minute; calibration times the devices on a runtime paced by it.
@@ -79,7 +79,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from poplar.types.cluster import ClusterError, ClusterSpec
+from poplar.emulation.cluster import ClusterError, ClusterSpec
 from poplar.engine import PoplarEngine
 from poplar.comm.launch import spawn
 from poplar.workloads.models import LLAMA_SIZES, create_model, llama_loss_fn
@@ -87,17 +87,18 @@ from poplar.planner import plan
 from poplar.planner.cost_model import CommModel, evaluate_rows
 from poplar.planner.curves import SpeedCurve
 from poplar.planner.groups import DeviceGroup
-from poplar.planner.ideal import ideal
+from poplar.emulation.ideal import ideal
 from poplar.types.plans import Plan, write_text_atomic
 from poplar.types.precision import resolve_precision
 from poplar.profiler.capacity import CapacitySearch
-from poplar.profiler.calibration import calibrate_stages
-from poplar.profiler.emulate import cluster_devices, until_on_time
-from poplar.profiler.link_calibration import measure_link
-from poplar.profiler.virtual_link import LinkSpec
-from poplar.profiler.speed_padding import LATE_BUDGET, late_fraction
+from poplar.emulation.calibration import calibrate_stages
+from poplar.emulation.emulate import cluster_devices
+from poplar.emulation.runs import until_on_time
+from poplar.emulation.link_calibration import measure_link
+from poplar.emulation.virtual_link import LinkSpec
+from poplar.emulation.speed_padding import LATE_BUDGET, late_fraction
 from poplar.profiler.local_comm import local_engine
-from poplar.profiler.profile_run import ProfileOptions, default_optimizer, model_size, profile_rank
+from poplar.profiler.profile_run import ProfileJob, ProfileOptions, default_optimizer, model_size, profile_rank
 from poplar.types.profiles import Profile
 
 STRATEGIES = ("poplar", "even", "flops")
@@ -437,8 +438,9 @@ def main() -> None:
 
         def once(margin: float, spec: ClusterSpec = spec) -> tuple[tuple[list[dict], Any], float]:
             with cluster_link(spec, args.link, model_fn) as (link, fit):
-                cal = calibrate_stages(model_fn, llama_loss_fn, sample_fn, spec, args.stages, link=link,
-                                       optimizer_fn=default_optimizer, mixed_precision=policy, margin=margin)
+                job = ProfileJob(model_fn, llama_loss_fn, sample_fn, default_optimizer,
+                                 ProfileOptions(mixed_precision=policy))
+                cal = calibrate_stages(job, spec, args.stages, link=link, margin=margin)
                 devices = cluster_devices(spec, cal.memory_scale, cal.time_scale, policy, link=link)
                 print(f"# {spec.describe()}: memory scale {cal.memory_scale:.3g}, time scale {cal.time_scale:.3g} "
                       f"(margin {margin:.2f}), {link.describe() if link else 'the machine link'}",

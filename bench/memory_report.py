@@ -11,13 +11,14 @@ from torch import nn
 from poplar.engine import PoplarEngine
 from poplar.comm.launch import spawn
 from poplar.types.plans import Plan
+from poplar.zero.config import ZeroConfig
 
 
 def worker(rank: int, world: int, stage: int) -> dict:
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(1000, 1000) for _ in range(7)])
-    engine = PoplarEngine(model, torch.optim.AdamW(model.parameters()), zero_stage=stage,
-                          plan=Plan.even(world, 2 * world, 1), bucket_size_mb=4.0)
+    engine = PoplarEngine(model, torch.optim.AdamW(model.parameters()), zero_stage=ZeroConfig(stage, bucket_size_mb=4.0),
+                          plan=Plan.even(world, 2 * world, 1))
     engine.train_step(torch.randn(2, 1000), lambda m, b: m(b).pow(2).mean())
     return {**engine.memory_report(), "psi": sum(p.numel() for p in model.parameters())}
 

@@ -19,8 +19,8 @@ import statistics
 import time
 
 from poplar.planner import plan
-from poplar.planner.synthetic import profile_from_presets
-from poplar.types.presets import PRESETS
+from poplar.emulation.synthetic import profile_from_presets
+from poplar.emulation.presets import PRESETS
 
 
 def device_types(seed: int = 0) -> list:

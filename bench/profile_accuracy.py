@@ -2,7 +2,7 @@
 true curve, on emulated clusters of preset GPUs, ZeRO-0..3.
 
 Each cluster runs as one process per rank with a ``VirtualDevice`` made from its preset (memory
-and time scaled to the CPU model by ``poplar.profiler.calibration.calibrate_stages``: the time
+and time scaled to the CPU model by ``poplar.emulation.calibration.calibrate_stages``: the time
 scale covers the highest stage profiled), whose compute is
 padded to the preset's curve: the truth is known. Per stage, the profiler runs on every rank
 (capacity search, lock-step timing with real collectives); then for every rank the planner's
@@ -34,14 +34,15 @@ import time
 
 import numpy as np
 
-from poplar.types.cluster import ClusterSpec
+from poplar.emulation.cluster import ClusterSpec
 from poplar.comm.launch import spawn
 from poplar.planner.curves import SpeedCurve
-from poplar.profiler.calibration import calibrate_stages
-from poplar.profiler.emulate import cluster_devices, until_on_time
-from poplar.profiler.speed_padding import LATE_BUDGET, late_fraction
-from poplar.profiler.profile_run import ProfileOptions, default_optimizer, profile_rank
-from poplar.types.presets import precision_of
+from poplar.emulation.calibration import calibrate_stages
+from poplar.emulation.emulate import cluster_devices
+from poplar.emulation.runs import until_on_time
+from poplar.emulation.speed_padding import LATE_BUDGET, late_fraction
+from poplar.profiler.profile_run import ProfileJob, ProfileOptions, default_optimizer, profile_rank
+from poplar.types.precision import precision_of
 from poplar.types.profiles import Profile
 from poplar.workloads import WORKLOADS, get_workload
 
@@ -109,8 +110,8 @@ def _run_cluster_once(name: str, args: argparse.Namespace, stages: list[int], pr
     spec = resolve(name)
     w = get_workload(args.model)
     low = next((p for p in precisions if p != "fp32"), None)
-    cal = calibrate_stages(w.model_fn, w.loss_fn, w.sample_fn, spec, stages, optimizer_fn=default_optimizer,
-                           mixed_precision=low, margin=margin)
+    job = ProfileJob(w.model_fn, w.loss_fn, w.sample_fn, default_optimizer, ProfileOptions(mixed_precision=low))
+    cal = calibrate_stages(job, spec, stages, margin=margin)
     print(f"# {spec.describe()}: memory scale {cal.memory_scale:.3g}, time scale {cal.time_scale:.3g} "
           f"(margin {margin:.2f})", file=sys.stderr, flush=True)
     report = []

@@ -4,7 +4,7 @@ and how well ``fit(..., replan=...)`` recovers, and whether it stays quiet witho
 Per cluster (built-in B = 2 V100-16G + 2 T4-16G, C = 2 A800-80G + 2 V100S-32G; 4 ranks, one
 process each with a ``VirtualDevice`` of its preset, scales calibrated as in bench/hetero.py):
 profile every rank once (``profile_rank``), then, with rank ``--slow-rank`` slowed
-``--factor``x from iteration ``--slow-at`` (``poplar.profiler.faults.FaultSchedule``), train
+``--factor``x from iteration ``--slow-at`` (``poplar.emulation.faults.FaultSchedule``), train
 three runs of ``--iterations`` iterations from the same initial model on the same data, one
 after the other in the same processes, in ``--rounds`` rounds (2; odd rounds in reverse order,
 medians pooled over the rounds, so a machine whose speed wanders favours none of them):
@@ -46,12 +46,13 @@ from poplar.auto import AutoOptions
 from poplar.comm.launch import spawn
 from poplar.engine import PoplarEngine
 from poplar.planner import plan as make_plan
-from poplar.profiler.emulate import calibrate, cluster_devices
-from poplar.profiler.faults import FaultSchedule
-from poplar.profiler.profile_run import ProfileOptions, default_optimizer, profile_rank
+from poplar.emulation.calibration import calibrate
+from poplar.emulation.emulate import cluster_devices
+from poplar.emulation.faults import FaultSchedule
+from poplar.profiler.profile_run import ProfileJob, ProfileOptions, default_optimizer, profile_rank
 from poplar.train.replan import ReplanOptions
-from poplar.types.cluster import ClusterSpec
-from poplar.types.profiles import Profile, ProfilePoint
+from poplar.emulation.cluster import ClusterSpec
+from poplar.types.profiles import Profile
 from poplar.workloads.models import create_model, llama_loss_fn
 from poplar.zero.observers import StepObserver
 
@@ -101,7 +102,7 @@ def run(job: dict, rank: int, device: Any, profile: Profile, name: str, data: To
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     device.faults = job["faults"] if name != "quiet" and rank == job["slow_rank"] else None
     engine = PoplarEngine(model, opt, zero_stage=job["stage"], global_batch_size=job["gbs"], loss_fn=llama_loss_fn,
-                          device=device, auto=AutoOptions(profile=profile, progress=False))
+                          auto=AutoOptions(device=device, profile=profile, progress=False))
     counter = MicroSteps()
     handle = engine.add_observer(counter)
     late = device.late_steps
@@ -238,7 +239,8 @@ def main() -> None:
     rows = []
     for name in args.clusters.split(","):
         spec = ClusterSpec.resolve(name)
-        cal = calibrate(model_fn, llama_loss_fn, sample_fn, spec, args.stage, optimizer_fn=default_optimizer)
+        cal = calibrate(ProfileJob(model_fn, llama_loss_fn, sample_fn, default_optimizer,
+                                   ProfileOptions(zero_stage=args.stage)), spec)
         devices = cluster_devices(spec, cal.memory_scale, cal.time_scale)
         print(f"# {spec.describe()}: memory scale {cal.memory_scale:.3g}, time scale {cal.time_scale:.3g}",
               file=sys.stderr, flush=True)

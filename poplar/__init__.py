@@ -14,15 +14,15 @@ __all__ = [
     "Profile", "ProfileError", "ProfilePoint", "RankProfile", "CommProfile",
     "PoplarEngine", "AutoOptions", "plan", "simulate", "profile",
     "StepObserver", "MicroStep", "IterationStats",
-    "MixedPrecision", "LossScaleConfig", "NonFinitePolicy",
+    "MixedPrecision", "LossScaleConfig", "NonFinitePolicy", "ZeroConfig", "ProfileOptions",
 ]
 
 # Each feature adds its public names below (one import line per subpackage).
 from poplar.auto import AutoOptions  # noqa: E402
 from poplar.engine import PoplarEngine  # noqa: E402
 from poplar.planner import plan, simulate  # noqa: E402
-from poplar.profiler import profile  # noqa: E402
-from poplar.train import loop as _loop  # noqa: E402,F401 - registers the loop behind PoplarEngine.fit
+from poplar.profiler import ProfileOptions, profile  # noqa: E402
 from poplar.types.precision import LossScaleConfig, MixedPrecision  # noqa: E402
+from poplar.zero.config import ZeroConfig  # noqa: E402
 from poplar.zero.nonfinite import NonFinitePolicy  # noqa: E402
 from poplar.zero.observers import IterationStats, MicroStep, StepObserver  # noqa: E402

@@ -1,6 +1,11 @@
 """Dependencies point one way: every import in ``poplar/`` (function-level ones included) goes to
-its own layer or a layer below it (docs/design.md §6). The test fails on any import against the
-order, and the checker is tested on a package written for the purpose."""
+its own layer or a layer below it (docs/design.md §6). The CPU emulator (``poplar/emulation/``)
+sits beside the product: it may import the product, the command line may import it, and no
+product package (nor the package root) ever does. The test fails on any import against the
+order, and the checker is tested on a package written for the purpose.
+
+The doors stay small: no public function or method in ``poplar/`` takes more than
+``MAX_PARAMETERS`` named parameters, and no ``register_*loop*`` callback holds layers together."""
 
 from __future__ import annotations
 
@@ -22,9 +27,14 @@ LAYERS: dict[str, set[str]] = {
     "checkpoint": {"types", "comm", "zero"},
     "train": {"types", "comm", "zero", "profiler", "planner", "auto", "engine", "checkpoint"},
     "cli": {"types", "comm", "zero", "profiler", "planner", "auto", "engine", "checkpoint", "train", "workloads",
-            "facade"},
+            "facade", "emulation"},
     "facade": {"types", "comm", "zero", "profiler", "planner", "auto", "engine", "checkpoint", "train", "workloads"},
+    # beside the product: it may use any product layer; only the command line (and tests, benches) use it
+    "emulation": {"types", "comm", "zero", "profiler", "planner", "auto", "engine", "checkpoint", "train",
+                  "workloads"},
 }
+PRODUCT = set(LAYERS) - {"cli", "emulation"}
+MAX_PARAMETERS = 10
 POPLAR = Path(__file__).resolve().parents[1] / "poplar"
 
 
@@ -106,3 +116,103 @@ def test_checker_catches_an_upward_import(tmp_path: Path, lazy: bool) -> None:
     (root / "zero" / "stage.py").write_text(upward)
     found = violations(root, layers)
     assert len(found) == 1 and "zero imports poplar.train" in found[0], found
+
+
+def emulation_imports(root: Path, layers: dict[str, set[str]]) -> list[str]:
+    """Every import of the emulator (``<package>.emulation``) from a product layer."""
+    package = root.name
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        module = module_name(path, root)
+        here = layer_of(module, package)
+        if here in ("cli", "emulation"):
+            continue
+        for line, target in imports_of(path, module):
+            if target == f"{package}.emulation" or target.startswith(f"{package}.emulation."):
+                found.append(f"{path}:{line}: {here} imports the emulator ({target})")
+    return found
+
+
+def test_no_product_package_imports_the_emulator() -> None:
+    assert not any("emulation" in LAYERS[layer] for layer in PRODUCT)
+    found = emulation_imports(POPLAR, LAYERS)
+    assert not found, "\n".join(found)
+
+
+def test_the_profiler_holds_no_emulator_module() -> None:
+    emulator = ("virtual_", "speed_padding", "block_pacing", "saved_tensors", "speed_curves", "link_calibration",
+                "calibration", "emulate", "faults")
+    left = [p.name for p in (POPLAR / "profiler").glob("*.py") if p.stem.startswith(emulator)]
+    assert not left, left
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_checker_catches_a_product_import_of_the_emulator(tmp_path: Path, lazy: bool) -> None:
+    root = tmp_path / "poplar"
+    for pkg in ("types", "profiler", "emulation", "cli"):
+        (root / pkg).mkdir(parents=True)
+        (root / pkg / "__init__.py").write_text("")
+    (root / "__init__.py").write_text("")
+    (root / "emulation" / "virtual_device.py").write_text("from poplar.profiler import devices\n")
+    (root / "cli" / "demo.py").write_text("from poplar.emulation import virtual_device\n")
+    (root / "profiler" / "devices.py").write_text("from poplar.types import plans\n")
+    assert emulation_imports(root, LAYERS) == []
+    bad = "def f():\n    from poplar.emulation.virtual_device import X\n" if lazy else \
+        "from ..emulation import virtual_device\n"
+    (root / "profiler" / "capacity.py").write_text(bad)
+    found = emulation_imports(root, LAYERS)
+    assert len(found) == 1 and "profiler imports the emulator" in found[0], found
+    layers = {"types": set(), "profiler": {"types"}, "emulation": {"types", "profiler"}, "cli": {"emulation"},
+              "facade": set()}
+    assert any("profiler imports poplar.emulation" in v for v in violations(root, layers))
+
+
+def wide_public_functions(root: Path, limit: int = MAX_PARAMETERS) -> list[str]:
+    """Public functions and methods (no leading underscore; ``__init__`` counts) with more than
+    ``limit`` named parameters (positional and keyword-only, ``self`` / ``cls`` left out)."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            if node.name.startswith("_") and node.name != "__init__":
+                continue
+            a = node.args
+            count = len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs)
+            if a.args and a.args[0].arg in ("self", "cls"):
+                count -= 1
+            if count > limit:
+                found.append(f"{path}:{node.lineno} {node.name} takes {count} parameters (at most {limit}: group "
+                             "the rarely used ones into a policy dataclass)")
+    return found
+
+
+def loop_registrations(root: Path) -> list[str]:
+    """Functions named ``register_*loop*``: callbacks that hold an upper layer to a lower one."""
+    return [f"{path}:{node.lineno} {node.name}" for path in sorted(root.rglob("*.py"))
+            for node in ast.walk(ast.parse(path.read_text(), str(path)))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("register_")
+            and "loop" in node.name]
+
+
+def test_public_doors_are_small() -> None:
+    found = wide_public_functions(POPLAR)
+    assert not found, "\n".join(found)
+
+
+def test_no_loop_registration() -> None:
+    found = loop_registrations(POPLAR)
+    assert not found, "\n".join(found)
+
+
+def test_door_checkers_catch_a_wide_function_and_a_registration(tmp_path: Path) -> None:
+    root = tmp_path / "poplar"
+    root.mkdir()
+    (root / "ok.py").write_text("class A:\n    def __init__(self, a, b, c, d, e, f, g, h, i, j):\n        pass\n"
+                                "def _private(a, b, c, d, e, f, g, h, i, j, k):\n    pass\n")
+    assert wide_public_functions(root) == [] and loop_registrations(root) == []
+    (root / "wide.py").write_text("def fit(a, b, c, d, e, f, g, h, i, *, j=1, k=2):\n    pass\n"
+                                  "def register_fit_loop(loop):\n    pass\n")
+    wide = wide_public_functions(root)
+    assert len(wide) == 1 and "fit takes 11 parameters" in wide[0], wide
+    assert len(loop_registrations(root)) == 1

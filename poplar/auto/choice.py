@@ -14,11 +14,12 @@ from typing import Any, Callable
 from poplar.comm import Communicator
 from poplar.planner.candidates import CandidateRow, choose, estimate_profile, format_table, mbs_by_type, predict, \
     with_probe
-from poplar.profiler.candidates import CandidateProfiler, Config, Reuse
+from poplar.profiler.configurations import CandidateProfiler, Reuse
 from poplar.profiler.devices import Device
 from poplar.profiler.exposure import ExposureRounds
-from poplar.profiler.profile_run import ProfileOptions
+from poplar.profiler.profile_run import ProfileJob
 from poplar.profiler.timing import Confirmation, TimingGrid
+from poplar.types.configuration import Configuration
 from poplar.types.profiles import Profile
 
 
@@ -33,23 +34,23 @@ class Choice:
     stages: tuple[int, ...]
     active: bool = True  # False: profile one configuration (escalating), as the paper does
     rows: list[CandidateRow] | None = None
-    chosen: Config | None = None
+    chosen: Configuration | None = None
 
-    def configs(self, zero_stage: int) -> list[Config]:
+    def configs(self, zero_stage: int) -> list[Configuration]:
         settings = [None, True] if self.checkpointing is None else [self.checkpointing]
         stages = sorted(s for s in set(self.stages) if s >= zero_stage)  # the stage asked for is a floor
-        return [Config(s, c) for c in settings for s in stages]
+        return [Configuration(s, c) for c in settings for s in stages]
 
 
-def choose_configuration(comm: Communicator, model_fn: Callable, loss_fn: Callable, sample_fn: Any,
-                         optimizer_fn: Callable, device: Device, popts: ProfileOptions, choice: Choice,
+def choose_configuration(comm: Communicator, job: ProfileJob, device: Device, choice: Choice,
                          say: Callable[[str], None], **limits: Any) -> Profile:
     """Capacity of every configuration (no collective), timing of the first fit, then of each
     candidate whose lower bound could beat the best prediction so far; choose (docs/design.md §7.1).
     ``limits``: the planner's (``require_all_ranks``, ``max_micro_steps``). Returns the chosen
     configuration's profile (the same on every rank) and records the choice in ``choice``."""
-    prof = CandidateProfiler(model_fn, loss_fn, sample_fn, device, optimizer_fn=optimizer_fn, options=popts,
-                             log=lambda m: say(m.removeprefix("[poplar profile] ")), process_group=comm.group)
+    popts = job.options
+    prof = CandidateProfiler(job, device, log=lambda m: say(m.removeprefix("[poplar profile] ")),
+                             process_group=comm.group)
     types = comm.all_gather_object(device.device_type, tag="auto:types")
     caps = prof.capacities(choice.configs(popts.zero_stage))
     rows = [CandidateRow(c.config.stage, c.config.checkpointed, c.fits, mbs_by_type(types, c.mbs)) for c in caps]
@@ -137,14 +138,3 @@ def choose_configuration(comm: Communicator, model_fn: Callable, loss_fn: Callab
         + format_table(rows))
     return Profile.from_dict(comm.all_gather_object(profile.to_dict() if comm.rank == 0 else None,
                                                     tag="auto:profile")[0])
-
-
-def heaviest_config(choice: Choice, zero_stage: int) -> tuple[int, Any] | None:
-    """The configuration among the candidates whose micro-steps compute the most on a CPU (the
-    highest stage, checkpointed if any is): the emulation's time scale must cover it too."""
-    if not choice.active:
-        return None
-    configs = choice.configs(zero_stage)
-    stage = max((c.stage for c in configs), default=zero_stage)
-    checkpointing = next((c.checkpointing for c in configs if c.checkpointed), None)
-    return None if (stage, checkpointing) == (zero_stage, None) else (stage, checkpointing)

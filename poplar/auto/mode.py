@@ -1,17 +1,13 @@
 """Auto mode: inside a running job, profile every rank's device, plan, and hand the plan to the
-engine. ``PoplarEngine(model, optimizer, global_batch_size=..., loss_fn=..., profile_data=...)``
-calls ``auto_plan``; every rank takes part (it is collective, like the engine's constructor).
+engine. ``PoplarEngine(model, optimizer, global_batch_size=..., loss_fn=...,
+auto=AutoOptions(profile_data=...))`` calls ``auto_plan``; every rank takes part (it is
+collective, like the engine's constructor).
 
-Each rank's device:
-
-- ``device=`` a profiler ``Device`` (``VirtualDevice``, or ``CudaDevice``, e.g. capped to a
-  smaller card's memory);
-- a model on a GPU: that GPU (``CudaDevice``);
-- a model on the CPU: ``cluster=`` names a cluster (built-in name, JSON file or ``ClusterSpec``)
-  with one device per rank; rank r emulates the r-th with a ``VirtualDevice``. The memory and
-  time scales (a CPU-sized model filling a scaled-down GPU) are calibrated once, on rank 0, and
-  shared, so every rank emulates the same cluster (``poplar.profiler.emulate``, which
-  ``poplar.profile`` uses too).
+Each rank's device: ``AutoOptions.device`` (a profiler ``Device``: a ``CudaDevice``, e.g. capped
+to a smaller card's memory, or a device emulated on CPU by ``poplar.emulation``), else the GPU
+the model is on (``CudaDevice``). A device that observes profiling runs
+(``poplar.profiler.phases.ProfileObserver``) prepares for the workload first, every rank
+together (an emulated GPU calibrates its scales there), whether the profile is measured or reused.
 
 Profiling trains fresh copies of the model, built from a CPU snapshot taken before the engine
 shards anything, with an optimizer of the user's class and hyper-parameters, on batches drawn
@@ -21,16 +17,16 @@ profiling; ``AutoOptions.profile_output`` saves it (rank 0).
 
 Precision. ``auto_plan(..., mixed_precision=...)`` (the engine passes its own) profiles under
 the run's policy: the copies trained run at that precision, emulated devices compute at their
-presets' speed for it, and the profile records it. A device without it (bf16 on a V100 or T4)
-is one clear error on every rank, before anything is profiled; a reused profile measured at
-another precision is refused (its mbs and speeds are not this run's).
+presets' speed for it, and the profile records it. A device without it (bf16 on a V100 or T4) is
+one clear error on every rank, before anything is profiled; a reused profile measured at another
+precision is refused (its mbs and speeds are not this run's).
 """
 
 from __future__ import annotations
 
 import copy
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -40,18 +36,19 @@ from torch.utils.data import default_collate
 from poplar.comm import Communicator
 from poplar.planner import plan as make_plan
 from poplar.planner.planning import load_profile
+from poplar.auto.choice import Choice, choose_configuration
+from poplar.planner.candidates import RULES, CandidateRow
 from poplar.profiler.cuda_device import CudaDevice
 from poplar.profiler.devices import Device
-from poplar.profiler.emulate import CalibrationInputs, emulate_cluster_together
+from poplar.profiler.phases import observers_of
 from poplar.profiler.precision import agree_precision_support, profile_precision
-from poplar.auto.choice import Choice, choose_configuration, heaviest_config
-from poplar.planner.candidates import RULES, CandidateRow
-from poplar.profiler.profile_run import ProfileOptions, profile_rank
+from poplar.profiler.profile_run import ProfileJob, ProfileOptions, profile_rank
+from poplar.types.configuration import heaviest
 from poplar.types.logs import log
 from poplar.types.plans import Plan, PlanError
-from poplar.types.precision import MixedPrecision, resolve_precision
-from poplar.types.presets import precision_of
+from poplar.types.precision import MixedPrecision, precision_of, resolve_precision
 from poplar.types.profiles import Profile, ProfileError
+from poplar.zero.config import ZeroConfig
 from poplar.zero.optim import optimizer_like
 
 
@@ -59,6 +56,8 @@ from poplar.zero.optim import optimizer_like
 class AutoOptions:
     """Knobs of auto mode; the defaults suit most runs."""
 
+    profile_data: Any = None  # what profiling trains on: a map-style dataset or sample_fn(b)
+    device: Device | None = None  # this rank's device (default: the model's GPU)
     strategy: str = "poplar"  # or "even" / "flops" (the baselines, for comparison)
     profile: Profile | str | os.PathLike | None = None  # reuse a measured profile instead of profiling
     profile_output: str | os.PathLike | None = None  # save the measured profile here (JSON)
@@ -67,8 +66,6 @@ class AutoOptions:
     escalate: bool = True  # raise the ZeRO stage when batch 1 does not fit somewhere
     require_all_ranks: bool = False  # every rank must get at least one sample
     max_micro_steps: int | None = None  # bound on micro-steps per rank per iteration
-    memory_scale: float | str = "auto"  # emulation only: preset memory x this
-    time_scale: float | str = "auto"  # emulation only: preset step time x this
     collate_fn: Callable[[list], Any] | None = None  # for profile_data given as a dataset
     progress: bool = True  # profiling progress lines (rank 0)
     # how the configuration (ZeRO stage x activation checkpointing) is chosen: "fastest" predicted
@@ -122,50 +119,46 @@ def clone_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module,
 
 
 def _measure(comm: Communicator, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable,
-             sample_fn: Any, zero_stage: int, home: torch.device, cluster: Any, device: Device | None,
-             options: AutoOptions, bucket_size_mb: float, wrap_policy: Any, policy: MixedPrecision | None,
-             say: Callable[[str], None], choice: Choice) -> tuple[Profile, Device | None]:
-    """The profile (measured, or loaded from ``options.profile``) and this rank's device."""
+             sample_fn: Any, zero: ZeroConfig, options: AutoOptions, policy: MixedPrecision | None,
+             say: Callable[[str], None], choice: Choice, home: torch.device) -> tuple[Profile, Device | None]:
+    """The profile (measured, or loaded from ``options.profile``) and this rank's device
+    (``home``: where the model lives, moved to the CPU meanwhile)."""
     snapshot = copy.deepcopy(model)  # on the CPU: the caller moved the model there
     model_fn = lambda: copy.deepcopy(snapshot)  # noqa: E731
     optimizer_fn = lambda m: clone_optimizer(optimizer, m, model)  # noqa: E731
-    inputs = CalibrationInputs(model_fn, loss_fn, sample_fn, optimizer_fn, zero_stage, bucket_size_mb, wrap_policy,
-                               options.max_batch, policy, heaviest_config(choice, zero_stage))
-    profile = None
-    if options.profile is not None:
-        profile, options = _load_profile(comm, options, policy, say)
-    device = _rank_device(comm, home, cluster, device, options, inputs, needed=profile is None)
-    if profile is None:
-        assert device is not None
-        popts = ProfileOptions(zero_stage=zero_stage, escalate=options.escalate, max_batch=options.max_batch,
-                               repeats=options.repeats, bucket_size_mb=bucket_size_mb, wrap_policy=wrap_policy,
-                               model_name=type(model).__name__, progress=options.progress,
-                               meta=device.profile_meta(), mixed_precision=policy)
-        if choice.active:
-            profile = choose_configuration(comm, model_fn, loss_fn, sample_fn, optimizer_fn, device, popts, choice, say,
-                                           require_all_ranks=options.require_all_ranks,
-                                           max_micro_steps=options.max_micro_steps)
-            if options.profile_output is not None and comm.rank == 0:
-                profile.save(options.profile_output)
-            return profile, device
-        popts.activation_checkpointing = choice.checkpointing
-        say(f"profiling {comm.world_size} ranks at ZeRO-{zero_stage}, {precision_of(policy)} ...")
+    popts = ProfileOptions(zero_stage=zero.stage, escalate=options.escalate, max_batch=options.max_batch,
+                           repeats=options.repeats, bucket_size_mb=zero.bucket_size_mb, wrap_policy=zero.wrap_policy,
+                           model_name=type(model).__name__, progress=options.progress, mixed_precision=policy,
+                           activation_checkpointing=None if choice.active else choice.checkpointing)
+    job = ProfileJob(model_fn, loss_fn, sample_fn, optimizer_fn, popts,
+                     heaviest(choice.configs(zero.stage)) if choice.active else None)
+    profile = _load_profile(comm, options, policy, say) if options.profile is not None else None
+    device = _rank_device(comm, options.device, home, needed=profile is None)
+    if profile is not None:  # a reused profile: the device prepares for it, and must compute at its precision
+        for observer in observers_of(device):
+            observer.prepare_profiling(comm, job, profile)
+        if device is not None:
+            agree_precision_support(comm, device, policy, "auto mode precision")
+        return profile, device
+    assert device is not None
+    if choice.active:
+        profile = choose_configuration(comm, job, device, choice, say, require_all_ranks=options.require_all_ranks,
+                                       max_micro_steps=options.max_micro_steps)
+    else:
+        say(f"profiling {comm.world_size} ranks at ZeRO-{zero.stage}, {precision_of(policy)} ...")
         profile = profile_rank(model_fn, loss_fn, sample_fn, device, optimizer_fn=optimizer_fn, options=popts,
                                log=lambda m: say(m.removeprefix("[poplar profile] ")), process_group=comm.group)
         # rank 0's copy everywhere: the per-rank copies differ only in their own wall-clock notes
         profile = Profile.from_dict(comm.all_gather_object(profile.to_dict() if comm.rank == 0 else None,
                                                            tag="auto:profile")[0])
-        if options.profile_output is not None and comm.rank == 0:
-            profile.save(options.profile_output)
-    elif device is not None:  # a reused profile: the device must still compute at the run's precision
-        agree_precision_support(comm, device, policy, "auto mode precision")
+    if options.profile_output is not None and comm.rank == 0:
+        profile.save(options.profile_output)
     return profile, device
 
 
 def _load_profile(comm: Communicator, options: AutoOptions, policy: MixedPrecision | None,
-                  say: Callable[[str], None]) -> tuple[Profile, AutoOptions]:
-    """``options.profile``, checked on every rank (its rank count and precision must be this
-    run's); the options then emulate the scales it was measured at, unless they name their own."""
+                  say: Callable[[str], None]) -> Profile:
+    """``options.profile``, checked on every rank (its rank count and precision must be this run's)."""
     error, profile = None, None
     try:
         profile = load_profile(options.profile)
@@ -183,36 +176,26 @@ def _load_profile(comm: Communicator, options: AutoOptions, policy: MixedPrecisi
     assert profile is not None
     say(f"using the profile {'given' if isinstance(options.profile, Profile) else options.profile} "
         f"(ZeRO-{profile.zero_stage})")
-    if profile.meta.get("emulated") and options.memory_scale == "auto" and options.time_scale == "auto":
-        options = replace(options, memory_scale=profile.meta["memory_scale"],
-                          time_scale=profile.meta["time_scale"])  # emulate the devices it measured
-    return profile, options
+    return profile
 
 
-def _rank_device(comm: Communicator, home: torch.device, cluster: Any, device: Device | None, options: AutoOptions,
-                 inputs: CalibrationInputs, *, needed: bool) -> Device | None:
-    """This rank's device: the one given, the ``cluster``'s device of this rank (emulated), or,
-    when there is still a profile to measure (``needed``), the GPU the model is on."""
-    if device is not None:
+def _rank_device(comm: Communicator, device: Device | None, home: torch.device, *, needed: bool) -> Device | None:
+    """This rank's device: the one given, or, when there is still a profile to measure
+    (``needed``), the GPU the model is on."""
+    if device is not None or not needed:
         return device
-    if cluster is not None:
-        emulated = emulate_cluster_together(comm, cluster, inputs, options.memory_scale, options.time_scale,
-                                            what="auto mode")
-        return emulated.device(comm.rank)
-    if not needed:
-        return None
     error = None
     if home.type == "cuda":
         device = CudaDevice(home)
     else:
-        error = ("the model is on the CPU and neither cluster= nor device= was given: auto mode measures each "
-                 "rank's device; pass cluster= (a cluster file or a built-in name) to emulate GPUs on CPU, "
-                 "device=, AutoOptions(profile=...), or a plan")
+        error = ("the model is on the CPU and no device was given: auto mode measures each rank's device; pass "
+                 "AutoOptions(device=...) (on CPU, poplar.emulation.cluster_device(...) emulates a GPU of a "
+                 "cluster), AutoOptions(profile=...), or a plan")
     comm.agree(error, "auto mode device", error_type=ProfileError)
     return device
 
 
-def _check_inputs(global_batch_size: Any, loss_fn: Callable | None, profile_data: Any, options: AutoOptions,
+def _check_inputs(global_batch_size: Any, loss_fn: Callable | None, options: AutoOptions,
                   mixed_precision: Any) -> tuple[str | None, MixedPrecision | None, Callable[[int], Any] | None]:
     """(what is wrong with auto mode's inputs or None, the precision policy, ``sample_fn``)."""
     try:
@@ -223,25 +206,27 @@ def _check_inputs(global_batch_size: Any, loss_fn: Callable | None, profile_data
         return f"global_batch_size must be an int >= 1, got {global_batch_size!r}", policy, None
     if loss_fn is None:
         return "auto mode needs loss_fn(module, micro_batch) -> mean loss, to profile and to train", policy, None
-    if options.profile is None and profile_data is None:
-        return ("auto mode needs profile_data (a dataset or sample_fn(b)) to profile on, or "
+    if options.profile is None and options.profile_data is None:
+        return ("auto mode needs AutoOptions(profile_data=...) (a dataset or sample_fn(b)) to profile on, or "
                 "AutoOptions(profile=...)"), policy, None
     try:
-        return None, policy, None if profile_data is None else sample_fn_of(profile_data, options.collate_fn)
+        return None, policy, None if options.profile_data is None else sample_fn_of(options.profile_data,
+                                                                                  options.collate_fn)
     except ValueError as e:
         return str(e), policy, None
 
 
 def auto_plan(comm: Communicator, model: nn.Module, optimizer: torch.optim.Optimizer, *, global_batch_size: int,
-              zero_stage: int, loss_fn: Callable | None, profile_data: Any, cluster: Any = None,
-              device: Device | None = None, options: AutoOptions | None = None, bucket_size_mb: float = 25.0,
-              wrap_policy: Any = None, mixed_precision: Any = None,
-              activation_checkpointing: Any = None) -> AutoResult:
+              zero_stage: int | ZeroConfig, loss_fn: Callable | None, options: AutoOptions | None = None,
+              mixed_precision: Any = None, activation_checkpointing: Any = None) -> AutoResult:
     """Profile (or load a profile), plan, and log the plan: the engine's auto mode.
+    ``zero_stage`` is the lowest stage to consider (with the runtime settings profiling uses);
     ``mixed_precision`` is the run's precision (the engine's argument: None, "fp32", "bf16",
     "fp16" or a ``MixedPrecision``); profiling runs under it."""
     options = options or AutoOptions()
-    error, policy, sample_fn = _check_inputs(global_batch_size, loss_fn, profile_data, options, mixed_precision)
+    zero = ZeroConfig.of(zero_stage)
+    zero_stage = zero.stage
+    error, policy, sample_fn = _check_inputs(global_batch_size, loss_fn, options, mixed_precision)
     comm.agree(error, "auto mode set-up", error_type=ProfileError)
 
     say = (lambda m: log.info(m)) if options.progress and comm.rank == 0 else (lambda m: None)
@@ -253,8 +238,8 @@ def auto_plan(comm: Communicator, model: nn.Module, optimizer: torch.optim.Optim
     if home.type != "cpu":
         model.to("cpu")  # profiling gets the whole GPU (the copies it trains live there); moved back below
     try:
-        profile, device = _measure(comm, model, optimizer, loss_fn, sample_fn, zero_stage, home, cluster, device,
-                                   options, bucket_size_mb, wrap_policy, policy, say, choice)
+        profile, device = _measure(comm, model, optimizer, loss_fn, sample_fn, zero, options, policy, say, choice,
+                                   home)
     finally:
         if home.type != "cpu":
             model.to(home)

@@ -20,11 +20,12 @@ from typing import Any
 import torch
 
 from poplar.comm.launch import spawn
-from poplar.profiler.speed_padding import LATE_BUDGET, late_fraction
+from poplar.emulation.speed_padding import LATE_BUDGET, late_fraction
 
 
 def _rank_main(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     from poplar.auto import AutoOptions
+    from poplar.emulation import cluster_device
     from poplar.engine import PoplarEngine
     from poplar.workloads.models import create_model, llama_loss_fn
     from poplar.planner import plan as make_plan
@@ -35,9 +36,10 @@ def _rank_main(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     model = create_model(args["model"], seed=args["seed"], max_seq_len=args["seq_len"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=args["lr"])
     t0 = time.perf_counter()
+    device = cluster_device(args["cluster"], rank)  # this rank's GPU of the cluster, emulated
     engine = PoplarEngine(model, optimizer, zero_stage=args["stage"], global_batch_size=args["gbs"],
-                          loss_fn=llama_loss_fn, profile_data=data, cluster=args["cluster"], max_grad_norm=1.0,
-                          auto=AutoOptions(repeats=2), mixed_precision=args["precision"])
+                          loss_fn=llama_loss_fn, max_grad_norm=1.0, mixed_precision=args["precision"],
+                          auto=AutoOptions(profile_data=data, device=device, repeats=2))
     setup_s = time.perf_counter() - t0
     report = args["report_dir"]
     results = {"setup_s": setup_s, "profile": engine.profile.to_dict()}
@@ -47,28 +49,21 @@ def _rank_main(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
             if rank == 0:
                 print(f"\n[poplar] switching to the {strategy} plan for comparison:\n{engine.plan.table()}",
                       file=sys.stderr, flush=True)
-        late0, padded0 = _padding_counts(engine.device)
+        late0, padded0 = device.late_steps, device.padded_steps
         fit = engine.fit(data, (i + 1) * args["iterations"], log_every=args["log_every"],
                          report_dir=f"{report}/{strategy}" if report else None)
-        late, padded = _padding_counts(engine.device)
+        late, padded = device.late_steps, device.padded_steps
         results[strategy] = {"plan": engine.plan.to_dict(), "fit": fit.to_dict(),
                              "late_steps": late - late0, "padded_steps": padded - padded0}
     engine.close()
     return results
 
 
-def _padding_counts(device: Any) -> tuple[int, int]:
-    """(late, padded) micro-steps of an emulated device so far; (0, 0) on a real GPU."""
-    from poplar.profiler.virtual_device import VirtualDevice
-
-    return (device.late_steps, device.padded_steps) if isinstance(device, VirtualDevice) else (0, 0)
-
-
 def run(cluster: str = "B", stage: int = 2, gbs: int = 64, iterations: int = 30, model: str = "llama-tiny",
         seq_len: int = 64, report_dir: str | None = "runs/demo", log_every: int = 10,
         precision: str = "fp32") -> dict[str, Any]:
-    from poplar.types.cluster import ClusterSpec
-    from poplar.types.presets import precision_of
+    from poplar.emulation.cluster import ClusterSpec
+    from poplar.types.precision import precision_of
 
     spec = ClusterSpec.resolve(cluster)
     precision = str(precision_of(precision))

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from poplar.planner.synthetic import REFERENCE_MODEL, ModelSpec
+from poplar.emulation.synthetic import REFERENCE_MODEL, ModelSpec
 
 MAX_DEFAULT_SEQ = 2048  # a config's context can be far longer than its training sequences
 RECOMPUTE_FACTOR = 4.0 / 3.0  # forward ~ 1/3 of forward + backward; checkpointing runs it twice

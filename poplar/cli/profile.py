@@ -52,17 +52,18 @@ def _scale(value: str, name: str) -> float | str:
 
 
 def _profile(args: argparse.Namespace) -> int:
-    from poplar.profiler.api import profile
+    from poplar.emulation import Scales, profile_cluster
+    from poplar.profiler import ProfileOptions
     from poplar.workloads import get_workload
 
     if args.repeats < 1 or args.max_batch < 1:
         raise ValueError("--repeats and --max-batch must be >= 1")
     w = get_workload(args.model)
-    result = profile(w.model_fn, w.loss_fn, w.sample_fn, cluster=args.cluster, zero_stage=args.stage,
-                     escalate=not args.no_escalate, max_batch=args.max_batch, repeats=args.repeats,
-                     memory_scale=_scale(args.memory_scale, "memory-scale"),
-                     time_scale=_scale(args.time_scale, "time-scale"), model_name=w.name,
-                     progress=not args.quiet, output=args.output)
+    options = ProfileOptions(zero_stage=args.stage, escalate=not args.no_escalate, max_batch=args.max_batch,
+                             repeats=args.repeats, model_name=w.name, progress=not args.quiet)
+    scales = Scales(_scale(args.memory_scale, "memory-scale"), _scale(args.time_scale, "time-scale"))
+    result = profile_cluster(w.model_fn, w.loss_fn, w.sample_fn, cluster=args.cluster, options=options,
+                             scales=scales, output=args.output)
     print(summary(result))
     if args.output:
         print(f"profile written to {args.output}", file=sys.stderr)

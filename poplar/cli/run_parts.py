@@ -131,7 +131,7 @@ def build_parts(cfg: TrainConfig, device: torch.device) -> RunParts:
 # ---------------------------------------------------------------------- profile reuse
 def profile_fingerprint(cfg: TrainConfig, model: nn.Module, sample: Any, world: int) -> dict[str, Any]:
     """What a profile depends on (JSON-safe): equal fingerprints, reusable profile."""
-    from poplar.types.cluster import ClusterSpec
+    from poplar.emulation.cluster import ClusterSpec
 
     params = hashlib.sha256(repr([(n, tuple(p.shape), p.requires_grad) for n, p in model.named_parameters()])
                             .encode()).hexdigest()

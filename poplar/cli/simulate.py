@@ -6,7 +6,7 @@
     poplar simulate --cluster my_cluster.json --gbs 256 --stage 0 --model path/to/config.json
     poplar simulate --profile profile.json --gbs 256 [--stage auto]
 
-A cluster (built-in name or JSON) is priced from its devices' presets (``poplar.types.presets``)
+A cluster (built-in name or JSON) is priced from its devices' presets (``poplar.emulation.presets``)
 for a model (``--model``: the presets' reference workload by default, a built-in model name or a
 Hugging Face config.json, ``poplar.cli.model_specs``). ``--add TYPE:N[,TYPE:N]`` simulates the
 cluster with N more devices of each TYPE beside the cluster as it is. ``--stage auto`` shows the
@@ -24,12 +24,13 @@ from typing import Any
 
 from poplar.cli.model_specs import PlanningModel, resolve_model
 from poplar.cli.plan import add_limits, stage_arg
-from poplar.planner.candidates import CandidateRow, choose, format_table, preset_candidates, recorded_candidates
+from poplar.emulation.cluster import BUILTIN_CLUSTERS, ClusterSpec
+from poplar.emulation.presets import get_preset
+from poplar.emulation.what_if import preset_candidates, simulate
+from poplar.planner.candidates import CandidateRow, choose, format_table, recorded_candidates
 from poplar.planner.planning import STRATEGIES, load_profile
-from poplar.planner.simulator import Simulation, simulate
-from poplar.types.cluster import BUILTIN_CLUSTERS, ClusterSpec
+from poplar.planner.simulator import Simulation
 from poplar.types.plans import write_text_atomic
-from poplar.types.presets import get_preset
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

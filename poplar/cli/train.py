@@ -32,7 +32,6 @@ from poplar.train.config import ConfigError, TrainConfig
 from poplar.train.preemption import Preempted
 
 FAILURE_GRACE_S = 10.0  # how long the reporting rank waits for failing ranks not known dead to check in
-_BOARD: list[Any] = []  # this process's FailureBoard (poplar.comm.failure), once the job has started
 
 
 def init_distributed(timeout_s: float) -> torch.device:
@@ -68,7 +67,7 @@ def choose_plan(cfg: TrainConfig, world: int, device: torch.device) -> tuple[Any
         return Plan.load(cfg.plan), False
     if device.type == "cuda" or cfg.cluster or cfg.profile:
         if cfg.cluster and cfg.mixed_precision is not None:  # bf16 on an emulated V100 / T4: say so now
-            from poplar.types.cluster import ClusterSpec
+            from poplar.emulation.cluster import ClusterSpec
             ClusterSpec.resolve(cfg.cluster).check_precision(cfg.mixed_precision)
         return None, True
     if cfg.micro_batch_size is None:
@@ -95,15 +94,18 @@ def describe_precision(policy: MixedPrecision) -> str:
     return f"{text}, static loss scale {scale.static_scale:g}"
 
 
-def run(cfg: TrainConfig) -> int:
+def run(cfg: TrainConfig, failures: "FailureReporting | None" = None) -> int:
     from poplar.auto import AutoOptions
+    from poplar.emulation import cluster_device
     from poplar.engine import PoplarEngine
+    from poplar.zero.config import ZeroConfig
 
     from poplar.cli import run_parts
     from poplar.types.profiles import Profile
 
     device = init_distributed(cfg.collective_timeout_s)
-    _join_failure_board()
+    if failures is not None:
+        failures.join()
     torch.manual_seed(cfg.seed)
     parts = run_parts.build_parts(cfg, device)
     model, optimizer, loss_fn, data = parts.model, parts.optimizer, parts.loss_fn, parts.train_data
@@ -113,8 +115,8 @@ def run(cfg: TrainConfig) -> int:
     if rank == 0:
         log.info(f"data: {parts.about_data}")
     plan, auto = choose_plan(cfg, world, device)
-    kwargs: dict[str, Any] = {"zero_stage": cfg.zero_stage, "max_grad_norm": cfg.gradient_clipping,
-                              "bucket_size_mb": cfg.bucket_size_mb, "loss_fn": loss_fn,
+    kwargs: dict[str, Any] = {"zero_stage": ZeroConfig(cfg.zero_stage, cfg.bucket_size_mb),
+                              "max_grad_norm": cfg.gradient_clipping, "loss_fn": loss_fn,
                               "mixed_precision": cfg.mixed_precision}
     if cfg.activation_checkpointing:
         kwargs["activation_checkpointing"] = cfg.activation_checkpointing
@@ -125,8 +127,9 @@ def run(cfg: TrainConfig) -> int:
             fingerprint = run_parts.profile_fingerprint(cfg, model, data[0], world)
             saved = run_parts.reusable_profile(cfg, fingerprint, rank)
             profile = Profile.from_dict(saved) if saved is not None else None
-        kwargs.update(global_batch_size=cfg.global_batch_size(world), profile_data=data, cluster=cfg.cluster,
-                      auto=AutoOptions(strategy=cfg.strategy, profile=profile,
+        device = cluster_device(cfg.cluster) if cfg.cluster else None  # rank r emulates the cluster's r-th GPU
+        kwargs.update(global_batch_size=cfg.global_batch_size(world),
+                      auto=AutoOptions(profile_data=data, device=device, strategy=cfg.strategy, profile=profile,
                                        profile_output=os.path.join(cfg.report_dir, "profile.json")
                                        if cfg.report_dir else None))
     else:
@@ -160,8 +163,9 @@ def _main(args: argparse.Namespace) -> int:
     if args.iterations is not None:
         cfg.iterations = args.iterations
     code = 1
+    failures = FailureReporting()
     try:
-        code = run(cfg)
+        code = run(cfg, failures)
     except Preempted as e:
         code = e.exit_code
         if int(os.environ.get("RANK", "0")) == 0:
@@ -169,10 +173,10 @@ def _main(args: argparse.Namespace) -> int:
     except DistributedError as e:
         # check in before the group goes: destroying a gloo group whose peer died can abort this
         # process (SIGABRT), and a rank gone without checking in would be named as dead
-        reporter = _check_in_failure()
+        reporter = failures.check_in()
         _destroy_group()  # then: peers blocked in a collective with this rank fail now, not at a timeout
         if reporter:
-            _report_failure(e)
+            failures.report(e)
     finally:
         _tear_down()
     if "TORCHELASTIC_RUN_ID" in os.environ:
@@ -183,44 +187,48 @@ def _main(args: argparse.Namespace) -> int:
     return code
 
 
-def _join_failure_board() -> None:
-    from poplar.comm.failure import FailureBoard
+class FailureReporting:
+    """This process's part in the job's one failure line (``poplar.comm.failure``): the board it
+    joins once the job has started, its check-in when it fails, and the line the first failing
+    rank prints."""
 
-    board = FailureBoard.from_env(int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
-    if board is not None:
-        board.register()
-        _BOARD[:] = [board]
+    def __init__(self) -> None:
+        self.board: Any = None  # a FailureBoard, once joined (None outside torchrun)
 
+    def join(self) -> None:
+        from poplar.comm.failure import FailureBoard
 
-def _check_in_failure() -> bool:
-    """Say on the failure board (see ``poplar.comm.failure``) that this rank failed; True if this
-    rank is the one to print the job's failure line (the first to check in, or any rank without a
-    board). Ignores SIGTERM from here on: torchrun SIGTERMs the survivors once it sees a rank die
-    (it waits 30 s before it kills), and the line must come out first."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    board = _BOARD[0] if _BOARD else None
-    if board is None:
-        return True
-    try:
-        return board.check_in()
-    except Exception:  # noqa: BLE001 - the store is gone too: report for this rank alone
-        _BOARD.clear()
-        return True
-
-
-def _report_failure(error: BaseException) -> None:
-    """Print the failure once for the whole job, led by the ranks that died or never checked in."""
-    from poplar.comm.failure import failure_line
-
-    board = _BOARD[0] if _BOARD else None
-    dead: list[int] = []
-    silent: list[int] = []
-    try:
+        board = FailureBoard.from_env(int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
         if board is not None:
-            dead, silent = board.absent(FAILURE_GRACE_S)
-    except Exception:  # noqa: BLE001 - the store is gone too: report for this rank alone
-        pass
-    print(f"poplar train: {failure_line(str(error), dead, silent)}", file=sys.stderr, flush=True)
+            board.register()
+            self.board = board
+
+    def check_in(self) -> bool:
+        """Say on the board that this rank failed; True if this rank is the one to print the
+        job's failure line (the first to check in, or any rank without a board). Ignores SIGTERM
+        from here on: torchrun SIGTERMs the survivors once it sees a rank die (it waits 30 s
+        before it kills), and the line must come out first."""
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if self.board is None:
+            return True
+        try:
+            return self.board.check_in()
+        except Exception:  # noqa: BLE001 - the store is gone too: report for this rank alone
+            self.board = None
+            return True
+
+    def report(self, error: BaseException) -> None:
+        """Print the failure once for the whole job, led by the ranks that died or never checked in."""
+        from poplar.comm.failure import failure_line
+
+        dead: list[int] = []
+        silent: list[int] = []
+        try:
+            if self.board is not None:
+                dead, silent = self.board.absent(FAILURE_GRACE_S)
+        except Exception:  # noqa: BLE001 - the store is gone too: report for this rank alone
+            pass
+        print(f"poplar train: {failure_line(str(error), dead, silent)}", file=sys.stderr, flush=True)
 
 
 def _destroy_group() -> None:

@@ -7,11 +7,11 @@ rank was blocked, stamped with the position where it was issued.
 Reductions always use ``ReduceOp.SUM``; the engine scales losses itself (averaging by world
 size is wrong for uneven batches).
 
-A ``LinkPacing`` (``Communicator.paced``) hears of every tensor collective when it is issued and
-when it is done, before the rank's blocked seconds are stopped: an emulated interconnect
-(``poplar.profiler.virtual_link``) sleeps there until the collective would have ended on the
-link it emulates. Object collectives (agreement, profile assembly) are control traffic and are
-not paced.
+A ``CollectiveObserver`` (``Communicator.observed``) hears of every tensor collective when it is
+issued and when it is done on this rank, before the rank's blocked seconds are stopped, so what
+it does there counts as time in the collective (a tracer, or a link model that holds the rank
+until the collective would have ended on the interconnect it models). Object collectives
+(agreements, profile assembly) are control traffic and are not observed.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-class LinkPacing(Protocol):
-    """An emulated link's view of the tensor collectives (the same calls, in the same order, on
-    every rank): ``issued`` before a collective starts, returning a ticket, and ``done`` with
+class CollectiveObserver(Protocol):
+    """What an observer of the tensor collectives implements (the same calls, in the same order,
+    on every rank): ``issued`` before a collective starts, returning a ticket, and ``done`` with
     that ticket once the collective is complete on this rank."""
 
     def issued(self, op: str, nbytes: int) -> Any:
@@ -49,18 +49,18 @@ class PendingCollective:
     blocked (issue time included) at the position where it was issued."""
 
     def __init__(self, comm: "Communicator", work: Any, op: str, nbytes: int, issue_s: float, tag: str,
-                 link: LinkPacing | None = None, ticket: Any = None) -> None:
+                 observer: CollectiveObserver | None = None, ticket: Any = None) -> None:
         self.comm, self.work, self.op, self.nbytes, self.issue_s, self.tag = comm, work, op, nbytes, issue_s, tag
-        self.link, self.ticket = link, ticket  # the link it was issued on, if paced, and its ticket there
+        self.observer, self.ticket = observer, ticket  # who heard it issued, and its ticket there
         self.position = comm.ledger.position
 
     def wait(self) -> None:
         t0 = self.comm.start_timer()
         if self.work is not None:
             self.comm.guard(self.op, self.tag, self.work.wait)
-        if self.link is not None:  # the link it was issued on, even if the paced block has ended
-            self.link.done(self.ticket)
-            self.link = None
+        if self.observer is not None:  # the observer that heard it issued, even if its block has ended
+            self.observer.done(self.ticket)
+            self.observer = None
         blocked = self.issue_s + self.comm.stop_timer(t0)
         with self.comm.ledger.at(self.position):
             self.comm.ledger.add(self.op, self.nbytes, blocked, self.tag)
@@ -70,7 +70,7 @@ class Communicator:
     """The engine's only door to ``torch.distributed``. With no process group initialised it
     runs as a world of one (every collective is a local copy), so single-process use works."""
 
-    link: LinkPacing | None = None  # paces tensor collectives while set (``paced``)
+    observer: CollectiveObserver | None = None  # hears of tensor collectives while set (``observed``)
 
     def __init__(self, process_group: Any = None, device: torch.device | None = None,
                  ledger: CommLedger | None = None) -> None:
@@ -86,18 +86,19 @@ class Communicator:
         self.backend = dist.get_backend(self.group) if self.distributed else "none"
 
     @contextlib.contextmanager
-    def paced(self, link: LinkPacing | None) -> Iterator["Communicator"]:
-        """Until the block ends, tensor collectives are paced by ``link`` (None: not paced)."""
-        if link is None:
+    def observed(self, observer: CollectiveObserver | None) -> Iterator["Communicator"]:
+        """Until the block ends, ``observer`` hears of every tensor collective (None: nothing
+        changes). One observer at a time: a second, different one is an error."""
+        if observer is None:
             yield self
             return
-        if self.link is not None and self.link is not link:
-            raise RuntimeError("this communicator is already paced by another link")
-        outer, self.link = self.link, link
+        if self.observer is not None and self.observer is not observer:
+            raise RuntimeError("this communicator already has a collective observer")
+        outer, self.observer = self.observer, observer
         try:
             yield self
         finally:
-            self.link = outer
+            self.observer = outer
 
     # timing: on CUDA synchronise so queued compute is not billed to the collective
     def start_timer(self) -> float:
@@ -112,14 +113,14 @@ class Communicator:
 
     def _run(self, op: str, nbytes: int, fn: Any, async_op: bool, tag: str) -> PendingCollective | None:
         t0 = self.start_timer()
-        link = self.link if self.world_size > 1 else None
-        ticket = link.issued(op, nbytes) if link is not None else None
+        observer = self.observer if self.world_size > 1 else None
+        ticket = observer.issued(op, nbytes) if observer is not None else None
         work = self.guard(op, tag, lambda: fn(async_op)) if self.world_size > 1 else None
         if async_op:
             issue = time.perf_counter() - t0
-            return PendingCollective(self, work, op, nbytes, issue, tag, link, ticket)
-        if link is not None:
-            link.done(ticket)
+            return PendingCollective(self, work, op, nbytes, issue, tag, observer, ticket)
+        if observer is not None:
+            observer.done(ticket)
         self.ledger.add(op, nbytes, self.stop_timer(t0), tag)
         return None
 

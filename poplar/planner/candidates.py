@@ -20,10 +20,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from poplar.planner.planning import plan as make_plan
-from poplar.planner.synthetic import ModelSpec, synthetic_profile
-from poplar.types.cluster import ClusterSpec
+from poplar.types.configuration import Configuration
 from poplar.types.plans import Plan, PlanError
-from poplar.types.presets import get_preset
 from poplar.types.profiles import Profile, ProfileError, ProfilePoint
 
 RULES = ("fastest", "first_fit")
@@ -42,8 +40,12 @@ class CandidateRow:
     source: str = ""  # where the prediction comes from, when neither timed nor a bound ("presets")
 
     @property
+    def configuration(self) -> Configuration:
+        return Configuration(self.stage, self.checkpointing)
+
+    @property
     def name(self) -> str:
-        return f"ZeRO-{self.stage}{' +ckpt' if self.checkpointing else ''}"
+        return self.configuration.name
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -153,33 +155,6 @@ def format_table(rows: list[CandidateRow], measured: dict[str, float] | None = N
     widths = [max(len(str(x)) for x in col) for col in zip(head, *lines)]
     fmt = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
     return "\n".join([fmt(head)] + [fmt(c) for c in lines])
-
-
-def preset_candidates(cluster: ClusterSpec | str, gbs: int, plain: ModelSpec, checkpointed: ModelSpec | None,
-                      stages: tuple[int, ...] = (0, 1, 2, 3), **limits: Any) -> list[CandidateRow]:
-    """Every configuration on a cluster of preset devices (the simulator's synthetic profiles):
-    ``plain`` is the model without checkpointing, ``checkpointed`` with it (None: not a candidate).
-    Nothing is chosen yet (``choose``)."""
-    spec = ClusterSpec.resolve(cluster)
-    types = spec.rank_types()
-    rows = []
-    for ckpt, model in ((False, plain), (True, checkpointed)):
-        if model is None:
-            continue
-        for stage in stages:
-            states = model.state_bytes(stage, spec.world_size) + model.reserve_bytes
-            mbs = {t: max(0, math.floor((get_preset(t).capacity_bytes() - states) / model.activation_bytes_per_sample))
-                   for t in dict.fromkeys(types)}
-            row = CandidateRow(stage, ckpt, all(m >= 1 for m in mbs.values()), mbs, source="presets")
-            rows.append(row)
-            if not row.fits:
-                bad = [t for t, m in mbs.items() if m < 1]
-                row.reason = (f"batch 1 does not fit on {', '.join(bad)} "
-                              f"({states / 2 ** 30:.1f} GiB of model states and reserve)")
-                continue
-            plan, row.reason = predict(synthetic_profile(spec, stage, model), gbs, stage, **limits)
-            row.predicted_s = plan.predicted_iteration_s if plan else None
-    return rows
 
 
 def recorded_candidates(profile: Profile, gbs: int, **limits: Any) -> list[CandidateRow]:

@@ -1,9 +1,9 @@
-"""Simulator: predicted throughput of each strategy on a cluster, for what-if questions.
+"""Simulator: predicted throughput of each strategy on a measured profile, for what-if questions.
 
-Input is a cluster (built-in name, cluster file or ``ClusterSpec``; curves then come from the
-device presets through a synthetic profile) or a measured ``Profile``. Every strategy is
-planned and priced by the same cost model; the result lists, per strategy, predicted
-samples/s, iteration and communication seconds, and per rank its share and idle %.
+Input is a ``Profile`` (or its dict or JSON file). Every strategy is planned and priced by the
+same cost model; the result lists, per strategy, predicted samples/s, iteration and
+communication seconds, and per rank its share and idle %. (A cluster described by GPU presets
+instead of measured is simulated through a synthetic profile: ``poplar.emulation.simulate``.)
 """
 
 from __future__ import annotations
@@ -14,10 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from poplar.types.cluster import ClusterSpec
 from poplar.types.plans import Plan, PlanError, write_text_atomic
 from poplar.planner.planning import STRATEGIES, make_problem, plan_problem
-from poplar.planner.synthetic import REFERENCE_MODEL, ModelSpec, synthetic_profile
 from poplar.types.profiles import Profile
 
 
@@ -99,21 +97,17 @@ class Simulation:
         return "\n".join(lines)
 
 
-def simulate(cluster_or_profile: ClusterSpec | Profile | str | os.PathLike | Mapping[str, Any],
-             global_batch_size: int, zero_stage: int | None = None,
-             strategies: Iterable[str] = STRATEGIES, model: ModelSpec = REFERENCE_MODEL,
-             memory_scale: float = 1.0, require_all_ranks: bool = False,
-             max_micro_steps: int | None = None) -> Simulation:
-    """Plan every strategy on a cluster (preset curves) or a measured profile and compare them.
-
-    A string is a built-in cluster name, or a path to a cluster file or a profile file (a JSON
-    object with ``devices`` is a cluster, one with ``ranks`` a profile). ``zero_stage`` is
-    required for a cluster and defaults to the profile's stage for a profile.
-    """
-    source, profile = _resolve(cluster_or_profile, zero_stage, model, memory_scale)
+def simulate(profile: Profile | str | os.PathLike | Mapping[str, Any], global_batch_size: int,
+             zero_stage: int | None = None, strategies: Iterable[str] = STRATEGIES, require_all_ranks: bool = False,
+             max_micro_steps: int | None = None, source: str | None = None) -> Simulation:
+    """Plan every strategy on a measured profile (a ``Profile``, its dict, or a profile file) and
+    compare them. ``zero_stage`` defaults to the profile's stage; ``source`` names the input in
+    the table (default: the profile's model and rank count)."""
+    profile = _resolve(profile)
     problem = make_problem(profile, global_batch_size, zero_stage, require_all_ranks=require_all_ranks,
                            max_micro_steps=max_micro_steps)
-    sim = Simulation(source, problem.stage, global_batch_size)
+    label = source or f"profile ({profile.model_name or 'model'}, {profile.world_size} ranks)"
+    sim = Simulation(label, problem.stage, global_batch_size)
     for name in strategies:
         try:
             sim.results.append(StrategyResult(name, plan_problem(problem, name)))
@@ -124,25 +118,12 @@ def simulate(cluster_or_profile: ClusterSpec | Profile | str | os.PathLike | Map
     return sim
 
 
-def _resolve(obj: Any, zero_stage: int | None, model: ModelSpec, memory_scale: float) -> tuple[str, Profile]:
+def _resolve(obj: Any) -> Profile:
     if isinstance(obj, Profile):
-        return f"profile ({obj.model_name or 'model'}, {obj.world_size} ranks)", obj
-    if isinstance(obj, Mapping) and "ranks" in obj:
-        return _resolve(Profile.from_dict(dict(obj)), zero_stage, model, memory_scale)
+        return obj
     if isinstance(obj, Mapping):
-        obj = ClusterSpec.from_dict(dict(obj))
-    if isinstance(obj, (str, os.PathLike)) and not isinstance(obj, ClusterSpec):
-        path = Path(obj)
-        if path.suffix == ".json" and path.exists():
-            try:
-                data = json.loads(path.read_text())
-            except json.JSONDecodeError:
-                data = None  # ClusterSpec.load below reports it
-            if isinstance(data, dict) and "ranks" in data:
-                return _resolve(Profile.load(path), zero_stage, model, memory_scale)
-        obj = ClusterSpec.resolve(obj)
-    if zero_stage is None:
-        raise PlanError("simulating a cluster needs a ZeRO stage (0-3)")
-    spec: ClusterSpec = obj
-    return (f"cluster {spec.describe()} [{model.name}]",
-            synthetic_profile(spec, zero_stage, model, memory_scale))
+        return Profile.from_dict(dict(obj))
+    if isinstance(obj, (str, os.PathLike)):
+        return Profile.load(Path(obj))
+    raise PlanError(f"simulate() takes a Profile, its dict or a profile file, got {type(obj).__name__}; "
+                    "simulate a cluster of GPU presets with poplar.emulation.simulate")

@@ -25,11 +25,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 from poplar.profiler.capacity_model import PeakModel, guided_mbs, peak_model
-from poplar.profiler.devices import Device, is_oom, to_device
-from poplar.profiler.local_comm import search_plan, use_plan
-from poplar.profiler.memory import gathered_bytes
+from poplar.profiler.devices import Device, to_device
+from poplar.zero.failures import is_oom
+from poplar.profiler.local_comm import search_plan
 from poplar.comm import DistributedError
 from poplar.zero.runtime import ZeroRuntime
+from poplar.zero.runtime import PlanCheck
 
 DEFAULT_MAX_BATCH = 4096
 
@@ -127,10 +128,10 @@ class CapacitySearch:
     def trial(self, batch: int) -> bool:
         """One real training step of ``batch`` samples; False on out-of-memory (then released)."""
         runtime, device = self.runtime, self.device
-        use_plan(runtime, search_plan(runtime.world_size, runtime.rank, batch))
+        runtime.set_plan(search_plan(runtime.world_size, runtime.rank, batch), PlanCheck.LOCAL)
         data = to_device(self.sample_fn(batch), device.torch_device)
         device.last_failure = None
-        before, gathered = device.memory_in_use(), gathered_bytes(runtime.stage)
+        before, gathered = device.memory_in_use(), runtime.stage.gathered_bytes
         self.result.trial_steps += 1
         message, handled = "", True
         try:
@@ -168,7 +169,7 @@ class CapacitySearch:
         device = self.device
         device.abort_step()
         device.release()
-        event.memory_after, event.gathered_after = device.memory_in_use(), gathered_bytes(self.runtime.stage)
+        event.memory_after, event.gathered_after = device.memory_in_use(), self.runtime.stage.gathered_bytes
         event.at = dict(device.last_failure) if device.last_failure else None
         if not handled or event.memory_after != event.memory_before or event.gathered_after != event.gathered_before:
             if self.rebuild is None:
@@ -178,7 +179,7 @@ class CapacitySearch:
             self.runtime = self.rebuild()
             event.rebuilt = True
             event.memory_after = device.memory_in_use()
-            event.gathered_after = gathered_bytes(self.runtime.stage)
+            event.gathered_after = self.runtime.stage.gathered_bytes
         self.result.oom_events.append(event)
         if event.batch == 1:
             self.result.reason = event.message

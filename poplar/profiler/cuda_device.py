@@ -10,10 +10,10 @@
 - timing: ``synchronize`` before reading the clock (kernels are asynchronous);
 - precision: bf16 only where the GPU computes in it natively
   (``torch.cuda.is_bf16_supported(including_emulation=False)``: compute capability 8.0+), and
-  not when it acts as a preset without bf16 (``from_preset("T4-16G")``).
+  within ``precisions`` when given (a big card acting as a smaller one that lacks bf16).
 
-This path is written to the same interface as the virtual device and kept apart from it; it has
-not run in this project's CI (no GPU there).
+The CUDA tests (``tests/profiler/test_profiler_cuda.py``) run it where a GPU is lent; the
+project's CI has none.
 """
 
 from __future__ import annotations
@@ -23,19 +23,21 @@ from typing import Any
 
 import torch
 
-from poplar.profiler.devices import Device, DeviceKind
-from poplar.types.precision import Precision
-from poplar.types.presets import get_preset, precision_of
+from poplar.profiler.devices import Device
+from poplar.types.precision import Precision, precision_of
 
 
 class CudaDevice(Device):
-    kind = DeviceKind.CUDA
+    """This process's GPU (``index``: default the current CUDA device). ``memory_cap_bytes`` caps
+    it; ``device_type`` names its type (default its CUDA name); ``nominal_tflops`` rates it for
+    the ``flops`` baseline; ``precisions`` limits what it computes in (None: what it supports)."""
 
     def __init__(self, index: int | torch.device | None = None, *, memory_cap_bytes: int | None = None,
-                 device_type: str | None = None, nominal_tflops: float | None = None) -> None:
+                 device_type: str | None = None, nominal_tflops: float | None = None,
+                 precisions: frozenset[Precision] | None = None) -> None:
         if not torch.cuda.is_available():
-            raise RuntimeError("CudaDevice needs CUDA; on a CPU-only machine use a VirtualDevice (poplar profile "
-                               "--cluster ... emulates one per rank)")
+            raise RuntimeError("CudaDevice needs CUDA; on a CPU-only machine emulate GPUs with poplar.emulation "
+                               "(poplar profile --cluster ... emulates one per rank)")
         if index is None or (isinstance(index, torch.device) and index.index is None):
             idx = torch.cuda.current_device()
         else:
@@ -43,7 +45,7 @@ class CudaDevice(Device):
         dev = torch.device("cuda", idx)
         name = torch.cuda.get_device_name(dev)
         super().__init__(name, device_type or name, dev, nominal_tflops)
-        self.preset_name: str | None = None  # the preset this GPU acts as (from_preset)
+        self.precisions = precisions
         free, total = torch.cuda.mem_get_info(dev)
         self.total_bytes = int(total)
         self.memory_cap_bytes = memory_cap_bytes
@@ -55,17 +57,6 @@ class CudaDevice(Device):
         else:
             # what this process can use: free memory now plus what its allocator already holds
             self._capacity = int(free + torch.cuda.memory_reserved(dev))
-
-    @classmethod
-    def from_preset(cls, preset: Any, index: int | None = None) -> "CudaDevice":
-        """This GPU capped to a preset's memory (e.g. an 80 GB card acting as a ``T4-16G``); its
-        speed stays its own. The preset's name becomes the device type."""
-        if isinstance(preset, str):
-            preset = get_preset(preset)
-        dev = cls(index, memory_cap_bytes=preset.capacity_bytes(1.0), device_type=preset.name,
-                  nominal_tflops=preset.nominal_tflops)
-        dev.preset_name = preset.name
-        return dev
 
     @property
     def capacity_bytes(self) -> int:
@@ -82,7 +73,7 @@ class CudaDevice(Device):
 
     def supports(self, precision: Any) -> bool:
         p = precision_of(precision)
-        if self.preset_name is not None and not get_preset(self.preset_name).supports(p):
+        if self.precisions is not None and p not in self.precisions:
             return False
         if p is not Precision.BF16:
             return True
@@ -91,6 +82,9 @@ class CudaDevice(Device):
                 return bool(torch.cuda.is_bf16_supported(including_emulation=False))
             except TypeError:  # torch < 2.4: no emulation to leave out
                 return bool(torch.cuda.is_bf16_supported())
+
+    def static_bytes(self) -> int | None:
+        return None  # the allocator sees one total; model states are not counted apart
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.torch_device)

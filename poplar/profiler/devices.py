@@ -1,4 +1,4 @@
-"""What the profiler needs from a device, shared by the CUDA device and the virtual (CPU) one.
+"""What the profiler needs from a device: the probes a GPU really has, and the micro-step hooks.
 
 A device is *attached* to a ZeRO runtime for a while (``with device.attach(runtime): ...``).
 It is a ``StepObserver`` of the runtime's step:
@@ -12,19 +12,21 @@ Each micro-step leaves a ``StepMemory`` (before forward, after forward, peak) in
 
 Out of memory is one error type on every device: ``torch.OutOfMemoryError`` (the class that
 ``torch.cuda.OutOfMemoryError`` names; it can be raised on CPU-only builds too), recognised by
-``is_oom`` even when wrapped (the runtime reports a failed micro-step as a ``DistributedError``
-whose ``__cause__`` is the original error).
+``poplar.zero.failures.is_oom`` even when wrapped (the runtime reports a failed micro-step as a
+``DistributedError`` whose ``__cause__`` is the original error).
+
+A device that also wants to hear the profiler's phases (an emulated GPU that calibrates itself
+for the workload, or must not raise inside a lock-step round) implements
+``poplar.profiler.phases.ProfileObserver`` besides this interface.
 """
 
 from __future__ import annotations
 
 import contextlib
-from abc import ABC, abstractmethod
 import gc
-import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from enum import Enum
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 
@@ -33,19 +35,6 @@ from poplar.zero.observers import MicroStep, StepObserver
 from poplar.zero.runtime import ZeroRuntime
 
 OOM_ERROR = torch.OutOfMemoryError  # == torch.cuda.OutOfMemoryError
-
-
-def is_oom(exc: BaseException | None) -> bool:
-    """True if ``exc`` or anything in its cause/context chain is an out-of-memory error."""
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, OOM_ERROR):
-            return True
-        if isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower() and "CUDA" in str(exc):
-            return True  # older builds raise a plain RuntimeError("CUDA out of memory ...")
-        exc = exc.__cause__ or exc.__context__
-    return False
 
 
 @dataclass
@@ -59,32 +48,25 @@ class StepMemory:
     peak: int
 
 
-class DeviceKind(Enum):
-    """What a profiler device is: a GPU measured for real, or a CPU emulating one."""
+@dataclass
+class OpenStep:
+    """The micro-step a device is observing: its batch, the memory in use before its forward and
+    when its backward started, and whether its forward has ended (a model called again inside
+    the same micro-step does not open another)."""
 
-    CUDA = "cuda"
-    VIRTUAL = "virtual"
-
-    def __str__(self) -> str:
-        return self.value
+    batch: int
+    before: int
+    after: int | None = None
+    forward_done: bool = False
 
 
 class Device(StepObserver, ABC):
-    """Base class: the probes the profiler reads and the micro-step hooks both devices share.
+    """Base class: the probes the profiler reads and the micro-step hooks every device shares.
 
-    Subclasses define ``memory_in_use``, ``capacity_bytes``, ``reset_peak``/``peak`` and may
-    override ``_forward_start`` / ``_forward_end`` / ``_backward_end`` (the virtual device pads
-    compute time there).
-
-    What only some devices can do is declared here with a neutral default, so the profiler never
-    asks which device it has: ``static_bytes`` (None: model states are not counted apart),
-    ``supports`` (True: every precision),
-    ``unpadded`` and ``recording_overflows`` (no-ops: compute is never stretched, and an
-    out-of-memory error is always raised), ``late_steps`` and ``last_failure`` (never set), and
-    ``profile_meta`` (nothing to record).
+    Subclasses define ``capacity_bytes``, ``memory_in_use``, ``reset_peak`` / ``peak``,
+    ``supports`` and ``static_bytes``, and may override ``_forward_start`` / ``_forward_end`` /
+    ``_backward_start`` / ``_backward_end`` and ``_open_step`` (to keep more of a micro-step).
     """
-
-    kind: DeviceKind
 
     def __init__(self, name: str, device_type: str, torch_device: torch.device,
                  nominal_tflops: float | None = None) -> None:
@@ -92,11 +74,10 @@ class Device(StepObserver, ABC):
         self.nominal_tflops = nominal_tflops
         self.last_step: StepMemory | None = None
         self.runtime: ZeroRuntime | None = None
-        self.late_steps = 0  # micro-steps whose real compute overshot the device's speed curve
-        self.last_failure: dict[str, Any] | None = None  # what the device saw at the last OOM it raised itself
-        self.overflows: list[dict[str, Any]] = []  # memory overflows recorded instead of raised
-        self._open: dict[str, Any] | None = None  # the micro-step in progress
-        self.link: Any = None  # an emulated interconnect (``comm.LinkPacing``) pacing its collectives
+        # what the device measured at the last out-of-memory error it raised itself (usage, where);
+        # a GPU's allocator raises before anything is read, so it stays None there
+        self.last_failure: dict[str, Any] | None = None
+        self._open: OpenStep | None = None  # the micro-step in progress
 
     # ---- probes (subclasses) ----
     @property
@@ -116,6 +97,16 @@ class Device(StepObserver, ABC):
     def peak(self) -> int:
         ...
 
+    @abstractmethod
+    def supports(self, precision: Any) -> bool:
+        """Whether the device computes in ``precision`` (a ``Precision``, its name or a policy)."""
+
+    @abstractmethod
+    def static_bytes(self) -> int | None:
+        """Bytes of model states the device counts for the attached runtime (params, grads,
+        optimizer state as after the first step, buffers), or None where it sees only the
+        allocator's total."""
+
     def synchronize(self) -> None:
         """Wait for queued work (a no-op on CPU), so wall-clock timing is honest."""
 
@@ -124,44 +115,9 @@ class Device(StepObserver, ABC):
         now; collect reference cycles)."""
         gc.collect()
 
-    def static_bytes(self) -> int | None:
-        """Bytes of model states the device counts for the attached runtime (params, grads,
-        optimizer state as after the first step, buffers), or None where it sees only the
-        allocator's total."""
-        return None
-
-    def supports(self, precision: Any) -> bool:
-        """Whether the device computes in ``precision`` (a ``Precision``); True unless a
-        subclass knows better (a CUDA device without bf16, a preset that lacks it)."""
-        return True
-
     def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "device_type": self.device_type, "kind": self.kind.value,
+        return {"name": self.name, "device_type": self.device_type, "class": type(self).__name__,
                 "capacity_bytes": self.capacity_bytes, "nominal_tflops": self.nominal_tflops}
-
-    def profile_meta(self) -> dict[str, Any]:
-        """What a profile measured on this device records about it in ``Profile.meta``."""
-        return {}
-
-    # ---- temporary switches ----
-    @contextlib.contextmanager
-    def unpadded(self) -> Iterator[None]:
-        """Run steps at the hardware's own speed until the block ends (steps that are not timed,
-        like the capacity search's trials)."""
-        yield
-
-    @contextlib.contextmanager
-    def recording_overflows(self) -> Iterator[list[dict[str, Any]]]:
-        """Until the block ends, record memory overflows in the yielded list instead of raising
-        them (a lock-step round must not raise inside a collective). A device whose allocator
-        raises by itself records nothing: its OOM fails the round on every rank instead."""
-        self.overflows.clear()
-        yield self.overflows
-
-    def pacing(self, comm: Any) -> contextlib.AbstractContextManager:
-        """Pace ``comm``'s tensor collectives by this device's emulated link while the block
-        runs (``Communicator.paced``; nothing for a device without one)."""
-        return comm.paced(self.link)
 
     # ---- attaching to a runtime ----
     @contextlib.contextmanager
@@ -189,17 +145,20 @@ class Device(StepObserver, ABC):
         self._open = None
 
     # ---- the step's points (StepObserver) ----
+    def _open_step(self, batch: int) -> OpenStep:
+        """The record of a micro-step that opens now (a subclass may keep more of it)."""
+        return OpenStep(batch, self.memory_in_use())
+
     def forward_start(self, step: MicroStep) -> None:
         if self._open is not None:  # the model is called again inside the same micro-step
             return
         self.reset_peak()
-        self._open = {"batch": step.batch_size, "before": self.memory_in_use(), "t0": time.perf_counter(),
-                      "c0": self.runtime.comm_ledger.total_seconds}
+        self._open = self._open_step(step.batch_size)
         self._forward_start()
 
     def forward_end(self, step: MicroStep) -> None:
-        if self._open is not None and not self._open.get("forward_done"):
-            self._open["forward_done"] = True
+        if self._open is not None and not self._open.forward_done:
+            self._open.forward_done = True
             self._forward_end()
 
     def backward_start(self, step: MicroStep, loss: torch.Tensor) -> None:
@@ -212,15 +171,15 @@ class Device(StepObserver, ABC):
         self._open = None
 
     def _backward_start(self, loss: torch.Tensor) -> None:
-        if self._open is None:
-            return
-        self._open["after"] = self.memory_in_use()
+        if self._open is not None:
+            self._open.after = self.memory_in_use()
 
     def _backward_end(self) -> None:
         step = self._open
         if step is None:
             return
-        self.last_step = StepMemory(step["batch"], step["before"], step.get("after", step["before"]), self.peak())
+        after = step.after if step.after is not None else step.before
+        self.last_step = StepMemory(step.batch, step.before, after, self.peak())
         self._open = None
 
     def _forward_start(self) -> None:
@@ -229,26 +188,7 @@ class Device(StepObserver, ABC):
     def _forward_end(self) -> None:
         pass
 
-    # ---- helpers for subclasses ----
-    def _compute_s(self, step: dict[str, Any], now: float | None = None) -> float:
-        """Seconds of the open micro-step so far, less the seconds spent in collectives."""
-        now = time.perf_counter() if now is None else now
-        return now - step["t0"] - (self.runtime.comm_ledger.total_seconds - step["c0"])
-
 
 def to_device(batch: Any, device: torch.device) -> Any:
     """The batch with every tensor moved to ``device`` (asynchronously where the copy allows)."""
     return move_to_device(batch, device, non_blocking=True)
-
-
-def sleep_until(deadline: float) -> None:
-    """Sleep until ``time.perf_counter() >= deadline``: a coarse sleep, then a short spin for the
-    last ~0.2 ms (a bare ``time.sleep`` overshoots by ~0.1 ms, 2-3 % of a 5 ms step)."""
-    remaining = deadline - time.perf_counter()
-    if remaining > 3e-4:
-        time.sleep(remaining - 2e-4)
-    while time.perf_counter() < deadline:
-        pass
-
-
-TimeFn = Callable[[int], float]

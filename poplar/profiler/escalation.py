@@ -83,14 +83,10 @@ def _search_at(search: Callable[[int], CapacityResult], stage: int,
 def _agree_on_capacity(comm: Communicator, device: Device, result: CapacityResult | None,
                        error: str | None) -> list[dict[str, Any]]:
     """Every rank's verdict; a failed search on any rank is a ``ProfileError`` on every rank."""
-    verdicts = comm.all_gather_object(
-        {"error": error, "mbs": result.mbs if result else 0, "device": device.name,
-         "capacity": device.capacity_bytes, "reason": result.reason if result else "",
-         "state_bytes": result.state_bytes if result else None}, tag="profile:capacity")
-    failed = [(r, v["error"]) for r, v in enumerate(verdicts) if v["error"]]
-    if failed:
-        raise ProfileError("profiling failed:\n" + "\n".join(f"  rank {r}: {m}" for r, m in failed))
-    return verdicts
+    return comm.agree(error, "profiling", {"mbs": result.mbs if result else 0, "device": device.name,
+                                           "capacity": device.capacity_bytes, "reason": result.reason if result else "",
+                                           "state_bytes": result.state_bytes if result else None},
+                      error_type=ProfileError)
 
 
 def _does_not_fit(stage: int, verdicts: list[dict[str, Any]], no_fit: list[int], names: str,

@@ -13,8 +13,8 @@ same buffers, and collectives that are local copies:
   rank zero samples, so the runtime's sample count agrees);
 - all-gather of objects: N copies of this rank's object.
 
-``local_engine`` builds a ``ZeroRuntime`` on it; ``use_plan`` switches a runtime between plans
-from one iteration to the next (the search and the timing rounds change batch sizes per step).
+``local_engine`` builds a ``ZeroRuntime`` on it; the search switches its plan every trial
+(``set_plan(plan, PlanCheck.LOCAL)``: no agreement, there are no peers).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from torch import nn
 
 from poplar.types.plans import Plan, RankPlan
 from poplar.comm import CommLedger, Communicator, PendingCollective
+from poplar.zero.config import ZeroConfig
 from poplar.zero.runtime import ZeroRuntime
 
 
@@ -88,15 +89,10 @@ def round_plan(batches: list[int]) -> Plan:
 
 
 def local_engine(model: nn.Module, optimizer: torch.optim.Optimizer, *, world_size: int, rank: int,
-                 zero_stage: int, device: torch.device, **runtime_kwargs: Any) -> ZeroRuntime:
+                 zero_stage: int | ZeroConfig, device: torch.device, mixed_precision: Any = None,
+                 activation_checkpointing: Any = None) -> ZeroRuntime:
     """A ZeRO runtime for rank ``rank`` of ``world_size`` on a ``LocalCommunicator``."""
     comm = LocalCommunicator(world_size, rank, device)
     return ZeroRuntime(model, optimizer, zero_stage=zero_stage, plan=search_plan(world_size, rank, 1),
-                       communicator=comm, **runtime_kwargs)
-
-
-def use_plan(runtime: ZeroRuntime, plan: Plan) -> None:
-    """Make ``plan`` the runtime's plan from the next iteration on, without the agreement
-    collective of ``runtime.set_plan`` (every rank must switch to the same plan; the profiler
-    derives it from data all ranks agreed on, and switches once per timing round)."""
-    runtime.use_plan(plan)
+                       communicator=comm, mixed_precision=mixed_precision,
+                       activation_checkpointing=activation_checkpointing)

@@ -18,7 +18,7 @@ from typing import Any
 from poplar.comm import Communicator
 from poplar.profiler.devices import Device
 from poplar.types.precision import MixedPrecision, Precision, resolve_precision
-from poplar.types.presets import precision_unsupported_message
+from poplar.types.precision import precision_unsupported_message
 from poplar.types.profiles import ProfileError
 from poplar.zero.runtime import ZeroRuntime
 

@@ -32,11 +32,11 @@ import torch
 
 from poplar.types.logs import progress_bar
 from poplar.profiler.devices import Device
-from poplar.profiler.local_comm import round_plan, use_plan
+from poplar.profiler.local_comm import round_plan
 from poplar.types.profiles import CommProfile, ProfilePoint, bus_bytes
 from poplar.comm import Communicator
 from poplar.zero.observers import MicroStep, StepObserver
-from poplar.zero.runtime import ZeroRuntime
+from poplar.zero.runtime import PlanCheck, ZeroRuntime
 
 
 class TimingGrid(Enum):
@@ -170,7 +170,7 @@ def run_rounds(runtime: ZeroRuntime, device: Device, per_rank: list[list[int]], 
         def run(rounds: list[list[int]], skip_first: bool, first_pass: int) -> None:
             nonlocal count
             for r, row in enumerate(rounds):
-                use_plan(runtime, round_plan(row))
+                runtime.set_plan(round_plan(row), PlanCheck.LOCAL)
                 n = len(timer.records)
                 runtime.train_step(batches[row[rank]], loss_fn)
                 count += 1

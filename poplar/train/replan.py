@@ -102,7 +102,7 @@ def make_replanner(engine: Any, replan: bool | ReplanOptions | None) -> "Replann
         if replan is None:
             return None
         raise ValueError("re-planning needs a profile: build the engine in auto mode (global_batch_size=..., "
-                         "cluster= or device=) or pass replan=ReplanOptions(profile=...)")
+                         "auto=AutoOptions(...)) or pass replan=ReplanOptions(profile=...)")
     if profile.world_size != engine.world_size:
         raise ValueError(f"the re-planning profile has {profile.world_size} ranks but the job has "
                          f"{engine.world_size}; give the profile of this cluster")

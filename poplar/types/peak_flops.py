@@ -3,9 +3,10 @@
 ``fp32`` is the plain FP32 (CUDA core) rate: PyTorch does not run fp32 matmuls on TF32 tensor
 cores unless asked (``torch.backends.cuda.matmul.allow_tf32``). ``fp16`` and ``bf16`` are dense
 tensor-core rates with FP32 accumulate (no sparsity), as mixed precision runs them; None where the
-GPU has no such arithmetic (bf16 before Ampere). Every device preset (``poplar.types.presets``)
-has a row, so an emulated cluster's MFU uses the card it emulates; real GPUs are matched by their
-CUDA name (``torch.cuda.get_device_name``).
+GPU has no such arithmetic (bf16 before Ampere). A device is looked up by its device type first
+(the short names cluster descriptions and plan rows use, e.g. ``A100-80G``; the emulator's
+presets carry the same names, so an emulated cluster's MFU uses the card it emulates), then by a
+substring of its CUDA name (``torch.cuda.get_device_name``).
 
 Sources (TFLOPS, fp32 / fp16 / bf16):
 - A100 40/80 GB, SXM4 and PCIe; A800 (A100 silicon): 19.5 / 312 / 312. NVIDIA A100 datasheet.
@@ -22,13 +23,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from poplar.types.presets import PRESETS, precision_of
-from poplar.types.precision import Precision
+from poplar.types.precision import Precision, precision_of
 
 TERA = 1e12
 
-# preset name -> (fp32, fp16, bf16) TFLOPS
-PRESET_PEAK_TFLOPS: dict[str, tuple[float, float, float | None]] = {
+# device type -> (fp32, fp16, bf16) TFLOPS
+DEVICE_TYPE_PEAK_TFLOPS: dict[str, tuple[float, float, float | None]] = {
     "A100-80G": (19.5, 312.0, 312.0),
     "A100-40G": (19.5, 312.0, 312.0),
     "A800-80G": (19.5, 312.0, 312.0),
@@ -56,21 +56,18 @@ CUDA_PEAK_TFLOPS: list[tuple[str, tuple[float, float, float | None]]] = [
     ("A10", (31.2, 125.0, 125.0)),
 ]
 
-assert set(PRESET_PEAK_TFLOPS) == set(PRESETS), "every device preset needs its peak FLOP/s"
-
-
 def _pick(row: tuple[float, float, float | None], precision: Precision) -> float | None:
     return {Precision.FP32: row[0], Precision.FP16: row[1], Precision.BF16: row[2]}[precision]
 
 
 def peak_flops(device_name: str | None, precision: Any = None) -> float | None:
-    """Peak FLOP/s of ``device_name`` (a preset name or a CUDA device name) computing in
+    """Peak FLOP/s of ``device_name`` (a device type or a CUDA device name) computing in
     ``precision`` (None: fp32; a name, ``Precision`` or policy); None when unknown."""
     if not device_name:
         return None
     p = precision_of(precision)
-    if device_name in PRESET_PEAK_TFLOPS:
-        tflops = _pick(PRESET_PEAK_TFLOPS[device_name], p)
+    if device_name in DEVICE_TYPE_PEAK_TFLOPS:
+        tflops = _pick(DEVICE_TYPE_PEAK_TFLOPS[device_name], p)
         return None if tflops is None else tflops * TERA
     for pattern, row in CUDA_PEAK_TFLOPS:
         if pattern in device_name and not (pattern == "L4" and "L40" in device_name):

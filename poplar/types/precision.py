@@ -136,3 +136,22 @@ def resolve_precision(value: Any) -> MixedPrecision | None:
         return None if precision is Precision.FP32 else MixedPrecision(param_dtype=precision.dtype)
     raise ValueError(f"mixed_precision must be None, 'bf16', 'fp16' or a poplar.MixedPrecision, got "
                      f"{type(value).__name__}")
+
+
+def precision_of(value: Any) -> Precision:
+    """The compute precision of ``value``: None (fp32), a ``Precision``, its name, or a
+    ``MixedPrecision`` policy (its ``param_dtype``). ValueError naming the accepted values."""
+    policy = resolve_precision(value)
+    return Precision.FP32 if policy is None else policy.precision
+
+
+def precision_unsupported_message(precision: Any, devices: dict[str, list[int]]) -> str:
+    """The error for ``devices`` (device name -> its ranks, may be empty) that cannot compute in
+    ``precision``: names them and what to use instead."""
+    p = precision_of(precision)
+    named = ", ".join(f"{name} (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})" if ranks
+                      else name for name, ranks in devices.items())
+    why = " (bf16 arithmetic needs compute capability 8.0: Ampere or newer)" if p is Precision.BF16 else ""
+    return (f"{p} is not supported on {named}{why}. Use fp16 instead (mixed_precision=\"fp16\", with dynamic "
+            f"loss scaling; in a DeepSpeed config \"fp16\": {{\"enabled\": true}}), or fp32, or leave those "
+            "devices out")

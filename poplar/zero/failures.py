@@ -22,15 +22,25 @@ class FailureKind(Enum):
     ERROR = "error"  # anything else: bad input, a bug, a non-OOM exception
 
 
-def failure_kind(exc: BaseException | None) -> FailureKind:
-    """OUT_OF_MEMORY if ``exc`` or anything in its cause/context chain is ``torch.OutOfMemoryError``."""
+def is_oom(exc: BaseException | None) -> bool:
+    """True if ``exc`` or anything in its cause/context chain is an out-of-memory error: a
+    ``torch.OutOfMemoryError`` (what CUDA raises, and what an emulated device raises), or the
+    plain ``RuntimeError("CUDA out of memory ...")`` of older builds. The one detector: the
+    runtime's failure report, the capacity search and re-planning all ask it."""
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
         if isinstance(exc, torch.OutOfMemoryError):
-            return FailureKind.OUT_OF_MEMORY
+            return True
+        if isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower() and "CUDA" in str(exc):
+            return True
         exc = exc.__cause__ or exc.__context__
-    return FailureKind.ERROR
+    return False
+
+
+def failure_kind(exc: BaseException | None) -> FailureKind:
+    """OUT_OF_MEMORY if ``exc`` is an out-of-memory error (``is_oom``), else ERROR."""
+    return FailureKind.OUT_OF_MEMORY if is_oom(exc) else FailureKind.ERROR
 
 
 class IterationFailed(DistributedError):

@@ -9,7 +9,10 @@ order:
 framed by ``iteration_start`` and ``iteration_end``. ``backward_end`` comes after the stage has
 completed the micro-step's collectives (ZeRO-2/3 reduce-scatters), so a device that pads compute
 there pads the whole micro-step. ``transient_allocated`` is called whenever the stage has just
-allocated a transient buffer that counts against memory (a ZeRO-3 gathered block).
+allocated a transient buffer for the micro-step's compute that counts against memory (a ZeRO-3
+block gathered for its forward or backward; not the gathers that only keep the ranks'
+collectives matched when a pass is completed, where an observer that raised would leave the
+other ranks waiting).
 ``micro_step_abort`` replaces the remaining points of a micro-step that raised.
 
 Start points run in the order observers were added, end points in reverse order, as nested

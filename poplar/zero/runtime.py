@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import time
+from enum import Enum
 from typing import Any, Callable
 
 import torch
@@ -29,13 +30,14 @@ from poplar.types.plans import Plan, PlanError
 from poplar.types.precision import MixedPrecision
 from poplar.zero import activation_checkpointing as checkpointing
 from poplar.zero.base import ZeroStage
+from poplar.zero.config import ZeroConfig
 from poplar.zero.failures import IterationFailed, failure_kind
 from poplar.zero.frames import release_frames
 from poplar.zero.grad_norm import clip_and_unscale
 from poplar.zero.iteration_status import (IterationStatus, LossAccumulator, check_batch, failure_message,
                                           reduce_status, skip_empty_step, status_error)
 from poplar.zero.loss_scaler import LossScaler
-from poplar.zero.nonfinite import NonFiniteGuard, NonFinitePolicy, Verdict, local_detail, nonfinite_flag
+from poplar.zero.nonfinite import NonFiniteGuard, Verdict, local_detail, nonfinite_flag
 from poplar.zero.observers import IterationStats, MicroStep, ObserverHandle, Observers, StepObserver
 from poplar.zero.precision import StagePrecision
 from poplar.zero.setup import agree_setup, check_arguments, check_policies
@@ -43,6 +45,13 @@ from poplar.zero.stage_factory import build_stage
 
 # returns the mean loss of the micro-batch, or a pair (loss_sum, count) (docs/design.md §2)
 LossFn = Callable[[nn.Module, Any], Any]
+
+
+class PlanCheck(Enum):
+    """How ``set_plan`` checks a new plan."""
+
+    AGREE = "agree"  # every rank together: valid, and the same on every rank (one object all-gather)
+    LOCAL = "local"  # valid on this rank; the caller knows every rank switches to the same plan
 
 
 class ZeroRuntime:
@@ -53,21 +62,14 @@ class ZeroRuntime:
         optimizer: any ``torch.optim`` optimizer built on ``model.parameters()`` (groups allowed).
             At stages 1-3 its groups are re-pointed at this rank's shard; settings are kept.
         plan: one ``RankPlan`` per rank (``Plan``); its global batch size defines loss scaling.
-        zero_stage: 0, 1, 2 or 3.
-        process_group: defaults to the world group; without ``torch.distributed`` initialised
-            the runtime runs as a world of one.
+        zero_stage: 0, 1, 2 or 3, or a ``ZeroConfig`` (the stage with the bucket size, stage-3
+            wrapping, process group and non-finite policy).
         max_grad_norm: clip the global gradient norm (over all ranks) to this value.
-        bucket_size_mb: gradient bucket size of stages 0-2 (each bucket is one collective).
-        wrap_policy: stage 3 only: which modules form a gather/release block.
-        communicator: use this ``Communicator`` instead of one on ``process_group``.
+        communicator: use this ``Communicator`` instead of one on the config's process group.
         loss_fn: ``loss_fn(module, micro_batch)`` -> the mean loss, or a pair ``(loss_sum, count)``
             (token-weighted, docs/design.md §2); ``train_step``'s default.
         mixed_precision: None or "fp32" (plain fp32), "bf16", "fp16" or a ``MixedPrecision``.
             The model must be fp32: masters and optimizer state stay fp32.
-        nonfinite: ``NonFinitePolicy`` (or "skip" / "raise"): what every rank does when a loss or
-            gradient on some rank is inf or NaN.
-        max_consecutive_skips: with "skip", more non-finite steps in a row than this raise (under
-            fp16 dynamic loss scaling only those at the minimum scale count).
         activation_checkpointing: None/False, True (the wrap policy's blocks) or a policy naming
             module classes: recompute their forward in backward (``poplar.zero.activation_checkpointing``).
     Every rank constructs it together (set-up is agreed: a bad argument on any rank is a
@@ -75,13 +77,14 @@ class ZeroRuntime:
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, plan: Plan | None,
-                 zero_stage: int = 0, process_group: Any = None, max_grad_norm: float | None = None,
-                 bucket_size_mb: float = 25.0, wrap_policy: Any = None, communicator: Communicator | None = None,
-                 loss_fn: LossFn | None = None, mixed_precision: MixedPrecision | str | None = None,
-                 nonfinite: NonFinitePolicy | str = NonFinitePolicy.SKIP, max_consecutive_skips: int = 5,
-                 activation_checkpointing: Any = None) -> None:
+                 zero_stage: int | ZeroConfig = 0, max_grad_norm: float | None = None,
+                 communicator: Communicator | None = None, loss_fn: LossFn | None = None,
+                 mixed_precision: MixedPrecision | str | None = None, activation_checkpointing: Any = None) -> None:
+        config = ZeroConfig.of(zero_stage)
+        zero_stage, bucket_size_mb, wrap_policy = config.stage, config.bucket_size_mb, config.wrap_policy
         model_device = next(model.parameters()).device
-        self.comm = communicator if communicator is not None else Communicator(process_group, model_device)
+        self.comm = communicator if communicator is not None else Communicator(config.process_group, model_device)
+        self.zero_config = config
         self.comm_ledger: CommLedger = self.comm.ledger
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         self.module, self.optimizer = model, optimizer
@@ -95,15 +98,15 @@ class ZeroRuntime:
 
         error, groups = check_arguments(self.world_size, model, optimizer, zero_stage, plan, max_grad_norm,
                                         bucket_size_mb)
-        checked = check_policies(model, mixed_precision, nonfinite, max_consecutive_skips)
+        checked = check_policies(model, mixed_precision, config.nonfinite, config.max_consecutive_skips)
         agree_setup(self.comm, error or checked.error, model, zero_stage, plan, checked.signature)
         assert plan is not None
         self.mixed_precision: MixedPrecision | None = checked.precision
         scale_config = checked.precision.loss_scale if checked.precision is not None else None
         self.loss_scaler: LossScaler | None = LossScaler(scale_config) if scale_config is not None else None
-        self.nonfinite = NonFiniteGuard(checked.nonfinite, max_consecutive_skips)
+        self.nonfinite = NonFiniteGuard(checked.nonfinite, config.max_consecutive_skips)
         self.zero_stage = zero_stage
-        self.use_plan(plan)
+        self.set_plan(plan, PlanCheck.LOCAL)
         self.stage: ZeroStage = build_stage(zero_stage, model, optimizer, self.comm, groups, bucket_size_mb,
                                             wrap_policy, StagePrecision.of(self.mixed_precision),
                                             self.observers.transient_allocated)
@@ -126,23 +129,22 @@ class ZeroRuntime:
         return self.observers.add(observer)
 
     # ------------------------------------------------------------------ plan
-    def set_plan(self, plan: Plan) -> None:
+    def set_plan(self, plan: Plan, check: PlanCheck = PlanCheck.AGREE) -> None:
         """Use ``plan`` from the next iteration on. Every rank must call it, between iterations,
-        with the same plan (checked: a ``DistributedError`` on every rank otherwise)."""
-        error = None
-        if self._micro_steps:
-            error = "set_plan() inside an iteration; call it between iterations"
-        else:
-            error = plan.problem(self.world_size) if isinstance(plan, Plan) else f"plan must be a Plan, got {plan!r}"
-        digest = hashlib.sha256(plan.to_json().encode()).hexdigest() if error is None else None
-        self.comm.agree(error, "set_plan", digest,
-                        mismatch="ranks were given different plans; pass the same plan to every rank")
-        self.use_plan(plan)
-
-    def use_plan(self, plan: Plan) -> None:
-        """``set_plan`` without its agreement collective, for callers whose ranks derive the plan
-        from data they already agreed on (the profiler switches plans every timing round)."""
-        if (problem := plan.problem(self.world_size)) is not None:  # edited since it was built?
+        with the same plan: checked by every rank together (``PlanCheck.AGREE``: a
+        ``DistributedError`` on every rank otherwise), or on this rank alone (``PlanCheck.LOCAL``,
+        no collective, for callers whose ranks derive the plan from data they already agreed on:
+        the profiler switches plans every timing round; a ``PlanError`` if it is not valid)."""
+        if check is PlanCheck.AGREE:
+            error = None
+            if self._micro_steps:
+                error = "set_plan() inside an iteration; call it between iterations"
+            else:
+                error = plan.problem(self.world_size) if isinstance(plan, Plan) else f"plan must be a Plan, got {plan!r}"
+            digest = hashlib.sha256(plan.to_json().encode()).hexdigest() if error is None else None
+            self.comm.agree(error, "set_plan", digest,
+                            mismatch="ranks were given different plans; pass the same plan to every rank")
+        elif (problem := plan.problem(self.world_size)) is not None:  # edited since it was built?
             raise PlanError(problem)
         self.plan, self.rank_plan, self.global_batch_size = plan, plan.ranks[self.rank], plan.global_batch_size
 

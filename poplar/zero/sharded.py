@@ -96,7 +96,6 @@ class Stage3(ZeroStage):
         self._warned = False
         self._reduces = ReduceQueue(self.reduces_in_flight, self._release)
         self._zeros: torch.Tensor | None = None  # what a block with no gradient reduce-scatters
-        self._completing = False  # in end_micro_step: no memory check may interrupt its collectives
         self._set_orders([b.index for b in self.layers], post_order(self.layers))
 
         self._blocks_by_index = {b.index: b for b in blocks}
@@ -161,7 +160,7 @@ class Stage3(ZeroStage):
                 self.free_gather(b)
 
     def gathered_hook(self, b: ShardedBlock) -> None:
-        if self._on_gathered is not None and not self._completing:
+        if self._on_gathered is not None:
             self._on_gathered()
 
     def gather_now(self, b: ShardedBlock) -> None:
@@ -300,11 +299,7 @@ class Stage3(ZeroStage):
         """Complete the micro-step's collectives (all of them when nothing ran) and release."""
         p = self._pass if self._pass is not None and self._pass.train else self._new_pass(PassKind.TRAIN)
         self._pass = p
-        self._completing = True
-        try:
-            self._complete_pass(p)
-        finally:
-            self._completing = False
+        self._complete_pass(p)
         for b in self.blocks:
             b.reset_grads()
         if p.state is PassState.FORWARD_DONE and self._recorded is None and not self._agreed:

@@ -21,6 +21,7 @@ from poplar.workloads.models import create_model, llama_loss_fn
 from poplar.types.plans import Plan
 from poplar.workloads.text import TextBlocks
 from tests.toy import max_rel_err, plan_of
+from poplar.zero.config import ZeroConfig
 
 SEQ = 16
 PLAN2 = plan_of((3, 2, 1), (2, 1, 1))  # n_i = 7, 3
@@ -50,7 +51,7 @@ def make_engine(stage: int, plan: Plan, *, seed: int = 0, kind: str = "adamw", *
                                 lr=3e-3, weight_decay=0.0)
     else:
         opt = torch.optim.SGD([{"params": mats}, {"params": vecs, "momentum": 0.5}], lr=0.3, momentum=0.9)
-    return PoplarEngine(model, opt, zero_stage=stage, plan=plan, bucket_size_mb=BUCKET_MB)
+    return PoplarEngine(model, opt, zero_stage=ZeroConfig(stage, bucket_size_mb=BUCKET_MB), plan=plan)
 
 
 def loader(plan: Plan, rank: int) -> PlanLoader:

@@ -14,7 +14,7 @@ import pytest
 from poplar.cli import main
 from poplar.cli.model_specs import resolve_model
 from poplar.planner.candidates import CandidateRow
-from poplar.planner.synthetic import synthetic_profile
+from poplar.emulation.synthetic import synthetic_profile
 
 ROOT = Path(__file__).resolve().parents[2]
 SIMULATE = [sys.executable, "-m", "poplar", "simulate", "--cluster", "B", "--gbs", "64", "--stage", "auto",

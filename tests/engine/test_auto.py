@@ -9,7 +9,8 @@ from pathlib import Path
 import torch
 
 from poplar.auto import AutoOptions, clone_optimizer
-from poplar.types.cluster import ClusterSpec
+from poplar.emulation import cluster_device
+from poplar.emulation.cluster import ClusterSpec
 from poplar.engine import PoplarEngine
 from poplar.comm.launch import spawn
 from poplar.workloads.models import create_model, llama_loss_fn
@@ -31,8 +32,8 @@ def _parts(seed: int = 0) -> tuple:
 def auto_rank(rank: int, world: int, tmp: str) -> dict:
     data, model, opt = _parts()
     engine = PoplarEngine(model, opt, zero_stage=1, global_batch_size=GBS, loss_fn=llama_loss_fn,
-                          profile_data=data, cluster=PAIR,
-                          auto=AutoOptions(repeats=1, profile_output=f"{tmp}/profile.json", progress=False))
+                          auto=AutoOptions(profile_data=data, device=cluster_device(PAIR), repeats=1,
+                                           profile_output=f"{tmp}/profile.json", progress=False))
     planned = engine.plan.to_dict()  # auto mode's plan (a drifting rank may get a new one during fit)
     fit = engine.fit(data, 3, log_every=0, progress=False)
     out = {"plan": planned, "profile": engine.profile.to_dict(), "losses": fit.losses,
@@ -40,8 +41,8 @@ def auto_rank(rank: int, world: int, tmp: str) -> dict:
     engine.close()
     # a second engine reuses the saved profile: no profiling, the same plan, the same emulated device
     data, model, opt = _parts()
-    again = PoplarEngine(model, opt, zero_stage=1, global_batch_size=GBS, loss_fn=llama_loss_fn, cluster=PAIR,
-                         auto=AutoOptions(profile=f"{tmp}/profile.json", progress=False))
+    again = PoplarEngine(model, opt, zero_stage=1, global_batch_size=GBS, loss_fn=llama_loss_fn,
+                         auto=AutoOptions(device=cluster_device(PAIR), profile=f"{tmp}/profile.json", progress=False))
     out["reused_plan"] = again.plan.to_dict()
     out["reused_device"] = again.device.describe()
     again.close()
@@ -73,10 +74,10 @@ def test_auto_mode_profiles_plans_and_trains(tmp_path: Path) -> None:
 
 
 CASES = {
-    "no_device": "pass cluster=",
+    "no_device": "pass AutoOptions(device=...)",
     "cluster_size": "has 3 devices",
     "no_loss": "auto mode needs loss_fn",
-    "no_data": "rank 1: auto mode needs profile_data",
+    "no_data": "rank 1: auto mode needs AutoOptions(profile_data=...)",
     "bad_gbs": "global_batch_size must be an int >= 1",
 }
 
@@ -86,18 +87,19 @@ def bad_auto(rank: int, world: int) -> dict[str, str]:
     seen = {}
     for case in CASES:
         data, model, opt = _parts()
-        kwargs = {"global_batch_size": GBS, "loss_fn": llama_loss_fn, "profile_data": data, "cluster": PAIR,
-                  "auto": AutoOptions(progress=False)}
+        auto = {"profile_data": data, "device": cluster_device(PAIR), "progress": False}
+        kwargs = {"global_batch_size": GBS, "loss_fn": llama_loss_fn}
         if case == "no_device":
-            kwargs.pop("cluster")
+            auto.pop("device")
         elif case == "cluster_size":
-            kwargs["cluster"] = ClusterSpec("three", [{"type": "T4-16G", "count": 3}])
+            auto["device"] = cluster_device(ClusterSpec("three", [{"type": "T4-16G", "count": 3}]))
         elif case == "no_loss":
             kwargs.pop("loss_fn")
         elif case == "no_data" and rank == 1:
-            kwargs.pop("profile_data")
+            auto.pop("profile_data")
         elif case == "bad_gbs":
             kwargs["global_batch_size"] = 0
+        kwargs["auto"] = AutoOptions(**auto)
         try:
             PoplarEngine(model, opt, **kwargs)
             seen[case] = "no error"

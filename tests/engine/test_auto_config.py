@@ -13,9 +13,9 @@ from torch import nn
 from poplar.planner.candidates import (CandidateRow, choose, estimate_profile, format_table, optimistic_time,
                                         with_probe)
 from poplar.profiler.capacity_model import guided_mbs
-from poplar.profiler.profile_run import ProfileOptions, default_optimizer, search_capacity
-from poplar.profiler.saved_tensors import SavedTensors
-from poplar.profiler.virtual_device import VirtualDevice
+from poplar.profiler.profile_run import ProfileJob, ProfileOptions, default_optimizer, search_capacity
+from poplar.emulation.saved_tensors import SavedTensors
+from poplar.emulation.virtual_device import VirtualDevice
 from poplar.types.plans import PlanError
 from poplar.types.profiles import CommProfile, Profile, ProfilePoint, RankProfile
 from poplar.workloads import get_workload
@@ -28,8 +28,8 @@ def test_checkpointing_doubles_llama_mbs_on_a_virtual_device() -> None:
     mbs = {}
     for setting in (None, True):
         device = VirtualDevice("X", 12 * 2 ** 20)
-        result = search_capacity(w.model_fn, default_optimizer, w.loss_fn, w.sample_fn, device, world_size=2, rank=0,
-                                 stage=0, options=ProfileOptions(activation_checkpointing=setting, max_batch=512),
+        result = search_capacity(ProfileJob(w.model_fn, w.loss_fn, w.sample_fn, default_optimizer, ProfileOptions(activation_checkpointing=setting, max_batch=512)), device, world_size=2, rank=0,
+                                 stage=0,
                                  log=lambda m: None)
         mbs[setting] = result.mbs
     assert mbs[None] >= 1 and mbs[True] >= 2 * mbs[None], mbs
@@ -73,9 +73,7 @@ def test_guided_capacity_equals_a_full_search_at_every_stage_and_checkpointing(c
         for stage in range(4):
             found = {}
             for kind in ("full", "guided"):
-                result = search_capacity(w.model_fn, default_optimizer, w.loss_fn, w.sample_fn,
-                                         VirtualDevice("X", capacity_mib * 2 ** 20), world_size=2, rank=1, stage=stage,
-                                         options=options, log=lambda m: None, guided=kind == "guided",
+                result = search_capacity(ProfileJob(w.model_fn, w.loss_fn, w.sample_fn, default_optimizer, options), VirtualDevice("X", capacity_mib * 2 ** 20), world_size=2, rank=1, stage=stage, log=lambda m: None, guided=kind == "guided",
                                          reference=reference if kind == "guided" else None)
                 found[kind] = result
                 trials[kind] += result.trial_steps

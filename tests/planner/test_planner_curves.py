@@ -7,8 +7,8 @@ import pytest
 
 from poplar.planner.cost_model import CommModel
 from poplar.planner.curves import SpeedCurve
-from poplar.planner.synthetic import profile_points
-from poplar.types.presets import PRESETS
+from poplar.emulation.synthetic import profile_points
+from poplar.emulation.presets import PRESETS
 from poplar.types.profiles import ProfileError
 
 

@@ -7,7 +7,7 @@ import pytest
 from poplar.cli import main
 from poplar.types.plans import PlanError
 from poplar.planner import plan
-from poplar.planner.synthetic import synthetic_profile
+from poplar.emulation.synthetic import synthetic_profile
 from poplar.types.profiles import ProfileError
 
 

@@ -9,11 +9,12 @@ from __future__ import annotations
 import pytest
 
 from poplar.comm.launch import spawn
-from poplar.profiler import SaturatingCurve, VirtualDevice
-from poplar.profiler.candidates import CandidateProfiler, Config, Reuse, uncovered
+from poplar.emulation import SaturatingCurve, VirtualDevice
+from poplar.profiler.configurations import CandidateProfiler, Reuse, uncovered
 from poplar.profiler.exposure import MAX_STEADY_ROUNDS, STEADY_ROUNDS, ExposureRounds
-from poplar.profiler.profile_run import ProfileOptions
+from poplar.profiler.profile_run import ProfileJob, ProfileOptions
 from poplar.profiler.timing import Confirmation, TimingGrid, timing_batches
+from poplar.types.configuration import Configuration
 from poplar.workloads import get_workload
 
 WORKLOAD = get_workload("token-mlp")
@@ -27,10 +28,10 @@ def worker(rank: int, world: int, devices: list[VirtualDevice]) -> dict:
     import torch
     torch.set_num_threads(1)
     device = devices[rank]
-    prof = CandidateProfiler(WORKLOAD.model_fn, WORKLOAD.loss_fn, WORKLOAD.sample_fn, device,
-                             options=ProfileOptions(repeats=1, bucket_size_mb=0.03, progress=False),
-                             log=lambda m: None)
-    caps = prof.capacities([Config(0), Config(1)])
+    job = ProfileJob(WORKLOAD.model_fn, WORKLOAD.loss_fn, WORKLOAD.sample_fn,
+                     options=ProfileOptions(repeats=1, bucket_size_mb=0.03, progress=False))
+    prof = CandidateProfiler(job, device, log=lambda m: None)
+    caps = prof.capacities([Configuration(0), Configuration(1)])
     curve = dict(confirm=Confirmation.CURVE)
     probe = prof.time(caps[0], sizes=[[m] for m in caps[0].mbs], exposure=ExposureRounds.GRID, **curve)
     probe_rounds = prof.rounds

@@ -13,17 +13,19 @@ import torch
 
 from poplar.comm import Communicator
 from poplar.comm.launch import spawn
-from poplar.profiler import PresetCurve, VirtualDevice
-from poplar.profiler.emulate import CalibrationInputs, calibrate, cluster_devices, emulate_cluster
-from poplar.profiler.local_comm import local_engine, search_plan, use_plan
+from poplar.emulation import PresetCurve, VirtualDevice
+from poplar.emulation import Scales, calibrate, cluster_device, cluster_devices, emulate_cluster, profile_cluster
+from poplar.profiler.local_comm import local_engine, search_plan
 from poplar.profiler.precision import agree_precision_support, precision_meta, profile_precision
-from poplar.profiler.profile_run import ProfileOptions, default_optimizer, profile_rank, search_capacity
-from poplar.types.cluster import ClusterSpec
+from poplar.profiler.profile_run import ProfileJob, ProfileOptions, default_optimizer, profile_rank, search_capacity
+from poplar.emulation.cluster import ClusterSpec
 from poplar.types.precision import MixedPrecision, Precision
-from poplar.types.presets import PresetError, get_preset
+from poplar.emulation.presets import PresetError, get_preset
 from poplar.types.profiles import Profile, ProfileError
 from poplar.workloads import get_workload
 from poplar.zero.runtime import ZeroRuntime
+from poplar.zero.config import ZeroConfig
+from poplar.zero.runtime import PlanCheck
 
 WORKLOAD = get_workload("token-mlp")
 PAIR = ClusterSpec("pair", [{"type": "V100-16G", "count": 1}, {"type": "T4-16G", "count": 1}])
@@ -61,17 +63,15 @@ def test_bf16_devices_without_bf16_are_refused() -> None:
 
 
 def test_emulation_refuses_bf16_on_cluster_b_before_running_anything() -> None:
-    import poplar
-
-    inputs = CalibrationInputs(_never, _never, _never, _never, 0, mixed_precision=MixedPrecision(torch.bfloat16))
-    for scales in (("auto", "auto"), (1e-3, 1.0)):
+    job = ProfileJob(_never, _never, _never, _never, ProfileOptions(mixed_precision=MixedPrecision(torch.bfloat16)))
+    for scales in (Scales(), Scales(1e-3, 1.0)):
         with pytest.raises(ProfileError, match=r"cluster 'B': bf16 is not supported on V100-16G.*Use fp16 instead"):
-            emulate_cluster("B", inputs, *scales)
+            emulate_cluster("B", job, scales)
     with pytest.raises(ProfileError, match="bf16 is not supported on V100-16G"):
-        calibrate(_never, _never, _never, "B", 0, optimizer_fn=_never, mixed_precision="bf16")
+        calibrate(job, "B")
     with pytest.raises(ProfileError, match=r"T4-16G \(rank 1\)"):
-        poplar.profile(WORKLOAD.model_fn, WORKLOAD.loss_fn, WORKLOAD.sample_fn, cluster=PAIR, mixed_precision="bf16",
-                       progress=False)
+        profile_cluster(WORKLOAD.model_fn, WORKLOAD.loss_fn, WORKLOAD.sample_fn, cluster=PAIR,
+                        options=ProfileOptions(mixed_precision="bf16", progress=False))
     with pytest.raises(ValueError, match="'bf16', 'fp16'"):
         ProfileOptions(mixed_precision="fp8")
 
@@ -109,12 +109,12 @@ def test_precision_agreement_in_one_process() -> None:
 
 def test_auto_mode_refuses_a_profile_of_another_precision(tmp_path: Path) -> None:
     from poplar.auto import AutoOptions, auto_plan
-    from poplar.planner.synthetic import profile_from_presets
+    from poplar.emulation.synthetic import profile_from_presets
 
     path = tmp_path / "profile.json"
     profile_from_presets([get_preset("A100-80G")], 0).save(path)  # no precision recorded: fp32
     model = WORKLOAD.model_fn()
-    args = dict(global_batch_size=8, zero_stage=0, loss_fn=WORKLOAD.loss_fn, profile_data=None,
+    args = dict(global_batch_size=8, zero_stage=0, loss_fn=WORKLOAD.loss_fn,
                 options=AutoOptions(profile=str(path), progress=False))
     assert auto_plan(Communicator(), model, default_optimizer(model), **args).plan.global_batch_size == 8
     with pytest.raises(ProfileError, match="measured at fp32 but this run computes in fp16"):
@@ -126,8 +126,8 @@ def test_auto_mode_refuses_a_profile_of_another_precision(tmp_path: Path) -> Non
 # ---------------------------------------------------------------------- under the runtime's policy
 def _engine(stage: int, world: int, rank: int, precision: str | None) -> ZeroRuntime:
     model = WORKLOAD.model_fn()
-    return local_engine(model, default_optimizer(model), world_size=world, rank=rank, zero_stage=stage,
-                        device=torch.device("cpu"), bucket_size_mb=0.03, mixed_precision=precision)
+    return local_engine(model, default_optimizer(model), world_size=world, rank=rank, zero_stage=ZeroConfig(stage, bucket_size_mb=0.03),
+                        device=torch.device("cpu"), mixed_precision=precision)
 
 
 def test_device_follows_the_runtimes_precision() -> None:
@@ -154,7 +154,7 @@ def test_memory_is_counted_at_the_policys_dtypes() -> None:
         with device.attach(engine):
             after = {}
             for b in (1, 2, 4, 8):
-                use_plan(engine, search_plan(1, 0, b))
+                engine.set_plan(search_plan(1, 0, b), PlanCheck.LOCAL)
                 engine.train_step(WORKLOAD.sample_fn(b), WORKLOAD.loss_fn)
                 after[b] = device.last_step.after_forward - device.last_step.before_forward
             report = engine.memory_report()
@@ -168,17 +168,19 @@ def test_memory_is_counted_at_the_policys_dtypes() -> None:
 
 def _mbs(devices: list[VirtualDevice], stage: int, precision: str | None) -> list[int]:
     options = ProfileOptions(zero_stage=stage, mixed_precision=precision)
-    return [search_capacity(WORKLOAD.model_fn, default_optimizer, WORKLOAD.loss_fn, WORKLOAD.sample_fn, d,
-                            world_size=len(devices), rank=r, stage=stage, options=options, log=lambda m: None).mbs
+    return [search_capacity(ProfileJob(WORKLOAD.model_fn, WORKLOAD.loss_fn, WORKLOAD.sample_fn, default_optimizer, options), d,
+                            world_size=len(devices), rank=r, stage=stage, log=lambda m: None).mbs
             for r, d in enumerate(devices)]
 
 
 @pytest.mark.parametrize("stage", [0, 2])
 def test_fp16_fits_larger_micro_batches_on_cluster_b(stage: int) -> None:
-    cal = calibrate(WORKLOAD.model_fn, WORKLOAD.loss_fn, WORKLOAD.sample_fn, "B", stage,
-                    optimizer_fn=default_optimizer, mixed_precision="fp16")
-    fp32_cal = calibrate(WORKLOAD.model_fn, WORKLOAD.loss_fn, WORKLOAD.sample_fn, "B", stage,
-                         optimizer_fn=default_optimizer, time_scale=1.0)
+    job = ProfileJob(WORKLOAD.model_fn, WORKLOAD.loss_fn, WORKLOAD.sample_fn, default_optimizer,
+                     ProfileOptions(zero_stage=stage, mixed_precision="fp16"))
+    cal = calibrate(job, "B")
+    fp32 = ProfileJob(WORKLOAD.model_fn, WORKLOAD.loss_fn, WORKLOAD.sample_fn, default_optimizer,
+                      ProfileOptions(zero_stage=stage))
+    fp32_cal = calibrate(fp32, "B", scales=Scales(time=1.0))
     assert cal.memory_scale == pytest.approx(fp32_cal.memory_scale, rel=1e-6)  # the same GPUs at every precision
     mbs32 = _mbs(cluster_devices("B", cal.memory_scale, cal.time_scale), stage, None)
     mbs16 = _mbs(cluster_devices("B", cal.memory_scale, cal.time_scale, "fp16"), stage, "fp16")
@@ -188,10 +190,8 @@ def test_fp16_fits_larger_micro_batches_on_cluster_b(stage: int) -> None:
 
 
 def test_profile_records_its_precision_and_measures_the_fp16_curve() -> None:
-    import poplar
-
-    prof = poplar.profile(WORKLOAD.model_fn, WORKLOAD.loss_fn, WORKLOAD.sample_fn, cluster=PAIR, zero_stage=1,
-                          mixed_precision="fp16", repeats=2, progress=False)
+    prof = profile_cluster(WORKLOAD.model_fn, WORKLOAD.loss_fn, WORKLOAD.sample_fn, cluster=PAIR,
+                           options=ProfileOptions(zero_stage=1, mixed_precision="fp16", repeats=2, progress=False))
     assert prof.meta["precision"] == "fp16" and prof.meta["mixed_precision"]["param_dtype"] == "fp16"
     assert prof.meta["calibration"]["precision"] == "fp16"
     devices = cluster_devices(PAIR, prof.meta["memory_scale"], prof.meta["time_scale"], "fp16")
@@ -210,8 +210,8 @@ def auto_fp16_rank(rank: int, world: int) -> dict:
     model = WORKLOAD.model_fn()
     optimizer = default_optimizer(model)
     result = auto_plan(Communicator(), model, optimizer, global_batch_size=24, zero_stage=1, loss_fn=WORKLOAD.loss_fn,
-                       profile_data=WORKLOAD.sample_fn, cluster=PAIR, options=AutoOptions(repeats=1, progress=False),
-                       mixed_precision="fp16")
+                       options=AutoOptions(profile_data=WORKLOAD.sample_fn, device=cluster_device(PAIR), repeats=1,
+                                           progress=False), mixed_precision="fp16")
     engine = PoplarEngine(model, optimizer, plan=result.plan, zero_stage=result.plan.zero_stage,
                           mixed_precision="fp16")
     first = result.plan.sample_offsets()[rank]

@@ -14,12 +14,15 @@ import torch
 
 from poplar.comm.launch import spawn
 from poplar.types.plans import Plan, RankPlan
-from poplar.profiler import SaturatingCurve, VirtualDevice, search_mbs, trial_budget
+from poplar.emulation import SaturatingCurve, VirtualDevice
+from poplar.profiler import search_mbs, trial_budget
 from poplar.profiler.capacity import CapacitySearch
-from poplar.profiler.local_comm import local_engine, search_plan, use_plan
+from poplar.profiler.local_comm import local_engine, search_plan
 from poplar.profiler.profile_run import ProfileOptions, default_optimizer, profile_rank
 from poplar.types.profiles import Profile, ProfileError
 from poplar.workloads import get_workload
+from poplar.zero.config import ZeroConfig
+from poplar.zero.runtime import PlanCheck
 
 # the profiler's fast workload: the capacities and curves below are calibrated for it
 WORKLOAD = get_workload("token-mlp")
@@ -40,8 +43,8 @@ def make_devices() -> list[VirtualDevice]:
 def true_mbs(device: VirtualDevice, rank: int, stage: int, limit: int = 400) -> int:
     """Try every batch from 1 up on a local engine until one does not fit."""
     model = WORKLOAD.model_fn()
-    engine = local_engine(model, default_optimizer(model), world_size=WORLD, rank=rank, zero_stage=stage,
-                          device=torch.device("cpu"), bucket_size_mb=BUCKET_MB)
+    engine = local_engine(model, default_optimizer(model), world_size=WORLD, rank=rank, zero_stage=ZeroConfig(stage, bucket_size_mb=BUCKET_MB),
+                          device=torch.device("cpu"))
     device.pad = False
     try:
         with device.attach(engine):
@@ -67,8 +70,7 @@ def profile_and_train(rank: int, world: int, devices_by_stage: dict[int, list[Vi
         mbs = [r.mbs for r in prof.ranks]
         plan = Plan([RankPlan(m, 2, 0) for m in mbs])
         model = WORKLOAD.model_fn()
-        engine = PoplarEngine(model, default_optimizer(model), zero_stage=prof.zero_stage, plan=plan,
-                              bucket_size_mb=BUCKET_MB)
+        engine = PoplarEngine(model, default_optimizer(model), zero_stage=ZeroConfig(prof.zero_stage, bucket_size_mb=BUCKET_MB), plan=plan)
         device.raise_oom, device.pad = True, False
         with device.attach(engine):
             for it in range(2):
@@ -155,10 +157,10 @@ def scenario_worker(rank: int, world: int, scenarios: list[tuple[list[VirtualDev
 def batch1_peak(rank: int, stage: int) -> int:
     device = VirtualDevice("probe", 2 ** 40)
     model = WORKLOAD.model_fn()
-    engine = local_engine(model, default_optimizer(model), world_size=WORLD, rank=rank, zero_stage=stage,
-                          device=torch.device("cpu"), bucket_size_mb=BUCKET_MB)
+    engine = local_engine(model, default_optimizer(model), world_size=WORLD, rank=rank, zero_stage=ZeroConfig(stage, bucket_size_mb=BUCKET_MB),
+                          device=torch.device("cpu"))
     with device.attach(engine):
-        use_plan(engine, search_plan(WORLD, rank, 1))
+        engine.set_plan(search_plan(WORLD, rank, 1), PlanCheck.LOCAL)
         engine.train_step(WORKLOAD.sample_fn(1), WORKLOAD.loss_fn)
         return device.last_step.peak
 
@@ -215,27 +217,27 @@ def test_search_stops_at_max_batch() -> None:
 
 
 def test_bad_cluster_input_is_a_clear_error(tmp_path) -> None:
-    import poplar
     from poplar.cli import main
-    from poplar.types.cluster import ClusterError
-    from poplar.types.presets import PresetError
+    from poplar.emulation import profile_cluster
+    from poplar.emulation.cluster import ClusterError
+    from poplar.emulation.presets import PresetError
 
     broken = tmp_path / "broken.json"
     broken.write_text('{"name": "x", "devices": [{"type": "T4-16G", "count": 2}')
     with pytest.raises(ClusterError, match="not valid JSON"):
-        poplar.profile(WORKLOAD.model_fn, WORKLOAD.loss_fn, WORKLOAD.sample_fn, cluster=str(broken))
+        profile_cluster(WORKLOAD.model_fn, WORKLOAD.loss_fn, WORKLOAD.sample_fn, cluster=str(broken))
     unknown = tmp_path / "unknown.json"
     unknown.write_text('{"name": "x", "devices": [{"type": "H100-80G", "count": 2}]}')
     with pytest.raises(ClusterError, match="unknown device preset 'H100-80G'.*known presets"):
-        poplar.profile(WORKLOAD.model_fn, WORKLOAD.loss_fn, WORKLOAD.sample_fn, cluster=str(unknown))
+        profile_cluster(WORKLOAD.model_fn, WORKLOAD.loss_fn, WORKLOAD.sample_fn, cluster=str(unknown))
     no_devices = tmp_path / "empty.json"
     no_devices.write_text('{"name": "x"}')
     with pytest.raises(ClusterError, match="devices"):
-        poplar.profile(WORKLOAD.model_fn, WORKLOAD.loss_fn, WORKLOAD.sample_fn, cluster=str(no_devices))
+        profile_cluster(WORKLOAD.model_fn, WORKLOAD.loss_fn, WORKLOAD.sample_fn, cluster=str(no_devices))
     with pytest.raises(PresetError, match="known presets"):
         VirtualDevice.from_preset("RTX 5090", 1e-3, 1.0)
     with pytest.raises(ProfileError, match="cluster= .* or devices="):
-        poplar.profile(WORKLOAD.model_fn, WORKLOAD.loss_fn, WORKLOAD.sample_fn)
+        profile_cluster(WORKLOAD.model_fn, WORKLOAD.loss_fn, WORKLOAD.sample_fn)
     assert main(["profile", "--cluster", str(broken), "--quiet"]) == 2  # the CLI prints the error
 
 
@@ -263,8 +265,8 @@ def test_cli_profile_end_to_end(tmp_path, capsys) -> None:
 def test_stage3_engine_cleans_up_after_an_oom_inside_a_block() -> None:
     """Without the profiler's rebuild: the engine itself must come back to its memory before."""
     model = WORKLOAD.model_fn()
-    engine = local_engine(model, default_optimizer(model), world_size=WORLD, rank=1, zero_stage=3,
-                          device=torch.device("cpu"), bucket_size_mb=BUCKET_MB)
+    engine = local_engine(model, default_optimizer(model), world_size=WORLD, rank=1, zero_stage=ZeroConfig(3, bucket_size_mb=BUCKET_MB),
+                          device=torch.device("cpu"))
     device = VirtualDevice("d", 10 ** 9)
     device.inject_oom(batch=4, after_checks=6, where="saved")  # inside blocks.0's forward
     with device.attach(engine):

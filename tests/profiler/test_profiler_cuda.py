@@ -9,9 +9,11 @@ import pytest
 import torch
 
 from poplar.profiler.capacity import CapacitySearch
-from poplar.profiler.local_comm import local_engine, search_plan, use_plan
-from poplar.profiler.profile_run import ProfileOptions, default_optimizer, search_capacity
+from poplar.profiler.local_comm import local_engine, search_plan
+from poplar.profiler.profile_run import ProfileJob, ProfileOptions, default_optimizer, search_capacity
 from poplar.workloads import get_workload
+from poplar.zero.config import ZeroConfig
+from poplar.zero.runtime import PlanCheck
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -33,21 +35,21 @@ def capped_device():
 @pytest.mark.parametrize("stage", [0, 2, 3])
 def test_cuda_capacity_search_and_recovery(stage: int, capped_device) -> None:
     device = capped_device
-    result = search_capacity(W.model_fn, default_optimizer, W.loss_fn, W.sample_fn, device,
-                             world_size=2, rank=0, stage=stage, options=ProfileOptions(bucket_size_mb=4.0),
+    result = search_capacity(ProfileJob(W.model_fn, W.loss_fn, W.sample_fn, default_optimizer, ProfileOptions(bucket_size_mb=4.0)), device,
+                             world_size=2, rank=0, stage=stage,
                              log=lambda m: None)
     assert result.mbs >= 1 and result.oom_events
     for event in result.oom_events:  # a real torch.cuda.OutOfMemoryError, caught and released
         assert "OutOfMemoryError" in event.message
     # the found mbs trains; one more does not
     model = W.model_fn().to(device.torch_device)
-    engine = local_engine(model, default_optimizer(model), world_size=2, rank=0, zero_stage=stage,
-                          device=device.torch_device, bucket_size_mb=4.0)
+    engine = local_engine(model, default_optimizer(model), world_size=2, rank=0, zero_stage=ZeroConfig(stage, bucket_size_mb=4.0),
+                          device=device.torch_device)
     with device.attach(engine):
         search = CapacitySearch(engine, device, W.sample_fn, W.loss_fn, stage)
         assert search.trial(result.mbs)
         assert not search.trial(result.mbs + max(1, result.mbs // 8))
-        use_plan(engine, search_plan(2, 0, result.mbs))
+        engine.set_plan(search_plan(2, 0, result.mbs), PlanCheck.LOCAL)
         engine.train_step(W.sample_fn(result.mbs).cuda(), W.loss_fn)
 
 
@@ -57,8 +59,8 @@ def test_capacity_search_leaves_no_garbage_on_the_gpu(capped_device) -> None:
     import gc
 
     def search() -> None:
-        search_capacity(W.model_fn, default_optimizer, W.loss_fn, W.sample_fn, capped_device, world_size=2, rank=0,
-                        stage=2, options=ProfileOptions(bucket_size_mb=4.0), log=lambda m: None)
+        search_capacity(ProfileJob(W.model_fn, W.loss_fn, W.sample_fn, default_optimizer, ProfileOptions(bucket_size_mb=4.0)), capped_device, world_size=2, rank=0,
+                        stage=2, log=lambda m: None)
 
     search()  # the first also allocates the libraries' workspaces, which stay
     gc.collect()

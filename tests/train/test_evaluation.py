@@ -15,6 +15,7 @@ from poplar.comm.launch import spawn
 from poplar.engine import PoplarEngine
 from poplar.train.evaluation import eval_shards, evaluate
 from tests.toy import SEQ, VOCAB, make_model, plan_of
+from poplar.zero.config import ZeroConfig
 
 PLANS = [plan_of((3, 2, 1), (2, 1, 0), (1, 1, 0)), plan_of((3, 3, 1), (0, 0, 0), (2, 2, 0))]
 
@@ -70,7 +71,7 @@ def worker(rank: int, world: int, n: int) -> list:
             model = make_model(1)
             opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
             policy = {nn.Linear, nn.LayerNorm} if stage == 3 else None
-            engine = PoplarEngine(model, opt, zero_stage=stage, plan=plan, wrap_policy=policy)
+            engine = PoplarEngine(model, opt, zero_stage=ZeroConfig(stage, wrap_policy=policy), plan=plan)
             data = Padded(n)
             tokens = evaluate(engine, data, loss_fn=token_loss)
             # mean losses over batches of one sample each weigh every sample equally, like the reference

@@ -15,8 +15,8 @@ from poplar.engine import PoplarEngine
 from poplar.train.config import TrainConfig
 from poplar.train.schedule import LRSchedule
 from poplar.train.throughput import RankDevice, count_tokens, throughput
-from poplar.types.peak_flops import PRESET_PEAK_TFLOPS, peak_flops
-from poplar.types.presets import PRESETS
+from poplar.types.peak_flops import DEVICE_TYPE_PEAK_TFLOPS, peak_flops
+from poplar.emulation.presets import PRESETS
 from tests.toy import SEQ, global_batch, loss_fn, make_model, plan_of
 
 PLAN = plan_of((3, 1, 1), (2, 1, 0))  # 4 + 2 samples
@@ -61,7 +61,7 @@ def test_mfu_is_model_flops_over_the_sum_of_every_rank_peak() -> None:
 
 
 def test_peaks_cover_every_preset_and_precision() -> None:
-    assert set(PRESET_PEAK_TFLOPS) == set(PRESETS)
+    assert set(DEVICE_TYPE_PEAK_TFLOPS) == set(PRESETS)
     assert peak_flops("A100-80G", "bf16") == 312e12 and peak_flops("T4-16G", "bf16") is None
     assert peak_flops("NVIDIA H100 80GB HBM3", "bf16") == 989.4e12 and peak_flops("cpu") is None
     assert count_tokens({"input_ids": torch.ones(2, 5), "attention_mask": torch.tensor([[1] * 5, [1, 1, 0, 0, 0]])}) == 7

@@ -15,12 +15,12 @@ from poplar.auto import AutoOptions
 from poplar.comm import Communicator
 from poplar.comm.launch import spawn
 from poplar.engine import PoplarEngine
-from poplar.profiler.faults import FaultSchedule
-from poplar.profiler.profile_run import ProfileOptions, search_capacity
-from poplar.profiler.virtual_device import VirtualDevice
+from poplar.emulation.faults import FaultSchedule
+from poplar.profiler.profile_run import ProfileJob, ProfileOptions, search_capacity
+from poplar.emulation.virtual_device import VirtualDevice
 from poplar.train.data import GlobalBatchSampler
 from poplar.train.replan import ReplanOptions, make_replanner
-from poplar.types.presets import get_preset
+from poplar.emulation.presets import get_preset
 from poplar.types.profiles import CommProfile, Profile, ProfilePoint, RankProfile
 from tests.toy import SEQ, VOCAB, loss_fn, make_model, make_optimizer, max_rel_err
 
@@ -53,9 +53,9 @@ def _device(rank: int) -> VirtualDevice:
 
 def _profile(rank: int, world: int, device: VirtualDevice, stage: int) -> Profile:
     """The capacity search for real (no collective), the devices' own curves as timing points."""
-    res = search_capacity(make_model, lambda m: make_optimizer(m, "sgd"), loss_fn, _sample, device, world_size=world,
-                          rank=rank, stage=stage, options=ProfileOptions(zero_stage=stage, max_batch=64),
-                          log=lambda m: None)
+    job = ProfileJob(make_model, loss_fn, _sample, lambda m: make_optimizer(m, "sgd"),
+                     ProfileOptions(zero_stage=stage, max_batch=64))
+    res = search_capacity(job, device, world_size=world, rank=rank, stage=stage, log=lambda m: None)
     row = RankProfile(rank, device.device_type, res.mbs, [ProfilePoint(b, device.time_s(b)) for b in (1, 2, 4, 8, res.mbs)
                                                           if b <= res.mbs], device.name, res.capacity_bytes,
                       res.base_bytes, res.bytes_per_sample)
@@ -66,7 +66,7 @@ def _profile(rank: int, world: int, device: VirtualDevice, stage: int) -> Profil
 def _engine(stage: int, device: VirtualDevice, profile: Profile) -> PoplarEngine:
     model = make_model()
     return PoplarEngine(model, make_optimizer(model, "sgd"), zero_stage=stage, global_batch_size=GBS, loss_fn=loss_fn,
-                        device=device, auto=AutoOptions(profile=profile, progress=False))
+                        auto=AutoOptions(device=device, profile=profile, progress=False))
 
 
 def memory_rank(rank: int, world: int, tmp: str) -> dict:

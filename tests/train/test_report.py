@@ -40,7 +40,8 @@ def test_trace_has_every_span(tmp_path) -> None:
 
 def test_curves_png_marks_the_chosen_batches(tmp_path) -> None:
     pytest.importorskip("matplotlib")
-    from poplar.planner import plan, synthetic_profile
+    from poplar.emulation.synthetic import synthetic_profile
+    from poplar.planner import plan
     from poplar.train.report import write_curves_png
 
     profile = synthetic_profile("B", 2)

@@ -13,6 +13,7 @@ from poplar.engine import PoplarEngine  # noqa: E402
 from tests.toy import plan_of  # noqa: E402
 from tests.workloads.hf_tiny import (global_batch, loss_fn_of, make_model, optimizer, rank_part,  # noqa: E402
                                      reference, state_errors)
+from poplar.zero.config import ZeroConfig
 
 ITERATIONS, GBS = 3, 10
 # n_i = 5, 1, 4 (micro-steps 3, 1, 2) and 4, 0, 6 (a rank with no samples)
@@ -31,8 +32,8 @@ def worker(rank: int, world: int) -> dict:
         for stage in stages:
             plan = PLANS[stage % 2]
             model = make_model(kind)
-            engine = PoplarEngine(model, optimizer(model), zero_stage=stage, plan=plan,
-                                  max_grad_norm=max_norm_of(stage), bucket_size_mb=0.001, loss_fn=loss_fn_of(kind))
+            engine = PoplarEngine(model, optimizer(model), zero_stage=ZeroConfig(stage, bucket_size_mb=0.001), plan=plan,
+                                  max_grad_norm=max_norm_of(stage), loss_fn=loss_fn_of(kind))
             losses = [engine.train_step(rank_part(global_batch(kind, it, GBS), plan, rank))
                       for it in range(ITERATIONS)]
             out[kind, stage] = (losses, engine.full_state_dict(), engine.last_loss_count)

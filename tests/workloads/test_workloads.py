@@ -12,6 +12,7 @@ from poplar.types.batches import batch_size_of, slice_batch
 from poplar.workloads.models import BertModel, LlamaModel, count_params
 from poplar.workloads.text import IGNORE_INDEX, VOCAB_SIZE
 from poplar.workloads import DEFAULT_WORKLOAD, WORKLOADS, TokenMLP, get_workload
+from poplar.zero.config import ZeroConfig
 
 NAMES = list(WORKLOADS)
 
@@ -107,15 +108,15 @@ def test_workloads_survive_pickling(name: str) -> None:
 @pytest.mark.parametrize("name", ["llama-tiny", "bert-tiny"])
 def test_a_capacity_trial_under_a_virtual_device(name: str) -> None:
     """The profiler's path: the engine takes the workload's batches, the device counts their memory."""
-    from poplar.profiler import VirtualDevice
+    from poplar.emulation import VirtualDevice
     from poplar.profiler.capacity import CapacitySearch
     from poplar.profiler.local_comm import local_engine
     from poplar.profiler.profile_run import default_optimizer
 
     w = get_workload(name)
     model = w.model_fn()
-    engine = local_engine(model, default_optimizer(model), world_size=2, rank=0, zero_stage=2,
-                          device=torch.device("cpu"), bucket_size_mb=0.1)
+    engine = local_engine(model, default_optimizer(model), world_size=2, rank=0, zero_stage=ZeroConfig(2, bucket_size_mb=0.1),
+                          device=torch.device("cpu"))
     device = VirtualDevice("d", 10 ** 9)
     with device.attach(engine):
         search = CapacitySearch(engine, device, w.sample_fn, w.loss_fn, 2)

@@ -16,6 +16,7 @@ from poplar.comm.launch import spawn
 from poplar.engine import PoplarEngine
 from tests.toy import global_batch, loss_fn, make_model, make_optimizer, max_rel_err, plan_of, rank_slice
 from tests.zero.test_stage3_common import Block, tiny_lm
+from poplar.zero.config import ZeroConfig
 
 ITERATIONS = 2
 GBS = 14
@@ -60,8 +61,7 @@ def reference(make, loss, iterations: int = ITERATIONS) -> dict[str, torch.Tenso
 def run(rank: int, make, loss, setting, policy, stage: int, plan) -> tuple[dict, list, int]:
     model = make()
     keys = list(model.state_dict())
-    engine = PoplarEngine(model, make_optimizer(model, "sgd"), zero_stage=stage, plan=plan, wrap_policy=policy,
-                          bucket_size_mb=0.001, activation_checkpointing=setting)
+    engine = PoplarEngine(model, make_optimizer(model, "sgd"), zero_stage=ZeroConfig(stage, bucket_size_mb=0.001, wrap_policy=policy), plan=plan, activation_checkpointing=setting)
     assert list(model.state_dict()) == keys
     calls = [0]
     first = engine.activation_checkpointing.names[0] if engine.activation_checkpointing.enabled else ""
@@ -90,7 +90,7 @@ def worker(rank: int, world: int) -> dict:
                                         ("bad", 3.5, None, 1)]:
         try:
             model = tiny_lm()
-            PoplarEngine(model, make_optimizer(model, "sgd"), zero_stage=stage, plan=PLANS[0], wrap_policy=policy,
+            PoplarEngine(model, make_optimizer(model, "sgd"), zero_stage=ZeroConfig(stage, wrap_policy=policy), plan=PLANS[0],
                          activation_checkpointing=setting)
         except DistributedError as e:
             errors[key] = str(e)

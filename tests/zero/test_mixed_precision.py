@@ -18,6 +18,7 @@ from poplar.types.precision import MixedPrecision
 from poplar.workloads.models import create_model, llama_loss_fn
 from tests.toy import max_rel_err, plan_of
 from tests.zero.test_stage3_common import tiny_lm
+from poplar.zero.config import ZeroConfig
 
 ITERATIONS, SEQ, GBS = 12, 16, 10
 PLANS = {2: plan_of((2, 2, 1), (3, 1, 2)),  # n_i = 5, 5 with micro-step counts 3, 2
@@ -60,8 +61,7 @@ def bf16_runs(rank: int, world: int) -> dict:
     out = {}
     for stage in STAGES:
         model = create_model("llama-tiny")
-        engine = PoplarEngine(model, adamw(model), zero_stage=stage, plan=plan, mixed_precision="bf16",
-                              bucket_size_mb=0.05)
+        engine = PoplarEngine(model, adamw(model), zero_stage=ZeroConfig(stage, bucket_size_mb=0.05), plan=plan, mixed_precision="bf16")
         compute_dtype = model.layers[0].attn.wq.weight.dtype if stage < 3 else engine.stage.blocks[1].full.dtype
         losses = [engine.train_step(token_batch(it)[start:start + plan.ranks[rank].num_samples], llama_loss_fn)
                   for it in range(ITERATIONS)]
@@ -91,8 +91,8 @@ def memory_runs(rank: int, world: int) -> dict:
         for stage in STAGES:
             torch.manual_seed(0)
             model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)])
-            engine = PoplarEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-3), zero_stage=stage,
-                                  plan=Plan.even(world, 2 * world, 1), mixed_precision=precision, bucket_size_mb=0.3)
+            engine = PoplarEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-3), zero_stage=ZeroConfig(stage, bucket_size_mb=0.3),
+                                  plan=Plan.even(world, 2 * world, 1), mixed_precision=precision)
             engine.train_step(torch.randn(2, 256), lambda m, b: m(b).float().pow(2).mean())
             out[(precision, stage)] = engine.memory_report()
     return out
@@ -190,14 +190,14 @@ def test_policy_resolution() -> None:
 
 @pytest.mark.parametrize("kwargs, needle", [
     ({"mixed_precision": "fp8"}, "mixed_precision='fp8'"),
-    ({"nonfinite": "ignore"}, "nonfinite must be 'skip' or 'raise'"),
-    ({"max_consecutive_skips": -1}, "max_consecutive_skips must be an int >= 0"),
+    ({"zero_stage": ZeroConfig(1, nonfinite="ignore")}, "nonfinite must be 'skip' or 'raise'"),
+    ({"zero_stage": ZeroConfig(1, max_consecutive_skips=-1)}, "max_consecutive_skips must be an int >= 0"),
 ])
 def test_bad_policies_are_setup_errors(kwargs: dict, needle: str) -> None:
     from poplar.comm import DistributedError
     model = create_model("llama-tiny")
     with pytest.raises(DistributedError, match=needle.replace("(", r"\(").replace("[", r"\[")):
-        PoplarEngine(model, adamw(model), zero_stage=1, plan=Plan.even(1, 2, 1), **kwargs)
+        PoplarEngine(model, adamw(model), plan=Plan.even(1, 2, 1), **{"zero_stage": 1, **kwargs})
 
 
 def test_mixed_precision_needs_an_fp32_model() -> None:

@@ -20,6 +20,7 @@ from poplar.zero.loss_scaler import LossScaler
 from poplar.zero.nonfinite import NonFiniteGuard, NonFinitePolicy, Verdict
 from tests.toy import global_batch, loss_fn, make_model, make_optimizer, plan_of, rank_slice
 from tests.zero.test_stage3_common import tiny_lm
+from poplar.zero.config import ZeroConfig
 
 PLAN = plan_of((2, 2, 1), (3, 1, 0))  # n_i = 5, 3
 
@@ -62,10 +63,10 @@ def same(a: Any, b: Any) -> bool:
     return a == b
 
 
-def engine_for(stage: int, **kwargs: Any) -> PoplarEngine:
+def engine_for(stage: int, nonfinite: str = "skip", **kwargs: Any) -> PoplarEngine:
     model = make_model() if stage < 3 else tiny_lm()
-    return PoplarEngine(model, make_optimizer(model, "sgd"), zero_stage=stage, plan=PLAN, bucket_size_mb=0.001,
-                        **kwargs)
+    return PoplarEngine(model, make_optimizer(model, "sgd"), plan=PLAN,
+                        zero_stage=ZeroConfig(stage, bucket_size_mb=0.001, nonfinite=nonfinite), **kwargs)
 
 
 def train(engine: PoplarEngine, rank: int, iterations: int, loss: Any) -> tuple[list[float], list[bool]]:

@@ -10,8 +10,9 @@ import gc
 import pytest
 
 from poplar.comm import DistributedError
-from poplar.profiler import VirtualDevice, is_oom
-from tests.profiler.test_virtual_device import MB, engine_at, step
+from poplar.emulation import VirtualDevice
+from poplar.zero.failures import is_oom
+from tests.emulation.test_virtual_device import MB, engine_at, step
 
 
 @pytest.mark.parametrize("stage", [0, 3])

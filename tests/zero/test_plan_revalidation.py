@@ -11,6 +11,7 @@ from poplar.comm import DistributedError
 from poplar.engine import PoplarEngine
 from poplar.types.plans import Plan, PlanError, RankPlan
 from tests.toy import global_batch, loss_fn, make_model, make_optimizer
+from poplar.zero.runtime import PlanCheck
 
 
 def _engine() -> PoplarEngine:
@@ -18,20 +19,20 @@ def _engine() -> PoplarEngine:
     return PoplarEngine(model, make_optimizer(model, "sgd"), zero_stage=1, plan=Plan.even(1, 4, 2), loss_fn=loss_fn)
 
 
-def test_an_edited_plan_of_zero_rows_is_refused_by_set_plan_and_use_plan() -> None:
+def test_an_edited_plan_of_zero_rows_is_refused_by_both_plan_checks() -> None:
     engine = _engine()
     plan = Plan.even(1, 4, 2)
     plan.ranks[0] = RankPlan(0, 0, 0)  # edited after construction: 0 samples per iteration
     with pytest.raises(DistributedError, match="plan processes 0 samples per iteration"):
         engine.set_plan(plan)
     with pytest.raises(PlanError, match="plan processes 0 samples per iteration"):
-        engine.use_plan(plan)
+        engine.set_plan(plan, PlanCheck.LOCAL)
     plan.ranks[0] = {"micro_batch_size": 2, "accum_steps": 2}
     with pytest.raises(PlanError, match="plan rank 0 must be a RankPlan, got dict"):
-        engine.use_plan(plan)
+        engine.set_plan(plan, PlanCheck.LOCAL)
     plan.ranks[0] = RankPlan(2, -1, 0)
     with pytest.raises(PlanError, match="accum_steps must be >= 0"):
-        engine.use_plan(plan)
+        engine.set_plan(plan, PlanCheck.LOCAL)
     loss = engine.train_step(global_batch(0, 4))  # the engine kept its good plan
     assert loss == loss and engine.global_batch_size == 4
 

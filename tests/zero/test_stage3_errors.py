@@ -16,6 +16,7 @@ from poplar.zero.observers import StepObserver
 from poplar.comm import DistributedError
 from tests.zero.test_stage3_common import Block, branches, one_thread, part_results, reference
 from tests.toy import global_batch, loss_fn, make_model, make_optimizer, max_rel_err, plan_of, rank_slice
+from poplar.zero.config import ZeroConfig
 
 PLAN = plan_of((3, 1, 1), (2, 2, 1))  # 4 + 5 samples, 2 and 3 micro-steps
 GBS = PLAN.global_batch_size
@@ -45,13 +46,12 @@ def worker(rank: int, world: int) -> dict:
 
     def no_match() -> None:
         model = make_model()
-        PoplarEngine(model, make_optimizer(model, "sgd"), zero_stage=3, plan=PLAN, wrap_policy={nn.Conv2d})
+        PoplarEngine(model, make_optimizer(model, "sgd"), zero_stage=ZeroConfig(3, wrap_policy={nn.Conv2d}), plan=PLAN)
     out["no_match"] = _outcome(no_match)
 
     def differ() -> None:
         model = make_model()
-        PoplarEngine(model, make_optimizer(model, "sgd"), zero_stage=3, plan=PLAN,
-                     wrap_policy={nn.Linear} if rank == 0 else None)
+        PoplarEngine(model, make_optimizer(model, "sgd"), zero_stage=ZeroConfig(3, wrap_policy={nn.Linear} if rank == 0 else None), plan=PLAN)
     out["policies_differ"] = _outcome(differ)
 
     def order_differs() -> None:

@@ -12,6 +12,7 @@ from torch import nn
 from poplar.engine import PoplarEngine
 from tests.zero.test_stage3_common import Block, one_thread, part_results, reference, tiny_lm
 from tests.toy import global_batch, loss_fn, make_model, make_optimizer, max_rel_err, plan_of, rank_slice
+from poplar.zero.config import ZeroConfig
 
 ITERATIONS = 3
 GBS = 14
@@ -39,8 +40,8 @@ def worker(rank: int, world: int) -> dict:
         for kind, max_norm in configs:
             for pi, plan in enumerate(PLANS[world]):
                 model = make()
-                engine = PoplarEngine(model, make_optimizer(model, kind), zero_stage=3, plan=plan,
-                                      max_grad_norm=max_norm, wrap_policy=policy)
+                engine = PoplarEngine(model, make_optimizer(model, kind), zero_stage=ZeroConfig(3, wrap_policy=policy), plan=plan,
+                                      max_grad_norm=max_norm)
                 losses = [engine.train_step(rank_slice(global_batch(it, GBS), plan, rank), loss_fn)
                           for it in range(ITERATIONS)]
                 with torch.no_grad():

@@ -18,6 +18,7 @@ from poplar.comm.launch import spawn
 from poplar.engine import PoplarEngine
 from poplar.types.precision import LossScaleConfig, MixedPrecision
 from tests.toy import VOCAB, global_batch, make_model, make_optimizer, max_rel_err, plan_of, train_reference
+from poplar.zero.config import ZeroConfig
 
 ITERATIONS, GBS = 3, 14
 PLANS = [plan_of((3, 2, 1), (0, 0, 0), (2, 3, 1)),  # n_i = 7, 0, 7
@@ -56,10 +57,10 @@ def reference(max_norm: float | None) -> tuple[list[float], dict[str, torch.Tens
                            ITERATIONS, max_norm)
 
 
-def engine_for(stage: int, plan, **kwargs) -> PoplarEngine:
+def engine_for(stage: int, plan, nonfinite: str = "skip", **kwargs) -> PoplarEngine:
     model = make_model()
-    return PoplarEngine(model, make_optimizer(model, "sgd"), zero_stage=stage, plan=plan, bucket_size_mb=0.001,
-                        loss_fn=sum_loss, **kwargs)
+    return PoplarEngine(model, make_optimizer(model, "sgd"), plan=plan, loss_fn=sum_loss,
+                        zero_stage=ZeroConfig(stage, bucket_size_mb=0.001, nonfinite=nonfinite), **kwargs)
 
 
 def own_loop(engine: PoplarEngine, batch: tuple, rank: int) -> float:

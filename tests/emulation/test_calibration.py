@@ -5,14 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from poplar.profiler import SaturatingCurve, VirtualDevice
-from poplar.profiler.calibration import (TimingJob, batches_to_time, combine, interpolate, time_scale_needed,
+from poplar.emulation import SaturatingCurve, VirtualDevice
+from poplar.emulation.calibration import (TimingJob, batches_to_time, combine, interpolate, time_scale_needed,
                                          time_trials)
-from poplar.profiler.local_comm import local_engine, search_plan, use_plan
+from poplar.profiler.local_comm import local_engine, search_plan
 from poplar.profiler.profile_run import default_optimizer
-from poplar.profiler.speed_padding import LATE_BUDGET, late_fraction
-from poplar.types.presets import get_preset
+from poplar.emulation.speed_padding import LATE_BUDGET, late_fraction
+from poplar.emulation.presets import get_preset
 from poplar.workloads import get_workload
+from poplar.zero.runtime import PlanCheck
 
 WORKLOAD = get_workload("token-mlp")
 MB = 10 ** 6
@@ -71,7 +72,7 @@ def _steps(device: VirtualDevice, n: int) -> None:
                           device=torch.device("cpu"))
     with device.attach(engine):
         for _ in range(n):
-            use_plan(engine, search_plan(1, 0, 4))
+            engine.set_plan(search_plan(1, 0, 4), PlanCheck.LOCAL)
             engine.train_step(WORKLOAD.sample_fn(4), WORKLOAD.loss_fn)
 
 
@@ -93,7 +94,7 @@ def test_unpadded_steps_are_not_counted_and_bad_room_is_refused() -> None:
 
 
 def test_a_late_emulated_run_is_made_again_with_more_headroom_then_kept_as_invalid() -> None:
-    from poplar.profiler.emulate import until_on_time
+    from poplar.emulation.runs import until_on_time
 
     margins: list[float] = []
 
@@ -117,8 +118,8 @@ def test_linked_timing_runs_real_paced_collectives_and_keeps_them_out_of_the_com
     """With an emulated link the trial steps run on the job's process group, every collective
     paced by the link: the compute measured stays far below the link's 50 ms per collective
     (the pacing is communication, not compute), and every rank measured every batch."""
-    from poplar.profiler.calibration import spawn_timing
-    from poplar.profiler.virtual_link import LinkSpec
+    from poplar.emulation.calibration import spawn_timing
+    from poplar.emulation.virtual_link import LinkSpec
 
     link = LinkSpec.create(0.05, 1e12, 2)
     try:

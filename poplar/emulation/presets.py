@@ -1,7 +1,7 @@
 """Device presets: the paper's GPUs as data, for the simulator and for emulated (virtual) devices.
 
 Each preset gives a spec-sheet memory and FLOPS rating, and a speed curve for a *reference
-workload* (the simulator's reference model, ``poplar.planner.synthetic.REFERENCE_MODEL``):
+workload* (the simulator's reference model, ``poplar.emulation.synthetic.REFERENCE_MODEL``):
 
     time_s(b) = overhead_s + (b + half_batch) / peak_speed      speed(b) = b / time_s(b)
 
@@ -58,20 +58,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from poplar.types.precision import Precision, resolve_precision
+from poplar.types.precision import Precision, precision_of, precision_unsupported_message
 
 GIB = 2 ** 30
 
 
 class PresetError(ValueError):
     """An unknown device preset name, or a precision a preset does not support."""
-
-
-def precision_of(value: Any) -> Precision:
-    """The compute precision of ``value``: None (fp32), a ``Precision``, its name, or a
-    ``MixedPrecision`` policy (its ``param_dtype``). ValueError naming the accepted values."""
-    policy = resolve_precision(value)
-    return Precision.FP32 if policy is None else policy.precision
 
 
 @dataclass(frozen=True)
@@ -179,18 +172,6 @@ PRESETS: dict[str, DevicePreset] = {p.name: p for p in (
                  precision_speedup=PrecisionSpeedup(1.89, 1.89, "[LP] RTX 4090 1.89; bf16 = fp16 rate [W] "
                                                                 "(estimate)")),
 )}
-
-
-def precision_unsupported_message(precision: Any, devices: dict[str, list[int]]) -> str:
-    """The error for ``devices`` (device name -> its ranks, may be empty) that cannot compute in
-    ``precision``: names them and what to use instead."""
-    p = precision_of(precision)
-    named = ", ".join(f"{name} (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})" if ranks
-                      else name for name, ranks in devices.items())
-    why = " (bf16 arithmetic needs compute capability 8.0: Ampere or newer)" if p is Precision.BF16 else ""
-    return (f"{p} is not supported on {named}{why}. Use fp16 instead (mixed_precision=\"fp16\", with dynamic "
-            f"loss scaling; in a DeepSpeed config \"fp16\": {{\"enabled\": true}}), or fp32, or leave those "
-            "devices out")
 
 
 def get_preset(name: str) -> DevicePreset:

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from poplar.profiler.emulate import cluster_devices
-from poplar.profiler.faults import FaultSchedule
+from poplar.emulation.emulate import cluster_devices
+from poplar.emulation.faults import FaultSchedule
 from poplar.profiler.local_comm import local_engine
-from poplar.profiler.virtual_device import VirtualDevice
-from poplar.types.cluster import ClusterSpec
+from poplar.emulation.virtual_device import VirtualDevice
+from poplar.emulation.cluster import ClusterSpec
 from poplar.zero.failures import FailureKind, IterationFailed
 from tests.toy import loss_fn, make_model, make_optimizer
 

@@ -9,6 +9,7 @@ import pytest
 from poplar.engine import PoplarEngine
 from poplar.comm.launch import spawn
 from tests.toy import global_batch, loss_fn, make_model, make_optimizer, plan_of, rank_slice
+from poplar.zero.config import ZeroConfig
 
 # micro-step counts 4, 0, 2: rank 1 has no samples, rank 2 fewer micro-steps
 PLAN = plan_of((3, 3, 1), (0, 0, 0), (2, 2, 0))
@@ -16,8 +17,7 @@ PLAN = plan_of((3, 3, 1), (0, 0, 0), (2, 2, 0))
 
 def ledger_worker(rank: int, world: int, stage: int) -> tuple[list, int, list]:
     model = make_model()
-    engine = PoplarEngine(model, make_optimizer(model, "adamw"), zero_stage=stage, plan=PLAN,
-                          bucket_size_mb=0.002, max_grad_norm=1.0)
+    engine = PoplarEngine(model, make_optimizer(model, "adamw"), zero_stage=ZeroConfig(stage, bucket_size_mb=0.002), plan=PLAN, max_grad_norm=1.0)
     for it in range(2):
         engine.train_step(rank_slice(global_batch(it, PLAN.global_batch_size), PLAN, rank), loss_fn)
     records = [(r.op, r.phase, r.iteration, r.micro_step, r.tag, r.bytes) for r in engine.comm_ledger.records]

@@ -1,5 +1,5 @@
-"""Small finish problems that once slipped through: report files' permissions, RST markup in
-``--help``, and the package's license metadata."""
+"""``write_text_atomic``: a report file gets the mode ``open`` would give it, an existing file
+keeps its mode, and a failed write leaves the old file and no temporary behind."""
 
 from __future__ import annotations
 
@@ -10,10 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from poplar.cli import build_parser
 from poplar.types.plans import write_text_atomic
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _umask() -> int:
@@ -55,24 +52,3 @@ def test_atomic_write_failure_leaves_the_old_file_and_no_temporary(tmp_path: Pat
         write_text_atomic(path, 42)  # type: ignore[arg-type]
     assert path.read_text() == "old\n"
     assert [p.name for p in tmp_path.iterdir()] == ["profile.json"]
-
-
-def test_train_help_is_plain_text(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as exit_:
-        build_parser().parse_args(["train", "--help"])
-    assert exit_.value.code == 0
-    text = capsys.readouterr().out
-    assert "poplar train" in text and "--config" in text
-    assert "`" not in text  # neither RST ``literals`` nor Markdown `code`
-
-
-def test_license_is_an_spdx_string() -> None:
-    try:
-        import tomllib
-    except ImportError:  # Python 3.10
-        tomllib = pytest.importorskip("tomli")
-    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    assert meta["project"]["license"] == "Apache-2.0"
-    setuptools = [r.replace(" ", "") for r in meta["build-system"]["requires"] if r.startswith("setuptools")]
-    assert len(setuptools) == 1 and ">=" in setuptools[0], meta["build-system"]
-    assert int(setuptools[0].split(">=")[1].split(".")[0]) >= 77  # the first to read PEP 639 license strings

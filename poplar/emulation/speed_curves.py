@@ -3,7 +3,7 @@ samples. Picklable (spawned ranks get them inside their devices).
 
 - ``SaturatingCurve``: the presets' shape with explicit numbers (tests, custom devices); the
   same at every precision.
-- ``PresetCurve``: a preset's curve (``poplar.types.presets``) at a precision, times a scale;
+- ``PresetCurve``: a preset's curve (``poplar.emulation.presets``) at a precision, times a scale;
   fp16 / bf16 divide the throughput part by the preset's dtype factor.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from poplar.types.precision import Precision
-from poplar.types.presets import get_preset
+from poplar.emulation.presets import get_preset
 
 
 @dataclass(frozen=True)

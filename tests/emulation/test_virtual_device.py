@@ -7,15 +7,19 @@ import time
 import pytest
 import torch
 
-from poplar.profiler import SaturatingCurve, VirtualDevice, is_oom
+from poplar.emulation import SaturatingCurve, VirtualDevice
+
+from poplar.zero.failures import is_oom
 from poplar.profiler.capacity import CapacitySearch
-from poplar.profiler.local_comm import local_engine, search_plan, use_plan
-from poplar.profiler.memory import predicted_optimizer_bytes
-from poplar.types.presets import PresetError
+from poplar.profiler.local_comm import local_engine, search_plan
+from poplar.emulation.memory import predicted_optimizer_bytes
+from poplar.emulation.presets import PresetError
 from poplar.profiler.profile_run import default_optimizer
 from poplar.profiler.timing import Confirmation, MicroStepTimer, TimingGrid, breaks_curve, timing_batches, unconfirmed
 from poplar.comm import DistributedError
 from poplar.workloads import get_workload
+from poplar.zero.config import ZeroConfig
+from poplar.zero.runtime import PlanCheck
 
 # the profiler's fast workload: the capacities and curves below are calibrated for it
 WORKLOAD = get_workload("token-mlp")
@@ -27,12 +31,12 @@ def engine_at(stage: int, world: int = 3, rank: int = 1, optimizer: str = "adamw
     model = WORKLOAD.model_fn()
     opt = default_optimizer(model) if optimizer == "adamw" else torch.optim.SGD(model.parameters(), lr=0.1,
                                                                                  momentum=0.9)
-    return local_engine(model, opt, world_size=world, rank=rank, zero_stage=stage, device=torch.device("cpu"),
-                        bucket_size_mb=0.03)
+    return local_engine(model, opt, world_size=world, rank=rank, zero_stage=ZeroConfig(stage, bucket_size_mb=0.03),
+                        device=torch.device("cpu"))
 
 
 def step(engine, batch: int) -> None:
-    use_plan(engine, search_plan(engine.world_size, engine.rank, batch))
+    engine.set_plan(search_plan(engine.world_size, engine.rank, batch), PlanCheck.LOCAL)
     engine.train_step(WORKLOAD.sample_fn(batch), WORKLOAD.loss_fn)
 
 
@@ -115,7 +119,7 @@ def test_padding_makes_compute_follow_the_curve() -> None:
         loss = WORKLOAD.loss_fn
         sizes = (1, 1, 1, 8, 8, 8, 32, 32, 32)
         for b in sizes:
-            use_plan(engine, search_plan(1, 0, b))
+            engine.set_plan(search_plan(1, 0, b), PlanCheck.LOCAL)
             engine.train_step(WORKLOAD.sample_fn(b), loss)
     for b in (1, 8, 32):  # the profiler's estimator: the smallest of a few
         best = min(c for (c, _), s in list(zip(timer.records, sizes))[1:] if s == b)
@@ -131,7 +135,7 @@ def test_slowdown_factor() -> None:
         with dev.attach(engine), MicroStepTimer(engine, dev) as timer:
             loss = WORKLOAD.loss_fn
             for _ in range(7):
-                use_plan(engine, search_plan(1, 0, 16))
+                engine.set_plan(search_plan(1, 0, 16), PlanCheck.LOCAL)
                 engine.train_step(WORKLOAD.sample_fn(16), loss)
         times[dev.name] = sorted(c for c, _ in timer.records)[3]
     assert 2 < times["slow"] / times["fast"] < 8  # 4x, within the noise of a shared machine
@@ -155,7 +159,7 @@ def test_injected_oom_fires_once_at_the_asked_point() -> None:
 def test_presets_and_bad_input() -> None:
     dev = VirtualDevice.from_preset("T4-16G", memory_scale=1e-3, time_scale=0.01)
     assert dev.capacity_bytes == int(16 * 2 ** 30 * 1e-3) and dev.device_type == "T4-16G"
-    from poplar.types.presets import get_preset
+    from poplar.emulation.presets import get_preset
     assert dev.time_s(8) == pytest.approx(get_preset("T4-16G").time_s(8) * 0.01)
     with pytest.raises(PresetError, match="unknown device preset 'H100'.*known presets"):
         VirtualDevice.from_preset("H100", 1e-3, 0.01)
@@ -174,7 +178,7 @@ def test_timing_batches() -> None:
 
 
 def test_a_reused_point_stands_in_for_the_grid_batch_below_it() -> None:
-    from poplar.profiler.candidates import uncovered
+    from poplar.profiler.configurations import uncovered
     assert uncovered([1, 2, 4, 8, 16, 24], {20}, 24) == {1, 2, 4, 8, 24}  # 20 covers 16 (up to 24)
     assert uncovered([1, 2, 4, 8, 16, 26], {26}, 26) == {1, 2, 4, 8, 16}
     assert uncovered([1, 2, 4, 8, 16, 30], {1, 2, 4, 8, 16, 26}, 30) == {30}
@@ -199,7 +203,7 @@ def test_a_single_measurement_is_trusted_only_where_it_keeps_the_curves_shape() 
 
 
 def test_sleep_is_not_the_bottleneck() -> None:
-    from poplar.profiler.devices import sleep_until
+    from poplar.emulation.speed_padding import sleep_until
     errors = []
     for _ in range(20):
         target = time.perf_counter() + 0.003
@@ -216,9 +220,10 @@ def lockstep_rank(rank: int, world: int, stage: int) -> list[float]:
     device = VirtualDevice("fast" if rank == 0 else "slow", 10 ** 9, time_fn=SaturatingCurve(seconds, 0.0, 1e9))
     model = WORKLOAD.model_fn()
     engine = PoplarEngine(model, default_optimizer(model), zero_stage=stage, plan=Plan([RankPlan(2, 3)] * 2),
-                          loss_fn=WORKLOAD.loss_fn, device=device)
-    for _ in range(2):
-        engine.train_step(WORKLOAD.sample_fn(6))
+                          loss_fn=WORKLOAD.loss_fn)
+    with device.attach(engine):
+        for _ in range(2):
+            engine.train_step(WORKLOAD.sample_fn(6))
     last = engine.iteration - 1
     # forward and backward: at stage 3 per-block pacing spreads the wait over both passes' gathers
     return [sum(engine.comm_ledger.seconds(iteration=last, micro_step=k, phase=phase)

@@ -15,7 +15,7 @@ collective starts when the one before it ended). Each rank writes the moment it 
 collective into a shared board (a file mapped by every process of the machine: ``LinkBoard``),
 one row per collective, counted in issue order. When the real collective is done on a rank,
 every rank has issued it and all before it, so the rank reads their rows, computes when the
-link would have finished it, and sleeps until then (``Communicator.paced`` calls it there, so
+link would have finished it, and sleeps until then (``Communicator.observed`` calls it there, so
 the ledger's blocked seconds are the link's). A collective whose real gloo time overshoots the
 link's is *late* (``late_collectives`` of ``paced_collectives``), as a late micro-step is.
 
@@ -97,7 +97,7 @@ class _Ticket:
 
 
 class VirtualLink:
-    """One rank's end of a ``LinkSpec`` (``LinkPacing`` for ``Communicator.paced``)."""
+    """One rank's end of a ``LinkSpec`` (a ``CollectiveObserver`` for ``Communicator.observed``)."""
 
     def __init__(self, spec: LinkSpec, rank: int, *, record: bool = False) -> None:
         if not 0 <= rank < spec.world_size:

@@ -42,28 +42,31 @@ states (the fp32 master included) are counted at their real dtypes.
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any, Callable, Iterator
 
 import torch
 
-from poplar.profiler.block_pacing import BlockHooks
-from poplar.profiler.devices import OOM_ERROR, Device, DeviceKind
-from poplar.profiler.faults import FaultSchedule
-from poplar.profiler.memory import gathered_bytes, model_state_bytes, predicted_optimizer_bytes, transient_bytes
+from poplar.emulation.block_pacing import BlockHooks
+from poplar.profiler.devices import OOM_ERROR, Device
+from poplar.emulation.faults import FaultSchedule
+from poplar.emulation.memory import gathered_bytes, model_state_bytes, predicted_optimizer_bytes, transient_bytes
 from poplar.profiler.precision import runtime_precision
-from poplar.profiler.saved_tensors import SavedTensors
-from poplar.profiler.speed_padding import SpeedPadding
-from poplar.profiler.speed_curves import PresetCurve, SaturatingCurve
-from poplar.types.cluster import ClusterSpec
+from poplar.emulation.saved_tensors import SavedTensors
+from poplar.emulation.profiling_phases import ProfilingPhases
+from poplar.emulation.speed_padding import PaddedStep, SpeedPadding
+from poplar.emulation.speed_curves import PresetCurve, SaturatingCurve
+from poplar.emulation.cluster import ClusterSpec
 from poplar.types.precision import Precision
-from poplar.types.presets import PresetError, get_preset, precision_of, precision_unsupported_message
+from poplar.emulation.presets import PresetError, get_preset
+from poplar.types.precision import precision_of, precision_unsupported_message
 
 __all__ = ["PresetCurve", "SaturatingCurve", "VirtualDevice"]
 
 MIB = 2 ** 20
 
 
-class VirtualDevice(SpeedPadding, Device):
+class VirtualDevice(ProfilingPhases, SpeedPadding, Device):
     """An emulated GPU on CPU.
 
     Args:
@@ -78,8 +81,6 @@ class VirtualDevice(SpeedPadding, Device):
         backward_room: share of ``time_fn(b)`` left for the real backward after its pad, at
             least (``speed_padding``; calibration sets its margin).
     """
-
-    kind = DeviceKind.VIRTUAL
 
     def __init__(self, name: str, capacity_bytes: int, *, time_fn: Callable[[int], float] | None = None,
                  slowdown: float | None = None, forward_fraction: float = 1 / 3, device_type: str | None = None,
@@ -97,6 +98,9 @@ class VirtualDevice(SpeedPadding, Device):
         self._capacity = int(capacity_bytes)
         self.time_fn, self.slowdown, self.forward_fraction = time_fn, slowdown, forward_fraction
         self.raise_oom = raise_oom  # off: record overflows in ``overflows`` instead
+        self.overflows: list[dict[str, Any]] = []  # memory overflows recorded instead of raised
+        self.late_steps = 0  # micro-steps whose real compute overshot the device's speed curve
+        self.link: Any = None  # the emulated interconnect (``virtual_link.VirtualLink``) its collectives ride
         self.pad = True  # stretch compute to the speed model (off: run at CPU speed)
         self.memory_scale: float | None = None
         self.time_scale: float | None = None
@@ -114,7 +118,7 @@ class VirtualDevice(SpeedPadding, Device):
         self._peak = 0
         self._checks = 0
         self._injections: list[dict[str, Any]] = []
-        self.faults: FaultSchedule | None = None  # injected drift (poplar.profiler.faults)
+        self.faults: FaultSchedule | None = None  # injected drift (poplar.emulation.faults)
         self._init_padding(backward_room)
         # precision: fixed at construction (None: the attached runtime's, fp32 when detached)
         self.fixed_precision: Precision | None = None if precision is None else precision_of(precision)
@@ -124,7 +128,7 @@ class VirtualDevice(SpeedPadding, Device):
     @classmethod
     def from_preset(cls, preset: Any, memory_scale: float, time_scale: float, **kwargs: Any) -> "VirtualDevice":
         """A device with ``preset``'s memory times ``memory_scale`` and its speed curve with times
-        multiplied by ``time_scale`` (``poplar.types.presets.DevicePreset``, or its name);
+        multiplied by ``time_scale`` (``poplar.emulation.presets.DevicePreset``, or its name);
         ``precision=`` (keyword) fixes the precision it emulates."""
         if isinstance(preset, str):
             preset = get_preset(preset)
@@ -200,31 +204,8 @@ class VirtualDevice(SpeedPadding, Device):
     def describe(self) -> dict[str, Any]:
         d = super().describe()
         d.update({"memory_scale": self.memory_scale, "time_scale": self.time_scale,
-                  "slowdown": self.slowdown, "precision": str(self.precision)})
+                  "slowdown": self.slowdown, "precision": str(self.precision), "emulated": True})
         return d
-
-    def profile_meta(self) -> dict[str, Any]:
-        meta: dict[str, Any] = {"cluster": self.cluster.to_dict()} if self.cluster is not None else {}
-        meta.update(memory_scale=self.memory_scale, time_scale=self.time_scale, emulated=True)
-        return meta
-
-    # ------------------------------------------------------------------ temporary switches
-    @contextlib.contextmanager
-    def unpadded(self) -> Iterator[None]:
-        pad, self.pad = self.pad, False
-        try:
-            yield
-        finally:
-            self.pad = pad
-
-    @contextlib.contextmanager
-    def recording_overflows(self) -> Iterator[list[dict[str, Any]]]:
-        raise_oom, self.raise_oom = self.raise_oom, False
-        try:
-            with super().recording_overflows() as overflows:
-                yield overflows
-        finally:
-            self.raise_oom = raise_oom
 
     # ------------------------------------------------------------------ memory checks
     def inject_oom(self, batch: int | None = None, *, min_batch: int | None = None, after_checks: int = 1,
@@ -241,7 +222,7 @@ class VirtualDevice(SpeedPadding, Device):
             self._peak = usage
         self._checks += 1
         step = self._open
-        batch = step["batch"] if step else None
+        batch = step.batch if step else None
         for inj in list(self._injections):
             if step and (inj["batch"] is None or inj["batch"] == batch) and (
                     inj["min_batch"] is None or batch >= inj["min_batch"]) and inj["where"] in (None, where):
@@ -257,7 +238,7 @@ class VirtualDevice(SpeedPadding, Device):
                               f"{self.gathered_bytes() / MIB:.3f} MiB)")
 
     def _fail(self, where: str, message: str, force: bool = False) -> None:
-        batch = self._open["batch"] if self._open else None
+        batch = self._open.batch if self._open else None
         if not (self.raise_oom or force):
             self.overflows.append({"message": message, "batch": batch, "where": where})
             return
@@ -339,6 +320,10 @@ class VirtualDevice(SpeedPadding, Device):
                 h.remove()
 
     # ------------------------------------------------------------------ micro-step hooks
+    def _open_step(self, batch: int) -> PaddedStep:
+        return PaddedStep(batch, self.memory_in_use(), t0=time.perf_counter(),
+                          c0=self.runtime.comm_ledger.total_seconds)
+
     def _forward_start(self) -> None:
         self._failed, self._deferred = False, None
         self.refresh_static()

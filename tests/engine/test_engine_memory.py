@@ -9,6 +9,7 @@ from torch import nn
 from poplar.engine import PoplarEngine
 from poplar.comm.launch import spawn
 from poplar.types.plans import Plan
+from poplar.zero.config import ZeroConfig
 
 BUCKET_MB = 4.0
 
@@ -21,8 +22,7 @@ def seven_million() -> nn.Module:
 def memory_worker(rank: int, world: int, stage: int) -> dict:
     model = seven_million()
     plan = Plan.even(world, 2 * world, 1)
-    engine = PoplarEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-3), zero_stage=stage, plan=plan,
-                          bucket_size_mb=BUCKET_MB)
+    engine = PoplarEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-3), zero_stage=ZeroConfig(stage, bucket_size_mb=BUCKET_MB), plan=plan)
     x = torch.randn(2, 1000)
     engine.train_step(x, lambda m, b: m(b).pow(2).mean())
     report = engine.memory_report()

@@ -5,7 +5,7 @@ A cluster file is JSON::
     {"name": "B", "devices": [{"type": "V100-16G", "count": 2}, {"type": "T4-16G", "count": 2}],
      "bandwidth_gbps": 8.0, "latency_us": 30.0}
 
-``type`` names a device preset (``poplar.types.presets``); ranks are numbered in the order
+``type`` names a device preset (``poplar.emulation.presets``); ranks are numbered in the order
 the devices are listed. ``bandwidth_gbps`` (GB/s, a collective's bus bandwidth, see
 ``poplar.planner.cost_model``) and ``latency_us`` are optional; the defaults are a PCIe-class
 link. Built-in clusters are the paper's (types and links as in its Table 1, 2 ranks per type
@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from poplar.types.plans import read_json, write_text_atomic
-from poplar.types.presets import PRESETS, PresetError, get_preset, precision_unsupported_message
+from poplar.emulation.presets import PRESETS, PresetError, get_preset
+from poplar.types.precision import precision_unsupported_message
 
 DEFAULT_BANDWIDTH_GBPS = 10.0
 DEFAULT_LATENCY_US = 30.0

@@ -8,6 +8,7 @@ from poplar.engine import PoplarEngine
 from poplar.comm.launch import spawn
 from tests.toy import (global_batch, loss_fn, make_model, make_optimizer, max_rel_err, plan_of, rank_slice,
                        reference_run)
+from poplar.zero.config import ZeroConfig
 
 ITERATIONS = 3
 # (optimizer, max_grad_norm): clipping and Adam are both blind to a wrong gradient scale, so plain
@@ -28,8 +29,8 @@ def train_worker(rank: int, world: int, stage: int) -> dict:
     for kind, max_norm in CONFIGS:
         for pi, plan in enumerate(PLANS[world]):
             model = make_model(seed=0)
-            engine = PoplarEngine(model, make_optimizer(model, kind), zero_stage=stage, plan=plan,
-                                  max_grad_norm=max_norm, bucket_size_mb=0.001)
+            engine = PoplarEngine(model, make_optimizer(model, kind), zero_stage=ZeroConfig(stage, bucket_size_mb=0.001), plan=plan,
+                                  max_grad_norm=max_norm)
             losses = [engine.train_step(rank_slice(global_batch(it, plan.global_batch_size), plan, rank), loss_fn)
                       for it in range(ITERATIONS)]
             out[(kind, max_norm, pi)] = (losses, engine.full_state_dict())

@@ -5,10 +5,10 @@ import json
 import pytest
 
 from poplar.cli import main
-from poplar.types.cluster import ClusterSpec
+from poplar.emulation.cluster import ClusterSpec
 from poplar.types.plans import Plan
-from poplar.planner import simulate
-from poplar.planner.synthetic import REFERENCE_MODEL, ModelSpec, synthetic_profile
+from poplar.emulation import simulate
+from poplar.emulation.synthetic import REFERENCE_MODEL, ModelSpec, synthetic_profile
 
 
 @pytest.mark.parametrize("cluster", ["A", "B", "C", "C-1:3", "D"])

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from poplar.profiler.virtual_link import LinkSpec, VirtualLink
+from poplar.emulation.virtual_link import LinkSpec, VirtualLink
 from poplar.types.profiles import bus_bytes
 
 LINK_QUANTILE = 0.9
@@ -44,7 +44,7 @@ def _time_collectives(rank: int, world: int, spec: LinkSpec, sizes: list[int], r
     rng = random.Random(rank)
     x = torch.randn(64, 64)
     out = []
-    with comm.paced(link):
+    with comm.observed(link):
         for size in sizes:
             numel = max(world, size // 4 // world * world)
             full, shard = torch.zeros(numel), torch.zeros(numel // world)

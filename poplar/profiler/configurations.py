@@ -1,7 +1,8 @@
 """Profiling several configurations (ZeRO stage x activation checkpointing) in one run, for auto
 mode's choice (docs/design.md §7.1).
 
-``CandidateProfiler`` keeps the shape of ``profile_run`` (docs/design.md §4.1): the capacity
+``CandidateProfiler`` runs the phases of one ``ProfileRun`` in the shape of ``profile_run``
+(docs/design.md §4.1): the capacity
 search of every configuration runs on each rank without any collective, and one agreement then
 hands every rank every configuration's mbs per rank; timing rounds (collective, lock-step) run
 only for the configurations the caller asks for, one at a time, each ending in a ``Profile``
@@ -17,28 +18,14 @@ from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any, Callable
 
-from torch import nn
-
 from poplar.profiler.capacity import CapacityResult
 from poplar.profiler.devices import Device
 from poplar.profiler.escalation import StageCapacity
 from poplar.profiler.exposure import ExposureRounds
-from poplar.profiler.profile_run import (ProfileOptions, RankRun, _assemble_profile, _set_up, _time_in_lock_step,
-                                         default_optimizer, _log_to_stderr)
-from poplar.profiler.timing import Confirmation, TimingGrid, measure_comm, timing_batches
+from poplar.profiler.profile_run import ProfileJob, ProfileRun
+from poplar.profiler.timing import Confirmation, TimingGrid, timing_batches
+from poplar.types.configuration import Configuration
 from poplar.types.profiles import CommProfile, Profile, ProfileError
-
-
-@dataclass(frozen=True)
-class Config:
-    """One configuration to profile: a ZeRO stage and an activation checkpointing setting."""
-
-    stage: int
-    checkpointing: Any = None  # None / False off; True or a module policy on
-
-    @property
-    def checkpointed(self) -> bool:
-        return self.checkpointing not in (None, False)
 
 
 class Reuse(Enum):
@@ -52,7 +39,7 @@ class Reuse(Enum):
 class ConfigCapacity:
     """What the capacity searches found for one configuration, on every rank."""
 
-    config: Config
+    config: Configuration
     mbs: list[int]  # per rank; 0: batch 1 does not fit there
     reasons: list[str]  # per rank, why batch 1 does not fit ("" where it does)
     result: CapacityResult | None  # this rank's search
@@ -72,24 +59,22 @@ def uncovered(grid: list[int], have: set[int], mbs: int) -> set[int]:
 class CandidateProfiler:
     """Capacity of every configuration, then timing of chosen ones, on every rank together."""
 
-    def __init__(self, model_fn: Callable[[], nn.Module], loss_fn: Callable, sample_fn: Callable[[int], Any],
-                 device: Device, *, optimizer_fn: Callable | None = None, options: ProfileOptions | None = None,
-                 log: Callable[[str], None] | None = None, process_group: Any = None) -> None:
-        self.run: RankRun = _set_up(model_fn, loss_fn, sample_fn, device, optimizer_fn or default_optimizer,
-                                    options or ProfileOptions(), log or _log_to_stderr, process_group)
+    def __init__(self, job: ProfileJob, device: Device, *, log: Callable[[str], None] | None = None,
+                 process_group: Any = None) -> None:
+        self.run = ProfileRun(job, device, process_group=process_group, log=log)
         self.seconds = {"capacity_s": 0.0, "timing_s": 0.0, "comm_s": 0.0}
         self.rounds = 0  # lock-step timing rounds run
         self.trial_steps = 0  # this rank's capacity trial steps
         self._comm: CommProfile | None = None
 
-    def capacities(self, configs: list[Config]) -> list[ConfigCapacity]:
+    def capacities(self, configs: list[Configuration]) -> list[ConfigCapacity]:
         """Every configuration's capacity search on this rank (no collective), then one agreement."""
         t0 = time.perf_counter()
-        run, base = self.run, self.run.options
+        run, base = self.run, self.run.job
         mine: list[tuple[CapacityResult | None, str | None]] = []
         references: dict[bool, CapacityResult] = {}  # per checkpointing setting: its first search
         for c in configs:
-            run.options = replace(base, activation_checkpointing=c.checkpointing)
+            run.job = base.at(replace(c, stage=base.options.zero_stage))  # the search's own stage is c.stage
             try:
                 result = run.search_capacity(c.stage, guided=True, reference=references.get(c.checkpointed))
                 if result.mbs >= 1:
@@ -98,7 +83,7 @@ class CandidateProfiler:
             except Exception as e:  # noqa: BLE001 - every rank must reach the agreement
                 mine.append((None, f"capacity search of ZeRO-{c.stage}, checkpointing "
                                    f"{'on' if c.checkpointed else 'off'} failed: {type(e).__name__}: {e}"))
-        run.options = base
+        run.job = base
         self.trial_steps += sum(r.trial_steps for r, _ in mine if r is not None)
         error = next((e for _, e in mine if e), None)
         verdicts = run.comm.agree(error, "auto mode capacity", [(r.mbs, r.reason) if r else (0, "") for r, _ in mine],
@@ -133,32 +118,30 @@ class CandidateProfiler:
             again = [{m} if how is Reuse.SAME_COMPUTE else set() for m in capacity.mbs]
             per_rank = [sorted(uncovered(bs, h, m) | a) for bs, h, a, m in zip(per_rank, have, again, capacity.mbs)]
             per_rank = [bs or [1] for bs in per_rank]  # a rank with every point still runs each round: its cheapest
-        run, base = self.run, self.run.options
-        run.options = replace(base, zero_stage=capacity.config.stage,
-                              activation_checkpointing=capacity.config.checkpointing)
+        run, base = self.run, self.run.job
+        run.job = base.at(capacity.config)
         try:
             t0 = time.perf_counter()
             fit = StageCapacity(capacity.config.stage, capacity.result, list(capacity.mbs))
             # with CURVE a first round still slow enough to matter breaks the curve's shape and
             # is measured again, so only a first REPEAT timing has a warm-up round
             warmup = self.rounds == 0 and confirm is Confirmation.REPEAT
-            timing = _time_in_lock_step(run, fit, per_rank, warmup=warmup, confirm=confirm, exposure=exposure)
+            timing = run.time(fit, per_rank, warmup=warmup, confirm=confirm, exposure=exposure)
             if reuse is not None:
                 mine, mbs = {p.batch for p in timing.points}, capacity.mbs[run.comm.rank]
                 kept = [p for p in reuse.ranks[run.comm.rank].points if p.batch not in mine and p.batch <= mbs]
                 timing.points = sorted(timing.points + kept, key=lambda p: p.batch)
             self.seconds["timing_s"] += time.perf_counter() - t0
             self.rounds += timing.rounds
-            if self._comm is None:
+            if self._comm is None and base.options.measure_comm:
                 t0 = time.perf_counter()
-                with run.device.pacing(run.comm):
-                    self._comm = measure_comm(run.comm) if base.measure_comm else None
+                self._comm = run.measure_comm()
                 self.seconds["comm_s"] += time.perf_counter() - t0
             comm = copy.deepcopy(self._comm)  # the profile sets its measured stage on it
             run.phase_seconds = dict(self.seconds)
-            return _assemble_profile(run, fit, timing, comm)
+            return run.assemble(fit, timing, comm)
         finally:
-            run.options = base
+            run.job = base
 
     @property
     def total_seconds(self) -> float:

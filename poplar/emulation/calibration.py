@@ -47,15 +47,20 @@ import numpy as np
 import torch
 
 from poplar.profiler.capacity import CapacitySearch
-from poplar.profiler.local_comm import local_engine, use_plan
-from poplar.profiler.virtual_device import VirtualDevice
-from poplar.profiler.virtual_link import LinkSpec, VirtualLink
+from poplar.profiler.local_comm import local_engine
+from poplar.profiler.profile_run import ProfileJob
+from poplar.types.configuration import Configuration
+from poplar.emulation.virtual_device import VirtualDevice
+from poplar.emulation.virtual_link import LinkSpec, VirtualLink
 from poplar.types.plans import Plan, RankPlan
+from poplar.zero.config import ZeroConfig
 from poplar.zero.runtime import ZeroRuntime
-from poplar.types.cluster import ClusterError, ClusterSpec
+from poplar.emulation.cluster import ClusterError, ClusterSpec
 from poplar.types.precision import MixedPrecision, Precision, resolve_precision
-from poplar.types.presets import GIB, DevicePreset, get_preset, precision_of
+from poplar.emulation.presets import GIB, DevicePreset, get_preset
+from poplar.types.precision import precision_of
 from poplar.types.profiles import ProfileError
+from poplar.zero.runtime import PlanCheck
 
 TARGET_MIN_MBS = 8
 MIN_STEP_S = 0.004
@@ -138,10 +143,16 @@ class TimingJob:
     link: LinkSpec | None = None  # the cluster's emulated interconnect: time on a real runtime paced by it
 
 
+def _zero(job: TimingJob, process_group: Any = None) -> ZeroConfig:
+    return ZeroConfig(job.zero_stage, job.options.get("bucket_size_mb", 25.0), job.options.get("wrap_policy"),
+                      process_group)
+
+
 def _runtime(job: TimingJob, rank: int, policy: MixedPrecision | None) -> Any:
     model = job.model_fn()
-    return local_engine(model, job.optimizer_fn(model), world_size=job.world, rank=rank, zero_stage=job.zero_stage,
-                        device=torch.device("cpu"), mixed_precision=policy, **job.options)
+    return local_engine(model, job.optimizer_fn(model), world_size=job.world, rank=rank, zero_stage=_zero(job),
+                        device=torch.device("cpu"), mixed_precision=policy,
+                        activation_checkpointing=job.options.get("activation_checkpointing"))
 
 
 def _linked_runtime(job: TimingJob, rank: int, policy: MixedPrecision | None, probe: VirtualDevice) -> Any:
@@ -150,12 +161,13 @@ def _linked_runtime(job: TimingJob, rank: int, policy: MixedPrecision | None, pr
     released from each collective at once. Every rank runs the same plan, so they agree."""
     model = job.model_fn()
     probe.link = VirtualLink(job.link, rank)
-    return ZeroRuntime(model, job.optimizer_fn(model), zero_stage=job.zero_stage,
-                       plan=Plan([RankPlan(1, 1, 0)] * job.world), mixed_precision=policy, **job.options)
+    return ZeroRuntime(model, job.optimizer_fn(model), zero_stage=_zero(job),
+                       plan=Plan([RankPlan(1, 1, 0)] * job.world), mixed_precision=policy,
+                       activation_checkpointing=job.options.get("activation_checkpointing"))
 
 
 def _linked_trial(runtime: Any, job: TimingJob, batch: int) -> None:
-    use_plan(runtime, Plan([RankPlan(batch, 1, 0)] * job.world))
+    runtime.set_plan(Plan([RankPlan(batch, 1, 0)] * job.world), PlanCheck.LOCAL)
     runtime.train_step(job.sample_fn(batch), job.loss_fn)
 
 
@@ -303,28 +315,47 @@ class Prepared:
     time_scale: float | None
 
 
-def prepare(model_fn: Callable, loss_fn: Callable, sample_fn: Callable[[int], Any], cluster: ClusterSpec | str,
-            zero_stage: int, *, optimizer_fn: Callable, bucket_size_mb: float = 25.0, wrap_policy: Any = None,
-            memory_scale: float | str = "auto", time_scale: float | str = "auto",
-            target_min_mbs: int = TARGET_MIN_MBS, max_batch: int = 4096, mixed_precision: Any = None,
-            link: LinkSpec | None = None) -> Prepared:
+@dataclass(frozen=True)
+class Scales:
+    """How an emulated cluster's presets meet a CPU-sized model: every preset's memory times
+    ``memory`` and its step time times ``time``; "auto": calibrated for the workload."""
+
+    memory: float | str = "auto"
+    time: float | str = "auto"
+
+    def __post_init__(self) -> None:
+        for name, value in (("memory", self.memory), ("time", self.time)):
+            if value != "auto" and not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(f"Scales.{name} must be a number > 0 or \"auto\" (calibrated), got {value!r}")
+
+    @property
+    def fixed(self) -> bool:
+        """Both scales are given: nothing to calibrate."""
+        return self.memory != "auto" and self.time != "auto"
+
+
+def prepare(job: ProfileJob, cluster: ClusterSpec | str, *, scales: Scales = Scales(),
+            target_min_mbs: int = TARGET_MIN_MBS, link: LinkSpec | None = None) -> Prepared:
     """The passes of one process (fp32, and the policy's precision if it has one) and the
     memory scale; the concurrent timing job for the time scale (on a runtime paced by ``link``
     when the cluster has an emulated one)."""
     spec = ClusterSpec.resolve(cluster)
-    policy = resolve_precision(mixed_precision)
+    options = job.options
+    policy = resolve_precision(options.mixed_precision)
     check_cluster_precision(spec, policy)
     presets = [get_preset(t) for t in dict.fromkeys(spec.rank_types())]
     policies = [None] if policy is None else [None, policy]
-    job = TimingJob(model_fn, loss_fn, sample_fn, optimizer_fn, spec.world_size, zero_stage, policies, [],
-                    options={"bucket_size_mb": bucket_size_mb, "wrap_policy": wrap_policy}, link=link)
-    passes = [measure_pass(job, p) for p in policies]
-    scale = pick_memory_scale(passes[0], presets, target_min_mbs) if memory_scale == "auto" else float(memory_scale)
-    mbs_at = {str(c.precision): {p.name: c.mbs(p, scale, max_batch) for p in presets} for c in passes}
-    if time_scale != "auto":
-        return Prepared(presets, passes, scale, mbs_at, None, float(time_scale))
-    job.batches = sorted({b for m in mbs_at.values() for b in batches_to_time(m)})
-    return Prepared(presets, passes, scale, mbs_at, job, None)
+    timing = TimingJob(job.model_fn, job.loss_fn, job.sample_fn, job.optimizer_fn, spec.world_size,
+                       options.zero_stage, policies, [],
+                       options={"bucket_size_mb": options.bucket_size_mb, "wrap_policy": options.wrap_policy},
+                       link=link)
+    passes = [measure_pass(timing, p) for p in policies]
+    memory = pick_memory_scale(passes[0], presets, target_min_mbs) if scales.memory == "auto" else float(scales.memory)
+    mbs_at = {str(c.precision): {p.name: c.mbs(p, memory, options.max_batch) for p in presets} for c in passes}
+    if scales.time != "auto":
+        return Prepared(presets, passes, memory, mbs_at, None, float(scales.time))
+    timing.batches = sorted({b for m in mbs_at.values() for b in batches_to_time(m)})
+    return Prepared(presets, passes, memory, mbs_at, timing, None)
 
 
 def finish(prep: Prepared, concurrent: dict[str, dict[int, float]], *, margin: float = MARGIN,
@@ -341,33 +372,29 @@ def finish(prep: Prepared, concurrent: dict[str, dict[int, float]], *, margin: f
                        concurrent, prep.job.world if prep.job is not None else 1)
 
 
-def calibrate(model_fn: Callable, loss_fn: Callable, sample_fn: Callable[[int], Any], cluster: ClusterSpec | str,
-              zero_stage: int, *, optimizer_fn: Callable, bucket_size_mb: float = 25.0, wrap_policy: Any = None,
-              memory_scale: float | str = "auto", time_scale: float | str = "auto",
-              target_min_mbs: int = TARGET_MIN_MBS, min_step_s: float = MIN_STEP_S, max_batch: int = 4096,
-              mixed_precision: Any = None, margin: float = MARGIN, link: LinkSpec | None = None) -> Calibration:
-    """Pick the scales for emulating ``cluster`` with this model (module doc), from one process:
-    the concurrent timing runs on a spawned job of the cluster's world size (its collectives
-    paced by ``link``, the cluster's emulated interconnect, if it has one)."""
-    prep = prepare(model_fn, loss_fn, sample_fn, cluster, zero_stage, optimizer_fn=optimizer_fn,
-                   bucket_size_mb=bucket_size_mb, wrap_policy=wrap_policy, memory_scale=memory_scale,
-                   time_scale=time_scale, target_min_mbs=target_min_mbs, max_batch=max_batch,
-                   mixed_precision=mixed_precision, link=link)
+def calibrate(job: ProfileJob, cluster: ClusterSpec | str, *, scales: Scales = Scales(), margin: float = MARGIN,
+              link: LinkSpec | None = None, target_min_mbs: int = TARGET_MIN_MBS,
+              min_step_s: float = MIN_STEP_S) -> Calibration:
+    """Pick the scales for emulating ``cluster`` with ``job``'s model at its options' stage and
+    precision (module doc), from one process: the concurrent timing runs on a spawned job of the
+    cluster's world size (its collectives paced by ``link``, the cluster's emulated interconnect,
+    if it has one)."""
+    prep = prepare(job, cluster, scales=scales, target_min_mbs=target_min_mbs, link=link)
     concurrent = spawn_timing(prep.job) if prep.job is not None else {}
     return finish(prep, concurrent, margin=margin, min_step_s=min_step_s)
 
 
-def calibrate_stages(model_fn: Callable, loss_fn: Callable, sample_fn: Callable[[int], Any],
-                     cluster: ClusterSpec | str, stages: list[int], **options: Any) -> Calibration:
+def calibrate_stages(job: ProfileJob, cluster: ClusterSpec | str, stages: list[int], **options: Any) -> Calibration:
     """One emulation for runs at several ZeRO stages: the memory scale of the lowest stage (a
     GPU's memory does not depend on the stage), and the largest time scale that any stage
     needs with it. A higher stage computes more per micro-step on the CPU (casting and copying
     shards, its hooks) and fits larger batches, so a time scale calibrated at ZeRO-0 alone can
-    leave ZeRO-3's micro-steps late."""
+    leave ZeRO-3's micro-steps late. ``options``: ``calibrate``'s."""
     low, *rest = sorted(set(stages))
-    cal = calibrate(model_fn, loss_fn, sample_fn, cluster, low, **options)
+    cal = calibrate(job.at(Configuration(low)), cluster, **options)
     if rest:  # the highest stage computes the most per micro-step
-        fixed = {**options, "memory_scale": cal.memory_scale}
-        other = calibrate(model_fn, loss_fn, sample_fn, cluster, rest[-1], **fixed)
+        given = options.pop("scales", Scales())
+        fixed = Scales(cal.memory_scale, given.time)
+        other = calibrate(job.at(Configuration(rest[-1])), cluster, scales=fixed, **options)
         cal = replace(cal, time_scale=max(cal.time_scale, other.time_scale))
     return cal

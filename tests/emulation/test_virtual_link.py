@@ -12,7 +12,7 @@ import torch
 
 from poplar.comm import Communicator
 from poplar.comm.launch import RankFailure, spawn
-from poplar.profiler.virtual_link import LinkSpec, VirtualLink
+from poplar.emulation.virtual_link import LinkSpec, VirtualLink
 
 LATENCY = 0.04  # far above a 2-rank gloo all-reduce on a quiet machine, so the link sets the time
 
@@ -23,7 +23,7 @@ def paced_sync(rank: int, world: int, spec: LinkSpec) -> dict:
     comm = Communicator()
     comm.all_reduce(torch.zeros(1))  # warm the group up, unpaced
     out = {"issue": [], "end": []}
-    with comm.paced(link):
+    with comm.observed(link):
         for i in range(4):
             time.sleep(0.03 * rank if i % 2 else 0.0)  # rank 1 arrives 30 ms late every other time
             out["issue"].append(time.perf_counter())
@@ -41,7 +41,7 @@ def paced_async(rank: int, world: int, spec: LinkSpec) -> list[float]:
     link = VirtualLink(spec, rank)
     comm = Communicator()
     comm.all_reduce(torch.zeros(1))
-    with comm.paced(link):
+    with comm.observed(link):
         t0 = time.perf_counter()
         pending = [comm.all_gather(torch.zeros(2 * 1000), torch.zeros(1000), async_op=True) for _ in range(3)]
         ends = []
@@ -53,7 +53,7 @@ def paced_async(rank: int, world: int, spec: LinkSpec) -> list[float]:
 
 def one_rank_unpaced(rank: int, world: int, spec: LinkSpec) -> None:
     comm = Communicator()
-    with comm.paced(VirtualLink(spec, rank) if rank == 0 else None):
+    with comm.observed(VirtualLink(spec, rank) if rank == 0 else None):
         comm.all_reduce(torch.zeros(4))  # rank 1 issues it outside the link
 
 
@@ -100,7 +100,7 @@ def test_the_link_prices_collectives_like_the_profilers_ring_fit(spec: LinkSpec)
 def engine_on_link(rank: int, world: int, spec: LinkSpec) -> dict:
     """A ZeRO-0 engine whose virtual device has the link: its gradient all-reduce takes the link's time."""
     from poplar.engine import PoplarEngine
-    from poplar.profiler import SaturatingCurve, VirtualDevice
+    from poplar.emulation import SaturatingCurve, VirtualDevice
     from poplar.profiler.profile_run import default_optimizer
     from poplar.types.plans import Plan, RankPlan
     from poplar.workloads import get_workload
@@ -111,9 +111,10 @@ def engine_on_link(rank: int, world: int, spec: LinkSpec) -> dict:
     device.link = VirtualLink(spec, rank)
     model = workload.model_fn()
     engine = PoplarEngine(model, default_optimizer(model), zero_stage=0, plan=Plan([RankPlan(2, 1)] * 2),
-                          loss_fn=workload.loss_fn, device=device)
-    for _ in range(2):
-        engine.train_step(workload.sample_fn(2))
+                          loss_fn=workload.loss_fn)
+    with device.attach(engine):
+        for _ in range(2):
+            engine.train_step(workload.sample_fn(2))
     records = [r for r in engine.comm_ledger.of(iteration=engine.iteration - 1) if r.op == "all_reduce"]
     return {"seconds": [r.seconds for r in records], "paced": device.link.paced_collectives}
 
@@ -126,7 +127,7 @@ def test_a_virtual_device_paces_its_engines_collectives_on_its_link(spec: LinkSp
 
 
 def test_the_link_fit_takes_a_quantile_of_the_real_collectives_with_a_margin() -> None:
-    from poplar.profiler.link_calibration import fit_link
+    from poplar.emulation.link_calibration import fit_link
 
     small = [("all_reduce", 4096, s) for s in np.linspace(0.001, 0.010, 10)]
     # large all-gathers: 10 ms more than the small ones at every quantile -> 10 ms of bus volume

@@ -1,4 +1,4 @@
-"""The exact ideal (``poplar.planner.ideal``): equal to brute force over every runnable plan on
+"""The exact ideal (``poplar.emulation.ideal``): equal to brute force over every runnable plan on
 small instances, never beaten by any strategy's plan under the same curves, and its own plan
 reaches it."""
 
@@ -14,7 +14,7 @@ from poplar.types.plans import PlanError
 from poplar.planner.cost_model import CommModel, evaluate_rows
 from poplar.planner.curves import SpeedCurve
 from poplar.planner.groups import DeviceGroup
-from poplar.planner.ideal import _lockstep, fastest_splits, ideal
+from poplar.emulation.ideal import _lockstep, fastest_splits, ideal
 from poplar.planner.planning import Problem, plan_problem
 from poplar.planner.zero01 import canonical
 

@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from poplar.types.cluster import BUILTIN_CLUSTERS, ClusterError, ClusterSpec
-from poplar.types.presets import GIB, PRESETS, PresetError, get_preset
+from poplar.emulation.cluster import BUILTIN_CLUSTERS, ClusterError, ClusterSpec
+from poplar.emulation.presets import GIB, PRESETS, PresetError, get_preset
 
 PAPER_GPUS = ["A100-80G", "A100-40G", "V100-16G", "T4-16G", "A800-80G", "V100S-32G", "RTX3060-12G", "RTX4090-24G"]
 
@@ -153,7 +153,7 @@ def test_bf16_on_volta_and_turing_is_refused_with_the_fix(name):
 
 def test_precision_names():
     from poplar.types.precision import MixedPrecision, Precision
-    from poplar.types.presets import precision_of
+    from poplar.types.precision import precision_of
 
     assert precision_of(None) is Precision.FP32 and precision_of("BF16") is Precision.BF16
     assert precision_of(Precision.FP16) is Precision.FP16

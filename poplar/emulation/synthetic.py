@@ -22,8 +22,8 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from poplar.types.cluster import ClusterSpec
-from poplar.types.presets import GIB, DevicePreset, get_preset
+from poplar.emulation.cluster import ClusterSpec
+from poplar.emulation.presets import GIB, DevicePreset, get_preset
 from poplar.types.profiles import CommProfile, Profile, ProfileError, ProfilePoint, RankProfile
 
 

@@ -1,0 +1,78 @@
+"""Profile an emulated cluster on one CPU machine: one process per rank, each with the virtual
+device of its GPU, spawned here (``poplar.comm.launch.spawn``); the ``Profile`` is the one a
+real cluster of those GPUs would give, with the scales it was emulated at in its meta.
+
+The functions must be importable by name (module-level), since they travel to the spawned
+processes.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import replace
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from poplar.comm.launch import spawn
+from poplar.emulation.calibration import Scales
+from poplar.emulation.cluster import ClusterSpec
+from poplar.emulation.emulate import emulate_cluster
+from poplar.emulation.virtual_device import VirtualDevice
+from poplar.profiler.profile_run import ProfileJob, ProfileOptions, default_optimizer, profile_rank
+from poplar.types.profiles import Profile, ProfileError
+
+
+def profile_cluster(model_fn: Callable[[], nn.Module], loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+                    sample_fn: Callable[[int], Any], *, cluster: ClusterSpec | str | None = None,
+                    devices: list[VirtualDevice] | None = None, options: ProfileOptions | None = None,
+                    optimizer_fn: Callable[[nn.Module], torch.optim.Optimizer] | None = None,
+                    scales: Scales = Scales(), timeout_s: float = 1800.0,
+                    output: str | os.PathLike | None = None) -> Profile:
+    """Profile ``model_fn()`` on ``cluster`` (a ``ClusterSpec``, a built-in name such as ``"B"``,
+    or a cluster JSON file; its presets at ``scales``, calibrated for this model where "auto")
+    or on ``devices`` (one ``VirtualDevice`` per rank). ``options``, ``optimizer_fn`` and
+    ``output`` as for ``poplar.profile``; ``timeout_s`` bounds the spawned job."""
+    if (cluster is None) == (devices is None):
+        raise ProfileError("give either cluster= (a ClusterSpec, a built-in name or a cluster file) or devices= "
+                           "(one VirtualDevice per rank) to emulate a cluster on CPU")
+    options = options or ProfileOptions()
+    if options.zero_stage not in (0, 1, 2, 3):
+        raise ProfileError(f"zero_stage must be 0, 1, 2 or 3, got {options.zero_stage!r}")
+    job = ProfileJob(model_fn, loss_fn, sample_fn, optimizer_fn or default_optimizer, options)
+    if cluster is not None:
+        emulated = emulate_cluster(cluster, job, scales)
+        if options.progress and emulated.calibration is not None:
+            print(f"[poplar profile] emulating {emulated.spec.describe()} on CPU: memory scale "
+                  f"{emulated.memory_scale:.3g}, time scale {emulated.time_scale:.3g} (predicted mbs "
+                  f"{emulated.calibration.predicted_mbs})", file=sys.stderr, flush=True)
+        devices = emulated.devices()
+        job = replace(job, options=replace(options, meta={**options.meta, **emulated.meta()}))
+    if not devices:
+        raise ProfileError("devices is empty; give one VirtualDevice per rank")
+    results = spawn(emulated_rank, len(devices), ({"job": job, "devices": list(devices)},), timeout_s=timeout_s,
+                    collective_timeout_s=timeout_s)
+    errors = [r["error"] for r in results if "error" in r]
+    if errors:
+        raise ProfileError(errors[0])
+    profile = Profile.from_dict(results[0]["profile"])
+    if output is not None:
+        profile.save(output)
+    return profile
+
+
+def emulated_rank(rank: int, world: int, run: dict[str, Any]) -> dict[str, Any]:
+    """Entry point of one spawned rank: profile with this rank's virtual device. Profile errors
+    (the same on every rank, by agreement) come back as data, not as a crashed rank."""
+    torch.manual_seed(rank)
+    job: ProfileJob = run["job"]
+    device = run["devices"][rank]
+    try:
+        profile = profile_rank(job.model_fn, job.loss_fn, job.sample_fn, device, optimizer_fn=job.optimizer_fn,
+                               options=job.options, log=None if job.options.progress else (lambda m: None))
+    except ProfileError as e:
+        return {"error": str(e)}
+    return {"profile": profile.to_dict(), "device": device.describe(), "late_steps": device.late_steps,
+            "padded_steps": device.padded_steps}

@@ -1,0 +1,46 @@
+"""``ZeroConfig``: the ZeRO runtime's settings beyond the model, the plan and the precision.
+
+The stage, and the rarer knobs a stage reads: the gradient bucket size of stages 0-2 (each
+bucket is one collective), which modules form a gather/release block at stage 3, the process
+group, and what every rank does when a loss or gradient on some rank is not finite. Where a
+runtime or engine takes ``zero_stage``, a plain int means ``ZeroConfig(stage=that)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from poplar.zero.nonfinite import NonFinitePolicy
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """ZeRO settings (see the module doc).
+
+    Args:
+        stage: 0, 1, 2 or 3.
+        bucket_size_mb: gradient bucket size of stages 0-2.
+        wrap_policy: stage 3 only: which modules form a gather/release block (module classes,
+            or a callable taking a module and returning whether it is a block).
+        process_group: defaults to the world group; without ``torch.distributed`` initialised
+            the runtime runs as a world of one.
+        nonfinite: ``NonFinitePolicy`` (or "skip" / "raise"): what every rank does when a loss or
+            gradient on some rank is inf or NaN.
+        max_consecutive_skips: with "skip", more non-finite steps in a row than this raise (under
+            fp16 dynamic loss scaling only those at the minimum scale count).
+    Values are checked when a runtime is built on them (every rank agrees on the verdict).
+    """
+
+    stage: int = 0
+    bucket_size_mb: float = 25.0
+    wrap_policy: Any = None
+    process_group: Any = None
+    nonfinite: NonFinitePolicy | str = NonFinitePolicy.SKIP
+    max_consecutive_skips: int = 5
+
+    @classmethod
+    def of(cls, zero_stage: "int | ZeroConfig") -> "ZeroConfig":
+        """``zero_stage`` as a config: a config stays as it is, anything else is its stage (checked
+        with the other arguments when the runtime is built)."""
+        return zero_stage if isinstance(zero_stage, ZeroConfig) else cls(stage=zero_stage)

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from poplar.engine import register_fit_loop
-from poplar.train.data import PlanLoader
+from poplar.train.data import LoaderOptions, PlanLoader
 from poplar.train.monitor import FitMonitor
 from poplar.train.preemption import Preempted, StopSignals
 from poplar.train.replan import ReplanOptions, make_replanner
@@ -100,7 +100,7 @@ def _make_loader(engine: Any, data: Any, seed: int, loader_kwargs: dict[str, Any
         return data
     if not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
         raise TypeError(f"fit() takes a map-style dataset or a poplar.data.PlanLoader, got {type(data).__name__}")
-    return PlanLoader.for_engine(data, engine, seed=seed, **loader_kwargs)
+    return PlanLoader.for_engine(data, engine, LoaderOptions(seed=seed, **loader_kwargs))
 
 
 def _resume(engine: Any, loader: PlanLoader, checkpoint_dir: str | os.PathLike) -> dict[str, Any] | None:

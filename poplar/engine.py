@@ -1,6 +1,6 @@
 """PoplarEngine: the front door. The ZeRO runtime (``poplar.zero.runtime``) on a plan that is
-either given or planned automatically (``poplar.auto``: profile every rank's device, then plan),
-plus ``fit``, the training loop.
+either given or planned automatically (``poplar.auto``: profile every rank's device, then plan).
+The training loop sits above it, in ``poplar.train`` (``poplar.fit(engine, data, iterations)``).
 
 Construction is in order and hands nothing half-built to anyone: auto mode (if asked for) runs
 first on the communicator alone and returns a plan; the runtime is then built on that plan; a
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import gc
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,17 +25,6 @@ from poplar.types.profiles import Profile
 from poplar.zero.nonfinite import NonFinitePolicy
 from poplar.zero.runtime import LossFn, ZeroRuntime
 from poplar.zero.timeline import MicroStepTimeline
-
-FitLoop = Callable[..., Any]
-_fit_loop: list[FitLoop] = []  # the training layer's loop, registered from above (register_fit_loop)
-
-
-def register_fit_loop(loop: FitLoop) -> None:
-    """Give ``PoplarEngine.fit`` its loop. The training layer (``poplar.train.loop``) sits above
-    the engine and registers itself when imported (``import poplar`` does), so the engine never
-    imports upwards."""
-    _fit_loop[:] = [loop]
-
 
 class PoplarEngine(ZeroRuntime):
     """ZeRO-0/1/2/3 data parallelism with a per-rank plan. Every rank builds it together.
@@ -126,11 +115,3 @@ class PoplarEngine(ZeroRuntime):
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-    def fit(self, data: Any, iterations: int, **kwargs: Any) -> Any:
-        """Train until the engine's iteration count reaches ``iterations``, on ``data`` (a map-style
-        dataset, cut per the plan), logging measured vs predicted times; checkpoints, resume and
-        reports on request. Returns a ``FitResult``; see ``poplar.train.loop.fit`` for the options."""
-        if not _fit_loop:
-            raise RuntimeError("no training loop is registered; import poplar (or poplar.train.loop) first")
-        return _fit_loop[0](self, data, iterations, **kwargs)

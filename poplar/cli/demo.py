@@ -48,8 +48,10 @@ def _rank_main(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
                 print(f"\n[poplar] switching to the {strategy} plan for comparison:\n{engine.plan.table()}",
                       file=sys.stderr, flush=True)
         late0, padded0 = _padding_counts(engine.device)
-        fit = engine.fit(data, (i + 1) * args["iterations"], log_every=args["log_every"],
-                         report_dir=f"{report}/{strategy}" if report else None)
+        from poplar import train
+        fit = train.fit(engine, data, (i + 1) * args["iterations"],
+                        report=train.ReportOptions(f"{report}/{strategy}" if report else None,
+                                                   log_every=args["log_every"]))
         late, padded = _padding_counts(engine.device)
         results[strategy] = {"plan": engine.plan.to_dict(), "fit": fit.to_dict(),
                              "late_steps": late - late0, "padded_steps": padded - padded0}

@@ -8,12 +8,14 @@ from pathlib import Path
 
 import torch
 
+import poplar
 from poplar.auto import AutoOptions, clone_optimizer
 from poplar.types.cluster import ClusterSpec
 from poplar.engine import PoplarEngine
 from poplar.comm.launch import spawn
 from poplar.workloads.models import create_model, llama_loss_fn
 from poplar.planner import plan as make_plan
+from poplar.train import ReportOptions
 from poplar.types.plans import Plan
 from poplar.types.profiles import Profile
 from poplar.workloads.text import TextBlocks
@@ -34,7 +36,7 @@ def auto_rank(rank: int, world: int, tmp: str) -> dict:
                           profile_data=data, cluster=PAIR,
                           auto=AutoOptions(repeats=1, profile_output=f"{tmp}/profile.json", progress=False))
     planned = engine.plan.to_dict()  # auto mode's plan (a drifting rank may get a new one during fit)
-    fit = engine.fit(data, 3, log_every=0, progress=False)
+    fit = poplar.fit(engine, data, 3, report=ReportOptions(log_every=0, progress=False))
     out = {"plan": planned, "profile": engine.profile.to_dict(), "losses": fit.losses,
            "device": engine.device.describe(), "stage": engine.zero_stage, "fit_ranks": len(fit.ranks)}
     engine.close()

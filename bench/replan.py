@@ -50,6 +50,7 @@ from poplar.emulation.calibration import calibrate
 from poplar.emulation.emulate import cluster_devices
 from poplar.emulation.faults import FaultSchedule
 from poplar.profiler.profile_run import ProfileJob, ProfileOptions, default_optimizer, profile_rank
+from poplar.train import FitConfig, ReportOptions, fit
 from poplar.train.replan import ReplanOptions
 from poplar.emulation.cluster import ClusterSpec
 from poplar.types.profiles import Profile
@@ -106,15 +107,15 @@ def run(job: dict, rank: int, device: Any, profile: Profile, name: str, data: To
     counter = MicroSteps()
     handle = engine.add_observer(counter)
     late = device.late_steps
-    common = {"log_every": 0, "progress": False, "warmup": 0}
+    common = {"report": ReportOptions(log_every=0, progress=False), "config": FitConfig(warmup=0)}
     total = job["quiet"] if name == "quiet" else job["iterations"]
     if name == "ideal":
-        first = engine.fit(data, job["slow_at"], replan=False, **common)
+        first = fit(engine, data, job["slow_at"], replan=False, **common)
         engine.set_plan(make_plan(slowed(profile, job["slow_rank"], job["factor"]), job["gbs"], job["stage"]))
-        second = engine.fit(data, total, replan=False, **common)
+        second = fit(engine, data, total, replan=False, **common)
         records, replans = first.iterations + second.iterations, []
     else:
-        result = engine.fit(data, total, replan=name != "fixed" and ReplanOptions(), **common)
+        result = fit(engine, data, total, replan=name != "fixed" and ReplanOptions(), **common)
         records, replans = result.iterations, result.replans
     out = {"walls": [r["wall_s"] for r in records], "replans": replans, "late": device.late_steps - late,
            "micro_steps": counter.count}

@@ -13,6 +13,7 @@ __all__ = [
     "Plan", "PlanError", "RankPlan",
     "Profile", "ProfileError", "ProfilePoint", "RankProfile", "CommProfile",
     "PoplarEngine", "AutoOptions", "plan", "simulate", "profile",
+    "fit", "Trainer", "FitConfig", "FitResult", "CheckpointOptions", "EvalOptions", "ReportOptions",
     "StepObserver", "MicroStep", "IterationStats",
     "MixedPrecision", "LossScaleConfig", "NonFinitePolicy", "ZeroConfig", "ProfileOptions",
 ]
@@ -22,6 +23,7 @@ from poplar.auto import AutoOptions  # noqa: E402
 from poplar.engine import PoplarEngine  # noqa: E402
 from poplar.planner import plan, simulate  # noqa: E402
 from poplar.profiler import ProfileOptions, profile  # noqa: E402
+from poplar.train import CheckpointOptions, EvalOptions, FitConfig, FitResult, ReportOptions, Trainer, fit  # noqa: E402
 from poplar.types.precision import LossScaleConfig, MixedPrecision  # noqa: E402
 from poplar.zero.config import ZeroConfig  # noqa: E402
 from poplar.zero.nonfinite import NonFinitePolicy  # noqa: E402

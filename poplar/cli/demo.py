@@ -27,6 +27,7 @@ def _rank_main(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     from poplar.auto import AutoOptions
     from poplar.emulation import cluster_device
     from poplar.engine import PoplarEngine
+    from poplar.train import ReportOptions, fit
     from poplar.workloads.models import create_model, llama_loss_fn
     from poplar.planner import plan as make_plan
     from poplar.workloads.text import TextBlocks
@@ -50,10 +51,10 @@ def _rank_main(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
                 print(f"\n[poplar] switching to the {strategy} plan for comparison:\n{engine.plan.table()}",
                       file=sys.stderr, flush=True)
         late0, padded0 = device.late_steps, device.padded_steps
-        fit = engine.fit(data, (i + 1) * args["iterations"], log_every=args["log_every"],
-                         report_dir=f"{report}/{strategy}" if report else None)
+        result = fit(engine, data, (i + 1) * args["iterations"],
+                     report=ReportOptions(f"{report}/{strategy}" if report else None, log_every=args["log_every"]))
         late, padded = device.late_steps, device.padded_steps
-        results[strategy] = {"plan": engine.plan.to_dict(), "fit": fit.to_dict(),
+        results[strategy] = {"plan": engine.plan.to_dict(), "fit": result.to_dict(),
                              "late_steps": late - late0, "padded_steps": padded - padded0}
     engine.close()
     return results

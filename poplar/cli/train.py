@@ -146,11 +146,15 @@ def run(cfg: TrainConfig, failures: "FailureReporting | None" = None) -> int:
     # and the failure line (a second SIGTERM during fit then no longer kills at once)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
-        engine.fit(data, cfg.iterations, log_every=cfg.log_every, checkpoint_dir=cfg.checkpoint_dir,
-                   checkpoint_every=cfg.checkpoint_every, keep_checkpoints=cfg.checkpoint_keep, resume=cfg.resume,
-                   report_dir=cfg.report_dir, seed=cfg.seed, lr_schedule=cfg.lr_schedule(),
-                   stop_on_signals=True, eval_data=parts.eval_data, eval_every=cfg.eval_every,
-                   tensorboard=cfg.tensorboard)
+        from poplar.train import CheckpointOptions, EvalOptions, FitConfig, LoaderOptions, ReportOptions, fit
+        fit(engine, data, cfg.iterations, lr_schedule=cfg.lr_schedule(),
+            evaluation=None if parts.eval_data is None and cfg.eval_every is None
+            else EvalOptions(parts.eval_data, every=cfg.eval_every),
+            checkpoint=None if cfg.checkpoint_dir is None
+            else CheckpointOptions(cfg.checkpoint_dir, every=cfg.checkpoint_every, keep_checkpoints=cfg.checkpoint_keep,
+                                   resume=cfg.resume),
+            report=ReportOptions(cfg.report_dir, log_every=cfg.log_every, tensorboard=cfg.tensorboard),
+            config=FitConfig(loader=LoaderOptions(seed=cfg.seed), stop_on_signals=True))
     finally:
         engine.close()
     return 0

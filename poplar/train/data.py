@@ -25,6 +25,7 @@ loader built on the same dataset and gbs (any plan, any world size) and it conti
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
@@ -33,7 +34,7 @@ from torch.utils.data import Dataset, default_collate
 from poplar.types.batches import move_to_device, slice_batch
 from poplar.types.plans import Plan, PlanError
 
-__all__ = ["GlobalBatchSampler", "PlanLoader", "move_to_device"]
+__all__ = ["GlobalBatchSampler", "LoaderOptions", "PlanLoader", "move_to_device"]
 
 
 class GlobalBatchSampler:
@@ -122,6 +123,43 @@ class GlobalBatchSampler:
         return out
 
 
+@dataclass(frozen=True)
+class LoaderOptions:
+    """How a ``PlanLoader`` draws and loads its batches: the rarely changed knobs, one object.
+
+    Args:
+        seed, shuffle, drop_last: the global sample stream (see ``GlobalBatchSampler``); a
+            checkpoint keeps them, and a resume must use the same ``shuffle`` and ``drop_last``.
+        collate_fn: turns a list of samples into a batch (``default_collate`` by default); the
+            training loop's evaluation collates with it too.
+        num_workers: > 0 loads through a ``torch.utils.data.DataLoader`` with that many
+            worker processes (prefetching ahead; the position kept is that of the batches
+            yielded, so ``state_dict`` is exact anyway).
+        pin_memory, prefetch_factor: passed to the ``DataLoader`` when ``num_workers`` > 0.
+    """
+
+    seed: int = 0
+    shuffle: bool = True
+    drop_last: bool = True
+    collate_fn: Callable[[list], Any] | None = None
+    num_workers: int = 0
+    pin_memory: bool = False
+    prefetch_factor: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.collate_fn is not None and not callable(self.collate_fn):
+            raise TypeError(f"LoaderOptions.collate_fn must be a function of a list of samples or None "
+                            f"(default_collate), got {type(self.collate_fn).__name__}")
+        if isinstance(self.num_workers, bool) or not isinstance(self.num_workers, int) or self.num_workers < 0:
+            raise ValueError(f"LoaderOptions.num_workers must be an int >= 0 (0: load in this process), got "
+                             f"{self.num_workers!r}")
+        if self.prefetch_factor is not None and (isinstance(self.prefetch_factor, bool)
+                                                 or not isinstance(self.prefetch_factor, int)
+                                                 or self.prefetch_factor < 1):
+            raise ValueError(f"LoaderOptions.prefetch_factor must be an int >= 1 or None (the DataLoader's "
+                             f"default), got {self.prefetch_factor!r}")
+
+
 class PlanLoader:
     """This rank's share of every global batch, collated, one iteration per ``next()``.
 
@@ -142,40 +180,37 @@ class PlanLoader:
         dataset: map-style dataset.
         plan: the per-rank rows; its global batch size is the sampler's gbs.
         rank: this rank's row.
-        seed, shuffle, drop_last: the global sample stream (see ``GlobalBatchSampler``).
-        collate_fn: turns a list of samples into a batch (``default_collate`` by default).
+        options: ``LoaderOptions`` (seed, shuffle, drop_last, collate_fn, workers); the defaults
+            when None.
         device: move each batch there (tensors only; non-blocking when ``pin_memory``).
-        num_workers: > 0 loads through a ``torch.utils.data.DataLoader`` with that many
-            worker processes (prefetching ahead; the position kept is that of the batches
-            yielded, so ``state_dict`` is exact anyway).
-        pin_memory, prefetch_factor: passed to the ``DataLoader`` when ``num_workers`` > 0.
         start_iteration: the first iteration to yield.
     """
 
-    def __init__(self, dataset: Dataset, plan: Plan, rank: int, *, seed: int = 0, shuffle: bool = True,
-                 drop_last: bool = True, collate_fn: Callable[[list], Any] | None = None,
-                 device: torch.device | str | None = None, num_workers: int = 0, pin_memory: bool = False,
-                 prefetch_factor: int | None = None, start_iteration: int = 0) -> None:
+    def __init__(self, dataset: Dataset, plan: Plan, rank: int, options: LoaderOptions | None = None, *,
+                 device: torch.device | str | None = None, start_iteration: int = 0) -> None:
         if not isinstance(plan, Plan):
             raise TypeError(f"plan must be a poplar.Plan, got {type(plan).__name__}")
+        options = LoaderOptions() if options is None else options
+        if not isinstance(options, LoaderOptions):
+            raise TypeError(f"options must be a LoaderOptions, got {type(options).__name__}")
         self.dataset = dataset
-        self.sampler = GlobalBatchSampler(len(dataset), plan.global_batch_size, seed=seed, shuffle=shuffle,
-                                          drop_last=drop_last)
-        self.collate_fn = collate_fn or default_collate
+        self.sampler = GlobalBatchSampler(len(dataset), plan.global_batch_size, seed=options.seed,
+                                          shuffle=options.shuffle, drop_last=options.drop_last)
+        self.collate_fn = options.collate_fn or default_collate
         self.device = torch.device(device) if device is not None else None
-        self.num_workers, self.pin_memory, self.prefetch_factor = num_workers, pin_memory, prefetch_factor
+        self.num_workers, self.pin_memory = options.num_workers, options.pin_memory
+        self.prefetch_factor = options.prefetch_factor
         self.iteration = int(start_iteration)
         self._empty: Any = None
         self._workers: Iterator[Any] | None = None
         self.set_plan(plan, rank)
 
     @classmethod
-    def for_engine(cls, dataset: Dataset, engine: Any, **kwargs: Any) -> "PlanLoader":
+    def for_engine(cls, dataset: Dataset, engine: Any, options: LoaderOptions | None = None) -> "PlanLoader":
         """A loader for ``engine``'s plan and rank, starting at its iteration, moving batches to its
-        device (keyword arguments override)."""
-        kwargs.setdefault("start_iteration", engine.iteration)
-        kwargs.setdefault("device", engine.comm.device)
-        return cls(dataset, engine.plan, engine.rank, **kwargs)
+        device (another device or start: the constructor)."""
+        return cls(dataset, engine.plan, engine.rank, options, device=engine.comm.device,
+                   start_iteration=engine.iteration)
 
     # ------------------------------------------------------------------ plan
     def set_plan(self, plan: Plan, rank: int | None = None) -> None:

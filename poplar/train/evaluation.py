@@ -1,10 +1,10 @@
 """Evaluation on a held-out set, exact across ranks with uneven shards.
 
-``evaluate(engine, dataset)`` (every rank together; ``fit(eval_data=..., eval_every=...)`` calls
-it) splits the dataset into contiguous shards, one per rank, sized in proportion to each rank's
-share of the plan's global batch (a fast rank evaluates more; a rank with no samples, none), and
-runs each shard in micro-batches of the rank's planned micro-batch size (a size known to fit),
-under ``torch.no_grad()`` with the model in eval mode.
+``evaluate(engine, dataset)`` (every rank together; ``fit(evaluation=EvalOptions(data, every))``
+calls it) splits the dataset into contiguous shards, one per rank, sized in proportion to each
+rank's share of the plan's global batch (a fast rank evaluates more; a rank with no samples,
+none), and runs each shard in micro-batches of the rank's planned micro-batch size (a size known
+to fit), under ``torch.no_grad()`` with the model in eval mode.
 
 Exactness: every micro-batch contributes a pair (loss sum, count). A ``loss_fn`` returning
 ``(loss_sum, count)`` (token-weighted, e.g. summed token cross-entropy and the number of

@@ -1,12 +1,12 @@
 """What ``fit`` does around each step besides training: the learning-rate schedule, periodic
 evaluation, tokens/s and MFU, peak memory, and TensorBoard scalars. One ``FitMonitor`` per
-``fit`` call; the loop calls it at fixed points (every rank at the same ones):
+``Trainer``; the loop calls it at fixed points (every rank at the same ones):
 
 - ``before_step(k)``: sets the schedule's lr for iteration k;
 - ``row(batch)``: this rank's tokens and peak memory of the iteration, appended to the stats row
   the loop already gathers (no extra collective);
-- ``after_step(done)``: evaluates on ``eval_data`` every ``eval_every`` iterations and at the end
-  (``poplar.train.evaluation``: collective);
+- ``after_step(done)``: evaluates on ``EvalOptions.data`` every ``EvalOptions.every`` iterations
+  and at the end (``poplar.train.evaluation``: collective);
 - ``window(records)``: the log line's tokens/s and MFU, and the TensorBoard scalars (rank 0);
 - ``state()`` / ``load_state(extra)``: what a checkpoint keeps (the schedule's settings);
 - ``complete(result, warmup)``: throughput, MFU, peak memory and evaluations into the ``FitResult``.
@@ -16,11 +16,11 @@ Constructing it gathers every rank's device and peak FLOP/s once (one small all-
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any, Callable
 
 from poplar.train.evaluation import EvalResult, evaluate
+from poplar.train.options import EvalOptions, ReportOptions, ThroughputOptions
 from poplar.train.schedule import LRSchedule, apply_lr
 from poplar.train.tensorboard import ScalarLog
 from poplar.train.throughput import (RankDevice, count_tokens, describe, model_flops_per_token, peak_memory_bytes,
@@ -30,37 +30,30 @@ from poplar.types.logs import log
 
 class FitMonitor:
     """See the module doc. ``lr_schedule``: an ``LRSchedule`` (checkpointed) or any function of
-    the iteration returning an lr or None; ``tensorboard``: None writes event files to
-    ``report_dir/tensorboard`` when the package is installed, True requires it, False never."""
+    the iteration returning an lr or None; ``loss_fn``: the training loss, the evaluation's
+    default; ``collate_fn``: the loader's, which evaluation collates with. The options are
+    checked when they are built (``poplar.train.options``)."""
 
     def __init__(self, engine: Any, *, lr_schedule: Callable[[int], float | None] | None = None,
-                 eval_data: Any = None, eval_every: int | None = None, eval_loss_fn: Callable | None = None,
-                 eval_max_samples: int | None = None, collate_fn: Callable | None = None,
-                 tokens_fn: Callable[[Any], int] | None = None, flops_per_token: float | None = None,
-                 report_dir: str | os.PathLike | None = None, tensorboard: bool | None = None,
-                 loss_fn: Callable | None = None) -> None:
-        if eval_every is not None and (isinstance(eval_every, bool) or not isinstance(eval_every, int)
-                                       or eval_every < 1):
-            raise ValueError(f"eval_every must be an int >= 1 (iterations between evaluations), got {eval_every!r}")
-        if eval_every is not None and eval_data is None:
-            raise ValueError("eval_every needs eval_data (a held-out map-style dataset)")
-        if eval_data is not None and not (hasattr(eval_data, "__len__") and hasattr(eval_data, "__getitem__")):
-            raise TypeError(f"eval_data must be a map-style dataset, got {type(eval_data).__name__}")
-        if tensorboard and report_dir is None:
-            raise ValueError("tensorboard=True needs report_dir (the event files go to report_dir/tensorboard)")
+                 loss_fn: Callable | None = None, evaluation: EvalOptions | None = None,
+                 report: ReportOptions | None = None, throughput: ThroughputOptions | None = None,
+                 collate_fn: Callable | None = None) -> None:
+        report = report if report is not None else ReportOptions()
+        throughput = throughput if throughput is not None else ThroughputOptions()
         self.engine = engine
         self.schedule = lr_schedule
-        self.eval_data, self.eval_every, self.eval_max_samples = eval_data, eval_every, eval_max_samples
-        self.eval_loss_fn = eval_loss_fn or loss_fn
+        self.evaluation = evaluation
+        self.eval_loss_fn = (evaluation.loss_fn if evaluation is not None else None) or loss_fn
         self.collate_fn = collate_fn
-        self.tokens_fn = tokens_fn or count_tokens
-        self.flops_per_token = float(flops_per_token) if flops_per_token else model_flops_per_token(engine.module)
+        self.tokens_fn = throughput.tokens_fn or count_tokens
+        self.flops_per_token = (float(throughput.flops_per_token) if throughput.flops_per_token
+                                else model_flops_per_token(engine.module))
         self.evals: list[EvalResult] = []
         self.devices: list[RankDevice] = engine.comm.all_gather_object(rank_device(engine), tag="fit:devices")
         self.board: ScalarLog | None = None
-        if engine.rank == 0 and report_dir is not None and tensorboard is not False:
-            self.board = ScalarLog.open(Path(report_dir) / "tensorboard")
-            if self.board is None and tensorboard:
+        if engine.rank == 0 and report.dir is not None and report.tensorboard is not False:
+            self.board = ScalarLog.open(Path(report.dir) / "tensorboard")
+            if self.board is None and report.tensorboard:
                 raise ImportError("tensorboard=True but the tensorboard package is not installed: "
                                   "pip install 'poplar[tensorboard]' (or pass tensorboard=None)")
 
@@ -75,15 +68,16 @@ class FitMonitor:
 
     def after_step(self, done: bool, bar: Any = None) -> EvalResult | None:
         """Evaluate when due (every rank)."""
-        if self.eval_data is None:
+        options = self.evaluation
+        if options is None:
             return None
         it = self.engine.iteration
-        if not (done or (self.eval_every and it % self.eval_every == 0)):
+        if not (done or (options.every and it % options.every == 0)):
             return None
         if self.evals and self.evals[-1].iteration == it:
             return None
-        result = evaluate(self.engine, self.eval_data, loss_fn=self.eval_loss_fn, collate_fn=self.collate_fn,
-                          max_samples=self.eval_max_samples)
+        result = evaluate(self.engine, options.data, loss_fn=self.eval_loss_fn, collate_fn=self.collate_fn,
+                          max_samples=options.max_samples)
         self.evals.append(result)
         if self.engine.rank == 0:
             message = (f"[poplar] eval at iteration {it}: loss {result.loss:.4f}, perplexity {result.perplexity:.2f} "
@@ -137,13 +131,14 @@ class FitMonitor:
     # ------------------------------------------------------------------ the end
     def complete(self, result: Any, warmup: int) -> None:
         """Fill ``result`` (a ``FitResult``): throughput and MFU of its iterations after the
-        warm-up, per-rank peak memory, and the evaluations of this run."""
+        warm-up, per-rank peak memory, and the evaluations of its iterations (an evaluation
+        follows a step, so those of a run from iteration s are at iterations after s)."""
         measured = result.iterations[warmup:] or result.iterations
         t = throughput(measured, self.engine.global_batch_size, self.flops_per_token, self.devices)
         result.tokens_per_s = t.tokens_per_s if t is not None else None
         result.mfu = t.mfu if t is not None else None
         result.throughput = t.to_dict() if t is not None else None
-        result.evals = [e.to_dict() for e in self.evals]
+        result.evals = [e.to_dict() for e in self.evals if e.iteration > result.start_iteration]
 
     @staticmethod
     def summary(result: Any) -> str:

@@ -46,7 +46,7 @@ class Preempted(Exception):
         self.signum, self.iteration, self.checkpoint = signum, iteration, checkpoint
         name = signal.Signals(signum).name
         where = (f"checkpoint {checkpoint} saved; run the same command again to resume from it"
-                 if checkpoint is not None else "no checkpoint_dir was given, so nothing was saved")
+                 if checkpoint is not None else "no checkpoint directory was given, so nothing was saved")
         super().__init__(f"stopped by {name} at iteration {iteration}: {where}")
 
     @property

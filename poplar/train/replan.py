@@ -225,9 +225,9 @@ class Replanner:
         ev = evaluate_rows(_rows(self.profile, plan), problem.curves, plan.zero_stage, problem.comm)
         return list(ev.compute_s)
 
-    def records(self) -> list[dict[str, Any]]:
-        """The decisions, JSON-safe (``metrics.json``'s ``replans``)."""
-        return [e.to_dict() for e in self.events]
+    def records(self, since: int = 0) -> list[dict[str, Any]]:
+        """The decisions from the ``since``-th on, JSON-safe (``metrics.json``'s ``replans``)."""
+        return [e.to_dict() for e in self.events[since:]]
 
 
 def _rows(profile: Profile, plan: Plan) -> list[tuple[str, int, int, int]]:

@@ -6,6 +6,12 @@ device type's measured points, spline and chosen batch (needs the optional matpl
 The timeline shows, per rank, each micro-step's compute and each collective (whose time
 includes waiting for slower ranks), and, per iteration, the idle time from the rank's own
 end of the iteration to the latest rank's end.
+
+``Reports(engine, dir)`` is a training run's writer (``ReportOptions.dir``): ``write(result)``
+writes ``metrics.json`` (the ``FitResult`` and every iteration's per-rank times), ``trace.json``
+(this run's timeline), ``plan.json``, and with a profile ``profile.json`` and ``curves.png``;
+``write_metrics(result)`` rewrites ``metrics.json`` alone at each checkpoint, so that a run
+resumed from it has the metrics of every iteration before it.
 """
 
 from __future__ import annotations
@@ -13,11 +19,59 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from poplar.types.logs import log
 from poplar.types.plans import Plan, write_text_atomic
 from poplar.types.profiles import Profile
+
+if TYPE_CHECKING:
+    from poplar.train.records import FitResult
+
+
+class Reports:
+    """Where a training run's reports go; rank 0 writes them."""
+
+    def __init__(self, engine: Any, directory: str | os.PathLike) -> None:
+        self.engine, self.dir = engine, directory
+
+    def write_metrics(self, result: "FitResult") -> None:
+        """``metrics.json`` alone, from rank 0 (no collective; other ranks do nothing)."""
+        if self.engine.rank == 0:
+            write_metrics(Path(self.dir) / "metrics.json", result.to_dict())
+
+    def write(self, result: "FitResult") -> None:
+        """Every report. Every rank calls it (the timelines are gathered); rank 0 writes the
+        files. A failure to write them is a ``DistributedError`` on every rank, which also leave
+        together."""
+        engine = self.engine
+        timelines = engine.comm.all_gather_object(rank_timeline(engine, _device_name(engine)), tag="fit:report")
+        error = None
+        if engine.rank == 0:
+            try:
+                _write_report_files(engine, result, Path(self.dir), timelines)
+            except Exception as e:  # noqa: BLE001 - reported on every rank
+                error = f"{type(e).__name__}: {e}"
+        engine.comm.agree(error, f"write the reports to {self.dir}")
+
+
+def _device_name(engine: Any) -> str:
+    dev = getattr(engine, "device", None)
+    if dev is not None:
+        return getattr(dev, "device_type", None) or getattr(dev, "name", "")
+    return engine.rank_plan.device_type or str(engine.comm.device)
+
+
+def _write_report_files(engine: Any, result: "FitResult", out: Path, timelines: list[dict[str, Any]]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    write_metrics(out / "metrics.json", result.to_dict())
+    write_trace(out / "trace.json", timelines, result.replans)
+    engine.plan.save(out / "plan.json")
+    if engine.profile is not None:
+        engine.profile.save(out / "profile.json")
+        if not write_curves_png(out / "curves.png", engine.profile, engine.plan):
+            log.info("curves.png skipped: it needs matplotlib (pip install 'poplar[plot]')")
+    log.info(f"reports in {out}/ (trace.json opens in ui.perfetto.dev)")
 
 
 _RUN_KEYS = ("start_iteration", "end_iteration", "seconds", "samples_per_s", "median_iteration_s",

@@ -2,8 +2,8 @@
 
 Tokens. Each rank counts the tokens of its own batch every iteration (``count_tokens``: the
 ones of an ``attention_mask`` when the batch has one, so padding is not counted; otherwise the
-elements of ``input_ids`` or of an integer tensor batch; ``fit(tokens_fn=...)`` overrides it).
-The counts travel with the per-iteration stats ``fit`` already gathers.
+elements of ``input_ids`` or of an integer tensor batch; ``ThroughputOptions(tokens_fn=...)``
+overrides it). The counts travel with the per-iteration stats ``fit`` already gathers.
 
 Rates, over the measured iterations (warm-up excluded), with W_k the wall time of iteration k
 (its slowest rank):
@@ -17,8 +17,8 @@ MFU, for ranks with peaks P_r (FLOP/s of rank r's device at the run's compute pr
 
 where F = model FLOPs per token = 6·N (N trainable parameters, tied ones once: 2N for the
 forward and 4N for the backward matmuls; attention's quadratic term is left out unless
-``fit(flops_per_token=...)`` supplies a better F). Summing every rank's peak is what a
-heterogeneous cluster could do at best: a slow card adds its own, smaller peak. A rank whose
+``ThroughputOptions(flops_per_token=...)`` supplies a better F). Summing every rank's peak is
+what a heterogeneous cluster could do at best: a slow card adds its own, smaller peak. A rank whose
 peak is unknown (a CPU without an emulated device, an unlisted GPU) makes MFU None, never a
 guess.
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from poplar.checkpoint import CheckpointError, load_checkpoint, read_index, save_checkpoint
-from poplar.train.data import PlanLoader
+from poplar.train.data import LoaderOptions, PlanLoader
 from poplar.engine import PoplarEngine
 from poplar.comm.launch import spawn
 from poplar.workloads.models import create_model, llama_loss_fn
@@ -55,7 +55,7 @@ def make_engine(stage: int, plan: Plan, *, seed: int = 0, kind: str = "adamw", *
 
 
 def loader(plan: Plan, rank: int) -> PlanLoader:
-    return PlanLoader(dataset(), plan, rank, seed=11)
+    return PlanLoader(dataset(), plan, rank, LoaderOptions(seed=11))
 
 
 def train(engine: PoplarEngine, data: PlanLoader, steps: int) -> list[float]:
@@ -75,7 +75,7 @@ def resume_worker(rank: int, world: int, directory: str, stages: tuple[int, ...]
         path = save_checkpoint(engine, Path(directory) / f"stage{stage}", extra={"data": data.state_dict()})
         del engine, data
         torch.manual_seed(1234 + rank)  # the checkpoint must restore the RNG
-        resumed, data = make_engine(stage, plan, seed=7), PlanLoader(dataset(), plan, rank, seed=0)
+        resumed, data = make_engine(stage, plan, seed=7), PlanLoader(dataset(), plan, rank, LoaderOptions(seed=0))
         meta = load_checkpoint(resumed, path)
         data.load_state_dict(meta["extra"]["data"])
         rng_restored = torch.equal(torch.get_rng_state(), rng_at_save)

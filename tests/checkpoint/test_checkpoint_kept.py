@@ -21,6 +21,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from torch.utils.data import Dataset
 
+import poplar
 import poplar.checkpoint.kept as kept_module
 import poplar.checkpoint.hf_layout as hf_layout_module
 import poplar.checkpoint.save as save_module
@@ -28,6 +29,7 @@ from poplar.checkpoint import CheckpointError, find_latest, load_checkpoint, rea
 from poplar.checkpoint.kept import Source, step_name
 from poplar.comm.launch import RankFailure, spawn
 from poplar.engine import PoplarEngine
+from poplar.train import CheckpointOptions, ReportOptions
 from poplar.types.plans import Plan
 from tests.checkpoint.test_checkpoint_failures import state_by_name
 from tests.toy import SEQ, VOCAB, loss_fn, make_model, make_optimizer, plan_of
@@ -53,9 +55,11 @@ def make_engine(stage: int, plan: Plan, seed: int = 0) -> PoplarEngine:
     return PoplarEngine(model, make_optimizer(model, "adamw"), zero_stage=stage, plan=plan, loss_fn=loss_fn)
 
 
-def fit(engine: PoplarEngine, iterations: int, directory: Path, every: int, **kwargs):
-    return engine.fit(Tokens(), iterations, checkpoint_dir=directory, checkpoint_every=every, log_every=0,
-                      progress=False, **kwargs)
+def fit(engine: PoplarEngine, iterations: int, directory: Path, every: int, *, keep_checkpoints: int = 2,
+        report_dir: Path | None = None, lr_at=None):
+    return poplar.fit(engine, Tokens(), iterations, lr_schedule=lr_at,
+                      checkpoint=CheckpointOptions(directory, every=every, keep_checkpoints=keep_checkpoints),
+                      report=ReportOptions(report_dir, log_every=0, progress=False))
 
 
 class At(Enum):

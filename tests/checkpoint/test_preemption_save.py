@@ -1,4 +1,4 @@
-"""fit(stop_on_signals=True): a SIGTERM that reaches one rank in the middle of a save lets the save
+"""fit with stop_on_signals: a SIGTERM that reaches one rank in the middle of a save lets the save
 complete; every rank stops after the next iteration, checkpointed, with ``Preempted``; the
 directory holds complete checkpoints only and resumes from the last one."""
 
@@ -10,10 +10,12 @@ from pathlib import Path
 
 import torch
 
+import poplar
 import poplar.checkpoint.save as save_module
 from poplar.checkpoint import find_latest
 from poplar.checkpoint.kept import step_name
 from poplar.comm.launch import spawn
+from poplar.train import CheckpointOptions, FitConfig, ReportOptions
 from poplar.train.preemption import Preempted
 from tests.checkpoint.test_checkpoint_kept import PLAN, PLAN1, COLLECTIVE_TIMEOUT_S, Tokens, make_engine
 
@@ -33,8 +35,8 @@ def preempted_world(rank: int, world: int, root: str) -> dict:
     save_module.save_file = save_file
     engine = make_engine(3, PLAN)
     try:
-        engine.fit(Tokens(), 100, checkpoint_dir=Path(root) / "ckpt", checkpoint_every=2, log_every=0, progress=False,
-                   stop_on_signals=True)
+        poplar.fit(engine, Tokens(), 100, checkpoint=CheckpointOptions(Path(root) / "ckpt", every=2),
+                   report=ReportOptions(log_every=0, progress=False), config=FitConfig(stop_on_signals=True))
     except Preempted as e:
         return {"iteration": e.iteration, "checkpoint": e.checkpoint, "signum": e.signum, "message": str(e),
                 "engine_iteration": engine.iteration,
@@ -53,6 +55,6 @@ def test_sigterm_mid_save_completes_it_and_stops_every_rank_after_the_next_itera
     latest = find_latest(directory)
     assert latest is not None and latest.iteration == 5
     with torch.random.fork_rng(devices=[]):
-        result = make_engine(1, PLAN1, seed=4).fit(Tokens(), 6, checkpoint_dir=directory, log_every=0,
-                                                   progress=False)
+        result = poplar.fit(make_engine(1, PLAN1, seed=4), Tokens(), 6, checkpoint=directory,
+                            report=ReportOptions(log_every=0, progress=False))
     assert (result.start_iteration, result.end_iteration) == (5, 6)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+import poplar
 from poplar.auto import AutoOptions, clone_optimizer
 from poplar.emulation import cluster_device
 from poplar.emulation.cluster import ClusterSpec
@@ -15,6 +16,7 @@ from poplar.engine import PoplarEngine
 from poplar.comm.launch import spawn
 from poplar.workloads.models import create_model, llama_loss_fn
 from poplar.planner import plan as make_plan
+from poplar.train import ReportOptions
 from poplar.types.plans import Plan
 from poplar.types.profiles import Profile
 from poplar.workloads.text import TextBlocks
@@ -35,7 +37,7 @@ def auto_rank(rank: int, world: int, tmp: str) -> dict:
                           auto=AutoOptions(profile_data=data, device=cluster_device(PAIR), repeats=1,
                                            profile_output=f"{tmp}/profile.json", progress=False))
     planned = engine.plan.to_dict()  # auto mode's plan (a drifting rank may get a new one during fit)
-    fit = engine.fit(data, 3, log_every=0, progress=False)
+    fit = poplar.fit(engine, data, 3, report=ReportOptions(log_every=0, progress=False))
     out = {"plan": planned, "profile": engine.profile.to_dict(), "losses": fit.losses,
            "device": engine.device.describe(), "stage": engine.zero_stage, "fit_ranks": len(fit.ranks)}
     engine.close()

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from poplar.train.data import GlobalBatchSampler, PlanLoader
+from poplar.train.data import GlobalBatchSampler, LoaderOptions, PlanLoader
 from poplar.engine import PoplarEngine
 from poplar.types.plans import Plan, PlanError, RankPlan
 from poplar.workloads.text import (IGNORE_INDEX, MASK, VOCAB_SIZE, ByteTokenizer, MaskedTextBlocks, TextBlocks,
@@ -45,7 +45,7 @@ def random_plan(rng: random.Random, gbs: int, world: int) -> Plan:
 def rank_batches(dataset, plan: Plan, iteration: int, **kw) -> list[list[int]]:
     out = []
     for r in range(plan.world_size):
-        loader = PlanLoader(dataset, plan, r, start_iteration=iteration, **kw)
+        loader = PlanLoader(dataset, plan, r, LoaderOptions(**kw), start_iteration=iteration)
         ids, pairs = next(loader)
         assert ids.shape == (plan.ranks[r].num_samples,) and pairs.shape == (plan.ranks[r].num_samples, 2)
         assert torch.equal(pairs[:, 1], 2 * ids)
@@ -114,15 +114,15 @@ def test_resume_with_another_plan_continues_the_stream() -> None:
     ds = Indices(40)
     plan_a = Plan([RankPlan(2, 2, 1), RankPlan(3, 1, 0)])  # 5 + 3
     plan_b = Plan([RankPlan(1, 1, 0), RankPlan(2, 3, 0), RankPlan(0, 0, 0), RankPlan(1, 1, 0)])  # 1 + 6 + 0 + 1
-    straight = [sum((next(PlanLoader(ds, plan_a, r, seed=3, start_iteration=k))[0].tolist()
+    straight = [sum((next(PlanLoader(ds, plan_a, r, LoaderOptions(seed=3), start_iteration=k))[0].tolist()
                      for r in range(2)), []) for k in range(9)]
-    loaders = [PlanLoader(ds, plan_a, r, seed=3) for r in range(2)]
+    loaders = [PlanLoader(ds, plan_a, r, LoaderOptions(seed=3)) for r in range(2)]
     for _ in range(4):
         for loader in loaders:
             next(loader)
     state = loaders[0].state_dict()
     assert state["iteration"] == 4 and state["seed"] == 3
-    resumed = [PlanLoader(ds, plan_b, r, seed=999) for r in range(4)]  # the seed comes from the state
+    resumed = [PlanLoader(ds, plan_b, r, LoaderOptions(seed=999)) for r in range(4)]  # the seed comes from the state
     for loader in resumed:
         loader.load_state_dict(state)
     for k in range(4, 9):  # crosses into epoch 1 at iteration 5
@@ -136,7 +136,7 @@ def test_empty_rank_and_set_plan() -> None:
     plan = Plan([RankPlan(2, 2, 0), RankPlan(0, 0, 0)])
     ids, pairs = next(PlanLoader(ds, plan, 1))
     assert ids.shape == (0,) and pairs.shape == (0, 2) and pairs.dtype == torch.int64
-    loader = PlanLoader(ds, plan, 0, seed=2)
+    loader = PlanLoader(ds, plan, 0, LoaderOptions(seed=2))
     first = next(loader)[0].tolist()
     loader.set_plan(Plan([RankPlan(1, 1, 0), RankPlan(1, 3, 0)]), rank=1)
     assert next(loader)[0].tolist() == loader.sampler.indices(1)[1:]
@@ -148,7 +148,7 @@ def test_empty_rank_and_set_plan() -> None:
 def test_collate_fn_device_and_batch_lookup() -> None:
     ds = Indices(12)
     plan = Plan([RankPlan(3, 1, 1)])
-    loader = PlanLoader(ds, plan, 0, collate_fn=lambda samples: [i for i, _ in samples], device="cpu")
+    loader = PlanLoader(ds, plan, 0, LoaderOptions(collate_fn=lambda samples: [i for i, _ in samples]), device="cpu")
     assert loader.batch(2) == loader.rank_indices(2) == loader.global_indices(2)
     assert loader.iteration == 0 and next(loader) == loader.global_indices(0) and loader.iteration == 1
 
@@ -156,13 +156,13 @@ def test_collate_fn_device_and_batch_lookup() -> None:
 def test_workers_give_the_same_batches() -> None:
     ds = Indices(30)
     plan = Plan([RankPlan(2, 1, 1), RankPlan(4, 1, 0)])
-    plain = PlanLoader(ds, plan, 1, seed=4)
-    workers = PlanLoader(ds, plan, 1, seed=4, num_workers=1)
+    plain = PlanLoader(ds, plan, 1, LoaderOptions(seed=4))
+    workers = PlanLoader(ds, plan, 1, LoaderOptions(seed=4, num_workers=1))
     for _ in range(3):
         assert torch.equal(next(plain)[1], next(workers)[1])
     state = workers.state_dict()  # the position is that of the batches yielded, not prefetched
     assert state["iteration"] == 3
-    again = PlanLoader(ds, plan, 1, seed=4, num_workers=1)
+    again = PlanLoader(ds, plan, 1, LoaderOptions(seed=4, num_workers=1))
     again.load_state_dict(state)
     assert torch.equal(next(again)[1], next(plain)[1])
 

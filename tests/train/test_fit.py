@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from poplar.engine import PoplarEngine
+from poplar.train import CheckpointOptions, FitConfig, LoaderOptions, ReportOptions, fit
 from poplar.comm.launch import spawn
 from poplar.workloads.models import create_model, llama_loss_fn
 from poplar.workloads.text import TextBlocks
@@ -30,13 +31,15 @@ def _engine(stage: int) -> PoplarEngine:
 
 def fit_rank(rank: int, world: int, tmp: str, stage: int) -> dict:
     data = TextBlocks(seq_len=16)
-    common = {"log_every": 2, "progress": False, "seed": 7, "lr_at": schedule}
+    common = {"lr_schedule": schedule, "config": FitConfig(loader=LoaderOptions(seed=7))}
+    quiet = ReportOptions(log_every=2, progress=False)
     whole = _engine(stage)
-    a = whole.fit(data, 6, checkpoint_dir=f"{tmp}/a", checkpoint_every=3, report_dir=f"{tmp}/report", **common)
+    a = fit(whole, data, 6, checkpoint=CheckpointOptions(f"{tmp}/a", every=3),
+            report=ReportOptions(f"{tmp}/report", log_every=2, progress=False), **common)
     first = _engine(stage)
-    b1 = first.fit(data, 3, checkpoint_dir=f"{tmp}/b", **common)
+    b1 = fit(first, data, 3, checkpoint=f"{tmp}/b", report=quiet, **common)
     second = _engine(stage)  # a fresh engine: everything comes from the checkpoint
-    b2 = second.fit(data, 6, checkpoint_dir=f"{tmp}/b", **common)
+    b2 = fit(second, data, 6, checkpoint=f"{tmp}/b", report=quiet, **common)
     return {"a": whole.full_state_dict(), "b": second.full_state_dict(), "a_losses": a.losses,
             "b_losses": b1.losses + b2.losses, "b2_start": b2.start_iteration, "a_records": len(a.iterations),
             "a_ranks": [r.samples for r in a.ranks], "a_checkpoints": a.checkpoints,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 
 from poplar.comm.launch import spawn
 from poplar.engine import PoplarEngine
+from poplar.train import EvalOptions, FitConfig, ReportOptions, fit
 from poplar.train.config import TrainConfig
 from poplar.train.schedule import LRSchedule
 from poplar.train.throughput import RankDevice, count_tokens, throughput
@@ -82,12 +84,13 @@ def fit_worker(rank: int, world: int, tmp: str) -> dict:
     torch.set_num_threads(1)
     sched = LRSchedule(max_lr=0.2, warmup_steps=2, total_steps=6, min_lr=0.01)
     data, held_out = _data()[:36], _data()[36:]
-    common = {"checkpoint_dir": f"{tmp}/ckpt", "report_dir": f"{tmp}/report", "eval_data": held_out,
-              "eval_every": 2, "log_every": 2, "progress": False, "warmup": 0}
-    first = _engine().fit(data, 4, lr_schedule=sched, tensorboard=True, **common)
+    common = {"checkpoint": f"{tmp}/ckpt", "evaluation": EvalOptions(held_out, every=2),
+              "config": FitConfig(warmup=0)}
+    report = ReportOptions(f"{tmp}/report", log_every=2, progress=False)
+    first = fit(_engine(), data, 4, lr_schedule=sched, report=replace(report, tensorboard=True), **common)
     other = LRSchedule(max_lr=9.0, decay="constant")  # the checkpoint's schedule wins on resume
     engine = _engine()
-    second = engine.fit(data, 6, lr_schedule=other, **common)
+    second = fit(engine, data, 6, lr_schedule=other, report=report, **common)
     return {"first": first.evals, "second": second.evals, "lr": engine.optimizer.param_groups[0]["lr"],
             "tps": second.tokens_per_s, "mfu": second.mfu}
 

@@ -18,6 +18,7 @@ from poplar.engine import PoplarEngine
 from poplar.emulation.faults import FaultSchedule
 from poplar.profiler.profile_run import ProfileJob, ProfileOptions, search_capacity
 from poplar.emulation.virtual_device import VirtualDevice
+from poplar.train import ReportOptions, fit
 from poplar.train.data import GlobalBatchSampler
 from poplar.train.replan import ReplanOptions, make_replanner
 from poplar.emulation.presets import get_preset
@@ -84,8 +85,9 @@ def _memory_runs(rank: int, world: int, stage: int, tmp: str) -> dict:
             row = profile.ranks[1]
             lost = (row.mbs - planned // 2) * row.bytes_per_sample
             device.faults = FaultSchedule(memory_factor=1 - lost / row.capacity_bytes, memory_from=3)
-        result = engine.fit(Tokens(), 6, log_every=0, progress=False,
-                            report_dir=f"{tmp}/report" if faulty and stage == 2 else None)
+        result = fit(engine, Tokens(), 6,
+                     report=ReportOptions(f"{tmp}/report" if faulty and stage == 2 else None, log_every=0,
+                                          progress=False))
         runs[faulty] = {"losses": result.losses, "replans": result.replans, "planned": planned,
                         "after": engine.plan.ranks[1].micro_batch_size, "state": engine.full_state_dict(),
                         "samples": [r.num_samples for r in engine.plan.ranks]}
@@ -142,7 +144,8 @@ def speed_rank(rank: int, world: int, stage: int) -> dict:
             device.faults = FaultSchedule(slow_factor=2.0, slow_from=4)
         engine = _engine(stage, device, profile)
         before = [r.num_samples for r in engine.plan.ranks]
-        result = engine.fit(Tokens(), 14, log_every=0, progress=False, replan=ReplanOptions() if replan else False)
+        result = fit(engine, Tokens(), 14, report=ReportOptions(log_every=0, progress=False),
+                     replan=ReplanOptions() if replan else False)
         runs[replan] = {"before": before, "after": [r.num_samples for r in engine.plan.ranks],
                         "replans": result.replans, "state": engine.full_state_dict(), "losses": result.losses}
         engine.close()

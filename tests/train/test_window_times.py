@@ -8,6 +8,7 @@ import torch
 
 from poplar.comm.launch import spawn
 from poplar.engine import PoplarEngine
+from poplar.train import ReportOptions, fit
 from poplar.workloads.models import create_model, llama_loss_fn
 from poplar.workloads.text import TextBlocks
 from tests.toy import plan_of
@@ -20,7 +21,8 @@ def fit_rank(rank: int, world: int, stage: int) -> list[dict]:
     model = create_model("llama-tiny", seed=3, max_seq_len=16)
     engine = PoplarEngine(model, torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9), zero_stage=stage,
                           plan=PLAN, loss_fn=llama_loss_fn)
-    return engine.fit(TextBlocks(seq_len=16), 4, log_every=1, progress=False, replan=False).iterations
+    return fit(engine, TextBlocks(seq_len=16), 4, report=ReportOptions(log_every=1, progress=False),
+               replan=False).iterations
 
 
 @pytest.mark.parametrize("stage", [3])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from poplar.train.data import PlanLoader
+from poplar.train.data import LoaderOptions, PlanLoader
 from poplar.workloads.models import (BERT_SIZES, LLAMA_SIZES, MODEL_NAMES, BertBlock, BertConfig, BertModel, LlamaBlock,
                            LlamaConfig, LlamaModel, bert_loss_fn, count_params, create_model, llama_loss_fn,
                            loss_fn_for)
@@ -114,7 +114,7 @@ def _train(model: torch.nn.Module, dataset, loss_fn, steps: int, lr: float) -> l
     plan = Plan([RankPlan(8, 1, 0)])
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     losses = []
-    for _, batch in zip(range(steps), PlanLoader(dataset, plan, 0, seed=0)):
+    for _, batch in zip(range(steps), PlanLoader(dataset, plan, 0, LoaderOptions(seed=0))):
         loss = loss_fn(model, batch)
         loss.backward()
         opt.step()

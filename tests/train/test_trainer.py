@@ -1,0 +1,97 @@
+"""The training loop's doors: the policies check their fields before any rank starts a
+collective, ``poplar.fit``'s shortcuts replace the config's fields once, the per-rank rows are
+typed and picklable, and a ``Trainer`` asked for a larger target goes on exactly where a single
+run would be."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+
+import poplar
+from poplar.comm.launch import spawn
+from poplar.engine import PoplarEngine
+from poplar.train import (CheckpointOptions, EvalOptions, FitConfig, LoaderOptions, ReportOptions, ThroughputOptions,
+                          Trainer)
+from poplar.train.records import StepRow, iteration_records
+from tests.toy import global_batch, loss_fn, make_model, plan_of
+
+PLAN = plan_of((3, 1, 1), (2, 1, 0))  # 4 + 2 samples
+
+
+def test_policies_name_the_bad_field_and_the_fix() -> None:
+    with pytest.raises(ValueError, match="keep_checkpoints must be an int >= 1"):
+        CheckpointOptions("ckpt", keep_checkpoints=0)
+    with pytest.raises(ValueError, match="checkpoint every must be an int >= 1"):
+        CheckpointOptions("ckpt", every=0)
+    with pytest.raises(TypeError, match="CheckpointOptions needs dir"):
+        CheckpointOptions(None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="EvalOptions needs data"):
+        EvalOptions(None)
+    with pytest.raises(ValueError, match="eval every must be an int >= 1"):
+        EvalOptions([1, 2], every=0)
+    with pytest.raises(ValueError, match="tensorboard=True needs a report dir"):
+        ReportOptions(tensorboard=True)
+    with pytest.raises(ValueError, match="log_every must be an int >= 0"):
+        ReportOptions(log_every=-1)
+    with pytest.raises(ValueError, match="flops_per_token must be a number > 0"):
+        ThroughputOptions(flops_per_token=0)
+    with pytest.raises(ValueError, match="num_workers must be an int >= 0"):
+        LoaderOptions(num_workers=-1)
+    with pytest.raises(ValueError, match="warmup must be an int >= 0"):
+        FitConfig(warmup=-1)
+    with pytest.raises(TypeError, match="report must be a ReportOptions or a directory"):
+        FitConfig(report=3)  # type: ignore[arg-type]
+
+
+def test_a_directory_stands_for_the_default_policy_there() -> None:
+    config = FitConfig(checkpoint="runs/x/ckpt", report="runs/x")
+    assert config.checkpoint == CheckpointOptions("runs/x/ckpt")
+    assert config.report == ReportOptions("runs/x")
+    assert FitConfig().checkpoint is None and FitConfig().report == ReportOptions()
+
+
+def test_a_field_given_twice_is_refused_before_any_work() -> None:
+    with pytest.raises(ValueError, match="replan is given twice"):
+        poplar.fit(object(), [], 1, replan=False, config=FitConfig(replan=True))
+    with pytest.raises(ValueError, match="report is given twice"):
+        poplar.fit(object(), [], 1, report="a", config=FitConfig(report="b"))
+    with pytest.raises(ValueError, match="iterations must be an int >= 0"):
+        poplar.fit(object(), [], -1)
+
+
+def test_rows_are_typed_picklable_and_make_the_records() -> None:
+    rows = [[StepRow(loss=2.0, wall_s=1.0, compute_s=0.5, comm_s=0.25, samples=4, tokens=24, peak_bytes=9, lr=0.1)],
+            [StepRow(loss=2.0, wall_s=1.5, compute_s=1.0, comm_s=0.75, samples=2, tokens=12, peak_bytes=7, lr=0.1)]]
+    assert pickle.loads(pickle.dumps(rows)) == rows
+    [record] = iteration_records(rows, 5)
+    assert (record["iteration"], record["loss"], record["lr"], record["wall_s"]) == (5, 2.0, 0.1, 1.5)
+    assert [r["idle_s"] for r in record["ranks"]] == [0.25, 0.0]  # never negative
+    assert [r["samples"] for r in record["ranks"]] == [4, 2]
+
+
+def _engine() -> PoplarEngine:
+    model = make_model(2)
+    return PoplarEngine(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), zero_stage=1, plan=PLAN,
+                        loss_fn=loss_fn)
+
+
+def trainer_worker(rank: int, world: int) -> dict:
+    torch.set_num_threads(1)
+    samples = list(global_batch(0, 48))
+    data, held_out = samples[:36], samples[36:]
+    config = FitConfig(evaluation=EvalOptions(held_out, every=2), report=ReportOptions(log_every=0, progress=False))
+    with Trainer(_engine(), data, config) as trainer:
+        first, second = trainer.fit(2), trainer.fit(4)
+    whole = poplar.fit(_engine(), data, 4, config=config)
+    return {"first": (first.start_iteration, first.end_iteration, [e["iteration"] for e in first.evals]),
+            "second": (second.start_iteration, second.end_iteration, [e["iteration"] for e in second.evals]),
+            "losses": first.losses + second.losses, "whole": whole.losses}
+
+
+def test_a_trainer_goes_on_to_a_larger_target_as_one_run_would() -> None:
+    for r in spawn(trainer_worker, 2, timeout_s=120):
+        assert r["first"] == (0, 2, [2]) and r["second"] == (2, 4, [4])
+        assert r["losses"] == r["whole"]

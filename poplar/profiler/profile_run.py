@@ -42,7 +42,7 @@ from poplar.profiler.local_comm import local_engine, round_plan
 from poplar.profiler.precision import agree_precision_support, precision_meta
 from poplar.profiler.exposure import (EXPOSURE_PRECISION, STEADY_ROUNDS, ExposureRounds, SteadyConfig, continued,
                                      exposed_costs, exposure_batches, more_steady_rounds)
-from poplar.profiler.timing import Confirmation, measure_comm, run_rounds, summarize, timing_batches
+from poplar.profiler.timing import Confirmation, RoundOptions, measure_comm, run_rounds, summarize, timing_batches
 from poplar.types.precision import MixedPrecision, resolve_precision
 from poplar.types.profiles import CommProfile, Profile, ProfileError, ProfilePoint, RankProfile
 from poplar.zero.runtime import ZeroRuntime
@@ -277,9 +277,9 @@ def _timing_rounds(run: RankRun, fit: StageCapacity, per_rank: list[list[int]] |
     try:
         with device.recording_overflows() as overflows, device.attach(runtime):
             measured, rounds, facts = run_rounds(
-                runtime, device, per_rank, batches, run.loss_fn, comm, repeats=options.repeats,
-                max_extra_passes=options.max_extra_passes, tolerance=options.tolerance, log=run.lead,
-                progress=options.progress and comm.rank == 0, warmup=warmup, confirm=confirm)
+                runtime, device, per_rank, batches, run.loss_fn, comm,
+                RoundOptions(options.repeats, options.max_extra_passes, options.tolerance, warmup, confirm),
+                log=run.lead, progress=options.progress and comm.rank == 0)
     except DistributedError as e:  # the runtime reported a failed round on every rank
         raise ProfileError(f"a lock-step timing round failed: {e}") from None
     _agree_it_fitted(comm, overflows, "timing")
@@ -318,8 +318,8 @@ def _steady_rounds(run: RankRun, fit: StageCapacity, runtime: ZeroRuntime,
             for config, per_rank in configs.items():
                 so_far, more = [[] for _ in range(comm.world_size)], STEADY_ROUNDS  # every rank's facts
                 while more:
-                    _, _, facts = run_rounds(runtime, device, [[b] for b in per_rank], batches, run.loss_fn, comm,
-                                             repeats=more, max_extra_passes=0, warmup=False)
+                    facts = run_rounds(runtime, device, [[b] for b in per_rank], batches, run.loss_fn, comm,
+                                       RoundOptions(repeats=more, max_extra_passes=0, warmup=False)).facts
                     tag = f"profile:steady:{config.kind.value}:{config.leader}:{len(so_far[0])}"
                     so_far = [continued(a, b) for a, b in zip(so_far, comm.all_gather_object(facts, tag=tag))]
                     more = more_steady_rounds(so_far, run.options.exposure_precision)

@@ -46,7 +46,7 @@ own plan wins, exactly as above.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
@@ -56,6 +56,15 @@ from poplar.planner.groups import DeviceGroup, TypeShares, shift_samples
 
 Rows = list[list[tuple[int, int, int]]]  # per group, per rank of the group: (b, gas, lbs)
 SHORTLIST = 4  # distinct full steps of the search priced again with led last steps
+
+
+class Priced(NamedTuple):
+    """Rows priced by the full cost model during the shortlist's second look."""
+
+    seconds: float  # by ``evaluate``
+    order: int  # when it was priced: the first priced wins a tie
+    rows: Rows
+    candidate: int  # the search candidate (index into its step times) whose micro-steps it keeps
 
 
 def allocate_zero23(groups: list[DeviceGroup], gbs: int, stage: int, comm: CommModel,
@@ -106,7 +115,7 @@ def allocate_zero23(groups: list[DeviceGroup], gbs: int, stage: int, comm: CommM
     rows = build(best, [int(fits[gi, last_idx[best]]) for gi in range(len(groups))], None)
     chosen, search_s = best, float(cost[best])
     if evaluate is not None and comm.prices_by_shape(stage):
-        priced = {_key(rows): (evaluate(rows), 0, rows, best)}
+        priced = {_key(rows): Priced(evaluate(rows), 0, rows, best)}
         first: dict[tuple, int] = {}  # per distinct full step (micro-steps, batches), its cheapest candidate
         for i in order:
             first.setdefault((int(steps[i]), tuple(fits[:, i].tolist()) if steps[i] > 1 else ()), i)
@@ -117,8 +126,9 @@ def allocate_zero23(groups: list[DeviceGroup], gbs: int, stage: int, comm: CommM
                 candidate = build(i, last, leader)
                 key = _key(candidate)
                 if key not in priced:
-                    priced[key] = (evaluate(candidate), len(priced), candidate, i)
-        search_s, _, rows, chosen = min(priced.values(), key=lambda v: v[:2])
+                    priced[key] = Priced(evaluate(candidate), len(priced), candidate, i)
+        cheapest = min(priced.values(), key=lambda v: (v.seconds, v.order))
+        search_s, rows, chosen = cheapest.seconds, cheapest.rows, cheapest.candidate
     k = int(steps[chosen])
     in_last = [(g, lbs if lbs else b if gas == k else 0) for g, grp in zip(groups, rows) for b, gas, lbs in grp]
     meta = {

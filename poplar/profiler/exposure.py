@@ -4,49 +4,43 @@ ranks or more, from steady rounds that repeat one shape the way a training run r
 
 Every round's facts, per rank, are a ``timing.RoundFacts``: compute, micro-step comm,
 end-of-iteration comm, overhead and pass. On the round's slowest rank the micro-step comm is the
-communication its compute did not hide (prefetched all-gathers and reduce-scatters in flight overlap it), the end comm the iteration's
-closing collectives, and the overhead the rest of the iteration outside the micro-step.
+communication its compute did not hide (prefetched all-gathers and reduce-scatters in flight
+overlap it), the end comm the iteration's closing collectives, and the overhead the rest of the
+iteration outside the micro-step.
 
 How much a step, or the iteration's end, exposes depends on how far its slowest rank leads the
 others. Leading by far, it finds the others already waiting at every collective, and its
 collectives run at once (a grid round leading by ``LEAD_SCALE`` counts as led; the planner
 prices a step's lead in proportion, up to ``LED_ROUNDS_LEAD``, where the led rounds measure).
 When every rank finishes together, as in the planner's plans, each collective waits for
-whichever rank comes last, block by block at ZeRO-3, and competes with the others' work: ZeRO-2
-plans ran 5-7 % slower than a model priced from grid rounds, whose slowest device type mostly
-leads by far, and on 1 A800 + 3 V100S at ZeRO-3 the end of a balanced iteration exposed 0.020 s,
-that of one led by the A800 about half.
+whichever rank comes last, block by block at ZeRO-3, and competes with the others' work, so a
+balanced step exposes more than a led one, and a model priced from grid rounds (whose slowest
+device type mostly leads by far) under-prices balanced plans.
 It also depends on the history: the grid rounds change every rank's batch from round to round,
-and the first two rounds of a shape expose more than the rounds after them (2 A100-80G + 2
-A100-40G at ZeRO-3: about 0.05 s against 0.035 s per step). So with two ranks or more the
-exposure comes from steady rounds: one shape for ``STEADY_ROUNDS`` rounds in a row, the first
-``SETTLING`` left out, in these configurations (``exposure_batches``):
+and the first rounds of a new shape expose more than the rounds after them. So with two ranks or
+more the exposure comes from steady rounds: one shape for ``STEADY_ROUNDS`` rounds in a row, the
+first ``SETTLING`` left out, in these configurations (``exposure_batches``):
 - balanced: every rank at the largest compute all ranks reach, where planned steps run;
-- led, one per device type: that type there, the others at half of it (on 1 A800 + 3 V100S at
-  ZeRO-3 the lone A800 leading exposed 0.026 s per step and 0.008 s at the end, the three V100S
-  leading 0.033 s and 0.014 s: ranks that tie wait on each other);
+- led, one per device type: that type there, the others at half of it, since who leads matters
+  (a lone fast rank leading exposes less than several that tie, which wait on each other);
 - led by a little, one per device type: that type there, the others at ``1 - SMALL_LEAD`` of it,
-  since how the change grows with the lead differs (1 A800 + 3 V100S at ZeRO-2, the A800 leading:
-  0.0518 s balanced, 0.0486 s led by 0.1, 0.0475 s by 0.5; 4 A800 + 4 V100S about linear to 0.5); its
-  measured median lead goes to the profile too (``exposed_small_lead``);
+  since how the change grows with the lead differs (a lone leader takes most of it early, several
+  leaders more gradually); its measured median lead goes to the profile too
+  (``exposed_small_lead``), and the cost model uses that, not ``SMALL_LEAD``;
 - short and shortest (stages 2/3): balanced at a third of it and at the least all reach, since
   shorter steps hide less (a plan's last micro-step is often short, one sample at times); the
   balanced micro-step exposure is interpolated between the levels in the step's compute;
 - long (stages 2/3, where a rank's largest batch computes well past the balanced level): every
   rank at its own largest batch, so longer steps are priced from a measurement, not as the
-  balanced level (2 V100 + 2 T4 at ZeRO-3: the T4s at their mbs computed 0.17 s, near 3x the
-  balanced 0.06 s, and exposed 0.091 s per step against its 0.122 s; `even`, whose T4 steps are
-  that long, had been predicted 5-8 % slow). It is led by its slowest type, so its level is its
+  balanced level (a longer step hides more). It is led by its slowest type, so its level is its
   exposure less that lead's change.
 A step whose batches differ from the step before it (an iteration of a full micro-step and a
 shorter last one alternates shapes) exposes what a grid round does, which changes shape every
-round: the grid's led rounds less the steady led rounds is that step's extra (``exposed_switch_s``;
-0.009 s per ZeRO-3 step on 1 A800 + 3 V100S, where a 9 + 3 plan ran 9 % slower than without it).
+round: the grid's led rounds less the steady led rounds is that step's extra (``exposed_switch_s``).
 Grid rounds compute less than steady ones, and where the levels show that less compute exposes
-more (a slow link at ZeRO-3: 0.17 s at 0.04 s of compute, 0.13 s at 0.13 s), each grid round is
-first moved to the steady led rounds' compute along the levels' slope; otherwise a 2 + 1 plan
-was charged 0.023 s per switch and predicted 6 % slow.
-One round's exposure varies by about a quarter on a shared machine, where a whole plan's
+more, each grid round is first moved to the steady led rounds' compute along the levels' slope,
+so that the extra is what changing shape adds, not what computing less exposes.
+One round's exposure varies from round to round on a shared machine, where a whole plan's
 prediction needs its exposure to about a percent of the iteration: the steady rounds of a
 configuration go on, ``STEADY_CHUNK`` at a time, until the median of the step's exposure plus the
 end's is known that well (``more_steady_rounds``: its standard error at most ``precision`` of
@@ -57,6 +51,9 @@ predicted gain before it leaves a conventional plan.
 Without steady rounds (a probe) the grid rounds that did not lead give the balanced medians and
 there is no lead exposure; the first pass is left out when later passes give enough rounds (it
 runs every shape for the first time).
+
+The emulated runs that showed each of these effects, with their figures, are in
+docs/experiments.md.
 """
 
 from __future__ import annotations
@@ -71,13 +68,29 @@ import numpy as np
 from poplar.profiler.timing import RoundFacts
 from poplar.types.profiles import LEAD_SCALE, LED_ROUNDS_LEAD, SMALL_LEAD, lead_change
 
+# Round counts and thresholds. Each was chosen on the CPU emulator (emulated clusters on a 2-core
+# machine; docs/experiments.md), not on GPUs; where the profiler measures the quantity instead,
+# its comment says so.
 MIN_ROUNDS = 4  # grid rounds needed to leave the first pass out
-STEADY_ROUNDS = 10  # rounds of one shape in a row, at least
-SETTLING = 2  # of them left out
-STEADY_CHUNK = 8  # more rounds at a time while the exposure is not known well enough
-MAX_STEADY_ROUNDS = 42  # rounds of one configuration at most
-EXPOSURE_PRECISION = 0.01  # the standard error of the median exposure, in round times
-TIE = 0.02  # ranks whose compute is within this fraction of the slowest's tie with it
+# a new shape's first rounds expose more than the rest (its history), so steady rounds run one
+# shape at least this long and leave the first ``SETTLING`` out; tuned on the CPU emulator
+STEADY_ROUNDS = 10
+SETTLING = 2
+# while the exposure is not known to ``EXPOSURE_PRECISION``: this many more rounds at a time, and
+# at most ``MAX_STEADY_ROUNDS`` in all (the cost of a profile is bounded); tuned on the CPU emulator
+STEADY_CHUNK = 8
+MAX_STEADY_ROUNDS = 42
+# the standard error of the median exposure to reach, in round times: a plan's prediction needs its
+# exposure to about a percent of the iteration. Tuned on the CPU emulator; the error each
+# configuration actually reached is measured and goes to the profile (``exposed_error``), where
+# the planner's tie reads it
+EXPOSURE_PRECISION = 0.01
+# ranks whose compute is within this fraction of the slowest's tie with it (they wait on each other
+# like ranks of one type); the same as the timing's confirmation tolerance; chosen on the CPU emulator
+TIE = 0.02
+# a shorter (or longer) steady configuration runs only where its compute is under this fraction of
+# the next level's, so that each level is distinct from its neighbour; chosen on the CPU emulator
+DISTINCT_LEVEL = 0.7
 
 
 class ExposureRounds(Enum):
@@ -111,10 +124,11 @@ def exposure_batches(best: list[dict[int, float]], mbs: list[int], types: list[s
     """Per configuration, every rank's batch, from ``best`` (per rank, its measured seconds per
     timed batch, interpolated in between): the balanced one at the largest compute every rank
     reaches, at stages 2/3 the short one at a third of it and the shortest one at the least every
-    rank reaches (each only if under 70 % of the next level up) and the long one, every rank at its
-    mbs (only if the balanced level is under 70 % of the longest rank's), and with two device types
-    or more one led configuration per type, that type there and the others at half of it, and one
-    led by ``SMALL_LEAD`` where the batches give a distinct lead between a half and twice that."""
+    rank reaches (each only if under ``DISTINCT_LEVEL`` of the next level up) and the long one,
+    every rank at its mbs (only if the balanced level is under ``DISTINCT_LEVEL`` of the longest
+    rank's), and with two device types or more one led configuration per type, that type there and
+    the others at half of it, and one led by ``SMALL_LEAD`` where the batches give a distinct lead
+    between a half and twice that."""
     top = min(max(times.values()) for times in best)
 
     curves = [np.interp(np.arange(1, mbs[i] + 1), sorted(times), [times[b] for b in sorted(times)])
@@ -129,11 +143,11 @@ def exposure_batches(best: list[dict[int, float]], mbs: list[int], types: list[s
     if stage in (2, 3):
         above = top
         for config, seconds in ((SteadyRounds.SHORT, top / 3), (SteadyRounds.SHORTEST, low)):
-            if low <= seconds < 0.7 * above:
+            if low <= seconds < DISTINCT_LEVEL * above:
                 out[SteadyConfig(config)] = [batch_near(i, seconds) for i in ranks]
                 above = seconds
         longest = max(ranks, key=lambda i: max(best[i].values()))
-        if top < 0.7 * max(best[longest].values()):
+        if top < DISTINCT_LEVEL * max(best[longest].values()):
             out[SteadyConfig(SteadyRounds.LONG, types[longest])] = list(mbs)
     if len(set(types)) > 1:
         for leader in sorted(set(types)):

@@ -135,7 +135,8 @@ class RoundFacts(NamedTuple):
 
 @dataclass(frozen=True)
 class RoundOptions:
-    """How ``run_rounds`` schedules and confirms its measurements."""
+    """How ``run_rounds`` schedules and confirms its measurements. The defaults are those of
+    ``ProfileOptions``, chosen on the CPU emulator (a shared 2-core machine), not on GPUs."""
 
     repeats: int = 3  # passes over every rank's batches
     max_extra_passes: int = 3  # more passes, at most, over the batches not yet confirmed
@@ -245,9 +246,8 @@ def summarize(measured: dict[int, list[StepTime]]) -> list[ProfilePoint]:
 
     Interference only ever adds time to a compute section (another process on the core, a late
     wake-up, a cache flush), never removes it, so the minimum is the estimate least disturbed by
-    it (the reasoning of Python's ``timeit``); on a shared 2-core machine the median of three was
-    visibly pulled up by one bad repeat. Collective seconds include waiting on other ranks, so
-    for them the median is reported."""
+    it (the reasoning of Python's ``timeit``), where a median still moves with one bad repeat of
+    three. Collective seconds include waiting on other ranks, so for them the median is reported."""
     return [ProfilePoint(b, float(min(m.compute_s for m in ms)), float(statistics.median(m.comm_s for m in ms)))
             for b, ms in sorted(measured.items())]
 

@@ -249,8 +249,8 @@ def evaluate_rows(rows: Sequence[Row], curves: Mapping[str, SpeedCurve], stage: 
     steps = max((gas + (1 if lbs > 0 else 0) for (_, _, gas, lbs) in distinct), default=0)
     if stage in (0, 1):
         totals: dict[str, float] = {}
-        for row, c in distinct.items():
-            totals[row[0]] = max(totals.get(row[0], 0.0), c)
+        for (dtype, _, _, _), c in distinct.items():
+            totals[dtype] = max(totals.get(dtype, 0.0), c)
         comm_s = comm.led_iteration_s(stage, *_lead(totals))
         return Evaluation(per_rank, max(per_rank) + comm_s, comm_s, steps, comm_s)
     # Lock-step: micro-step k (0-based) of a row costs t(b) for k < gas, t(lbs) at k == gas.

@@ -30,11 +30,10 @@ found one beating this shape in 1 of 272 tiny random instances.
 Cost: O(C log C) for C = sum_g mbs_g candidates, independent of the number of ranks.
 
 Measured exposure. A profile's exposure depends on which device type leads a step and by how
-much (``cost_model``: a step led by a tenth or more exposes what that type's steady rounds
-measured, a balanced one the balanced figure), which the constant c_m above does not see: on
-4 A800 + 4 V100S at ZeRO-3 the exact ideal's 9 + 3 single step, led by the A800s, was priced
-3 % below the balanced 8 + 4 this search chose (and the even plan, led by the V100S, ran faster
-than 8 + 4 although it computes 26 % longer).
+much (``cost_model``: a led step pays its leader's measured led change as far as its lead
+reaches, ``lead_change``; a balanced one the balanced figure), which the constant c_m above does not see:
+a step led by a fast type can cost less than the balanced step the search finds, even where it
+computes longer (the emulated runs: docs/experiments.md).
 So with ``evaluate`` (the full cost model), where the exposure depends on a step's shape
 (``CommModel.prices_by_shape``), the ``SHORTLIST`` cheapest distinct full steps of the
 search are priced again with their last step in every led form too: each device type in turn
@@ -46,7 +45,7 @@ own plan wins, exactly as above.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
@@ -55,7 +54,18 @@ from poplar.planner.cost_model import CommModel
 from poplar.planner.groups import DeviceGroup, TypeShares, shift_samples
 
 Rows = list[list[tuple[int, int, int]]]  # per group, per rank of the group: (b, gas, lbs)
-SHORTLIST = 4  # distinct full steps of the search priced again with led last steps
+# distinct full steps of the search priced again with led last steps: a bound on the planning
+# cost, chosen on the CPU emulator's clusters, not measured
+SHORTLIST = 4
+
+
+class Priced(NamedTuple):
+    """Rows priced by the full cost model during the shortlist's second look."""
+
+    seconds: float  # by ``evaluate``
+    order: int  # when it was priced: the first priced wins a tie
+    rows: Rows
+    candidate: int  # the search candidate (index into its step times) whose micro-steps it keeps
 
 
 def allocate_zero23(groups: list[DeviceGroup], gbs: int, stage: int, comm: CommModel,
@@ -106,7 +116,7 @@ def allocate_zero23(groups: list[DeviceGroup], gbs: int, stage: int, comm: CommM
     rows = build(best, [int(fits[gi, last_idx[best]]) for gi in range(len(groups))], None)
     chosen, search_s = best, float(cost[best])
     if evaluate is not None and comm.prices_by_shape(stage):
-        priced = {_key(rows): (evaluate(rows), 0, rows, best)}
+        priced = {_key(rows): Priced(evaluate(rows), 0, rows, best)}
         first: dict[tuple, int] = {}  # per distinct full step (micro-steps, batches), its cheapest candidate
         for i in order:
             first.setdefault((int(steps[i]), tuple(fits[:, i].tolist()) if steps[i] > 1 else ()), i)
@@ -117,8 +127,9 @@ def allocate_zero23(groups: list[DeviceGroup], gbs: int, stage: int, comm: CommM
                 candidate = build(i, last, leader)
                 key = _key(candidate)
                 if key not in priced:
-                    priced[key] = (evaluate(candidate), len(priced), candidate, i)
-        search_s, _, rows, chosen = min(priced.values(), key=lambda v: v[:2])
+                    priced[key] = Priced(evaluate(candidate), len(priced), candidate, i)
+        cheapest = min(priced.values(), key=lambda v: (v.seconds, v.order))
+        search_s, rows, chosen = cheapest.seconds, cheapest.rows, cheapest.candidate
     k = int(steps[chosen])
     in_last = [(g, lbs if lbs else b if gas == k else 0) for g, grp in zip(groups, rows) for b, gas, lbs in grp]
     meta = {

@@ -2,51 +2,45 @@
 that waited for no one, from the lock-step timing rounds (``timing.run_rounds``) and, with two
 ranks or more, from steady rounds that repeat one shape the way a training run repeats its plan's.
 
-Every round's facts, per rank: (compute, micro-step comm, end-of-iteration comm, overhead, pass).
-On the round's slowest rank the micro-step comm is the communication its compute did not hide
-(prefetched all-gathers and reduce-scatters in flight overlap it), the end comm the iteration's
-closing collectives, and the overhead the rest of the iteration outside the micro-step.
+Every round's facts, per rank, are a ``timing.RoundFacts``: compute, micro-step comm,
+end-of-iteration comm, overhead and pass. On the round's slowest rank the micro-step comm is the
+communication its compute did not hide (prefetched all-gathers and reduce-scatters in flight
+overlap it), the end comm the iteration's closing collectives, and the overhead the rest of the
+iteration outside the micro-step.
 
 How much a step, or the iteration's end, exposes depends on how far its slowest rank leads the
 others. Leading by far, it finds the others already waiting at every collective, and its
 collectives run at once (a grid round leading by ``LEAD_SCALE`` counts as led; the planner
 prices a step's lead in proportion, up to ``LED_ROUNDS_LEAD``, where the led rounds measure).
 When every rank finishes together, as in the planner's plans, each collective waits for
-whichever rank comes last, block by block at ZeRO-3, and competes with the others' work: ZeRO-2
-plans ran 5-7 % slower than a model priced from grid rounds, whose slowest device type mostly
-leads by far, and on 1 A800 + 3 V100S at ZeRO-3 the end of a balanced iteration exposed 0.020 s,
-that of one led by the A800 about half.
+whichever rank comes last, block by block at ZeRO-3, and competes with the others' work, so a
+balanced step exposes more than a led one, and a model priced from grid rounds (whose slowest
+device type mostly leads by far) under-prices balanced plans.
 It also depends on the history: the grid rounds change every rank's batch from round to round,
-and the first two rounds of a shape expose more than the rounds after them (2 A100-80G + 2
-A100-40G at ZeRO-3: about 0.05 s against 0.035 s per step). So with two ranks or more the
-exposure comes from steady rounds: one shape for ``STEADY_ROUNDS`` rounds in a row, the first
-``SETTLING`` left out, in these configurations (``exposure_batches``):
+and the first rounds of a new shape expose more than the rounds after them. So with two ranks or
+more the exposure comes from steady rounds: one shape for ``STEADY_ROUNDS`` rounds in a row, the
+first ``SETTLING`` left out, in these configurations (``exposure_batches``):
 - balanced: every rank at the largest compute all ranks reach, where planned steps run;
-- led, one per device type: that type there, the others at half of it (on 1 A800 + 3 V100S at
-  ZeRO-3 the lone A800 leading exposed 0.026 s per step and 0.008 s at the end, the three V100S
-  leading 0.033 s and 0.014 s: ranks that tie wait on each other);
+- led, one per device type: that type there, the others at half of it, since who leads matters
+  (a lone fast rank leading exposes less than several that tie, which wait on each other);
 - led by a little, one per device type: that type there, the others at ``1 - SMALL_LEAD`` of it,
-  since how the change grows with the lead differs (1 A800 + 3 V100S at ZeRO-2, the A800 leading:
-  0.0518 s balanced, 0.0486 s led by 0.1, 0.0475 s by 0.5; 4 A800 + 4 V100S about linear to 0.5); its
-  measured median lead goes to the profile too (``exposed_small_lead``);
+  since how the change grows with the lead differs (a lone leader takes most of it early, several
+  leaders more gradually); its measured median lead goes to the profile too
+  (``exposed_small_lead``), and the cost model uses that, not ``SMALL_LEAD``;
 - short and shortest (stages 2/3): balanced at a third of it and at the least all reach, since
   shorter steps hide less (a plan's last micro-step is often short, one sample at times); the
   balanced micro-step exposure is interpolated between the levels in the step's compute;
 - long (stages 2/3, where a rank's largest batch computes well past the balanced level): every
   rank at its own largest batch, so longer steps are priced from a measurement, not as the
-  balanced level (2 V100 + 2 T4 at ZeRO-3: the T4s at their mbs computed 0.17 s, near 3x the
-  balanced 0.06 s, and exposed 0.091 s per step against its 0.122 s; `even`, whose T4 steps are
-  that long, had been predicted 5-8 % slow). It is led by its slowest type, so its level is its
+  balanced level (a longer step hides more). It is led by its slowest type, so its level is its
   exposure less that lead's change.
 A step whose batches differ from the step before it (an iteration of a full micro-step and a
 shorter last one alternates shapes) exposes what a grid round does, which changes shape every
-round: the grid's led rounds less the steady led rounds is that step's extra (``exposed_switch_s``;
-0.009 s per ZeRO-3 step on 1 A800 + 3 V100S, where a 9 + 3 plan ran 9 % slower than without it).
+round: the grid's led rounds less the steady led rounds is that step's extra (``exposed_switch_s``).
 Grid rounds compute less than steady ones, and where the levels show that less compute exposes
-more (a slow link at ZeRO-3: 0.17 s at 0.04 s of compute, 0.13 s at 0.13 s), each grid round is
-first moved to the steady led rounds' compute along the levels' slope; otherwise a 2 + 1 plan
-was charged 0.023 s per switch and predicted 6 % slow.
-One round's exposure varies by about a quarter on a shared machine, where a whole plan's
+more, each grid round is first moved to the steady led rounds' compute along the levels' slope,
+so that the extra is what changing shape adds, not what computing less exposes.
+One round's exposure varies from round to round on a shared machine, where a whole plan's
 prediction needs its exposure to about a percent of the iteration: the steady rounds of a
 configuration go on, ``STEADY_CHUNK`` at a time, until the median of the step's exposure plus the
 end's is known that well (``more_steady_rounds``: its standard error at most ``precision`` of
@@ -57,6 +51,9 @@ predicted gain before it leaves a conventional plan.
 Without steady rounds (a probe) the grid rounds that did not lead give the balanced medians and
 there is no lead exposure; the first pass is left out when later passes give enough rounds (it
 runs every shape for the first time).
+
+The emulated runs that showed each of these effects, with their figures, are in
+docs/experiments.md.
 """
 
 from __future__ import annotations
@@ -64,19 +61,36 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
+from poplar.profiler.timing import RoundFacts
 from poplar.types.profiles import LEAD_SCALE, LED_ROUNDS_LEAD, SMALL_LEAD, lead_change
 
+# Round counts and thresholds. Each was chosen on the CPU emulator (emulated clusters on a 2-core
+# machine; docs/experiments.md), not on GPUs; where the profiler measures the quantity instead,
+# its comment says so.
 MIN_ROUNDS = 4  # grid rounds needed to leave the first pass out
-STEADY_ROUNDS = 10  # rounds of one shape in a row, at least
-SETTLING = 2  # of them left out
-STEADY_CHUNK = 8  # more rounds at a time while the exposure is not known well enough
-MAX_STEADY_ROUNDS = 42  # rounds of one configuration at most
-EXPOSURE_PRECISION = 0.01  # the standard error of the median exposure, in round times
-TIE = 0.02  # ranks whose compute is within this fraction of the slowest's tie with it
+# a new shape's first rounds expose more than the rest (its history), so steady rounds run one
+# shape at least this long and leave the first ``SETTLING`` out; tuned on the CPU emulator
+STEADY_ROUNDS = 10
+SETTLING = 2
+# while the exposure is not known to ``EXPOSURE_PRECISION``: this many more rounds at a time, and
+# at most ``MAX_STEADY_ROUNDS`` in all (the cost of a profile is bounded); tuned on the CPU emulator
+STEADY_CHUNK = 8
+MAX_STEADY_ROUNDS = 42
+# the standard error of the median exposure to reach, in round times: a plan's prediction needs its
+# exposure to about a percent of the iteration. Tuned on the CPU emulator; the error each
+# configuration actually reached is measured and goes to the profile (``exposed_error``), where
+# the planner's tie reads it
+EXPOSURE_PRECISION = 0.01
+# ranks whose compute is within this fraction of the slowest's tie with it (they wait on each other
+# like ranks of one type); the same as the timing's confirmation tolerance; chosen on the CPU emulator
+TIE = 0.02
+# a shorter (or longer) steady configuration runs only where its compute is under this fraction of
+# the next level's, so that each level is distinct from its neighbour; chosen on the CPU emulator
+DISTINCT_LEVEL = 0.7
 
 
 class ExposureRounds(Enum):
@@ -110,10 +124,11 @@ def exposure_batches(best: list[dict[int, float]], mbs: list[int], types: list[s
     """Per configuration, every rank's batch, from ``best`` (per rank, its measured seconds per
     timed batch, interpolated in between): the balanced one at the largest compute every rank
     reaches, at stages 2/3 the short one at a third of it and the shortest one at the least every
-    rank reaches (each only if under 70 % of the next level up) and the long one, every rank at its
-    mbs (only if the balanced level is under 70 % of the longest rank's), and with two device types
-    or more one led configuration per type, that type there and the others at half of it, and one
-    led by ``SMALL_LEAD`` where the batches give a distinct lead between a half and twice that."""
+    rank reaches (each only if under ``DISTINCT_LEVEL`` of the next level up) and the long one,
+    every rank at its mbs (only if the balanced level is under ``DISTINCT_LEVEL`` of the longest
+    rank's), and with two device types or more one led configuration per type, that type there and
+    the others at half of it, and one led by ``SMALL_LEAD`` where the batches give a distinct lead
+    between a half and twice that."""
     top = min(max(times.values()) for times in best)
 
     curves = [np.interp(np.arange(1, mbs[i] + 1), sorted(times), [times[b] for b in sorted(times)])
@@ -128,11 +143,11 @@ def exposure_batches(best: list[dict[int, float]], mbs: list[int], types: list[s
     if stage in (2, 3):
         above = top
         for config, seconds in ((SteadyRounds.SHORT, top / 3), (SteadyRounds.SHORTEST, low)):
-            if low <= seconds < 0.7 * above:
+            if low <= seconds < DISTINCT_LEVEL * above:
                 out[SteadyConfig(config)] = [batch_near(i, seconds) for i in ranks]
                 above = seconds
         longest = max(ranks, key=lambda i: max(best[i].values()))
-        if top < 0.7 * max(best[longest].values()):
+        if top < DISTINCT_LEVEL * max(best[longest].values()):
             out[SteadyConfig(SteadyRounds.LONG, types[longest])] = list(mbs)
     if len(set(types)) > 1:
         for leader in sorted(set(types)):
@@ -149,35 +164,57 @@ def exposure_batches(best: list[dict[int, float]], mbs: list[int], types: list[s
     return out
 
 
-def _critical(everyone: list[list[tuple]], settled_from: int) -> list[tuple[tuple, float]]:
+class CriticalRound(NamedTuple):
+    """One round as its slowest rank saw it."""
+
+    facts: RoundFacts  # the slowest rank's
+    lead: float  # how far it led the next slower rank that did not tie with it (a fraction of its compute)
+
+
+class Level(NamedTuple):
+    """A configuration's median compute and the median exposure at it."""
+
+    compute_s: float
+    exposed_s: float
+
+
+class SmallLed(NamedTuple):
+    """A leader's small led rounds: their median lead and the micro-step's median exposure."""
+
+    lead: float
+    exposed_s: float
+
+
+def _critical(everyone: list[list[RoundFacts]], settled_from: int) -> list[CriticalRound]:
     """Per round, the facts of its slowest rank and by how much it led the next slower rank that
     did not tie with it; the rounds of passes before ``settled_from`` left out if enough remain."""
     rounds = min(len(f) for f in everyone)
     out = []
     for k in range(rounds):
-        slowest = max((f[k] for f in everyone), key=lambda x: x[0])
-        others = [f[k][0] for f in everyone if f[k][0] < slowest[0] * (1 - TIE)]
-        out.append((slowest, (slowest[0] - max(others)) / slowest[0] if others and slowest[0] > 0 else 0.0))
-    later = [c for c in out if c[0][4] >= settled_from]
+        slowest = max((f[k] for f in everyone), key=lambda x: x.compute_s)
+        top = slowest.compute_s
+        others = [f[k].compute_s for f in everyone if f[k].compute_s < top * (1 - TIE)]
+        out.append(CriticalRound(slowest, (top - max(others)) / top if others and top > 0 else 0.0))
+    later = [c for c in out if c.facts.pass_index >= settled_from]
     return later if later and len(later) >= min(MIN_ROUNDS, rounds - settled_from) else out
 
 
-def exposure_error(everyone: list[list[tuple]]) -> float:
+def exposure_error(everyone: list[list[RoundFacts]]) -> float:
     """The standard error of one steady configuration's median exposed seconds (the slowest
     rank's micro-step plus end-of-iteration comm, settled rounds; 1.25 x 1.48 x MAD / sqrt(n) for
     a median of a roughly normal sample), as a fraction of its median round time; 0 with no
     settled round."""
     if min(len(f) for f in everyone) <= SETTLING:
         return 0.0
-    settled = [f for f, _ in _critical(everyone, SETTLING)]
-    exposed = [f[1] + f[2] for f in settled]
+    settled = [c.facts for c in _critical(everyone, SETTLING)]
+    exposed = [f.micro_step_comm_s + f.end_comm_s for f in settled]
     middle = statistics.median(exposed)
     spread = statistics.median(abs(x - middle) for x in exposed)
-    round_s = statistics.median(f[0] + f[1] + f[2] for f in settled)
+    round_s = statistics.median(f.compute_s + f.micro_step_comm_s + f.end_comm_s for f in settled)
     return 1.2533 * 1.4826 * spread / len(exposed) ** 0.5 / round_s if round_s > 0 else 0.0
 
 
-def more_steady_rounds(everyone: list[list[tuple]], precision: float = EXPOSURE_PRECISION) -> int:
+def more_steady_rounds(everyone: list[list[RoundFacts]], precision: float = EXPOSURE_PRECISION) -> int:
     """How many more rounds one steady configuration needs (0: none), from every rank's facts of
     its rounds so far: ``STEADY_CHUNK`` while its ``exposure_error`` exceeds ``precision``, up to
     ``MAX_STEADY_ROUNDS`` in all. The same facts give every rank the same answer."""
@@ -189,14 +226,14 @@ def more_steady_rounds(everyone: list[list[tuple]], precision: float = EXPOSURE_
     return min(STEADY_CHUNK, MAX_STEADY_ROUNDS - rounds)
 
 
-def continued(earlier: list[tuple], later: list[tuple]) -> list[tuple]:
+def continued(earlier: list[RoundFacts], later: list[RoundFacts]) -> list[RoundFacts]:
     """One rank's facts of a configuration's rounds, ``later`` run right after ``earlier``: their
     pass numbers (the round's index in a steady run) go on from there."""
-    return earlier + [(*f[:4], f[4] + len(earlier)) for f in later]
+    return earlier + [f._replace(pass_index=f.pass_index + len(earlier)) for f in later]
 
 
-def _long_level(steady: dict[SteadyConfig, list[list[tuple]]], led: dict[str, list[tuple]],
-                small_led: dict[str, tuple[float, float]], balanced: float) -> tuple[float, float] | None:
+def _long_level(steady: dict[SteadyConfig, list[list[RoundFacts]]], led: dict[str, list[RoundFacts]],
+                small_led: dict[str, SmallLed], balanced: float) -> Level | None:
     """(compute, exposure) of the long rounds as a balanced level: their median exposure less
     what their leader's lead changes (the led rounds' change, in proportion to the long rounds'
     median lead, ``lead_change``), since the cost model adds that back for a led step."""
@@ -204,16 +241,17 @@ def _long_level(steady: dict[SteadyConfig, list[list[tuple]]], led: dict[str, li
     if config is None or min(len(f) for f in steady[config]) == 0:
         return None
     critical = _critical(steady[config], SETTLING)
-    lead = statistics.median(g for _, g in critical)
-    change = statistics.median(f[1] for f in led[config.leader]) - balanced if config.leader in led else 0.0
+    lead = statistics.median(c.lead for c in critical)
+    change = (statistics.median(f.micro_step_comm_s for f in led[config.leader]) - balanced
+              if config.leader in led else 0.0)
     at, small = small_led.get(config.leader, (None, None))
-    return (statistics.median(f[0] for f, _ in critical),
-            statistics.median(f[1] for f, _ in critical)
-            - float(lead_change(lead, change, at, None if small is None else small - balanced)))
+    return Level(statistics.median(c.facts.compute_s for c in critical),
+                 statistics.median(c.facts.micro_step_comm_s for c in critical)
+                 - float(lead_change(lead, change, at, None if small is None else small - balanced)))
 
 
-def exposed_costs(grid: list[list[tuple]],
-                  steady: dict[SteadyConfig, list[list[tuple]]] | None = None) -> dict[str, Any]:
+def exposed_costs(grid: list[list[RoundFacts]],
+                  steady: dict[SteadyConfig, list[list[RoundFacts]]] | None = None) -> dict[str, Any]:
     """The profile's exposed communication (``CommProfile.exposed_*``) from every rank's facts of
     the grid rounds and of the steady rounds, if any. Without steady rounds the grid
     rounds give the balanced exposure (those whose slowest rank did not lead, or all), and there
@@ -221,50 +259,54 @@ def exposed_costs(grid: list[list[tuple]],
     if min(len(f) for f in grid) == 0:
         return {}
     critical = _critical(grid, 1)
-    settled = {k: [f for f, _ in _critical(v, SETTLING)] for k, v in (steady or {}).items()
+    settled = {k: [c.facts for c in _critical(v, SETTLING)] for k, v in (steady or {}).items()
                if min(len(f) for f in v) > 0}
     at: list[float] | None = None
     levels: list[float] | None = None
     switch: float | None = None
-    led: dict[str, list[tuple]] = {k.leader: v for k, v in settled.items() if k.kind is SteadyRounds.LED}
-    small: dict[str, list[tuple[tuple, float]]] = {k.leader: _critical(steady[k], SETTLING) for k in settled
-                                                   if k.kind is SteadyRounds.LED_SMALL}
-    # per leader: (its median lead, its micro-step's median exposure) in the small led rounds
-    small_led = {t: (statistics.median(g for _, g in c), statistics.median(f[1] for f, _ in c))
-                 for t, c in small.items()}
+    led: dict[str, list[RoundFacts]] = {k.leader: v for k, v in settled.items() if k.kind is SteadyRounds.LED}
+    small: dict[str, list[CriticalRound]] = {k.leader: _critical(steady[k], SETTLING) for k in settled
+                                             if k.kind is SteadyRounds.LED_SMALL}
+    small_led = {t: SmallLed(statistics.median(r.lead for r in c),
+                             statistics.median(r.facts.micro_step_comm_s for r in c)) for t, c in small.items()}
     balanced = SteadyConfig(SteadyRounds.BALANCED)
     if balanced in settled:
         together = settled[balanced]
         steps = [settled[SteadyConfig(k)] for k in (SteadyRounds.SHORTEST, SteadyRounds.SHORT)
                  if SteadyConfig(k) in settled]
-        level = (statistics.median(f[0] for f in together), statistics.median(f[1] for f in together))
+        level = Level(statistics.median(f.compute_s for f in together),
+                      statistics.median(f.micro_step_comm_s for f in together))
         if steps:
-            at = [statistics.median(f[0] for f in fs) for fs in steps] + [level[0]]
-            levels = [statistics.median(f[1] for f in fs) for fs in steps] + [level[1]]
-        long_level = _long_level(steady or {}, led, small_led, level[1])
+            at = [statistics.median(f.compute_s for f in fs) for fs in steps] + [level.compute_s]
+            levels = [statistics.median(f.micro_step_comm_s for f in fs) for fs in steps] + [level.exposed_s]
+        long_level = _long_level(steady or {}, led, small_led, level.exposed_s)
         pooled = [f for fs in led.values() for f in fs]
-        grid_led = [facts for facts, lead in critical if lead >= LEAD_SCALE]
+        grid_led = [c.facts for c in critical if c.lead >= LEAD_SCALE]
         if pooled and len(grid_led) >= MIN_ROUNDS:
             # a grid round computes less than a steady led one, and a shorter step hides less:
             # compare at the steady rounds' compute along the levels' slope, so that the switch
             # is what changing shape adds, not what computing less exposes
             slope = (levels[-1] - levels[0]) / (at[-1] - at[0]) if at and at[-1] > at[0] else 0.0
-            c_led = statistics.median(f[0] for f in pooled)
-            grid = [f[1] + slope * (c_led - f[0]) for f in grid_led]
-            switch = max(0.0, statistics.median(grid) - statistics.median(f[1] for f in pooled))
-        if long_level is not None and long_level[0] > level[0]:
-            at, levels = (at or [level[0]]) + [long_level[0]], (levels or [level[1]]) + [long_level[1]]
+            c_led = statistics.median(f.compute_s for f in pooled)
+            grid = [f.micro_step_comm_s + slope * (c_led - f.compute_s) for f in grid_led]
+            switch = max(0.0, statistics.median(grid) - statistics.median(f.micro_step_comm_s for f in pooled))
+        if long_level is not None and long_level.compute_s > level.compute_s:
+            at = (at or [level.compute_s]) + [long_level.compute_s]
+            levels = (levels or [level.exposed_s]) + [long_level.exposed_s]
     else:
-        together = [facts for facts, lead in critical if lead < LEAD_SCALE]
+        together = [c.facts for c in critical if c.lead < LEAD_SCALE]
         if len(together) < MIN_ROUNDS:
-            together = [facts for facts, _ in critical]
-    return {"exposed_micro_step_s": statistics.median(f[1] for f in together),
-            "exposed_micro_step_lead_s": {t: statistics.median(f[1] for f in fs) for t, fs in led.items()} or None,
+            together = [c.facts for c in critical]
+    return {"exposed_micro_step_s": statistics.median(f.micro_step_comm_s for f in together),
+            "exposed_micro_step_lead_s": {t: statistics.median(f.micro_step_comm_s for f in fs)
+                                          for t, fs in led.items()} or None,
             "exposed_step_compute_s": at, "exposed_step_s": levels, "exposed_switch_s": switch,
-            "exposed_iteration_s": statistics.median(f[2] for f in together),
-            "exposed_iteration_lead_s": {t: statistics.median(f[2] for f in fs) for t, fs in led.items()} or None,
-            "exposed_small_lead": {t: lead for t, (lead, _) in small_led.items()} or None,
-            "exposed_micro_step_small_lead_s": {t: x for t, (_, x) in small_led.items()} or None,
-            "exposed_iteration_small_lead_s": {t: statistics.median(f[2] for f, _ in c) for t, c in small.items()} or None,
-            "iteration_overhead_s": max(0.0, statistics.median(f[3] for f in together)),
+            "exposed_iteration_s": statistics.median(f.end_comm_s for f in together),
+            "exposed_iteration_lead_s": {t: statistics.median(f.end_comm_s for f in fs)
+                                         for t, fs in led.items()} or None,
+            "exposed_small_lead": {t: x.lead for t, x in small_led.items()} or None,
+            "exposed_micro_step_small_lead_s": {t: x.exposed_s for t, x in small_led.items()} or None,
+            "exposed_iteration_small_lead_s": {t: statistics.median(r.facts.end_comm_s for r in c)
+                                               for t, c in small.items()} or None,
+            "iteration_overhead_s": max(0.0, statistics.median(f.overhead_s for f in together)),
             "exposed_error": max((exposure_error(steady[k]) for k in settled), default=None)}

@@ -24,7 +24,7 @@ from poplar.profiler.exposure import (STEADY_ROUNDS, ExposureRounds, SteadyConfi
                                       exposure_batches, more_steady_rounds)
 from poplar.profiler.local_comm import round_plan
 from poplar.profiler.phases import ProfileObserver, ProfilePhase, in_phase
-from poplar.profiler.timing import Confirmation, run_rounds, summarize, timing_batches
+from poplar.profiler.timing import Confirmation, RoundOptions, run_rounds, summarize, timing_batches
 from poplar.types.profiles import ProfileError, ProfilePoint
 from poplar.zero.runtime import ZeroRuntime
 
@@ -108,9 +108,9 @@ def _timing_rounds(run: TimedRun, fit: StageCapacity, per_rank: list[list[int]] 
     try:
         with in_phase(run.observers, ProfilePhase.TIMING, comm) as record, device.attach(runtime):
             measured, rounds, facts = run_rounds(
-                runtime, device, per_rank, batches, run.job.loss_fn, comm, repeats=options.repeats,
-                max_extra_passes=options.max_extra_passes, tolerance=options.tolerance, log=run.lead,
-                progress=options.progress and comm.rank == 0, warmup=warmup, confirm=confirm)
+                runtime, device, per_rank, batches, run.job.loss_fn, comm,
+                RoundOptions(options.repeats, options.max_extra_passes, options.tolerance, warmup, confirm),
+                log=run.lead, progress=options.progress and comm.rank == 0)
     except DistributedError as e:  # the runtime reported a failed round on every rank
         raise ProfileError(f"a lock-step timing round failed: {e}") from None
     _agree_it_fitted(comm, record.overflows, "timing")
@@ -149,8 +149,8 @@ def _steady_rounds(run: TimedRun, fit: StageCapacity, runtime: ZeroRuntime,
             for config, per_rank in configs.items():
                 so_far, more = [[] for _ in range(comm.world_size)], STEADY_ROUNDS  # every rank's facts
                 while more:
-                    _, _, facts = run_rounds(runtime, device, [[b] for b in per_rank], batches, run.job.loss_fn, comm,
-                                             repeats=more, max_extra_passes=0, warmup=False)
+                    facts = run_rounds(runtime, device, [[b] for b in per_rank], batches, run.job.loss_fn, comm,
+                                       RoundOptions(repeats=more, max_extra_passes=0, warmup=False)).facts
                     tag = f"profile:steady:{config.kind.value}:{config.leader}:{len(so_far[0])}"
                     so_far = [continued(a, b) for a, b in zip(so_far, comm.all_gather_object(facts, tag=tag))]
                     more = more_steady_rounds(so_far, run.job.options.exposure_precision)

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -113,6 +114,45 @@ def unconfirmed(measured: dict[int, list[float]], batches: list[int], tolerance:
     return out
 
 
+class StepTime(NamedTuple):
+    """One measured micro-step window."""
+
+    compute_s: float  # wall time less the seconds in collectives: ``TimeConsumedDuringStep``
+    comm_s: float  # seconds the comm ledger recorded inside collectives during the window
+
+
+class RoundFacts(NamedTuple):
+    """What one lock-step round cost one rank: its iteration's wall time split into the four
+    parts ``exposure.exposed_costs`` models, and which pass the round belongs to. A NamedTuple,
+    so it pickles through ``all_gather_object``."""
+
+    compute_s: float  # the micro-step's compute (``StepTime.compute_s``)
+    micro_step_comm_s: float  # seconds in collectives inside the micro-step window
+    end_comm_s: float  # seconds in the iteration's closing collectives (its "step" phase)
+    overhead_s: float  # the rest of the iteration's wall time, outside the micro-step
+    pass_index: int  # 0: the first pass over the ranks' batches (in steady rounds: the round's index)
+
+
+@dataclass(frozen=True)
+class RoundOptions:
+    """How ``run_rounds`` schedules and confirms its measurements. The defaults are those of
+    ``ProfileOptions``, chosen on the CPU emulator (a shared 2-core machine), not on GPUs."""
+
+    repeats: int = 3  # passes over every rank's batches
+    max_extra_passes: int = 3  # more passes, at most, over the batches not yet confirmed
+    tolerance: float = 0.02  # two measurements within this fraction confirm a minimum (``settled``)
+    warmup: bool = True  # an unmeasured first round at each rank's largest batch
+    confirm: Confirmation = Confirmation.REPEAT  # when a measurement is trusted
+
+
+class TimedRounds(NamedTuple):
+    """What ``run_rounds`` measured on this rank."""
+
+    measured: dict[int, list[StepTime]]  # per batch size this rank ran, its windows (warm-up dropped)
+    rounds: int  # rounds run, warm-up included
+    facts: list[RoundFacts]  # per measured round, this rank's facts
+
+
 class MicroStepTimer(StepObserver):
     """Measures each micro-step window of a runtime, from ``micro_step_start`` to
     ``micro_step_end`` (after an attached device's own end of the step), less the seconds spent
@@ -120,7 +160,7 @@ class MicroStepTimer(StepObserver):
 
     def __init__(self, runtime: ZeroRuntime, device: Device) -> None:
         self.runtime, self.device = runtime, device
-        self.records: list[tuple[float, float]] = []  # (compute s, comm s) per micro-step
+        self.records: list[StepTime] = []  # per micro-step
         self._t0 = 0.0
         self._c0 = 0.0
 
@@ -132,7 +172,7 @@ class MicroStepTimer(StepObserver):
     def micro_step_end(self, step: MicroStep) -> None:
         self.device.synchronize()
         comm = self.runtime.comm_ledger.total_seconds - self._c0
-        self.records.append((time.perf_counter() - self._t0 - comm, comm))
+        self.records.append(StepTime(time.perf_counter() - self._t0 - comm, comm))
 
     def __enter__(self) -> "MicroStepTimer":
         """Observe the runtime's micro-steps until the block ends."""
@@ -144,26 +184,23 @@ class MicroStepTimer(StepObserver):
 
 
 def run_rounds(runtime: ZeroRuntime, device: Device, per_rank: list[list[int]], batches: dict[int, Any],
-               loss_fn: Callable, comm: Communicator, *, repeats: int = 3, max_extra_passes: int = 3,
-               tolerance: float = 0.02, log: Callable[[str], None] = lambda m: None,
-               progress: bool = False, warmup: bool = True, confirm: Confirmation = Confirmation.REPEAT
-               ) -> tuple[dict[int, list[tuple[float, float]]], int, list[tuple]]:
-    """Run the lock-step rounds; return, per batch size this rank ran, its (compute, comm)
-    measurements (warm-up dropped), the number of rounds, and per round this rank's
-    (compute, micro-step comm, end-of-iteration comm, overhead) seconds and the round's pass
-    (0: the first over the ranks' batches; warm-up dropped).
+               loss_fn: Callable, comm: Communicator, options: RoundOptions = RoundOptions(), *,
+               log: Callable[[str], None] = lambda m: None, progress: bool = False) -> TimedRounds:
+    """Run the lock-step rounds (``per_rank``: each rank's batch sizes; ``batches``: this rank's
+    batch of each size); return what this rank measured (``TimedRounds``).
 
-    After the ``repeats`` passes, batches whose smallest compute time is not yet confirmed
-    (``confirm``: by a second measurement within ``tolerance``, or, with ``CURVE``, by a minimum
-    that keeps the curve's shape; interference on a shared machine) are measured again, in up to
-    ``max_extra_passes`` more passes. Which batches each rank re-measures is agreed with one
-    ``all_gather_object`` between rounds, outside any training step.
-    ``progress`` draws a progress bar of the rounds (on a terminal). ``warmup=False`` leaves out
-    the unmeasured first round (the process already ran this computation); a first round slowed
-    by it is then a measurement the confirmation rule discards or measures again."""
+    After ``options.repeats`` passes, batches whose smallest compute time is not yet confirmed
+    (``options.confirm``: by a second measurement within ``options.tolerance``, or, with
+    ``CURVE``, by a minimum that keeps the curve's shape; interference on a shared machine) are
+    measured again, in up to ``options.max_extra_passes`` more passes. Which batches each rank
+    re-measures is agreed with one ``all_gather_object`` between rounds, outside any training step.
+    ``progress`` draws a progress bar of the rounds (on a terminal). ``options.warmup=False``
+    leaves out the unmeasured first round (the process already ran this computation); a first
+    round slowed by it is then a measurement the confirmation rule discards or measures again."""
     rank = runtime.rank
-    out: dict[int, list[tuple[float, float]]] = {}
-    facts: list[tuple] = []
+    repeats, warmup = options.repeats, options.warmup
+    out: dict[int, list[StepTime]] = {}
+    facts: list[RoundFacts] = []
     count = 0
     with MicroStepTimer(runtime, device) as timer:
 
@@ -176,20 +213,22 @@ def run_rounds(runtime: ZeroRuntime, device: Device, per_rank: list[list[int]], 
                 count += 1
                 bar.update(1)
                 if not (skip_first and r == 0) and len(timer.records) == n + 1:
-                    out.setdefault(row[rank], []).append(timer.records[-1])
-                    compute, micro_comm = timer.records[-1]
+                    window = timer.records[-1]
+                    out.setdefault(row[rank], []).append(window)
                     stats = runtime.last_stats
                     end_comm = runtime.comm_ledger.seconds(iteration=stats.iteration, phase="step")
-                    facts.append((compute, micro_comm, end_comm, stats.wall_s - compute - micro_comm - end_comm,
-                                  first_pass + (r - int(skip_first)) // length))
+                    facts.append(RoundFacts(window.compute_s, window.comm_s, end_comm,
+                                            stats.wall_s - window.compute_s - window.comm_s - end_comm,
+                                            first_pass + (r - int(skip_first)) // length))
 
         length = max(len(s) for s in per_rank)
         rounds = round_schedule(per_rank, repeats, warmup)
         log(f"timing: {len(rounds)} lock-step rounds")
         bar = progress_bar(len(rounds), "profiling: timing rounds", progress)
         run(rounds, skip_first=warmup, first_pass=0)
-        for extra in range(max_extra_passes):
-            mine = unconfirmed({b: [c for c, _ in ms] for b, ms in out.items()}, per_rank[rank], tolerance, confirm)
+        for extra in range(options.max_extra_passes):
+            mine = unconfirmed({b: [m.compute_s for m in ms] for b, ms in out.items()}, per_rank[rank],
+                               options.tolerance, options.confirm)
             everyone = comm.all_gather_object(mine, tag="profile:unsettled")
             if not any(everyone):
                 break
@@ -199,18 +238,17 @@ def run_rounds(runtime: ZeroRuntime, device: Device, per_rank: list[list[int]], 
             bar.total += len(extra_rounds)
             run(extra_rounds, skip_first=False, first_pass=repeats + extra)
         bar.close()
-    return out, count, facts
+    return TimedRounds(out, count, facts)
 
 
-def summarize(measured: dict[int, list[tuple[float, float]]]) -> list[ProfilePoint]:
+def summarize(measured: dict[int, list[StepTime]]) -> list[ProfilePoint]:
     """One point per batch: the *smallest* compute time of its measurements (and the median comm).
 
     Interference only ever adds time to a compute section (another process on the core, a late
     wake-up, a cache flush), never removes it, so the minimum is the estimate least disturbed by
-    it (the reasoning of Python's ``timeit``); on a shared 2-core machine the median of three was
-    visibly pulled up by one bad repeat. Collective seconds include waiting on other ranks, so
-    for them the median is reported."""
-    return [ProfilePoint(b, float(min(c for c, _ in ms)), float(statistics.median(m for _, m in ms)))
+    it (the reasoning of Python's ``timeit``), where a median still moves with one bad repeat of
+    three. Collective seconds include waiting on other ranks, so for them the median is reported."""
+    return [ProfilePoint(b, float(min(m.compute_s for m in ms)), float(statistics.median(m.comm_s for m in ms)))
             for b, ms in sorted(measured.items())]
 
 

@@ -47,18 +47,23 @@ class RankProfile:
 
 
 # A timing round whose slowest rank leads the next by this fraction of its compute or more counts
-# as led (``poplar.profiler.exposure``): its collectives found the others waiting.
+# as led (``poplar.profiler.exposure``): its collectives found the others waiting. Chosen on the
+# CPU emulator (docs/experiments.md); it only sorts grid rounds (a probe's balanced rounds, the
+# switch's led ones): a planned step's lead is priced by ``lead_change`` instead.
 LEAD_SCALE = 0.1
 # The lead of the profiler's steady led rounds: one device type at the balanced compute, the
 # others at half of it. A lock-step micro-step (an iteration's end) whose slowest device type
 # leads the next by this fraction or more exposes ``CommProfile.exposed_micro_step_lead_s[type]``
 # (``exposed_iteration_lead_s``); with every rank finishing together, ``exposed_micro_step_s``
-# (``exposed_iteration_s``); in between, as ``lead_change`` says: measured plans led by a fifth
-# ran 2-4 % slower than when the full led exposure applied from a tenth on.
+# (``exposed_iteration_s``); in between, as ``lead_change`` says, because the change grows with
+# the lead rather than arriving in full at a small one. Tuned on the CPU emulator
+# (docs/experiments.md); the profiler does not measure the led rounds' lead, it sets it.
 LED_ROUNDS_LEAD = 0.5
-# The lead of the profiler's small led rounds (the others at 85 % of the leader): how the change
-# grows with the lead. A lone leader takes most of it by a lead of 0.1-0.2, several leaders more
-# gradually, so one straight line to ``LED_ROUNDS_LEAD`` cannot fit both (``lead_change``).
+# The lead of the profiler's small led rounds (the others at 85 % of the leader), where it
+# measures how the change grows with the lead: a lone leader takes most of it early, several
+# leaders more gradually, so one straight line to ``LED_ROUNDS_LEAD`` cannot fit both
+# (``lead_change``). Chosen on the CPU emulator; the lead those rounds actually ran at is
+# measured (``CommProfile.exposed_small_lead``), and the cost model uses the measured one.
 SMALL_LEAD = 0.15
 
 

@@ -128,4 +128,6 @@ def test_linked_timing_runs_real_paced_collectives_and_keeps_them_out_of_the_com
         seconds = spawn_timing(job, timeout_s=120)["fp32"]
     finally:
         link.remove()
-    assert set(seconds) == {1, 4} and all(0 < s < 0.04 for s in seconds.values()), seconds
+    # a paced collective counted as compute would add the link's whole time: the bound is the link's
+    # own, not a guess at how fast this machine computes
+    assert set(seconds) == {1, 4} and all(0 < s < link.latency_s for s in seconds.values()), seconds

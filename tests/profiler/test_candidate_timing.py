@@ -16,6 +16,7 @@ from poplar.profiler.profile_run import ProfileJob, ProfileOptions
 from poplar.profiler.timing import Confirmation, TimingGrid, timing_batches
 from poplar.types.configuration import Configuration
 from poplar.workloads import get_workload
+from tests.timing_reference import latest_wake_up
 
 WORKLOAD = get_workload("token-mlp")
 KB = 1000
@@ -31,6 +32,7 @@ def worker(rank: int, world: int, devices: list[VirtualDevice]) -> dict:
     job = ProfileJob(WORKLOAD.model_fn, WORKLOAD.loss_fn, WORKLOAD.sample_fn,
                      options=ProfileOptions(repeats=1, bucket_size_mb=0.03, progress=False))
     prof = CandidateProfiler(job, device, log=lambda m: None)
+    late = latest_wake_up(CURVES[rank](1))  # bare sleeps as long as a step, before and after: the reference
     caps = prof.capacities([Configuration(0), Configuration(1)])
     curve = dict(confirm=Confirmation.CURVE)
     probe = prof.time(caps[0], sizes=[[m] for m in caps[0].mbs], exposure=ExposureRounds.GRID, **curve)
@@ -39,7 +41,8 @@ def worker(rank: int, world: int, devices: list[VirtualDevice]) -> dict:
     full_rounds = prof.rounds - probe_rounds
     other = prof.time(caps[1], reuse=full, how=Reuse.SAME_COMPUTE, grid=TimingGrid.SPARSE, **curve)
     return {"mbs": [c.mbs for c in caps], "probe": probe.to_dict(), "full": full.to_dict(), "other": other.to_dict(),
-            "rounds": (probe_rounds, full_rounds, prof.rounds - probe_rounds - full_rounds)}
+            "rounds": (probe_rounds, full_rounds, prof.rounds - probe_rounds - full_rounds),
+            "late_s": max(late, latest_wake_up(CURVES[rank](1)))}
 
 
 @pytest.fixture(scope="module")
@@ -48,10 +51,15 @@ def run() -> list[dict]:
     return spawn(worker, 2, (devices,), timeout_s=300, collective_timeout_s=120)
 
 
-def on_curve(measured: float, curve_s: float) -> bool:
+def on_curve(measured: float, curve_s: float, late_s: float) -> bool:
     """A point is the device's curve: a busy machine only delays a wake-up (CI saw +9 % on one
-    single-round point), so the bound is tight below and loose above."""
-    return 0.95 * curve_s <= measured <= 1.25 * curve_s
+    single-round point), so the bound is tight below and loose above, and looser by the latest
+    wake-up of a bare sleep on any rank before and after its timing (``late_s``)."""
+    return 0.95 * curve_s <= measured <= 1.25 * curve_s + late_s
+
+
+def late_s(run: list[dict]) -> float:
+    return max(r["late_s"] for r in run)
 
 
 def points(profile: dict, rank: int) -> dict[int, float]:
@@ -73,7 +81,7 @@ def test_the_full_timing_keeps_the_probe_and_times_the_rest_of_the_sparse_grid(r
         assert sorted(full) == timing_batches(mbs0[r], TimingGrid.SPARSE)
         assert full[mbs0[r]] == probe[mbs0[r]]  # kept, not measured again
         for b, t in full.items():  # the device's curve, measured or kept
-            assert on_curve(t, CURVES[r](b)), (r, b, t)
+            assert on_curve(t, CURVES[r](b), late_s(run)), (r, b, t, late_s(run))
     # every other grid batch is new: one pass, and at most 3 more passes over the batches a
     # disturbed measurement broke the shape of (on a loaded machine); then the steady rounds:
     # balanced, led by each of the two types, and by a little where the batches allow one, each
@@ -87,6 +95,6 @@ def test_a_same_compute_stage_keeps_the_points_and_times_its_own_mbs(run: list[d
     assert all(b >= a for a, b in zip(mbs0, mbs1))  # stage 1 shards optimizer state: at least as much room
     for r in range(2):
         other, full = points(run[0]["other"], r), points(run[0]["full"], r)
-        assert mbs1[r] in other and on_curve(other[mbs1[r]], CURVES[r](mbs1[r])), (r, other)
+        assert mbs1[r] in other and on_curve(other[mbs1[r]], CURVES[r](mbs1[r]), late_s(run)), (r, other)
         kept = {b: t for b, t in other.items() if b in full and b != mbs1[r]}
         assert kept and all(t == full[b] for b, t in kept.items())

@@ -9,6 +9,7 @@ from poplar.planner.curves import SpeedCurve
 from poplar.profiler.exposure import (MAX_STEADY_ROUNDS, STEADY_CHUNK, STEADY_ROUNDS, SteadyConfig, SteadyRounds,
                                      continued, exposed_costs, exposure_batches, exposure_error,
                                      more_steady_rounds)
+from poplar.profiler.timing import RoundFacts
 
 BALANCED, SHORT, SHORTEST = (SteadyConfig(k) for k in (SteadyRounds.BALANCED, SteadyRounds.SHORT, SteadyRounds.SHORTEST))
 LED_S, LED_F = SteadyConfig(SteadyRounds.LED, "S"), SteadyConfig(SteadyRounds.LED, "F")
@@ -21,9 +22,9 @@ import numpy as np
 def facts(rounds, end=0.01, overhead=0.002):
     """Three ranks' facts from (slowest's compute, the next rank's compute, micro comm, pass) per
     round; the second rank ties with the slowest (same type), the third is ``other``."""
-    slow = [(c, m, end, overhead, p) for c, _, m, p in rounds]
-    twin = [(c * 0.999, 0.0, end, overhead, p) for c, _, m, p in rounds]
-    other = [(o, 0.05, end, overhead, p) for _, o, _, p in rounds]
+    slow = [RoundFacts(c, m, end, overhead, p) for c, _, m, p in rounds]
+    twin = [RoundFacts(c * 0.999, 0.0, end, overhead, p) for c, _, m, p in rounds]
+    other = [RoundFacts(o, 0.05, end, overhead, p) for _, o, _, p in rounds]
     return [slow, twin, other]
 
 

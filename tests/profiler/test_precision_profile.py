@@ -26,6 +26,7 @@ from poplar.workloads import get_workload
 from poplar.zero.runtime import ZeroRuntime
 from poplar.zero.config import ZeroConfig
 from poplar.zero.runtime import PlanCheck
+from tests.timing_reference import latest_wake_up
 
 WORKLOAD = get_workload("token-mlp")
 PAIR = ClusterSpec("pair", [{"type": "V100-16G", "count": 1}, {"type": "T4-16G", "count": 1}])
@@ -190,14 +191,17 @@ def test_fp16_fits_larger_micro_batches_on_cluster_b(stage: int) -> None:
 
 
 def test_profile_records_its_precision_and_measures_the_fp16_curve() -> None:
+    late = latest_wake_up(0.01)  # bare sleeps in this process before and after the profile: the reference
     prof = profile_cluster(WORKLOAD.model_fn, WORKLOAD.loss_fn, WORKLOAD.sample_fn, cluster=PAIR,
                            options=ProfileOptions(zero_stage=1, mixed_precision="fp16", repeats=2, progress=False))
+    late = max(late, latest_wake_up(0.01))
     assert prof.meta["precision"] == "fp16" and prof.meta["mixed_precision"]["param_dtype"] == "fp16"
     assert prof.meta["calibration"]["precision"] == "fp16"
     devices = cluster_devices(PAIR, prof.meta["memory_scale"], prof.meta["time_scale"], "fp16")
     for rp, dev in zip(prof.ranks, devices):  # the fp16 curves, ~3x faster than fp32 on V100 / T4
         for p in rp.points:  # (bench/profile_accuracy.py holds the 5 % target; a shared machine adds noise)
-            assert p.compute_s == pytest.approx(dev.time_s(p.batch), rel=0.1), (rp.device_type, p)
+            curve_s = dev.time_s(p.batch)  # within 10 %; above, also by the latest wake-up of the reference
+            assert 0.9 * curve_s <= p.compute_s <= 1.1 * curve_s + late, (rp.device_type, p, late)
     assert Profile.from_dict(prof.to_dict()).meta["precision"] == "fp16"
 
 

@@ -23,6 +23,7 @@ from poplar.types.profiles import Profile, ProfileError
 from poplar.workloads import get_workload
 from poplar.zero.config import ZeroConfig
 from poplar.zero.runtime import PlanCheck
+from tests.timing_reference import latest_wake_up
 
 # the profiler's fast workload: the capacities and curves below are calibrated for it
 WORKLOAD = get_workload("token-mlp")
@@ -65,8 +66,10 @@ def profile_and_train(rank: int, world: int, devices_by_stage: dict[int, list[Vi
     for stage, devices in devices_by_stage.items():
         device = devices[rank]
         options = ProfileOptions(zero_stage=stage, bucket_size_mb=BUCKET_MB, repeats=3)
+        late = latest_wake_up(CURVES[rank](1))  # bare sleeps as long as a step, before and after: the reference
         prof = profile_rank(WORKLOAD.model_fn, WORKLOAD.loss_fn, WORKLOAD.sample_fn, device, options=options,
                             log=lambda m: None)
+        late = max(late, latest_wake_up(CURVES[rank](1)))
         mbs = [r.mbs for r in prof.ranks]
         plan = Plan([RankPlan(m, 2, 0) for m in mbs])
         model = WORKLOAD.model_fn()
@@ -76,7 +79,7 @@ def profile_and_train(rank: int, world: int, devices_by_stage: dict[int, list[Vi
             for it in range(2):
                 engine.train_step(WORKLOAD.sample_fn(2 * mbs[rank]), WORKLOAD.loss_fn)
             peak = device.peak()
-        out[stage] = {"profile": prof.to_dict(), "train_peak": peak, "capacity": device.capacity_bytes}
+        out[stage] = {"profile": prof.to_dict(), "train_peak": peak, "capacity": device.capacity_bytes, "late_s": late}
     return out
 
 
@@ -99,6 +102,7 @@ def test_profile_finds_true_mbs_and_curve(stage: int, truth: dict[int, list[int]
     expected = truth[stage]
     assert len(set(expected)) == 3 and min(expected) >= 4, expected  # heterogeneous, and a real search
     results = [r[stage] for r in cluster_run]
+    late = max(r["late_s"] for r in results)  # the latest wake-up of a bare sleep on any rank
     prof = Profile.from_dict(results[0]["profile"])
     assert prof.zero_stage == stage and prof.meta["escalations"] == []
     assert all(Profile.from_dict(r["profile"]).ranks == prof.ranks for r in results)
@@ -112,12 +116,14 @@ def test_profile_finds_true_mbs_and_curve(stage: int, truth: dict[int, list[int]
             assert ev["gathered_after"] == ev["gathered_before"] == 0, ev
         assert rp.capacity_bytes == CAPACITIES[rank] and rp.device_type == NAMES[rank]
         assert rp.bytes_per_sample and rp.base_bytes
-        # timed at powers of two, midpoints and mbs, compute within 5 % of the device's curve
+        # timed at powers of two, midpoints and mbs, compute within 5 % of the device's curve; above
+        # it, also by what this machine added to a bare sleep just before and after the profile
+        # (the 5 % target on a quiet machine is bench/profile_accuracy.py's)
         batches = [p.batch for p in rp.points]
         assert {1, 2, 4, rp.mbs} <= set(batches) and max(batches) == rp.mbs
         for p in rp.points:
-            rel = p.compute_s / CURVES[rank](p.batch) - 1
-            assert abs(rel) <= 0.05, (stage, rank, p, rel)
+            curve_s = CURVES[rank](p.batch)
+            assert 0.95 * curve_s <= p.compute_s <= 1.05 * curve_s + late, (stage, rank, p, curve_s, late)
         # the found mbs trained without OOM under real collectives
         assert results[rank]["train_peak"] <= results[rank]["capacity"]
     waits = [p.comm_s / CURVES[r](p.batch) for r, rp in enumerate(prof.ranks) for p in rp.points]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 
-from poplar.profiler.devices import sleep_until
+from poplar.emulation.speed_padding import sleep_until
 
 
 def sleep_lateness(seconds: float) -> float:

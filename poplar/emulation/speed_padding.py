@@ -89,6 +89,7 @@ class PaddedStep(OpenStep):
     backward_shares: list[float] | None = None  # learned shares the backward is paced to
     backward_s: float | None = None  # the backward's emulated seconds
     backward_real_s: float | None = None  # the backward's learned real seconds
+    compute_over: bool = False  # autograd has returned: the stage is completing the collectives
 
 
 def late_fraction(late: int, padded: int) -> float:

@@ -266,8 +266,16 @@ class VirtualDevice(ProfilingPhases, SpeedPadding, Device):
     def _tensor_saved(self) -> None:
         self.check("saved")
 
+    def collectives_completing(self, step: Any) -> None:
+        if self._open is not None:
+            self._open.compute_over = True
+
     def transient_allocated(self) -> None:
-        self.check("gather")
+        """A gathered block's memory is checked while the micro-step computes; once its compute
+        is over, or outside a micro-step, the gathers only keep the ranks' collectives matched and
+        an out-of-memory error raised there would leave the other ranks inside them."""
+        if self._open is not None and not self._open.compute_over:
+            self.check("gather")
 
     def refresh_static(self, force: bool = False) -> None:
         """Re-read the runtime's model-state bytes (optimizer state as after the first step); they

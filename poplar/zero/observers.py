@@ -4,15 +4,18 @@ A ``StepObserver`` overrides the points it needs; ``ZeroRuntime.add_observer`` a
 returns an ``ObserverHandle`` whose ``remove()`` detaches it. The points of one micro-step, in
 order:
 
-    micro_step_start -> forward_start -> forward_end -> backward_start -> backward_end -> micro_step_end
+    micro_step_start -> forward_start -> forward_end -> backward_start -> collectives_completing
+        -> backward_end -> micro_step_end
 
 framed by ``iteration_start`` and ``iteration_end``. ``backward_end`` comes after the stage has
 completed the micro-step's collectives (ZeRO-2/3 reduce-scatters), so a device that pads compute
-there pads the whole micro-step. ``transient_allocated`` is called whenever the stage has just
-allocated a transient buffer for the micro-step's compute that counts against memory (a ZeRO-3
-block gathered for its forward or backward; not the gathers that only keep the ranks'
-collectives matched when a pass is completed, where an observer that raised would leave the
-other ranks waiting).
+there pads the whole micro-step. ``collectives_completing`` comes between the
+micro-step's own compute (autograd has returned) and the stage completing its collectives; an
+observer must not raise there, nor in ``transient_allocated`` from then on or outside a
+micro-step (the zeros a rank joins the others' collectives with, the gathers of a full state):
+the other ranks would be left inside those collectives. ``transient_allocated`` is called
+whenever the stage has just allocated a transient buffer that counts against memory (a ZeRO-3
+gathered block).
 ``micro_step_abort`` replaces the remaining points of a micro-step that raised.
 
 Start points run in the order observers were added, end points in reverse order, as nested
@@ -72,6 +75,9 @@ class StepObserver:
         pass
 
     def backward_start(self, step: MicroStep, loss: torch.Tensor) -> None:
+        pass
+
+    def collectives_completing(self, step: MicroStep) -> None:
         pass
 
     def backward_end(self, step: MicroStep) -> None:
@@ -154,6 +160,10 @@ class Observers:
     def backward_start(self, step: MicroStep, loss: torch.Tensor) -> None:
         for o in self._forward():
             o.backward_start(step, loss)
+
+    def collectives_completing(self, step: MicroStep) -> None:
+        for o in self._backward():
+            o.collectives_completing(step)
 
     def backward_end(self, step: MicroStep) -> None:
         for o in self._backward():

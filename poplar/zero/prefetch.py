@@ -98,12 +98,8 @@ class Schedule:
         self.deviated = False  # a block was needed ahead of its turn
 
     def _gather(self, b: Any) -> None:
-        """Issue ``b``'s gather for the pass's compute; observers hear of the allocation."""
-        self._issue(b)
-        self.g.gathered_hook(b)
-
-    def _issue(self, b: Any) -> None:
         self.pending[b.index] = PendingGather(b, self.g.start_gather(b))
+        self.g.gathered_hook(b)
 
     def _advance(self, upto: int, force: bool) -> bool:
         """Issue items up to position ``upto``; without ``force`` stop before the reduce-scatter of
@@ -150,9 +146,7 @@ class Schedule:
             self._advance(self.rs_pos[block.index], force=False)
 
     def flush(self) -> None:
-        """Finish the pass: release unused gathers; issue (and release) everything not issued yet.
-        Its gathers only keep the ranks' collectives matched (no compute uses them), so observers
-        do not hear of them: one that raised there would leave the other ranks inside them."""
+        """Finish the pass: release unused gathers; issue (and release) everything not issued yet."""
         for gather in list(self.pending.values()):
             self._drop(gather)
         while self.next < len(self.items):
@@ -161,7 +155,7 @@ class Schedule:
             if item.op is Op.REDUCE_SCATTER:
                 self.g.reduce(item.block)
                 continue
-            self._issue(item.block)
+            self._gather(item.block)
             if len(self.pending) > 1:  # two gathers alive at most
                 self._drop(next(iter(self.pending.values())))
         for gather in list(self.pending.values()):

@@ -253,6 +253,7 @@ class ZeroRuntime:
         self.observers.backward_start(step, objective)
         with self.comm_ledger.scope(Phase.BACKWARD, micro_step=self._micro_steps):
             (objective * self.loss_scale).backward()
+            self.observers.collectives_completing(step)
             self.stage.end_micro_step()
         self.observers.backward_end(step)
         self._micro_steps += 1

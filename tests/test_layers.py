@@ -71,21 +71,27 @@ def imports_of(path: Path, module: str) -> list[tuple[int, str]]:
     return out
 
 
-def violations(root: Path, layers: dict[str, set[str]]) -> list[str]:
+def package_imports(root: Path) -> list[tuple[Path, int, str, str, str]]:
+    """Every import of the package's own modules: (file, line, its layer, the module imported,
+    that module's layer)."""
     package = root.name
     found = []
     for path in sorted(root.rglob("*.py")):
         module = module_name(path, root)
         here = layer_of(module, package)
-        if here not in layers:
-            found.append(f"{path}: module {module} is in no layer; add its package to LAYERS")
-            continue
         for line, target in imports_of(path, module):
-            if target != package and not target.startswith(package + "."):
-                continue
-            there = layer_of(target, package)
-            if there != here and there not in layers[here]:
-                found.append(f"{path}:{line}: {here} imports {target} ({there}), against the layer order")
+            if target == package or target.startswith(package + "."):
+                found.append((path, line, here, target, layer_of(target, package)))
+    return found
+
+
+def violations(root: Path, layers: dict[str, set[str]]) -> list[str]:
+    package = root.name
+    found = [f"{path}: module {module_name(path, root)} is in no layer; add its package to LAYERS"
+             for path in sorted(root.rglob("*.py")) if layer_of(module_name(path, root), package) not in layers]
+    for path, line, here, target, there in package_imports(root):
+        if here in layers and there != here and there not in layers[here]:
+            found.append(f"{path}:{line}: {here} imports {target} ({there}), against the layer order")
     return found
 
 
@@ -118,24 +124,16 @@ def test_checker_catches_an_upward_import(tmp_path: Path, lazy: bool) -> None:
     assert len(found) == 1 and "zero imports poplar.train" in found[0], found
 
 
-def emulation_imports(root: Path, layers: dict[str, set[str]]) -> list[str]:
+def emulation_imports(root: Path) -> list[str]:
     """Every import of the emulator (``<package>.emulation``) from a product layer."""
-    package = root.name
-    found = []
-    for path in sorted(root.rglob("*.py")):
-        module = module_name(path, root)
-        here = layer_of(module, package)
-        if here in ("cli", "emulation"):
-            continue
-        for line, target in imports_of(path, module):
-            if target == f"{package}.emulation" or target.startswith(f"{package}.emulation."):
-                found.append(f"{path}:{line}: {here} imports the emulator ({target})")
-    return found
+    return [f"{path}:{line}: {here} imports the emulator ({target})"
+            for path, line, here, target, there in package_imports(root)
+            if there == "emulation" and here not in ("cli", "emulation")]
 
 
 def test_no_product_package_imports_the_emulator() -> None:
     assert not any("emulation" in LAYERS[layer] for layer in PRODUCT)
-    found = emulation_imports(POPLAR, LAYERS)
+    found = emulation_imports(POPLAR)
     assert not found, "\n".join(found)
 
 
@@ -156,11 +154,11 @@ def test_checker_catches_a_product_import_of_the_emulator(tmp_path: Path, lazy: 
     (root / "emulation" / "virtual_device.py").write_text("from poplar.profiler import devices\n")
     (root / "cli" / "demo.py").write_text("from poplar.emulation import virtual_device\n")
     (root / "profiler" / "devices.py").write_text("from poplar.types import plans\n")
-    assert emulation_imports(root, LAYERS) == []
+    assert emulation_imports(root) == []
     bad = "def f():\n    from poplar.emulation.virtual_device import X\n" if lazy else \
         "from ..emulation import virtual_device\n"
     (root / "profiler" / "capacity.py").write_text(bad)
-    found = emulation_imports(root, LAYERS)
+    found = emulation_imports(root)
     assert len(found) == 1 and "profiler imports the emulator" in found[0], found
     layers = {"types": set(), "profiler": {"types"}, "emulation": {"types", "profiler"}, "cli": {"emulation"},
               "facade": set()}

@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 STAMP := .venv/.poplar-installed
 
-.PHONY: demo test setup clean
+.PHONY: demo test test-fast setup clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -19,6 +19,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest
+
+# the edit-test loop: every test that runs in this one process (no gloo ranks, no torchrun)
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "not multiprocess"
 
 clean:
 	rm -rf .venv

@@ -35,6 +35,7 @@ def test_the_readme_marks_its_runnable_snippets() -> None:
 
 
 @pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed beside this Python")
+@pytest.mark.multiprocess
 def test_readme_snippets_run(tmp_path: Path) -> None:
     full = os.environ.get("POPLAR_README_FULL") == "1"
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",

@@ -149,6 +149,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return {"root": root, "three_dir": three_dir, "reference": reference, "results": results}
 
 
+@pytest.mark.multiprocess
 def test_resume_is_bitwise(runs: dict) -> None:
     """2 gloo ranks at stages 0 and 2: 4 iterations straight = 2, save, new engine, load, 2
     (at stage 0 every rank holds the whole optimizer state; rank 0 alone writes it)."""
@@ -170,6 +171,7 @@ def _check_continuation(runs: dict, stage: int) -> None:
         assert r["rng_restored"]  # ranks 0 and 1 existed in the 3-rank run
 
 
+@pytest.mark.multiprocess
 def test_resume_on_two_ranks_at_stages_0_and_1(runs: dict) -> None:
     """3 ranks at stage 2 → 2 ranks at stage 0 and at stage 1, another plan: AdamW goes on as before."""
     index = read_index(runs["three_dir"])
@@ -182,6 +184,7 @@ def test_resume_on_two_ranks_at_stages_0_and_1(runs: dict) -> None:
     assert moved > 1e-3
 
 
+@pytest.mark.multiprocess
 def test_stage_3_checkpoints(runs: dict) -> None:
     """ZeRO-3 loads the 3-rank stage-2 checkpoint, resumes bitwise from its own, and its own
     checkpoint goes on in one process at stage 1."""
@@ -199,6 +202,7 @@ def test_stage_3_checkpoints(runs: dict) -> None:
     assert max_rel_err(engine.full_state_dict(), straight["a"]) <= 1e-5
 
 
+@pytest.mark.multiprocess
 def test_resume_in_one_process(runs: dict) -> None:
     """A world of one (no process group) continues the 3-rank run too, and the model file loads
     into a plain module."""
@@ -280,6 +284,7 @@ NEEDLES = {
 }
 
 
+@pytest.mark.multiprocess
 def test_bad_checkpoints_are_refused_on_every_rank(runs: dict) -> None:
     for rank, res in enumerate(r["refusals"] for r in runs["results"]):
         for case, needle in NEEDLES.items():

@@ -184,6 +184,7 @@ CHECKPOINT_FILES = ["index.json", "model.safetensors", "optim-rank0-of3.safetens
                     "optim-rank2-of3.safetensors"]
 
 
+@pytest.mark.multiprocess
 def test_rank_dies_in_training(tmp_path: Path) -> None:
     """Rank 2 exits in its second micro-step at stage 2: ranks 0 and 1 raise a DistributedError
     naming the failed collective, soon; the checkpoint of two iterations before is intact."""
@@ -197,6 +198,7 @@ def test_rank_dies_in_training(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("victim", [1, 0])
+@pytest.mark.multiprocess
 def test_rank_dies_in_save(tmp_path: Path, victim: int) -> None:
     """A rank exits right after writing its rank file of the next save: the others raise a
     CheckpointError, soon; the previous checkpoint at the directory is intact and loads, and

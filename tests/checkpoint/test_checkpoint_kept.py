@@ -189,6 +189,7 @@ def resume_and_save(directory: Path, iterations: int, **kwargs):
 
 
 @pytest.mark.parametrize("name", list(POINTS))
+@pytest.mark.multiprocess
 def test_a_save_interrupted_anywhere_resumes_from_a_complete_checkpoint(tmp_path: Path, name: str,
                                                                         poplar_log: list[str]) -> None:
     point = POINTS[name]
@@ -244,6 +245,7 @@ def corrupted_world(rank: int, world: int, root: str) -> dict:
     return out
 
 
+@pytest.mark.multiprocess
 def test_a_corrupted_index_fails_every_rank_and_resume_falls_back(tmp_path: Path) -> None:
     results = spawn(corrupted_world, 2, (str(tmp_path),), timeout_s=90, collective_timeout_s=COLLECTIVE_TIMEOUT_S)
     for rank, r in enumerate(results):

@@ -57,6 +57,7 @@ def auto_class(kind: str):
 
 @pytest.mark.parametrize("layout", ["single", "sharded"])
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.multiprocess
 def test_from_pretrained_reproduces_the_engine_state(kind: str, layout: str, saved: tuple[str, list[dict]]) -> None:
     root, results = saved
     full, resumed = results[0][kind]
@@ -95,6 +96,7 @@ def test_from_pretrained_reproduces_the_engine_state(kind: str, layout: str, sav
                                                 if full[k].numel() * 4 > SHARD]
 
 
+@pytest.mark.multiprocess
 def test_a_missing_shard_is_a_checkpoint_error(saved: tuple[str, list[dict]], tmp_path) -> None:
     import shutil
 

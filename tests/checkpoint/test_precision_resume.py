@@ -4,6 +4,8 @@ run continues its loss scale and skipped-step count."""
 
 from __future__ import annotations
 
+import pytest
+
 import math
 from pathlib import Path
 
@@ -45,6 +47,7 @@ def across_policies(rank: int, world: int, directory: str, stage: int) -> dict:
     return out
 
 
+@pytest.mark.multiprocess
 def test_resume_across_policies(tmp_path: Path) -> None:
     for stage in (1, 3):
         results = spawn(across_policies, 2, (str(tmp_path / f"s{stage}"), stage), timeout_s=240)
@@ -73,6 +76,7 @@ def fp16_scale_kept(rank: int, world: int, directory: str) -> dict:
             "fresh": fresh.loss_scale}
 
 
+@pytest.mark.multiprocess
 def test_fp16_loss_scale_and_skips_are_resumed(tmp_path: Path) -> None:
     for r in spawn(fp16_scale_kept, 2, (str(tmp_path / "c"),), timeout_s=240):
         assert r["loaded"] == r["saved"] and r["saved"][0] < 2.0 ** 16 and r["saved"][1] >= 2, r

@@ -4,6 +4,8 @@ directory holds complete checkpoints only and resumes from the last one."""
 
 from __future__ import annotations
 
+import pytest
+
 import os
 import signal
 from pathlib import Path
@@ -44,6 +46,7 @@ def preempted_world(rank: int, world: int, root: str) -> dict:
     return {"iteration": None}
 
 
+@pytest.mark.multiprocess
 def test_sigterm_mid_save_completes_it_and_stops_every_rank_after_the_next_iteration(tmp_path: Path) -> None:
     results = spawn(preempted_world, 2, (str(tmp_path),), timeout_s=90, collective_timeout_s=COLLECTIVE_TIMEOUT_S)
     directory = tmp_path / "ckpt"

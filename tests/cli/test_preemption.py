@@ -36,6 +36,7 @@ def _wait_for(predicate, proc: subprocess.Popen, deadline: float, what: str) -> 
 
 
 @pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed beside this Python")
+@pytest.mark.multiprocess
 def test_sigterm_to_torchrun_checkpoints_the_current_iteration_and_the_run_resumes(tmp_path: Path) -> None:
     # checkpoints every 1000 iterations: any checkpoint found is the one preemption wrote
     _config(tmp_path, iterations=100_000, checkpoint={"dir": "ckpt", "every": 1000}, log_every=1)
@@ -75,6 +76,7 @@ def test_sigterm_to_torchrun_checkpoints_the_current_iteration_and_the_run_resum
     assert metrics["end_iteration"] == stopped + 2 and len(metrics["iterations"]) == stopped + 2
 
 
+@pytest.mark.multiprocess
 def test_sigint_stops_a_single_process_run_with_status_130(tmp_path: Path) -> None:
     _config(tmp_path, iterations=100_000, checkpoint={"dir": "ckpt", "every": 1000}, log_every=1)
     log = tmp_path / "run.log"
@@ -111,6 +113,7 @@ def _worker_pid(launcher: int, rank: int) -> int | None:
 
 
 @pytest.mark.skipif(not TORCHRUN.exists() or not Path("/proc").is_dir(), reason="needs torchrun and /proc")
+@pytest.mark.multiprocess
 def test_a_killed_rank_gives_one_line_that_names_it(tmp_path: Path) -> None:
     _config(tmp_path, iterations=100_000, log_every=1)
     log = tmp_path / "run.log"

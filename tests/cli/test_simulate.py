@@ -27,6 +27,7 @@ def _run(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
     return code, out.out, out.err
 
 
+@pytest.mark.multiprocess
 def test_output_into_head_ends_without_a_traceback() -> None:
     cmd = " ".join(SIMULATE) + " | head -1"
     p = subprocess.run(["bash", "-c", cmd], cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -34,6 +35,7 @@ def test_output_into_head_ends_without_a_traceback() -> None:
     assert "Traceback" not in p.stderr and "BrokenPipe" not in p.stderr, p.stderr
 
 
+@pytest.mark.multiprocess
 def test_output_into_a_closed_pipe_ends_without_a_traceback() -> None:
     # the reading end is closed before the command writes anything: every write fails
     p = subprocess.Popen(SIMULATE, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -44,6 +44,7 @@ def _torchrun(tmp: Path, *args: str, nproc: int = 2) -> subprocess.CompletedProc
 
 
 @pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed beside this Python")
+@pytest.mark.multiprocess
 def test_torchrun_trains_checkpoints_and_resumes(tmp_path: Path) -> None:
     _config(tmp_path)
     run = _torchrun(tmp_path)
@@ -61,6 +62,7 @@ def test_torchrun_trains_checkpoints_and_resumes(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed beside this Python")
+@pytest.mark.multiprocess
 def test_torchrun_auto_mode_on_an_emulated_cluster(tmp_path: Path) -> None:
     (tmp_path / "pair.json").write_text(json.dumps(
         {"name": "pair", "devices": [{"type": "V100-16G", "count": 1}, {"type": "T4-16G", "count": 1}]}))
@@ -75,6 +77,7 @@ def test_torchrun_auto_mode_on_an_emulated_cluster(tmp_path: Path) -> None:
     assert plan["strategy"] == "poplar" and plan["global_batch_size"] == 12
 
 
+@pytest.mark.multiprocess
 def test_bad_config_exits_2_naming_the_key(tmp_path: Path) -> None:
     cfg = json.loads(_config(tmp_path).read_text())
     cfg["train_batch_sise"] = 8
@@ -85,6 +88,7 @@ def test_bad_config_exits_2_naming_the_key(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed beside this Python")
+@pytest.mark.multiprocess
 def test_torchrun_trains_in_bf16_then_resumes_in_fp16(tmp_path: Path) -> None:
     """DeepSpeed's precision keys under torchrun; the bf16 checkpoint resumes under fp16."""
     path = _config(tmp_path, iterations=2)

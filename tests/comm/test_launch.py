@@ -34,16 +34,19 @@ def sleeps(rank: int, world: int) -> None:
     time.sleep(60)
 
 
+@pytest.mark.multiprocess
 def test_results_per_rank() -> None:
     assert spawn(sum_ranks, 3) == [3.0, 3.0, 3.0]
 
 
+@pytest.mark.multiprocess
 def test_failing_rank_reports_traceback() -> None:
     with pytest.raises(RankFailure, match="rank one is broken") as info:
         spawn(rank1_raises, 2, grace_s=5)
     assert 1 in info.value.failures and "Traceback" in info.value.failures[1]
 
 
+@pytest.mark.multiprocess
 def test_dead_rank_fails_fast() -> None:
     t0 = time.monotonic()
     with pytest.raises(RankFailure, match="exit code 3"):
@@ -51,6 +54,7 @@ def test_dead_rank_fails_fast() -> None:
     assert time.monotonic() - t0 < 30
 
 
+@pytest.mark.multiprocess
 def test_timeout() -> None:
     with pytest.raises(RankFailure, match="timed out"):
         spawn(sleeps, 2, timeout_s=8)

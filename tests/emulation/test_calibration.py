@@ -114,6 +114,7 @@ def test_a_late_emulated_run_is_made_again_with_more_headroom_then_kept_as_inval
     assert margins == pytest.approx([0.6, 0.42])
 
 
+@pytest.mark.multiprocess
 def test_linked_timing_runs_real_paced_collectives_and_keeps_them_out_of_the_compute() -> None:
     """With an emulated link the trial steps run on the job's process group, every collective
     paced by the link: the compute measured stays far below the link's 50 ms per collective

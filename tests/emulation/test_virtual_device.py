@@ -244,6 +244,7 @@ def lockstep_rank(rank: int, world: int, stage: int) -> tuple[list[float], list[
 
 
 @pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.multiprocess
 def test_emulated_micro_steps_synchronise_like_gpus(stage: int) -> None:
     """At stages 2/3 each micro-step's collectives follow the emulated compute, so the fast rank
     waits for the slow one in every micro-step (not once at the iteration's end)."""

@@ -66,6 +66,7 @@ def spec() -> LinkSpec:
     s.remove()
 
 
+@pytest.mark.multiprocess
 def test_a_paced_collective_lasts_the_links_time_from_the_last_issue(spec: LinkSpec) -> None:
     ranks = spawn(paced_sync, 2, (spec,), timeout_s=60)
     late = max(x for r in ranks for x in r["lateness"])  # of a bare sleep after each collective
@@ -83,6 +84,7 @@ def test_a_paced_collective_lasts_the_links_time_from_the_last_issue(spec: LinkS
     assert all(r["paced"] == 4 for r in ranks)
 
 
+@pytest.mark.multiprocess
 def test_async_collectives_queue_on_the_link(spec: LinkSpec) -> None:
     for ends, late in spawn(paced_async, 2, (spec,), timeout_s=60):
         # issued together, carried one after another: done at 1, 2 and 3 link times, never before;
@@ -91,6 +93,7 @@ def test_async_collectives_queue_on_the_link(spec: LinkSpec) -> None:
             assert k * LATENCY - 0.001 < end < k * LATENCY + 0.015 + late, (ends, late)
 
 
+@pytest.mark.multiprocess
 def test_a_collective_outside_the_link_on_one_rank_is_a_clear_error(spec: LinkSpec) -> None:
     with pytest.raises(RankFailure, match="was not issued on ranks \\[1\\]"):
         spawn(one_rank_unpaced, 2, (spec,), timeout_s=60)
@@ -126,6 +129,7 @@ def engine_on_link(rank: int, world: int, spec: LinkSpec) -> dict:
     return {"seconds": [r.seconds for r in records], "paced": device.link.paced_collectives}
 
 
+@pytest.mark.multiprocess
 def test_a_virtual_device_paces_its_engines_collectives_on_its_link(spec: LinkSpec) -> None:
     for rank in spawn(engine_on_link, 2, (spec,), timeout_s=120):
         assert rank["paced"] >= 2 and rank["seconds"]

@@ -3,6 +3,8 @@ every rank with the reason."""
 
 from __future__ import annotations
 
+import pytest
+
 import json
 from pathlib import Path
 
@@ -51,6 +53,7 @@ def auto_rank(rank: int, world: int, tmp: str) -> dict:
     return out
 
 
+@pytest.mark.multiprocess
 def test_auto_mode_profiles_plans_and_trains(tmp_path: Path) -> None:
     results = spawn(auto_rank, 2, (str(tmp_path),), timeout_s=240, collective_timeout_s=120)
     r0, r1 = results
@@ -110,6 +113,7 @@ def bad_auto(rank: int, world: int) -> dict[str, str]:
     return seen
 
 
+@pytest.mark.multiprocess
 def test_auto_mode_bad_setup_fails_on_every_rank() -> None:
     for rank, seen in enumerate(spawn(bad_auto, 2, timeout_s=90, collective_timeout_s=30)):
         for case, needle in CASES.items():
@@ -130,6 +134,7 @@ def set_plan_rank(rank: int, world: int) -> list[str]:
     return out
 
 
+@pytest.mark.multiprocess
 def test_set_plan_switches_together_or_fails_on_every_rank() -> None:
     for same, differ in spawn(set_plan_rank, 2, timeout_s=60, collective_timeout_s=20):
         assert same == "ok 4 1"

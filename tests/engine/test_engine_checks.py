@@ -50,6 +50,7 @@ def setup_errors(rank: int, world: int, case: str) -> str:
     ("shapes_differ", "rank 1's parameter 'up.weight' has shape [30, 13] (torch.float32) but rank 0's has [29, 13]"),
     ("stage_on_one_rank", "rank 0: zero_stage must be 0, 1, 2 or 3, got -1"),
 ])
+@pytest.mark.multiprocess
 def test_setup_errors_on_every_rank(case: str, needle: str) -> None:
     errors = spawn(setup_errors, 2, (case,), timeout_s=60, collective_timeout_s=20)
     for rank, err in enumerate(errors):
@@ -77,6 +78,7 @@ def bad_batch(rank: int, world: int, stage: int) -> tuple[str, str, float, float
 
 
 @pytest.mark.parametrize("stage", [0, 2])
+@pytest.mark.multiprocess
 def test_bad_batch_on_one_rank(stage: int) -> None:
     for rank, (size_err, loss_err, unchanged, moved) in enumerate(
             spawn(bad_batch, 2, (stage,), timeout_s=90, collective_timeout_s=30)):
@@ -120,6 +122,7 @@ def dies_mid_training(rank: int, world: int, stage: int) -> None:
 
 
 @pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.multiprocess
 def test_dead_rank_makes_the_others_fail_clearly(stage: int) -> None:
     import time
     from poplar.comm.launch import RankFailure

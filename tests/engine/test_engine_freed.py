@@ -4,6 +4,8 @@ the stage strongly kept every engine ever built (and each profiler trial builds 
 
 from __future__ import annotations
 
+import pytest
+
 import gc
 import weakref
 
@@ -32,6 +34,7 @@ def build_train_drop(rank: int, world: int) -> dict[int, tuple[bool, bool]]:
     return alive
 
 
+@pytest.mark.multiprocess
 def test_a_dropped_engine_is_freed_with_its_model_at_every_stage():
     for alive in spawn(build_train_drop, 2, (), timeout_s=240, collective_timeout_s=60):
         assert alive == {stage: (False, False) for stage in range(4)}, alive

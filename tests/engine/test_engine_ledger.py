@@ -25,6 +25,7 @@ def ledger_worker(rank: int, world: int, stage: int) -> tuple[list, int, list]:
 
 
 @pytest.mark.parametrize("stage", [0, 1])
+@pytest.mark.multiprocess
 def test_stage_0_1_communicate_only_at_the_boundary(stage: int) -> None:
     for records, units, _ in spawn(ledger_worker, 3, (stage,)):
         assert units > 1
@@ -38,6 +39,7 @@ def test_stage_0_1_communicate_only_at_the_boundary(stage: int) -> None:
                              ("reduce_scatter", 1): units, ("all_gather", 1): units}
 
 
+@pytest.mark.multiprocess
 def test_stage_2_reduce_scatters_every_micro_step_on_every_rank() -> None:
     results = spawn(ledger_worker, 3, (2,))
     for records, units, _ in results:

@@ -37,6 +37,7 @@ def expected(stage: int, psi: int, n: int) -> dict[str, float]:
 
 
 @pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.multiprocess
 def test_memory_report_matches_design(world: int) -> None:
     for stage in (0, 1, 2):
         reports = spawn(memory_worker, world, (stage,), timeout_s=180)

@@ -39,6 +39,7 @@ def train_worker(rank: int, world: int, stage: int) -> dict:
 
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.multiprocess
 def test_uneven_plans_match_single_process(stage: int, world: int) -> None:
     results = spawn(train_worker, world, (stage,), timeout_s=180)
     for kind, max_norm in CONFIGS:

@@ -66,6 +66,7 @@ def points(profile: dict, rank: int) -> dict[int, float]:
     return {p["batch"]: p["compute_s"] for p in profile["ranks"][rank]["points"]}
 
 
+@pytest.mark.multiprocess
 def test_the_probe_is_one_round_at_each_ranks_mbs(run: list[dict]) -> None:
     mbs0 = run[0]["mbs"][0]
     assert min(mbs0) >= 4, mbs0  # enough batches for a grid
@@ -74,6 +75,7 @@ def test_the_probe_is_one_round_at_each_ranks_mbs(run: list[dict]) -> None:
         assert list(points(run[0]["probe"], r)) == [mbs0[r]]
 
 
+@pytest.mark.multiprocess
 def test_the_full_timing_keeps_the_probe_and_times_the_rest_of_the_sparse_grid(run: list[dict]) -> None:
     mbs0 = run[0]["mbs"][0]
     for r in range(2):
@@ -90,6 +92,7 @@ def test_the_full_timing_keeps_the_probe_and_times_the_rest_of_the_sparse_grid(r
     assert grid + 3 * STEADY_ROUNDS <= run[0]["rounds"][1] <= 4 * grid + 5 * MAX_STEADY_ROUNDS
 
 
+@pytest.mark.multiprocess
 def test_a_same_compute_stage_keeps_the_points_and_times_its_own_mbs(run: list[dict]) -> None:
     mbs0, mbs1 = run[0]["mbs"]
     assert all(b >= a for a, b in zip(mbs0, mbs1))  # stage 1 shards optimizer state: at least as much room

@@ -87,6 +87,7 @@ def bf16_worker(rank: int, world: int, devices: list[VirtualDevice]) -> str:
     return "no error"
 
 
+@pytest.mark.multiprocess
 def test_profile_rank_refuses_bf16_on_every_rank() -> None:
     devices = [VirtualDevice.from_preset(t, 1e-3, 1.0) for t in ("A100-80G", "T4-16G", "V100-16G")]
     messages = spawn(bf16_worker, 3, (devices,), timeout_s=120)
@@ -175,6 +176,7 @@ def _mbs(devices: list[VirtualDevice], stage: int, precision: str | None) -> lis
 
 
 @pytest.mark.parametrize("stage", [0, 2])
+@pytest.mark.multiprocess
 def test_fp16_fits_larger_micro_batches_on_cluster_b(stage: int) -> None:
     job = ProfileJob(WORKLOAD.model_fn, WORKLOAD.loss_fn, WORKLOAD.sample_fn, default_optimizer,
                      ProfileOptions(zero_stage=stage, mixed_precision="fp16"))
@@ -190,6 +192,7 @@ def test_fp16_fits_larger_micro_batches_on_cluster_b(stage: int) -> None:
     assert cal.predicted_mbs["T4-16G"] > fp32_cal.predicted_mbs["T4-16G"]
 
 
+@pytest.mark.multiprocess
 def test_profile_records_its_precision_and_measures_the_fp16_curve() -> None:
     late = latest_wake_up(0.01)  # bare sleeps in this process before and after the profile: the reference
     prof = profile_cluster(WORKLOAD.model_fn, WORKLOAD.loss_fn, WORKLOAD.sample_fn, cluster=PAIR,
@@ -227,6 +230,7 @@ def auto_fp16_rank(rank: int, world: int) -> dict:
     return {"profile": result.profile.to_dict(), "precision": precision, "losses": losses}
 
 
+@pytest.mark.multiprocess
 def test_auto_mode_profiles_and_plans_under_fp16() -> None:
     results = spawn(auto_fp16_rank, 2, timeout_s=300, collective_timeout_s=120)
     prof = Profile.from_dict(results[0]["profile"])

@@ -98,6 +98,7 @@ def cluster_run(truth: dict[int, list[int]]) -> list[dict]:
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.multiprocess
 def test_profile_finds_true_mbs_and_curve(stage: int, truth: dict[int, list[int]], cluster_run: list[dict]) -> None:
     expected = truth[stage]
     assert len(set(expected)) == 3 and min(expected) >= 4, expected  # heterogeneous, and a real search
@@ -183,6 +184,7 @@ def scenarios_run() -> tuple[dict[int, int], list[dict]]:
     return peaks, spawn(scenario_worker, WORLD, ([(escalating, 0), (hopeless, 1)],), timeout_s=300)
 
 
+@pytest.mark.multiprocess
 def test_escalation_picks_lowest_stage_that_fits(scenarios_run: tuple[dict[int, int], list[dict]]) -> None:
     peaks, results = scenarios_run
     assert peaks[0] > peaks[1] > peaks[2], peaks
@@ -193,6 +195,7 @@ def test_escalation_picks_lowest_stage_that_fits(scenarios_run: tuple[dict[int, 
     assert all(Profile.from_dict(r[0]["profile"]).zero_stage == 2 for r in results)
 
 
+@pytest.mark.multiprocess
 def test_model_larger_than_every_stage_is_a_clear_error(scenarios_run: tuple[dict[int, int], list[dict]]) -> None:
     _, results = scenarios_run
     assert all("error" in r[1] for r in results)  # the same error on every rank, no hang
@@ -247,6 +250,7 @@ def test_bad_cluster_input_is_a_clear_error(tmp_path) -> None:
     assert main(["profile", "--cluster", str(broken), "--quiet"]) == 2  # the CLI prints the error
 
 
+@pytest.mark.multiprocess
 def test_cli_profile_end_to_end(tmp_path, capsys) -> None:
     """`poplar profile` on a 2-rank emulated cluster file: auto scales, progress, JSON the planner reads."""
     from poplar.cli import main

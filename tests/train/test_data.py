@@ -153,6 +153,7 @@ def test_collate_fn_device_and_batch_lookup() -> None:
     assert loader.iteration == 0 and next(loader) == loader.global_indices(0) and loader.iteration == 1
 
 
+@pytest.mark.multiprocess
 def test_workers_give_the_same_batches() -> None:
     ds = Indices(30)
     plan = Plan([RankPlan(2, 1, 1), RankPlan(4, 1, 0)])

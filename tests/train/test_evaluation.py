@@ -5,6 +5,8 @@ with a plan that gives them 7, 2 and 1 samples, and a rank with none."""
 
 from __future__ import annotations
 
+import pytest
+
 import math
 
 import torch
@@ -80,6 +82,7 @@ def worker(rank: int, world: int, n: int) -> list:
     return out
 
 
+@pytest.mark.multiprocess
 def test_eval_loss_over_uneven_shards_equals_one_process() -> None:
     n = 23
     ref_tokens, _ = reference(n)

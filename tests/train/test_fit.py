@@ -4,6 +4,8 @@ are written."""
 
 from __future__ import annotations
 
+import pytest
+
 import json
 from pathlib import Path
 
@@ -46,6 +48,7 @@ def fit_rank(rank: int, world: int, tmp: str, stage: int) -> dict:
             "lr": [g["lr"] for g in second.optimizer.param_groups]}
 
 
+@pytest.mark.multiprocess
 def test_resumed_fit_equals_uninterrupted_bitwise(tmp_path: Path) -> None:
     results = spawn(fit_rank, 2, (str(tmp_path), 2), timeout_s=180, collective_timeout_s=60)
     for r in results:

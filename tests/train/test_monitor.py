@@ -95,6 +95,7 @@ def fit_worker(rank: int, world: int, tmp: str) -> dict:
             "tps": second.tokens_per_s, "mfu": second.mfu}
 
 
+@pytest.mark.multiprocess
 def test_fit_evaluates_schedules_measures_and_resumes(tmp_path: Path) -> None:
     results = spawn(fit_worker, 2, (str(tmp_path),), timeout_s=120)
     sched = LRSchedule(max_lr=0.2, warmup_steps=2, total_steps=6, min_lr=0.01)

@@ -110,6 +110,7 @@ def _reference(iterations: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+@pytest.mark.multiprocess
 def test_memory_drop_replans_and_retries_the_same_iteration(tmp_path: Path) -> None:
     results = spawn(memory_rank, 2, (str(tmp_path),), timeout_s=180, collective_timeout_s=60)
     ref_losses, ref_state = _reference(6)
@@ -152,6 +153,7 @@ def speed_rank(rank: int, world: int, stage: int) -> dict:
     return runs
 
 
+@pytest.mark.multiprocess
 def test_a_slowed_rank_gets_a_new_plan_with_the_same_math() -> None:
     results = spawn(speed_rank, 2, (1,), timeout_s=120, collective_timeout_s=60)
     fixed, replanned = results[0][False], results[0][True]

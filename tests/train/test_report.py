@@ -22,6 +22,7 @@ def timeline_worker(rank: int, world: int) -> dict:
     return rank_timeline(engine, device=f"dev{rank}")
 
 
+@pytest.mark.multiprocess
 def test_trace_has_every_span(tmp_path) -> None:
     ranks = spawn(timeline_worker, 2)
     trace = chrome_trace(ranks)

@@ -91,6 +91,7 @@ def trainer_worker(rank: int, world: int) -> dict:
             "losses": first.losses + second.losses, "whole": whole.losses}
 
 
+@pytest.mark.multiprocess
 def test_a_trainer_goes_on_to_a_larger_target_as_one_run_would() -> None:
     for r in spawn(trainer_worker, 2, timeout_s=120):
         assert r["first"] == (0, 2, [2]) and r["second"] == (2, 4, [4])

@@ -26,6 +26,7 @@ def fit_rank(rank: int, world: int, stage: int) -> list[dict]:
 
 
 @pytest.mark.parametrize("stage", [3])
+@pytest.mark.multiprocess
 def test_compute_comm_and_idle_add_up_to_each_ranks_wall(stage: int) -> None:
     records = spawn(fit_rank, 2, (stage,), timeout_s=120)[0]
     assert len(records) == 4

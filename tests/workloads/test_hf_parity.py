@@ -48,6 +48,7 @@ def results() -> list[dict]:
 
 
 @pytest.mark.parametrize("kind", list(STAGES))
+@pytest.mark.multiprocess
 def test_token_weighted_hf_models_match_single_process(kind: str, results: list[dict]) -> None:
     refs = {}
     for stage in STAGES[kind]:

@@ -103,6 +103,7 @@ def results() -> list[dict]:
     return spawn(worker, 3, (), timeout_s=240)
 
 
+@pytest.mark.multiprocess
 def test_parity_with_single_process(results: list[dict]) -> None:
     for name, (make, loss, _, _, stages, plans) in CASES.items():
         ref = reference(make, loss)
@@ -121,6 +122,7 @@ def test_reference_moves() -> None:
     assert max_rel_err(reference(gpt2, gpt2_loss), init) > 1e-3
 
 
+@pytest.mark.multiprocess
 def test_stage3_collectives_unchanged(results: list[dict]) -> None:
     plain = [res["lm-plain"][1] for res in results]
     assert plain[0] and all(p == plain[0] for p in plain)
@@ -128,6 +130,7 @@ def test_stage3_collectives_unchanged(results: list[dict]) -> None:
         assert res[("lm-blocks", 3, 0)][1] == plain[0]
 
 
+@pytest.mark.multiprocess
 def test_bad_policies_fail_on_every_rank(results: list[dict]) -> None:
     for res in results:
         errors = res["errors"]

@@ -126,6 +126,7 @@ def results(world: int) -> list[dict]:
 
 
 @pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.multiprocess
 def test_bf16_tracks_fp32_at_every_stage(world: int) -> None:
     ref_losses, ref_state = reference()
     for stage in STAGES:
@@ -144,6 +145,7 @@ def test_bf16_tracks_fp32_at_every_stage(world: int) -> None:
         assert ref_losses[-1] < ref_losses[0] - 0.5  # and the loss moved
 
 
+@pytest.mark.multiprocess
 def test_stage3_bf16_gathers_half_the_bytes() -> None:
     for res in results(2):
         fp32, bf16 = res["gather"][None], res["gather"]["bf16"]
@@ -161,6 +163,7 @@ def design_bytes(stage: int, precision: str | None, psi: int, n: int) -> dict[st
     return {k: per[k] * psi / (n if sharded[k] else 1) for k in per}
 
 
+@pytest.mark.multiprocess
 def test_memory_report_matches_the_design_table() -> None:
     psi, n = 4 * (256 * 256 + 256), 2
     for rank, res in enumerate(results(n)):
@@ -171,6 +174,7 @@ def test_memory_report_matches_the_design_table() -> None:
                 assert report["gathered_params"] <= 2 * (256 * 256 + 256) * (2 if precision else 4)
 
 
+@pytest.mark.multiprocess
 def test_load_full_state_dict_sets_the_fp32_master() -> None:
     for res in results(2):
         for stage, (err, copy, target) in res["round_trip"].items():

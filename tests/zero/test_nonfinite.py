@@ -146,6 +146,7 @@ def results() -> list[dict]:
 
 @pytest.mark.parametrize("stage", [0, 3])
 @pytest.mark.parametrize("kind", ["inf", "nan"])
+@pytest.mark.multiprocess
 def test_fp32_nonfinite_loss_skips_the_step_on_every_rank(stage: int, kind: str) -> None:
     for rank, res in enumerate(results()):
         losses, unchanged, skipped, warnings = res["skip"][(stage, kind)]
@@ -162,6 +163,7 @@ def test_fp32_nonfinite_loss_skips_the_step_on_every_rank(stage: int, kind: str)
 
 
 @pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.multiprocess
 def test_too_many_consecutive_skips_raise_on_every_rank(stage: int) -> None:
     for res in results():
         losses, errors, skipped = res["skip"][(stage, "consecutive")]
@@ -172,6 +174,7 @@ def test_too_many_consecutive_skips_raise_on_every_rank(stage: int) -> None:
 
 
 @pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.multiprocess
 def test_raise_policy_raises_at_once(stage: int) -> None:
     for res in results():
         error, unchanged = res["skip"][(stage, "raise")]
@@ -181,6 +184,7 @@ def test_raise_policy_raises_at_once(stage: int) -> None:
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.multiprocess
 def test_fp16_overflow_skips_and_backs_off(stage: int) -> None:
     first = results()[0]["fp16"][stage]
     for rank, res in enumerate(results()):
@@ -195,6 +199,7 @@ def test_fp16_overflow_skips_and_backs_off(stage: int) -> None:
 
 
 @pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.multiprocess
 def test_fp16_reduction_overflow_is_caught(stage: int) -> None:
     """At stage 1 the local gradients are checked before the reduction: each must leave room for
     the sum over ranks in fp16; at stage 3 the reduced shards show the overflow."""

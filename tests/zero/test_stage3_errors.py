@@ -103,6 +103,7 @@ def worker(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.multiprocess
 def test_stage3_bad_input_fails_on_every_rank_without_hang() -> None:
     results = part_results(2, "errors")
     for rank, res in enumerate(results):

@@ -4,6 +4,8 @@ no samples and a rank with fewer micro-steps; evaluation gathers each block once
 
 from __future__ import annotations
 
+import pytest
+
 from collections import Counter
 
 import torch
@@ -29,6 +31,7 @@ def worker(rank: int, world: int) -> tuple[list, dict, int]:
     return records, blocks, engine.stage.root.index
 
 
+@pytest.mark.multiprocess
 def test_stage3_collectives_per_micro_step_on_every_rank() -> None:
     results = part_results(3, "ledger")
     for records, blocks, root in results:

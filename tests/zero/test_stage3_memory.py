@@ -34,6 +34,7 @@ def worker(rank: int, world: int) -> dict:
 
 
 @pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.multiprocess
 def test_stage3_memory(world: int) -> None:
     for rep in part_results(world, "memory"):
         psi, n = rep["psi"], world

@@ -70,6 +70,7 @@ def worker(rank: int, world: int) -> dict:
 
 
 @pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.multiprocess
 def test_stage3_uneven_plans_match_single_process(world: int) -> None:
     results = part_results(world, "parity")
     for mname, (make, _, configs) in MODELS.items():

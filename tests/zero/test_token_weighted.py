@@ -127,6 +127,7 @@ def results() -> list[dict]:
 
 
 @pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.multiprocess
 def test_sum_count_losses_match_single_process(stage: int, results: list[dict]) -> None:
     count = int((token_batch(ITERATIONS - 1)[1] != -100).sum())
     for max_norm in (None, 0.5):
@@ -145,6 +146,7 @@ def test_sum_count_losses_match_single_process(stage: int, results: list[dict]) 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 @pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.multiprocess
 def test_mixed_precision_tracks_fp32(stage: int, precision: str, results: list[dict]) -> None:
     ref_losses, ref_state = reference(None)
     for rank, res in enumerate(results):
@@ -170,6 +172,7 @@ def test_reference_weights_by_token_not_by_sample() -> None:
     assert max_rel_err(model.state_dict(), reference(None)[1]) > 1e-3
 
 
+@pytest.mark.multiprocess
 def test_errors_are_agreed(results: list[dict]) -> None:
     for rank, res in enumerate(results):
         e = res["errors"]

@@ -7,6 +7,9 @@ rank was blocked, stamped with the position where it was issued.
 Reductions always use ``ReduceOp.SUM``; the engine scales losses itself (averaging by world
 size is wrong for uneven batches).
 
+All-gather and reduce-scatter take per-rank ``sizes`` for parts of different lengths (uneven
+shards, ``poplar.comm.uneven``); the ledger records the bytes the chosen method sends.
+
 A ``CollectiveObserver`` (``Communicator.observed``) hears of every tensor collective when it is
 issued and when it is done on this rank, before the rank's blocked seconds are stopped, so what
 it does there counts as time in the collective (a tracer, or a link model that holds the rank
@@ -18,11 +21,12 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 
+from poplar.comm import uneven
 from poplar.comm.ledger import CommLedger
 from poplar.types.errors import DistributedError
 
@@ -49,15 +53,20 @@ class PendingCollective:
     blocked (issue time included) at the position where it was issued."""
 
     def __init__(self, comm: "Communicator", work: Any, op: str, nbytes: int, issue_s: float, tag: str,
-                 observer: CollectiveObserver | None = None, ticket: Any = None) -> None:
+                 observer: CollectiveObserver | None = None, ticket: Any = None,
+                 finish: Callable[[], None] | None = None) -> None:
         self.comm, self.work, self.op, self.nbytes, self.issue_s, self.tag = comm, work, op, nbytes, issue_s, tag
         self.observer, self.ticket = observer, ticket  # who heard it issued, and its ticket there
+        self.finish = finish  # what completes it once torch's work is done (an uneven call's copy-out)
         self.position = comm.ledger.position
 
     def wait(self) -> None:
         t0 = self.comm.start_timer()
         if self.work is not None:
             self.comm.guard(self.op, self.tag, self.work.wait)
+        if self.finish is not None:
+            self.finish()
+            self.finish = None
         if self.observer is not None:  # the observer that heard it issued, even if its block has ended
             self.observer.done(self.ticket)
             self.observer = None
@@ -111,14 +120,17 @@ class Communicator:
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - t0
 
-    def _run(self, op: str, nbytes: int, fn: Any, async_op: bool, tag: str) -> PendingCollective | None:
+    def _run(self, op: str, nbytes: int, fn: Any, async_op: bool, tag: str,
+             finish: Callable[[], None] | None = None) -> PendingCollective | None:
         t0 = self.start_timer()
         observer = self.observer if self.world_size > 1 else None
         ticket = observer.issued(op, nbytes) if observer is not None else None
         work = self.guard(op, tag, lambda: fn(async_op)) if self.world_size > 1 else None
         if async_op:
             issue = time.perf_counter() - t0
-            return PendingCollective(self, work, op, nbytes, issue, tag, observer, ticket)
+            return PendingCollective(self, work, op, nbytes, issue, tag, observer, ticket, finish)
+        if finish is not None:
+            finish()
         if observer is not None:
             observer.done(ticket)
         self.ledger.add(op, nbytes, self.stop_timer(t0), tag)
@@ -144,10 +156,15 @@ class Communicator:
                          async_op, tag)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, tag: str = "",
-                       async_op: bool = False) -> PendingCollective | None:
-        """``output`` (1/N of ``input``) gets this rank's slice of the sum of ``input`` over ranks."""
+                       async_op: bool = False, sizes: Sequence[int] | None = None) -> PendingCollective | None:
+        """``output`` (1/N of ``input``, or ``sizes[rank]`` elements: every rank's part, in rank
+        order) gets this rank's part of the sum of ``input`` over ranks."""
         if self.world_size == 1:
             output.copy_(input)
+        elif sizes is not None and len(set(sizes)) > 1:
+            call = uneven.reduce_scatter(output, input, sizes, self.rank, self.group,
+                                         uneven.method_for(self.backend, "reduce_scatter"))
+            return self._run("reduce_scatter", call.wire_bytes, call.run, async_op, tag, call.finish)
         nbytes = input.numel() * input.element_size()
         return self._run("reduce_scatter", nbytes,
                          lambda a: _reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM,
@@ -155,10 +172,15 @@ class Communicator:
                          async_op, tag)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, tag: str = "",
-                   async_op: bool = False) -> PendingCollective | None:
-        """``output`` (N x ``input``) gets every rank's ``input``, in rank order."""
+                   async_op: bool = False, sizes: Sequence[int] | None = None) -> PendingCollective | None:
+        """``output`` (N x ``input``, or the ``sizes`` of every rank's part back to back) gets
+        every rank's ``input``, in rank order."""
         if self.world_size == 1:
             output.copy_(input)
+        elif sizes is not None and len(set(sizes)) > 1:
+            call = uneven.all_gather(output, input, sizes, self.rank, self.group,
+                                     uneven.method_for(self.backend, "all_gather"))
+            return self._run("all_gather", call.wire_bytes, call.run, async_op, tag, call.finish)
         nbytes = output.numel() * output.element_size()
         return self._run("all_gather", nbytes,
                          lambda a: _all_gather_tensor(output, input, group=self.group, async_op=a),

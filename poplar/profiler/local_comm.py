@@ -19,7 +19,7 @@ same buffers, and collectives that are local copies:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -57,15 +57,26 @@ class LocalCommunicator(Communicator):
         return self._local("all_reduce", tensor.numel() * tensor.element_size(), lambda: None, async_op, tag)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, tag: str = "",
-                       async_op: bool = False) -> PendingCollective | None:
+                       async_op: bool = False, sizes: Sequence[int] | None = None) -> PendingCollective | None:
         def run() -> None:
-            output.copy_(input.view(self.world_size, -1)[self.rank].view_as(output))
+            if sizes is None:
+                output.copy_(input.view(self.world_size, -1)[self.rank].view_as(output))
+            else:
+                output.copy_(input.split(list(sizes))[self.rank])
         return self._local("reduce_scatter", input.numel() * input.element_size(), run, async_op, tag)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, tag: str = "",
-                   async_op: bool = False) -> PendingCollective | None:
+                   async_op: bool = False, sizes: Sequence[int] | None = None) -> PendingCollective | None:
         def run() -> None:
-            output.view(self.world_size, -1).copy_(input.reshape(1, -1).expand(self.world_size, -1))
+            if sizes is None:
+                output.view(self.world_size, -1).copy_(input.reshape(1, -1).expand(self.world_size, -1))
+                return
+            for part in output.split(list(sizes)):  # each part: this rank's values, repeated to fit
+                n = part.numel()
+                if n and input.numel():
+                    part.copy_(input.reshape(-1).repeat(-(-n // input.numel()))[:n])
+                else:
+                    part.zero_()
         return self._local("all_gather", output.numel() * output.element_size(), run, async_op, tag)
 
     def all_gather_object(self, obj: Any, tag: str = "") -> list[Any]:

@@ -2,12 +2,15 @@
 
 A rank runs ``accum_steps`` micro-steps of ``micro_batch_size`` samples, then one more of
 ``last_batch_size`` samples if that is > 0. The global batch size is the sum over ranks.
+At ZeRO-1/2/3 rank r also holds a share ``shard_weight_r / sum of weights`` of every sharded
+state (optimizer state, gradients, parameters): equal weights are ZeRO's even shards.
 Plans are saved as JSON so that people can read and edit them.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import secrets
 import stat
@@ -30,18 +33,25 @@ def _check_count(name: str, value: Any, where: str) -> int:
 
 @dataclass
 class RankPlan:
-    """One rank's share of an iteration: ``accum_steps`` x ``micro_batch_size`` + ``last_batch_size``."""
+    """One rank's share of an iteration: ``accum_steps`` x ``micro_batch_size`` + ``last_batch_size``
+    samples, and its ``shard_weight``: relative to the other ranks', the share of the sharded
+    model state it holds (1.0 everywhere: even shards; 0: none)."""
 
     micro_batch_size: int
     accum_steps: int
     last_batch_size: int = 0
     predicted_compute_s: float | None = None
     device_type: str | None = None
+    shard_weight: float = 1.0
 
     def validate(self, where: str = "RankPlan") -> None:
         _check_count("micro_batch_size", self.micro_batch_size, where)
         _check_count("accum_steps", self.accum_steps, where)
         _check_count("last_batch_size", self.last_batch_size, where)
+        w = self.shard_weight
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
+            raise PlanError(f"{where}: shard_weight must be a finite number >= 0 (its share of the sharded "
+                            f"state, relative to the other ranks'), got {w!r}")
         if self.accum_steps > 0 and self.micro_batch_size == 0:
             raise PlanError(
                 f"{where}: accum_steps={self.accum_steps} with micro_batch_size=0 runs empty "
@@ -88,6 +98,9 @@ class Plan:
             r.validate(f"plan rank {i}")
         if self.global_batch_size == 0:
             raise PlanError("plan processes 0 samples per iteration; give at least one rank samples")
+        if sum(r.shard_weight for r in self.ranks) <= 0:
+            raise PlanError("plan's shard weights are all 0; some rank must hold the sharded state "
+                            "(1.0 on every rank gives even shards)")
         if self.zero_stage is not None and self.zero_stage not in (0, 1, 2, 3):
             raise PlanError(f"plan zero_stage must be 0-3, got {self.zero_stage}")
 
@@ -109,6 +122,20 @@ class Plan:
     @property
     def global_batch_size(self) -> int:
         return sum(r.num_samples for r in self.ranks)
+
+    @property
+    def shard_weights(self) -> tuple[float, ...]:
+        """Every rank's shard weight, in rank order."""
+        return tuple(float(r.shard_weight) for r in self.ranks)
+
+    @property
+    def even_shards(self) -> bool:
+        return len(set(self.shard_weights)) == 1
+
+    def shard_shares(self) -> list[float]:
+        """Every rank's fraction of the sharded state (weights over their sum)."""
+        total = sum(self.shard_weights)
+        return [w / total for w in self.shard_weights]
 
     @property
     def max_micro_steps(self) -> int:
@@ -169,12 +196,15 @@ class Plan:
 
     def table(self) -> str:
         """A readable table of the rows."""
+        shares = None if self.even_shards else self.shard_shares()  # the column only for uneven shards
         head = f"{'rank':>4} {'device':>12} {'b':>5} {'gas':>5} {'lbs':>5} {'n':>6} {'pred s':>9}"
+        head += "" if shares is None else f" {'shard':>6}"
         lines = [head, "-" * len(head)]
         for i, r in enumerate(self.ranks):
             pred = "" if r.predicted_compute_s is None else f"{r.predicted_compute_s:.4f}"
             lines.append(f"{i:>4} {str(r.device_type or '-'):>12} {r.micro_batch_size:>5} "
-                         f"{r.accum_steps:>5} {r.last_batch_size:>5} {r.num_samples:>6} {pred:>9}")
+                         f"{r.accum_steps:>5} {r.last_batch_size:>5} {r.num_samples:>6} {pred:>9}"
+                         + ("" if shares is None else f" {100 * shares[i]:>5.1f}%"))
         tail = f"global batch {self.global_batch_size}"
         if self.predicted_iteration_s is not None:
             tail += f", predicted iteration {self.predicted_iteration_s:.4f} s"

@@ -109,7 +109,7 @@ class ZeroStage(ABC):
             return [(p, [(u.names[i], 0, p.numel(), 0)]) for u, ps in zip(self.units, held) for i, p in enumerate(ps)]
         out = []
         for u, shard in zip(self.units, shard_params):
-            lo, hi = u.rank * u.shard_numel, (u.rank + 1) * u.shard_numel
+            lo, hi = u.shard_range
             segs = []
             for name, off, shape in zip(u.names, u.offsets, u.shapes):
                 a, b = max(lo, off), min(hi, off + shape.numel())

@@ -7,7 +7,8 @@ of the block is the concatenation of its slice of every unit, held in one persis
 reduce-scatter whatever its number of groups. With a single unit the collectives read and
 write the unit's buffers directly; with several, the gathered (rank-major) result is copied
 out into the units' flat buffers, and gradients are copied into rank-major order before the
-reduce-scatter.
+reduce-scatter. Under uneven shard weights rank r's part of the rank-major buffer is its slice
+of every unit, so the parts differ in length and the collectives take the per-rank sizes.
 
 Gathered parameters: ``full`` holds every unit's padded flat buffer back to back; parameters
 are views into it while the block is gathered. Releasing resizes its storage to 0 bytes and
@@ -74,7 +75,8 @@ class GatherHandle:
 
 
 def build_blocks(model: nn.Module, groups: list[list[tuple[str, nn.Parameter]]], wrap_policy: Any,
-                 comm: Communicator, precision: StagePrecision = StagePrecision()) -> list["ShardedBlock"]:
+                 comm: Communicator, precision: StagePrecision = StagePrecision(),
+                 shard_weights: tuple[float, ...] | None = None) -> list["ShardedBlock"]:
     """The root unit's block (index 0, if it owns anything) and the wrapped blocks, sharded.
     Every rank first checks the policy and agrees on the layout, so a bad policy (or different
     policies on different ranks) is a ``DistributedError`` on every rank before any other collective."""
@@ -90,7 +92,8 @@ def build_blocks(model: nn.Module, groups: list[list[tuple[str, nn.Parameter]]],
     for bi, spec in enumerate(specs):
         units = []
         for gi, named in spec.members:
-            units.append(FlatUnit([p for _, p in named], [n for n, _ in named], gi, comm.world_size, comm.rank, index))
+            units.append(FlatUnit([p for _, p in named], [n for n, _ in named], gi, comm.world_size, comm.rank, index,
+                                  shard_weights))
             index += 1
         if units:
             blocks.append(ShardedBlock(bi, spec.name, spec.module, units, precision))
@@ -108,6 +111,9 @@ class ShardedBlock:
         self.shard_sizes = [u.shard_numel for u in units]
         self.shard_offsets = [sum(self.shard_sizes[:k]) for k in range(len(units))]
         self.shard_numel = sum(self.shard_sizes)
+        # every rank's length of the rank-major buffer (its slice of each unit, back to back)
+        self.rank_sizes = [sum(u.layout.size(r) for u in units) for r in range(self.world_size)]
+        self.even = all(u.layout.even for u in units)
         self.full_offsets = [sum(u.padded_numel for u in units[:k]) for k in range(len(units))]
         self.full_numel = sum(u.padded_numel for u in units)
         self.element_size = u0.element_size
@@ -143,10 +149,41 @@ class ShardedBlock:
     def _unit_full(self, k: int) -> torch.Tensor:
         return self.full[self.full_offsets[k]:self.full_offsets[k] + self.units[k].padded_numel]
 
+    def _rank_major_pieces(self) -> list[tuple[int, int, int, int]]:
+        """(unit k, offset in the rank-major buffer, offset in unit k's flat, length): where each
+        rank's slice of each unit lies in the rank-major buffer of the collectives."""
+        pieces, start = [], 0
+        for r in range(self.world_size):
+            for k, u in enumerate(self.units):
+                lo, hi = u.layout.range(r)
+                pieces.append((k, start, lo, hi - lo))
+                start += hi - lo
+        return pieces
+
+    def _unpack(self, rank_major: torch.Tensor, flats: list[torch.Tensor]) -> None:
+        """Copy a rank-major buffer out into the units' flat buffers."""
+        if self.even:
+            rows = rank_major.view(self.world_size, self.shard_numel)
+            for k, (o, s) in enumerate(zip(self.shard_offsets, self.shard_sizes)):
+                flats[k].view(self.world_size, s).copy_(rows[:, o:o + s])
+            return
+        for k, at, lo, n in self._rank_major_pieces():
+            flats[k][lo:lo + n].copy_(rank_major[at:at + n])
+
+    def _pack(self, flats: list[torch.Tensor], rank_major: torch.Tensor) -> None:
+        """Copy the units' flat buffers into rank-major order."""
+        if self.even:
+            rows = rank_major.view(self.world_size, self.shard_numel)
+            for k, (o, s) in enumerate(zip(self.shard_offsets, self.shard_sizes)):
+                rows[:, o:o + s].copy_(flats[k].view(self.world_size, s))
+            return
+        for k, at, lo, n in self._rank_major_pieces():
+            rank_major[at:at + n].copy_(flats[k][lo:lo + n])
+
     def load_param(self, k: int, i: int, value: torch.Tensor) -> None:
         """Copy this rank's part of parameter i of unit k from its full ``value``."""
         u = self.units[k]
-        lo, off, n = self.rank * u.shard_numel, u.offsets[i], u.shapes[i].numel()
+        lo, off, n = u.shard_range[0], u.offsets[i], u.shapes[i].numel()
         a, b = max(lo, off), min(lo + u.shard_numel, off + n)
         if a < b:
             shard = self._unit_shard(self.shard, k)
@@ -162,9 +199,9 @@ class ShardedBlock:
         self._storage.resize_(self.gathered_nbytes)
         self.state = BlockState.GATHERED
         out = self.full if len(self.units) == 1 else torch.empty(
-            self.world_size * self.shard_numel, dtype=self.compute_dtype, device=self.device)
+            self.full_numel, dtype=self.compute_dtype, device=self.device)
         source = self.shard if self.compute_dtype == self.dtype else self.shard.to(self.compute_dtype)
-        work = comm.all_gather(out, source, tag=f"block{self.index}", async_op=async_op)
+        work = comm.all_gather(out, source, tag=f"block{self.index}", async_op=async_op, sizes=self.rank_sizes)
         return GatherHandle(work, None if out is self.full else out, None if source is self.shard else source)
 
     def finish_gather(self, handle: GatherHandle, use: bool = True) -> None:
@@ -173,10 +210,7 @@ class ShardedBlock:
             handle.work.wait()
         staged = handle.staged
         if staged is not None and use:
-            rows = staged.view(self.world_size, self.shard_numel)
-            for k in range(len(self.units)):
-                o, s = self.shard_offsets[k], self.shard_sizes[k]
-                self._unit_full(k).view(self.world_size, s).copy_(rows[:, o:o + s])
+            self._unpack(staged, [self._unit_full(k) for k in range(len(self.units))])
         if use:
             for u_views, u in zip(self.views, self.units):
                 for v, p in zip(u_views, u.params):
@@ -185,10 +219,13 @@ class ShardedBlock:
     def gather_master(self, comm: Communicator) -> list[torch.Tensor]:
         """Every unit's full flat master, gathered from the shards in their own dtype (mixed
         precision: the fp32 values, not the compute copy). A collective."""
-        rows = torch.empty(self.world_size * self.shard_numel, dtype=self.dtype, device=self.device)
-        comm.all_gather(rows, self.shard, tag=f"block{self.index}")
-        rows = rows.view(self.world_size, self.shard_numel)
-        return [rows[:, o:o + s].reshape(-1) for o, s in zip(self.shard_offsets, self.shard_sizes)]
+        rows = torch.empty(self.full_numel, dtype=self.dtype, device=self.device)
+        comm.all_gather(rows, self.shard, tag=f"block{self.index}", sizes=self.rank_sizes)
+        if len(self.units) == 1:
+            return [rows]
+        flats = [u.new_flat(zero=False) for u in self.units]
+        self._unpack(rows, flats)
+        return flats
 
     def free(self) -> None:
         for p in self.params:
@@ -230,23 +267,20 @@ class ShardedBlock:
         read-only zero buffer of at least the block's elements, in the reduce dtype) into
         ``shard_grad``. The handle's ``held_bytes`` are the transient bytes it keeps alive: the
         output, the gradient (``grad_nbytes``, held since it arrived) and a cast copy, if any."""
-        n, sn = self.world_size, self.shard_numel
+        sn, total = self.shard_numel, self.full_numel
         wire = self.precision.reduce_dtype(self.dtype)
         wire_size = torch.empty((), dtype=wire).element_size()
         held = sn * wire_size
         if flats is None:
             assert zeros is not None
-            inp = zeros[:n * sn]
+            inp = zeros[:total]
         elif len(flats) == 1:
             inp = self.precision.for_reduce(flats[0])
-            held += self.grad_nbytes + (0 if inp is flats[0] else n * sn * wire_size)
+            held += self.grad_nbytes + (0 if inp is flats[0] else total * wire_size)
         else:
-            inp = torch.empty(n * sn, dtype=wire, device=self.device)
-            rows = inp.view(n, sn)
-            for k, g in enumerate(flats):
-                o, s = self.shard_offsets[k], self.shard_sizes[k]
-                rows[:, o:o + s].copy_(g.view(n, s))
+            inp = torch.empty(total, dtype=wire, device=self.device)
+            self._pack(flats, inp)
             held += self.grad_nbytes
         out = torch.empty(sn, dtype=wire, device=self.device)
-        work = comm.reduce_scatter(out, inp, tag=f"block{self.index}", async_op=True)
+        work = comm.reduce_scatter(out, inp, tag=f"block{self.index}", async_op=True, sizes=self.rank_sizes)
         return ReduceHandle(work, out, inp, self.shard_grad, held)

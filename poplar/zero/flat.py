@@ -1,8 +1,9 @@
 """Flat parameter units: the layout every ZeRO stage shards.
 
 A ``FlatUnit`` is a list of parameters of one optimizer param group (one dtype, one device)
-laid out back to back in one flat buffer, padded to a multiple of the world size N. Rank r
-owns the slice ``[r*S, (r+1)*S)`` with S = padded / N. Stages 0-2 cut the model into units by
+laid out back to back in one flat buffer, padded; rank r owns the contiguous slice its
+``ShardLayout`` gives it (``poplar.zero.shard_layout``: ``[r*S, (r+1)*S)`` with S = padded / N
+under even shard weights, a share in proportion to the weight otherwise). Stages 0-2 cut the model into units by
 a bucket size (the units are the gradient buckets); stage 3 makes one unit per wrapped block.
 Padding is zero and stays zero (its gradient is zero), so it never changes a norm or a step.
 """
@@ -14,6 +15,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from poplar.zero.shard_layout import ShardLayout
+
 
 @dataclass
 class FlatUnit:
@@ -23,10 +26,12 @@ class FlatUnit:
     world_size: int
     rank: int
     index: int = 0
+    shard_weights: tuple[float, ...] | None = None  # one per rank; None = even shards
     shapes: list[torch.Size] = field(init=False)
     offsets: list[int] = field(init=False)
     numel: int = field(init=False)
     padded_numel: int = field(init=False)
+    layout: ShardLayout = field(init=False)
 
     def __post_init__(self) -> None:
         self.shapes = [p.shape for p in self.params]
@@ -35,15 +40,29 @@ class FlatUnit:
             self.offsets.append(off)
             off += p.numel()
         self.numel = off
-        n = self.world_size
-        self.padded_numel = max(n, -(-off // n) * n)
         p0 = self.params[0]
         self.dtype, self.device = p0.dtype, p0.device
+        weights = self.shard_weights or (1.0,) * self.world_size
+        if len(weights) != self.world_size:
+            raise ValueError(f"{len(weights)} shard weights for a world of {self.world_size}")
+        self.layout = ShardLayout.of(off, weights, p0.element_size())
+        self.padded_numel = self.layout.padded_numel
         self.slot_of = {id(p): i for i, p in enumerate(self.params)}
 
     @property
     def shard_numel(self) -> int:
-        return self.padded_numel // self.world_size
+        """This rank's shard length."""
+        return self.layout.size(self.rank)
+
+    @property
+    def shard_range(self) -> tuple[int, int]:
+        """This rank's slice [lo, hi) of the flat buffer."""
+        return self.layout.range(self.rank)
+
+    @property
+    def shard_sizes(self) -> tuple[int, ...]:
+        """Every rank's shard length (what the uneven collectives take)."""
+        return self.layout.sizes
 
     @property
     def element_size(self) -> int:
@@ -58,8 +77,8 @@ class FlatUnit:
 
     def shard_of(self, flat: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a full flat buffer (a view)."""
-        s = self.shard_numel
-        return flat[self.rank * s:(self.rank + 1) * s]
+        lo, hi = self.shard_range
+        return flat[lo:hi]
 
     def slot(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         """Parameter i's region of a full flat buffer, shaped like the parameter (a view)."""
@@ -78,7 +97,7 @@ class FlatUnit:
 
 
 def split_into_units(groups: list[list[tuple[str, nn.Parameter]]], world_size: int, rank: int,
-                     max_unit_numel: int | None) -> list[FlatUnit]:
+                     max_unit_numel: int | None, shard_weights: tuple[float, ...] | None = None) -> list[FlatUnit]:
     """Cut each param group into units of at most ``max_unit_numel`` elements (a parameter is
     never split; None = one unit per group and dtype). Units are ordered so the last parameters
     of the model come first, roughly the order in which backward produces their gradients."""
@@ -92,22 +111,22 @@ def split_into_units(groups: list[list[tuple[str, nn.Parameter]]], world_size: i
             size = 0
             for name, p in reversed(members):
                 if current and max_unit_numel is not None and size + p.numel() > max_unit_numel:
-                    units.append(_unit(current, gi, world_size, rank, len(units)))
+                    units.append(_unit(current, gi, world_size, rank, len(units), shard_weights))
                     current, size = [], 0
                 current.append((name, p))
                 size += p.numel()
             if current:
-                units.append(_unit(current, gi, world_size, rank, len(units)))
+                units.append(_unit(current, gi, world_size, rank, len(units), shard_weights))
     return units
 
 
 def gradient_buckets(model: nn.Module, groups: list[list[tuple[str, nn.Parameter]]], world_size: int, rank: int,
-                     bucket_size_mb: float) -> list[FlatUnit]:
+                     bucket_size_mb: float, shard_weights: tuple[float, ...] | None = None) -> list[FlatUnit]:
     """The units of stages 0-2: each group cut at ``bucket_size_mb`` (of the parameters' own
     dtype), in backward order, roughly, numbered in that order."""
     element = next(model.parameters()).element_size()
     max_numel = max(1, int(bucket_size_mb * 2**20 / element))
-    units = split_into_units(groups, world_size, rank, max_numel)
+    units = split_into_units(groups, world_size, rank, max_numel, shard_weights)
     order = {id(p): i for i, p in enumerate(model.parameters())}
     units.sort(key=lambda u: -max(order[id(p)] for p in u.params))
     for i, u in enumerate(units):
@@ -115,5 +134,6 @@ def gradient_buckets(model: nn.Module, groups: list[list[tuple[str, nn.Parameter
     return units
 
 
-def _unit(named: list[tuple[str, nn.Parameter]], gi: int, world_size: int, rank: int, index: int) -> FlatUnit:
-    return FlatUnit([p for _, p in named], [n for n, _ in named], gi, world_size, rank, index)
+def _unit(named: list[tuple[str, nn.Parameter]], gi: int, world_size: int, rank: int, index: int,
+          shard_weights: tuple[float, ...] | None) -> FlatUnit:
+    return FlatUnit([p for _, p in named], [n for n, _ in named], gi, world_size, rank, index, shard_weights)

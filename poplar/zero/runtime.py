@@ -106,10 +106,11 @@ class ZeroRuntime:
         self.loss_scaler: LossScaler | None = LossScaler(scale_config) if scale_config is not None else None
         self.nonfinite = NonFiniteGuard(checked.nonfinite, config.max_consecutive_skips)
         self.zero_stage = zero_stage
+        self.shard_weights = plan.shard_weights  # each rank's share of the sharded state, as built
         self.set_plan(plan, PlanCheck.LOCAL)
         self.stage: ZeroStage = build_stage(zero_stage, model, optimizer, self.comm, groups, bucket_size_mb,
                                             wrap_policy, StagePrecision.of(self.mixed_precision),
-                                            self.observers.transient_allocated)
+                                            self.observers.transient_allocated, plan.shard_weights)
         # after the stage: its block hooks run around the checkpoint's (docs/design.md §3.8)
         self.activation_checkpointing = checkpointing.setup(
             self.comm, model, activation_checkpointing, wrap_policy, self.stage.block_names())
@@ -146,6 +147,11 @@ class ZeroRuntime:
                             mismatch="ranks were given different plans; pass the same plan to every rank")
         elif (problem := plan.problem(self.world_size)) is not None:  # edited since it was built?
             raise PlanError(problem)
+        if self.zero_stage > 0 and plan.shard_weights != self.shard_weights:
+            raise PlanError(
+                f"set_plan: the plan's shard weights {list(plan.shard_weights)} differ from the runtime's "
+                f"{list(self.shard_weights)}; re-sharding a running engine is not supported yet: keep the "
+                "weights, or save a checkpoint and load it into an engine built with the new plan")
         self.plan, self.rank_plan, self.global_batch_size = plan, plan.ranks[self.rank], plan.global_batch_size
 
     def restore_iteration(self, iteration: int) -> None:

@@ -73,8 +73,8 @@ class Stage3(ZeroStage):
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: Communicator,
                  groups: list[list[tuple[str, nn.Parameter]]], wrap_policy: Any = None, *,
                  prefetch: bool = True, on_transient: Callable[[], None] | None = None,
-                 precision: StagePrecision = StagePrecision()) -> None:
-        blocks = build_blocks(model, groups, wrap_policy, comm, precision)
+                 precision: StagePrecision = StagePrecision(), shard_weights: tuple[float, ...] | None = None) -> None:
+        blocks = build_blocks(model, groups, wrap_policy, comm, precision, shard_weights)
         super().__init__(model, optimizer, comm, [u for b in blocks for u in b.units], precision)
         self.blocks = blocks
         self.root = blocks[0] if blocks and blocks[0].index == 0 else None

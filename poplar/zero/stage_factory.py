@@ -17,16 +17,18 @@ from poplar.zero.precision import StagePrecision
 
 def build_stage(zero_stage: int, model: nn.Module, optimizer: torch.optim.Optimizer, comm: Communicator,
                 groups: list, bucket_size_mb: float, wrap_policy: Any, precision: StagePrecision,
-                on_transient: Callable[..., None]) -> ZeroStage:
+                on_transient: Callable[..., None], shard_weights: tuple[float, ...] | None = None) -> ZeroStage:
     """The stage for ``zero_stage`` (0-3) over ``groups`` (the optimizer's (name, param) groups);
-    ``on_transient`` is stage 3's hook for each gathered block it allocates."""
+    ``on_transient`` is stage 3's hook for each gathered block it allocates; ``shard_weights``
+    (one per rank, None = even) sets each rank's share of the sharded state."""
     with comm.ledger.scope(Phase.SETUP):
         if zero_stage == 3:
             from poplar.zero.sharded import Stage3
-            return Stage3(model, optimizer, comm, groups, wrap_policy, on_transient=on_transient, precision=precision)
+            return Stage3(model, optimizer, comm, groups, wrap_policy, on_transient=on_transient, precision=precision,
+                          shard_weights=shard_weights)
         from poplar.zero.replicated import Stage0, Stage1, Stage2
 
-        units = gradient_buckets(model, groups, comm.world_size, comm.rank, bucket_size_mb)
+        units = gradient_buckets(model, groups, comm.world_size, comm.rank, bucket_size_mb, shard_weights)
         stage_class = {0: Stage0, 1: Stage1, 2: Stage2}[zero_stage]
         stage = stage_class(model, optimizer, comm, units, precision=precision)
         stage.sync_params()

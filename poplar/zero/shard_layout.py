@@ -1,0 +1,70 @@
+"""Where each rank's shard of a flat buffer lies: contiguous ranges cut in proportion to the
+ranks' shard weights (``RankPlan.shard_weight``).
+
+[Note: even and weighted layouts]
+With equal weights the layout is ZeRO's usual one: the buffer is padded to a multiple of the
+world size N and rank r owns ``[r*S, (r+1)*S)``, S = padded / N, so every collective is an even
+one. With other weights, rank r owns ``[c_r, c_{r+1})`` where the cut points c_r are the
+cumulative weights' share of the buffer, rounded to a multiple of ``align`` elements (16 bytes,
+so every shard starts on a boundary the collectives' kernels handle without a fix-up copy). A
+rank of weight 0 owns an empty range: it holds no state of the buffer but still takes part in
+every collective. Padding is zero and stays zero.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+ALIGN_BYTES = 16  # shard starts on 16-byte boundaries: what NCCL's vectorised copies want
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """The cut points of one flat buffer: rank r owns elements ``[bounds[r], bounds[r+1])``;
+    ``bounds[-1]`` is the padded length."""
+
+    bounds: tuple[int, ...]
+
+    @classmethod
+    def of(cls, numel: int, weights: Sequence[float], element_size: int = 4) -> "ShardLayout":
+        """The layout of ``numel`` elements over ranks of these shard weights (one per rank)."""
+        n = len(weights)
+        if n == 0 or any(not math.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
+            raise ValueError(f"shard weights must be finite, >= 0 and not all 0, got {list(weights)}")
+        if len(set(weights)) == 1:
+            size = max(1, -(-numel // n))
+            return cls(tuple(r * size for r in range(n + 1)))
+        align = max(1, ALIGN_BYTES // element_size)
+        padded = max(align, -(-numel // align) * align)
+        total, running, cuts = float(sum(weights)), 0.0, [0]
+        for w in weights[:-1]:
+            running += w
+            cuts.append(min(padded, max(cuts[-1], round(padded * running / total / align) * align)))
+        cuts.append(padded)
+        return cls(tuple(cuts))
+
+    @property
+    def world_size(self) -> int:
+        return len(self.bounds) - 1
+
+    @property
+    def padded_numel(self) -> int:
+        return self.bounds[-1]
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """Every rank's shard length, in rank order."""
+        return tuple(b - a for a, b in zip(self.bounds, self.bounds[1:]))
+
+    @property
+    def even(self) -> bool:
+        """Every rank's shard has the same length (the collectives need no uneven form)."""
+        return len(set(self.sizes)) == 1
+
+    def range(self, rank: int) -> tuple[int, int]:
+        return self.bounds[rank], self.bounds[rank + 1]
+
+    def size(self, rank: int) -> int:
+        return self.bounds[rank + 1] - self.bounds[rank]

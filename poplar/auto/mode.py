@@ -59,6 +59,9 @@ class AutoOptions:
     profile_data: Any = None  # what profiling trains on: a map-style dataset or sample_fn(b)
     device: Device | None = None  # this rank's device (default: the model's GPU)
     strategy: str = "poplar"  # or "even" / "flops" (the baselines, for comparison)
+    # each rank's share of the sharded state: "even", "auto" (chosen with the batches from the
+    # profile's memory, poplar.planner.shards) or one weight per rank
+    shards: str | tuple[float, ...] = "even"
     profile: Profile | str | os.PathLike | None = None  # reuse a measured profile instead of profiling
     profile_output: str | os.PathLike | None = None  # save the measured profile here (JSON)
     repeats: int = 3  # timing measurements per batch size
@@ -250,7 +253,8 @@ def auto_plan(comm: Communicator, model: nn.Module, optimizer: torch.optim.Optim
         say(f"ZeRO-{zero_stage} does not fit batch 1 on every rank: running at ZeRO-{profile.zero_stage}")
     try:
         plan = make_plan(profile, global_batch_size, profile.zero_stage, options.strategy,
-                         require_all_ranks=options.require_all_ranks, max_micro_steps=options.max_micro_steps)
+                         require_all_ranks=options.require_all_ranks, max_micro_steps=options.max_micro_steps,
+                         shards=options.shards)
     except (PlanError, ProfileError) as e:
         raise PlanError(f"auto mode: planning failed: {e}") from None
     say(f"plan ({plan.strategy}, ZeRO-{plan.zero_stage}, predicted "

@@ -45,6 +45,10 @@ class ModelSpec:
         return {0: 16 * psi, 1: 8 * psi + 8 * psi / n, 2: 4 * psi + 12 * psi / n,
                 3: 16 * psi / n + 4 * psi * self.live_param_fraction}[stage]
 
+    def shard_bytes(self, stage: int, world_size: int) -> float:
+        """A rank's 1/N of the sharded state: what moves with a shard weight."""
+        return {0: 0.0, 1: 8.0, 2: 12.0, 3: 16.0}[stage] * self.param_count / world_size
+
 
 # The workload the presets' speeds describe: a GPT-2-small-sized transformer (125M parameters,
 # 1 GiB of activations per sample). A V100-SXM2 trains it at 40 samples/s; 16 GB cards fit ~13.
@@ -88,6 +92,7 @@ def profile_from_presets(presets: Sequence[DevicePreset], zero_stage: int, model
         ranks.append(RankProfile(rank, preset.name, mbs, [ProfilePoint(b, t) for b, t in points],
                                  device_name=f"preset:{preset.name}", capacity_bytes=capacity,
                                  base_bytes=int(base), bytes_per_sample=model.activation_bytes_per_sample,
+                                 shard_bytes=int(model.shard_bytes(zero_stage, world)) or None,
                                  nominal_tflops=preset.nominal_tflops))
     return Profile(zero_stage, world, model.param_count, model.param_bytes, ranks,
                    CommProfile(bandwidth_gbps * 1e9, latency_us * 1e-6, "simulated"),

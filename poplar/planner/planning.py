@@ -20,11 +20,12 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from poplar.types.plans import Plan, PlanError, RankPlan
 from poplar.planner.baselines import even_rows, flops_rows
 from poplar.planner.cost_model import CommModel, Evaluation, evaluate_rows
+from poplar.planner import shards as shard_choice
 from poplar.planner.groups import DeviceGroup, group_profile
 from poplar.planner.zero01 import allocate_zero01
 from poplar.planner.zero23 import allocate_zero23
@@ -189,13 +190,71 @@ def plan_problem(problem: Problem, strategy: str = "poplar") -> Plan:
 
 def plan(profile: Profile | Mapping[str, Any] | str | os.PathLike, global_batch_size: int,
          zero_stage: int | None = None, strategy: str = "poplar", *, require_all_ranks: bool = False,
-         max_micro_steps: int | None = None) -> Plan:
+         max_micro_steps: int | None = None, shards: str | Sequence[float] = "even") -> Plan:
     """Plan one iteration: per-rank micro-batch, accumulation steps and last batch.
 
     ``profile`` is a ``Profile``, its dict, or a path to its JSON; ``zero_stage`` defaults to
-    the profile's; ``strategy`` is ``poplar`` (default), ``even`` or ``flops``. The plan carries
-    per-rank predicted compute seconds and the predicted iteration (compute + communication).
+    the profile's; ``strategy`` is ``poplar`` (default), ``even`` or ``flops``. ``shards``:
+    ``"even"`` (default), ``"auto"`` (shard weights chosen with the batches, ``planner.shards``)
+    or one weight per rank. The plan carries per-rank predicted compute seconds and the
+    predicted iteration (compute + communication).
     """
-    problem = make_problem(profile, global_batch_size, zero_stage, require_all_ranks=require_all_ranks,
-                           max_micro_steps=max_micro_steps)
-    return plan_problem(problem, strategy)
+    prof = load_profile(profile)
+    stage = prof.zero_stage if zero_stage is None else zero_stage
+
+    def planned(weights: Sequence[float], source: Profile | None) -> Plan | None:
+        if source is None:
+            return None
+        problem = make_problem(source, global_batch_size, zero_stage, require_all_ranks=require_all_ranks,
+                               max_micro_steps=max_micro_steps)
+        out = plan_problem(problem, strategy)
+        for row, w in zip(out.ranks, weights):
+            row.shard_weight = float(w)
+        out.meta["plan_tie"] = problem.plan_tie
+        return out
+
+    if isinstance(shards, str) and shards not in ("even", "auto"):
+        raise PlanError(f"shards must be 'even', 'auto' or one weight per rank, got {shards!r}")
+    # the profile's shard bytes are its own stage's: another stage shards other state
+    if shards == "even" or stage == 0 or (shards == "auto" and stage != prof.zero_stage):
+        return planned([1.0] * prof.world_size, prof)  # type: ignore[return-value]
+    if not isinstance(shards, str):
+        if stage != prof.zero_stage and len(set(shards)) > 1:
+            raise PlanError(f"shard weights are planned at the profile's stage (ZeRO-{prof.zero_stage}); "
+                            f"profile at ZeRO-{stage} to plan weights there")
+        weights = [float(w) for w in shards]
+        found = planned(weights, shard_choice.reshaped(prof, weights))
+        if found is None:
+            raise PlanError(f"with shard weights {weights} some rank fits no sample; give it a smaller weight")
+        return found
+    return _fastest_shards(prof, planned)
+
+
+def _fastest_shards(prof: Profile, planned: Callable[[Sequence[float], Profile | None], Plan | None]) -> Plan:
+    """Every shard candidate's plan; the fastest predicted, unless even shards are within the tie."""
+    rows: list[dict[str, Any]] = []
+    best: Plan | None = None
+    even: Plan | None = None
+    for cand in shard_choice.candidates(prof):
+        try:
+            found = planned(cand.weights, shard_choice.reshaped(prof, cand.weights))
+        except PlanError as e:  # e.g. a global batch these mbs cannot meet within max_micro_steps
+            rows.append({"name": cand.name, "weights": list(cand.weights), "predicted_s": None, "reason": str(e)})
+            continue
+        if found is None:
+            rows.append({"name": cand.name, "weights": list(cand.weights), "predicted_s": None,
+                         "reason": "a rank fits no sample"})
+            continue
+        rows.append({"name": cand.name, "weights": list(cand.weights), "predicted_s": found.predicted_iteration_s,
+                     "mbs": shard_choice.mbs_at(prof, cand.weights)})
+        if cand.name == "even":
+            even = found
+        if best is None or found.predicted_iteration_s < best.predicted_iteration_s:
+            best = found
+    if best is None:
+        raise PlanError("no shard weights fit every rank a sample: " + "; ".join(
+            f"{r['name']}: {r['reason']}" for r in rows))
+    if even is not None and even.predicted_iteration_s <= best.predicted_iteration_s * (1 + even.meta["plan_tie"]):
+        best = even
+    best.meta["shard_candidates"] = rows
+    return best

@@ -94,6 +94,7 @@ class CapacityResult:
     base_bytes: int | None = None  # memory in use before a forward
     bytes_per_sample: float | None = None
     state_bytes: int | None = None  # model states (params, grads, optimizer, buffers)
+    shard_bytes: int | None = None  # this rank's share of the sharded state (after a step that fitted)
     peaks: dict[int, int] = field(default_factory=dict)  # batch -> peak bytes of a step that fitted
     oom_events: list[OomEvent] = field(default_factory=list)
     capped: bool = False  # every batch up to max_batch fitted
@@ -157,6 +158,7 @@ class CapacitySearch:
     def _record_fit(self, batch: int) -> None:
         """The peak of a step that fitted; at batch 1 also Algorithm 1's base and per-sample bytes."""
         res, step = self.result, self.device.last_step
+        res.shard_bytes = self.runtime.stage.sharded_bytes()  # the optimizer state exists after a step
         if step is not None and step.batch == batch:
             res.peaks[batch] = step.peak
             if batch == 1:

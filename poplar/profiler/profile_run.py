@@ -279,7 +279,7 @@ def _assemble_profile(run: ProfileRun, fit: StageCapacity, timing: LockStepTimin
     part = RankProfile(rank=comm.rank, device_type=device.device_type, mbs=result.mbs, points=timing.points,
                        device_name=device.name, capacity_bytes=int(device.capacity_bytes),
                        base_bytes=result.base_bytes, bytes_per_sample=result.bytes_per_sample,
-                       nominal_tflops=device.nominal_tflops, trial_steps=result.trial_steps)
+                       shard_bytes=result.shard_bytes, nominal_tflops=device.nominal_tflops, trial_steps=result.trial_steps)
     notes = {"estimate": result.estimate, "trials": result.trials, "trial_budget": trial_budget(result.mbs),
              "trial_steps_per_stage": fit.trials_per_stage,
              "state_bytes": result.state_bytes, "capped": result.capped,

@@ -39,6 +39,7 @@ class RankProfile:
     capacity_bytes: int | None = None
     base_bytes: int | None = None  # memory in use before a forward (model states etc.)
     bytes_per_sample: float | None = None
+    shard_bytes: int | None = None  # its share of the sharded state at even shards (moves with a shard weight)
     nominal_tflops: float | None = None  # spec-sheet rating, used only by the `flops` baseline
     trial_steps: int = 0  # real steps the capacity search ran
 
@@ -164,7 +165,7 @@ class Profile:
                 _check(getattr(r, name), f"{where}.{name}", int)
             _check(r.device_type, f"{where}.device_type", str)
             _check(r.capacity_bytes, f"{where}.capacity_bytes", int, optional=True)
-            for name in ("base_bytes", "bytes_per_sample", "nominal_tflops"):
+            for name in ("base_bytes", "bytes_per_sample", "shard_bytes", "nominal_tflops"):
                 _check(getattr(r, name), f"{where}.{name}", float, optional=True)
             for j, pt in enumerate(r.points):
                 _check(pt.batch, f"{where}.points[{j}].batch", int)

@@ -171,6 +171,17 @@ class ZeroStage(ABC):
         """Bytes of fp32 master weights kept apart from the compute copy (mixed precision)."""
         return 0
 
+    # memory_report keys a rank holds a weighted share of, by stage (§3.1): the optimizer state
+    # and any fp32 master from ZeRO-1, the gradients from ZeRO-2, the parameters at ZeRO-3
+    SHARDED_KEYS = {0: (), 1: ("optimizer", "master_params"), 2: ("optimizer", "master_params", "grads"),
+                    3: ("optimizer", "master_params", "grads", "params")}
+
+    def sharded_bytes(self) -> int:
+        """Bytes of this rank's share of the sharded state: what grows or shrinks with its shard
+        weight (the rest of its memory does not depend on it)."""
+        report = self.memory_report()
+        return sum(report.get(key, 0) for key in self.SHARDED_KEYS[self.stage])
+
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds: model states, module buffers, and the peak of the engine's
         temporary communication buffers (``comm_buffers``). ``params`` is the copy the model

@@ -70,6 +70,10 @@ def test_auto_mode_profiles_plans_and_trains(tmp_path: Path) -> None:
     assert plan.ranks[0].num_samples > plan.ranks[1].num_samples  # the V100 is ~3x the T4
     for rank, row in enumerate(plan.ranks):
         assert row.micro_batch_size <= profile.ranks[rank].mbs
+    # each rank measured its share of the sharded state, so the planner can price shard weights;
+    # two 16 GB cards have the same room: even shards stay
+    assert all(r.shard_bytes and r.shard_bytes > 0 for r in profile.ranks) and plan.even_shards
+    assert make_plan(profile, GBS, plan.zero_stage, shards="auto").even_shards
     assert r0["losses"] == r1["losses"] and len(r0["losses"]) == 3 and all(x == x for x in r0["losses"])
     assert r0["device"]["device_type"] == "V100-16G" and r1["device"]["device_type"] == "T4-16G"
     assert r0["fit_ranks"] == 2

@@ -1,0 +1,86 @@
+"""The planner's shard weights (``planner.shards``): the memory each weight leaves for batches,
+the candidates, and the choice: even shards where memory does not bind, weights that move state
+to the roomier cards where they let the short ones run larger micro-batches, explicit weights."""
+
+from __future__ import annotations
+
+import pytest
+
+from poplar.emulation.synthetic import GIB, ModelSpec, synthetic_profile
+from poplar.planner import shards
+from poplar.planner.planning import plan
+from poplar.types.plans import Plan, PlanError
+
+
+def _profile(cluster: str, stage: int, params: float):
+    return synthetic_profile(cluster, stage, ModelSpec(f"m{params:g}", int(params), 1.0 * GIB))
+
+
+def test_largest_micro_batch_follows_the_share() -> None:
+    prof = _profile("C", 2, 3e9)  # 2 x A800-80G + 2 x V100S-32G
+    small = next(r for r in prof.ranks if r.device_type.startswith("V100"))
+    assert shards.mbs_at(prof, [1.0] * 4) == [r.mbs for r in prof.ranks]
+    weights = [1.5 if r.device_type.startswith("A800") else 0.5 for r in prof.ranks]
+    moved = shards.mbs_at(prof, weights)
+    # the short card holds half its even share: shard_bytes / 2 freed, whole samples of it
+    freed = small.shard_bytes * 0.5
+    assert moved[small.rank] == small.mbs + int(freed // small.bytes_per_sample)
+    big = next(r for r in prof.ranks if r.device_type.startswith("A800"))
+    assert moved[big.rank] == big.mbs - -(-int(freed) // int(big.bytes_per_sample))
+    assert shards.step_scale(weights) == pytest.approx(4 * 1.5 / 4)
+
+
+def test_candidates_start_even_and_lean_towards_memory() -> None:
+    prof = _profile("A", 2, 2e9)
+    cands = shards.candidates(prof)
+    assert cands[0].weights == (1.0,) * 4 and len(cands) == 1 + len(shards.BLENDS)
+    big = [r.rank for r in prof.ranks if r.device_type.startswith("A100-80")]
+    for c in cands[1:]:
+        assert all(c.weights[r] > 1.0 for r in big) and sum(c.weights) == pytest.approx(4.0)
+    # ZeRO-0 shards nothing, and a profile that does not know its shard bytes cannot move them
+    assert len(shards.candidates(_profile("A", 0, 2e9))) == 1
+    legacy = _profile("A", 2, 2e9)
+    for r in legacy.ranks:
+        r.shard_bytes = None
+    assert len(shards.candidates(legacy)) == 1
+    with pytest.raises(PlanError, match="shard_bytes"):
+        shards.mbs_at(legacy, [2, 2, 1, 1])
+
+
+def test_even_shards_where_memory_does_not_bind() -> None:
+    for cluster, stage in [("A", 2), ("C", 3), ("B", 2)]:
+        prof = _profile(cluster, stage, 125e6)
+        auto = plan(prof, 256, stage, shards="auto")
+        assert auto.even_shards, (cluster, stage, auto.shard_weights)
+        assert auto.meta["shard_candidates"][0]["name"] == "even"
+
+
+def test_memory_bound_rows_move_state_to_the_roomy_cards() -> None:
+    prof = _profile("C", 2, 3e9)
+    even, auto = plan(prof, 256, 2), plan(prof, 256, 2, shards="auto")
+    assert not auto.even_shards
+    roomy = {r.rank for r in prof.ranks if r.device_type.startswith("A800")}
+    assert min(auto.shard_weights[r] for r in roomy) > max(w for r, w in enumerate(auto.shard_weights)
+                                                           if r not in roomy)
+    assert auto.predicted_iteration_s < even.predicted_iteration_s * (1 - auto.meta["plan_tie"])
+    short = min(r.rank for r in prof.ranks if r.rank not in roomy)
+    assert auto.ranks[short].micro_batch_size > even.ranks[short].micro_batch_size
+    again = Plan.from_dict(auto.to_dict())
+    assert again.shard_weights == auto.shard_weights and "shard" in auto.table()
+
+
+def test_explicit_weights_and_bad_choices() -> None:
+    prof = _profile("C", 2, 3e9)
+    weights = [1.2 if r.device_type.startswith("A800") else 0.8 for r in prof.ranks]
+    p = plan(prof, 256, 2, shards=weights)
+    assert p.shard_weights == tuple(weights)
+    assert [r.micro_batch_size <= m for r, m in zip(p.ranks, shards.mbs_at(prof, weights))] == [True] * 4
+    first_small = min(r.rank for r in prof.ranks if r.device_type.startswith("V100"))
+    starved = [1.0 if r.rank == first_small else 0.0 for r in prof.ranks]  # all the state on a 32 GB card
+    with pytest.raises(PlanError, match="fits no sample"):
+        plan(prof, 256, 2, shards=starved)
+    with pytest.raises(PlanError, match="'even', 'auto'"):
+        plan(prof, 256, 2, shards="proportional")
+    with pytest.raises(PlanError, match="profile's stage"):
+        plan(prof, 256, 3, shards=weights)
+    assert plan(prof, 256, 3, shards="auto").even_shards  # another stage: its shard bytes are unknown

@@ -86,6 +86,10 @@ class ZeroStage(ABC):
         (None: being finite is enough)."""
         return None
 
+    def reshard(self, weights: tuple[float, ...]) -> None:
+        """Hold shares of the sharded state by new weights from the next iteration on (every rank
+        together, between iterations); a stage that shards nothing keeps what it has."""
+
     @abstractmethod
     def optimizer_step(self) -> None:
         ...

@@ -108,6 +108,31 @@ class ShardedBlock:
         self.world_size, self.rank, self.dtype, self.device = u0.world_size, u0.rank, u0.dtype, u0.device
         self.precision = precision
         self.compute_dtype = precision.compute_dtype(self.dtype)  # of the gathered parameters
+        self.element_size = u0.element_size
+        self.num_params = sum(len(u.params) for u in units)
+        self.params = [p for u in units for p in u.params]
+        # rank r keeps its slice of its own initial values: the gathered model is consistent on
+        # every rank even if ranks built different initial weights (each slice has one owner)
+        flats = []
+        for u in units:
+            flats.append(u.new_flat())
+            u.copy_params_into(flats[-1])
+        self._allocate(flats)
+        self.late_flats: list[torch.Tensor] | None = None
+        self.reset_grads()
+
+    def reshard(self, weights: tuple[float, ...], flats: list[torch.Tensor]) -> None:
+        """Cut the block by new shard weights, taking this rank's new shard from ``flats`` (every
+        unit's full flat values: ``gather_master``'s, between iterations, block released)."""
+        assert self.state is BlockState.RELEASED, f"block {self.name!r} resharded while gathered"
+        for u in self.units:
+            u.set_shard_weights(weights)
+        self._allocate(flats)
+
+    def _allocate(self, flats: list[torch.Tensor]) -> None:
+        """The layout's sizes and this rank's storage: its shard (from ``flats``, the units' full
+        values), gradient shard, optimizer parameters, and the released gathered buffer."""
+        units = self.units
         self.shard_sizes = [u.shard_numel for u in units]
         self.shard_offsets = [sum(self.shard_sizes[:k]) for k in range(len(units))]
         self.shard_numel = sum(self.shard_sizes)
@@ -116,18 +141,13 @@ class ShardedBlock:
         self.even = all(u.layout.even for u in units)
         self.full_offsets = [sum(u.padded_numel for u in units[:k]) for k in range(len(units))]
         self.full_numel = sum(u.padded_numel for u in units)
-        self.element_size = u0.element_size
         self.gathered_nbytes = self.full_numel * torch.empty((), dtype=self.compute_dtype).element_size()
-        self.num_params = sum(len(u.params) for u in units)
-        self.params = [p for u in units for p in u.params]
 
-        # rank r keeps its slice of its own initial values: the gathered model is consistent on
-        # every rank even if ranks built different initial weights (each slice has one owner)
-        self.shard = torch.empty(self.shard_numel, dtype=self.dtype, device=self.device)
-        for k, u in enumerate(units):
-            flat = u.new_flat()
-            u.copy_params_into(flat)
-            self._unit_shard(self.shard, k).copy_(u.shard_of(flat))
+        self.shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
+        for k, (u, flat) in enumerate(zip(units, flats)):
+            lo, hi = u.shard_range
+            part = flat[lo:min(hi, flat.numel())]
+            self._unit_shard(self.shard, k)[:part.numel()].copy_(part)
         self.shard_grad = torch.zeros_like(self.shard)
         self.shard_params = [nn.Parameter(self._unit_shard(self.shard, k), requires_grad=True)
                              for k in range(len(units))]
@@ -140,8 +160,6 @@ class ShardedBlock:
         for p in self.params:
             p.data = self._empty
         self.state = BlockState.RELEASED
-        self.late_flats: list[torch.Tensor] | None = None
-        self.reset_grads()
 
     def _unit_shard(self, flat_shard: torch.Tensor, k: int) -> torch.Tensor:
         return flat_shard[self.shard_offsets[k]:self.shard_offsets[k] + self.shard_sizes[k]]

@@ -49,6 +49,12 @@ class FlatUnit:
         self.padded_numel = self.layout.padded_numel
         self.slot_of = {id(p): i for i, p in enumerate(self.params)}
 
+    def set_shard_weights(self, weights: tuple[float, ...] | None) -> None:
+        """Cut the unit by other shard weights (the padded length may change with them)."""
+        self.shard_weights = weights
+        self.layout = ShardLayout.of(self.numel, weights or (1.0,) * self.world_size, self.element_size)
+        self.padded_numel = self.layout.padded_numel
+
     @property
     def shard_numel(self) -> int:
         """This rank's shard length."""

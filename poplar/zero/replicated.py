@@ -36,6 +36,7 @@ from poplar.zero.grad_hooks import on_grad_accumulated
 from poplar.zero.optim import repoint_optimizer
 from poplar.zero.precision import StagePrecision
 from poplar.zero.reduce_queue import ReduceHandle, ReduceQueue
+from poplar.zero.reshard import cut_state, gather_state, shard_from
 
 
 class ReplicatedParams(ZeroStage):
@@ -87,6 +88,32 @@ class ReplicatedParams(ZeroStage):
             groups[u.group_index].append(s)
         repoint_optimizer(self.optimizer, groups)
         return shards
+
+    def reshard(self, weights: tuple[float, ...]) -> None:
+        """Cut every unit by new shard weights, between iterations (every rank together): the
+        parameters are whole on every rank already; the optimizer state (and a sharded fp32
+        master) is gathered over the old cut and cut again (``poplar.zero.reshard``)."""
+        if not self.master_sharded:  # stage 0 shards nothing
+            return
+        states = gather_state(self.comm, self.optimizer, self.units, self.shard_params)
+        old = self.shard_params
+        for ui, u in enumerate(self.units):
+            master = self._whole_master(ui) if self.masters else None
+            previous = self.flat_params[ui]
+            u.set_shard_weights(weights)
+            flat = u.new_flat(dtype=previous.dtype)
+            flat[:u.numel].copy_(previous[:u.numel])
+            u.point_params_at(flat)
+            self.flat_params[ui] = flat
+            if master is not None:
+                self.masters[ui] = shard_from(master, u)
+                self._release(master.numel() * master.element_size())
+        self._new_grad_buffers()
+        self.shard_params = self._shard_params()
+        cut_state(self.optimizer, self.units, old, self.shard_params, states)
+
+    def _new_grad_buffers(self) -> None:
+        """Gradient buffers of the units' current layout (between iterations: they are zero)."""
 
     def sync_params(self) -> None:
         """Every rank takes each shard from its owner (after a step; at setup this also makes
@@ -162,7 +189,7 @@ class Stage0(ReplicatedParams):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.flat_grads = [u.new_flat() for u in self.units]
+        self._new_grad_buffers()
         # mixed precision: the optimizer steps one fp32 master view per model parameter
         self.master_params: list[list[nn.Parameter]] | None = None
         if self.masters and not self.master_sharded:
@@ -171,6 +198,9 @@ class Stage0(ReplicatedParams):
             master_of = {id(p): mp for u, mps in zip(self.units, self.master_params) for p, mp in zip(u.params, mps)}
             repoint_optimizer(self.optimizer, [[master_of.get(id(p), p) for p in g["params"]]
                                                for g in self.optimizer.param_groups])
+
+    def _new_grad_buffers(self) -> None:
+        self.flat_grads = [u.new_flat() for u in self.units]
 
     def _grad_ready(self, ui: int, si: int, grad: torch.Tensor) -> None:
         self.units[ui].slot(self.flat_grads[ui], si).add_(grad)
@@ -266,9 +296,12 @@ class Stage2(ReplicatedParams):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.shard_params = self._shard_params()
-        self.shard_grads = [u.new_shard() for u in self.units]
+        self._new_grad_buffers()
         self._reduces = ReduceQueue(self.reduces_in_flight, self._release)
         self._reset_micro_step()
+
+    def _new_grad_buffers(self) -> None:
+        self.shard_grads = [u.new_shard() for u in self.units]
 
     def _reset_micro_step(self) -> None:
         self._buckets: list[torch.Tensor | None] = [None] * len(self.units)

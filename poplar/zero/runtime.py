@@ -47,6 +47,11 @@ from poplar.zero.stage_factory import build_stage
 LossFn = Callable[[nn.Module, Any], Any]
 
 
+def _shares(weights: tuple[float, ...]) -> tuple[float, ...]:
+    total = sum(weights)
+    return tuple(w / total for w in weights)
+
+
 class PlanCheck(Enum):
     """How ``set_plan`` checks a new plan."""
 
@@ -135,7 +140,9 @@ class ZeroRuntime:
         with the same plan: checked by every rank together (``PlanCheck.AGREE``: a
         ``DistributedError`` on every rank otherwise), or on this rank alone (``PlanCheck.LOCAL``,
         no collective, for callers whose ranks derive the plan from data they already agreed on:
-        the profiler switches plans every timing round; a ``PlanError`` if it is not valid)."""
+        the profiler switches plans every timing round; a ``PlanError`` if it is not valid).
+        A plan whose shard weights differ from the running ones re-shards the state first (every
+        rank together, ``ZeroStage.reshard``)."""
         if check is PlanCheck.AGREE:
             error = None
             if self._micro_steps:
@@ -147,11 +154,10 @@ class ZeroRuntime:
                             mismatch="ranks were given different plans; pass the same plan to every rank")
         elif (problem := plan.problem(self.world_size)) is not None:  # edited since it was built?
             raise PlanError(problem)
-        if self.zero_stage > 0 and plan.shard_weights != self.shard_weights:
-            raise PlanError(
-                f"set_plan: the plan's shard weights {list(plan.shard_weights)} differ from the runtime's "
-                f"{list(self.shard_weights)}; re-sharding a running engine is not supported yet: keep the "
-                "weights, or save a checkpoint and load it into an engine built with the new plan")
+        if _shares(plan.shard_weights) != _shares(self.shard_weights):
+            with self.comm.ledger.scope(Phase.STATE):  # every rank together: they have the same plan
+                self.stage.reshard(plan.shard_weights)
+            self.shard_weights = plan.shard_weights
         self.plan, self.rank_plan, self.global_batch_size = plan, plan.ranks[self.rank], plan.global_batch_size
 
     def restore_iteration(self, iteration: int) -> None:

@@ -61,6 +61,7 @@ from poplar.zero.optim import repoint_optimizer
 from poplar.zero.precision import StagePrecision
 from poplar.zero.prefetch import Pass, PassKind, PassState, Schedule, backward_items, forward_items
 from poplar.zero.reduce_queue import ReduceQueue
+from poplar.zero.reshard import cut_state, gather_state
 from poplar.zero.wrap import post_order
 
 
@@ -79,11 +80,7 @@ class Stage3(ZeroStage):
         self.blocks = blocks
         self.root = blocks[0] if blocks and blocks[0].index == 0 else None
         self.layers = [b for b in blocks if b is not self.root]
-        self.shard_params = [sp for b in blocks for sp in b.shard_params]
-        per_group: list[list[nn.Parameter]] = [[] for _ in optimizer.param_groups]
-        for u, sp in zip(self.units, self.shard_params):
-            per_group[u.group_index].append(sp)
-        repoint_optimizer(optimizer, per_group)
+        self._point_optimizer()
 
         self.prefetch = prefetch
         self._on_gathered = on_transient  # called after each gather allocation (memory-cap checks)
@@ -108,6 +105,27 @@ class Stage3(ZeroStage):
             for k, u in enumerate(b.units):
                 for i, p in enumerate(u.params):
                     on_grad_accumulated(p, self._grad_ready, b.index, k, i)
+
+    def _point_optimizer(self) -> None:
+        """The optimizer steps the blocks' shard parameters, each in its unit's group."""
+        self.shard_params = [sp for b in self.blocks for sp in b.shard_params]
+        per_group: list[list[nn.Parameter]] = [[] for _ in self.optimizer.param_groups]
+        for u, sp in zip(self.units, self.shard_params):
+            per_group[u.group_index].append(sp)
+        repoint_optimizer(self.optimizer, per_group)
+
+    def reshard(self, weights: tuple[float, ...]) -> None:
+        """Cut every block by new shard weights, between iterations (every rank together): each
+        block's full fp32 values and the optimizer state are gathered over the old cut and cut
+        again (``poplar.zero.reshard``)."""
+        if self.in_pass:
+            raise RuntimeError("ZeRO-3: re-sharding inside a micro-step; change the plan between iterations")
+        states = gather_state(self.comm, self.optimizer, self.units, self.shard_params)
+        old = self.shard_params
+        for b in self.blocks:
+            b.reshard(weights, b.gather_master(self.comm))
+        self._point_optimizer()
+        cut_state(self.optimizer, self.units, old, self.shard_params, states)
 
     def block_names(self) -> list[str]:
         return [b.name for b in self.layers]

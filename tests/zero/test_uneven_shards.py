@@ -1,7 +1,8 @@
 """Shard weights (``RankPlan.shard_weight``): ZeRO-1/2/3 on 3 gloo ranks whose shards are cut
 5:1:2 (and 0:1:2, a rank holding nothing) equal single-process full-batch training under uneven
-batch plans; each rank's sharded bytes follow its weight; a checkpoint saved under 5:1:2 loads
-into an engine with even shards and goes on as the uninterrupted run; the layouts themselves."""
+batch plans; set_plan re-shards a running engine between iterations; each rank's sharded bytes
+follow its weight; a checkpoint saved under 5:1:2 loads into an engine with even shards and goes
+on as the uninterrupted run; the layouts themselves."""
 
 from __future__ import annotations
 
@@ -68,6 +69,52 @@ def test_weighted_shards_match_single_process(stage: int) -> None:
                 losses, state = res[(kind, max_norm, pi)]
                 assert max_rel_err(state, ref_state) <= 1e-5, (kind, max_norm, pi, rank)
                 assert losses == pytest.approx(ref_losses, rel=1e-5), (kind, max_norm, pi, rank)
+
+
+def _with_weights(plan: Plan, weights: tuple[float, ...]) -> Plan:
+    return Plan([RankPlan(r.micro_batch_size, r.accum_steps, r.last_batch_size, shard_weight=w)
+                 for r, w in zip(plan.ranks, weights)])
+
+
+RESHARDS = [(1, 1, 1), (5, 1, 2), (0, 1, 2)]  # the weights of iterations 0, 1 and 2
+
+
+def reshard_worker(rank: int, world: int, stage: int) -> dict:
+    torch.set_num_threads(1)
+    out = {}
+    for kind, max_norm, precision in [("sgd", None, None), ("adamw", 0.5, None), ("sgd", None, "bf16")]:
+        for live in (True, False):
+            model = make_model(seed=0)
+            base = PLANS[0]
+            engine = PoplarEngine(model, make_optimizer(model, kind), zero_stage=_config(stage),
+                                  plan=_with_weights(base, RESHARDS[0]), max_grad_norm=max_norm,
+                                  mixed_precision=precision)
+            losses = []
+            for it in range(ITERATIONS):
+                if live:
+                    engine.set_plan(_with_weights(base, RESHARDS[it]))
+                losses.append(engine.train_step(rank_slice(global_batch(it, GBS), base, rank), loss_fn))
+            out[(kind, max_norm, precision, live)] = (losses, engine.full_state_dict(), engine.shard_weights)
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.multiprocess
+def test_set_plan_reshards_between_iterations(stage: int) -> None:
+    """Weights 1:1:1, then 5:1:2, then 0:1:2 between iterations: the same training as the
+    reference (fp32) and as the run that kept even shards (bf16: the fp32 masters move)."""
+    results = spawn(reshard_worker, 3, (stage,), timeout_s=240)
+    for kind, max_norm, precision in [("sgd", None, None), ("adamw", 0.5, None), ("sgd", None, "bf16")]:
+        for rank, res in enumerate(results):
+            losses, state, weights = res[(kind, max_norm, precision, True)]
+            assert weights == (0.0, 1.0, 2.0)
+            kept_losses, kept_state, _ = res[(kind, max_norm, precision, False)]
+            assert max_rel_err(state, kept_state) <= 1e-6, (kind, precision, rank)
+            assert losses == pytest.approx(kept_losses, rel=1e-6)
+            if precision is None:
+                ref_losses, ref_state = reference_run(kind, GBS, ITERATIONS, max_norm)
+                assert max_rel_err(state, ref_state) <= 1e-5, (kind, rank)
+                assert losses == pytest.approx(ref_losses, rel=1e-5)
 
 
 class Wide(nn.Module):

@@ -1,0 +1,75 @@
+"""Moving a running stage's optimizer state to other shard weights, between iterations.
+
+Each optimizer parameter of stages 1-3 is one unit's shard, so its per-element state (momentum,
+Adam's moments: tensors shaped like the shard) is the same kind of thing as the shard itself:
+gathered over the old layout into the unit's full flat, then cut by the new one. Other state
+(Adam's ``step``) is the same on every rank and is kept. Every rank calls these together.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Sequence
+
+import torch
+from torch import nn
+
+from poplar.comm import Communicator, DistributedError
+from poplar.zero.flat import FlatUnit
+
+
+def per_element(value: Any, shard: torch.Tensor) -> bool:
+    """Whether an optimizer state value has one element per element of its shard parameter."""
+    return torch.is_tensor(value) and value.dim() == 1 and value.shape == shard.shape
+
+
+class UnitState(NamedTuple):
+    """One unit's optimizer state over the whole unit: per-element values as full flats (the
+    old layout's padded length), and the rest as it was."""
+
+    flats: dict[str, torch.Tensor]
+    other: dict[str, Any]
+
+
+def gather_state(comm: Communicator, optimizer: torch.optim.Optimizer, units: Sequence[FlatUnit],
+                 shards: Sequence[nn.Parameter]) -> list[UnitState]:
+    """Per unit, its optimizer state over the whole unit (a collective, every rank together)."""
+    keys = [sorted(k for k, v in optimizer.state.get(sp, {}).items() if per_element(v, sp)) for sp in shards]
+    everyone = comm.all_gather_object(keys, tag="reshard:keys")
+    if any(theirs != keys for theirs in everyone):
+        raise DistributedError("re-sharding: ranks hold different optimizer state (one has stepped, another not); "
+                               "call set_plan on every rank between the same iterations")
+    out = []
+    for u, sp, unit_keys in zip(units, shards, keys):
+        state = optimizer.state.get(sp, {})
+        flats = {}
+        for k in unit_keys:
+            value = state[k]
+            flat = torch.zeros(u.padded_numel, dtype=value.dtype, device=value.device)
+            comm.all_gather(flat, value.detach().contiguous(), tag=f"reshard:unit{u.index}", sizes=u.shard_sizes)
+            flats[k] = flat
+        out.append(UnitState(flats, {k: v for k, v in state.items() if k not in unit_keys}))
+    return out
+
+
+def cut_state(optimizer: torch.optim.Optimizer, units: Sequence[FlatUnit], old: Sequence[nn.Parameter],
+              new: Sequence[nn.Parameter], full: Sequence[UnitState]) -> None:
+    """Give each new shard parameter its part of the unit's full state (new layout); drop the old."""
+    for sp in old:
+        optimizer.state.pop(sp, None)
+    for u, sp, state in zip(units, new, full):
+        if not state.flats and not state.other:
+            continue
+        cut: dict[str, Any] = dict(state.other)
+        for k, flat in state.flats.items():
+            cut[k] = shard_from(flat, u)
+        optimizer.state[sp] = cut
+
+
+def shard_from(flat: torch.Tensor, unit: FlatUnit) -> torch.Tensor:
+    """This rank's shard (new layout) of a unit's full flat of another layout's padded length:
+    the values it has, zeros beyond them (padding)."""
+    lo, hi = unit.shard_range
+    part = torch.zeros(hi - lo, dtype=flat.dtype, device=flat.device)
+    have = flat[lo:min(hi, flat.numel())]
+    part[:have.numel()].copy_(have)
+    return part

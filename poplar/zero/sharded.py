@@ -61,8 +61,7 @@ from poplar.zero.optim import repoint_optimizer
 from poplar.zero.precision import StagePrecision
 from poplar.zero.prefetch import Pass, PassKind, PassState, Schedule, backward_items, forward_items
 from poplar.zero.reduce_queue import ReduceQueue
-from poplar.zero.reshard import cut_state, gather_state
-from poplar.zero.wrap import post_order
+from poplar.zero.wrap import block_orders, post_order
 
 
 class Stage3(ZeroStage):
@@ -80,7 +79,7 @@ class Stage3(ZeroStage):
         self.blocks = blocks
         self.root = blocks[0] if blocks and blocks[0].index == 0 else None
         self.layers = [b for b in blocks if b is not self.root]
-        self._point_optimizer()
+        self.point_optimizer()
 
         self.prefetch = prefetch
         self._on_gathered = on_transient  # called after each gather allocation (memory-cap checks)
@@ -106,7 +105,7 @@ class Stage3(ZeroStage):
                 for i, p in enumerate(u.params):
                     on_grad_accumulated(p, self._grad_ready, b.index, k, i)
 
-    def _point_optimizer(self) -> None:
+    def point_optimizer(self) -> None:
         """The optimizer steps the blocks' shard parameters, each in its unit's group."""
         self.shard_params = [sp for b in self.blocks for sp in b.shard_params]
         per_group: list[list[nn.Parameter]] = [[] for _ in self.optimizer.param_groups]
@@ -115,28 +114,15 @@ class Stage3(ZeroStage):
         repoint_optimizer(self.optimizer, per_group)
 
     def reshard(self, weights: tuple[float, ...]) -> None:
-        """Cut every block by new shard weights, between iterations (every rank together): each
-        block's full fp32 values and the optimizer state are gathered over the old cut and cut
-        again (``poplar.zero.reshard``)."""
-        if self.in_pass:
-            raise RuntimeError("ZeRO-3: re-sharding inside a micro-step; change the plan between iterations")
-        states = gather_state(self.comm, self.optimizer, self.units, self.shard_params)
-        old = self.shard_params
-        for b in self.blocks:
-            b.reshard(weights, b.gather_master(self.comm))
-        self._point_optimizer()
-        cut_state(self.optimizer, self.units, old, self.shard_params, states)
+        """Cut every block by new shard weights, between iterations (every rank together)."""
+        sharded_state.reshard(self, weights)
 
     def block_names(self) -> list[str]:
         return [b.name for b in self.layers]
 
     # ------------------------------------------------------------------ orders
     def _set_orders(self, pre: list[int], post: list[int]) -> None:
-        by = {b.index: b for b in self.blocks}
-        canon_f = [b.index for b in self.layers]
-        canon_g = list(reversed(post_order(self.layers)))
-        self.fwd_order = [by[i] for i in pre] + [by[i] for i in canon_f if i not in pre]
-        self.bwd_order = [by[i] for i in reversed(post)] + [by[i] for i in canon_g if i not in post]
+        self.fwd_order, self.bwd_order = block_orders(self.blocks, self.layers, pre, post)
 
     def _agree_order(self) -> None:
         names = {b.index: b.name for b in self.blocks}

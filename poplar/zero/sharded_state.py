@@ -3,7 +3,8 @@
 ``full_state_dict`` is a collective (every block is gathered in turn, between iterations);
 under mixed precision it gathers the fp32 master shards, not the compute copy, so the state is
 what the optimizer steps. ``load_full_state_dict`` needs no collective: every rank is given
-the whole state and copies its own part into its shards.
+the whole state and copies its own part into its shards. ``reshard`` moves the shards to other
+shard weights (a collective, between iterations).
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from torch import nn
 
 from poplar.comm import Communicator, Phase
 from poplar.zero.blocks import ShardedBlock
+from poplar.zero.flat import FlatUnit
 from poplar.zero.precision import StagePrecision
+from poplar.zero.reshard import cut_state, gather_state
 
 
 class ShardedState(Protocol):
@@ -25,6 +28,9 @@ class ShardedState(Protocol):
     blocks: list[ShardedBlock]
     comm: Communicator
     precision: StagePrecision
+    optimizer: torch.optim.Optimizer
+    units: list[FlatUnit]
+    shard_params: list[nn.Parameter]
 
     @property
     def in_pass(self) -> bool: ...
@@ -33,6 +39,21 @@ class ShardedState(Protocol):
     def unsharded_value(self, v: torch.Tensor) -> torch.Tensor: ...
     def load_unsharded(self, v: torch.Tensor, value: torch.Tensor) -> None: ...
     def check_state_fits(self, state: dict[str, torch.Tensor], shape: dict[str, Any]) -> None: ...
+    def point_optimizer(self) -> None: ...
+
+
+def reshard(stage: ShardedState, weights: tuple[float, ...]) -> None:
+    """Cut every block by new shard weights: each block's full fp32 values and the optimizer
+    state are gathered over the old cut and cut again (``poplar.zero.reshard``)."""
+    if stage.in_pass:
+        raise RuntimeError("ZeRO-3: re-sharding inside a micro-step; change the plan between iterations")
+    states = gather_state(stage.comm, stage.optimizer, stage.units, stage.shard_params)
+    old = stage.shard_params
+    with torch.no_grad():
+        for b in stage.blocks:
+            b.reshard(weights, b.gather_master(stage.comm))
+    stage.point_optimizer()
+    cut_state(stage.optimizer, stage.units, old, stage.shard_params, states)
 
 
 def full_state_dict(stage: ShardedState) -> dict[str, torch.Tensor]:

@@ -155,6 +155,16 @@ def plan_blocks(model: nn.Module, groups: list[list[tuple[str, nn.Parameter]]], 
     return [specs[0]] + blocks, None
 
 
+def block_orders(blocks: list[Any], layers: list[Any], pre: list[int], post: list[int]) -> tuple[list, list]:
+    """The forward and backward orders of ``blocks`` from a forward's recorded pre- and
+    post-order (block indices); blocks of ``layers`` it did not run follow in model order."""
+    by = {b.index: b for b in blocks}
+    canon_f = [b.index for b in layers]
+    canon_g = list(reversed(post_order(layers)))
+    return ([by[i] for i in pre] + [by[i] for i in canon_f if i not in pre],
+            [by[i] for i in reversed(post)] + [by[i] for i in canon_g if i not in post])
+
+
 def post_order(blocks: list[Any]) -> list[int]:
     """Indices of ``blocks`` (in pre-order, with ``.name`` and ``.index``) in the order their
     forwards end, if blocks nest as their names say."""

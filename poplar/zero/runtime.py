@@ -267,9 +267,12 @@ class ZeroRuntime:
             (objective * self.loss_scale).backward()
             self.observers.collectives_completing(step)
             self.stage.end_micro_step()
-        self.observers.backward_end(step)
+        # the micro-step's collectives are complete: counted now, so that an error raised by an
+        # observer from here on (an out-of-memory error a device reports when backward returns)
+        # does not make the clean-up issue them a second time, which no other rank would match
         self._micro_steps += 1
         self._micro_step = None
+        self.observers.backward_end(step)
         self.observers.micro_step_end(step)
 
     def step(self) -> float:

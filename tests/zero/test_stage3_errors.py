@@ -1,6 +1,7 @@
 """ZeRO-3 on bad input: a clear error on every rank and no hang — a wrap policy that matches no
 module, ranks with different wrap policies, a forward order that differs across ranks, a block
-run twice on one rank, an (emulated) out-of-memory at a gather on one rank; and a forward order
+run twice on one rank, an (emulated) out-of-memory at a gather on one rank or when backward returns;
+and a forward order
 that changes after the first iteration stays exact."""
 
 from __future__ import annotations
@@ -92,6 +93,22 @@ def worker(rank: int, world: int) -> dict:
     out["oom"] = [_outcome(lambda: _train(engine, rank, 1)), _outcome(lambda: _train(engine, rank, 2)),
                   engine.stage.gathered_bytes, engine.stage.transient_bytes]
 
+    # an out-of-memory error reported when backward returns (as an emulated device does, after the
+    # micro-step's collectives completed) on rank 0's second micro-step: the clean-up must not issue
+    # that micro-step's collectives again; every rank fails the iteration, the next one trains
+    model = make_model()
+    engine = PoplarEngine(model, make_optimizer(model, "sgd"), zero_stage=3, plan=PLAN)
+
+    class FailingBackwardEnd(StepObserver):
+        calls = 0
+
+        def backward_end(self, step: object) -> None:
+            self.calls += 1
+            if rank == 0 and self.calls == 2:
+                raise MemoryError("emulated out of memory when backward returned")
+    engine.add_observer(FailingBackwardEnd())
+    out["late_oom"] = [_outcome(lambda: _train(engine, rank, 1)), _outcome(lambda: _train(engine, rank, 1))]
+
     # the order changes on rank 1 after it was recorded: still exact, with a warning
     model = branches()
     engine = PoplarEngine(model, make_optimizer(model, "sgd"), zero_stage=3, plan=PLAN)
@@ -119,6 +136,9 @@ def test_stage3_bad_input_fails_on_every_rank_without_hang() -> None:
         (kind, msg), after, gathered, transient = res["oom"]
         assert kind == "DistributedError" and "rank 0: micro-step 0: MemoryError: emulated" in msg, (rank, msg)
         assert after == ("ok", "") and gathered == 0 and transient == 0, res["oom"]
+        (kind, msg), after = res["late_oom"]
+        assert kind == "DistributedError" and "rank 0: micro-step 1: MemoryError: emulated" in msg, (rank, msg)
+        assert after == ("ok", ""), res["late_oom"]
         losses, state, caught, late = res["changed"]
         with one_thread():
             ref_losses, ref_state, _ = reference(branches, "sgd", GBS, 3, None)

@@ -45,6 +45,17 @@ def shard_shares(weights: Sequence[float]) -> list[float]:
     return [w / total for w in weights]
 
 
+def memory_weights(room: Sequence[float]) -> tuple[float, ...]:
+    """Shard weights in proportion to each rank's room for sharded state (what its memory holds
+    besides what does not move with the shard), scaled to a mean of 1; a rank without room: 0."""
+    room = [max(0.0, float(x)) for x in room]
+    if sum(room) <= 0:
+        raise PlanError("no rank has room for the sharded state; the model does not fit this cluster at any "
+                        "shard weights: use a higher ZeRO stage or a smaller model")
+    mean = sum(room) / len(room)
+    return tuple(round(x / mean, 6) for x in room)
+
+
 def knows_shard_memory(profile: Profile) -> bool:
     """Whether the profile says what a shard costs each rank (profiles measured before shard
     weights existed, and synthetic ones without the field, do not)."""
@@ -59,11 +70,10 @@ def candidates(profile: Profile) -> list[ShardCandidate]:
     if not knows_shard_memory(profile):
         return [even]
     ranks = sorted(profile.ranks, key=lambda r: r.rank)
-    room = [r.shard_bytes + r.mbs * r.bytes_per_sample for r in ranks]
-    mean = sum(room) / n
+    proportional = memory_weights([r.shard_bytes + r.mbs * r.bytes_per_sample for r in ranks])
     out, seen = [even], {even.weights}
     for blend in BLENDS:
-        weights = tuple(round((1 - blend) + blend * x / mean, 6) for x in room)
+        weights = tuple(round((1 - blend) + blend * x, 6) for x in proportional)
         if weights not in seen:
             seen.add(weights)
             out.append(ShardCandidate(f"memory x{blend:g}", weights))

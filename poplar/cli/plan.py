@@ -25,6 +25,20 @@ def stage_arg(text: str) -> int | str:
     raise argparse.ArgumentTypeError(f"invalid stage {text!r}: choose 0, 1, 2, 3 or auto")
 
 
+def shards_arg(text: str) -> str | tuple[float, ...]:
+    """A ``--shards`` value: even, auto, or comma-separated weights (one per rank)."""
+    if text in ("even", "auto"):
+        return text
+    try:
+        weights = tuple(float(w) for w in text.split(","))
+    except ValueError:
+        weights = ()
+    if not weights or any(not w >= 0 for w in weights) or sum(weights) <= 0:
+        raise argparse.ArgumentTypeError(f"invalid shards {text!r}: choose even, auto or one weight >= 0 per rank, "
+                                         "comma-separated (not all 0)")
+    return weights
+
+
 def add_limits(p: argparse.ArgumentParser) -> None:
     p.add_argument("--require-all-ranks", action="store_true",
                    help="every rank must take at least one sample (default: a rank may sit out)")
@@ -41,6 +55,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="ZeRO stage (default: the profile's); auto: the candidate table of a profile auto mode "
                         "saved, and the plan of its choice")
     p.add_argument("--strategy", choices=STRATEGIES, default="poplar")
+    p.add_argument("--shards", type=shards_arg, default="even", metavar="{even,auto,W0,W1,...}",
+                   help="each rank's share of the sharded state: even (default), auto (chosen with the batches "
+                        "from the profile's memory) or one weight per rank")
     p.add_argument("-o", "--output", default=None, help="write the plan JSON here")
     add_limits(p)
     p.set_defaults(func=_plan)
@@ -56,7 +73,7 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"candidates auto mode profiled (the profile is the choice's; others are lower bounds from it):\n"
               f"{format_table(rows)}\n")
         stage = profile.zero_stage
-    result = plan(args.profile, args.gbs, stage, args.strategy, **limits)
+    result = plan(args.profile, args.gbs, stage, args.strategy, shards=args.shards, **limits)
     if rows is not None:
         result.meta["candidates"] = [r.to_dict() for r in rows]
     print(f"strategy {result.strategy}, ZeRO-{result.zero_stage}")

@@ -129,7 +129,8 @@ def run(cfg: TrainConfig, failures: "FailureReporting | None" = None) -> int:
             profile = Profile.from_dict(saved) if saved is not None else None
         device = cluster_device(cfg.cluster) if cfg.cluster else None  # rank r emulates the cluster's r-th GPU
         kwargs.update(global_batch_size=cfg.global_batch_size(world),
-                      auto=AutoOptions(profile_data=data, device=device, strategy=cfg.strategy, profile=profile,
+                      auto=AutoOptions(profile_data=data, device=device, strategy=cfg.strategy, shards=cfg.shards,
+                                       profile=profile,
                                        profile_output=os.path.join(cfg.report_dir, "profile.json")
                                        if cfg.report_dir else None))
     else:

@@ -32,6 +32,8 @@ directory, as DeepSpeed's are.
         "activation_checkpointing": false,          true (the layer stack), a class name or a list of them
         "cluster": "B",                             CPU: emulate this cluster (built-in name or JSON file)
         "strategy": "poplar",                       or "even" / "flops"
+        "shards": "even",                           each rank's share of the sharded state: "even", "auto"
+                                                    (chosen with the batches) or one weight per rank
         "plan": null,                               a plan JSON: use it, no profiling
         "profile": null,                            a profile JSON: plan from it, no profiling
         "checkpoint": {"dir": "runs/x/ckpt", "every": 50, "resume": true, "keep": 2},
@@ -76,7 +78,8 @@ TOP_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accu
 ZERO_KEYS = {"stage", "reduce_bucket_size"}
 BF16_KEYS = {"enabled"}
 FP16_KEYS = {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"}
-POPLAR_KEYS = {"iterations", "model", "data", "cluster", "strategy", "plan", "profile", "checkpoint", "report_dir",
+POPLAR_KEYS = {"iterations", "model", "data", "cluster", "strategy", "shards", "plan", "profile", "checkpoint",
+               "report_dir",
                "collective_timeout_s", "log_every", "eval_every", "tensorboard", "activation_checkpointing"}
 
 
@@ -115,6 +118,7 @@ class TrainConfig:
     activation_checkpointing: Any = None
     cluster: str | None = None
     strategy: str = "poplar"
+    shards: str | tuple[float, ...] = "even"  # "even", "auto" or one shard weight per rank
     plan: str | None = None
     profile: str | None = None
     checkpoint_dir: str | None = None
@@ -295,6 +299,14 @@ def _read_poplar(cfg: TrainConfig, p: dict) -> None:
     cfg.strategy = str(p.get("strategy", cfg.strategy))
     if cfg.strategy not in ("poplar", "even", "flops"):
         raise ConfigError(f'"poplar.strategy" must be "poplar", "even" or "flops", got {cfg.strategy!r}')
+    shards = p.get("shards", cfg.shards)
+    if isinstance(shards, list) and shards and all(
+            isinstance(w, (int, float)) and not isinstance(w, bool) and w >= 0 for w in shards) and sum(shards) > 0:
+        shards = tuple(float(w) for w in shards)
+    elif shards not in ("even", "auto"):
+        raise ConfigError(f'"poplar.shards" must be "even", "auto" or a list of one weight >= 0 per rank (not all '
+                          f'0), got {shards!r}')
+    cfg.shards = shards
     ckpt = _get(p, "checkpoint", dict, {}) or {}
     _no_unknown(ckpt, {"dir", "every", "resume", "keep"}, '"poplar.checkpoint"')
     cfg.checkpoint_dir = ckpt.get("dir")

@@ -53,12 +53,21 @@ def test_reads_deepspeed_keys_and_the_poplar_section() -> None:
     ({"poplar": {"iteratons": 3}}, "['iteratons']"),
     ({"poplar": {"strategy": "fastest"}}, '"poplar.strategy" must be'),
     ({"poplar": {"checkpoint": {"every": 2}}}, "needs \"poplar.checkpoint.dir\""),
+    ({"poplar": {"shards": "proportional"}}, '"poplar.shards" must be "even", "auto" or a list'),
+    ({"poplar": {"shards": [1, -1]}}, '"poplar.shards" must be'),
+    ({"poplar": {"shards": [0, 0]}}, "not all 0"),
     ({"poplar": {"model": {"n_layers": 2}}}, "needs exactly one of \"name\""),
 ])
 def test_bad_keys_are_refused_by_name(patch: dict, needle: str) -> None:
     with pytest.raises(ConfigError) as e:
         TrainConfig.from_dict({**BASE, **patch})
     assert needle in str(e.value)
+
+
+def test_shards_key() -> None:
+    assert TrainConfig.from_dict(BASE).shards == "even"
+    assert TrainConfig.from_dict({**BASE, "poplar": {"shards": "auto"}}).shards == "auto"
+    assert TrainConfig.from_dict({**BASE, "poplar": {"shards": [2, 1, 1]}}).shards == (2.0, 1.0, 1.0)
 
 
 def test_disabled_fp16_is_accepted() -> None:

@@ -42,8 +42,8 @@ from poplar.profiler.cuda_device import CudaDevice
 from poplar.profiler.devices import Device
 from poplar.profiler.phases import observers_of
 from poplar.profiler.precision import agree_precision_support, profile_precision
-from poplar.profiler.profile_run import ProfileJob, ProfileOptions, profile_rank
-from poplar.types.configuration import heaviest
+from poplar.profiler.profile_run import ProfileJob, ProfileOptions, confirm_plan_memory, profile_rank
+from poplar.types.configuration import Configuration, heaviest
 from poplar.types.logs import log
 from poplar.types.plans import Plan, PlanError
 from poplar.types.precision import MixedPrecision, precision_of, resolve_precision
@@ -123,9 +123,10 @@ def clone_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module,
 
 def _measure(comm: Communicator, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable,
              sample_fn: Any, zero: ZeroConfig, options: AutoOptions, policy: MixedPrecision | None,
-             say: Callable[[str], None], choice: Choice, home: torch.device) -> tuple[Profile, Device | None]:
-    """The profile (measured, or loaded from ``options.profile``) and this rank's device
-    (``home``: where the model lives, moved to the CPU meanwhile)."""
+             say: Callable[[str], None], choice: Choice, home: torch.device
+             ) -> tuple[Profile, Device | None, ProfileJob]:
+    """The profile (measured, or loaded from ``options.profile``), this rank's device (``home``:
+    where the model lives, moved to the CPU meanwhile) and the profiling job."""
     snapshot = copy.deepcopy(model)  # on the CPU: the caller moved the model there
     model_fn = lambda: copy.deepcopy(snapshot)  # noqa: E731
     optimizer_fn = lambda m: clone_optimizer(optimizer, m, model)  # noqa: E731
@@ -142,7 +143,7 @@ def _measure(comm: Communicator, model: nn.Module, optimizer: torch.optim.Optimi
             observer.prepare_profiling(comm, job, profile)
         if device is not None:
             agree_precision_support(comm, device, policy, "auto mode precision")
-        return profile, device
+        return profile, device, job
     assert device is not None
     if choice.active:
         profile = choose_configuration(comm, job, device, choice, say, require_all_ranks=options.require_all_ranks,
@@ -156,7 +157,28 @@ def _measure(comm: Communicator, model: nn.Module, optimizer: torch.optim.Optimi
                                                            tag="auto:profile")[0])
     if options.profile_output is not None and comm.rank == 0:
         profile.save(options.profile_output)
-    return profile, device
+    return profile, device, job
+
+
+def _plan(comm: Communicator, profile: Profile, global_batch_size: int, options: AutoOptions, job: ProfileJob,
+          device: Device | None, checkpointing: Any, say: Callable[[str], None]) -> Plan:
+    """The plan; one whose shards are not even is first confirmed by one real step of every
+    rank's largest micro-batch at its weights (while the model is off the device), and replaced
+    by the even-shard plan where that does not fit."""
+    limits = {"require_all_ranks": options.require_all_ranks, "max_micro_steps": options.max_micro_steps}
+    try:
+        plan = make_plan(profile, global_batch_size, profile.zero_stage, options.strategy, shards=options.shards,
+                         **limits)
+        if not plan.even_shards and device is not None and job.sample_fn is not None:
+            configured = job.at(Configuration(profile.zero_stage, checkpointing))
+            failed = confirm_plan_memory(configured, device, comm, plan)
+            if failed:
+                say(f"the planned shard weights do not fit a step on ranks {failed}: planning with even shards")
+                plan = make_plan(profile, global_batch_size, profile.zero_stage, options.strategy, **limits)
+                plan.meta["shard_trial_failed_on"] = failed
+    except (PlanError, ProfileError) as e:
+        raise PlanError(f"auto mode: planning failed: {e}") from None
+    return plan
 
 
 def _load_profile(comm: Communicator, options: AutoOptions, policy: MixedPrecision | None,
@@ -241,22 +263,20 @@ def auto_plan(comm: Communicator, model: nn.Module, optimizer: torch.optim.Optim
     if home.type != "cpu":
         model.to("cpu")  # profiling gets the whole GPU (the copies it trains live there); moved back below
     try:
-        profile, device = _measure(comm, model, optimizer, loss_fn, sample_fn, zero, options, policy, say, choice,
-                                   home)
+        profile, device, job = _measure(comm, model, optimizer, loss_fn, sample_fn, zero, options, policy, say,
+                                        choice, home)
+        chosen = choice.chosen.checkpointing if choice.chosen is not None else activation_checkpointing
+        if chosen is None and profile.meta.get("activation_checkpointing"):
+            chosen = True  # a reused profile measured with checkpointing: train as it was measured
+        if profile.zero_stage != zero_stage and choice.chosen is not None:
+            ckpt = " with activation checkpointing" if choice.chosen.checkpointed else ""
+            say(f"running at ZeRO-{profile.zero_stage}{ckpt}: the fastest configuration that fits (table above)")
+        elif profile.zero_stage != zero_stage:
+            say(f"ZeRO-{zero_stage} does not fit batch 1 on every rank: running at ZeRO-{profile.zero_stage}")
+        plan = _plan(comm, profile, global_batch_size, options, job, device, chosen, say)
     finally:
         if home.type != "cpu":
             model.to(home)
-    if profile.zero_stage != zero_stage and choice.chosen is not None:
-        ckpt = " with activation checkpointing" if choice.chosen.checkpointed else ""
-        say(f"running at ZeRO-{profile.zero_stage}{ckpt}: the fastest configuration that fits (table above)")
-    elif profile.zero_stage != zero_stage:
-        say(f"ZeRO-{zero_stage} does not fit batch 1 on every rank: running at ZeRO-{profile.zero_stage}")
-    try:
-        plan = make_plan(profile, global_batch_size, profile.zero_stage, options.strategy,
-                         require_all_ranks=options.require_all_ranks, max_micro_steps=options.max_micro_steps,
-                         shards=options.shards)
-    except (PlanError, ProfileError) as e:
-        raise PlanError(f"auto mode: planning failed: {e}") from None
     say(f"plan ({plan.strategy}, ZeRO-{plan.zero_stage}, predicted "
         f"{plan.meta.get('predicted_samples_per_s', 0):.1f} samples/s):\n{plan.table()}")
     recorded = profile.meta.get("auto_choice")
@@ -264,7 +284,4 @@ def auto_plan(comm: Communicator, model: nn.Module, optimizer: torch.optim.Optim
         plan.meta["candidates"] = recorded["candidates"]
         plan.meta["choice_rule"] = recorded["rule"]
         plan.meta["profiling_s"] = recorded["profiling_s"]
-    chosen = choice.chosen.checkpointing if choice.chosen is not None else activation_checkpointing
-    if chosen is None and profile.meta.get("activation_checkpointing"):
-        chosen = True  # a reused profile measured with checkpointing: train as it was measured
     return AutoResult(plan, profile, device, chosen, choice.rows)

@@ -120,6 +120,7 @@ class CapacitySearch:
                  stage: int, max_batch: int = DEFAULT_MAX_BATCH, log: Callable[[str], None] | None = None,
                  rebuild: Callable[[], ZeroRuntime] | None = None) -> None:
         self.runtime, self.device, self.sample_fn, self.loss_fn = runtime, device, sample_fn, loss_fn
+        self.shard_weights = runtime.shard_weights  # the trials keep the runtime's shards
         self.stage, self.max_batch, self.log, self.rebuild = stage, max_batch, log or (lambda s: None), rebuild
         self.result = CapacityResult(stage=stage, capacity_bytes=device.capacity_bytes, mbs=0, trial_steps=0)
         # a real allocator also counts earlier runtimes' uncollected garbage: it would shrink the
@@ -129,7 +130,7 @@ class CapacitySearch:
     def trial(self, batch: int) -> bool:
         """One real training step of ``batch`` samples; False on out-of-memory (then released)."""
         runtime, device = self.runtime, self.device
-        runtime.set_plan(search_plan(runtime.world_size, runtime.rank, batch), PlanCheck.LOCAL)
+        runtime.set_plan(search_plan(runtime.world_size, runtime.rank, batch, self.shard_weights), PlanCheck.LOCAL)
         data = to_device(self.sample_fn(batch), device.torch_device)
         device.last_failure = None
         before, gathered = device.memory_in_use(), runtime.stage.gathered_bytes

@@ -86,11 +86,13 @@ class LocalCommunicator(Communicator):
         pass
 
 
-def search_plan(world_size: int, rank: int, batch: int) -> Plan:
+def search_plan(world_size: int, rank: int, batch: int, shard_weights: tuple[float, ...] | None = None) -> Plan:
     """The plan of one capacity-search trial: this rank runs one micro-step of ``batch``, the
-    (pretend) others none, so the global batch is ``batch``."""
-    rows = [RankPlan(0, 0, 0) for _ in range(world_size)]
-    rows[rank] = RankPlan(batch, 1, 0)
+    (pretend) others none, so the global batch is ``batch``; ``shard_weights``: each rank's share
+    of the sharded state (None: even)."""
+    weights = shard_weights or (1.0,) * world_size
+    rows = [RankPlan(0, 0, 0, shard_weight=w) for w in weights]
+    rows[rank] = RankPlan(batch, 1, 0, shard_weight=weights[rank])
     return Plan(rows)
 
 
@@ -101,9 +103,9 @@ def round_plan(batches: list[int]) -> Plan:
 
 def local_engine(model: nn.Module, optimizer: torch.optim.Optimizer, *, world_size: int, rank: int,
                  zero_stage: int | ZeroConfig, device: torch.device, mixed_precision: Any = None,
-                 activation_checkpointing: Any = None) -> ZeroRuntime:
+                 activation_checkpointing: Any = None, shard_weights: tuple[float, ...] | None = None) -> ZeroRuntime:
     """A ZeRO runtime for rank ``rank`` of ``world_size`` on a ``LocalCommunicator``."""
     comm = LocalCommunicator(world_size, rank, device)
-    return ZeroRuntime(model, optimizer, zero_stage=zero_stage, plan=search_plan(world_size, rank, 1),
+    return ZeroRuntime(model, optimizer, zero_stage=zero_stage, plan=search_plan(world_size, rank, 1, shard_weights),
                        communicator=comm, mixed_precision=mixed_precision,
                        activation_checkpointing=activation_checkpointing)

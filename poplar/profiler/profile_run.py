@@ -126,12 +126,34 @@ class ProfileJob:
                                              activation_checkpointing=configuration.checkpointing))
 
 
+@dataclass(frozen=True)
+class Trial:
+    """One step of ``batch`` samples with these shard weights, instead of a capacity search."""
+
+    batch: int
+    shard_weights: tuple[float, ...] | None = None
+
+
+def confirm_plan_memory(job: ProfileJob, device: Device, comm: Any, plan: Any) -> list[int]:
+    """The ranks on which one step of their row's largest micro-batch, at ``plan``'s stage and
+    shard weights, does not fit (every rank together; [] when it fits everywhere): the trial that
+    confirms the planner's memory model at the point it chose."""
+    row = plan.ranks[comm.rank]
+    batch = max(row.micro_batch_size if row.accum_steps else 0, row.last_batch_size)
+    result = search_capacity(job, device, world_size=comm.world_size, rank=comm.rank, stage=plan.zero_stage,
+                             trial=Trial(batch, plan.shard_weights))
+    fits = comm.all_gather_object(result.mbs == batch, tag="profile:shard trial")
+    return [r for r, ok in enumerate(fits) if not ok]
+
+
 def search_capacity(job: ProfileJob, device: Device, *, world_size: int, rank: int, stage: int,
                     guided: bool = False, reference: CapacityResult | None = None,
-                    log: Callable[[str], None] | None = None) -> CapacityResult:
+                    log: Callable[[str], None] | None = None, trial: Trial | None = None) -> CapacityResult:
     """This rank's capacity search at ``stage``, without collectives (the ``CAPACITY`` phase:
     trial steps are not timed). ``guided``: the model-guided search (``CapacitySearch.run_guided``,
-    from ``reference`` if given), else Algorithm 1."""
+    from ``reference`` if given), else Algorithm 1. ``trial``: instead of a search, one step of
+    its batch at its shard weights (``mbs`` = the batch if it fitted, else 0)."""
+    weights = trial.shard_weights if trial is not None else None
     options = job.options
     attached = contextlib.ExitStack()
 
@@ -142,7 +164,7 @@ def search_capacity(job: ProfileJob, device: Device, *, world_size: int, rank: i
         runtime = local_engine(model, job.optimizer_fn(model), world_size=world_size, rank=rank,
                                zero_stage=options.zero_config(stage), device=device.torch_device,
                                mixed_precision=options.mixed_precision,
-                               activation_checkpointing=options.activation_checkpointing)
+                               activation_checkpointing=options.activation_checkpointing, shard_weights=weights)
         attached.enter_context(device.attach(runtime))
         return runtime
 
@@ -151,7 +173,11 @@ def search_capacity(job: ProfileJob, device: Device, *, world_size: int, rank: i
         try:
             search = CapacitySearch(build(), device, job.sample_fn, job.loss_fn, stage, options.max_batch,
                                     log or (lambda m: None), rebuild=build)
-            result = search.run_guided(reference) if guided else search.run()
+            if trial is not None:
+                result = search.result
+                result.mbs = trial.batch if trial.batch == 0 or search.trial(trial.batch) else 0
+            else:
+                result = search.run_guided(reference) if guided else search.run()
             state_bytes = device.static_bytes()
             if state_bytes is not None:
                 result.state_bytes = state_bytes

@@ -134,8 +134,7 @@ class Plan:
 
     def shard_shares(self) -> list[float]:
         """Every rank's fraction of the sharded state (weights over their sum)."""
-        total = sum(self.shard_weights)
-        return [w / total for w in self.shard_weights]
+        return list(shares_of(self.shard_weights))
 
     @property
     def max_micro_steps(self) -> int:
@@ -210,6 +209,12 @@ class Plan:
             tail += f", predicted iteration {self.predicted_iteration_s:.4f} s"
         lines.append(tail)
         return "\n".join(lines)
+
+
+def shares_of(weights: tuple[float, ...]) -> tuple[float, ...]:
+    """Each weight's fraction of their sum: what a rank of that shard weight holds."""
+    total = sum(weights)
+    return tuple(w / total for w in weights)
 
 
 def read_json(path: str | os.PathLike, what: str, error: type[Exception], hint: str = "") -> Any:

@@ -26,7 +26,7 @@ from torch import nn
 from poplar.comm import CommLedger, Communicator, DistributedError, Phase
 from poplar.types.batches import batch_size_of, slice_batch
 from poplar.types.logs import log
-from poplar.types.plans import Plan, PlanError
+from poplar.types.plans import Plan, PlanError, shares_of
 from poplar.types.precision import MixedPrecision
 from poplar.zero import activation_checkpointing as checkpointing
 from poplar.zero.base import ZeroStage
@@ -45,11 +45,6 @@ from poplar.zero.stage_factory import build_stage
 
 # returns the mean loss of the micro-batch, or a pair (loss_sum, count) (docs/design.md §2)
 LossFn = Callable[[nn.Module, Any], Any]
-
-
-def _shares(weights: tuple[float, ...]) -> tuple[float, ...]:
-    total = sum(weights)
-    return tuple(w / total for w in weights)
 
 
 class PlanCheck(Enum):
@@ -154,7 +149,7 @@ class ZeroRuntime:
                             mismatch="ranks were given different plans; pass the same plan to every rank")
         elif (problem := plan.problem(self.world_size)) is not None:  # edited since it was built?
             raise PlanError(problem)
-        if _shares(plan.shard_weights) != _shares(self.shard_weights):
+        if shares_of(plan.shard_weights) != shares_of(self.shard_weights):
             with self.comm.ledger.scope(Phase.STATE):  # every rank together: they have the same plan
                 self.stage.reshard(plan.shard_weights)
             self.shard_weights = plan.shard_weights

@@ -97,6 +97,12 @@ def plan_of(*rows: tuple[int, int, int]) -> Plan:
     return Plan([RankPlan(*r) for r in rows])
 
 
+def with_shards(plan: Plan, weights: tuple[float, ...]) -> Plan:
+    """``plan`` with these shard weights, one per rank (its batches unchanged)."""
+    return Plan([RankPlan(r.micro_batch_size, r.accum_steps, r.last_batch_size, shard_weight=w)
+                 for r, w in zip(plan.ranks, weights)])
+
+
 def max_rel_err(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys(), (a.keys(), b.keys())
     return max(float((a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-12)) for k in b)

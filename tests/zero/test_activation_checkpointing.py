@@ -14,13 +14,14 @@ from torch import nn
 from poplar.comm import DistributedError
 from poplar.comm.launch import spawn
 from poplar.engine import PoplarEngine
-from tests.toy import global_batch, loss_fn, make_model, make_optimizer, max_rel_err, plan_of, rank_slice
+from tests.toy import global_batch, loss_fn, make_model, make_optimizer, max_rel_err, plan_of, rank_slice, with_shards
 from tests.zero.test_stage3_common import Block, tiny_lm
 from poplar.zero.config import ZeroConfig
 
 ITERATIONS = 2
 GBS = 14
-PLANS = [plan_of((3, 2, 1), (2, 1, 0), (2, 2, 1)), plan_of((3, 3, 1), (0, 0, 0), (2, 2, 0))]
+# the second with shards 5:1:2 (ZeRO-1/2/3 hold state by weight; the math is the same)
+PLANS = [plan_of((3, 2, 1), (2, 1, 0), (2, 2, 1)), with_shards(plan_of((3, 3, 1), (0, 0, 0), (2, 2, 0)), (5, 1, 2))]
 
 
 def gpt2(seed: int = 0) -> nn.Module:

@@ -18,11 +18,11 @@ from poplar.engine import PoplarEngine
 from poplar.types.precision import LossScaleConfig, MixedPrecision
 from poplar.zero.loss_scaler import LossScaler
 from poplar.zero.nonfinite import NonFiniteGuard, NonFinitePolicy, Verdict
-from tests.toy import global_batch, loss_fn, make_model, make_optimizer, plan_of, rank_slice
+from tests.toy import global_batch, loss_fn, make_model, make_optimizer, plan_of, rank_slice, with_shards
 from tests.zero.test_stage3_common import tiny_lm
 from poplar.zero.config import ZeroConfig
 
-PLAN = plan_of((2, 2, 1), (3, 1, 0))  # n_i = 5, 3
+PLAN = with_shards(plan_of((2, 2, 1), (3, 1, 0)), (3, 1))  # n_i = 5, 3; shards 3:1
 
 
 class Injected:

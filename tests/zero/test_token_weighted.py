@@ -17,12 +17,12 @@ from poplar.comm import DistributedError
 from poplar.comm.launch import spawn
 from poplar.engine import PoplarEngine
 from poplar.types.precision import LossScaleConfig, MixedPrecision
-from tests.toy import VOCAB, global_batch, make_model, make_optimizer, max_rel_err, plan_of, train_reference
+from tests.toy import VOCAB, global_batch, make_model, make_optimizer, max_rel_err, plan_of, train_reference, with_shards
 from poplar.zero.config import ZeroConfig
 
 ITERATIONS, GBS = 3, 14
 PLANS = [plan_of((3, 2, 1), (0, 0, 0), (2, 3, 1)),  # n_i = 7, 0, 7
-         plan_of((4, 1, 0), (4, 1, 2), (1, 4, 0))]  # 4, 6, 4
+         with_shards(plan_of((4, 1, 0), (4, 1, 2), (1, 4, 0)), (5, 1, 2))]  # 4, 6, 4; shards 5:1:2
 STAGES = (0, 1, 2, 3)
 # the toy's fp16 gradients overflow at the default 2^16 even with mean losses: start lower
 PRECISIONS = {"bf16": "bf16",

@@ -197,9 +197,11 @@ class Replanner:
         engine, opts = self.engine, self.options
         current = engine.plan
         try:
+            # the running shard weights stay: a re-plan moves batches, and its mbs are those weights'
             new = make_plan(corrected, current.global_batch_size, current.zero_stage,
                             opts.strategy or current.strategy or "poplar", require_all_ranks=opts.require_all_ranks,
-                            max_micro_steps=opts.max_micro_steps)
+                            max_micro_steps=opts.max_micro_steps,
+                            shards="even" if current.even_shards else current.shard_weights)
         except PlanError as e:
             raise PlanError(f"re-planning at iteration {engine.iteration} failed: {e}") from None
         before = _price(corrected, current)

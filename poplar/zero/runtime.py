@@ -150,6 +150,8 @@ class ZeroRuntime:
         elif (problem := plan.problem(self.world_size)) is not None:  # edited since it was built?
             raise PlanError(problem)
         if shares_of(plan.shard_weights) != shares_of(self.shard_weights):
+            if self._micro_steps:
+                raise PlanError("set_plan() with other shard weights inside an iteration; call it between iterations")
             with self.comm.ledger.scope(Phase.STATE):  # every rank together: they have the same plan
                 self.stage.reshard(plan.shard_weights)
             self.shard_weights = plan.shard_weights

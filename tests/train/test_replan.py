@@ -59,15 +59,15 @@ def _profile(rank: int, world: int, device: VirtualDevice, stage: int) -> Profil
     res = search_capacity(job, device, world_size=world, rank=rank, stage=stage, log=lambda m: None)
     row = RankProfile(rank, device.device_type, res.mbs, [ProfilePoint(b, device.time_s(b)) for b in (1, 2, 4, 8, res.mbs)
                                                           if b <= res.mbs], device.name, res.capacity_bytes,
-                      res.base_bytes, res.bytes_per_sample)
+                      res.base_bytes, res.bytes_per_sample, shard_bytes=res.shard_bytes)
     rows = Communicator().all_gather_object(row)
     return Profile(stage, world, 0, 0, rows, CommProfile(1e10))
 
 
-def _engine(stage: int, device: VirtualDevice, profile: Profile) -> PoplarEngine:
+def _engine(stage: int, device: VirtualDevice, profile: Profile, shards: object = "even") -> PoplarEngine:
     model = make_model()
     return PoplarEngine(model, make_optimizer(model, "sgd"), zero_stage=stage, global_batch_size=GBS, loss_fn=loss_fn,
-                        auto=AutoOptions(device=device, profile=profile, progress=False))
+                        auto=AutoOptions(device=device, profile=profile, progress=False, shards=shards))
 
 
 def memory_rank(rank: int, world: int, tmp: str) -> dict:
@@ -136,6 +136,9 @@ def _check_memory_runs(results: list[dict], ref_losses: list[float], ref_state: 
     assert results[1][True]["losses"] == faulty["losses"]
 
 
+SHARDS = (2.0, 1.0)
+
+
 def speed_rank(rank: int, world: int, stage: int) -> dict:
     profile = _profile(rank, world, _device(rank), stage)
     runs = {}
@@ -143,11 +146,12 @@ def speed_rank(rank: int, world: int, stage: int) -> dict:
         device = _device(rank)
         if rank == 0:  # the V100 runs at half speed from iteration 4
             device.faults = FaultSchedule(slow_factor=2.0, slow_from=4)
-        engine = _engine(stage, device, profile)
+        engine = _engine(stage, device, profile, shards=SHARDS)  # the V100 holds two shares of the state
         before = [r.num_samples for r in engine.plan.ranks]
         result = fit(engine, Tokens(), 14, report=ReportOptions(log_every=0, progress=False),
                      replan=ReplanOptions() if replan else False)
         runs[replan] = {"before": before, "after": [r.num_samples for r in engine.plan.ranks],
+                        "weights": (engine.plan.shard_weights, engine.shard_weights),
                         "replans": result.replans, "state": engine.full_state_dict(), "losses": result.losses}
         engine.close()
     return runs
@@ -165,6 +169,7 @@ def test_a_slowed_rank_gets_a_new_plan_with_the_same_math() -> None:
     assert first["correction"][0] > 1.3  # rank 0 measured slower than its corrected curve
     assert first["predicted_after_s"] < first["predicted_before_s"]
     assert replanned["after"][0] < replanned["before"][0]  # the slowed V100 gets fewer samples
+    assert replanned["weights"] == (SHARDS, SHARDS)  # a re-plan moves batches and keeps the shards
     assert all(e["iteration"] > 4 for e in applied), "no re-plan before the slowdown (hysteresis)"
     assert max_rel_err(replanned["state"], fixed["state"]) <= 1e-5
     decisions = lambda run: [{k: v for k, v in e.items() if k != "at"} for e in run["replans"]]  # noqa: E731

@@ -14,6 +14,7 @@ import argparse
 
 from poplar.planner.candidates import format_table, recorded_candidates
 from poplar.planner.planning import STRATEGIES, load_profile, plan
+from poplar.types.plans import shard_weights_problem
 
 
 def stage_arg(text: str) -> int | str:
@@ -33,7 +34,7 @@ def shards_arg(text: str) -> str | tuple[float, ...]:
         weights = tuple(float(w) for w in text.split(","))
     except ValueError:
         weights = ()
-    if not weights or any(not w >= 0 for w in weights) or sum(weights) <= 0:
+    if shard_weights_problem(weights) is not None:
         raise argparse.ArgumentTypeError(f"invalid shards {text!r}: choose even, auto or one weight >= 0 per rank, "
                                          "comma-separated (not all 0)")
     return weights

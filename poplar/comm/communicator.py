@@ -28,12 +28,8 @@ import torch.distributed as dist
 
 from poplar.comm import uneven
 from poplar.comm.ledger import CommLedger
+from poplar.comm.uneven import all_gather_tensor, reduce_scatter_tensor
 from poplar.types.errors import DistributedError
-
-
-# torch 2.13 renamed the tensor collectives; older releases only have the old names
-_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class CollectiveObserver(Protocol):
@@ -167,7 +163,7 @@ class Communicator:
             return self._run("reduce_scatter", call.wire_bytes, call.run, async_op, tag, call.finish)
         nbytes = input.numel() * input.element_size()
         return self._run("reduce_scatter", nbytes,
-                         lambda a: _reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM,
+                         lambda a: reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM,
                                                               group=self.group, async_op=a),
                          async_op, tag)
 
@@ -183,7 +179,7 @@ class Communicator:
             return self._run("all_gather", call.wire_bytes, call.run, async_op, tag, call.finish)
         nbytes = output.numel() * output.element_size()
         return self._run("all_gather", nbytes,
-                         lambda a: _all_gather_tensor(output, input, group=self.group, async_op=a),
+                         lambda a: all_gather_tensor(output, input, group=self.group, async_op=a),
                          async_op, tag)
 
     def all_gather_object(self, obj: Any, tag: str = "") -> list[Any]:

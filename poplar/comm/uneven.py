@@ -28,13 +28,15 @@ the bytes it puts on the wire (what the ledger records).
 from __future__ import annotations
 
 from enum import Enum
+from itertools import accumulate
 from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
 
-_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# torch 2.13 renamed the tensor collectives; older releases only have the old names
+all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class UnevenMethod(Enum):
@@ -77,11 +79,7 @@ def method_for(backend: str, op: str) -> UnevenMethod:
 
 
 def _offsets(sizes: Sequence[int]) -> list[int]:
-    out, at = [], 0
-    for s in sizes:
-        out.append(at)
-        at += s
-    return out
+    return list(accumulate(sizes, initial=0))[:-1]
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, sizes: Sequence[int], rank: int, group: Any,
@@ -110,7 +108,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, sizes: Sequence[int], 
     def finish() -> None:
         for r, (at, size) in enumerate(zip(_offsets(sizes), sizes)):
             output[at:at + size].copy_(staged[r * longest:r * longest + size])
-    return UnevenCall(lambda a: _all_gather_tensor(staged, source, group=group, async_op=a), finish,
+    return UnevenCall(lambda a: all_gather_tensor(staged, source, group=group, async_op=a), finish,
                       n * longest * element)
 
 
@@ -130,5 +128,5 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, sizes: Sequence[in
 
     def finish() -> None:
         output.copy_(mine[:sizes[rank]])
-    return UnevenCall(lambda a: _reduce_scatter_tensor(mine, staged, op=dist.ReduceOp.SUM, group=group,
+    return UnevenCall(lambda a: reduce_scatter_tensor(mine, staged, op=dist.ReduceOp.SUM, group=group,
                                                        async_op=a), finish, n * longest * element)

@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from poplar.types.plans import PlanError
+from poplar.types.plans import PlanError, shares_of
 from poplar.types.profiles import Profile
 
 BLENDS = (0.25, 0.5, 0.75, 1.0)  # steps from even (0) to memory-proportional (1) shares
@@ -38,11 +38,6 @@ class ShardCandidate:
 
     name: str
     weights: tuple[float, ...]
-
-
-def shard_shares(weights: Sequence[float]) -> list[float]:
-    total = float(sum(weights))
-    return [w / total for w in weights]
 
 
 def memory_weights(room: Sequence[float]) -> tuple[float, ...]:
@@ -89,7 +84,7 @@ def mbs_at(profile: Profile, weights: Sequence[float]) -> list[int]:
             raise PlanError("the profile does not say what a shard costs each rank (no shard_bytes: measured before "
                             "shard weights, or at ZeRO-0); profile again, or plan with even shards")
         return [r.mbs for r in sorted(profile.ranks, key=lambda r: r.rank)]
-    n, shares = profile.world_size, shard_shares(weights)
+    n, shares = profile.world_size, shares_of(tuple(weights))
     out = []
     for r in sorted(profile.ranks, key=lambda r: r.rank):
         extra = r.shard_bytes * (n * shares[r.rank] - 1)  # more state than at even shards (< 0: less)
@@ -99,7 +94,7 @@ def mbs_at(profile: Profile, weights: Sequence[float]) -> list[int]:
 
 def step_scale(weights: Sequence[float]) -> float:
     """How much longer the optimizer step takes on the largest shard than on an even one."""
-    return len(weights) * max(shard_shares(weights))
+    return len(weights) * max(shares_of(tuple(weights)))
 
 
 def reshaped(profile: Profile, weights: Sequence[float]) -> Profile | None:

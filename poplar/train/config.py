@@ -64,7 +64,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from poplar.train.schedule import LRSchedule
-from poplar.types.plans import read_json
+from poplar.types.plans import read_json, shard_weights_problem
 from poplar.types.precision import LossScaleConfig, MixedPrecision, Precision
 
 OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD", "adagrad": "Adagrad", "rmsprop": "RMSprop"}
@@ -300,8 +300,7 @@ def _read_poplar(cfg: TrainConfig, p: dict) -> None:
     if cfg.strategy not in ("poplar", "even", "flops"):
         raise ConfigError(f'"poplar.strategy" must be "poplar", "even" or "flops", got {cfg.strategy!r}')
     shards = p.get("shards", cfg.shards)
-    if isinstance(shards, list) and shards and all(
-            isinstance(w, (int, float)) and not isinstance(w, bool) and w >= 0 for w in shards) and sum(shards) > 0:
+    if isinstance(shards, list) and shard_weights_problem(shards) is None:
         shards = tuple(float(w) for w in shards)
     elif shards not in ("even", "auto"):
         raise ConfigError(f'"poplar.shards" must be "even", "auto" or a list of one weight >= 0 per rank (not all '

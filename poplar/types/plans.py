@@ -211,6 +211,18 @@ class Plan:
         return "\n".join(lines)
 
 
+def shard_weights_problem(weights: Any) -> str | None:
+    """Why ``weights`` cannot be the ranks' shard weights (one number per rank), or None."""
+    try:
+        values = list(weights)
+    except TypeError:
+        values = None
+    if not values or any(isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0
+                         for w in values) or sum(values) <= 0:
+        return f"shard weights must be one finite number >= 0 per rank, not all 0, got {weights!r}"
+    return None
+
+
 def shares_of(weights: tuple[float, ...]) -> tuple[float, ...]:
     """Each weight's fraction of their sum: what a rank of that shard weight holds."""
     total = sum(weights)

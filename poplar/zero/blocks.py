@@ -139,6 +139,8 @@ class ShardedBlock:
         # every rank's length of the rank-major buffer (its slice of each unit, back to back)
         self.rank_sizes = [sum(u.layout.size(r) for u in units) for r in range(self.world_size)]
         self.even = all(u.layout.even for u in units)
+        self.part_sizes = None if self.even else self.rank_sizes  # what the collectives take
+        self._pieces = [] if self.even else self._rank_major_pieces()
         self.full_offsets = [sum(u.padded_numel for u in units[:k]) for k in range(len(units))]
         self.full_numel = sum(u.padded_numel for u in units)
         self.gathered_nbytes = self.full_numel * torch.empty((), dtype=self.compute_dtype).element_size()
@@ -185,7 +187,7 @@ class ShardedBlock:
             for k, (o, s) in enumerate(zip(self.shard_offsets, self.shard_sizes)):
                 flats[k].view(self.world_size, s).copy_(rows[:, o:o + s])
             return
-        for k, at, lo, n in self._rank_major_pieces():
+        for k, at, lo, n in self._pieces:
             flats[k][lo:lo + n].copy_(rank_major[at:at + n])
 
     def _pack(self, flats: list[torch.Tensor], rank_major: torch.Tensor) -> None:
@@ -195,7 +197,7 @@ class ShardedBlock:
             for k, (o, s) in enumerate(zip(self.shard_offsets, self.shard_sizes)):
                 rows[:, o:o + s].copy_(flats[k].view(self.world_size, s))
             return
-        for k, at, lo, n in self._rank_major_pieces():
+        for k, at, lo, n in self._pieces:
             rank_major[at:at + n].copy_(flats[k][lo:lo + n])
 
     def load_param(self, k: int, i: int, value: torch.Tensor) -> None:
@@ -219,7 +221,7 @@ class ShardedBlock:
         out = self.full if len(self.units) == 1 else torch.empty(
             self.full_numel, dtype=self.compute_dtype, device=self.device)
         source = self.shard if self.compute_dtype == self.dtype else self.shard.to(self.compute_dtype)
-        work = comm.all_gather(out, source, tag=f"block{self.index}", async_op=async_op, sizes=self.rank_sizes)
+        work = comm.all_gather(out, source, tag=f"block{self.index}", async_op=async_op, sizes=self.part_sizes)
         return GatherHandle(work, None if out is self.full else out, None if source is self.shard else source)
 
     def finish_gather(self, handle: GatherHandle, use: bool = True) -> None:
@@ -238,7 +240,7 @@ class ShardedBlock:
         """Every unit's full flat master, gathered from the shards in their own dtype (mixed
         precision: the fp32 values, not the compute copy). A collective."""
         rows = torch.empty(self.full_numel, dtype=self.dtype, device=self.device)
-        comm.all_gather(rows, self.shard, tag=f"block{self.index}", sizes=self.rank_sizes)
+        comm.all_gather(rows, self.shard, tag=f"block{self.index}", sizes=self.part_sizes)
         if len(self.units) == 1:
             return [rows]
         flats = [u.new_flat(zero=False) for u in self.units]
@@ -300,5 +302,5 @@ class ShardedBlock:
             self._pack(flats, inp)
             held += self.grad_nbytes
         out = torch.empty(sn, dtype=wire, device=self.device)
-        work = comm.reduce_scatter(out, inp, tag=f"block{self.index}", async_op=True, sizes=self.rank_sizes)
+        work = comm.reduce_scatter(out, inp, tag=f"block{self.index}", async_op=True, sizes=self.part_sizes)
         return ReduceHandle(work, out, inp, self.shard_grad, held)

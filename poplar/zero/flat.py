@@ -66,9 +66,10 @@ class FlatUnit:
         return self.layout.range(self.rank)
 
     @property
-    def shard_sizes(self) -> tuple[int, ...]:
-        """Every rank's shard length (what the uneven collectives take)."""
-        return self.layout.sizes
+    def part_sizes(self) -> tuple[int, ...] | None:
+        """Every rank's shard length for the collectives; None where they are all alike (the
+        even collectives, with no per-call check)."""
+        return None if self.layout.even else self.layout.sizes
 
     @property
     def element_size(self) -> int:

@@ -128,7 +128,7 @@ class ReplicatedParams(ZeroStage):
             else:
                 local = u.shard_of(target).detach().clone()  # the input must not alias the output
             self._hold(local.numel() * local.element_size())
-            self.comm.all_gather(target, local, tag=f"unit{u.index}", sizes=u.shard_sizes)
+            self.comm.all_gather(target, local, tag=f"unit{u.index}", sizes=u.part_sizes)
             self._release(local.numel() * local.element_size())
             if whole_master:
                 flat.copy_(target)
@@ -155,7 +155,7 @@ class ReplicatedParams(ZeroStage):
         u = self.units[ui]
         full = u.new_flat(zero=False)
         self._hold(full.numel() * full.element_size())
-        self.comm.all_gather(full, self.masters[ui], tag=f"unit{u.index}", sizes=u.shard_sizes)
+        self.comm.all_gather(full, self.masters[ui], tag=f"unit{u.index}", sizes=u.part_sizes)
         return full
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -269,7 +269,7 @@ class Stage1(Stage0):
             out = u.new_shard(wire.dtype)
             held = out.numel() * out.element_size() + (wire.numel() * wire.element_size() if wire is not g else 0)
             self._hold(held)
-            self.comm.reduce_scatter(out, wire, tag=f"unit{u.index}", sizes=u.shard_sizes)
+            self.comm.reduce_scatter(out, wire, tag=f"unit{u.index}", sizes=u.part_sizes)
             shard = u.shard_of(g)
             shard.copy_(out)
             self._release(held)
@@ -337,7 +337,7 @@ class Stage2(ReplicatedParams):
         if wire is not bucket:  # only the copy stays alive
             self._hold(wire_bytes)
             self._release(bucket.numel() * bucket.element_size())
-        work = self.comm.reduce_scatter(out, wire, tag=f"unit{u.index}", async_op=True, sizes=u.shard_sizes)
+        work = self.comm.reduce_scatter(out, wire, tag=f"unit{u.index}", async_op=True, sizes=u.part_sizes)
         self._buckets[ui] = None
         self._next = ui + 1
         self._reduces.push(ReduceHandle(work, out, wire, self.shard_grads[ui], out_bytes + wire_bytes))

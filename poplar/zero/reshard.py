@@ -45,7 +45,7 @@ def gather_state(comm: Communicator, optimizer: torch.optim.Optimizer, units: Se
         for k in unit_keys:
             value = state[k]
             flat = torch.zeros(u.padded_numel, dtype=value.dtype, device=value.device)
-            comm.all_gather(flat, value.detach().contiguous(), tag=f"reshard:unit{u.index}", sizes=u.shard_sizes)
+            comm.all_gather(flat, value.detach().contiguous(), tag=f"reshard:unit{u.index}", sizes=u.part_sizes)
             flats[k] = flat
         out.append(UnitState(flats, {k: v for k, v in state.items() if k not in unit_keys}))
     return out

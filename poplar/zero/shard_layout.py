@@ -13,9 +13,11 @@ every collective. Padding is zero and stays zero.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Sequence
+
+from poplar.types.plans import shard_weights_problem
 
 ALIGN_BYTES = 16  # shard starts on 16-byte boundaries: what NCCL's vectorised copies want
 
@@ -31,8 +33,9 @@ class ShardLayout:
     def of(cls, numel: int, weights: Sequence[float], element_size: int = 4) -> "ShardLayout":
         """The layout of ``numel`` elements over ranks of these shard weights (one per rank)."""
         n = len(weights)
-        if n == 0 or any(not math.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
-            raise ValueError(f"shard weights must be finite, >= 0 and not all 0, got {list(weights)}")
+        problem = shard_weights_problem(weights)
+        if problem is not None:
+            raise ValueError(problem)
         if len(set(weights)) == 1:
             size = max(1, -(-numel // n))
             return cls(tuple(r * size for r in range(n + 1)))
@@ -53,12 +56,12 @@ class ShardLayout:
     def padded_numel(self) -> int:
         return self.bounds[-1]
 
-    @property
+    @cached_property
     def sizes(self) -> tuple[int, ...]:
         """Every rank's shard length, in rank order."""
         return tuple(b - a for a, b in zip(self.bounds, self.bounds[1:]))
 
-    @property
+    @cached_property
     def even(self) -> bool:
         """Every rank's shard has the same length (the collectives need no uneven form)."""
         return len(set(self.sizes)) == 1

@@ -20,7 +20,8 @@ from poplar.types.plans import Plan, PlanError, RankPlan
 from poplar.zero.config import ZeroConfig
 from poplar.zero.flat import FlatUnit
 from poplar.zero.shard_layout import ShardLayout
-from tests.toy import global_batch, loss_fn, make_model, make_optimizer, max_rel_err, rank_slice, reference_run
+from tests.toy import (global_batch, loss_fn, make_model, make_optimizer, max_rel_err, plan_of, rank_slice,
+                       reference_run, with_shards)
 
 ITERATIONS = 3
 GBS = 14
@@ -29,7 +30,7 @@ CONFIGS = [("sgd", None), ("sgd", 0.5), ("adamw", 0.5)]
 
 
 def weighted(weights: tuple[float, ...], *rows: tuple[int, int, int]) -> Plan:
-    return Plan([RankPlan(*r, shard_weight=w) for r, w in zip(rows, weights)])
+    return with_shards(plan_of(*rows), weights)
 
 
 # n_i = 7, 2, 5 and 10, 0, 4 (a rank with no samples): batches and shards cut independently
@@ -71,11 +72,6 @@ def test_weighted_shards_match_single_process(stage: int) -> None:
                 assert losses == pytest.approx(ref_losses, rel=1e-5), (kind, max_norm, pi, rank)
 
 
-def _with_weights(plan: Plan, weights: tuple[float, ...]) -> Plan:
-    return Plan([RankPlan(r.micro_batch_size, r.accum_steps, r.last_batch_size, shard_weight=w)
-                 for r, w in zip(plan.ranks, weights)])
-
-
 RESHARDS = [(1, 1, 1), (5, 1, 2), (0, 1, 2)]  # the weights of iterations 0, 1 and 2
 
 
@@ -87,12 +83,12 @@ def reshard_worker(rank: int, world: int, stage: int) -> dict:
             model = make_model(seed=0)
             base = PLANS[0]
             engine = PoplarEngine(model, make_optimizer(model, kind), zero_stage=_config(stage),
-                                  plan=_with_weights(base, RESHARDS[0]), max_grad_norm=max_norm,
+                                  plan=with_shards(base, RESHARDS[0]), max_grad_norm=max_norm,
                                   mixed_precision=precision)
             losses = []
             for it in range(ITERATIONS):
                 if live:
-                    engine.set_plan(_with_weights(base, RESHARDS[it]))
+                    engine.set_plan(with_shards(base, RESHARDS[it]))
                 losses.append(engine.train_step(rank_slice(global_batch(it, GBS), base, rank), loss_fn))
             out[(kind, max_norm, precision, live)] = (losses, engine.full_state_dict(), engine.shard_weights)
     return out
@@ -236,8 +232,8 @@ def test_unit_shard_ranges_and_local_collectives() -> None:
     assert torch.equal(units[1].shard_of(flat), flat[28:32])
     comm = LocalCommunicator(3, 2)
     out = torch.empty(12)
-    comm.reduce_scatter(out, flat, sizes=units[2].shard_sizes)
+    comm.reduce_scatter(out, flat, sizes=units[2].layout.sizes)
     assert torch.equal(out, flat[32:44])
     gathered = torch.empty(44)
-    comm.all_gather(gathered, out, sizes=units[2].shard_sizes)
+    comm.all_gather(gathered, out, sizes=units[2].layout.sizes)
     assert torch.equal(gathered[32:44], out) and torch.isfinite(gathered).all()

@@ -65,6 +65,16 @@ class ZeroStage(ABC):
     def empty_micro_step(self) -> None:
         """Take part in a micro-step's collectives with a zero contribution."""
 
+    def last_micro_step(self) -> None:
+        """The micro-step about to run is this rank's last of the iteration (the engine's
+        ``train_step`` knows it): a stage may start its closing reduction as backward produces
+        the gradients."""
+
+    def close_micro_steps(self) -> None:
+        """Every micro-step of this rank is over (or failed): send whatever of the closing
+        reduction is still owed and complete it, before the iteration's status reduction, so every
+        rank issues the same collectives in the same order whatever its micro-steps did."""
+
     @abstractmethod
     def reduce_gradients(self) -> None:
         ...

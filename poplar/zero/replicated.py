@@ -5,8 +5,8 @@ Parameters become views into per-unit flat buffers (a unit = a gradient bucket).
 hands each gradient over to its unit's flat gradient buffer through a post-accumulate hook.
 
 - Stage 0: full flat gradients persist and are all-reduced (summed) once per iteration.
-- Stage 1: full flat gradients persist, are reduce-scattered once per iteration; the optimizer
-  steps this rank's shard, and updated shards are all-gathered.
+- Stage 1 (``poplar.zero.stage1``): full flat gradients persist, are reduce-scattered once per
+  iteration; the optimizer steps this rank's shard, and updated shards are all-gathered.
 - Stage 2: only the gradient shard persists. Each unit is reduce-scattered asynchronously as
   soon as its gradients (and those of every earlier unit) are ready in backward, so the
   collective order is the fixed unit order on every rank; what is not ready when backward
@@ -250,42 +250,6 @@ class Stage0(ReplicatedParams):
 
     def grad_bytes(self) -> int:
         return sum(g.numel() * g.element_size() for g in self.flat_grads)
-
-
-class Stage1(Stage0):
-    stage = 1
-    grads_sharded = True
-    master_sharded = True
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.shard_params = self._shard_params()
-
-    def reduce_gradients(self) -> None:
-        for u, g, s in zip(self.units, self.flat_grads, self.shard_params):
-            # the reduced shard lands in this rank's slice of the flat gradient (via a temporary:
-            # the output of a reduce-scatter must not alias its input)
-            wire = self.precision.for_reduce(g)
-            out = u.new_shard(wire.dtype)
-            held = out.numel() * out.element_size() + (wire.numel() * wire.element_size() if wire is not g else 0)
-            self._hold(held)
-            self.comm.reduce_scatter(out, wire, tag=f"unit{u.index}", sizes=u.part_sizes)
-            shard = u.shard_of(g)
-            shard.copy_(out)
-            self._release(held)
-            s.grad = shard
-
-    def grad_tensors(self) -> list[torch.Tensor]:
-        return [s.grad for s in self.shard_params]
-
-    def optimizer_step(self) -> None:
-        self.optimizer.step()
-        self.sync_params()
-
-    def zero_grad(self) -> None:
-        super().zero_grad()
-        for s in self.shard_params:
-            s.grad = None
 
 
 class Stage2(ReplicatedParams):

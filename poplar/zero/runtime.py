@@ -6,10 +6,9 @@ weighs m / gbs, a (loss_sum, count) pair is divided by the global count at step 
 are summed over ranks (docs/design.md §2, ``poplar.zero.iteration_status``). It knows nothing
 above it: the profiler drives it, and ``PoplarEngine`` adds auto mode and ``fit``.
 
-Bad input never hangs: each rank reports at the iteration's status reduction (before any gradient
-collective of stages 0/1; at stages 2/3 a failing rank still joins every micro-step's collectives
-with zeros), and every rank raises the same error. Mixed precision and non-finite steps: §3.7.
-A step is extended through observers (``poplar.zero.observers``), never by replacing methods.
+Bad input never hangs: each rank reports at the iteration's status reduction (a failing rank
+still joins the gradient collectives before it), and every rank raises the same error. Mixed
+precision and non-finite steps: §3.7. Observers extend a step (``poplar.zero.observers``).
 """
 
 from __future__ import annotations
@@ -173,8 +172,10 @@ class ZeroRuntime:
         self._begin_iteration()
         loss_fn = loss_fn if loss_fn is not None else self.loss_fn
         error, cause = check_batch(batch, self.rank_plan, loss_fn)
-        start = 0
-        for k, m in enumerate(self.rank_plan.micro_batch_sizes() if error is None else []):
+        start, sizes = 0, self.rank_plan.micro_batch_sizes() if error is None else []
+        for k, m in enumerate(sizes):
+            if k == len(sizes) - 1:
+                self.stage.last_micro_step()
             failure = self._run_micro_step(batch, start, m, k, loss_fn)
             if failure is not None:
                 error, cause = f"micro-step {k}: {type(failure).__name__}: {failure}", failure
@@ -283,6 +284,7 @@ class ZeroRuntime:
                     self.stage.empty_micro_step()
                 self._micro_steps += 1
         with self.comm_ledger.scope(Phase.STEP, micro_step=-1):
+            self.stage.close_micro_steps()
             status = self._agree_status(error, cause)
             if status.nonfinite_ranks:
                 self._skip_step(status.nonfinite_ranks)
@@ -393,7 +395,6 @@ class ZeroRuntime:
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds: ``params`` (the copy the model computes with), ``master_params``
-        (fp32 masters kept apart from it under mixed precision), ``grads``, ``optimizer``,
-        ``buffers`` (module buffers) and ``comm_buffers`` (peak of the runtime's temporary
-        communication buffers); stage 3 adds ``gathered_params``."""
+        (fp32 masters kept apart under mixed precision), ``grads``, ``optimizer``, ``buffers`` and
+        ``comm_buffers`` (peak of temporary communication buffers); stage 3: ``gathered_params``."""
         return self.stage.memory_report()

@@ -26,7 +26,8 @@ def build_stage(zero_stage: int, model: nn.Module, optimizer: torch.optim.Optimi
             from poplar.zero.sharded import Stage3
             return Stage3(model, optimizer, comm, groups, wrap_policy, on_transient=on_transient, precision=precision,
                           shard_weights=shard_weights)
-        from poplar.zero.replicated import Stage0, Stage1, Stage2
+        from poplar.zero.replicated import Stage0, Stage2
+        from poplar.zero.stage1 import Stage1
 
         units = gradient_buckets(model, groups, comm.world_size, comm.rank, bucket_size_mb, shard_weights)
         stage_class = {0: Stage0, 1: Stage1, 2: Stage2}[zero_stage]

@@ -19,7 +19,7 @@ class ZeroConfig:
     """ZeRO settings (see the module doc).
 
     Args:
-        stage: 0, 1, 2 or 3.
+        stage: 0, 1, 2 or 3; or "auto" in the engine's auto mode (auto mode chooses the stage).
         bucket_size_mb: gradient bucket size of stages 0-2.
         wrap_policy: stage 3 only: which modules form a gather/release block (module classes,
             or a callable taking a module and returning whether it is a block).
@@ -32,7 +32,7 @@ class ZeroConfig:
     Values are checked when a runtime is built on them (every rank agrees on the verdict).
     """
 
-    stage: int = 0
+    stage: int | str = 0
     bucket_size_mb: float = 25.0
     wrap_policy: Any = None
     process_group: Any = None

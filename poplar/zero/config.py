@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from poplar.zero.nonfinite import NonFinitePolicy
+from poplar.zero.nonfinite import NonFinitePolicy, SkipReport
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,8 @@ class ZeroConfig:
             gradient on some rank is inf or NaN.
         max_consecutive_skips: with "skip", more non-finite steps in a row than this raise (under
             fp16 dynamic loss scaling only those at the minimum scale count).
+        skip_report: ``SkipReport.LOG`` warns of each skipped step on rank 0; ``COUNT`` only
+            counts it (profiling's trial steps).
     Values are checked when a runtime is built on them (every rank agrees on the verdict).
     """
 
@@ -38,6 +40,7 @@ class ZeroConfig:
     process_group: Any = None
     nonfinite: NonFinitePolicy | str = NonFinitePolicy.SKIP
     max_consecutive_skips: int = 5
+    skip_report: SkipReport = SkipReport.LOG
 
     @classmethod
     def of(cls, zero_stage: "int | ZeroConfig") -> "ZeroConfig":

@@ -35,7 +35,7 @@ from torch.utils.data import default_collate
 
 from poplar.comm import Communicator
 from poplar.planner import plan as make_plan
-from poplar.planner.planning import load_profile
+from poplar.planner.planning import batch_using_every_rank, load_profile
 from poplar.auto.choice import Choice, choose_configuration
 from poplar.planner.candidates import RULES, CandidateRow
 from poplar.profiler.cuda_device import CudaDevice
@@ -197,7 +197,23 @@ def _plan(comm: Communicator, profile: Profile, global_batch_size: int, options:
                 plan.meta["shard_trial_failed_on"] = failed
     except (PlanError, ProfileError) as e:
         raise PlanError(f"auto mode: planning failed: {e}") from None
+    idle = [r for r, row in enumerate(plan.ranks) if row.num_samples == 0]
+    if idle and comm.rank == 0:
+        log.warning(idle_ranks_line(profile, plan, idle, options))
     return plan
+
+
+def idle_ranks_line(profile: Profile, plan: Plan, idle: list[int], options: AutoOptions) -> str:
+    """The warning for ranks the plan gives 0 samples: who, why, and the global batch that would
+    give every rank samples."""
+    names = ", ".join(f"{r} ({profile.ranks[r].device_type})" for r in idle)
+    using = batch_using_every_rank(profile, plan.global_batch_size, plan.zero_stage, options.strategy,
+                                   max_micro_steps=options.max_micro_steps)
+    remedy = (f"a global batch of {using} would give every rank samples" if using is not None
+              else "no larger global batch would give every rank samples either")
+    return (f"ranks {names} get 0 samples at global batch {plan.global_batch_size} (the plan is predicted faster "
+            f"without their compute; they hold their shard of the state and join every collective): {remedy}, "
+            "or AutoOptions(require_all_ranks=True) gives each at least one")
 
 
 def _load_profile(comm: Communicator, options: AutoOptions, policy: MixedPrecision | None,

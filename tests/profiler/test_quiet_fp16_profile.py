@@ -36,6 +36,7 @@ def test_fp16_profiling_counts_overflows_and_training_reports_them() -> None:
     torch.set_num_threads(1)
     lines, logger = Lines(), logging.getLogger("poplar")
     logger.addHandler(lines)
+    level, logger.level = logger.level, logging.INFO
     try:
         device = VirtualDevice("X", 2 ** 30, time_fn=SaturatingCurve(0.002, 4.0, 2000.0))
         profile = profile_rank(WORKLOAD.model_fn, overflowing_loss, WORKLOAD.sample_fn, device,
@@ -54,3 +55,4 @@ def test_fp16_profiling_counts_overflows_and_training_reports_them() -> None:
             lines.lines
     finally:
         logger.removeHandler(lines)
+        logger.setLevel(level)

@@ -33,7 +33,8 @@ def binding_rank(rank: int, world: int, capacity: int) -> dict[str, Any]:
                                zero_stage=ZeroConfig(stage, bucket_size_mb=BUCKET_MB), loss_fn=WORKLOAD.loss_fn,
                                options=options, activation_checkpointing=False)
             out[str(stage)] = {"stage": result.plan.zero_stage,
-                               "considered": sorted({r.stage for r in result.candidates or []})}
+                               "considered": sorted({r.stage for r in result.candidates or []}),
+                               "checkpointing": sorted({r.checkpointing for r in result.candidates or []})}
         except ProfileError as e:
             out[str(stage)] = {"error": str(e)}
     # the profiler alone, escalation off (the paper's rule, a stage given): the error names the fit
@@ -54,9 +55,26 @@ def test_a_given_stage_is_binding_and_auto_chooses() -> None:
     results = spawn(binding_rank, WORLD, ((peaks[1] + peaks[2]) // 2,), timeout_s=300, collective_timeout_s=120)
     assert all(r == results[0] for r in results), results  # every rank the same verdicts
     r = results[0]
-    assert r["2"] == {"stage": 2, "considered": [2]}  # stage 2 stays at stage 2
+    assert r["2"] == {"stage": 2, "considered": [2], "checkpointing": [False]}  # stage 2 stays at stage 2
     assert "ZeRO-0" in r["0"]["error"] and "rank 2 (tiny)" in r["0"]["error"], r["0"]
     assert "ZeRO-2 would fit" in r["0"]["error"] and '"auto"' in r["0"]["error"], r["0"]
     assert r["auto"]["considered"] == [0, 1, 2, 3] and r["auto"]["stage"] >= 2, r["auto"]
+    assert r["auto"]["checkpointing"] == [False], r["auto"]  # a setting given is binding too
     assert "at ZeRO-0, the stage given" in r["profiler"]["error"], r["profiler"]
     assert "ZeRO-2 fits batch 1 on every rank" in r["profiler"]["error"], r["profiler"]
+
+
+def test_auto_needs_auto_mode() -> None:
+    import torch
+
+    from poplar.engine import PoplarEngine
+    from tests.toy import make_model, plan_of
+
+    model = make_model(0)
+    for kwargs in ({"zero_stage": "auto"}, {"activation_checkpointing": "auto"}):
+        with pytest.raises(ValueError, match="ask auto mode to choose: give global_batch_size"):
+            PoplarEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), plan=plan_of((2, 1, 0)), **kwargs)
+    model = make_model(0)
+    engine = PoplarEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), plan=plan_of((2, 1, 0)))
+    assert engine.zero_stage == 0  # with a plan, no stage given is DeepSpeed's default
+    engine.close()

@@ -84,7 +84,7 @@ def rank_main(rank: int, world: int, cluster: str, gbs: int, iterations: int, re
     device = cluster_device(cluster, rank, scales=Scales(memory=scale))
     quiet = AutoOptions(profile_data=sample_fn, device=device, repeats=repeats, progress=False, max_batch=1024)
     # auto mode: its choice and profiling seconds (the device it emulates is reused below)
-    auto = auto_plan(comm, model, opt, global_batch_size=gbs, zero_stage=0, loss_fn=llama_loss_fn, options=quiet)
+    auto = auto_plan(comm, model, opt, global_batch_size=gbs, zero_stage="auto", loss_fn=llama_loss_fn, options=quiet)
     auto_s = sum(auto.plan.meta["profiling_s"].values())  # capacity searches, timing rounds, collectives
     device = auto.device
     # the paper's single-stage profile (ZeRO-0, escalating): the yardstick and the first fit

@@ -40,12 +40,14 @@ class PoplarEngine(ZeroRuntime):
     Auto mode (no ``plan``; see ``poplar.auto``): give ``global_batch_size``, ``loss_fn`` and
     ``auto=AutoOptions(profile_data=...)`` instead, and the engine profiles every rank's device
     (``AutoOptions.device``, default the model's GPU: largest micro-batch, speed curve), plans
-    with ``auto.strategy`` and logs the plan; ``zero_stage`` is raised if the model does not fit
-    batch 1 somewhere. By default (``AutoOptions.choose="fastest"``) auto mode tries every ZeRO
-    stage from ``zero_stage`` up, with activation checkpointing off and on
-    (``activation_checkpointing=None``; a value given fixes it), and runs the configuration with
-    the shortest predicted iteration that fits every rank; the candidate table is logged and
-    kept in ``plan.meta["candidates"]``.
+    with ``auto.strategy`` and logs the plan. A given ``zero_stage`` is binding: the job runs at
+    that stage, and a stage where batch 1 does not fit some rank is an error naming the lowest
+    stage that would. ``zero_stage="auto"`` (the default in auto mode) lets auto mode choose: by
+    default (``AutoOptions.choose="fastest"``) it tries every stage of ``AutoOptions.stages``,
+    with activation checkpointing off and on (``activation_checkpointing=None`` or "auto"; a
+    value given is binding too), and runs the configuration with the shortest predicted iteration
+    that fits every rank; the candidate table is logged and kept in ``plan.meta["candidates"]``.
+    With a plan, ``zero_stage`` defaults to 0.
 
         global_batch_size: samples per optimizer step.
         loss_fn: ``loss_fn(module, micro_batch)`` -> mean loss, or ``(loss_sum, count)`` for
@@ -57,15 +59,20 @@ class PoplarEngine(ZeroRuntime):
     its speed and memory cap there. ``engine.close()`` detaches it.
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, zero_stage: int | ZeroConfig = 0,
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *,
+                 zero_stage: int | str | ZeroConfig | None = None,
                  plan: Plan | None = None, global_batch_size: int | None = None, loss_fn: LossFn | None = None,
                  max_grad_norm: float | None = None, mixed_precision: MixedPrecision | str | None = None,
                  activation_checkpointing: Any = None, auto: AutoOptions | None = None) -> None:
-        zero = ZeroConfig.of(zero_stage)
+        auto_mode = plan is None and global_batch_size is not None
+        zero = ZeroConfig.of(("auto" if auto_mode else 0) if zero_stage is None else zero_stage)
+        if not auto_mode and "auto" in (zero.stage, activation_checkpointing):
+            raise ValueError('zero_stage="auto" and activation_checkpointing="auto" ask auto mode to choose: give '
+                             "global_batch_size (and no plan), or a stage and a setting with the plan")
         comm = Communicator(zero.process_group, next(model.parameters()).device)
         self.auto_result: AutoResult | None = None
         device: Device | None = None
-        if plan is None and global_batch_size is not None:
+        if auto_mode:
             self.auto_result = auto_plan(comm, model, optimizer, global_batch_size=global_batch_size,
                                          zero_stage=zero, loss_fn=loss_fn, options=auto,
                                          mixed_precision=mixed_precision,

@@ -21,13 +21,14 @@ from poplar.profiler.exposure import ExposureRounds
 from poplar.profiler.profile_run import ProfileJob
 from poplar.profiler.timing import Confirmation, TimingGrid
 from poplar.types.configuration import Configuration
-from poplar.types.profiles import Profile
+from poplar.types.profiles import Profile, ProfileError
 
 
 @dataclass
 class Choice:
-    """What auto mode chooses among: the global batch, the rule, and the checkpointing settings
-    (the engine's ``activation_checkpointing``: None lets auto mode try off and on)."""
+    """What auto mode chooses among: the global batch, the rule, the stages (one when the user
+    gave a stage: it is binding; every stage for "auto") and the checkpointing settings (the
+    engine's ``activation_checkpointing``: None lets auto mode try off and on, a value is binding)."""
 
     gbs: int
     rule: str
@@ -37,10 +38,10 @@ class Choice:
     rows: list[CandidateRow] | None = None
     chosen: Configuration | None = None
 
-    def configs(self, zero_stage: int) -> list[Configuration]:
+    def configs(self, stages: tuple[int, ...] | None = None) -> list[Configuration]:
+        """The configurations allowed (or those at ``stages``), checkpointing off first, stages up."""
         settings = [None, True] if self.checkpointing is None else [self.checkpointing]
-        stages = sorted(s for s in set(self.stages) if s >= zero_stage)  # the stage asked for is a floor
-        return [Configuration(s, c) for c in settings for s in stages]
+        return [Configuration(s, c) for c in settings for s in sorted(set(self.stages if stages is None else stages))]
 
 
 def fit_by_shards(prof: CandidateProfiler, caps: list[ConfigCapacity],
@@ -72,7 +73,7 @@ def choose_configuration(comm: Communicator, job: ProfileJob, device: Device, ch
     prof = CandidateProfiler(job, device, log=lambda m: say(m.removeprefix("[poplar profile] ")),
                              process_group=comm.group)
     types = comm.all_gather_object(device.device_type, tag="auto:types")
-    caps = prof.capacities(choice.configs(popts.zero_stage))
+    caps = prof.capacities(choice.configs())
     if not any(c.fits for c in caps):
         caps = fit_by_shards(prof, caps, say)
     rows = [CandidateRow(c.config.stage, c.config.checkpointed, c.fits, mbs_by_type(types, c.mbs)) for c in caps]
@@ -127,7 +128,7 @@ def choose_configuration(comm: Communicator, job: ProfileJob, device: Device, ch
 
     fitting = sorted((i for i, r in enumerate(rows) if r.fits), key=lambda i: (rows[i].checkpointing, rows[i].stage))
     if not fitting:
-        choose(rows, choice.rule)  # raises, naming every configuration's reason
+        raise _none_fits(prof, choice, rows, say)
     time(fitting[0])
     while choice.rule == "fastest":
         best = min((rows[i].predicted_s for i in profiles if rows[i].predicted_s is not None), default=float("inf"))
@@ -162,3 +163,25 @@ def choose_configuration(comm: Communicator, job: ProfileJob, device: Device, ch
         + format_table(rows))
     return Profile.from_dict(comm.all_gather_object(profile.to_dict() if comm.rank == 0 else None,
                                                     tag="auto:profile")[0])
+
+
+def _none_fits(prof: CandidateProfiler, choice: Choice, rows: list[CandidateRow],
+               say: Callable[[str], None]) -> ProfileError:
+    """The error when no allowed configuration fits batch 1 on every rank: each one's reason, and
+    the lowest higher stage that would fit, at even shards or by room (its capacity searched now,
+    every rank together)."""
+    why = "; ".join(f"{r.name}: {r.reason}" for r in rows)
+    higher = tuple(range(max(choice.stages) + 1, 4))
+    caps = prof.capacities(choice.configs(higher)) if higher else []
+    if caps and not any(c.fits for c in caps):
+        caps = fit_by_shards(prof, caps, say)
+    found = [c.config for c in caps if c.fits]
+    would = min(found, key=lambda c: (c.stage, c.checkpointed), default=None)
+    asked = "the stage given" if len(set(choice.stages)) == 1 else "the stages allowed"
+    if would is None:
+        return ProfileError(f"batch 1 does not fit every rank at {asked} ({why}), nor at any higher stage: use "
+                            "devices with more memory, a smaller model, activation checkpointing or fewer ranks "
+                            "on the small devices")
+    return ProfileError(f"batch 1 does not fit every rank at {asked} ({why}); {would.name} would fit: give "
+                        f'zero_stage={would.stage} ("stage": {would.stage} in a config), or "auto" to let auto mode '
+                        "choose the stage")

@@ -35,7 +35,7 @@ from torch.utils.data import default_collate
 
 from poplar.comm import Communicator
 from poplar.planner import plan as make_plan
-from poplar.planner.planning import load_profile
+from poplar.planner.planning import batch_using_every_rank, load_profile
 from poplar.auto.choice import Choice, choose_configuration
 from poplar.planner.candidates import RULES, CandidateRow
 from poplar.profiler.cuda_device import CudaDevice
@@ -66,16 +66,19 @@ class AutoOptions:
     profile_output: str | os.PathLike | None = None  # save the measured profile here (JSON)
     repeats: int = 3  # timing measurements per batch size
     max_batch: int = 4096  # the capacity search stops here
-    escalate: bool = True  # raise the ZeRO stage when batch 1 does not fit somewhere
+    # zero_stage="auto" with choose="first_fit": move up from the lowest stage while batch 1 does
+    # not fit somewhere (a given stage never moves: it is binding)
+    escalate: bool = True
     require_all_ranks: bool = False  # every rank must get at least one sample
     max_micro_steps: int | None = None  # bound on micro-steps per rank per iteration
     collate_fn: Callable[[list], Any] | None = None  # for profile_data given as a dataset
     progress: bool = True  # profiling progress lines (rank 0)
-    # how the configuration (ZeRO stage x activation checkpointing) is chosen: "fastest" predicted
-    # iteration among those that fit every rank, or "first_fit" (the paper: the lowest stage, from
-    # the one asked for, where batch 1 fits); a loaded profile keeps its own configuration
+    # how the configuration (ZeRO stage x activation checkpointing) is chosen where the engine
+    # leaves it open (zero_stage="auto", activation_checkpointing=None / "auto"): "fastest"
+    # predicted iteration among those that fit every rank, or "first_fit" (the paper: the lowest
+    # stage where batch 1 fits); a loaded profile keeps its own configuration
     choose: str = "fastest"
-    stages: tuple[int, ...] = (0, 1, 2, 3)  # the stages "fastest" considers (from the engine's zero_stage up)
+    stages: tuple[int, ...] = (0, 1, 2, 3)  # the stages zero_stage="auto" chooses among
 
 
 @dataclass
@@ -130,13 +133,15 @@ def _measure(comm: Communicator, model: nn.Module, optimizer: torch.optim.Optimi
     snapshot = copy.deepcopy(model)  # on the CPU: the caller moved the model there
     model_fn = lambda: copy.deepcopy(snapshot)  # noqa: E731
     optimizer_fn = lambda m: clone_optimizer(optimizer, m, model)  # noqa: E731
-    popts = ProfileOptions(zero_stage=zero.stage, escalate=options.escalate, max_batch=options.max_batch,
+    binding = len(choice.stages) == 1  # a given stage: no escalation, an error naming the stage that fits
+    popts = ProfileOptions(zero_stage=min(choice.stages), escalate=options.escalate and not binding,
+                           max_batch=options.max_batch,
                            repeats=options.repeats, bucket_size_mb=zero.bucket_size_mb, wrap_policy=zero.wrap_policy,
                            model_name=type(model).__name__, progress=options.progress, mixed_precision=policy,
                            activation_checkpointing=None if choice.active else choice.checkpointing)
     job = ProfileJob(model_fn, loss_fn, sample_fn, optimizer_fn, popts,
-                     heaviest(choice.configs(zero.stage)) if choice.active else None)
-    profile = _load_profile(comm, options, policy, say) if options.profile is not None else None
+                     heaviest(choice.configs()) if choice.active else None)
+    profile = _load_profile(comm, options, policy, say, choice.stages) if options.profile is not None else None
     device = _rank_device(comm, options.device, home, needed=profile is None)
     if profile is not None:  # a reused profile: the device prepares for it, and must compute at its precision
         for observer in observers_of(device):
@@ -149,7 +154,7 @@ def _measure(comm: Communicator, model: nn.Module, optimizer: torch.optim.Optimi
         profile = choose_configuration(comm, job, device, choice, say, require_all_ranks=options.require_all_ranks,
                                        max_micro_steps=options.max_micro_steps)
     else:
-        say(f"profiling {comm.world_size} ranks at ZeRO-{zero.stage}, {precision_of(policy)} ...")
+        say(f"profiling {comm.world_size} ranks at ZeRO-{popts.zero_stage}, {precision_of(policy)} ...")
         profile = profile_rank(model_fn, loss_fn, sample_fn, device, optimizer_fn=optimizer_fn, options=popts,
                                log=lambda m: say(m.removeprefix("[poplar profile] ")), process_group=comm.group)
         # rank 0's copy everywhere: the per-rank copies differ only in their own wall-clock notes
@@ -192,12 +197,29 @@ def _plan(comm: Communicator, profile: Profile, global_batch_size: int, options:
                 plan.meta["shard_trial_failed_on"] = failed
     except (PlanError, ProfileError) as e:
         raise PlanError(f"auto mode: planning failed: {e}") from None
+    idle = [r for r, row in enumerate(plan.ranks) if row.num_samples == 0]
+    if idle and comm.rank == 0:
+        log.warning(idle_ranks_line(profile, plan, idle, options))
     return plan
 
 
+def idle_ranks_line(profile: Profile, plan: Plan, idle: list[int], options: AutoOptions) -> str:
+    """The warning for ranks the plan gives 0 samples: who, why, and the global batch that would
+    give every rank samples."""
+    names = ", ".join(f"{r} ({profile.ranks[r].device_type})" for r in idle)
+    using = batch_using_every_rank(profile, plan.global_batch_size, plan.zero_stage, options.strategy,
+                                   max_micro_steps=options.max_micro_steps)
+    remedy = (f"a global batch of {using} would give every rank samples" if using is not None
+              else "no larger global batch would give every rank samples either")
+    return (f"ranks {names} get 0 samples at global batch {plan.global_batch_size} (the plan is predicted faster "
+            f"without their compute; they hold their shard of the state and join every collective): {remedy}, "
+            "or AutoOptions(require_all_ranks=True) gives each at least one")
+
+
 def _load_profile(comm: Communicator, options: AutoOptions, policy: MixedPrecision | None,
-                  say: Callable[[str], None]) -> Profile:
-    """``options.profile``, checked on every rank (its rank count and precision must be this run's)."""
+                  say: Callable[[str], None], stages: tuple[int, ...]) -> Profile:
+    """``options.profile``, checked on every rank (its rank count and precision must be this run's,
+    its stage one of ``stages``)."""
     error, profile = None, None
     try:
         profile = load_profile(options.profile)
@@ -209,6 +231,10 @@ def _load_profile(comm: Communicator, options: AutoOptions, policy: MixedPrecisi
             error = (f"the profile was measured at {measured} but this run computes in {wanted}: its micro-batch "
                      f"sizes and speeds are not this run's; profile again with mixed_precision=\"{wanted}\" "
                      f"or run at {measured}")
+        elif profile.zero_stage not in stages:
+            asked = "/".join(str(s) for s in stages)
+            error = (f"the profile was measured at ZeRO-{profile.zero_stage} but this run is to run at ZeRO-{asked}: "
+                     f"give zero_stage={profile.zero_stage} or \"auto\" to run as profiled, or profile again")
     except (ProfileError, OSError, ValueError) as e:
         error = f"cannot use the profile {options.profile}: {e}"
     comm.agree(error, "auto mode profile", error_type=ProfileError)
@@ -234,6 +260,19 @@ def _rank_device(comm: Communicator, device: Device | None, home: torch.device, 
     return device
 
 
+def allowed_stages(stage: Any, choosable: Any) -> tuple[tuple[int, ...], str | None]:
+    """(the stages auto mode may run at: the one given, or ``choosable`` for "auto"; what is
+    wrong with them or None)."""
+    if stage == "auto":
+        stages = tuple(sorted(set(choosable)))
+        if not stages or any(isinstance(s, bool) or s not in (0, 1, 2, 3) for s in stages):
+            return (0,), f"AutoOptions.stages must be ZeRO stages among 0-3, got {choosable!r}"
+        return stages, None
+    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+        return (0,), f'zero_stage must be 0, 1, 2, 3 or "auto" (auto mode chooses), got {stage!r}'
+    return (int(stage),), None
+
+
 def _check_inputs(global_batch_size: Any, loss_fn: Callable | None, options: AutoOptions,
                   mixed_precision: Any) -> tuple[str | None, MixedPrecision | None, Callable[[int], Any] | None]:
     """(what is wrong with auto mode's inputs or None, the precision policy, ``sample_fn``)."""
@@ -256,22 +295,27 @@ def _check_inputs(global_batch_size: Any, loss_fn: Callable | None, options: Aut
 
 
 def auto_plan(comm: Communicator, model: nn.Module, optimizer: torch.optim.Optimizer, *, global_batch_size: int,
-              zero_stage: int | ZeroConfig, loss_fn: Callable | None, options: AutoOptions | None = None,
+              zero_stage: int | str | ZeroConfig, loss_fn: Callable | None, options: AutoOptions | None = None,
               mixed_precision: Any = None, activation_checkpointing: Any = None) -> AutoResult:
     """Profile (or load a profile), plan, and log the plan: the engine's auto mode.
-    ``zero_stage`` is the lowest stage to consider (with the runtime settings profiling uses);
-    ``mixed_precision`` is the run's precision (the engine's argument: None, "fp32", "bf16",
-    "fp16" or a ``MixedPrecision``); profiling runs under it."""
+    ``zero_stage``: the stage to run at (binding: a stage where batch 1 does not fit some rank is
+    an error naming the lowest stage that would), or "auto" to choose among ``options.stages``
+    (with the runtime settings profiling uses, as a ``ZeroConfig``); ``activation_checkpointing``
+    likewise: a value is binding, None or "auto" lets auto mode choose. ``mixed_precision`` is
+    the run's precision (the engine's argument: None, "fp32", "bf16", "fp16" or a
+    ``MixedPrecision``); profiling runs under it."""
     options = options or AutoOptions()
     zero = ZeroConfig.of(zero_stage)
-    zero_stage = zero.stage
     error, policy, sample_fn = _check_inputs(global_batch_size, loss_fn, options, mixed_precision)
-    comm.agree(error, "auto mode set-up", error_type=ProfileError)
+    stages, stage_error = allowed_stages(zero.stage, options.stages)
+    comm.agree(error or stage_error, "auto mode set-up", error_type=ProfileError)
 
     say = (lambda m: log.info(m)) if options.progress and comm.rank == 0 else (lambda m: None)
     if options.choose not in RULES:
         raise ValueError(f"AutoOptions.choose must be one of {RULES}, got {options.choose!r}")
-    choice = Choice(global_batch_size, options.choose, activation_checkpointing, tuple(options.stages),
+    if activation_checkpointing == "auto":
+        activation_checkpointing = None
+    choice = Choice(global_batch_size, options.choose, activation_checkpointing, stages,
                     active=options.choose == "fastest" and options.profile is None)
     home = next(model.parameters()).device
     if home.type != "cpu":
@@ -282,11 +326,12 @@ def auto_plan(comm: Communicator, model: nn.Module, optimizer: torch.optim.Optim
         chosen = choice.chosen.checkpointing if choice.chosen is not None else activation_checkpointing
         if chosen is None and profile.meta.get("activation_checkpointing"):
             chosen = True  # a reused profile measured with checkpointing: train as it was measured
-        if profile.zero_stage != zero_stage and choice.chosen is not None:
+        if choice.chosen is not None and len(choice.configs()) > 1:
             ckpt = " with activation checkpointing" if choice.chosen.checkpointed else ""
             say(f"running at ZeRO-{profile.zero_stage}{ckpt}: the fastest configuration that fits (table above)")
-        elif profile.zero_stage != zero_stage:
-            say(f"ZeRO-{zero_stage} does not fit batch 1 on every rank: running at ZeRO-{profile.zero_stage}")
+        elif profile.zero_stage != min(stages):
+            say(f"ZeRO-{min(stages)} does not fit batch 1 on every rank: running at ZeRO-{profile.zero_stage}, the "
+                "lowest stage that fits")
         plan = _plan(comm, profile, global_batch_size, options, job, device, chosen, say)
     finally:
         if home.type != "cpu":

@@ -3,7 +3,9 @@ training and held-out data, and the profile a resumed run may reuse.
 
 Models (``poplar.model``): a built-in name (``llama-small``, ``bert-tiny``, ...), a Hugging Face
 ``config.json`` (``{"hf_config": path, ...overrides}``: ``AutoModelForCausalLM.from_config``,
-randomly initialised from the config's seed; needs ``poplar[hf]``), or a user factory
+randomly initialised from the config's seed; needs ``poplar[hf]``), a pretrained model to
+fine-tune (``{"hf_pretrained": dir}``: ``AutoModelForCausalLM.from_pretrained`` of a local
+directory, in fp32, tokenized by the directory's ``tokenizer.json``), or a user factory
 ``"package.module:function"`` called with the overrides as keyword arguments, returning an
 ``nn.Module`` whose ``forward(**batch)`` takes Hugging Face batches (``input_ids``,
 ``attention_mask``) and returns logits or an output with ``.logits``.
@@ -49,21 +51,48 @@ class RunParts:
 
 
 def _hf_model(cfg: TrainConfig, vocab: int) -> nn.Module:
+    kind = "hf_pretrained" if cfg.model_hf_pretrained is not None else "hf_config"
     try:
         import transformers
     except ImportError:
-        raise ConfigError('"poplar.model.hf_config" needs transformers: pip install \'poplar[hf]\'') from None
+        raise ConfigError(f'"poplar.model.{kind}" needs transformers: pip install \'poplar[hf]\'') from None
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()  # one bar per rank while loading says nothing
+    if cfg.model_hf_pretrained is not None:
+        model = transformers.AutoModelForCausalLM.from_pretrained(cfg.model_hf_pretrained, **cfg.model_overrides)
+        _check_vocab(getattr(model.config, "vocab_size", None), vocab)
+        return model.to(torch.float32)  # fp32 master weights; "bf16" / "fp16" set the compute precision
     path = Path(cfg.model_hf_config or "")
     if not path.is_file():
         raise ConfigError(f'"poplar.model.hf_config": {path} is not a file; give a Hugging Face config.json')
-    transformers.logging.set_verbosity_error()
     config = transformers.AutoConfig.from_pretrained(str(path), **cfg.model_overrides)
-    have = getattr(config, "vocab_size", None)
+    _check_vocab(getattr(config, "vocab_size", None), vocab)
+    torch.manual_seed(cfg.seed)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def _check_vocab(have: int | None, vocab: int) -> None:
     if have is not None and have < vocab:
         raise ConfigError(f"the model's vocab_size {have} is smaller than the tokenizer's {vocab}; use the model's "
                           "own tokenizer.json or set \"vocab_size\" in poplar.model")
-    torch.manual_seed(cfg.seed)
-    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def tokenizer_path(cfg: TrainConfig) -> str | None:
+    """The tokenizer: ``poplar.data.tokenizer`` if given; for ``hf_pretrained``, the directory's
+    own ``tokenizer.json`` (a pretrained model's token ids mean nothing under another tokenizer);
+    else None (byte-level)."""
+    if cfg.tokenizer is not None or cfg.model_hf_pretrained is None:
+        return cfg.tokenizer
+    directory = Path(cfg.model_hf_pretrained)
+    if not directory.is_dir():
+        raise ConfigError(f'"poplar.model.hf_pretrained": {directory} is not a directory; give the directory a model '
+                          "was saved to with save_pretrained")
+    own = directory / "tokenizer.json"
+    if not own.is_file():
+        raise ConfigError(f'"poplar.model.hf_pretrained": {directory} has no tokenizer.json; save the tokenizer there '
+                          '(a fast tokenizer\'s save_pretrained writes it) or give "poplar.data.tokenizer" ("bytes": '
+                          "byte-level)")
+    return str(own)
 
 
 def _factory_model(cfg: TrainConfig) -> nn.Module:
@@ -94,15 +123,16 @@ def build_parts(cfg: TrainConfig, device: torch.device) -> RunParts:
     from poplar.workloads.text import MaskedTextBlocks
     from poplar.workloads.tokenized import TextTokenizer, TokenizedText, describe
 
-    if cfg.model_hf_config is None and cfg.model_factory is None and cfg.model.startswith("bert"):
+    if cfg.model_hf_config is None and cfg.model_hf_pretrained is None and cfg.model_factory is None and \
+            cfg.model.startswith("bert"):
         overrides = {"max_seq_len": max(cfg.seq_len, 8), **cfg.model_overrides}
         model = create_model(cfg.model, seed=cfg.seed, **overrides)
         train = MaskedTextBlocks(cfg.data_path, seq_len=cfg.seq_len, split="train")
         held = MaskedTextBlocks(cfg.data_path, seq_len=cfg.seq_len, split="val") if cfg.eval_fraction else None
         loss_fn, about = loss_fn_for(model), f"{len(train)} masked byte blocks of {cfg.seq_len}"
     else:
-        tokenizer = TextTokenizer(cfg.tokenizer)
-        if cfg.model_hf_config is not None:
+        tokenizer = TextTokenizer(tokenizer_path(cfg))
+        if cfg.model_hf_config is not None or cfg.model_hf_pretrained is not None:
             model, loss_fn = _hf_model(cfg, tokenizer.vocab_size), causal_lm_loss_fn
         elif cfg.model_factory is not None:
             model, loss_fn = _factory_model(cfg), causal_lm_loss_fn

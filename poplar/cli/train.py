@@ -29,6 +29,7 @@ import torch
 from poplar.types.logs import log
 from poplar.types.precision import MixedPrecision
 from poplar.train.config import ConfigError, TrainConfig
+from poplar.train.deepspeed_hints import hint_line
 from poplar.train.preemption import Preempted
 
 FAILURE_GRACE_S = 10.0  # how long the reporting rank waits for failing ranks not known dead to check in
@@ -114,11 +115,16 @@ def run(cfg: TrainConfig, failures: "FailureReporting | None" = None) -> int:
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
         log.info(f"data: {parts.about_data}")
+    if rank == 0 and cfg.deepspeed_hints:
+        log.info(hint_line(cfg.deepspeed_hints))
     plan, auto = choose_plan(cfg, world, device)
-    kwargs: dict[str, Any] = {"zero_stage": ZeroConfig(cfg.zero_stage, cfg.bucket_size_mb),
+    # a stage not given: auto mode chooses; with a plan, the plan file's stage, else DeepSpeed's 0
+    stage = cfg.zero_stage if cfg.zero_stage is not None else \
+        "auto" if auto else (plan.zero_stage if plan.zero_stage is not None else 0)
+    kwargs: dict[str, Any] = {"zero_stage": ZeroConfig(stage, cfg.bucket_size_mb),
                               "max_grad_norm": cfg.gradient_clipping, "loss_fn": loss_fn,
                               "mixed_precision": cfg.mixed_precision}
-    if cfg.activation_checkpointing:
+    if cfg.activation_checkpointing is not None:
         kwargs["activation_checkpointing"] = cfg.activation_checkpointing
     fingerprint = None
     if auto:

@@ -265,3 +265,31 @@ def _fastest_shards(prof: Profile, planned: Callable[[Sequence[float], Profile |
         best = even
     best.meta["shard_candidates"] = rows
     return best
+
+
+def batch_using_every_rank(profile: Profile | Mapping[str, Any] | str | os.PathLike, global_batch_size: int,
+                           zero_stage: int | None = None, strategy: str = "poplar", *,
+                           max_micro_steps: int | None = None, tries: int = 12) -> int | None:
+    """The smallest global batch above ``global_batch_size`` whose plan (even shards, no
+    ``require_all_ranks``) gives every rank a sample: doubling, then bisection, at most ``tries``
+    plans (None if none found: every rank is then left out by choice, not by the batch)."""
+    prof = load_profile(profile)
+
+    def uses_all(gbs: int) -> bool:
+        try:
+            found = plan(prof, gbs, zero_stage, strategy, max_micro_steps=max_micro_steps)
+        except PlanError:
+            return False
+        return all(r.num_samples > 0 for r in found.ranks)
+
+    low, high = global_batch_size, max(global_batch_size + 1, prof.world_size)
+    while not uses_all(high):
+        tries -= 1
+        if tries <= 0:
+            return None
+        low, high = high, 2 * high
+    while high - low > 1 and tries > 0:  # low never uses every rank, high does
+        tries -= 1
+        mid = (low + high) // 2
+        low, high = (low, mid) if uses_all(mid) else (mid, high)
+    return high

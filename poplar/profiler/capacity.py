@@ -99,6 +99,7 @@ class CapacityResult:
     oom_events: list[OomEvent] = field(default_factory=list)
     capped: bool = False  # every batch up to max_batch fitted
     reason: str = ""  # why batch 1 does not fit
+    overflowing_trials: int = 0  # trial steps skipped for an fp16 overflow (the loss scale backed off)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

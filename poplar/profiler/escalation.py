@@ -45,19 +45,27 @@ def find_fitting_stage(search: Callable[[int], CapacityResult], comm: Communicat
     count, bytes) for the error; ``lead`` logs for the cluster, ``mine`` for this rank."""
     escalations: list[dict[str, Any]] = []
     trials_per_stage: dict[str, int] = {}
+    refused: ProfileError | None = None  # the stage asked for did not fit and escalation is off
     while True:
         result, error = _search_at(search, stage, mine)
         if result is not None:
             trials_per_stage[str(stage)] = result.trial_steps
         verdicts = _agree_on_capacity(comm, device, result, error)
         no_fit = [r for r, v in enumerate(verdicts) if v["mbs"] < 1]
+        if not no_fit and refused is not None:  # the stage that would fit, named in the error
+            raise ProfileError(f"{refused} ZeRO-{stage} fits batch 1 on every rank: give that stage, or \"auto\" "
+                               "to let auto mode choose")
         if not no_fit:
             assert result is not None
             return StageCapacity(stage, result, [v["mbs"] for v in verdicts], escalations, trials_per_stage)
         names = ", ".join(f"rank {r} ({verdicts[r]['device']}, {format_bytes(verdicts[r]['capacity'])})"
                           for r in no_fit)
-        if stage == 3 or not escalate:
-            raise _does_not_fit(stage, verdicts, no_fit, names, model_size)
+        if stage == 3:
+            raise refused or _does_not_fit(stage, verdicts, no_fit, names, model_size)
+        if not escalate:
+            refused = refused or _does_not_fit(stage, verdicts, no_fit, names, model_size)
+            stage += 1  # searched only to name the stage that would fit
+            continue
         lead(f"batch 1 does not fit at ZeRO-{stage} on {names}; moving to ZeRO-{stage + 1}")
         escalations.append({"from": stage, "to": stage + 1, "ranks": no_fit,
                             "reasons": {str(r): verdicts[r]["reason"] for r in no_fit}})
@@ -93,7 +101,7 @@ def _does_not_fit(stage: int, verdicts: list[dict[str, Any]], no_fit: list[int],
                   model_size: tuple[int, int]) -> ProfileError:
     param_count, param_bytes = model_size
     smallest = min(range(len(verdicts)), key=lambda r: verdicts[r]["capacity"])
-    hint = "even at ZeRO-3" if stage == 3 else f"at ZeRO-{stage} (escalation is off)"
+    hint = "even at ZeRO-3" if stage == 3 else f"at ZeRO-{stage}, the stage given,"
     first = verdicts[no_fit[0]]
     states = (f"; its model states at ZeRO-{stage} alone are {format_bytes(first['state_bytes'])}"
               if first["state_bytes"] else "")

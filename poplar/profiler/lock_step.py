@@ -75,6 +75,7 @@ class LockStepTiming:
     comm_seconds: float  # seconds in collectives over all rounds
     collectives: tuple[list[list], list[list]]  # ``runtime_collectives`` of the last round
     confirm: Confirmation = Confirmation.REPEAT  # when a measurement was trusted
+    overflowing_rounds: int = 0  # rounds skipped for an fp16 overflow (their times count all the same)
 
 
 def time_rounds(run: TimedRun, fit: StageCapacity, per_rank: list[list[int]] | None = None, warmup: bool = True,
@@ -121,7 +122,7 @@ def _timing_rounds(run: TimedRun, fit: StageCapacity, per_rank: list[list[int]] 
         rounds += sum(len(facts[comm.rank]) for facts in steady.values())
     costs = exposed_costs(comm.all_gather_object(facts, tag="profile:costs"), steady)
     timing = LockStepTiming(summarize(measured), rounds, costs, runtime.comm_ledger.seconds(),
-                            runtime_collectives(runtime), confirm)
+                            runtime_collectives(runtime), confirm, runtime.skipped_steps)
     del runtime, model, optimizer, batches
     device.release()
     return timing

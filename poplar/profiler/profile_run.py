@@ -50,6 +50,7 @@ from poplar.types.configuration import Configuration
 from poplar.types.precision import MixedPrecision, resolve_precision
 from poplar.types.profiles import CommProfile, Profile, ProfileError, RankProfile
 from poplar.zero.config import ZeroConfig
+from poplar.zero.nonfinite import SkipReport
 from poplar.zero.runtime import ZeroRuntime
 
 
@@ -88,8 +89,10 @@ class ProfileOptions:
                              f"steady rounds), got {self.exposure_precision}")
 
     def zero_config(self, stage: int, process_group: Any = None) -> ZeroConfig:
-        """The runtime settings the profiled runtimes use at ``stage``."""
-        return ZeroConfig(stage, self.bucket_size_mb, self.wrap_policy, process_group)
+        """The runtime settings the profiled runtimes use at ``stage``: a trial step skipped for an
+        fp16 overflow is counted (``overflowing_trials`` in the profile's notes), not logged as a
+        skipped optimizer step (the loss scaler backs off as in training)."""
+        return ZeroConfig(stage, self.bucket_size_mb, self.wrap_policy, process_group, skip_report=SkipReport.COUNT)
 
 
 def _log_to_stderr(message: str) -> None:
@@ -158,8 +161,13 @@ def search_capacity(job: ProfileJob, device: Device, *, world_size: int, rank: i
     options = job.options
     weights = trial.shard_weights if trial is not None else options.shard_weights
     attached = contextlib.ExitStack()
+    current: list[ZeroRuntime] = []  # the runtime of the trials now, whose skipped steps are counted
+    overflows = 0
 
     def build() -> ZeroRuntime:
+        nonlocal overflows
+        overflows += sum(r.skipped_steps for r in current)
+        current.clear()
         attached.close()  # detach from the previous runtime, if any
         device.release()
         model = job.model_fn().to(device.torch_device)
@@ -168,6 +176,7 @@ def search_capacity(job: ProfileJob, device: Device, *, world_size: int, rank: i
                                mixed_precision=options.mixed_precision,
                                activation_checkpointing=options.activation_checkpointing, shard_weights=weights)
         attached.enter_context(device.attach(runtime))
+        current.append(runtime)
         return runtime
 
     with in_phase(observers_of(device), ProfilePhase.CAPACITY, None), young_garbage_only():
@@ -183,8 +192,10 @@ def search_capacity(job: ProfileJob, device: Device, *, world_size: int, rank: i
             state_bytes = device.static_bytes()
             if state_bytes is not None:
                 result.state_bytes = state_bytes
+            result.overflowing_trials = overflows + sum(r.skipped_steps for r in current)
             return result
         finally:
+            current.clear()
             # drop the runtime before collecting: held here, it would outlive the release below as
             # reference cycles that keep its GPU memory until some later collection
             search = None
@@ -313,6 +324,7 @@ def _assemble_profile(run: ProfileRun, fit: StageCapacity, timing: LockStepTimin
              "state_bytes": result.state_bytes, "capped": result.capped,
              "oom_events": [vars(e) for e in result.oom_events], "device": device.describe(),
              "timing_comm_s": timing.comm_seconds,
+             "overflowing_trials": result.overflowing_trials + timing.overflowing_rounds,
              "phase_seconds": {k: round(v, 3) for k, v in run.phase_seconds.items()}}
     parts = comm.all_gather_object((part, notes), tag="profile:assemble")
     if comm_profile is None:
@@ -335,6 +347,7 @@ def _assemble_profile(run: ProfileRun, fit: StageCapacity, timing: LockStepTimin
                  "comm_fit": "seconds = latency_s + bus volume / bandwidth (ring: 2(N-1)/N V all-reduce, "
                              "(N-1)/N V reduce-scatter/all-gather)",
                  "ranks": {str(r): rank_notes for r, (_, rank_notes) in enumerate(parts)},
+                 "overflowing_trials": sum(rank_notes["overflowing_trials"] for _, rank_notes in parts),
                  "seconds": round(time.perf_counter() - run.started, 3)})
     weights = options.shard_weights
     return Profile(zero_stage=fit.stage, world_size=comm.world_size, param_count=run.param_count,

@@ -19,7 +19,9 @@ directory, as DeepSpeed's are.
         "iterations": 100,                          train until this iteration
         "model": "llama-small",                     or {"name": "llama-small", "max_seq_len": 64, ...},
                                                     {"hf_config": "gpt2/config.json", "n_layer": 2} (a Hugging
-                                                    Face config, randomly initialised), or "pkg.mod:function"
+                                                    Face config, randomly initialised), {"hf_pretrained": "dir"}
+                                                    (fine-tune: from_pretrained weights, the dir's
+                                                    tokenizer.json), or "pkg.mod:function"
                                                     / {"factory": "pkg.mod:function", ...keyword arguments}
         "data": {"path": null, "seq_len": 64,       a .txt or .jsonl file; null: the corpus shipped with Poplar
                  "tokenizer": null,                 null: byte-level; or a Hugging Face tokenizer.json
@@ -29,7 +31,8 @@ directory, as DeepSpeed's are.
                  "eval_path": null},
         "eval_every": null,                         evaluate every k iterations (and always at the end)
         "tensorboard": null,                        event files in report_dir/tensorboard (null: if installed)
-        "activation_checkpointing": false,          true (the layer stack), a class name or a list of them
+        "activation_checkpointing": "auto",         auto mode chooses (also when not given); false, true
+                                                    (the layer stack), a class name or a list of them: binding
         "cluster": "B",                             CPU: emulate this cluster (built-in name or JSON file)
         "strategy": "poplar",                       or "even" / "flops"
         "shards": "even",                           each rank's share of the sharded state: "even", "auto"
@@ -48,6 +51,18 @@ a saved ``poplar.profile``; otherwise, on plain CPU, DeepSpeed's even plan from
 ``train_micro_batch_size_per_gpu``. In auto mode the micro-batch and accumulation keys are not
 used: every rank gets its own.
 
+The stage means what it says: a given ``zero_optimization.stage`` (0-3) is the stage the job
+runs at; in auto mode a stage where batch 1 does not fit some rank is an error that names the
+lowest stage that would fit. ``"stage": "auto"``, or no stage at all, lets auto mode choose the
+fastest stage that fits (without auto mode, no stage means DeepSpeed's default, 0). The same
+holds for ``poplar.activation_checkpointing``: a value is binding, ``"auto"`` or none lets auto
+mode choose.
+
+DeepSpeed keys that only tune DeepSpeed's own runtime (``overlap_comm``,
+``contiguous_gradients``, ``allgather_bucket_size``, ``reduce_scatter``, ...;
+``poplar.train.deepspeed_hints``) are accepted and logged once, saying what Poplar does
+instead. Any other unknown key is an error that names the closest known key.
+
 Precision (DeepSpeed's keys, DeepSpeed's meaning): ``"bf16": {"enabled": true}`` computes in
 bf16; ``"fp16": {"enabled": true, ...}`` in fp16 with loss scaling: ``loss_scale`` 0 (default)
 is dynamic, starting at 2 ** ``initial_scale_power`` (16), doubling after ``loss_scale_window``
@@ -63,6 +78,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from poplar.train.deepspeed_hints import NOT_YET, TOP_HINTS, ZERO_HINTS, did_you_mean
 from poplar.train.schedule import LRSchedule
 from poplar.types.plans import read_json, shard_weights_problem
 from poplar.types.precision import LossScaleConfig, MixedPrecision, Precision
@@ -74,7 +90,7 @@ SCHEDULER_KEYS = {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_
 DATA_KEYS = {"path", "seq_len", "tokenizer", "packing", "text_key", "eval_fraction", "eval_path"}
 TOP_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
             "gradient_clipping", "steps_per_print", "seed", "zero_optimization", "optimizer", "scheduler", "poplar",
-            "fp16", "bf16", "wall_clock_breakdown"}
+            "fp16", "bf16"}
 ZERO_KEYS = {"stage", "reduce_bucket_size"}
 BF16_KEYS = {"enabled"}
 FP16_KEYS = {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"}
@@ -95,7 +111,7 @@ class TrainConfig:
     gradient_clipping: float | None = None
     log_every: int = 10
     seed: int = 0
-    zero_stage: int = 0
+    zero_stage: int | None = None  # None ("auto" or not given): auto mode chooses; 0 with an even plan
     bucket_size_mb: float = 25.0
     optimizer: str = "AdamW"
     optimizer_params: dict[str, Any] = field(default_factory=lambda: {"lr": 1e-3})
@@ -105,6 +121,7 @@ class TrainConfig:
     model: str = "llama-small"
     model_overrides: dict[str, Any] = field(default_factory=dict)
     model_hf_config: str | None = None  # a Hugging Face config.json (then ``model`` is unused)
+    model_hf_pretrained: str | None = None  # a save_pretrained directory: its weights and tokenizer
     model_factory: str | None = None  # "package.module:function" (then ``model`` is unused)
     data_path: str | None = None
     seq_len: int = 64
@@ -128,6 +145,7 @@ class TrainConfig:
     report_dir: str | None = None
     collective_timeout_s: float = 300.0
     mixed_precision: MixedPrecision | None = None  # "bf16" / "fp16" sections; None: fp32
+    deepspeed_hints: dict[str, str] = field(default_factory=dict)  # DeepSpeed hint keys met -> what Poplar does
 
     # ------------------------------------------------------------------ reading
     @classmethod
@@ -138,8 +156,8 @@ class TrainConfig:
     def from_dict(cls, raw: Any) -> "TrainConfig":
         if not isinstance(raw, dict):
             raise ConfigError(f"the config must be a JSON object, got {type(raw).__name__}")
-        _no_unknown(raw, TOP_KEYS, "the config")
         cfg = cls()
+        cfg.deepspeed_hints.update(_no_unknown(raw, TOP_KEYS, "the config", TOP_HINTS))
         cfg.mixed_precision = read_precision(raw)
         cfg.train_batch_size = _int(raw, "train_batch_size", None)
         cfg.micro_batch_size = _int(raw, "train_micro_batch_size_per_gpu", None)
@@ -151,10 +169,14 @@ class TrainConfig:
         cfg.log_every = _int(raw, "steps_per_print", 10, minimum=0)
         cfg.seed = _int(raw, "seed", 0, minimum=0)
         zero = _get(raw, "zero_optimization", dict, {})
-        _no_unknown(zero, ZERO_KEYS, '"zero_optimization"')
-        cfg.zero_stage = _int(zero, "stage", 0, minimum=0, where='"zero_optimization"')
-        if cfg.zero_stage > 3:
-            raise ConfigError(f'"zero_optimization.stage" must be 0, 1, 2 or 3, got {cfg.zero_stage}')
+        for key in sorted(set(zero) & set(NOT_YET)):
+            raise ConfigError(f'"zero_optimization.{key}": {NOT_YET[key]}')
+        cfg.deepspeed_hints.update(_no_unknown(zero, ZERO_KEYS, '"zero_optimization"', ZERO_HINTS))
+        stage = zero.get("stage", "auto")
+        if stage != "auto" and (isinstance(stage, bool) or stage not in (0, 1, 2, 3)):
+            raise ConfigError(f'"zero_optimization.stage" must be 0, 1, 2, 3 or "auto" (auto mode chooses), '
+                              f'got {stage!r}')
+        cfg.zero_stage = None if stage == "auto" else int(stage)
         if "reduce_bucket_size" in zero:
             cfg.bucket_size_mb = _int(zero, "reduce_bucket_size", 0, minimum=1, where='"zero_optimization"') / 2**20
         _read_optimizer(cfg, raw)
@@ -185,10 +207,15 @@ class TrainConfig:
         return None if schedule is None else schedule(iteration)
 
 
-def _no_unknown(d: dict, known: set[str], where: str) -> None:
-    unknown = sorted(set(d) - known)
+def _no_unknown(d: dict, known: set[str], where: str, hints: dict[str, str] | None = None) -> dict[str, str]:
+    """Raise on a key neither ``known`` nor a DeepSpeed hint (naming the closest known key);
+    returns the hints met, each with what Poplar does instead."""
+    hints = hints or {}
+    unknown = sorted(set(d) - known - set(hints))
     if unknown:
-        raise ConfigError(f"{where} has keys Poplar does not know: {unknown}; known keys: {sorted(known)}")
+        raise ConfigError(f"{where} has keys Poplar does not know: {unknown}{did_you_mean(unknown, known | set(hints))}"
+                          f"; known keys: {sorted(known)}")
+    return {key: hints[key] for key in d if key in hints}
 
 
 def _get(d: dict, key: str, kind: type, default: Any) -> Any:
@@ -290,6 +317,8 @@ def _read_poplar(cfg: TrainConfig, p: dict) -> None:
     if not (ac is None or isinstance(ac, (bool, str)) or (isinstance(ac, list) and all(isinstance(x, str) for x in ac))):
         raise ConfigError(f'"poplar.activation_checkpointing" must be true/false, a module class name or a list '
                           f'of them, got {ac!r}')
+    if ac == "auto":
+        ac = None
     cfg.activation_checkpointing = set(ac) if isinstance(ac, list) else ({ac} if isinstance(ac, str) else ac)
     for key in ("cluster", "plan", "profile", "report_dir"):
         value = p.get(key)
@@ -330,22 +359,24 @@ def _read_model(cfg: TrainConfig, model: Any) -> None:
     if not isinstance(model, dict):
         raise ConfigError(f'"poplar.model" must be a name, "package.module:function" or an object, got {model!r}')
     model = dict(model)
-    kinds = [k for k in ("name", "hf_config", "factory") if k in model]
+    kinds = [k for k in ("name", "hf_config", "hf_pretrained", "factory") if k in model]
     if len(kinds) != 1:
         raise ConfigError('"poplar.model" as an object needs exactly one of "name" (built-in, e.g. "llama-small"), '
-                          '"hf_config" (a Hugging Face config.json) or "factory" ("package.module:function"), '
-                          f"got {sorted(model)}")
+                          '"hf_config" (a Hugging Face config.json), "hf_pretrained" (a save_pretrained directory) '
+                          f'or "factory" ("package.module:function"), got {sorted(model)}')
     value = model.pop(kinds[0])
     if not isinstance(value, str) or (kinds[0] == "factory" and ":" not in value):
         raise ConfigError(f'"poplar.model.{kinds[0]}" must be a string' +
                           (' of the form "package.module:function"' if kinds[0] == "factory" else "") +
                           f", got {value!r}")
     cfg.model_overrides = model
-    cfg.model, cfg.model_hf_config, cfg.model_factory = cfg.model, None, None
+    cfg.model_hf_config, cfg.model_hf_pretrained, cfg.model_factory = None, None, None
     if kinds[0] == "name":
         cfg.model = value
     elif kinds[0] == "hf_config":
         cfg.model_hf_config = value
+    elif kinds[0] == "hf_pretrained":
+        cfg.model_hf_pretrained = value
     else:
         cfg.model_factory = value
 

@@ -56,6 +56,8 @@ class FitMonitor:
             if self.board is None and report.tensorboard:
                 raise ImportError("tensorboard=True but the tensorboard package is not installed: "
                                   "pip install 'poplar[tensorboard]' (or pass tensorboard=None)")
+            if self.board is None:
+                log.info("TensorBoard event files skipped: they need tensorboard (pip install 'poplar[tensorboard]')")
 
     # ------------------------------------------------------------------ the step
     def before_step(self, iteration: int) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from poplar.zero.nonfinite import NonFinitePolicy
+from poplar.zero.nonfinite import NonFinitePolicy, SkipReport
 
 
 @dataclass(frozen=True)
@@ -19,7 +19,7 @@ class ZeroConfig:
     """ZeRO settings (see the module doc).
 
     Args:
-        stage: 0, 1, 2 or 3.
+        stage: 0, 1, 2 or 3; or "auto" in the engine's auto mode (auto mode chooses the stage).
         bucket_size_mb: gradient bucket size of stages 0-2.
         wrap_policy: stage 3 only: which modules form a gather/release block (module classes,
             or a callable taking a module and returning whether it is a block).
@@ -29,15 +29,18 @@ class ZeroConfig:
             gradient on some rank is inf or NaN.
         max_consecutive_skips: with "skip", more non-finite steps in a row than this raise (under
             fp16 dynamic loss scaling only those at the minimum scale count).
+        skip_report: ``SkipReport.LOG`` warns of each skipped step on rank 0; ``COUNT`` only
+            counts it (profiling's trial steps).
     Values are checked when a runtime is built on them (every rank agrees on the verdict).
     """
 
-    stage: int = 0
+    stage: int | str = 0
     bucket_size_mb: float = 25.0
     wrap_policy: Any = None
     process_group: Any = None
     nonfinite: NonFinitePolicy | str = NonFinitePolicy.SKIP
     max_consecutive_skips: int = 5
+    skip_report: SkipReport = SkipReport.LOG
 
     @classmethod
     def of(cls, zero_stage: "int | ZeroConfig") -> "ZeroConfig":

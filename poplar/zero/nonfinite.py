@@ -39,6 +39,13 @@ class NonFinitePolicy(str, Enum):
         return self.value
 
 
+class SkipReport(Enum):
+    """What a skipped step leaves behind besides its count (``ZeroRuntime.skipped_steps``)."""
+
+    LOG = "log"  # a warning on rank 0 (training: a skipped optimizer step is news)
+    COUNT = "count"  # the count alone (profiling's trial steps: an fp16 overflow there trains nothing)
+
+
 class Verdict(Enum):
     """The guard's decision on one non-finite iteration."""
 

@@ -36,7 +36,7 @@ from poplar.zero.grad_norm import clip_and_unscale
 from poplar.zero.iteration_status import (IterationStatus, LossAccumulator, check_batch, failure_message,
                                           reduce_status, skip_empty_step, status_error)
 from poplar.zero.loss_scaler import LossScaler
-from poplar.zero.nonfinite import NonFiniteGuard, Verdict, local_detail, nonfinite_flag
+from poplar.zero.nonfinite import NonFiniteGuard, SkipReport, Verdict, local_detail, nonfinite_flag
 from poplar.zero.observers import IterationStats, MicroStep, ObserverHandle, Observers, StepObserver
 from poplar.zero.precision import StagePrecision
 from poplar.zero.setup import agree_setup, check_arguments, check_policies
@@ -104,6 +104,7 @@ class ZeroRuntime:
         scale_config = checked.precision.loss_scale if checked.precision is not None else None
         self.loss_scaler: LossScaler | None = LossScaler(scale_config) if scale_config is not None else None
         self.nonfinite = NonFiniteGuard(checked.nonfinite, config.max_consecutive_skips)
+        self.skip_report = SkipReport(config.skip_report)
         self.zero_stage = zero_stage
         self.shard_weights = plan.shard_weights  # each rank's share of the sharded state, as built
         self.set_plan(plan, PlanCheck.LOCAL)
@@ -349,7 +350,7 @@ class ZeroRuntime:
             message = self.nonfinite.message(verdict, self.iteration, details)
             self._reset_iteration()
             raise DistributedError(message)
-        if self.rank == 0:
+        if self.rank == 0 and self.skip_report is SkipReport.LOG:
             log.warning(self.nonfinite.warning(self.iteration, nonfinite_ranks, self.world_size,
                                                (old_scale, self.loss_scale) if scaler is not None else None))
 

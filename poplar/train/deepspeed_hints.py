@@ -1,0 +1,67 @@
+"""DeepSpeed config keys that only tune how DeepSpeed runs, never what a step computes, and
+what Poplar does about each: its own equivalent, or nothing. ``poplar train`` accepts them so a
+DeepSpeed config runs unchanged, and logs once which ones it met (``hint_line``).
+
+Keys that change what is computed or where state lives (offload, quantized weights or
+gradients, communication dtype) are not here: they stay errors until Poplar does the same.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Iterable
+
+# "zero_optimization" keys (DeepSpeed's ZeRO config docs)
+ZERO_HINTS = {
+    "overlap_comm": "stage 2 reduce-scatters each gradient bucket during backward, stage 3 prefetches one "
+                    "block ahead, always",
+    "contiguous_gradients": "gradients always live in one flat buffer per group",
+    "reduce_scatter": "the stage decides: all-reduce at 0, reduce-scatter at 1-3",
+    "allgather_partitions": "updated shards are all-gathered per bucket",
+    "allgather_bucket_size": "all-gathers use the gradient buckets (reduce_bucket_size)",
+    "round_robin_gradients": "ignored (a CPU-offload ordering hint)",
+    "stage3_prefetch_bucket_size": "stage 3 prefetches one block ahead by a fixed schedule",
+    "stage3_max_live_parameters": "stage 3 releases each block after use",
+    "stage3_max_reuse_distance": "stage 3 releases each block after use",
+    "stage3_param_persistence_threshold": "ignored: stage 3 shards every parameter a block owns",
+    "sub_group_size": "ignored: the optimizer steps a rank's whole shard at once",
+    "elastic_checkpoint": "checkpoints load under any world size and stage",
+    "load_from_fp32_weights": "checkpoints keep and load the fp32 master weights",
+    "ignore_unused_parameters": "unused parameters get zero gradients",
+    "use_multi_rank_bucket_allreduce": "ignored",
+    "memory_efficient_linear": "ignored",
+}
+
+# "zero_optimization" keys that move state off the GPU: not done yet, so an error says so
+NOT_YET = {
+    "offload_optimizer": "Poplar does not offload optimizer state to the CPU or NVMe yet: remove the key "
+                         "(with \"stage\": \"auto\" auto mode chooses a stage and activation checkpointing that fit)",
+    "offload_param": "Poplar does not offload parameters to the CPU or NVMe yet: remove the key",
+    "cpu_offload": "Poplar does not offload optimizer state to the CPU yet: remove the key",
+}
+
+# top-level keys
+TOP_HINTS = {
+    "wall_clock_breakdown": "per-rank compute, idle and comm times are logged every steps_per_print",
+    "zero_allow_untested_optimizer": "any torch.optim optimizer the config names runs",
+    "memory_breakdown": "ignored",
+    "prescale_gradients": "each micro-batch's loss is scaled by its share of the global batch",
+    "gradient_predivide_factor": "each micro-batch's loss is scaled by its share of the global batch",
+}
+
+
+def hint_line(hints: dict[str, str]) -> str:
+    """One log line naming each hint met and what Poplar does instead."""
+    what = "; ".join(f"{key}: {note}" for key, note in sorted(hints.items()))
+    return f"config: DeepSpeed performance hints that Poplar does its own way or ignores: {what}"
+
+
+def did_you_mean(unknown: Iterable[str], known: Iterable[str]) -> str:
+    """'; did you mean "stage" for "stag"?' for the unknown keys close to a known one, else ''."""
+    known = sorted(known)
+    guesses = []
+    for key in sorted(unknown):
+        close = difflib.get_close_matches(key, known, n=1, cutoff=0.7)
+        if close:
+            guesses.append(f'"{close[0]}" for "{key}"')
+    return f"; did you mean {', '.join(guesses)}?" if guesses else ""

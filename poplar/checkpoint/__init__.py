@@ -62,11 +62,12 @@ The package: ``layout`` (file names, the index and how values are written in it)
 on every rank together).
 """
 
-from poplar.checkpoint.errors import CheckpointError
-from poplar.checkpoint.kept import Latest, find_latest, read_index, save_kept
+from poplar.checkpoint.errors import CheckpointError, DamagedCheckpoint
+from poplar.checkpoint.kept import Latest, NoCompleteCheckpoint, find_latest, read_index, save_kept
 from poplar.checkpoint.layout import FORMAT_VERSION, optim_file_name
 from poplar.checkpoint.load import load_checkpoint
 from poplar.checkpoint.save import save_checkpoint
 
 __all__ = ["save_checkpoint", "load_checkpoint", "read_index", "save_kept", "find_latest", "Latest", "CheckpointError",
+           "DamagedCheckpoint", "NoCompleteCheckpoint",
            "FORMAT_VERSION", "optim_file_name"]

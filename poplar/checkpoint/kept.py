@@ -71,8 +71,15 @@ class NoComplete(Invalid):
 
 class NoCompleteCheckpoint(CheckpointError):
     """Raised on every rank: the checkpoint directory holds checkpoints, none of them complete.
-    Its message names the fixes that need no interface (remove it, resume from elsewhere); the
-    caller adds how to start over in its own terms."""
+    ``problem`` names the fixes that need no interface (remove it, resume from elsewhere); the
+    caller adds how to start over in its own terms (``start_over``: an API argument, a config key)."""
+
+    def __init__(self, problem: str, start_over: str | None = None) -> None:
+        self.problem, self.start_over = problem, start_over
+        super().__init__(problem if start_over is None else f"{problem}, or start from iteration 0: {start_over}")
+
+    def __reduce__(self) -> tuple:
+        return NoCompleteCheckpoint, (self.problem, self.start_over)
 
 
 @dataclass(frozen=True)

@@ -64,7 +64,13 @@ def choose_plan(cfg: TrainConfig, world: int, device: torch.device) -> tuple[Any
     from poplar.types.plans import Plan
 
     if cfg.plan:
-        return Plan.load(cfg.plan), False
+        plan = Plan.load(cfg.plan)
+        if cfg.train_batch_size is not None and plan.global_batch_size != cfg.train_batch_size:
+            raise ConfigError(f'the plan {cfg.plan} trains a global batch of {plan.global_batch_size} samples (the sum of '
+                              f'its rows) but "train_batch_size" is {cfg.train_batch_size}; make them agree: set '
+                              f'"train_batch_size": {plan.global_batch_size}, or make a plan for '
+                              f'{cfg.train_batch_size} (poplar plan --gbs {cfg.train_batch_size})')
+        return plan, False
     if device.type == "cuda" or cfg.cluster or cfg.profile:
         if cfg.cluster and cfg.mixed_precision is not None:  # bf16 on an emulated V100 / T4: say so now
             from poplar.emulation.cluster import ClusterSpec
@@ -95,6 +101,24 @@ def describe_precision(policy: MixedPrecision) -> str:
 
 
 def run(cfg: TrainConfig, failures: "FailureReporting | None" = None) -> int:
+    """Join the job, claim the checkpoint directory, build and train."""
+    device = init_distributed(cfg.collective_timeout_s)
+    if failures is not None:
+        failures.join()
+    if cfg.checkpoint_dir is not None:  # before anything else: a second job on the directory stops at once
+        from poplar.comm import Communicator
+        from poplar.train.checkpointing import claim
+        claim(Communicator(), cfg.checkpoint_dir)
+    try:
+        return _train(cfg, device)
+    finally:
+        if cfg.checkpoint_dir is not None:
+            from poplar.comm import Communicator
+            from poplar.train.checkpointing import let_go
+            let_go(Communicator(), cfg.checkpoint_dir)
+
+
+def _train(cfg: TrainConfig, device: torch.device) -> int:
     from poplar.auto import AutoOptions
     from poplar.emulation import cluster_device
     from poplar.engine import PoplarEngine
@@ -103,9 +127,6 @@ def run(cfg: TrainConfig, failures: "FailureReporting | None" = None) -> int:
     from poplar.cli import run_parts
     from poplar.types.profiles import Profile
 
-    device = init_distributed(cfg.collective_timeout_s)
-    if failures is not None:
-        failures.join()
     torch.manual_seed(cfg.seed)
     parts = run_parts.build_parts(cfg, device)
     model, optimizer, loss_fn, data = parts.model, parts.optimizer, parts.loss_fn, parts.train_data
@@ -115,6 +136,8 @@ def run(cfg: TrainConfig, failures: "FailureReporting | None" = None) -> int:
     if rank == 0:
         log.info(f"data: {parts.about_data}")
     plan, auto = choose_plan(cfg, world, device)
+    if plan is not None:
+        run_parts.check_resumed_batch(cfg, plan)
     kwargs: dict[str, Any] = {"zero_stage": ZeroConfig(cfg.zero_stage, cfg.bucket_size_mb),
                               "max_grad_norm": cfg.gradient_clipping, "loss_fn": loss_fn,
                               "mixed_precision": cfg.mixed_precision}
@@ -163,25 +186,31 @@ def run(cfg: TrainConfig, failures: "FailureReporting | None" = None) -> int:
 
 def _main(args: argparse.Namespace) -> int:
     from poplar.comm import DistributedError
+    from poplar.checkpoint import NoCompleteCheckpoint
 
-    cfg = TrainConfig.load(args.config)
-    if args.iterations is not None:
-        cfg.iterations = args.iterations
     code = 1
     failures = FailureReporting()
     try:
+        cfg = TrainConfig.load(args.config)
+        if args.iterations is not None:
+            cfg.iterations = args.iterations
         code = run(cfg, failures)
+        failures.finished()
     except Preempted as e:
         code = e.exit_code
+        failures.finished()
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"poplar train: {e}", file=sys.stderr, flush=True)
-    except DistributedError as e:
+    except (DistributedError, ValueError, FileNotFoundError, MemoryError) as e:
+        # bad input (a config, a plan, a path) fails every rank alike; a dead peer fails the survivors
+        if isinstance(e, NoCompleteCheckpoint):  # the fix in this interface's terms
+            e = NoCompleteCheckpoint(e.problem, 'set "poplar.checkpoint.resume": false in the config')
         # check in before the group goes: destroying a gloo group whose peer died can abort this
         # process (SIGABRT), and a rank gone without checking in would be named as dead
         reporter = failures.check_in()
         _destroy_group()  # then: peers blocked in a collective with this rank fail now, not at a timeout
-        if reporter:
-            failures.report(e)
+        failures.report(e if isinstance(e, DistributedError) else f"error: {e}", reporter)
+        code = 1
     finally:
         _tear_down()
     if "TORCHELASTIC_RUN_ID" in os.environ:
@@ -194,19 +223,31 @@ def _main(args: argparse.Namespace) -> int:
 
 class FailureReporting:
     """This process's part in the job's one failure line (``poplar.comm.failure``): the board it
-    joins once the job has started, its check-in when it fails, and the line the first failing
-    rank prints."""
+    joins once the job has started (or when it fails, if that is earlier), its check-in when it
+    fails, and the line the first failing rank prints."""
 
     def __init__(self) -> None:
         self.board: Any = None  # a FailureBoard, once joined (None outside torchrun)
+        self.joined = False
 
     def join(self) -> None:
         from poplar.comm.failure import FailureBoard
 
+        if self.joined:
+            return
+        self.joined = True
         board = FailureBoard.from_env(int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
         if board is not None:
             board.register()
             self.board = board
+
+    def finished(self) -> None:
+        """Say on the board that this rank ended normally (it is not to be named as dead)."""
+        if self.board is not None:
+            try:
+                self.board.finish()
+            except Exception:  # noqa: BLE001 - the store is gone: nobody is left to ask
+                pass
 
     def check_in(self) -> bool:
         """Say on the board that this rank failed; True if this rank is the one to print the
@@ -214,6 +255,10 @@ class FailureReporting:
         from here on: torchrun SIGTERMs the survivors once it sees a rank die (it waits 30 s
         before it kills), and the line must come out first."""
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            self.join()  # a failure before the job started (a bad config) checks in too
+        except Exception:  # noqa: BLE001 - no store: report for this rank alone
+            self.board = None
         if self.board is None:
             return True
         try:
@@ -222,8 +267,11 @@ class FailureReporting:
             self.board = None
             return True
 
-    def report(self, error: BaseException) -> None:
-        """Print the failure once for the whole job, led by the ranks that died or never checked in."""
+    def report(self, error: BaseException | str, reporter: bool) -> None:
+        """The reporter prints the failure once for the whole job, led by the ranks that died or
+        never checked in. Every failing rank first waits (up to the grace) for the others to
+        check in or be known dead, so that none is still exposed to torchrun's SIGTERM, which
+        would end it with 143, when the first of them exits."""
         from poplar.comm.failure import failure_line
 
         dead: list[int] = []
@@ -233,7 +281,8 @@ class FailureReporting:
                 dead, silent = self.board.absent(FAILURE_GRACE_S)
         except Exception:  # noqa: BLE001 - the store is gone too: report for this rank alone
             pass
-        print(f"poplar train: {failure_line(str(error), dead, silent)}", file=sys.stderr, flush=True)
+        if reporter:
+            print(f"poplar train: {failure_line(str(error), dead, silent)}", file=sys.stderr, flush=True)
 
 
 def _destroy_group() -> None:

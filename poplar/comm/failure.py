@@ -59,11 +59,22 @@ class FailureBoard:
         ``grace_s`` for the ranks that may still check in."""
         deadline = time.monotonic() + grace_s
         while True:
-            missing = [r for r in range(self.world_size) if not self.store.check([f"rank{r}"])]
-            dead = [r for r in missing if self._gone(r)]
+            missing = [r for r in range(self.world_size) if not self._accounted(r)]
+            # a rank checks in (or finishes) before its process ends, so ask again after seeing it
+            # ended: one that checked in between the two looks exited normally, it did not die
+            dead = [r for r in missing if self._gone(r) and not self._accounted(r)]
+            missing = [r for r in missing if not self._accounted(r)]
             if len(dead) == len(missing) or time.monotonic() >= deadline:
                 return dead, [r for r in missing if r not in dead]
             time.sleep(0.05)
+
+    def finish(self) -> None:
+        """Say that this rank ended normally (done, or stopped by a signal): never named as dead."""
+        self.store.set(f"done{self.rank}", "1")
+
+    def _accounted(self, rank: int) -> bool:
+        """Whether ``rank`` checked in as failing or said it ended normally."""
+        return self.store.check([f"rank{rank}"]) or self.store.check([f"done{rank}"])
 
     def _gone(self, rank: int) -> bool:
         """True if ``rank``'s process ran on this machine and has ended (or is a zombie)."""

@@ -78,8 +78,7 @@ class Checkpointer:
         try:
             latest = kept.agree_on_latest(engine.comm, directory)  # every rank; they must all find the same
         except kept.NoCompleteCheckpoint as e:
-            raise kept.NoCompleteCheckpoint(f"{e}, or start from iteration 0 with "
-                                            "CheckpointOptions(resume=False)") from None
+            raise kept.NoCompleteCheckpoint(e.problem, "pass CheckpointOptions(resume=False)") from None
         if latest is None:
             return None
         passed_over = list(latest.passed_over)

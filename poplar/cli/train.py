@@ -18,6 +18,7 @@ iteration, which is checkpointed and reported; rank 0 prints one line and every 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import signal
 import sys
@@ -55,7 +56,18 @@ def init_distributed(timeout_s: float) -> torch.device:
     kwargs: dict[str, Any] = {"backend": backend, "timeout": timedelta(seconds=timeout_s)}
     if backend == "nccl":
         kwargs["device_id"] = device
-    dist.init_process_group(**kwargs)
+    from poplar.comm import DistributedError
+    from poplar.comm.attempts import attempt_store
+    try:
+        store = attempt_store(timeout_s)  # None outside torchrun: env:// as usual
+        if store is not None:
+            kwargs.update(store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+        dist.init_process_group(**kwargs)
+    except (RuntimeError, dist.DistBackendError) as e:
+        raise DistributedError(f"rank {os.environ.get('RANK')}: joining the job's process group failed within "
+                               f"{timeout_s:g} s (poplar.collective_timeout_s): another rank died while starting, or "
+                               f"the ranks cannot reach each other ({type(e).__name__}: "
+                               f"{str(e).splitlines()[0][:300] if str(e) else ''})") from e
     return device
 
 
@@ -190,6 +202,7 @@ def _main(args: argparse.Namespace) -> int:
 
     code = 1
     failures = FailureReporting()
+    failure: tuple[str, bool] | None = None  # (the failure's text, whether a peer's failure caused it)
     try:
         cfg = TrainConfig.load(args.config)
         if args.iterations is not None:
@@ -205,12 +218,20 @@ def _main(args: argparse.Namespace) -> int:
         # bad input (a config, a plan, a path) fails every rank alike; a dead peer fails the survivors
         if isinstance(e, NoCompleteCheckpoint):  # the fix in this interface's terms
             e = NoCompleteCheckpoint(e.problem, 'set "poplar.checkpoint.resume": false in the config')
-        # check in before the group goes: destroying a gloo group whose peer died can abort this
-        # process (SIGABRT), and a rank gone without checking in would be named as dead
-        reporter = failures.check_in()
-        _destroy_group()  # then: peers blocked in a collective with this rank fail now, not at a timeout
-        failures.report(e if isinstance(e, DistributedError) else f"error: {e}", reporter)
-        code = 1
+        # only the text is kept: the exception's frames hold the engine and, through it, the
+        # process group, whose connections must close for peers blocked on this rank to go on
+        failure = (str(e), isinstance(e, DistributedError)) if isinstance(e, DistributedError) \
+            else (f"error: {e}", False)
+    try:
+        if failure is not None:
+            code = 1
+            text, peer = failure
+            # check in before the group goes: destroying a gloo group whose peer died can abort
+            # this process (SIGABRT), and a rank gone without checking in would be named as dead
+            reporter = failures.check_in()
+            gc.collect()  # the failed run's engine, and with it the group's last references
+            _destroy_group()  # then: peers blocked in a collective with this rank fail now, not at a timeout
+            failures.report(text, reporter, wait=reporter or not peer)
     finally:
         _tear_down()
     if "TORCHELASTIC_RUN_ID" in os.environ:
@@ -267,17 +288,19 @@ class FailureReporting:
             self.board = None
             return True
 
-    def report(self, error: BaseException | str, reporter: bool) -> None:
+    def report(self, error: BaseException | str, reporter: bool, wait: bool) -> None:
         """The reporter prints the failure once for the whole job, led by the ranks that died or
-        never checked in. Every failing rank first waits (up to the grace) for the others to
-        check in or be known dead, so that none is still exposed to torchrun's SIGTERM, which
-        would end it with 143, when the first of them exits."""
+        never checked in; it waits (up to the grace) for the others to check in or be known dead
+        first. ``wait`` on a rank that does not report: the same wait, for an input error that
+        every rank meets while starting, so that none is still exposed to torchrun's SIGTERM
+        (which would end it with 143) when the first of them exits. After a peer died a
+        non-reporter leaves at once: its exit is what frees ranks still blocked on it."""
         from poplar.comm.failure import failure_line
 
         dead: list[int] = []
         silent: list[int] = []
         try:
-            if self.board is not None:
+            if self.board is not None and (reporter or wait):
                 dead, silent = self.board.absent(FAILURE_GRACE_S)
         except Exception:  # noqa: BLE001 - the store is gone too: report for this rank alone
             pass

@@ -114,6 +114,9 @@ def describe_precision(policy: MixedPrecision) -> str:
 
 def run(cfg: TrainConfig, failures: "FailureReporting | None" = None) -> int:
     """Join the job, claim the checkpoint directory, build and train."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a worker whose launcher is gone stops by itself
+        from poplar.comm.launcher_watch import LauncherWatch
+        LauncherWatch(cfg.collective_timeout_s).start()
     device = init_distributed(cfg.collective_timeout_s)
     if failures is not None:
         failures.join()

@@ -81,3 +81,44 @@ def test_a_killed_worker_restarts_the_job_which_resumes_and_ends_with_the_uninte
     assert "rank 2 died (its process ended)" in text, text[-4000:]
     assert "resumed from ckpt at iteration 10" in text, text[-4000:]
     assert _final_loss(restarted) == _final_loss(reference)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+@needs_torchrun
+@pytest.mark.multiprocess
+def test_sigkill_of_the_launcher_leaves_no_worker_and_the_last_checkpoint_loads(tmp_path: Path) -> None:
+    _setup(tmp_path, 100_000)
+    log = tmp_path / "run.log"
+    proc = _launch(tmp_path, log)
+    deadline = time.monotonic() + DEADLINE_S
+    workers: list[int] = []
+    try:
+        _wait_for("iteration 7/100000", log, proc, deadline)
+        workers = [_worker_pid(proc.pid, r) for r in range(4)]
+        assert None not in workers
+        proc.kill()  # the launcher alone: torchrun gives each worker a session of its own
+        killed = time.monotonic()
+        while any(_alive(p) for p in workers) and time.monotonic() < killed + COLLECTIVE_TIMEOUT_S + 10:
+            time.sleep(0.1)
+        gone_s = time.monotonic() - killed
+    finally:
+        for p in workers:
+            if p is not None and _alive(p):
+                os.kill(p, signal.SIGKILL)
+    text = log.read_text()
+    assert gone_s < COLLECTIVE_TIMEOUT_S, (gone_s, text[-3000:])
+    assert "the launcher (pid" in text and "is gone" in text, text[-3000:]
+    pointer = json.loads((tmp_path / "ckpt" / "index.json").read_text())
+    stopped = pointer["iteration"]
+    assert stopped >= 7 and f"stopped by SIGTERM at iteration {stopped}" in text, text[-3000:]
+    again = subprocess.run([sys.executable, "-m", "poplar", "train", "--config", "run.json", "--iterations",
+                            str(stopped + 1)], cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed from ckpt at iteration {stopped}" in again.stderr

@@ -57,9 +57,8 @@ from poplar.zero.config import ZeroConfig
 from poplar.zero.runtime import ZeroRuntime
 from poplar.emulation.cluster import ClusterError, ClusterSpec
 from poplar.emulation.host_memory import host_memory_guard
-from poplar.types.precision import MixedPrecision, Precision, resolve_precision
+from poplar.types.precision import MixedPrecision, Precision, precision_of, resolve_precision
 from poplar.emulation.presets import GIB, DevicePreset, get_preset
-from poplar.types.precision import precision_of
 from poplar.types.profiles import ProfileError
 from poplar.zero.runtime import PlanCheck
 

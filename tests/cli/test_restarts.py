@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -122,3 +123,55 @@ def test_sigkill_of_the_launcher_leaves_no_worker_and_the_last_checkpoint_loads(
                             str(stopped + 1)], cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=120)
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"resumed from ckpt at iteration {stopped}" in again.stderr
+
+
+def _elastic(tmp: Path, log: Path, port: int) -> subprocess.Popen:
+    """One agent of an elastic job of 1 to 2 agents (two agents on this machine stand for two nodes)."""
+    return subprocess.Popen([str(TORCHRUN), "--nnodes", "1:2", "--nproc_per_node", "2", "--rdzv-backend", "c10d",
+                             "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic-test", "--max-restarts",
+                             "2", "--rdzv-conf", "last_call_timeout=3", "-m", "poplar", "train", "--config",
+                             "run.json"], cwd=tmp, env=ENV, stdout=subprocess.DEVNULL, stderr=log.open("w"),
+                            start_new_session=True)
+
+
+@needs_torchrun
+@pytest.mark.multiprocess
+def test_an_elastic_job_that_loses_a_member_resumes_on_the_smaller_world_with_a_new_plan(tmp_path: Path) -> None:
+    from poplar.comm.launch import free_port
+
+    iterations = 30
+    _setup(tmp_path, iterations)
+    port = free_port()
+    first_log, second_log = tmp_path / "first.log", tmp_path / "second.log"
+    first = _elastic(tmp_path, first_log, port)
+    time.sleep(1.0)  # the first agent hosts the rendezvous
+    second = _elastic(tmp_path, second_log, port)
+    deadline = time.monotonic() + DEADLINE_S
+    lost: list[int | None] = []
+    try:
+        while "iteration 12/" not in first_log.read_text() + second_log.read_text():
+            assert first.poll() is None and second.poll() is None and time.monotonic() < deadline, \
+                first_log.read_text()[-3000:] + second_log.read_text()[-3000:]
+            time.sleep(0.05)
+        assert "global batch 16" in first_log.read_text() + second_log.read_text()
+        lost = [_worker_pid(second.pid, r) for r in range(4)]
+        for pid in [second.pid, *[p for p in lost if p is not None]]:  # the second node goes away
+            os.kill(pid, signal.SIGKILL)
+        code = first.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for p in (first, second):
+            if p.poll() is None:
+                p.kill()
+        for pid in lost:
+            if pid is not None and _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    text = first_log.read_text()
+    assert code == 0, text[-4000:]
+    resumed = re.search(r"resumed from ckpt at iteration (\d+): .*saved by 4 ranks", text)
+    assert resumed and int(resumed.group(1)) >= 10, text[-4000:]
+    after = text[resumed.start():]
+    assert f"iteration {iterations}/{iterations}" in after
+    plan = text[text.rindex("plan (even"):resumed.start()]  # the plan of the smaller world
+    assert re.search(r"\n +0 .* 8 *\n +1 .* 8 *\nglobal batch 16", plan), plan  # 8 samples each, not 4
+    metrics = json.loads((tmp_path / "report" / "metrics.json").read_text())
+    assert metrics["end_iteration"] == iterations and len(metrics["ranks"]) == 2

@@ -33,6 +33,7 @@ from poplar.train.config import ConfigError, TrainConfig
 from poplar.train.preemption import Preempted
 
 FAILURE_GRACE_S = 10.0  # how long the reporting rank waits for failing ranks not known dead to check in
+LOCAL_GRACE_S = 2.0  # after a peer died: how long for ranks alive on this machine (blocked on a rank still here)
 
 
 def init_distributed(timeout_s: float) -> torch.device:
@@ -234,7 +235,7 @@ def _main(args: argparse.Namespace) -> int:
             reporter = failures.check_in()
             gc.collect()  # the failed run's engine, and with it the group's last references
             _destroy_group()  # then: peers blocked in a collective with this rank fail now, not at a timeout
-            failures.report(text, reporter, wait=reporter or not peer)
+            failures.report(text, reporter, wait=reporter or not peer, peer=peer)
     finally:
         _tear_down()
     if "TORCHELASTIC_RUN_ID" in os.environ:
@@ -291,7 +292,7 @@ class FailureReporting:
             self.board = None
             return True
 
-    def report(self, error: BaseException | str, reporter: bool, wait: bool) -> None:
+    def report(self, error: BaseException | str, reporter: bool, wait: bool, peer: bool = False) -> None:
         """The reporter prints the failure once for the whole job, led by the ranks that died or
         never checked in; it waits (up to the grace) for the others to check in or be known dead
         first. ``wait`` on a rank that does not report: the same wait, for an input error that
@@ -304,7 +305,7 @@ class FailureReporting:
         silent: list[int] = []
         try:
             if self.board is not None and (reporter or wait):
-                dead, silent = self.board.absent(FAILURE_GRACE_S)
+                dead, silent = self.board.absent(FAILURE_GRACE_S, LOCAL_GRACE_S if peer else None)
         except Exception:  # noqa: BLE001 - the store is gone too: report for this rank alone
             pass
         if reporter:

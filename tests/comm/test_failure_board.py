@@ -60,3 +60,18 @@ def test_a_rank_that_ended_without_checking_in_is_dead_and_a_finished_one_is_not
     dead, silent = board.absent(grace_s=0.5)
     assert (dead, silent) == ([1], [])
     assert failure_line("boom", dead, silent) == "rank 1 died (its process ended); boom"
+
+
+def test_after_a_peer_died_a_live_rank_here_is_waited_for_briefly_and_named_as_silent() -> None:
+    import os
+    import time
+
+    store = dist.HashStore()
+    board = FailureBoard(store, 0, 3)
+    store.set("process0", f"{socket.gethostname()} {os.getpid()}")
+    store.set("process1", f"{socket.gethostname()} {os.getppid()}")  # alive: blocked in a collective
+    store.set("process2", f"{socket.gethostname()} {_ended_pid()}")
+    board.check_in()
+    t0 = time.monotonic()
+    assert board.absent(grace_s=30.0, local_grace_s=0.3) == ([2], [1])
+    assert time.monotonic() - t0 < 10.0  # not the whole grace

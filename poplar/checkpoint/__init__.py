@@ -58,8 +58,9 @@ the caller go in ``extra`` (JSON), e.g. ``extra={"data": loader.state_dict()}``.
 
 The package: ``layout`` (file names, the index and how values are written in it), ``storage``
 (atomic, durable writes), ``save``, ``load``, ``reshard`` (optimizer state by name on load),
-``kept`` (a run's kept checkpoints and the pointer to the latest) and ``errors`` (failures raised
-on every rank together).
+``kept`` (a run's kept checkpoints and the pointer to the latest), ``lock`` (one job per checkpoint
+directory: ``D/poplar.lock``, taken by ``fit`` before anything in D is deleted) and ``errors``
+(failures raised on every rank together; ``DamagedCheckpoint`` when a file fails its sha256).
 """
 
 from poplar.checkpoint.errors import CheckpointError, DamagedCheckpoint

@@ -80,7 +80,8 @@ def test_a_killed_worker_restarts_the_job_which_resumes_and_ends_with_the_uninte
     text = log.read_text()
     assert code == 0, text[-4000:]
     assert "rank 2 died (its process ended)" in text, text[-4000:]
-    assert "resumed from ckpt at iteration 10" in text, text[-4000:]
+    resumed = re.search(r"resumed from ckpt at iteration (\d+)", text)  # 10, or a later save the kill missed
+    assert resumed and int(resumed.group(1)) in (10, 15, 20), text[-4000:]
     assert _final_loss(restarted) == _final_loss(reference)
 
 

@@ -58,15 +58,17 @@ the caller go in ``extra`` (JSON), e.g. ``extra={"data": loader.state_dict()}``.
 
 The package: ``layout`` (file names, the index and how values are written in it), ``storage``
 (atomic, durable writes), ``save``, ``load``, ``reshard`` (optimizer state by name on load),
-``kept`` (a run's kept checkpoints and the pointer to the latest) and ``errors`` (failures raised
-on every rank together).
+``kept`` (a run's kept checkpoints and the pointer to the latest), ``lock`` (one job per checkpoint
+directory: ``D/poplar.lock``, taken by ``fit`` before anything in D is deleted) and ``errors``
+(failures raised on every rank together; ``DamagedCheckpoint`` when a file fails its sha256).
 """
 
-from poplar.checkpoint.errors import CheckpointError
-from poplar.checkpoint.kept import Latest, find_latest, read_index, save_kept
+from poplar.checkpoint.errors import CheckpointError, DamagedCheckpoint
+from poplar.checkpoint.kept import Latest, NoCompleteCheckpoint, find_latest, read_index, save_kept
 from poplar.checkpoint.layout import FORMAT_VERSION, optim_file_name
 from poplar.checkpoint.load import load_checkpoint
 from poplar.checkpoint.save import save_checkpoint
 
 __all__ = ["save_checkpoint", "load_checkpoint", "read_index", "save_kept", "find_latest", "Latest", "CheckpointError",
+           "DamagedCheckpoint", "NoCompleteCheckpoint",
            "FORMAT_VERSION", "optim_file_name"]

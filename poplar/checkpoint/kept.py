@@ -27,7 +27,8 @@ died between its renames). A D that is a single checkpoint (index.json directly 
 ``save_checkpoint(engine, D)`` and earlier Poplar releases write) is used as it is, and the next
 ``save_kept`` moves it into ``D/step-<iteration>``. Complete means: the index parses, matches its
 checksum and lists files that are all there with their sizes (the data files' sha256 are checked
-by the load itself; a mismatch there is an error, not a reason to go further back). D holding
+by the load itself, which raises ``DamagedCheckpoint`` on a mismatch; ``fit`` then goes back to
+the previous kept one, ``agree_on_latest(..., below=iteration)``, with a warning). D holding
 checkpoints of which none is complete is an error, never a silent start from iteration 0.
 """
 
@@ -61,6 +62,24 @@ class Source(Enum):
     POINTER = "the latest, as index.json says"
     NEWEST_COMPLETE = "the newest complete one: index.json names none that is complete"
     SINGLE = "a single-checkpoint directory"
+    PREVIOUS = "the previous kept one: the newer one is damaged"
+
+
+class NoComplete(Invalid):
+    """The directory holds checkpoints, none of them complete."""
+
+
+class NoCompleteCheckpoint(CheckpointError):
+    """Raised on every rank: the checkpoint directory holds checkpoints, none of them complete.
+    ``problem`` names the fixes that need no interface (remove it, resume from elsewhere); the
+    caller adds how to start over in its own terms (``start_over``: an API argument, a config key)."""
+
+    def __init__(self, problem: str, start_over: str | None = None) -> None:
+        self.problem, self.start_over = problem, start_over
+        super().__init__(problem if start_over is None else f"{problem}, or start from iteration 0: {start_over}")
+
+    def __reduce__(self) -> tuple:
+        return NoCompleteCheckpoint, (self.problem, self.start_over)
 
 
 @dataclass(frozen=True)
@@ -100,18 +119,29 @@ def save_kept(engine: Any, directory: str | os.PathLike, *, keep: int = 2, extra
     return step
 
 
-def agree_on_latest(comm: Any, directory: str | os.PathLike) -> Latest | None:
-    """``find_latest`` on every rank, which must all find the same (collective)."""
-    error, found = None, None
+def agree_on_latest(comm: Any, directory: str | os.PathLike, below: int | None = None) -> Latest | None:
+    """``find_latest`` on every rank, which must all find the same (collective). ``below``: the
+    newest complete step directory before that iteration instead (the one to go back to when the
+    latest turned out damaged). Raises ``NoCompleteCheckpoint`` on every rank when the directory
+    holds checkpoints of which none is complete."""
+    error, found, empty = None, None, False
     try:
-        found = _choose(Path(directory))
+        found = _choose(Path(directory), below)
+    except NoComplete as e:
+        error, empty = str(e), True
     except Invalid as e:
         error = str(e)
     except Exception as e:  # noqa: BLE001 - reported on every rank
         error = f"{type(e).__name__}: {e}"
-    return comm.agree(error, f"find the checkpoint to resume from in {directory}", found, error_type=CheckpointError,
-                      mismatch=f"ranks see different checkpoints in {directory}; every rank must see the same "
-                               "checkpoint directory (a shared filesystem when ranks span machines)")[0]
+    what = f"find the checkpoint to resume from in {directory}"
+    try:
+        return comm.agree(error, what, found, error_type=CheckpointError,
+                          mismatch=f"ranks see different checkpoints in {directory}; every rank must see the same "
+                                   "checkpoint directory (a shared filesystem when ranks span machines)")[0]
+    except CheckpointError as e:
+        if empty:  # every rank sees the same directory, so every rank takes this branch
+            raise NoCompleteCheckpoint(str(e)) from None
+        raise
 
 
 def find_latest(directory: str | os.PathLike) -> Latest | None:
@@ -120,14 +150,22 @@ def find_latest(directory: str | os.PathLike) -> Latest | None:
     Looks only (one process, no collective)."""
     try:
         return _choose(Path(directory))
+    except NoComplete as e:
+        raise NoCompleteCheckpoint(str(e)) from None
     except Invalid as e:
         raise CheckpointError(str(e)) from None
 
 
-def _choose(root: Path) -> Latest | None:
-    """``find_latest`` raising ``Invalid``, for use before an agreement point."""
+def _choose(root: Path, below: int | None = None) -> Latest | None:
+    """``find_latest`` raising ``Invalid``, for use before an agreement point; ``below``: only
+    step directories before that iteration."""
     problems: list[str] = []
     pointed = None
+    if below is not None:
+        for path in _step_candidates(root):
+            if int(_STEP.search(path.name).group(1)) < below and _is_complete(path):
+                return Latest(path, _complete_iteration(path), Source.PREVIOUS)
+        return None
     if (root / INDEX_FILE).is_file():
         try:
             head = read_sealed_json(root / INDEX_FILE)
@@ -145,8 +183,8 @@ def _choose(root: Path) -> Latest | None:
         except Invalid as e:
             problems.append(str(e))
     if problems:
-        raise Invalid(f"{root} holds no complete checkpoint:\n  " + "\n  ".join(problems) + "\nRemove it, or "
-                      "resume from a checkpoint elsewhere (fit: or pass resume=False to start from iteration 0)")
+        raise NoComplete(f"{root} holds no complete checkpoint:\n  " + "\n  ".join(problems) + "\nRemove it, or "
+                         "resume from a checkpoint elsewhere")
     return None
 
 

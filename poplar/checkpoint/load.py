@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from poplar.checkpoint.errors import CheckpointError, Invalid
+from poplar.checkpoint.errors import CheckpointError, Damaged, DamagedCheckpoint, Invalid
 from poplar.checkpoint.kept import resolve
 from poplar.checkpoint.layout import check_files, parse_index, ties
 from poplar.checkpoint.reshard import CheckpointFiles, assemble_optimizer
@@ -31,7 +31,8 @@ def load_checkpoint(engine: Any, directory: str | os.PathLike, *, verify_hashes:
     ``created`` and ``path`` (the checkpoint directory loaded). Raises
     ``CheckpointError`` on every rank, having changed nothing, if the checkpoint is missing,
     incomplete, corrupt or does not fit the engine (everything is checked and read before
-    anything is set). ``verify_hashes=False`` checks file sizes only.
+    anything is set); ``DamagedCheckpoint`` (a ``CheckpointError``) when a data file does not
+    match its sha256. ``verify_hashes=False`` checks file sizes only.
     """
     comm = engine.comm
     directory = Path(directory)
@@ -55,7 +56,7 @@ def load_checkpoint(engine: Any, directory: str | os.PathLike, *, verify_hashes:
 
     # 2. check everything and read what this rank needs, changing nothing yet
     expected = _expected_params(engine)  # every rank: a collective at stage 3
-    error = None
+    error, damaged = None, None
     loaded: dict[str, Any] = {}
     try:
         _check_params(index, expected)
@@ -68,11 +69,16 @@ def load_checkpoint(engine: Any, directory: str | os.PathLike, *, verify_hashes:
             loaded["model"] = files.model_state()
             loaded["optimizer"] = assemble_optimizer(engine, index, files)
             loaded["rng"] = _read_rng(engine, index, files)
+    except Damaged as e:  # told apart from the other problems: a caller may go back to an older checkpoint
+        damaged = str(e)
     except Invalid as e:
         error = str(e)
     except Exception as e:  # noqa: BLE001 - an unreadable file or a malformed index, on every rank
         error = f"{type(e).__name__}: {e} (reading {directory})"
-    comm.agree(error, what, None, error_type=CheckpointError)
+    damage = [f"  rank {r}: {d}" for r, d in enumerate(comm.agree(error, what, damaged, error_type=CheckpointError))
+              if d is not None]
+    if damage:
+        raise DamagedCheckpoint(f"{what} failed on {len(damage)} of {comm.world_size} ranks:\n" + "\n".join(damage))
 
     # 3. apply
     error = None

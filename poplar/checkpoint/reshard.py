@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from poplar.checkpoint.errors import Invalid
+from poplar.checkpoint.errors import Damaged, Invalid
 from poplar.checkpoint.layout import decode_scalar, model_file_entries, restore_hyperparams
 from poplar.checkpoint.storage import sha256
 
@@ -29,7 +29,7 @@ class CheckpointFiles:
     def _checked(self, entry: dict) -> Path:
         path = self.directory / entry["file"]
         if self.verify and sha256(path) != entry["sha256"]:
-            raise Invalid(f"checkpoint file {path} does not match its sha256 in the index: it is corrupt")
+            raise Damaged(f"checkpoint file {path} does not match its sha256 in the index: it is corrupt")
         return path
 
     def model_state(self) -> dict[str, torch.Tensor]:

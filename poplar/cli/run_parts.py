@@ -212,3 +212,24 @@ def save_profile(cfg: TrainConfig, profile: Any, fingerprint: dict[str, Any], ra
     os.makedirs(paths[0].parent, exist_ok=True)
     profile.save(paths[0])
     write_text_atomic(paths[1], json.dumps(fingerprint, indent=1) + "\n")
+
+
+def check_resumed_batch(cfg: TrainConfig, plan: Any) -> None:
+    """A plan file with no ``train_batch_size`` beside it must keep the global batch of the run it
+    resumes (a config's ``train_batch_size`` is checked against the plan itself, ``choose_plan``).
+    Looks only; a damaged directory is left for the resume to report."""
+    from poplar.checkpoint import CheckpointError, find_latest, read_index
+    from poplar.types.plans import Plan
+
+    if cfg.train_batch_size is not None or not cfg.plan or cfg.checkpoint_dir is None or not cfg.resume:
+        return
+    try:
+        latest = find_latest(cfg.checkpoint_dir)
+        saved = read_index(latest.path).get("plan") if latest is not None else None
+        resumed = Plan.from_dict(saved).global_batch_size if saved is not None else None
+    except (CheckpointError, ValueError, KeyError, TypeError):
+        return
+    if resumed is not None and resumed != plan.global_batch_size:
+        raise ConfigError(f"the plan {cfg.plan} trains a global batch of {plan.global_batch_size} samples but the run "
+                          f"it resumes from {cfg.checkpoint_dir} trained {resumed}; use a plan for {resumed} samples, "
+                          f'or set "train_batch_size": {plan.global_batch_size} to change the global batch on purpose')

@@ -18,6 +18,7 @@ iteration, which is checkpointed and reported; rank 0 prints one line and every 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import signal
 import sys
@@ -33,6 +34,7 @@ from poplar.train.deepspeed_hints import hint_line
 from poplar.train.preemption import Preempted
 
 FAILURE_GRACE_S = 10.0  # how long the reporting rank waits for failing ranks not known dead to check in
+LOCAL_GRACE_S = 2.0  # after a peer died: how long for ranks alive on this machine (blocked on a rank still here)
 
 
 def init_distributed(timeout_s: float) -> torch.device:
@@ -56,7 +58,18 @@ def init_distributed(timeout_s: float) -> torch.device:
     kwargs: dict[str, Any] = {"backend": backend, "timeout": timedelta(seconds=timeout_s)}
     if backend == "nccl":
         kwargs["device_id"] = device
-    dist.init_process_group(**kwargs)
+    from poplar.comm import DistributedError
+    from poplar.comm.attempts import attempt_store
+    try:
+        store = attempt_store(timeout_s)  # None outside torchrun: env:// as usual
+        if store is not None:
+            kwargs.update(store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+        dist.init_process_group(**kwargs)
+    except (RuntimeError, dist.DistBackendError) as e:
+        raise DistributedError(f"rank {os.environ.get('RANK')}: joining the job's process group failed within "
+                               f"{timeout_s:g} s (poplar.collective_timeout_s): another rank died while starting, or "
+                               f"the ranks cannot reach each other ({type(e).__name__}: "
+                               f"{str(e).splitlines()[0][:300] if str(e) else ''})") from e
     return device
 
 
@@ -65,7 +78,13 @@ def choose_plan(cfg: TrainConfig, world: int, device: torch.device) -> tuple[Any
     from poplar.types.plans import Plan
 
     if cfg.plan:
-        return Plan.load(cfg.plan), False
+        plan = Plan.load(cfg.plan)
+        if cfg.train_batch_size is not None and plan.global_batch_size != cfg.train_batch_size:
+            raise ConfigError(f'the plan {cfg.plan} trains a global batch of {plan.global_batch_size} samples (the sum of '
+                              f'its rows) but "train_batch_size" is {cfg.train_batch_size}; make them agree: set '
+                              f'"train_batch_size": {plan.global_batch_size}, or make a plan for '
+                              f'{cfg.train_batch_size} (poplar plan --gbs {cfg.train_batch_size})')
+        return plan, False
     if device.type == "cuda" or cfg.cluster or cfg.profile:
         if cfg.cluster and cfg.mixed_precision is not None:  # bf16 on an emulated V100 / T4: say so now
             from poplar.emulation.cluster import ClusterSpec
@@ -96,6 +115,27 @@ def describe_precision(policy: MixedPrecision) -> str:
 
 
 def run(cfg: TrainConfig, failures: "FailureReporting | None" = None) -> int:
+    """Join the job, claim the checkpoint directory, build and train."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a worker whose launcher is gone stops by itself
+        from poplar.comm.launcher_watch import LauncherWatch
+        LauncherWatch(cfg.collective_timeout_s).start()
+    device = init_distributed(cfg.collective_timeout_s)
+    if failures is not None:
+        failures.join()
+    if cfg.checkpoint_dir is not None:  # before anything else: a second job on the directory stops at once
+        from poplar.comm import Communicator
+        from poplar.train.checkpointing import claim
+        claim(Communicator(), cfg.checkpoint_dir)
+    try:
+        return _train(cfg, device)
+    finally:
+        if cfg.checkpoint_dir is not None:
+            from poplar.comm import Communicator
+            from poplar.train.checkpointing import let_go
+            let_go(Communicator(), cfg.checkpoint_dir)
+
+
+def _train(cfg: TrainConfig, device: torch.device) -> int:
     from poplar.auto import AutoOptions
     from poplar.emulation import cluster_device
     from poplar.engine import PoplarEngine
@@ -104,9 +144,6 @@ def run(cfg: TrainConfig, failures: "FailureReporting | None" = None) -> int:
     from poplar.cli import run_parts
     from poplar.types.profiles import Profile
 
-    device = init_distributed(cfg.collective_timeout_s)
-    if failures is not None:
-        failures.join()
     torch.manual_seed(cfg.seed)
     parts = run_parts.build_parts(cfg, device)
     model, optimizer, loss_fn, data = parts.model, parts.optimizer, parts.loss_fn, parts.train_data
@@ -118,6 +155,8 @@ def run(cfg: TrainConfig, failures: "FailureReporting | None" = None) -> int:
     if rank == 0 and cfg.deepspeed_hints:
         log.info(hint_line(cfg.deepspeed_hints))
     plan, auto = choose_plan(cfg, world, device)
+    if plan is not None:
+        run_parts.check_resumed_batch(cfg, plan)
     # a stage not given: auto mode chooses; with a plan, the plan file's stage, else DeepSpeed's 0
     stage = cfg.zero_stage if cfg.zero_stage is not None else \
         "auto" if auto else (plan.zero_stage if plan.zero_stage is not None else 0)
@@ -169,25 +208,40 @@ def run(cfg: TrainConfig, failures: "FailureReporting | None" = None) -> int:
 
 def _main(args: argparse.Namespace) -> int:
     from poplar.comm import DistributedError
+    from poplar.checkpoint import NoCompleteCheckpoint
 
-    cfg = TrainConfig.load(args.config)
-    if args.iterations is not None:
-        cfg.iterations = args.iterations
     code = 1
     failures = FailureReporting()
+    failure: tuple[str, bool] | None = None  # (the failure's text, whether a peer's failure caused it)
     try:
+        cfg = TrainConfig.load(args.config)
+        if args.iterations is not None:
+            cfg.iterations = args.iterations
         code = run(cfg, failures)
+        failures.finished()
     except Preempted as e:
         code = e.exit_code
+        failures.finished()
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"poplar train: {e}", file=sys.stderr, flush=True)
-    except DistributedError as e:
-        # check in before the group goes: destroying a gloo group whose peer died can abort this
-        # process (SIGABRT), and a rank gone without checking in would be named as dead
-        reporter = failures.check_in()
-        _destroy_group()  # then: peers blocked in a collective with this rank fail now, not at a timeout
-        if reporter:
-            failures.report(e)
+    except (DistributedError, ValueError, FileNotFoundError, MemoryError) as e:
+        # bad input (a config, a plan, a path) fails every rank alike; a dead peer fails the survivors
+        if isinstance(e, NoCompleteCheckpoint):  # the fix in this interface's terms
+            e = NoCompleteCheckpoint(e.problem, 'set "poplar.checkpoint.resume": false in the config')
+        # only the text is kept: the exception's frames hold the engine and, through it, the
+        # process group, whose connections must close for peers blocked on this rank to go on
+        failure = (str(e), isinstance(e, DistributedError)) if isinstance(e, DistributedError) \
+            else (f"error: {e}", False)
+    try:
+        if failure is not None:
+            code = 1
+            text, peer = failure
+            # check in before the group goes: destroying a gloo group whose peer died can abort
+            # this process (SIGABRT), and a rank gone without checking in would be named as dead
+            reporter = failures.check_in()
+            gc.collect()  # the failed run's engine, and with it the group's last references
+            _destroy_group()  # then: peers blocked in a collective with this rank fail now, not at a timeout
+            failures.report(text, reporter, wait=reporter or not peer, peer=peer)
     finally:
         _tear_down()
     if "TORCHELASTIC_RUN_ID" in os.environ:
@@ -200,19 +254,31 @@ def _main(args: argparse.Namespace) -> int:
 
 class FailureReporting:
     """This process's part in the job's one failure line (``poplar.comm.failure``): the board it
-    joins once the job has started, its check-in when it fails, and the line the first failing
-    rank prints."""
+    joins once the job has started (or when it fails, if that is earlier), its check-in when it
+    fails, and the line the first failing rank prints."""
 
     def __init__(self) -> None:
         self.board: Any = None  # a FailureBoard, once joined (None outside torchrun)
+        self.joined = False
 
     def join(self) -> None:
         from poplar.comm.failure import FailureBoard
 
+        if self.joined:
+            return
+        self.joined = True
         board = FailureBoard.from_env(int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
         if board is not None:
             board.register()
             self.board = board
+
+    def finished(self) -> None:
+        """Say on the board that this rank ended normally (it is not to be named as dead)."""
+        if self.board is not None:
+            try:
+                self.board.finish()
+            except Exception:  # noqa: BLE001 - the store is gone: nobody is left to ask
+                pass
 
     def check_in(self) -> bool:
         """Say on the board that this rank failed; True if this rank is the one to print the
@@ -220,6 +286,10 @@ class FailureReporting:
         from here on: torchrun SIGTERMs the survivors once it sees a rank die (it waits 30 s
         before it kills), and the line must come out first."""
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            self.join()  # a failure before the job started (a bad config) checks in too
+        except Exception:  # noqa: BLE001 - no store: report for this rank alone
+            self.board = None
         if self.board is None:
             return True
         try:
@@ -228,18 +298,24 @@ class FailureReporting:
             self.board = None
             return True
 
-    def report(self, error: BaseException) -> None:
-        """Print the failure once for the whole job, led by the ranks that died or never checked in."""
+    def report(self, error: BaseException | str, reporter: bool, wait: bool, peer: bool = False) -> None:
+        """The reporter prints the failure once for the whole job, led by the ranks that died or
+        never checked in; it waits (up to the grace) for the others to check in or be known dead
+        first. ``wait`` on a rank that does not report: the same wait, for an input error that
+        every rank meets while starting, so that none is still exposed to torchrun's SIGTERM
+        (which would end it with 143) when the first of them exits. After a peer died a
+        non-reporter leaves at once: its exit is what frees ranks still blocked on it."""
         from poplar.comm.failure import failure_line
 
         dead: list[int] = []
         silent: list[int] = []
         try:
-            if self.board is not None:
-                dead, silent = self.board.absent(FAILURE_GRACE_S)
+            if self.board is not None and (reporter or wait):
+                dead, silent = self.board.absent(FAILURE_GRACE_S, LOCAL_GRACE_S if peer else None)
         except Exception:  # noqa: BLE001 - the store is gone too: report for this rank alone
             pass
-        print(f"poplar train: {failure_line(str(error), dead, silent)}", file=sys.stderr, flush=True)
+        if reporter:
+            print(f"poplar train: {failure_line(str(error), dead, silent)}", file=sys.stderr, flush=True)
 
 
 def _destroy_group() -> None:

@@ -54,16 +54,43 @@ class FailureBoard:
         self.store.set(f"rank{self.rank}", "1")
         return int(self.store.add("reporters", 1)) == 1
 
-    def absent(self, grace_s: float) -> tuple[list[int], list[int]]:
+    def absent(self, grace_s: float, local_grace_s: float | None = None) -> tuple[list[int], list[int]]:
         """(ranks known dead, ranks alive or unknown that did not check in), waiting up to
-        ``grace_s`` for the ranks that may still check in."""
-        deadline = time.monotonic() + grace_s
+        ``grace_s`` for the ranks that may still check in; ``local_grace_s``: a shorter wait once
+        every rank not accounted for is alive on this machine (after a peer died, such a rank is
+        blocked in a collective with a rank that has not exited yet: waiting longer only holds
+        it)."""
+        start = time.monotonic()
+        deadline = start + grace_s
         while True:
-            missing = [r for r in range(self.world_size) if not self.store.check([f"rank{r}"])]
-            dead = [r for r in missing if self._gone(r)]
-            if len(dead) == len(missing) or time.monotonic() >= deadline:
+            missing = [r for r in range(self.world_size) if not self._accounted(r)]
+            # a rank checks in (or finishes) before its process ends, so ask again after seeing it
+            # ended: one that checked in between the two looks exited normally, it did not die
+            dead = [r for r in missing if self._gone(r) and not self._accounted(r)]
+            missing = [r for r in missing if not self._accounted(r)]
+            now = time.monotonic()
+            local = local_grace_s is not None and now >= start + local_grace_s and \
+                all(r in dead or self._alive_here(r) for r in missing)
+            if len(dead) == len(missing) or now >= deadline or local:
                 return dead, [r for r in missing if r not in dead]
             time.sleep(0.05)
+
+    def finish(self) -> None:
+        """Say that this rank ended normally (done, or stopped by a signal): never named as dead."""
+        self.store.set(f"done{self.rank}", "1")
+
+    def _accounted(self, rank: int) -> bool:
+        """Whether ``rank`` checked in as failing or said it ended normally."""
+        return self.store.check([f"rank{rank}"]) or self.store.check([f"done{rank}"])
+
+    def _alive_here(self, rank: int) -> bool:
+        """True if ``rank``'s process runs on this machine and has not ended."""
+        return self._where(rank) == socket.gethostname() and not self._gone(rank)
+
+    def _where(self, rank: int) -> str | None:
+        if not self.store.check([f"process{rank}"]):
+            return None
+        return self.store.get(f"process{rank}").decode().split()[0]
 
     def _gone(self, rank: int) -> bool:
         """True if ``rank``'s process ran on this machine and has ended (or is a zombie)."""

@@ -56,9 +56,9 @@ from poplar.types.plans import Plan, RankPlan
 from poplar.zero.config import ZeroConfig
 from poplar.zero.runtime import ZeroRuntime
 from poplar.emulation.cluster import ClusterError, ClusterSpec
-from poplar.types.precision import MixedPrecision, Precision, resolve_precision
+from poplar.emulation.host_memory import host_memory_guard
+from poplar.types.precision import MixedPrecision, Precision, precision_of, resolve_precision
 from poplar.emulation.presets import GIB, DevicePreset, get_preset
-from poplar.types.precision import precision_of
 from poplar.types.profiles import ProfileError
 from poplar.zero.runtime import PlanCheck
 
@@ -180,7 +180,7 @@ def measure_pass(job: TimingJob, policy: MixedPrecision | None) -> CalibrationPa
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each spawned rank runs
     try:
-        with probe.attach(runtime):
+        with probe.attach(runtime), host_memory_guard(lambda: runtime.module, "one process's trial steps"):
             search = CapacitySearch(runtime, probe, job.sample_fn, job.loss_fn, job.zero_stage)
             for b in BASE_BATCHES * 3:  # the smallest of 3: the first includes one-off set-up
                 t0 = time.perf_counter()
@@ -209,7 +209,7 @@ def time_trials(job: TimingJob, rank: int, barrier: Callable[[], None]) -> dict[
             probe = VirtualDevice("calibration", 2 ** 62)
             runtime = _runtime(job, rank, policy) if job.link is None else _linked_runtime(job, rank, policy, probe)
             seconds: dict[int, list[float]] = {b: [] for b in job.batches}
-            with probe.attach(runtime):
+            with probe.attach(runtime), host_memory_guard(lambda: runtime.module, f"rank {rank}'s timed trial steps"):
                 search = None if job.link else CapacitySearch(runtime, probe, job.sample_fn, job.loss_fn,
                                                                       job.zero_stage)
                 for rep in range(job.repeats + 1):  # the first pass warms up

@@ -8,6 +8,9 @@ Each save goes into its own step directory of ``dir`` with ``index.json`` pointi
 and the newest ``keep_checkpoints`` are kept (``poplar.checkpoint.kept``). A checkpoint's
 ``extra`` holds the loader's position (``data``) and what the monitor keeps (the lr schedule), so
 a resumed run continues the same sample stream and schedule under any plan, stage or world size.
+
+One job per directory: the checkpointer claims ``dir`` (rank 0 takes its lock,
+``poplar.checkpoint.lock``) before it resumes or deletes anything there, and lets go at ``close``.
 """
 
 from __future__ import annotations
@@ -16,33 +19,86 @@ from pathlib import Path
 from typing import Any
 
 import poplar.checkpoint as checkpoint
-from poplar.checkpoint import kept
+from poplar.checkpoint import kept, lock
 from poplar.train.data import PlanLoader
 from poplar.train.options import CheckpointOptions
 from poplar.types.logs import log
 
 
+def claim(comm: Any, directory: str | Path) -> None:
+    """Collective: rank 0 takes ``directory``'s lock (``poplar.checkpoint.lock``: one job per
+    checkpoint directory) before anything there is deleted; ``CheckpointError`` on every rank
+    when another live job holds it. Held until ``let_go``; a process may claim a directory again
+    (it nests)."""
+    error = note = None
+    if comm.rank == 0:
+        try:
+            note = lock.acquire(directory)
+        except lock.DirectoryLocked as e:
+            error = str(e)
+        except OSError as e:
+            error = f"cannot write the lock file in {directory} ({type(e).__name__}: {e}); give a writable directory"
+    try:
+        comm.agree(error, f"claim checkpoint directory {directory}", error_type=checkpoint.CheckpointError)
+    except checkpoint.CheckpointError:
+        if comm.rank == 0 and error is None:
+            lock.release(directory)
+        raise
+    if note is not None:
+        log.warning(note)
+
+
+def let_go(comm: Any, directory: str | Path) -> None:
+    """Release what ``claim`` took (rank 0's lock)."""
+    if comm.rank == 0:
+        lock.release(directory)
+
+
 class Checkpointer:
-    """Every rank holds one and calls it at the same iterations (its methods are collective)."""
+    """Every rank holds one and calls it at the same iterations (its methods are collective).
+    It claims the checkpoint directory when built and lets go of it at ``close``."""
 
     def __init__(self, engine: Any, options: CheckpointOptions) -> None:
         self.engine, self.options = engine, options
+        claim(engine.comm, options.dir)
+        self.claimed = True
+
+    def close(self) -> None:
+        """Release the directory's lock (the lock of a process that dies is stale, and taken over)."""
+        if self.claimed:
+            self.claimed = False
+            let_go(self.engine.comm, self.options.dir)
 
     def resume(self, loader: PlanLoader) -> dict[str, Any] | None:
         """Load the latest checkpoint into the engine and ``loader``; returns its ``extra``
-        (None without a checkpoint). Rank 0 logs which one, and any passed over as damaged."""
+        (None without a checkpoint). A latest one whose data files are damaged (checksum
+        mismatch) is passed over for the previous kept one. Rank 0 logs which one was loaded,
+        and any passed over as damaged."""
         engine, directory = self.engine, self.options.dir
-        latest = kept.agree_on_latest(engine.comm, directory)  # every rank; they must all find the same
+        try:
+            latest = kept.agree_on_latest(engine.comm, directory)  # every rank; they must all find the same
+        except kept.NoCompleteCheckpoint as e:
+            raise kept.NoCompleteCheckpoint(e.problem, "pass CheckpointOptions(resume=False)") from None
         if latest is None:
             return None
-        meta = checkpoint.load_checkpoint(engine, latest.path)  # every rank; a rank that cannot read it fails them all
+        passed_over = list(latest.passed_over)
+        while True:
+            try:  # every rank; a rank that cannot read it fails them all
+                meta = checkpoint.load_checkpoint(engine, latest.path)
+                break
+            except checkpoint.DamagedCheckpoint as e:
+                older = kept.agree_on_latest(engine.comm, directory, below=latest.iteration)
+                if older is None:
+                    raise
+                passed_over.append(str(e))
+                latest = older
         data_state = (meta.get("extra") or {}).get("data")
         if data_state is not None:
             loader.load_state_dict(data_state)
         else:
             loader.iteration = engine.iteration
         if engine.rank == 0:
-            for reason in latest.passed_over:
+            for reason in passed_over:
                 log.warning(f"not resuming from a damaged or incomplete checkpoint: {reason}")
             log.info(f"resumed from {directory} at iteration {engine.iteration}: {latest.path} "
                      f"({latest.source.value}; saved by {meta['world_size']} ranks at ZeRO-{meta['zero_stage']})")
@@ -58,6 +114,9 @@ class Checkpointer:
         """Save at the engine's iteration with the loader's position and ``extra``; returns
         ``"dir@iteration"`` (``FitResult.checkpoints``)."""
         directory = self.options.dir
+        if not self.claimed:  # closed, then asked to go on: claim the directory again (collective, as the save)
+            claim(self.engine.comm, directory)
+            self.claimed = True
         kept.save_kept(self.engine, directory, keep=self.options.keep_checkpoints,
                   extra={"data": loader.state_dict(), **extra})
         return f"{directory}@{self.engine.iteration}"

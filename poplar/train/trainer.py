@@ -75,7 +75,11 @@ class Trainer:
         self.checkpointer = Checkpointer(engine, config.checkpoint) if config.checkpoint is not None else None
         self.reports = Reports(engine, report.dir) if report.dir is not None else None
         if self.checkpointer is not None and self.checkpointer.options.resume:
-            self.monitor.load_state(self.checkpointer.resume(self.loader))
+            try:
+                self.monitor.load_state(self.checkpointer.resume(self.loader))
+            except BaseException:
+                self.close()  # let go of the checkpoint directory: no fit follows
+                raise
 
     # ------------------------------------------------------------------ the loop
     def fit(self, iterations: int) -> FitResult:
@@ -192,8 +196,11 @@ class Trainer:
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
-        """Close the TensorBoard writer (the trainer can still ``fit``, without event files)."""
+        """Close the TensorBoard writer and let go of the checkpoint directory (the trainer can
+        still ``fit``, without event files; its next save claims the directory again)."""
         self.monitor.close()
+        if self.checkpointer is not None:
+            self.checkpointer.close()
 
     def __enter__(self) -> Trainer:
         return self

@@ -132,3 +132,32 @@ def test_linked_timing_runs_real_paced_collectives_and_keeps_them_out_of_the_com
     # a paced collective counted as compute would add the link's whole time: the bound is the link's
     # own, not a guess at how fast this machine computes
     assert set(seconds) == {1, 4} and all(0 < s < link.latency_s for s in seconds.values()), seconds
+
+
+class HostHungry(torch.nn.Module):
+    """The workload's model, but a batch of more than 2 asks the host for 2**48 bytes more (a real
+    allocator failure, as a model too large for the machine would meet)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = WORKLOAD.model_fn()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if tokens.shape[0] > 2:
+            torch.empty(2 ** 46, dtype=torch.float32)
+        return self.inner(tokens)
+
+
+def test_host_out_of_memory_names_the_model_and_what_to_change() -> None:
+    from poplar.emulation.calibration import measure_pass
+    from poplar.emulation.host_memory import HostMemoryError
+
+    job = TimingJob(HostHungry, WORKLOAD.loss_fn, WORKLOAD.sample_fn, default_optimizer, 2, 1, [None], [1, 4],
+                    repeats=1)
+    for run in (lambda: measure_pass(job, None), lambda: time_trials(job, 0, lambda: None)):
+        with pytest.raises(HostMemoryError) as info:
+            run()
+        message = str(info.value)
+        assert "ran out of memory while calibrating the emulated cluster on the model HostHungry (" in message
+        assert " parameters)" in message and "smaller model" in message and "fewer GPUs" in message
+        assert "can't allocate memory" in message  # the allocator's own words, last

@@ -1,0 +1,124 @@
+"""`poplar train` owns its checkpoint directory and says so once: a second job on the directory
+is refused at once (before it builds anything) naming the owner, while the first finishes with all its checkpoints; a
+plan that disagrees with ``train_batch_size`` (or with the resumed run's global batch) is one
+error naming both numbers, exit 1 on every rank; a directory with no complete checkpoint names
+the config key that starts over."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from poplar.types.plans import Plan
+from tests.cli.test_train_cli import CPU_ONLY, REPO, TORCHRUN, _config, _torchrun
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **CPU_ONLY}
+DEADLINE_S = 120.0
+
+
+def failure_lines(stderr: str) -> list[str]:
+    """Each failure paragraph: a line that starts with "poplar train:" and the indented lines under it."""
+    out: list[str] = []
+    inside = False
+    for line in stderr.splitlines():
+        if line.startswith("poplar train:"):
+            out.append(line)
+            inside = True
+        elif inside and line.startswith("  "):
+            out[-1] += "\n" + line
+        else:
+            inside = False
+    return out
+
+
+def rank_exit_codes(stderr: str) -> dict[int, int]:
+    """Each failed rank's exit status, from torchrun's summary."""
+    return {int(r): int(c) for r, c in re.findall(r"rank\s+: (\d+) \(local_rank: \d+\)\s+exitcode\s+: (-?\d+)", stderr)}
+
+
+@pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed beside this Python")
+@pytest.mark.multiprocess
+def test_a_second_job_on_a_checkpoint_directory_is_refused_and_the_first_keeps_every_checkpoint(
+        tmp_path: Path) -> None:
+    _config(tmp_path, iterations=600, log_every=10, checkpoint={"dir": "ckpt", "every": 50, "keep": 100})
+    log = tmp_path / "first.log"
+    first = subprocess.Popen([str(TORCHRUN), "--standalone", "--nproc_per_node", "2", "-m", "poplar", "train",
+                              "--config", "run.json"], cwd=tmp_path, env=ENV, stdout=subprocess.DEVNULL,
+                             stderr=log.open("w"), start_new_session=True)
+    deadline = time.monotonic() + DEADLINE_S
+    try:
+        while "iteration 10/600" not in log.read_text():
+            assert first.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        second = subprocess.run([sys.executable, "-m", "poplar", "train", "--config", "run.json"], cwd=tmp_path,
+                                env=ENV, capture_output=True, text=True, timeout=60)
+        refused_s = time.monotonic() - t0
+        assert first.poll() is None, "the first job ended before the second was refused: make it longer"
+        code = first.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, 9)
+    lines = failure_lines(second.stderr)
+    assert second.returncode == 1 and len(lines) == 1, second.stderr[-3000:]
+    assert re.search(r"ckpt is in use by another job \(pid \d+ on .*, started .*torchrun job", lines[0]), lines
+    assert "Give this run another checkpoint directory" in lines[0]
+    # refused at once: before the model, data or plan are built (its seconds are mostly Python
+    # importing torch; a hang guard only, as timings are not asserted in tests)
+    assert "data:" not in second.stderr and "plan (" not in second.stderr, second.stderr[-3000:]
+    assert refused_s < 30.0, refused_s
+    text = log.read_text()
+    assert code == 0, text[-3000:]
+    ckpt = tmp_path / "ckpt"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["index.json", "profile.json", "profile.fingerprint.json",
+                                                      *[f"step-{i:08d}" for i in range(50, 601, 50)]] \
+        or sorted(p.name for p in ckpt.iterdir()) == ["index.json", *[f"step-{i:08d}" for i in range(50, 601, 50)]]
+    assert json.loads((tmp_path / "report" / "metrics.json").read_text())["end_iteration"] == 600
+
+
+@pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed beside this Python")
+@pytest.mark.multiprocess
+def test_a_plan_that_disagrees_with_train_batch_size_is_one_error_exit_1_on_every_rank(tmp_path: Path) -> None:
+    _config(tmp_path, plan="plan.json", iterations=2)
+    cfg = json.loads((tmp_path / "run.json").read_text())
+    cfg.pop("train_micro_batch_size_per_gpu")
+    (tmp_path / "run.json").write_text(json.dumps(cfg))  # train_batch_size 12
+    Plan.even(2, 10, 2).save(tmp_path / "plan.json")
+    run = _torchrun(tmp_path)
+    lines = failure_lines(run.stderr)
+    assert run.returncode == 1 and len(lines) == 1, run.stderr[-3000:]
+    assert "global batch of 10 samples" in lines[0] and '"train_batch_size" is 12' in lines[0], lines
+    assert '"train_batch_size": 10' in lines[0] and "poplar plan --gbs 12" in lines[0], lines
+    assert rank_exit_codes(run.stderr) == {0: 1, 1: 1}, run.stderr[-3000:]
+    assert not (tmp_path / "ckpt").exists() or not list((tmp_path / "ckpt").glob("step-*"))
+
+    # without train_batch_size the plan file decides, but a resumed run keeps its global batch
+    cfg.pop("train_batch_size")
+    (tmp_path / "run.json").write_text(json.dumps(cfg))
+    assert _torchrun(tmp_path).returncode == 0  # trains 2 iterations at a global batch of 10
+    Plan.even(2, 8, 2).save(tmp_path / "plan.json")
+    again = _torchrun(tmp_path, "--iterations", "4")
+    lines = failure_lines(again.stderr)
+    assert again.returncode == 1 and len(lines) == 1, again.stderr[-3000:]
+    assert "global batch of 8 samples" in lines[0] and "ckpt trained 10" in lines[0], lines
+    assert rank_exit_codes(again.stderr) == {0: 1, 1: 1}, again.stderr[-3000:]
+
+
+@pytest.mark.multiprocess
+def test_no_complete_checkpoint_names_the_config_key(tmp_path: Path) -> None:
+    _config(tmp_path, iterations=2)
+    first = subprocess.run([sys.executable, "-m", "poplar", "train", "--config", "run.json"], cwd=tmp_path, env=ENV,
+                           capture_output=True, text=True, timeout=DEADLINE_S)
+    assert first.returncode == 0, first.stderr[-3000:]
+    (tmp_path / "ckpt" / "step-00000002" / "model.safetensors").unlink()
+    again = subprocess.run([sys.executable, "-m", "poplar", "train", "--config", "run.json"], cwd=tmp_path, env=ENV,
+                           capture_output=True, text=True, timeout=DEADLINE_S)
+    assert again.returncode == 1, again.stderr[-3000:]
+    assert 'set "poplar.checkpoint.resume": false' in again.stderr and "resume=False" not in again.stderr

@@ -18,6 +18,7 @@ Whatever was measured is written back (rank 0), one entry per device type.
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Callable
@@ -25,7 +26,6 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-import poplar
 from poplar.comm import Communicator
 from poplar.profiler.capacity import CapacityResult
 from poplar.profiler.devices import Device
@@ -67,6 +67,14 @@ def model_fingerprint(model: nn.Module, optimizer: torch.optim.Optimizer) -> str
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:24]
 
 
+def poplar_version() -> str:
+    """The installed Poplar's version (a profile measured by another may not be this one's)."""
+    try:
+        return importlib.metadata.version("poplar")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
 def store_key(model: nn.Module, optimizer: torch.optim.Optimizer, sample_fn: Callable[[int], Any], *,
               zero_stage: int, stages: tuple[int, ...], checkpointing: Any, rule: str, bucket_size_mb: float,
               policy: MixedPrecision | None) -> StoreKey:
@@ -76,7 +84,7 @@ def store_key(model: nn.Module, optimizer: torch.optim.Optimizer, sample_fn: Cal
     return StoreKey(model=model_fingerprint(model, optimizer), zero_stage=zero_stage,
                     stages=tuple(sorted(set(stages))), checkpointing=setting, rule=rule,
                     precision=str(precision_of(policy).value), sample=repr(_shapes(sample_fn(1))),
-                    bucket_size_mb=float(bucket_size_mb), poplar_version=poplar.__version__)
+                    bucket_size_mb=float(bucket_size_mb), poplar_version=poplar_version())
 
 
 @dataclass

@@ -94,7 +94,37 @@ def describe_precision(policy: MixedPrecision) -> str:
     return f"{text}, static loss scale {scale.static_scale:g}"
 
 
-def run(cfg: TrainConfig, failures: "FailureReporting | None" = None) -> int:
+def finished_at(cfg: TrainConfig) -> int | None:
+    """The iteration of the checkpoint a resumed run would start from, when it has already reached
+    ``cfg.iterations`` (the job has nothing to do); None otherwise. Rank 0 reads, every rank gets
+    its answer."""
+    import torch.distributed as dist
+    from poplar.checkpoint.kept import find_latest
+
+    answer: list[Any] = [None]
+    if (not dist.is_initialized() or dist.get_rank() == 0) and cfg.checkpoint_dir and cfg.resume:
+        try:
+            latest = find_latest(cfg.checkpoint_dir) if os.path.isdir(cfg.checkpoint_dir) else None
+        except Exception:  # noqa: BLE001 - resuming reports an unreadable checkpoint itself
+            latest = None
+        if latest is not None and latest.iteration >= cfg.iterations:
+            answer[0] = latest.iteration
+    if dist.is_initialized():
+        dist.broadcast_object_list(answer, src=0)
+    return answer[0]
+
+
+def profile_store_dir(cfg: TrainConfig) -> Any:
+    """Where auto mode keeps profiles: $POPLAR_PROFILE_STORE when set, else beside the
+    checkpoints (``<checkpoint dir>/../profiles``), else the user's cache (AutoOptions' default)."""
+    if os.environ.get("POPLAR_PROFILE_STORE") is None and cfg.checkpoint_dir:
+        return os.path.join(os.path.dirname(os.path.abspath(cfg.checkpoint_dir)), "profiles")
+    return "default"
+
+
+def run(cfg: TrainConfig, failures: "FailureReporting | None" = None, plan_only: bool = False) -> int:
+    """Train (every rank); ``plan_only``: stop once the plan is made (``poplar profile --config``:
+    the profile store is then filled for the job)."""
     from poplar.auto import AutoOptions
     from poplar.emulation import cluster_device
     from poplar.engine import PoplarEngine
@@ -106,6 +136,12 @@ def run(cfg: TrainConfig, failures: "FailureReporting | None" = None) -> int:
     device = init_distributed(cfg.collective_timeout_s)
     if failures is not None:
         failures.join()
+    done = None if plan_only else finished_at(cfg)
+    if done is not None:  # before building or profiling anything
+        if int(os.environ.get("RANK", "0")) == 0:
+            log.info(f"nothing to do: the checkpoint in {cfg.checkpoint_dir} is at iteration {done} and iterations="
+                     f"{cfg.iterations} is reached (raise iterations to train further)")
+        return 0
     torch.manual_seed(cfg.seed)
     parts = run_parts.build_parts(cfg, device)
     model, optimizer, loss_fn, data = parts.model, parts.optimizer, parts.loss_fn, parts.train_data
@@ -130,7 +166,7 @@ def run(cfg: TrainConfig, failures: "FailureReporting | None" = None) -> int:
         device = cluster_device(cfg.cluster) if cfg.cluster else None  # rank r emulates the cluster's r-th GPU
         kwargs.update(global_batch_size=cfg.global_batch_size(world),
                       auto=AutoOptions(profile_data=data, device=device, strategy=cfg.strategy, shards=cfg.shards,
-                                       profile=profile,
+                                       profile=profile, store=profile_store_dir(cfg),
                                        profile_output=os.path.join(cfg.report_dir, "profile.json")
                                        if cfg.report_dir else None))
     else:
@@ -138,6 +174,9 @@ def run(cfg: TrainConfig, failures: "FailureReporting | None" = None) -> int:
     engine = PoplarEngine(model, optimizer, **kwargs)
     if fingerprint is not None:
         run_parts.save_profile(cfg, engine.profile, fingerprint, rank)
+    if plan_only:
+        engine.close()
+        return 0
     if engine.rank == 0 and not auto:
         log.info(f"plan ({plan.strategy or 'from file'}, ZeRO-{engine.zero_stage}):\n{plan.table()}")
     if engine.rank == 0 and cfg.mixed_precision is not None:
@@ -170,7 +209,7 @@ def _main(args: argparse.Namespace) -> int:
     code = 1
     failures = FailureReporting()
     try:
-        code = run(cfg, failures)
+        code = run(cfg, failures, plan_only=getattr(args, "plan_only", False))
     except Preempted as e:
         code = e.exit_code
         if int(os.environ.get("RANK", "0")) == 0:

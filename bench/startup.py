@@ -10,10 +10,10 @@ fresh ``torchrun`` process tree timed from launch to the end of its first traine
   no store, no emulated device; the start a job without auto mode has;
 - **mix**: the same job on another mix of the known types (3 x V100-16G + 1 x T4-16G): planned
   from the stored profiles, nothing profiled;
-- **done**: a finished job (its checkpoint at the last iteration) started again, launch to
-  exit: it says "nothing to do".
+- **done**: a finished job (its checkpoint at the last iteration) started again: launch to its
+  "nothing to do" (and to the exit of every process).
 
-warm and plain run side by side (alternating), ``--repeats`` times each; medians.
+warm, plain and mix run side by side (one of each per round), ``--repeats`` rounds; medians.
 ``warm_vs_plain_start`` = median warm ÷ median plain (target <= 1.3). Timings follow the
 machine's load. Last line ``RESULT {json}``.
 
@@ -100,37 +100,44 @@ def main() -> None:
     args = parser.parse_args()
     if args.job:
         return job(args)
+    load = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "profiles")
         first = launch("auto", store)
         assert first["store"] == "store=measured", first["output"][-3000:]
-        warm, plain = [], []
-        for _ in range(args.repeats):
+        warm, plain, mix, mix_error = [], [], [], []
+        for _ in range(args.repeats):  # side by side: one of each per round
             w = launch("auto", store)
             assert w["store"] == "store=reused", w["output"][-3000:]
             warm.append(w["first_iteration_s"])
             plain.append(launch("plain", store)["first_iteration_s"])
-        mix = []
-        for _ in range(args.repeats):
             m = launch("auto", store, cluster="mix")
             assert m["store"] == "store=reused", m["output"][-3000:]
             mix.append(m["first_iteration_s"])
+            mix_error += [line.split("predicted ")[-1] for line in m["output"].splitlines()
+                          if "iteration 1/1:" in line]
         ckpt = os.path.join(tmp, "ckpt")
         launch("auto", store, checkpoint=ckpt, iterations=2)
-        done = launch("auto", store, checkpoint=ckpt, iterations=2)
-        said = "nothing to do" in done["output"]
+        done = [launch("auto", store, checkpoint=ckpt, iterations=2) for _ in range(args.repeats)]
+        said = all("nothing to do" in d["output"] for d in done)
     w, p, m = statistics.median(warm), statistics.median(plain), statistics.median(mix)
+    said_s = statistics.median(d["first_iteration_s"] for d in done)
+    exit_s = statistics.median(d["exit_s"] for d in done)
     rows = [("first (profiles)", [first["first_iteration_s"]]), ("warm (store)", warm), ("plain (even plan)", plain),
             ("mix 3xV100+1xT4 (store)", mix)]
     print(f"{'start':<26} {'median s':>9}   runs")
     print("-" * 60)
     for name, xs in rows:
         print(f"{name:<26} {statistics.median(xs):>9.2f}   " + ", ".join(f"{x:.2f}" for x in xs))
-    print(f"finished job started again: exit after {done['exit_s']:.2f} s, says nothing to do: {said}")
+    print(f"mix, first iteration against the plan's prediction: {', '.join(mix_error)}")
+    print(f"finished job started again: 'nothing to do' after {said_s:.2f} s, exit after {exit_s:.2f} s "
+          f"(medians of {args.repeats}; said every time: {said})")
+    print(f"load average (1 min) before / after: {load[0]:.1f} / {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     print(f"warm / plain: {w / p:.2f} (side by side, medians of {args.repeats})")
     print("RESULT " + json.dumps({"first_start_s": round(first["first_iteration_s"], 2), "warm_start_s": round(w, 2),
                                   "plain_start_s": round(p, 2), "warm_vs_plain_start": round(w / p, 3),
-                                  "other_mix_start_s": round(m, 2), "nothing_to_do_s": round(done["exit_s"], 2),
+                                  "other_mix_start_s": round(m, 2), "nothing_to_do_s": round(said_s, 2),
+                                  "nothing_to_do_exit_s": round(exit_s, 2),
                                   "nothing_to_do_said": said, "repeats": args.repeats,
                                   "date": time.strftime("%Y-%m-%d")}))
 

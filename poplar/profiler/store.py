@@ -203,6 +203,8 @@ def assemble(entries: dict[str, Entry], cluster: list[str]) -> Profile:
         part["rank"] = r
         ranks.append(RankProfile(**part))
     meta = dict(base.meta)
+    if base.cluster != cluster:
+        meta.pop("cluster", None)  # the cluster it names is the storing run's, not this job's
     meta["store"] = {"reused": sorted(entries), "comm_from": base.cluster,
                      "saved_at": {t: e.saved_at for t, e in entries.items()}}
     return Profile(zero_stage=config[0], world_size=len(cluster), param_count=base.param_count,

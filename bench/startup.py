@@ -114,7 +114,7 @@ def main() -> None:
             m = launch("auto", store, cluster="mix")
             assert m["store"] == "store=reused", m["output"][-3000:]
             mix.append(m["first_iteration_s"])
-            mix_error += [line.split("predicted ")[-1] for line in m["output"].splitlines()
+            mix_error += [line.split("(predicted ")[-1].rstrip(")") for line in m["output"].splitlines()
                           if "iteration 1/1:" in line]
         ckpt = os.path.join(tmp, "ckpt")
         launch("auto", store, checkpoint=ckpt, iterations=2)

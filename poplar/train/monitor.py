@@ -56,6 +56,9 @@ class FitMonitor:
             if self.board is None and report.tensorboard:
                 raise ImportError("tensorboard=True but the tensorboard package is not installed: "
                                   "pip install 'poplar[tensorboard]' (or pass tensorboard=None)")
+            if self.board is None:  # tensorboard=None: events when installed, and a line when not
+                log.info("TensorBoard events skipped: the tensorboard package is not installed "
+                         "(pip install 'poplar[tensorboard]')")
 
     # ------------------------------------------------------------------ the step
     def before_step(self, iteration: int) -> None:

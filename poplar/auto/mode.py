@@ -160,7 +160,8 @@ def _measure(comm: Communicator, model: nn.Module, optimizer: torch.optim.Optimi
             agree_precision_support(comm, device, policy, "auto mode precision")
         return profile, device, job, None
     assert device is not None
-    store, use = store_of(options), StoreUse.MEASURED
+    store = store_of(options)
+    use = StoreUse.MEASURED if store is not None else None
     if store is not None:
         key = store_key(model, optimizer, sample_fn, zero_stage=zero.stage, stages=tuple(options.stages),
                         checkpointing=choice.checkpointing, rule=options.choose if choice.active else "single",

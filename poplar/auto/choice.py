@@ -15,7 +15,8 @@ from typing import Any, Callable
 from poplar.comm import Communicator
 from poplar.planner.candidates import CandidateRow, choose, estimate_profile, format_table, mbs_by_type, predict, \
     with_probe
-from poplar.profiler.configurations import CandidateProfiler, Reuse
+from poplar.planner.shards import weights_to_fit
+from poplar.profiler.configurations import CandidateProfiler, ConfigCapacity, Reuse
 from poplar.profiler.devices import Device
 from poplar.profiler.exposure import ExposureRounds
 from poplar.profiler.profile_run import ProfileJob
@@ -44,6 +45,25 @@ class Choice:
         return [Configuration(s, c) for c in settings for s in stages]
 
 
+def fit_by_shards(prof: CandidateProfiler, caps: list[ConfigCapacity],
+                  say: Callable[[str], None]) -> list[ConfigCapacity]:
+    """Where no configuration fits batch 1 on every rank at even shards: each one that fits some
+    rank is searched again at shard weights that share the state in proportion to every rank's
+    room (``planner.shards.weights_to_fit``, from the agreed searches: the same on every rank)."""
+    out = []
+    for c in caps:
+        memory = c.memory
+        weights = weights_to_fit([m.capacity_bytes for m in memory], [m.fixed_bytes for m in memory],
+                                 [m.shard_bytes for m in memory]) if c.config.stage >= 1 else None
+        if weights is None:
+            out.append(c)
+            continue
+        say(f"ZeRO-{c.config.stage}, checkpointing {'on' if c.config.checkpointed else 'off'}: batch 1 does not "
+            f"fit every rank at even shards; searching again at shard weights {list(weights)} (by memory)")
+        out.append(prof.capacities([c.config], weights)[0])
+    return out
+
+
 def choose_configuration(comm: Communicator, job: ProfileJob, device: Device, choice: Choice,
                          say: Callable[[str], None], **limits: Any) -> Profile:
     """Capacity of every configuration (no collective), timing of the first fit, then of each
@@ -55,6 +75,8 @@ def choose_configuration(comm: Communicator, job: ProfileJob, device: Device, ch
                              process_group=comm.group)
     types = comm.all_gather_object(device.device_type, tag="auto:types")
     caps = prof.capacities(choice.configs(popts.zero_stage))
+    if not any(c.fits for c in caps):
+        caps = fit_by_shards(prof, caps, say)
     rows = [CandidateRow(c.config.stage, c.config.checkpointed, c.fits, mbs_by_type(types, c.mbs)) for c in caps]
     for row, c in zip(rows, caps):
         if not c.fits:
@@ -97,7 +119,9 @@ def choose_configuration(comm: Communicator, job: ProfileJob, device: Device, ch
             base = profiles[timed[0]]
         if i in probes:
             base = with_probe(base, probes[i])
-        plan, why = predict(estimate_profile(base, rows[i].stage, caps[i].mbs), choice.gbs, rows[i].stage, **limits)
+        estimate = estimate_profile(base, rows[i].stage, caps[i].mbs)
+        estimate.shard_weights = list(caps[i].shard_weights) if caps[i].shard_weights else None
+        plan, why = predict(estimate, choice.gbs, rows[i].stage, **limits)
         rows[i].predicted_s, rows[i].reason = (plan.predicted_iteration_s if plan else None), why
         if plan and plan.predicted_iteration_s >= best * (1 - noise):
             rows[i].reason = (f"not timed: lower bound {plan.predicted_iteration_s:.4f} s >= best {best:.4f} s"

@@ -226,17 +226,31 @@ def _plan(comm: Communicator, profile: Profile, global_batch_size: int, options:
           device: Device | None, checkpointing: Any, say: Callable[[str], None]) -> Plan:
     """The plan; one whose shards are not even is first confirmed by one real step of every
     rank's largest micro-batch at its weights (while the model is off the device), and replaced
-    by the even-shard plan where that does not fit."""
+    by the even-shard plan where that does not fit. A profile measured at uneven weights (the
+    model fitted no even shards) plans at them unless ``options.shards`` chooses, and falls back
+    to them."""
     limits = {"require_all_ranks": options.require_all_ranks, "max_micro_steps": options.max_micro_steps}
+    shards, fallback = options.shards, "even"
+    measured = profile.shard_weights
+    if measured is not None and len(set(measured)) > 1:  # the searches found no fit at even shards
+        fallback = tuple(measured)
+        if shards == "even":
+            say(f"the model fits every rank only with uneven shards: planning at the measured weights {measured}")
+            shards = fallback
     try:
-        plan = make_plan(profile, global_batch_size, profile.zero_stage, options.strategy, shards=options.shards,
-                         **limits)
+        plan = make_plan(profile, global_batch_size, profile.zero_stage, options.strategy, shards=shards, **limits)
         if not plan.even_shards and device is not None and job.sample_fn is not None:
             configured = job.at(Configuration(profile.zero_stage, checkpointing))
             failed = confirm_plan_memory(configured, device, comm, plan)
+            if failed and fallback != "even" and plan.shard_weights == fallback:
+                raise PlanError(f"one step of the planned micro-batches does not fit on ranks {failed} even at the "
+                                f"shard weights the capacity searches found ({list(fallback)}); use a smaller model, "
+                                "activation checkpointing or cards with more memory")
             if failed:
-                say(f"the planned shard weights do not fit a step on ranks {failed}: planning with even shards")
-                plan = make_plan(profile, global_batch_size, profile.zero_stage, options.strategy, **limits)
+                say(f"the planned shard weights do not fit a step on ranks {failed}: planning with "
+                    f"{'even shards' if fallback == 'even' else f'the measured weights {list(fallback)}'}")
+                plan = make_plan(profile, global_batch_size, profile.zero_stage, options.strategy, shards=fallback,
+                                 **limits)
                 plan.meta["shard_trial_failed_on"] = failed
     except (PlanError, ProfileError) as e:
         raise PlanError(f"auto mode: planning failed: {e}") from None

@@ -63,9 +63,11 @@ def mbs_by_type(device_types: list[str], mbs: list[int]) -> dict[str, int]:
 
 
 def predict(profile: Profile, gbs: int, stage: int, **limits: Any) -> tuple[Plan | None, str]:
-    """The plan of ``profile`` at ``stage`` and "" , or None and why it cannot be planned."""
+    """The plan of ``profile`` at ``stage`` and "" , or None and why it cannot be planned; at the
+    shard weights the profile was measured at (even unless the model fitted no even shards)."""
+    shards = profile.shard_weights if profile.shard_weights is not None else "even"
     try:
-        return make_plan(profile, gbs, stage, "poplar", **limits), ""
+        return make_plan(profile, gbs, stage, "poplar", shards=shards, **limits), ""
     except (PlanError, ProfileError, ValueError) as e:
         return None, f"cannot plan: {e}"
 
@@ -84,6 +86,7 @@ def estimate_profile(base: Profile, stage: int, mbs: list[int]) -> Profile:
         pts += [ProfilePoint(b, optimistic_time(r.points, b)) for b in extra if b > top]
         r.points, r.mbs = pts, m
     est.meta = {**est.meta, "estimated_from": base.zero_stage}
+    est.shard_weights = None  # the caller's configuration's own, if not even
     return est
 
 

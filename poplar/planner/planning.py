@@ -216,8 +216,15 @@ def plan(profile: Profile | Mapping[str, Any] | str | os.PathLike, global_batch_
     if isinstance(shards, str) and shards not in ("even", "auto"):
         raise PlanError(f"shards must be 'even', 'auto' or one weight per rank, got {shards!r}")
     # the profile's shard bytes are its own stage's: another stage shards other state
+    even = [1.0] * prof.world_size
+    if shards == "even" and prof.shard_weights is not None and stage == prof.zero_stage:
+        found = planned(even, shard_choice.reshaped(prof, even))  # measured at uneven weights
+        if found is None:
+            raise PlanError(f"the profile was measured at shard weights {prof.shard_weights} because the model does "
+                            "not fit every rank at even shards; plan with shards='auto' or those weights")
+        return found
     if shards == "even" or stage == 0 or (shards == "auto" and stage != prof.zero_stage):
-        return planned([1.0] * prof.world_size, prof)  # type: ignore[return-value]
+        return planned(even, prof)  # type: ignore[return-value]
     if not isinstance(shards, str):
         if stage != prof.zero_stage and len(set(shards)) > 1:
             raise PlanError(f"shard weights are planned at the profile's stage (ZeRO-{prof.zero_stage}); "

@@ -1,22 +1,27 @@
 """Shard weights chosen together with the batches (docs/design.md §5.1).
 
 A rank's memory is a part that does not depend on its shard, its share of the sharded state and
-its activations. The profile measured every rank at even shards: its largest micro-batch
-``mbs``, its ``shard_bytes`` (its 1/N of the sharded state) and ``bytes_per_sample``. At a
-share s instead of 1/N the sharded state changes by ``shard_bytes * (N s - 1)``, and the
-largest micro-batch by that over ``bytes_per_sample``, rounded towards fewer samples (the
+its activations. The profile measured every rank at its shard weights (even, unless no rank
+could fit even shards: ``Profile.shard_weights``): its largest micro-batch ``mbs``, its
+``shard_bytes`` and ``bytes_per_sample``. The sharded state is the sum of the ranks' shard bytes;
+at a share s instead of the measured s0 a rank's state changes by that sum times (s - s0), and
+its largest micro-batch by that over ``bytes_per_sample``, rounded towards fewer samples (the
 measured ``mbs`` may have had room to spare; it is not counted). So the capacity of any
 (shard, batch) pair follows from the profile without a trial per pair.
 
-Candidates: even shards, and shares in proportion to the memory each rank gives to sharded
-state and activations at even shards (``shard_bytes + mbs * bytes_per_sample``: a card with
-twice the room holds twice the state), blended with even in quarters. Each candidate's batches
-are planned as usual on the ``mbs`` it allows, and priced with the optimizer step on the
-largest shard: the iteration's fixed overhead, measured at 1/N each and mostly the optimizer
-step, is scaled by N times the largest share (an upper bound: the rest of it does not grow
-with the shard). The collectives are priced as the even ones of
-the same buffers: they move the same bytes (§3.9). The fastest prediction wins; even shards
-are kept when another candidate is not faster by more than the plan's tie.
+Candidates: even shards, the measured weights, and shares in proportion to the memory each rank
+gives to sharded state and activations as measured (its shard plus ``mbs * bytes_per_sample``: a
+card with twice the room holds twice the state), blended with even in quarters. Each candidate's
+batches are planned as usual on the ``mbs`` it allows, and priced with the optimizer step on the
+largest shard: the iteration's fixed overhead, measured at the largest measured share and mostly
+the optimizer step, is scaled by the ratio of the largest shares (an upper bound: the rest of it
+does not grow with the shard). The collectives are priced as the even ones of the same buffers:
+they move the same bytes (§3.9). The fastest prediction wins; even shards are kept when another
+candidate is not faster by more than the plan's tie.
+
+A model that fits no rank's batch 1 at even shards on some ranks can still fit uneven ones:
+``weights_to_fit`` gives each rank a share in proportion to its room (its capacity less the
+bytes of a batch-1 step that do not move with the shard, as a rank that fitted measured them).
 """
 
 from __future__ import annotations
@@ -51,22 +56,38 @@ def memory_weights(room: Sequence[float]) -> tuple[float, ...]:
     return tuple(round(x / mean, 6) for x in room)
 
 
+def measured_shares(profile: Profile) -> tuple[float, ...]:
+    """Each rank's share of the sharded state when the profile was measured."""
+    n = profile.world_size
+    return shares_of(tuple(profile.shard_weights)) if profile.shard_weights else (1.0 / n,) * n
+
+
+def sharded_bytes(profile: Profile) -> int:
+    """The whole sharded state: every rank's measured shard, summed."""
+    return sum(r.shard_bytes or 0 for r in profile.ranks)
+
+
 def knows_shard_memory(profile: Profile) -> bool:
     """Whether the profile says what a shard costs each rank (profiles measured before shard
     weights existed, and synthetic ones without the field, do not)."""
-    return profile.zero_stage >= 1 and all(
-        r.shard_bytes is not None and r.shard_bytes > 0 and r.bytes_per_sample for r in profile.ranks)
+    return profile.zero_stage >= 1 and sharded_bytes(profile) > 0 and all(
+        r.shard_bytes is not None and r.shard_bytes >= 0 and r.bytes_per_sample for r in profile.ranks)
 
 
 def candidates(profile: Profile) -> list[ShardCandidate]:
-    """Even shards first, then blends towards memory-proportional ones (duplicates dropped)."""
+    """Even shards first, the measured weights, then blends towards memory-proportional ones
+    (duplicates dropped)."""
     n = profile.world_size
     even = ShardCandidate("even", (1.0,) * n)
     if not knows_shard_memory(profile):
         return [even]
-    ranks = sorted(profile.ranks, key=lambda r: r.rank)
-    proportional = memory_weights([r.shard_bytes + r.mbs * r.bytes_per_sample for r in ranks])
     out, seen = [even], {even.weights}
+    if profile.shard_weights is not None and tuple(profile.shard_weights) not in seen:
+        out.append(ShardCandidate("measured", tuple(float(w) for w in profile.shard_weights)))
+        seen.add(out[-1].weights)
+    ranks = sorted(profile.ranks, key=lambda r: r.rank)
+    total, shares = sharded_bytes(profile), measured_shares(profile)
+    proportional = memory_weights([shares[r.rank] * total + r.mbs * r.bytes_per_sample for r in ranks])
     for blend in BLENDS:
         weights = tuple(round((1 - blend) + blend * x, 6) for x in proportional)
         if weights not in seen:
@@ -76,25 +97,27 @@ def candidates(profile: Profile) -> list[ShardCandidate]:
 
 
 def mbs_at(profile: Profile, weights: Sequence[float]) -> list[int]:
-    """Every rank's largest micro-batch with these shard weights (from the even-shard profile)."""
+    """Every rank's largest micro-batch with these shard weights (from the measured profile)."""
     if len(weights) != profile.world_size:
         raise PlanError(f"{len(weights)} shard weights for a profile of {profile.world_size} ranks; give one per rank")
+    measured = measured_shares(profile)
     if not knows_shard_memory(profile):
-        if len(set(weights)) > 1:
+        if shares_of(tuple(weights)) != measured:
             raise PlanError("the profile does not say what a shard costs each rank (no shard_bytes: measured before "
-                            "shard weights, or at ZeRO-0); profile again, or plan with even shards")
+                            "shard weights, or at ZeRO-0); profile again, or plan at the weights it was measured at")
         return [r.mbs for r in sorted(profile.ranks, key=lambda r: r.rank)]
-    n, shares = profile.world_size, shares_of(tuple(weights))
+    total, shares = sharded_bytes(profile), shares_of(tuple(weights))
     out = []
     for r in sorted(profile.ranks, key=lambda r: r.rank):
-        extra = r.shard_bytes * (n * shares[r.rank] - 1)  # more state than at even shards (< 0: less)
-        out.append(max(0, r.mbs + math.floor(-extra / r.bytes_per_sample)))
+        extra = total * (shares[r.rank] - measured[r.rank])  # more state than measured (< 0: less)
+        out.append(max(0, r.mbs + math.floor(-extra / r.bytes_per_sample + 1e-9)))
     return out
 
 
-def step_scale(weights: Sequence[float]) -> float:
-    """How much longer the optimizer step takes on the largest shard than on an even one."""
-    return len(weights) * max(shares_of(tuple(weights)))
+def step_scale(profile: Profile, weights: Sequence[float]) -> float:
+    """How much longer the optimizer step takes on these weights' largest shard than on the
+    largest shard the profile was measured at."""
+    return max(shares_of(tuple(weights))) / max(measured_shares(profile))
 
 
 def reshaped(profile: Profile, weights: Sequence[float]) -> Profile | None:
@@ -111,5 +134,25 @@ def reshaped(profile: Profile, weights: Sequence[float]) -> Profile | None:
         if not r.points:
             return None
     if out.comm.iteration_overhead_s is not None:
-        out.comm.iteration_overhead_s *= step_scale(weights)
+        out.comm.iteration_overhead_s *= step_scale(profile, weights)
+    out.shard_weights = [float(w) for w in weights]
     return out
+
+
+def weights_to_fit(capacity: Sequence[int], fixed: Sequence[int | None], shard: Sequence[int | None]
+                   ) -> tuple[float, ...] | None:
+    """Shard weights under which every rank may fit a batch-1 step, from even-shard capacity
+    searches: per rank its ``capacity`` bytes, the bytes of its batch-1 step that do not move
+    with the shard (``fixed``; None where batch 1 did not fit) and its shard's bytes (None
+    there too). The ranks that did not fit are taken to need the most any rank that fitted did
+    (the same model and configuration), so each rank's room is its capacity less that; shares go
+    in proportion to room. None when no rank fitted or the rooms cannot hold the whole state."""
+    known = [f for f in fixed if f is not None]
+    shards = [b for b in shard if b is not None]
+    if not known or not shards:
+        return None
+    total = max(shards) * len(capacity)  # even shards: equal but for alignment
+    room = [max(0.0, c - max(known)) for c in capacity]
+    if sum(room) < total:
+        return None
+    return memory_weights(room)

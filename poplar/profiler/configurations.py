@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any, Callable
 
@@ -36,6 +36,25 @@ class Reuse(Enum):
     SAME_CONFIG = "same_config"  # this configuration, timed at some batches (a probe)
 
 
+@dataclass(frozen=True)
+class ShardMemory:
+    """What one rank's search says about its memory and its shard: its capacity, the bytes of
+    its batch-1 step that do not move with the shard, and its shard's bytes (both None where
+    batch 1 did not fit)."""
+
+    capacity_bytes: int
+    fixed_bytes: int | None
+    shard_bytes: int | None
+
+    @classmethod
+    def of(cls, result: CapacityResult | None) -> "ShardMemory":
+        if result is None:
+            return cls(0, None, None)
+        peak, shard = result.peaks.get(1), result.shard_bytes
+        fixed = peak - shard if peak is not None and shard is not None and result.mbs >= 1 else None
+        return cls(int(result.capacity_bytes), fixed, shard if fixed is not None else None)
+
+
 @dataclass
 class ConfigCapacity:
     """What the capacity searches found for one configuration, on every rank."""
@@ -44,6 +63,8 @@ class ConfigCapacity:
     mbs: list[int]  # per rank; 0: batch 1 does not fit there
     reasons: list[str]  # per rank, why batch 1 does not fit ("" where it does)
     result: CapacityResult | None  # this rank's search
+    memory: list[ShardMemory] = field(default_factory=list)  # per rank
+    shard_weights: tuple[float, ...] | None = None  # the searches' shard weights (None: even)
 
     @property
     def fits(self) -> bool:
@@ -68,15 +89,18 @@ class CandidateProfiler:
         self.trial_steps = 0  # this rank's capacity trial steps
         self._comm: CommProfile | None = None
 
-    def capacities(self, configs: list[Configuration]) -> list[ConfigCapacity]:
-        """Every configuration's capacity search on this rank (no collective), then one agreement."""
+    def capacities(self, configs: list[Configuration],
+                   shard_weights: tuple[float, ...] | None = None) -> list[ConfigCapacity]:
+        """Every configuration's capacity search on this rank (no collective), then one agreement;
+        at these shard weights (None: even)."""
         t0 = time.perf_counter()
         run, base = self.run, self.run.job
         run.progress.expect(ProfilePhase.CAPACITY, len(configs))
         mine: list[tuple[CapacityResult | None, str | None]] = []
         references: dict[bool, CapacityResult] = {}  # per checkpointing setting: its first search
         for c in configs:
-            run.job = base.at(replace(c, stage=base.options.zero_stage))  # the search's own stage is c.stage
+            # the search's own stage is c.stage
+            run.job = _weighted(base.at(replace(c, stage=base.options.zero_stage)), shard_weights)
             try:
                 result = run.search_capacity(c.stage, guided=True, reference=references.get(c.checkpointed))
                 if result.mbs >= 1:
@@ -88,11 +112,12 @@ class CandidateProfiler:
         run.job = base
         self.trial_steps += sum(r.trial_steps for r, _ in mine if r is not None)
         error = next((e for _, e in mine if e), None)
-        verdicts = run.comm.agree(error, "auto mode capacity", [(r.mbs, r.reason) if r else (0, "") for r, _ in mine],
-                                  error_type=ProfileError)
+        verdicts = run.comm.agree(error, "auto mode capacity",
+                                  [(r.mbs, r.reason, ShardMemory.of(r)) if r else (0, "", ShardMemory.of(None))
+                                   for r, _ in mine], error_type=ProfileError)
         self.seconds["capacity_s"] += time.perf_counter() - t0
-        return [ConfigCapacity(c, [v[i][0] for v in verdicts], [v[i][1] for v in verdicts], mine[i][0])
-                for i, c in enumerate(configs)]
+        return [ConfigCapacity(c, [v[i][0] for v in verdicts], [v[i][1] for v in verdicts], mine[i][0],
+                               [v[i][2] for v in verdicts], shard_weights) for i, c in enumerate(configs)]
 
     def time(self, capacity: ConfigCapacity, reuse: Profile | None = None, how: Reuse = Reuse.SAME_COMPUTE,
              sizes: list[list[int]] | None = None, grid: TimingGrid = TimingGrid.DENSE,
@@ -121,7 +146,7 @@ class CandidateProfiler:
             per_rank = [sorted(uncovered(bs, h, m) | a) for bs, h, a, m in zip(per_rank, have, again, capacity.mbs)]
             per_rank = [bs or [1] for bs in per_rank]  # a rank with every point still runs each round: its cheapest
         run, base = self.run, self.run.job
-        run.job = base.at(capacity.config)
+        run.job = _weighted(base.at(capacity.config), capacity.shard_weights)
         try:
             t0 = time.perf_counter()
             fit = StageCapacity(capacity.config.stage, capacity.result, list(capacity.mbs))
@@ -148,3 +173,8 @@ class CandidateProfiler:
     @property
     def total_seconds(self) -> float:
         return sum(self.seconds.values())
+
+
+def _weighted(job: ProfileJob, shard_weights: tuple[float, ...] | None) -> ProfileJob:
+    """``job`` with its searches and rounds at these shard weights."""
+    return replace(job, options=replace(job.options, shard_weights=shard_weights))

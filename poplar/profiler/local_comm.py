@@ -96,9 +96,11 @@ def search_plan(world_size: int, rank: int, batch: int, shard_weights: tuple[flo
     return Plan(rows)
 
 
-def round_plan(batches: list[int]) -> Plan:
-    """One lock-step timing round: rank i runs one micro-step of ``batches[i]`` samples."""
-    return Plan([RankPlan(b, 1, 0) for b in batches])
+def round_plan(batches: list[int], shard_weights: tuple[float, ...] | None = None) -> Plan:
+    """One lock-step timing round: rank i runs one micro-step of ``batches[i]`` samples, at
+    these shard weights (None: even)."""
+    weights = shard_weights or (1.0,) * len(batches)
+    return Plan([RankPlan(b, 1, 0, shard_weight=w) for b, w in zip(batches, weights)])
 
 
 def local_engine(model: nn.Module, optimizer: torch.optim.Optimizer, *, world_size: int, rank: int,

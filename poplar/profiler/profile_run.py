@@ -79,6 +79,8 @@ class ProfileOptions:
     activation_checkpointing: Any = None
     # steady rounds go on until the exposure is known to this fraction of a round (0: the least)
     exposure_precision: float = EXPOSURE_PRECISION
+    # each rank's shard weight in the capacity searches and timing rounds (None: even shards)
+    shard_weights: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         self.mixed_precision = resolve_precision(self.mixed_precision)
@@ -155,8 +157,8 @@ def search_capacity(job: ProfileJob, device: Device, *, world_size: int, rank: i
     trial steps are not timed). ``guided``: the model-guided search (``CapacitySearch.run_guided``,
     from ``reference`` if given), else Algorithm 1. ``trial``: instead of a search, one step of
     its batch at its shard weights (``mbs`` = the batch if it fitted, else 0)."""
-    weights = trial.shard_weights if trial is not None else None
     options = job.options
+    weights = trial.shard_weights if trial is not None else options.shard_weights
     attached = contextlib.ExitStack()
 
     def build() -> ZeroRuntime:
@@ -343,6 +345,8 @@ def _assemble_profile(run: ProfileRun, fit: StageCapacity, timing: LockStepTimin
                              "(N-1)/N V reduce-scatter/all-gather)",
                  "ranks": {str(r): rank_notes for r, (_, rank_notes) in enumerate(parts)},
                  "seconds": round(time.perf_counter() - run.started, 3)})
+    weights = options.shard_weights
     return Profile(zero_stage=fit.stage, world_size=comm.world_size, param_count=run.param_count,
                    param_bytes=run.param_bytes, ranks=[p for p, _ in parts], comm=comm_profile,
-                   model_name=options.model_name, meta=meta)
+                   model_name=options.model_name, meta=meta,
+                   shard_weights=None if weights is None else [float(w) for w in weights])

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from poplar.types.plans import read_json, write_text_atomic
+from poplar.types.plans import read_json, shard_weights_problem, write_text_atomic
 
 
 class ProfileError(ValueError):
@@ -140,6 +140,8 @@ class Profile:
     comm: CommProfile
     model_name: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
+    # the shard weights every rank was measured at (its mbs and shard_bytes are theirs); None: even
+    shard_weights: list[float] | None = None
 
     def __post_init__(self) -> None:
         _require(isinstance(self.ranks, list), "ranks", self.ranks, "a list of rank profiles")
@@ -212,6 +214,11 @@ class Profile:
                     raise ProfileError(
                         f"rank {r.rank}: bad point batch={p.batch}, compute_s={p.compute_s} "
                         f"(need 1 <= batch <= mbs={r.mbs} and compute_s > 0)")
+        if self.shard_weights is not None:
+            problem = shard_weights_problem(self.shard_weights)
+            if problem is not None or len(self.shard_weights) != self.world_size:
+                raise ProfileError(f"profile shard_weights must be one weight per rank ({self.world_size}): "
+                                   f"{problem or self.shard_weights}; re-run the profiler")
         if not self.comm.bandwidth_bytes_per_s > 0:
             raise ProfileError(f"comm bandwidth must be > 0, got {self.comm.bandwidth_bytes_per_s}")
         if self.comm.exposed_error is not None and not 0 <= self.comm.exposed_error < 1:

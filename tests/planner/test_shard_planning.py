@@ -9,6 +9,7 @@ import pytest
 from poplar.emulation.synthetic import GIB, ModelSpec, synthetic_profile
 from poplar.planner import shards
 from poplar.planner.planning import plan
+from poplar.types.profiles import Profile, ProfileError
 from poplar.types.plans import Plan, PlanError
 
 
@@ -27,7 +28,7 @@ def test_largest_micro_batch_follows_the_share() -> None:
     assert moved[small.rank] == small.mbs + int(freed // small.bytes_per_sample)
     big = next(r for r in prof.ranks if r.device_type.startswith("A800"))
     assert moved[big.rank] == big.mbs - -(-int(freed) // int(big.bytes_per_sample))
-    assert shards.step_scale(weights) == pytest.approx(4 * 1.5 / 4)
+    assert shards.step_scale(prof, weights) == pytest.approx(4 * 1.5 / 4)
 
 
 def test_candidates_start_even_and_lean_towards_memory() -> None:
@@ -84,3 +85,33 @@ def test_explicit_weights_and_bad_choices() -> None:
     with pytest.raises(PlanError, match="profile's stage"):
         plan(prof, 256, 3, shards=weights)
     assert plan(prof, 256, 3, shards="auto").even_shards  # another stage: its shard bytes are unknown
+
+
+def test_a_profile_measured_at_uneven_weights_plans_from_them() -> None:
+    """A profile measured at other weights than even (the model fitted no even shards) moves
+    state from there: its own weights give its own mbs, and other weights move from it exactly as
+    an even-shard profile's would."""
+    prof = _profile("C", 2, 3e9)
+    weights = [1.5 if r.device_type.startswith("A800") else 0.5 for r in prof.ranks]
+    measured = shards.reshaped(prof, weights)
+    assert measured.shard_weights == weights
+    for r in measured.ranks:  # as if measured there: the shard follows the weights
+        r.shard_bytes = int(prof.ranks[r.rank].shard_bytes * weights[r.rank])
+    measured = Profile.from_dict(measured.to_dict())  # the field survives JSON
+    assert measured.shard_weights == weights
+    assert shards.mbs_at(measured, weights) == [r.mbs for r in measured.ranks]
+    back = shards.mbs_at(measured, [1.0] * 4)
+    assert all(abs(b - r.mbs) <= 1 for b, r in zip(back, prof.ranks)), (back, [r.mbs for r in prof.ranks])
+    assert shards.step_scale(measured, [1.0] * 4) == pytest.approx(1.0 / 1.5)
+    assert "measured" in [c.name for c in shards.candidates(measured)]
+    assert plan(measured, 256, 2, shards=weights).shard_weights == tuple(weights)
+    with pytest.raises(ProfileError, match="shard_weights"):
+        Profile.from_dict({**measured.to_dict(), "shard_weights": [1.0, 2.0]})
+
+
+def test_weights_to_fit_give_the_short_cards_what_their_room_holds() -> None:
+    # two ranks fitted batch 1 (fixed 30 of their 100), two did not (capacity 40): rooms 70, 70, 10, 10
+    weights = shards.weights_to_fit([100, 100, 40, 40], [30, 30, None, None], [20, 20, None, None])
+    assert weights == pytest.approx((1.75, 1.75, 0.25, 0.25))
+    assert shards.weights_to_fit([100, 40], [None, None], [None, None]) is None  # nobody fitted
+    assert shards.weights_to_fit([40, 40], [30, None], [25, None]) is None  # 50 of state, 20 of room

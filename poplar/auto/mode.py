@@ -182,7 +182,10 @@ def _measure(comm: Communicator, model: nn.Module, optimizer: torch.optim.Optimi
                                                            tag="auto:profile")[0])
     if options.profile_output is not None and comm.rank == 0:
         profile.save(options.profile_output)
-    if store is not None and comm.rank == 0:
+    uneven = profile.shard_weights is not None and len(set(profile.shard_weights)) > 1
+    if store is not None and comm.rank == 0 and uneven:  # its mbs belong to this mix's weights
+        say("profile store: not kept: it was measured at uneven shard weights, which hold for this mix of ranks only")
+    elif store is not None and comm.rank == 0:
         new = set(profile.meta.get("store", {}).get("profiled", profile.device_types()))
         store.save(profile, key, bool(profile.meta.get("activation_checkpointing")), only=new)
         say(f"profile store: kept {', '.join(sorted(new))} in {store.directory}")

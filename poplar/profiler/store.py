@@ -171,7 +171,10 @@ class ProfileStore:
         return path
 
     def save(self, profile: Profile, key: StoreKey, checkpointed: bool, only: set[str] | None = None) -> list[Path]:
-        """Keep ``profile``'s device types (``only``: these of them)."""
+        """Keep ``profile``'s device types (``only``: these of them). Only a profile measured at
+        even shards can be kept: at uneven weights a rank's mbs is its weight's, not its type's."""
+        if profile.shard_weights is not None and len(set(profile.shard_weights)) > 1:
+            raise ProfileError("a profile measured at uneven shard weights cannot be kept per device type")
         return [self.put(e) for e in entries_of(profile, key, checkpointed) if only is None or e.device_type in only]
 
 

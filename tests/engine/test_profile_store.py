@@ -129,3 +129,11 @@ def test_second_start_reuses_and_a_new_type_alone_is_profiled(tmp_path: Path) ->
     digest = next(tmp_path.iterdir())
     assert sorted(p.name for p in digest.iterdir()) == ["A100-40G.json", "T4-16G.json", "V100-16G.json"]
     assert json.loads((digest / "A100-40G.json").read_text())["cluster"] == ["V100-16G", "A100-40G"]
+
+
+def test_a_profile_at_uneven_shard_weights_is_not_kept(tmp_path: Path) -> None:
+    profile = _profile(["V100-16G", "T4-16G"])
+    profile.shard_weights = [2.0, 1.0]
+    with pytest.raises(Exception, match="uneven shard weights"):
+        ProfileStore(tmp_path).save(profile, KEY, checkpointed=False)
+    assert not any(tmp_path.iterdir())

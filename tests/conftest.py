@@ -1,5 +1,7 @@
 """Shared test settings."""
 
+import os
+
 import pytest
 import torch
 
@@ -11,3 +13,8 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+# Tests are hermetic: auto mode keeps no profiles in the user's cache unless a test gives a
+# store (AutoOptions(store=...)); spawned ranks inherit the setting.
+os.environ.setdefault("POPLAR_PROFILE_STORE", "off")

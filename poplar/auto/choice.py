@@ -8,6 +8,7 @@ repeated only where it breaks the curve's shape: together about a single-stage p
 
 from __future__ import annotations
 
+import time as _time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -21,6 +22,7 @@ from poplar.profiler.exposure import ExposureRounds
 from poplar.profiler.profile_run import ProfileJob
 from poplar.profiler.timing import Confirmation, TimingGrid
 from poplar.types.configuration import Configuration
+from poplar.types.logs import progress_bar
 from poplar.types.profiles import Profile, ProfileError
 
 
@@ -69,7 +71,7 @@ def choose_configuration(comm: Communicator, job: ProfileJob, device: Device, ch
     candidate whose lower bound could beat the best prediction so far; choose (docs/design.md §7.1).
     ``limits``: the planner's (``require_all_ranks``, ``max_micro_steps``). Returns the chosen
     configuration's profile (the same on every rank) and records the choice in ``choice``."""
-    popts = job.options
+    popts, started = job.options, _time.perf_counter()
     prof = CandidateProfiler(job, device, log=lambda m: say(m.removeprefix("[poplar profile] ")),
                              process_group=comm.group)
     types = comm.all_gather_object(device.device_type, tag="auto:types")
@@ -129,7 +131,10 @@ def choose_configuration(comm: Communicator, job: ProfileJob, device: Device, ch
     fitting = sorted((i for i, r in enumerate(rows) if r.fits), key=lambda i: (rows[i].checkpointing, rows[i].stage))
     if not fitting:
         raise _none_fits(prof, choice, rows, say)
+    # one bar over the fitting candidates: each is timed, or decided by its bound (rank 0)
+    bar = progress_bar(len(fitting), "profiling: candidates", popts.progress and comm.rank == 0)
     time(fitting[0])
+    bar.update(1)
     while choice.rule == "fastest":
         best = min((rows[i].predicted_s for i in profiles if rows[i].predicted_s is not None), default=float("inf"))
         for i in fitting:
@@ -150,6 +155,9 @@ def choose_configuration(comm: Communicator, job: ProfileJob, device: Device, ch
                                     exposure=ExposureRounds.GRID)
             continue
         time(nxt)
+        bar.update(1)
+    bar.update(len(fitting) - len(profiles))  # the rest, decided by their bounds
+    bar.close()
     pick = choose([r for i, r in enumerate(rows) if i in profiles] or rows, choice.rule)
     index = rows.index(pick)
     choice.rows, choice.chosen = rows, caps[index].config
@@ -157,7 +165,8 @@ def choose_configuration(comm: Communicator, job: ProfileJob, device: Device, ch
     profile.meta["auto_choice"] = {"rule": choice.rule, "profiling_s": {k: round(v, 3) for k, v in prof.seconds.items()},
                                    "timed": len(profiles), "probed": len(probes), "timing_rounds": prof.rounds,
                                    "candidates": [r.to_dict() for r in rows]}
-    say(f"configurations ({choice.rule}; profiling {prof.total_seconds:.1f} s: capacity "
+    say(f"configurations ({choice.rule}; profiling {prof.total_seconds:.1f} s, {_time.perf_counter() - started:.1f} s "
+        f"of wall time with set-up: capacity "
         f"{prof.seconds['capacity_s']:.1f} s, timing {prof.seconds['timing_s']:.1f} s ({prof.rounds} rounds), "
         f"collectives {prof.seconds['comm_s']:.1f} s; {len(profiles)} timed, {len(probes)} probed):\n"
         + format_table(rows))

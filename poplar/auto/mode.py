@@ -37,12 +37,14 @@ from poplar.comm import Communicator
 from poplar.planner import plan as make_plan
 from poplar.planner.planning import batch_using_every_rank, load_profile
 from poplar.auto.choice import Choice, choose_configuration
+from poplar.auto.stored import StoreUse, profile_from_store, store_key
 from poplar.planner.candidates import RULES, CandidateRow
 from poplar.profiler.cuda_device import CudaDevice
 from poplar.profiler.devices import Device
 from poplar.profiler.phases import observers_of
 from poplar.profiler.precision import agree_precision_support, profile_precision
 from poplar.profiler.profile_run import ProfileJob, ProfileOptions, confirm_plan_memory, profile_rank
+from poplar.profiler.store import ProfileStore, default_store_dir
 from poplar.types.configuration import Configuration, heaviest
 from poplar.types.logs import log
 from poplar.types.plans import Plan, PlanError
@@ -79,6 +81,10 @@ class AutoOptions:
     # stage where batch 1 fits); a loaded profile keeps its own configuration
     choose: str = "fastest"
     stages: tuple[int, ...] = (0, 1, 2, 3)  # the stages zero_stage="auto" chooses among
+    # where measured profiles are kept per device type and reused (poplar.profiler.store): a
+    # directory, a ProfileStore, None (no store) or "default" ($POPLAR_PROFILE_STORE, "off" for
+    # none, else ~/.cache/poplar/profiles)
+    store: Any = "default"
 
 
 @dataclass
@@ -88,6 +94,15 @@ class AutoResult:
     device: Device | None  # this rank's profiler device (None with a loaded profile and no device to emulate)
     activation_checkpointing: Any = None  # the chosen setting (the engine's runtime uses it)
     candidates: list[CandidateRow] | None = None  # the configurations considered ("fastest" / "first_fit")
+    store_use: StoreUse | None = None  # how the profile store served this start (None: no store used)
+
+
+def store_of(options: AutoOptions) -> ProfileStore | None:
+    """The profile store ``options.store`` names (None: none)."""
+    if isinstance(options.store, ProfileStore) or options.store is None:
+        return options.store
+    directory = default_store_dir() if options.store == "default" else options.store
+    return ProfileStore(directory) if directory is not None else None
 
 
 class DatasetSamples:
@@ -127,7 +142,7 @@ def clone_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module,
 def _measure(comm: Communicator, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable,
              sample_fn: Any, zero: ZeroConfig, options: AutoOptions, policy: MixedPrecision | None,
              say: Callable[[str], None], choice: Choice, home: torch.device
-             ) -> tuple[Profile, Device | None, ProfileJob]:
+             ) -> tuple[Profile, Device | None, ProfileJob, StoreUse | None]:
     """The profile (measured, or loaded from ``options.profile``), this rank's device (``home``:
     where the model lives, moved to the CPU meanwhile) and the profiling job."""
     snapshot = copy.deepcopy(model)  # on the CPU: the caller moved the model there
@@ -148,12 +163,22 @@ def _measure(comm: Communicator, model: nn.Module, optimizer: torch.optim.Optimi
             observer.prepare_profiling(comm, job, profile)
         if device is not None:
             agree_precision_support(comm, device, policy, "auto mode precision")
-        return profile, device, job
+        return profile, device, job, None
     assert device is not None
-    if choice.active:
+    store = store_of(options)
+    use = StoreUse.MEASURED if store is not None else None
+    if store is not None:
+        key = store_key(model, optimizer, sample_fn, zero_stage=zero.stage, stages=tuple(choice.stages),
+                        checkpointing=choice.checkpointing, rule=options.choose if choice.active else "single",
+                        bucket_size_mb=zero.bucket_size_mb, policy=policy)
+        profile, use = profile_from_store(comm, store, key, job, device, choice.checkpointing, say)
+        if use is StoreUse.REUSED:
+            agree_precision_support(comm, device, policy, "auto mode precision")
+            return profile, device, job, use
+    if profile is None and choice.active:
         profile = choose_configuration(comm, job, device, choice, say, require_all_ranks=options.require_all_ranks,
                                        max_micro_steps=options.max_micro_steps)
-    else:
+    elif profile is None:
         say(f"profiling {comm.world_size} ranks at ZeRO-{popts.zero_stage}, {precision_of(policy)} ...")
         profile = profile_rank(model_fn, loss_fn, sample_fn, device, optimizer_fn=optimizer_fn, options=popts,
                                log=lambda m: say(m.removeprefix("[poplar profile] ")), process_group=comm.group)
@@ -162,7 +187,14 @@ def _measure(comm: Communicator, model: nn.Module, optimizer: torch.optim.Optimi
                                                            tag="auto:profile")[0])
     if options.profile_output is not None and comm.rank == 0:
         profile.save(options.profile_output)
-    return profile, device, job
+    uneven = profile.shard_weights is not None and len(set(profile.shard_weights)) > 1
+    if store is not None and comm.rank == 0 and uneven:  # its mbs belong to this mix's weights
+        say("profile store: not kept: it was measured at uneven shard weights, which hold for this mix of ranks only")
+    elif store is not None and comm.rank == 0:
+        new = set(profile.meta.get("store", {}).get("profiled", profile.device_types()))
+        store.save(profile, key, bool(profile.meta.get("activation_checkpointing")), only=new)
+        say(f"profile store: kept {', '.join(sorted(new))} in {store.directory}")
+    return profile, device, job, use
 
 
 def _plan(comm: Communicator, profile: Profile, global_batch_size: int, options: AutoOptions, job: ProfileJob,
@@ -321,7 +353,7 @@ def auto_plan(comm: Communicator, model: nn.Module, optimizer: torch.optim.Optim
     if home.type != "cpu":
         model.to("cpu")  # profiling gets the whole GPU (the copies it trains live there); moved back below
     try:
-        profile, device, job = _measure(comm, model, optimizer, loss_fn, sample_fn, zero, options, policy, say,
+        profile, device, job, use = _measure(comm, model, optimizer, loss_fn, sample_fn, zero, options, policy, say,
                                         choice, home)
         chosen = choice.chosen.checkpointing if choice.chosen is not None else activation_checkpointing
         if chosen is None and profile.meta.get("activation_checkpointing"):
@@ -329,6 +361,8 @@ def auto_plan(comm: Communicator, model: nn.Module, optimizer: torch.optim.Optim
         if choice.chosen is not None and len(choice.configs()) > 1:
             ckpt = " with activation checkpointing" if choice.chosen.checkpointed else ""
             say(f"running at ZeRO-{profile.zero_stage}{ckpt}: the fastest configuration that fits (table above)")
+        elif profile.zero_stage != min(stages) and use in (StoreUse.REUSED, StoreUse.PARTIAL):
+            say(f"running at ZeRO-{profile.zero_stage}: the configuration chosen when the stored profiles were measured")
         elif profile.zero_stage != min(stages):
             say(f"ZeRO-{min(stages)} does not fit batch 1 on every rank: running at ZeRO-{profile.zero_stage}, the "
                 "lowest stage that fits")
@@ -343,4 +377,6 @@ def auto_plan(comm: Communicator, model: nn.Module, optimizer: torch.optim.Optim
         plan.meta["candidates"] = recorded["candidates"]
         plan.meta["choice_rule"] = recorded["rule"]
         plan.meta["profiling_s"] = recorded["profiling_s"]
-    return AutoResult(plan, profile, device, chosen, choice.rows)
+    if use is not None:
+        plan.meta["profile_store"] = use.value
+    return AutoResult(plan, profile, device, chosen, choice.rows, use)

@@ -3,7 +3,10 @@ print a summary table and write the Profile JSON.
 
     poplar profile --cluster B --stage 2 -o profile.json
 
-Progress goes to stderr, the summary to stdout.
+Progress goes to stderr, the summary to stdout. With ``--config run.json`` (launched as
+``poplar train`` is, with torchrun) it is instead the start of that training job up to its plan:
+the profile store (``poplar.profiler.store``) is filled for the job's cluster ahead of time, and
+the job's own start then profiles nothing.
 """
 
 from __future__ import annotations
@@ -21,7 +24,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "profile", help="measure each rank's largest micro-batch and speed curve (emulated cluster on CPU)",
         description="Profile a built-in model on an emulated cluster: one process per rank, each with a "
                     "virtual device made from its preset (memory and speed scaled to the CPU model).")
-    p.add_argument("--cluster", required=True, help="built-in cluster name (A, B, C, C-1:3, D) or a cluster JSON file")
+    p.add_argument("--cluster", default=None, help="built-in cluster name (A, B, C, C-1:3, D) or a cluster JSON file")
+    p.add_argument("--config", default=None,
+                   help="a `poplar train` config: profile its job (every rank, launched with torchrun) into the "
+                        "profile store and stop before training")
     p.add_argument("--stage", type=int, choices=(0, 1, 2, 3), default=0,
                    help="ZeRO stage (raised automatically if batch 1 does not fit on some rank)")
     p.add_argument("--model", choices=list(WORKLOADS), default=DEFAULT_WORKLOAD,
@@ -52,10 +58,20 @@ def _scale(value: str, name: str) -> float | str:
 
 
 def _profile(args: argparse.Namespace) -> int:
+    import time
+
     from poplar.emulation import Scales, profile_cluster
     from poplar.profiler import ProfileOptions
     from poplar.workloads import get_workload
 
+    started = time.perf_counter()
+    if args.config is not None:
+        from poplar.cli import train
+
+        args.plan_only, args.iterations = True, None
+        return train._main(args)
+    if args.cluster is None:
+        raise ValueError("give --cluster (a built-in cluster or a cluster file) or --config (a training job's config)")
     if args.repeats < 1 or args.max_batch < 1:
         raise ValueError("--repeats and --max-batch must be >= 1")
     w = get_workload(args.model)
@@ -65,6 +81,9 @@ def _profile(args: argparse.Namespace) -> int:
     result = profile_cluster(w.model_fn, w.loss_fn, w.sample_fn, cluster=args.cluster, options=options,
                              scales=scales, output=args.output)
     print(summary(result))
+    if not args.quiet:  # the command's wall time: calibration and process start-up included
+        print(f"[poplar profile] command done in {time.perf_counter() - started:.1f} s (profiling in the ranks "
+              f"{result.meta.get('seconds', 0.0):.1f} s)", file=sys.stderr)
     if args.output:
         print(f"profile written to {args.output}", file=sys.stderr)
     return 0

@@ -114,20 +114,55 @@ def describe_precision(policy: MixedPrecision) -> str:
     return f"{text}, static loss scale {scale.static_scale:g}"
 
 
-def run(cfg: TrainConfig, failures: "FailureReporting | None" = None) -> int:
-    """Join the job, claim the checkpoint directory, build and train."""
+def finished_at(cfg: TrainConfig) -> int | None:
+    """The iteration of the checkpoint a resumed run would start from, when it has already reached
+    ``cfg.iterations`` (the job has nothing to do); None otherwise. Rank 0 reads, every rank gets
+    its answer."""
+    import torch.distributed as dist
+    from poplar.checkpoint.kept import find_latest
+
+    answer: list[Any] = [None]
+    if (not dist.is_initialized() or dist.get_rank() == 0) and cfg.checkpoint_dir and cfg.resume:
+        try:
+            latest = find_latest(cfg.checkpoint_dir) if os.path.isdir(cfg.checkpoint_dir) else None
+        except Exception:  # noqa: BLE001 - resuming reports an unreadable checkpoint itself
+            latest = None
+        if latest is not None and latest.iteration >= cfg.iterations:
+            answer[0] = latest.iteration
+    if dist.is_initialized():
+        dist.broadcast_object_list(answer, src=0)
+    return answer[0]
+
+
+def profile_store_dir(cfg: TrainConfig) -> Any:
+    """Where auto mode keeps profiles: $POPLAR_PROFILE_STORE when set, else beside the
+    checkpoints (``<checkpoint dir>/../profiles``), else the user's cache (AutoOptions' default)."""
+    if os.environ.get("POPLAR_PROFILE_STORE") is None and cfg.checkpoint_dir:
+        return os.path.join(os.path.dirname(os.path.abspath(cfg.checkpoint_dir)), "profiles")
+    return "default"
+
+
+def run(cfg: TrainConfig, failures: "FailureReporting | None" = None, plan_only: bool = False) -> int:
+    """Join the job, claim the checkpoint directory, build and train (every rank); ``plan_only``:
+    stop once the plan is made (``poplar profile --config``: the profile store is then filled)."""
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a worker whose launcher is gone stops by itself
         from poplar.comm.launcher_watch import LauncherWatch
         LauncherWatch(cfg.collective_timeout_s).start()
     device = init_distributed(cfg.collective_timeout_s)
     if failures is not None:
         failures.join()
+    done = None if plan_only else finished_at(cfg)
+    if done is not None:  # before claiming, building or profiling anything
+        if int(os.environ.get("RANK", "0")) == 0:
+            log.info(f"nothing to do: the checkpoint in {cfg.checkpoint_dir} is at iteration {done} and iterations="
+                     f"{cfg.iterations} is reached (raise iterations to train further)")
+        return 0
     if cfg.checkpoint_dir is not None:  # before anything else: a second job on the directory stops at once
         from poplar.comm import Communicator
         from poplar.train.checkpointing import claim
         claim(Communicator(), cfg.checkpoint_dir)
     try:
-        return _train(cfg, device)
+        return _train(cfg, device, plan_only)
     finally:
         if cfg.checkpoint_dir is not None:
             from poplar.comm import Communicator
@@ -135,7 +170,7 @@ def run(cfg: TrainConfig, failures: "FailureReporting | None" = None) -> int:
             let_go(Communicator(), cfg.checkpoint_dir)
 
 
-def _train(cfg: TrainConfig, device: torch.device) -> int:
+def _train(cfg: TrainConfig, device: torch.device, plan_only: bool = False) -> int:
     from poplar.auto import AutoOptions
     from poplar.emulation import cluster_device
     from poplar.engine import PoplarEngine
@@ -175,7 +210,7 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
         device = cluster_device(cfg.cluster) if cfg.cluster else None  # rank r emulates the cluster's r-th GPU
         kwargs.update(global_batch_size=cfg.global_batch_size(world),
                       auto=AutoOptions(profile_data=data, device=device, strategy=cfg.strategy, shards=cfg.shards,
-                                       profile=profile,
+                                       profile=profile, store=profile_store_dir(cfg),
                                        profile_output=os.path.join(cfg.report_dir, "profile.json")
                                        if cfg.report_dir else None))
     else:
@@ -183,6 +218,9 @@ def _train(cfg: TrainConfig, device: torch.device) -> int:
     engine = PoplarEngine(model, optimizer, **kwargs)
     if fingerprint is not None:
         run_parts.save_profile(cfg, engine.profile, fingerprint, rank)
+    if plan_only:
+        engine.close()
+        return 0
     if engine.rank == 0 and not auto:
         log.info(f"plan ({plan.strategy or 'from file'}, ZeRO-{engine.zero_stage}):\n{plan.table()}")
     if engine.rank == 0 and cfg.mixed_precision is not None:
@@ -217,7 +255,7 @@ def _main(args: argparse.Namespace) -> int:
         cfg = TrainConfig.load(args.config)
         if args.iterations is not None:
             cfg.iterations = args.iterations
-        code = run(cfg, failures)
+        code = run(cfg, failures, plan_only=getattr(args, "plan_only", False))
         failures.finished()
     except Preempted as e:
         code = e.exit_code

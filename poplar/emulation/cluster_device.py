@@ -29,6 +29,7 @@ from poplar.emulation.faults import FaultSchedule
 from poplar.emulation.presets import get_preset
 from poplar.emulation.speed_curves import PresetCurve
 from poplar.emulation.virtual_device import VirtualDevice
+from poplar.types.logs import log
 from poplar.types.precision import Precision, precision_of
 from poplar.types.profiles import Profile, ProfileError
 
@@ -86,6 +87,8 @@ class ClusterDevice(VirtualDevice):
             scales = self.scales
             if reused is not None and reused.meta.get("emulated"):  # emulate the devices it measured
                 scales = Scales(reused.meta["memory_scale"], reused.meta["time_scale"])
+            if comm.rank == 0 and not scales.fixed:  # a timing run of its own: say so before it
+                log.info(f"emulated cluster {spec.name}: calibrating its memory and time scales for the model ...")
             emulated = emulate_cluster_together(comm, spec, job, scales, what="emulated cluster")
         self._use(emulated, precision_of(job.options.mixed_precision))
 

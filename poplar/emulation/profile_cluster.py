@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from dataclasses import replace
 from typing import Any, Callable
 
@@ -43,11 +44,16 @@ def profile_cluster(model_fn: Callable[[], nn.Module], loss_fn: Callable[[nn.Mod
         raise ProfileError(f"zero_stage must be 0, 1, 2 or 3, got {options.zero_stage!r}")
     job = ProfileJob(model_fn, loss_fn, sample_fn, optimizer_fn or default_optimizer, options)
     if cluster is not None:
+        t0 = time.perf_counter()
+        if options.progress and not scales.fixed:  # calibration is a timing run of its own: say so first
+            print(f"[poplar profile] calibrating the emulated cluster's memory and time scales for "
+                  f"{options.model_name or 'the model'} ...", file=sys.stderr, flush=True)
         emulated = emulate_cluster(cluster, job, scales)
         if options.progress and emulated.calibration is not None:
             print(f"[poplar profile] emulating {emulated.spec.describe()} on CPU: memory scale "
                   f"{emulated.memory_scale:.3g}, time scale {emulated.time_scale:.3g} (predicted mbs "
-                  f"{emulated.calibration.predicted_mbs})", file=sys.stderr, flush=True)
+                  f"{emulated.calibration.predicted_mbs}; calibrated in {time.perf_counter() - t0:.1f} s); "
+                  f"starting {len(emulated.devices())} ranks ...", file=sys.stderr, flush=True)
         devices = emulated.devices()
         job = replace(job, options=replace(options, meta={**options.meta, **emulated.meta()}))
     if not devices:

@@ -22,6 +22,7 @@ from poplar.profiler.capacity import CapacityResult
 from poplar.profiler.devices import Device
 from poplar.profiler.escalation import StageCapacity
 from poplar.profiler.exposure import ExposureRounds
+from poplar.profiler.phases import ProfilePhase
 from poplar.profiler.profile_run import ProfileJob, ProfileRun
 from poplar.profiler.timing import Confirmation, TimingGrid, timing_batches
 from poplar.types.configuration import Configuration
@@ -94,6 +95,7 @@ class CandidateProfiler:
         at these shard weights (None: even)."""
         t0 = time.perf_counter()
         run, base = self.run, self.run.job
+        run.progress.expect(ProfilePhase.CAPACITY, len(configs))
         mine: list[tuple[CapacityResult | None, str | None]] = []
         references: dict[bool, CapacityResult] = {}  # per checkpointing setting: its first search
         for c in configs:

@@ -45,6 +45,7 @@ from poplar.profiler.local_comm import local_engine
 from poplar.profiler.lock_step import LockStepTiming, time_rounds, young_garbage_only
 from poplar.profiler.phases import ProfileObserver, ProfilePhase, in_phase, observers_of
 from poplar.profiler.precision import agree_precision_support, precision_meta
+from poplar.profiler.progress import PhaseProgress
 from poplar.profiler.timing import Confirmation, measure_comm
 from poplar.types.configuration import Configuration
 from poplar.types.precision import MixedPrecision, resolve_precision
@@ -153,7 +154,8 @@ def confirm_plan_memory(job: ProfileJob, device: Device, comm: Any, plan: Any) -
 
 def search_capacity(job: ProfileJob, device: Device, *, world_size: int, rank: int, stage: int,
                     guided: bool = False, reference: CapacityResult | None = None,
-                    log: Callable[[str], None] | None = None, trial: Trial | None = None) -> CapacityResult:
+                    log: Callable[[str], None] | None = None, trial: Trial | None = None,
+                    observers: list[ProfileObserver] | None = None) -> CapacityResult:
     """This rank's capacity search at ``stage``, without collectives (the ``CAPACITY`` phase:
     trial steps are not timed). ``guided``: the model-guided search (``CapacitySearch.run_guided``,
     from ``reference`` if given), else Algorithm 1. ``trial``: instead of a search, one step of
@@ -179,7 +181,8 @@ def search_capacity(job: ProfileJob, device: Device, *, world_size: int, rank: i
         current.append(runtime)
         return runtime
 
-    with in_phase(observers_of(device), ProfilePhase.CAPACITY, None), young_garbage_only():
+    observers = observers_of(device) if observers is None else observers
+    with in_phase(observers, ProfilePhase.CAPACITY, None), young_garbage_only():
         search: CapacitySearch | None = None
         try:
             search = CapacitySearch(build(), device, job.sample_fn, job.loss_fn, stage, options.max_batch,
@@ -213,7 +216,10 @@ class ProfileRun:
         self.log = log or _log_to_stderr
         self.process_group = process_group
         self.comm = Communicator(process_group, device.torch_device)
-        self.observers: list[ProfileObserver] = observers_of(device)
+        # a bar per phase on rank 0 (poplar.profiler.progress), heard as the device's observers are
+        self.progress = PhaseProgress(job.options.progress and self.comm.rank == 0,
+                                      lambda m: self.log(f"[poplar profile] {m}"))
+        self.observers: list[ProfileObserver] = observers_of(device) + [self.progress]
         self.param_count = self.param_bytes = 0
         self.started = time.perf_counter()
         self.phase_seconds: dict[str, float] = {}
@@ -261,7 +267,7 @@ class ProfileRun:
                         reference: CapacityResult | None = None) -> CapacityResult:
         """This rank's capacity search at ``stage`` (no collectives); see ``search_capacity``."""
         return search_capacity(self.job, self.device, world_size=self.comm.world_size, rank=self.comm.rank,
-                               stage=stage, guided=guided, reference=reference)
+                               stage=stage, guided=guided, reference=reference, observers=self.observers)
 
     def find_fitting_stage(self) -> StageCapacity:
         """The options' stage, or the next ones while batch 1 does not fit on some rank."""
@@ -299,7 +305,10 @@ def profile_rank(model_fn: Callable[[], nn.Module], loss_fn: Callable, sample_fn
     (but its own ``device``). Returns the whole cluster's profile, the same on every rank."""
     job = ProfileJob(model_fn, loss_fn, sample_fn, optimizer_fn or default_optimizer, options or ProfileOptions())
     run = ProfileRun(job, device, process_group=process_group, log=log)
+    run.progress.expect(ProfilePhase.COMM, int(job.options.measure_comm))
+    run.progress.expect(ProfilePhase.CAPACITY, 1)  # one stage; each escalation adds one
     fit = run.find_fitting_stage()
+    run.progress.close(ProfilePhase.CAPACITY)
     run.end_phase("capacity_s")
     run.lead(f"ZeRO-{fit.stage}: mbs per rank {fit.mbs}")
     timing = run.time(fit)
@@ -307,7 +316,7 @@ def profile_rank(model_fn: Callable[[], nn.Module], loss_fn: Callable, sample_fn
     comm_profile = run.measure_comm()
     run.end_phase("comm_s")
     profile = run.assemble(fit, timing, comm_profile)
-    run.lead(f"done in {profile.meta['seconds']:.1f} s")
+    run.lead(f"done in {profile.meta['seconds']:.1f} s (in the ranks, from their set-up)")
     return profile
 
 

@@ -56,8 +56,9 @@ class FitMonitor:
             if self.board is None and report.tensorboard:
                 raise ImportError("tensorboard=True but the tensorboard package is not installed: "
                                   "pip install 'poplar[tensorboard]' (or pass tensorboard=None)")
-            if self.board is None:
-                log.info("TensorBoard event files skipped: they need tensorboard (pip install 'poplar[tensorboard]')")
+            if self.board is None:  # tensorboard=None: events when installed, and a line when not
+                log.info("TensorBoard events skipped: the tensorboard package is not installed "
+                         "(pip install 'poplar[tensorboard]')")
 
     # ------------------------------------------------------------------ the step
     def before_step(self, iteration: int) -> None:
@@ -103,6 +104,8 @@ class FitMonitor:
                 self.board.add("train/lr", rec.get("lr"), k)
                 for r, rank in enumerate(rec["ranks"]):
                     self.board.add(f"memory/peak_bytes/rank{r}", rank.get("peak_bytes"), k)
+                    for part in ("compute_s", "comm_s", "idle_s"):  # the log table's per-rank times
+                        self.board.add(f"time/{part}/rank{r}", rank.get(part), k)
             last = records[-1]["iteration"] + 1
             self.board.add("throughput/tokens_per_s", t.tokens_per_s, last)
             self.board.add("throughput/samples_per_s", t.samples_per_s, last)

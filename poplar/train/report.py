@@ -9,7 +9,8 @@ end of the iteration to the latest rank's end.
 
 ``Reports(engine, dir)`` is a training run's writer (``ReportOptions.dir``): ``write(result)``
 writes ``metrics.json`` (the ``FitResult`` and every iteration's per-rank times), ``trace.json``
-(this run's timeline), ``plan.json``, and with a profile ``profile.json`` and ``curves.png``;
+(this run's timeline), ``plan.json``, ``loss.png``, and with a profile ``profile.json`` and
+``curves.png`` (the pictures: ``poplar.train.pictures``);
 ``write_metrics(result)`` rewrites ``metrics.json`` alone at each checkpoint, so that a run
 resumed from it has the metrics of every iteration before it.
 """
@@ -21,9 +22,9 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from poplar.train.pictures import cluster_name, write_curves_png, write_loss_png
 from poplar.types.logs import log
-from poplar.types.plans import Plan, write_text_atomic
-from poplar.types.profiles import Profile
+from poplar.types.plans import write_text_atomic
 
 if TYPE_CHECKING:
     from poplar.train.records import FitResult
@@ -67,10 +68,16 @@ def _write_report_files(engine: Any, result: "FitResult", out: Path, timelines: 
     write_metrics(out / "metrics.json", result.to_dict())
     write_trace(out / "trace.json", timelines, result.replans)
     engine.plan.save(out / "plan.json")
-    if engine.profile is not None:
-        engine.profile.save(out / "profile.json")
-        if not write_curves_png(out / "curves.png", engine.profile, engine.plan):
-            log.info("curves.png skipped: it needs matplotlib (pip install 'poplar[plot]')")
+    pictures = ["loss.png"]
+    profile = engine.profile
+    title = f"loss, {profile.model_name} on {cluster_name(profile)}" if profile is not None else ""
+    drawn = write_loss_png(out / "loss.png", json.loads((out / "metrics.json").read_text()), title)
+    if profile is not None:
+        profile.save(out / "profile.json")
+        pictures.append("curves.png")
+        drawn = write_curves_png(out / "curves.png", profile, engine.plan) and drawn
+    if not drawn:
+        log.info(f"{' and '.join(pictures)} skipped: they need matplotlib (pip install 'poplar[plot]')")
     log.info(f"reports in {out}/ (trace.json opens in ui.perfetto.dev)")
 
 
@@ -165,43 +172,3 @@ def chrome_trace(ranks: list[dict[str, Any]], replans: list[dict[str, Any]] | No
 def write_trace(path: str | os.PathLike, ranks: list[dict[str, Any]], replans: list[dict[str, Any]] | None = None
                 ) -> None:
     write_text_atomic(path, json.dumps(chrome_trace(ranks, replans)))
-
-
-def write_curves_png(path: str | os.PathLike, profile: Profile, plan: Plan | None = None) -> bool:
-    """Plot each device type's measured speeds, its spline and the plan's chosen batch.
-    Returns False (and writes nothing) when matplotlib is not installed."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    from poplar.planner.curves import SpeedCurve
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    chosen = {}
-    if plan is not None:
-        for r in plan.ranks:
-            if r.device_type and r.micro_batch_size:
-                chosen[r.device_type] = r.micro_batch_size
-    for dtype in profile.device_types():
-        members = [r for r in profile.ranks if r.device_type == dtype]
-        points = [(p.batch, p.compute_s) for r in members for p in r.points]
-        curve = SpeedCurve.from_points(dtype, min(r.mbs for r in members), points)
-        batches = list(range(1, curve.mbs + 1))
-        line, = ax.plot(batches, curve.speeds, label=f"{dtype} spline")
-        ax.scatter([b for b, _ in points], [b / t for b, t in points], color=line.get_color(), s=18,
-                   label=f"{dtype} measured")
-        if dtype in chosen:
-            b = chosen[dtype]
-            ax.axvline(b, color=line.get_color(), linestyle=":", linewidth=1)
-            ax.annotate(f"b={b}", (b, curve.speed(b)), textcoords="offset points", xytext=(4, -12), fontsize=8)
-    ax.set_xlabel("micro-batch size")
-    ax.set_ylabel("samples / s")
-    ax.set_title(f"Speed curves, ZeRO-{profile.zero_stage}")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True

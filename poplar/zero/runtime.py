@@ -248,7 +248,6 @@ class ZeroRuntime:
     def backward(self, loss: torch.Tensor | tuple[torch.Tensor, Any], num_samples: int) -> None:
         """Backward of one micro-step of ``num_samples`` samples whose ``loss`` is their mean, or a
         pair ``(loss_sum, count)`` (one kind per iteration on every rank; docs/design.md §2).
-
         For your own loop: call it once per micro-step of this rank's plan row, then ``step()``.
         At stages 2/3 it runs the micro-step's collectives, so every rank must call it no more
         often than the plan's largest micro-step count; ``step()`` fills in the rest with zeros.

@@ -49,3 +49,30 @@ def test_curves_png_marks_the_chosen_batches(tmp_path) -> None:
     path = tmp_path / "curves.png"
     assert write_curves_png(path, profile, plan(profile, 64, 2))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
+def test_curves_png_says_why_a_type_runs_below_its_best_batch_and_loss_png(tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    from poplar.emulation.synthetic import synthetic_profile
+    from poplar.planner import plan
+    from poplar.planner.curves import SpeedCurve
+    from poplar.train.pictures import below_best, cluster_name, write_loss_png
+
+    profile = synthetic_profile("B", 2)
+    chosen = plan(profile, 64, 2)
+    t4 = next(r for r in profile.ranks if r.device_type == "T4-16G")
+    curve = SpeedCurve.from_points("T4-16G", t4.mbs, [(p.batch, p.compute_s) for p in t4.points])
+    row = next(r for r in chosen.ranks if r.device_type == "T4-16G")
+    assert row.num_samples < curve.peak_batch  # the small global batch leaves the T4 below its best
+    why = below_best(curve, row, chosen)
+    assert why is not None and f"share of the global batch 64 is {row.num_samples} samples" in why
+    fast = next(r for r in chosen.ranks if r.device_type == "V100-16G")
+    v100 = next(r for r in profile.ranks if r.device_type == "V100-16G")
+    best = SpeedCurve.from_points("V100-16G", v100.mbs, [(p.batch, p.compute_s) for p in v100.points])
+    assert (below_best(best, fast, chosen) is None) == (fast.micro_batch_size >= best.peak_batch)
+    assert "2 x V100-16G + 2 x T4-16G" in cluster_name(profile)
+    metrics = {"iterations": [{"iteration": i, "loss": 5.0 - i / 10} for i in range(20)],
+               "evals": [{"iteration": 10, "loss": 4.5}, {"iteration": 20, "loss": 3.9}]}
+    path = tmp_path / "loss.png"
+    assert write_loss_png(path, metrics, "loss")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -38,6 +38,6 @@ def test_tensorboard_missing_is_said(tmp_path: Path, monkeypatch: pytest.MonkeyP
     finally:
         logger.removeHandler(lines)
         logger.setLevel(level)
-    said = [line for line in lines.lines if "TensorBoard event files skipped" in line]
+    said = [line for line in lines.lines if "TensorBoard events skipped" in line]
     assert len(said) == (0 if installed else 1), lines.lines
     assert "pip install 'poplar[tensorboard]'" in "".join(said) or installed

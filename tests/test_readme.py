@@ -22,7 +22,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 MARKED = re.compile(r"<!-- readme-test: (\w+)(?: (\S+))? -->\n```[\w-]*\n(.*?)```", re.S)
 SHORTEN = [("iterations=40", "iterations=3"), ("every=20", "every=2"), ('"iterations": 40', '"iterations": 3'),
-           ('"iterations": 300', '"iterations": 3'), ("range(100)", "range(3)")]
+           ('"iterations": 300', '"iterations": 3'), ("range(100)", "range(3)"),
+           ("--iterations 30", "--iterations 3")]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 
 

@@ -1,0 +1,78 @@
+"""Lightning jobs of the integration tests: a LightningModule around the toy model, its data, and
+the per-rank functions ``poplar.comm.launch.spawn`` runs (importable by name)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from poplar.integrations.lightning import PoplarStrategy
+from poplar.types.plans import Plan
+from tests import toy
+
+GBS = 10
+PLAN_ROWS = ((2, 1, 1), (3, 2, 0), (1, 1, 0))  # 3 + 6 + 1 = 10 samples: uneven rows and micro-batches
+
+
+class TokenData(Dataset):
+    """``n`` sequences of toy tokens; sample i is a fixed tensor."""
+
+    def __init__(self, n: int = 40) -> None:
+        g = torch.Generator().manual_seed(7)
+        self.tokens = torch.randint(0, toy.VOCAB, (n, toy.SEQ + 1), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.tokens[i]
+
+
+class ToyModule(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = toy.make_model()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return toy.loss_fn(self.net, batch)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return toy.make_optimizer(self, "sgd")
+
+
+def reference(steps: int, max_grad_norm: float | None = None) -> dict[str, torch.Tensor]:
+    """One process, plain torch: global batch i is samples [i*GBS, (i+1)*GBS) of the dataset."""
+    module, data = ToyModule(), TokenData()
+    opt = module.configure_optimizers()
+    _, state = toy.train_reference(module, opt, lambda i: module.training_step(data.tokens[i * GBS:(i + 1) * GBS], i),
+                                   steps, max_grad_norm)
+    return state
+
+
+def trainer_for(strategy: PoplarStrategy, max_steps: int, **kwargs: Any) -> pl.Trainer:
+    return pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=max_steps, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      num_sanity_val_steps=0, **kwargs)
+
+
+def fit_rank(rank: int, world: int, zero_stage: int, steps: int, clip: float | None, ckpt: str | None,
+             resume: str | None) -> dict[str, torch.Tensor] | None:
+    """Fit ``steps`` steps (from ``resume`` if given), save to ``ckpt`` if given; rank 0 returns the full state."""
+    torch.set_num_threads(1)
+    plan = toy.plan_of(*PLAN_ROWS)
+    strategy = PoplarStrategy(zero_stage=zero_stage, plan=plan)
+    module = ToyModule()
+    trainer = trainer_for(strategy, steps, gradient_clip_val=clip)
+    trainer.fit(module, DataLoader(TokenData(), batch_size=4, shuffle=False), ckpt_path=resume)
+    if ckpt is not None:
+        trainer.save_checkpoint(ckpt)
+    state = trainer.strategy.lightning_module_state_dict()
+    assert trainer.global_step == steps, trainer.global_step
+    return {k: v.clone() for k, v in state.items()} if rank == 0 else None

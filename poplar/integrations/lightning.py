@@ -263,7 +263,7 @@ class PoplarStrategy(ParallelStrategy):
         self.barrier()
         checkpoint.save_checkpoint(self.engine, root / POPLAR_DIR)
         if self.is_global_zero:
-            rest = {k: v for k, v in checkpoint_dict.items() if k not in ("state_dict", "optimizer_states")}
+            rest = {k: v for k, v in checkpoint_dict.items() if k != "state_dict"}  # optimizer_states: [{}]
             tmp = root / f".{LIGHTNING_FILE}.tmp"
             torch.save(rest, tmp)
             os.replace(tmp, root / LIGHTNING_FILE)

@@ -8,6 +8,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
 from poplar.integrations.lightning import PoplarStrategy
@@ -36,23 +37,32 @@ class ToyModule(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
         self.net = toy.make_model()
+        self.forward_dtypes: set[torch.dtype] = set()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        return toy.loss_fn(self.net, batch)
+        logits = self.net(batch[:, :-1])
+        self.forward_dtypes.add(logits.dtype)  # what autocast made of the head
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch[:, 1:].reshape(-1))
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return toy.make_optimizer(self, "sgd")
 
 
-def reference(steps: int, max_grad_norm: float | None = None) -> dict[str, torch.Tensor]:
-    """One process, plain torch: global batch i is samples [i*GBS, (i+1)*GBS) of the dataset."""
+def reference(steps: int, max_grad_norm: float | None = None, bf16: bool = False) -> dict[str, torch.Tensor]:
+    """One process, plain torch: global batch i is the i-th run of GBS samples of the dataset, in
+    order, epoch after epoch (an epoch is len(data) // GBS global batches)."""
     module, data = ToyModule(), TokenData()
     opt = module.configure_optimizers()
-    _, state = toy.train_reference(module, opt, lambda i: module.training_step(data.tokens[i * GBS:(i + 1) * GBS], i),
-                                   steps, max_grad_norm)
+    per_epoch = len(data) // GBS
+
+    def loss_at(i: int) -> torch.Tensor:
+        start = (i % per_epoch) * GBS
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            return module.training_step(data.tokens[start:start + GBS], i)
+    _, state = toy.train_reference(module, opt, loss_at, steps, max_grad_norm)
     return state
 
 
@@ -63,16 +73,18 @@ def trainer_for(strategy: PoplarStrategy, max_steps: int, **kwargs: Any) -> pl.T
 
 
 def fit_rank(rank: int, world: int, zero_stage: int, steps: int, clip: float | None, ckpt: str | None,
-             resume: str | None) -> dict[str, torch.Tensor] | None:
+             resume: str | None, precision: str = "32-true") -> dict[str, torch.Tensor] | None:
     """Fit ``steps`` steps (from ``resume`` if given), save to ``ckpt`` if given; rank 0 returns the full state."""
     torch.set_num_threads(1)
     plan = toy.plan_of(*PLAN_ROWS)
     strategy = PoplarStrategy(zero_stage=zero_stage, plan=plan)
     module = ToyModule()
-    trainer = trainer_for(strategy, steps, gradient_clip_val=clip)
+    trainer = trainer_for(strategy, steps, gradient_clip_val=clip, precision=precision)
     trainer.fit(module, DataLoader(TokenData(), batch_size=4, shuffle=False), ckpt_path=resume)
     if ckpt is not None:
         trainer.save_checkpoint(ckpt)
     state = trainer.strategy.lightning_module_state_dict()
     assert trainer.global_step == steps, trainer.global_step
-    return {k: v.clone() for k, v in state.items()} if rank == 0 else None
+    if rank == 0:
+        return {"state": {k: v.clone() for k, v in state.items()}, "dtypes": sorted(map(str, module.forward_dtypes))}
+    return None

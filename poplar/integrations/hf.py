@@ -38,6 +38,7 @@ loop has no per-rank micro-batch plan to run, and should use ``PoplarEngine`` di
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import os
 from dataclasses import dataclass
@@ -71,6 +72,7 @@ class PoplarOptions:
     auto: AutoOptions | None = None
     activation_checkpointing: Any = None
     max_grad_norm: float | None = None
+    loss_fn: Any = None  # what auto mode profiles with: loss_fn(module, batch) -> mean loss
 
 
 class StepTakenOptimizer(torch.optim.Optimizer):
@@ -131,7 +133,7 @@ class PoplarAccelerator(Accelerator):
         precision = "fp16" if self.mixed_precision == "fp16" else None  # bf16: autocast alone, as in Trainer
         self.engine = PoplarEngine(self.poplar_model, optimizer, zero_stage=o.zero_stage, plan=o.plan,
                                    global_batch_size=o.global_batch_size if o.plan is None else None,
-                                   max_grad_norm=o.max_grad_norm, mixed_precision=precision,
+                                   max_grad_norm=o.max_grad_norm, mixed_precision=precision, loss_fn=o.loss_fn,
                                    activation_checkpointing=o.activation_checkpointing, auto=o.auto)
         if self.engine.rank == 0:
             log.info(f"PoplarTrainer: ZeRO-{self.engine.zero_stage}, {self.engine.world_size} ranks, plan:\n"
@@ -207,6 +209,13 @@ class PoplarTrainer(Trainer):
         self.poplar = PoplarOptions(plan, zero_stage, gbs, auto, activation_checkpointing,
                                     targs.max_grad_norm if targs.max_grad_norm and targs.max_grad_norm > 0 else None)
         super().__init__(*args, **kwargs)
+        if plan is None:  # auto mode profiles on the training data, with the Trainer's collator and loss
+            self.poplar.loss_fn = self._profiling_loss
+            auto = AutoOptions() if auto is None else auto
+            if auto.profile_data is None and auto.profile is None:
+                auto = dataclasses.replace(auto, profile_data=self.train_dataset,
+                                           collate_fn=auto.collate_fn or self.data_collator)
+            self.poplar.auto = auto
         self.add_callback(PoplarCheckpoints(self))
         self._resume_from: str | None = None
 
@@ -256,6 +265,10 @@ class PoplarTrainer(Trainer):
             # micro-batch counts its share of the samples (the counts sum to 1)
             return loss, batch_size_of(micro) / gbs
         return torch.tensor(engine.train_step(row, loss_fn), device=self.args.device)
+
+    def _profiling_loss(self, module: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+        with self.compute_loss_context_manager():
+            return self.compute_loss(module, batch)
 
     def _load_poplar_checkpoint(self, path: str) -> None:
         directory = Path(path) / POPLAR_DIR

@@ -39,6 +39,7 @@ Processes: launch with ``torchrun`` (or any launcher Lightning reads, e.g. SLURM
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from datetime import timedelta
@@ -59,6 +60,7 @@ from poplar.integrations.global_batches import RankDataLoader, rank_dataloader
 from poplar.types.logs import log
 from poplar.types.plans import Plan
 from poplar.zero.config import ZeroConfig
+from poplar.zero.wrap import default_blocks
 
 POPLAR_DIR, LIGHTNING_FILE = "poplar", "lightning.pt"
 
@@ -188,7 +190,11 @@ class PoplarStrategy(ParallelStrategy):
         precision = None
         if isinstance(self.precision_plugin, LightningMixedPrecision) and self.precision_plugin.precision == "16-mixed":
             precision = "fp16"  # Poplar's dynamic loss scaling; autocast stays Lightning's
-        engine = PoplarEngine(self.lightning_module, self.optimizers[0], zero_stage=self.zero_stage, plan=self.plan,
+        zero = ZeroConfig.of(self.zero_stage)
+        if zero.wrap_policy is None:  # the blocks the LightningModule itself would get as the root
+            zero = dataclasses.replace(zero, wrap_policy=NamedBlocks(
+                TrainingStep.PREFIX + name for name, _ in default_blocks(self.lightning_module)))
+        engine = PoplarEngine(TrainingStep(self.lightning_module), self.optimizers[0], zero_stage=zero, plan=self.plan,
                               global_batch_size=self.global_batch_size if self.plan is None else None,
                               loss_fn=self._loss_fn(0), max_grad_norm=clip, mixed_precision=precision,
                               activation_checkpointing=self.activation_checkpointing, auto=self.auto)
@@ -197,11 +203,11 @@ class PoplarStrategy(ParallelStrategy):
         return engine
 
     def _loss_fn(self, batch_idx: int) -> Callable[[Any, Any], Any]:
-        module, precision = self.lightning_module, self.precision_plugin
+        precision = self.precision_plugin
 
-        def loss_fn(_: Any, micro_batch: Any) -> Any:
+        def loss_fn(module: Any, micro_batch: Any) -> Any:  # the engine's TrainingStep, or auto mode's copy of it
             with precision.train_step_context():
-                return loss_of(module.training_step(micro_batch, batch_idx))
+                return loss_of(module(micro_batch, batch_idx))
         return loss_fn
 
     def process_dataloader(self, dataloader: object) -> object:
@@ -242,7 +248,8 @@ class PoplarStrategy(ParallelStrategy):
         """The full model state; with an engine, gathered from the shards (every rank must call it)."""
         if self.engine is None:
             return super().lightning_module_state_dict()
-        return self.engine.full_state_dict()
+        prefix = TrainingStep.PREFIX
+        return {k[len(prefix):]: v for k, v in self.engine.full_state_dict().items()}
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         return {} if self.engine is not None else super().optimizer_state(optimizer)
@@ -297,6 +304,31 @@ class PoplarStrategy(ParallelStrategy):
         if self.engine is not None:
             self.engine.close()
         super().teardown()
+
+
+class NamedBlocks:
+    """A ZeRO-3 wrap policy: the modules at these paths are the blocks (paths survive auto mode's copies)."""
+
+    def __init__(self, names: Any) -> None:
+        self.names = frozenset(names)
+
+    def __call__(self, name: str, module: torch.nn.Module) -> bool:
+        return name in self.names
+
+
+class TrainingStep(torch.nn.Module):
+    """The module the engine trains: its forward is the LightningModule's ``training_step``, so the
+    engine's forward points (observers, profiling devices, ZeRO-3 gathers) see every micro-step,
+    whether or not ``training_step`` calls the LightningModule itself."""
+
+    PREFIX = "module."  # its state dict is the LightningModule's under this prefix
+
+    def __init__(self, module: pl.LightningModule) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, batch: Any, batch_idx: int = 0) -> Any:
+        return self.module.training_step(batch, batch_idx)
 
 
 def loss_of(output: Any) -> Any:

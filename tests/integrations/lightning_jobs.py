@@ -88,3 +88,22 @@ def fit_rank(rank: int, world: int, zero_stage: int, steps: int, clip: float | N
     if rank == 0:
         return {"state": {k: v.clone() for k, v in state.items()}, "dtypes": sorted(map(str, module.forward_dtypes))}
     return None
+
+
+def auto_fit_rank(rank: int, world: int, steps: int) -> dict[str, Any]:
+    """Auto mode on emulated cluster B (2 V100 + 2 T4): profile, plan, train ``steps`` steps."""
+    from poplar.auto import AutoOptions
+    from poplar.emulation import cluster_device
+
+    torch.set_num_threads(1)
+    data = TokenData(96)
+    device = cluster_device("B", rank)
+    strategy = PoplarStrategy(zero_stage=0, global_batch_size=24,
+                              auto=AutoOptions(profile_data=data, device=device, repeats=1, progress=False))
+    trainer = trainer_for(strategy, steps)
+    trainer.fit(ToyModule(), DataLoader(data, shuffle=False))
+    engine = trainer.strategy.engine
+    out = {"plan": engine.plan.to_dict(), "device": engine.device.describe()["device_type"],
+           "steps": trainer.global_step, "loss": float(trainer.callback_metrics["poplar/loss"])}
+    engine.close()
+    return out

@@ -39,3 +39,14 @@ def test_bf16_mixed_runs_the_forward_in_autocast() -> None:
     assert out[0]["dtypes"] == ["torch.bfloat16"]
     # micro-batches round differently in bf16 from the one global batch: close, not equal
     assert toy.max_rel_err(out[0]["state"], jobs.reference(3, bf16=True)) < 2e-2
+
+
+@pytest.mark.multiprocess
+def test_auto_mode_on_emulated_cluster_b_profiles_plans_and_trains_20_steps() -> None:
+    out = spawn(jobs.auto_fit_rank, 4, (20,), timeout_s=420, collective_timeout_s=180)
+    assert [r["device"] for r in out] == ["V100-16G", "V100-16G", "T4-16G", "T4-16G"]
+    plan = out[0]["plan"]
+    assert all(r["plan"] == plan for r in out) and plan["global_batch_size"] == 24 and plan["strategy"] == "poplar"
+    rows = [r["micro_batch_size"] * r["accum_steps"] + r["last_batch_size"] for r in plan["ranks"]]
+    assert min(rows[:2]) > max(rows[2:])  # the V100s take more of the global batch than the T4s
+    assert all(r["steps"] == 20 for r in out) and out[0]["loss"] == out[0]["loss"]

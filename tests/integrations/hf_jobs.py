@@ -78,3 +78,22 @@ def train_rank(rank: int, world: int, port: int, zero_stage: int, out: str, step
     loaded = GPT2LMHeadModel.from_pretrained(os.path.join(out, "final"))
     return {"state": {k: v.detach().clone() for k, v in loaded.state_dict().items()},
             "losses": [r["loss"] for r in trainer.state.log_history if "loss" in r]}
+
+
+def auto_train_rank(rank: int, world: int, port: int, out: str, steps: int) -> dict[str, Any]:
+    """Auto mode on emulated cluster B (2 V100 + 2 T4): profile, plan, train ``steps`` steps."""
+    from poplar.auto import AutoOptions
+    from poplar.emulation import cluster_device
+
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    args = arguments(out, steps, per_device_train_batch_size=6)  # the Trainer's total batch: 6 x 4 ranks
+    trainer = PoplarTrainer(model=tiny_gpt2(), args=args, train_dataset=LabelledTokens(96),
+                            auto=AutoOptions(device=cluster_device("B", rank), repeats=1, progress=False))
+    trainer.train()
+    engine = trainer.engine
+    out = {"plan": engine.plan.to_dict(), "device": engine.device.describe()["device_type"],
+           "steps": trainer.state.global_step, "losses": [r["loss"] for r in trainer.state.log_history if "loss" in r]}
+    engine.close()
+    return out

@@ -35,3 +35,14 @@ def test_killed_after_step_2_resumes_from_its_checkpoint_exactly(tmp_path) -> No
     resumed = spawn(jobs.train_rank, 3, (free_port(), 3, out, 5, str(ckpt), None), timeout_s=300,
                     collective_timeout_s=120)
     assert toy.max_rel_err(resumed[0]["state"], jobs.reference(str(tmp_path / "reference"), 5)) < 1e-5
+
+
+@pytest.mark.multiprocess
+def test_auto_mode_on_emulated_cluster_b_profiles_plans_and_trains_20_steps(tmp_path) -> None:
+    out = spawn(jobs.auto_train_rank, 4, (free_port(), str(tmp_path), 20), timeout_s=480, collective_timeout_s=180)
+    assert [r["device"] for r in out] == ["V100-16G", "V100-16G", "T4-16G", "T4-16G"]
+    plan = out[0]["plan"]
+    assert all(r["plan"] == plan for r in out) and plan["global_batch_size"] == 24
+    rows = [r["micro_batch_size"] * r["accum_steps"] + r["last_batch_size"] for r in plan["ranks"]]
+    assert min(rows[:2]) > max(rows[2:])  # the V100s take more of the global batch than the T4s
+    assert all(r["steps"] == 20 for r in out) and len(out[0]["losses"]) == 20

@@ -223,6 +223,10 @@ class PoplarTrainer(Trainer):
     def engine(self) -> PoplarEngine | None:
         return self.accelerator.engine if isinstance(self.accelerator, PoplarAccelerator) else None
 
+    def get_total_train_batch_size(self, args: Any) -> int:
+        """The global batch (the Trainer would count every rank's batch: here each reads all of it)."""
+        return self.poplar.global_batch_size
+
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
         made = self.accelerator  # the Trainer's configuration, rebuilt as a PoplarAccelerator

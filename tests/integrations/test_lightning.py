@@ -50,3 +50,24 @@ def test_auto_mode_on_emulated_cluster_b_profiles_plans_and_trains_20_steps() ->
     rows = [r["micro_batch_size"] * r["accum_steps"] + r["last_batch_size"] for r in plan["ranks"]]
     assert min(rows[:2]) > max(rows[2:])  # the V100s take more of the global batch than the T4s
     assert all(r["steps"] == 20 for r in out) and out[0]["loss"] == out[0]["loss"]
+
+
+def test_strategy_poplar_by_name_reads_its_plan_file(tmp_path, monkeypatch) -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from poplar.integrations.lightning import PoplarStrategy, register
+
+    register()
+    assert "poplar" in StrategyRegistry
+    monkeypatch.delenv("POPLAR_PLAN", raising=False)
+    with pytest.raises(ValueError, match="POPLAR_PLAN"):
+        StrategyRegistry.get("poplar")
+    plan = toy.plan_of(*jobs.PLAN_ROWS)
+    plan.save(tmp_path / "plan.json")
+    monkeypatch.setenv("POPLAR_PLAN", str(tmp_path / "plan.json"))
+    monkeypatch.setenv("POPLAR_ZERO_STAGE", "2")
+    strategy = StrategyRegistry.get("poplar")
+    assert isinstance(strategy, PoplarStrategy) and strategy.zero_stage == 2
+    assert strategy.plan.to_dict() == plan.to_dict()
+    with pytest.raises(ValueError, match="needs a plan, or global_batch_size"):
+        PoplarStrategy(zero_stage=1)

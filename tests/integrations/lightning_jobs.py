@@ -66,8 +66,9 @@ def reference(steps: int, max_grad_norm: float | None = None, bf16: bool = False
     return state
 
 
-def trainer_for(strategy: PoplarStrategy, max_steps: int, **kwargs: Any) -> pl.Trainer:
-    return pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=max_steps, logger=False,
+def trainer_for(strategy: PoplarStrategy, max_steps: int, devices: int = 1, **kwargs: Any) -> pl.Trainer:
+    """``devices``: 1 in a process group made by the test harness; the world size under torchrun."""
+    return pl.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=max_steps, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       num_sanity_val_steps=0, **kwargs)
 

@@ -3,7 +3,13 @@ an uneven plan, SGD with momentum), and resumes exactly from its own checkpoints
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
+import torch
 
 pytest.importorskip("lightning")
 
@@ -17,6 +23,21 @@ from tests.integrations import lightning_jobs as jobs  # noqa: E402
 def test_three_steps_equal_one_process(zero_stage: int) -> None:
     out = spawn(jobs.fit_rank, 3, (zero_stage, 3, None, None, None), timeout_s=240, collective_timeout_s=120)
     assert toy.max_rel_err(out[0]["state"], jobs.reference(3)) < 1e-5
+
+
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed beside this Python")
+@pytest.mark.multiprocess
+def test_under_torchrun_three_steps_equal_one_process(tmp_path: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
+    run = subprocess.run([str(TORCHRUN), "--standalone", "--nproc_per_node", "3", "-m",
+                          "tests.integrations.lightning_torchrun", "2", str(tmp_path / "state.pt")],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert toy.max_rel_err(torch.load(tmp_path / "state.pt"), jobs.reference(3)) < 1e-5
 
 
 @pytest.mark.multiprocess

@@ -140,13 +140,14 @@ class PoplarStrategy(ParallelStrategy):
         pl.utilities.rank_zero_only.rank = self.global_rank
 
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        """All-reduce a tensor (Lightning's metric sync): "mean"/"avg", "sum", "max" or "min", or a ``ReduceOp``."""
         if not isinstance(tensor, torch.Tensor) or self.world_size == 1:
             return tensor
-        op = str(reduce_op).lower() if reduce_op is not None else "mean"
+        name = (reduce_op.name if hasattr(reduce_op, "name") else str(reduce_op or "mean")).lower()
+        ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
         out = tensor.clone()
-        dist.all_reduce(out, op=dist.ReduceOp.MAX if "max" in op else
-                        dist.ReduceOp.MIN if "min" in op else dist.ReduceOp.SUM, group=group)
-        return out / self.world_size if op in ("mean", "avg", "reduceop.avg") else out
+        dist.all_reduce(out, op=ops.get(name, dist.ReduceOp.SUM), group=group)
+        return out / self.world_size if name in ("mean", "avg") else out
 
     def barrier(self, name: str | None = None) -> None:
         if dist.is_initialized():
@@ -301,9 +302,16 @@ class PoplarStrategy(ParallelStrategy):
             super().load_optimizer_state_dict(checkpoint_dict)
 
     def teardown(self) -> None:
-        if self.engine is not None:
-            self.engine.close()
-        super().teardown()
+        """Detach the engine's device. The model stays where it is (not moved to the CPU as other
+        strategies do): its parameters are views of the engine's buffers, which
+        ``lightning_module_state_dict()`` still gathers after ``fit``."""
+        if self.engine is None:
+            return super().teardown()
+        self.engine.close()
+        self.precision_plugin.teardown()
+        assert self.accelerator is not None
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
 
 
 class NamedBlocks:

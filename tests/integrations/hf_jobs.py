@@ -49,15 +49,18 @@ def arguments(out: str, steps: int, **kwargs: Any) -> TrainingArguments:
     return TrainingArguments(**{**settings, **kwargs})
 
 
-def reference(out: str, steps: int) -> dict[str, torch.Tensor]:
-    """``Trainer`` in one process, the whole global batch per step."""
+def reference(out: str, steps: int, evaluate: bool = False) -> dict[str, Any]:
+    """``Trainer`` in one process, the whole global batch per step: the trained state (and, with
+    ``evaluate``, ``eval_loss`` on the held-out samples)."""
     torch.set_num_threads(1)
     model = tiny_gpt2()
-    trainer = Trainer(model=model, args=arguments(out, steps), train_dataset=LabelledTokens())
+    trainer = Trainer(model=model, args=arguments(out, steps), train_dataset=LabelledTokens(),
+                      eval_dataset=LabelledTokens(12))
     trainer.train()
     grad_norms = [r["grad_norm"] for r in trainer.state.log_history if "grad_norm" in r]
     assert max(grad_norms) > CLIP, grad_norms  # the clipping clipped
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {"state": state, "eval_loss": trainer.evaluate()["eval_loss"]} if evaluate else state
 
 
 def train_rank(rank: int, world: int, port: int, zero_stage: int, out: str, steps: int,
@@ -69,14 +72,15 @@ def train_rank(rank: int, world: int, port: int, zero_stage: int, out: str, step
     extra = {"save_strategy": "steps", "save_steps": save_steps} if save_steps else {}
     args = arguments(out, steps, **extra)
     trainer = PoplarTrainer(model=tiny_gpt2(), args=args, train_dataset=LabelledTokens(),
-                            plan=toy.plan_of(*PLAN_ROWS), zero_stage=zero_stage)
+                            eval_dataset=LabelledTokens(12), plan=toy.plan_of(*PLAN_ROWS), zero_stage=zero_stage)
     trainer.train(resume_from_checkpoint=resume)
+    eval_loss = trainer.evaluate()["eval_loss"]  # every rank evaluates the whole set, on the sharded model
     trainer.save_model(os.path.join(out, "final"))
     torch.distributed.barrier()
     if rank != 0:
         return None
     loaded = GPT2LMHeadModel.from_pretrained(os.path.join(out, "final"))
-    return {"state": {k: v.detach().clone() for k, v in loaded.state_dict().items()},
+    return {"state": {k: v.detach().clone() for k, v in loaded.state_dict().items()}, "eval_loss": eval_loss,
             "losses": [r["loss"] for r in trainer.state.log_history if "loss" in r]}
 
 

@@ -68,22 +68,25 @@ def reference(steps: int, max_grad_norm: float | None = None, bf16: bool = False
 
 def trainer_for(strategy: PoplarStrategy, max_steps: int, devices: int = 1, **kwargs: Any) -> pl.Trainer:
     """``devices``: 1 in a process group made by the test harness; the world size under torchrun."""
-    return pl.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_steps=max_steps, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      num_sanity_val_steps=0, **kwargs)
+    settings = dict(accelerator="cpu", devices=devices, max_steps=max_steps, logger=False, enable_checkpointing=False,
+                    enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    return pl.Trainer(strategy=strategy, **{**settings, **kwargs})
 
 
 def fit_rank(rank: int, world: int, zero_stage: int, steps: int, clip: float | None, ckpt: str | None,
              resume: str | None, precision: str = "32-true") -> dict[str, torch.Tensor] | None:
-    """Fit ``steps`` steps (from ``resume`` if given), save to ``ckpt`` if given; rank 0 returns the full state."""
+    """Fit ``steps`` steps (from ``resume`` if given); with ``ckpt`` (a directory) Lightning's
+    ``ModelCheckpoint`` saves there every 2 steps while training. Rank 0 returns the full state."""
     torch.set_num_threads(1)
     plan = toy.plan_of(*PLAN_ROWS)
     strategy = PoplarStrategy(zero_stage=zero_stage, plan=plan)
     module = ToyModule()
-    trainer = trainer_for(strategy, steps, gradient_clip_val=clip, precision=precision)
-    trainer.fit(module, DataLoader(TokenData(), batch_size=4, shuffle=False), ckpt_path=resume)
+    kwargs: dict[str, Any] = {}
     if ckpt is not None:
-        trainer.save_checkpoint(ckpt)
+        every = pl.callbacks.ModelCheckpoint(dirpath=ckpt, filename="{step}", every_n_train_steps=2, save_top_k=-1)
+        kwargs = {"callbacks": [every], "enable_checkpointing": True}
+    trainer = trainer_for(strategy, steps, gradient_clip_val=clip, precision=precision, **kwargs)
+    trainer.fit(module, DataLoader(TokenData(), batch_size=4, shuffle=False), ckpt_path=resume)
     state = trainer.strategy.lightning_module_state_dict()
     assert trainer.global_step == steps, trainer.global_step
     if rank == 0:

@@ -41,14 +41,15 @@ def test_under_torchrun_three_steps_equal_one_process(tmp_path: Path) -> None:
 
 
 @pytest.mark.multiprocess
-def test_clipped_run_killed_after_step_2_resumes_exactly(tmp_path) -> None:
-    """ZeRO-3 with a clipping gradient_clip_val: 2 steps, save, the processes end; a new job resumes
-    from the checkpoint and runs to step 5 (across the epoch's end): the parameters equal an
+def test_clipped_run_killed_after_step_3_resumes_from_its_checkpoint_exactly(tmp_path) -> None:
+    """ZeRO-3 with a clipping gradient_clip_val: Lightning's ModelCheckpoint saves every 2 steps
+    while training; the job ends after step 3 (what step 3 did is lost); a new job resumes from the
+    step-2 checkpoint and runs to step 5 (across the epoch's end): the parameters equal an
     uninterrupted single-process run."""
-    ckpt = str(tmp_path / "step2.ckpt")
-    spawn(jobs.fit_rank, 3, (3, 2, 0.05, ckpt, None), timeout_s=240, collective_timeout_s=120)
-    assert (tmp_path / "step2.ckpt" / "poplar" / "model.safetensors").exists()
-    out = spawn(jobs.fit_rank, 3, (3, 5, 0.05, None, ckpt), timeout_s=240, collective_timeout_s=120)
+    spawn(jobs.fit_rank, 3, (3, 3, 0.05, str(tmp_path / "ckpt"), None), timeout_s=240, collective_timeout_s=120)
+    ckpt = tmp_path / "ckpt" / "step=2.ckpt"
+    assert (ckpt / "poplar" / "model.safetensors").exists() and (ckpt / "lightning.pt").exists()
+    out = spawn(jobs.fit_rank, 3, (3, 5, 0.05, None, str(ckpt)), timeout_s=240, collective_timeout_s=120)
     want = jobs.reference(5, max_grad_norm=0.05)
     assert toy.max_rel_err(out[0]["state"], want) < 1e-5
     assert toy.max_rel_err(want, jobs.reference(5)) > 1e-3  # the clipping changed the run

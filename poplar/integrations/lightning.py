@@ -12,7 +12,9 @@ How Lightning's pieces map onto Poplar's:
   samples of the user's sampler, whatever the world size or plan. The loader's ``batch_size`` is
   not used: the plan's rows (or ``global_batch_size`` in auto mode) say how many samples a step
   takes. Lightning's ``DistributedSampler`` is not injected (``is_distributed`` is False for
-  that reason); evaluation loaders are left as they are (every rank evaluates all of them).
+  that reason); evaluation loaders are left as they are (every rank evaluates all of them), and
+  ``validation_step`` / ``test_step`` / ``predict_step`` run through the engine's module, so a
+  ZeRO-3 model is gathered for them.
 - A step. One Lightning batch is this rank's whole slice of a global batch. ``training_step``
   runs once per micro-batch of the rank's plan row (``batch_idx`` is the step's batch index)
   and returns the micro-batch's mean loss (a tensor, or a dict with ``"loss"``) or a pair
@@ -230,6 +232,22 @@ class PoplarStrategy(ParallelStrategy):
         self._log_step(loss)
         return torch.tensor(loss)
 
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluation_step("validation_step", self.precision_plugin.val_step_context, args, kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluation_step("test_step", self.precision_plugin.test_step_context, args, kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluation_step("predict_step", self.precision_plugin.predict_step_context, args, kwargs)
+
+    def _evaluation_step(self, hook: str, context: Callable[[], Any], args: tuple, kwargs: dict) -> Any:
+        """Through the engine's module, so that ZeRO-3 gathers the parameters for the step."""
+        if self.engine is None:
+            return getattr(super(), hook)(*args, **kwargs)
+        with context():
+            return self.engine.module(*args, hook=hook, **kwargs)
+
     def _log_step(self, loss: float) -> None:
         stats, module = self.engine.last_stats, self.lightning_module
         module.log("poplar/loss", loss, prog_bar=True, rank_zero_only=True)
@@ -325,9 +343,10 @@ class NamedBlocks:
 
 
 class TrainingStep(torch.nn.Module):
-    """The module the engine trains: its forward is the LightningModule's ``training_step``, so the
-    engine's forward points (observers, profiling devices, ZeRO-3 gathers) see every micro-step,
-    whether or not ``training_step`` calls the LightningModule itself."""
+    """The module the engine trains: its forward is the LightningModule's ``training_step`` (or,
+    with ``hook=``, its ``validation_step`` / ``test_step`` / ``predict_step``), so the engine's
+    forward points (observers, profiling devices, ZeRO-3 gathers) see every step, whether or not
+    the step calls the LightningModule itself."""
 
     PREFIX = "module."  # its state dict is the LightningModule's under this prefix
 
@@ -335,8 +354,8 @@ class TrainingStep(torch.nn.Module):
         super().__init__()
         self.module = module
 
-    def forward(self, batch: Any, batch_idx: int = 0) -> Any:
-        return self.module.training_step(batch, batch_idx)
+    def forward(self, *args: Any, hook: str = "training_step", **kwargs: Any) -> Any:
+        return getattr(self.module, hook)(*args, **kwargs)
 
 
 def loss_of(output: Any) -> Any:

@@ -111,3 +111,19 @@ def auto_fit_rank(rank: int, world: int, steps: int) -> dict[str, Any]:
            "steps": trainer.global_step, "loss": float(trainer.callback_metrics["poplar/loss"])}
     engine.close()
     return out
+
+
+class ValidatedModule(ToyModule):
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = toy.loss_fn(self.net, batch)  # the submodule directly: ZeRO-3 still gathers it
+        self.log("val_loss", loss)
+        return loss
+
+
+def validate_rank(rank: int, world: int, zero_stage: int) -> float:
+    """Fit 2 steps, validating (2 batches of 5) after step 2; the logged epoch-mean val_loss."""
+    torch.set_num_threads(1)
+    strategy = PoplarStrategy(zero_stage=zero_stage, plan=toy.plan_of(*PLAN_ROWS))
+    trainer = trainer_for(strategy, 2, limit_val_batches=2, val_check_interval=2)
+    trainer.fit(ValidatedModule(), DataLoader(TokenData(), shuffle=False), DataLoader(TokenData(), batch_size=5))
+    return float(trainer.callback_metrics["val_loss"])

@@ -56,6 +56,16 @@ def test_clipped_run_killed_after_step_3_resumes_from_its_checkpoint_exactly(tmp
 
 
 @pytest.mark.multiprocess
+def test_validation_runs_on_the_sharded_zero3_model() -> None:
+    out = spawn(jobs.validate_rank, 3, (3,), timeout_s=240, collective_timeout_s=120)
+    module, data = jobs.ToyModule(), jobs.TokenData()
+    module.load_state_dict(jobs.reference(2))
+    with torch.no_grad():
+        want = sum(float(toy.loss_fn(module.net, data.tokens[5 * i:5 * i + 5])) for i in range(2)) / 2
+    assert all(abs(v - want) < 1e-5 * want for v in out), (out, want)
+
+
+@pytest.mark.multiprocess
 def test_bf16_mixed_runs_the_forward_in_autocast() -> None:
     out = spawn(jobs.fit_rank, 3, (2, 3, None, None, None, "bf16-mixed"), timeout_s=240, collective_timeout_s=120)
     assert out[0]["dtypes"] == ["torch.bfloat16"]

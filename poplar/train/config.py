@@ -23,7 +23,8 @@ directory, as DeepSpeed's are.
                                                     (fine-tune: from_pretrained weights, the dir's
                                                     tokenizer.json), or "pkg.mod:function"
                                                     / {"factory": "pkg.mod:function", ...keyword arguments}
-        "data": {"path": null, "seq_len": 64,       a .txt or .jsonl file; null: the corpus shipped with Poplar
+        "data": {"path": null, "seq_len": 64,       a .txt or .jsonl file, or a datasets save_to_disk directory
+                                                    (its input_ids column, or text_key); null: the shipped corpus
                  "tokenizer": null,                 null: byte-level; or a Hugging Face tokenizer.json
                  "packing": true,                   false: one padded sample per document, token-weighted loss
                  "text_key": "text",                the JSONL field holding the text

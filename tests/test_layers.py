@@ -26,8 +26,10 @@ LAYERS: dict[str, set[str]] = {
     "engine": {"types", "comm", "zero", "profiler", "planner", "auto"},
     "checkpoint": {"types", "comm", "zero"},
     "train": {"types", "comm", "zero", "profiler", "planner", "auto", "engine", "checkpoint"},
+    # above the training loop: the doors of other frameworks' loops (optional dependencies)
+    "integrations": {"types", "comm", "zero", "profiler", "planner", "auto", "engine", "checkpoint", "train"},
     "cli": {"types", "comm", "zero", "profiler", "planner", "auto", "engine", "checkpoint", "train", "workloads",
-            "facade", "emulation"},
+            "facade", "emulation", "integrations"},
     "facade": {"types", "comm", "zero", "profiler", "planner", "auto", "engine", "checkpoint", "train", "workloads"},
     # beside the product: it may use any product layer; only the command line (and tests, benches) use it
     "emulation": {"types", "comm", "zero", "profiler", "planner", "auto", "engine", "checkpoint", "train",

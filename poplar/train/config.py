@@ -10,7 +10,7 @@ directory, as DeepSpeed's are.
       "gradient_clipping": 1.0,
       "steps_per_print": 10,
       "seed": 0,
-      "zero_optimization": {"stage": 2, "reduce_bucket_size": 50000000},
+      "zero_optimization": {"stage": 2, "reduce_bucket_size": 5e7},  elements per gradient bucket, as DeepSpeed
       "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "weight_decay": 0.01}},
       "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 10, "warmup_max_lr": 3e-4,
                                                           "total_num_steps": 100}},
@@ -23,7 +23,7 @@ directory, as DeepSpeed's are.
                                                     (fine-tune: from_pretrained weights, the dir's
                                                     tokenizer.json), or "pkg.mod:function"
                                                     / {"factory": "pkg.mod:function", ...keyword arguments}
-        "data": {"path": null, "seq_len": 64,       a .txt or .jsonl file; null: the corpus shipped with Poplar
+        "data": {"path": null, "seq_len": 64,       .txt, .jsonl or a datasets save_to_disk dir; null: the shipped corpus
                  "tokenizer": null,                 null: byte-level; or a Hugging Face tokenizer.json
                  "packing": true,                   false: one padded sample per document, token-weighted loss
                  "text_key": "text",                the JSONL field holding the text
@@ -177,8 +177,8 @@ class TrainConfig:
             raise ConfigError(f'"zero_optimization.stage" must be 0, 1, 2, 3 or "auto" (auto mode chooses), '
                               f'got {stage!r}')
         cfg.zero_stage = None if stage == "auto" else int(stage)
-        if "reduce_bucket_size" in zero:
-            cfg.bucket_size_mb = _int(zero, "reduce_bucket_size", 0, minimum=1, where='"zero_optimization"') / 2**20
+        if "reduce_bucket_size" in zero:  # DeepSpeed counts elements; a bucket holds fp32 gradients
+            cfg.bucket_size_mb = _int(zero, "reduce_bucket_size", 0, minimum=1, where='"zero_optimization"') * 4 / 2**20
         _read_optimizer(cfg, raw)
         _read_poplar(cfg, _get(raw, "poplar", dict, {}))
         return cfg

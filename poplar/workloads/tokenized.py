@@ -1,7 +1,10 @@
 """Language-model datasets from a text or JSONL file and a tokenizer, as Hugging Face batches.
 
 Documents: a ``.txt`` file is one document (the whole text); a ``.jsonl`` file is one document
-per line, the string under ``text_key`` (default ``"text"``). Tokenizers: the built-in byte
+per line, the string under ``text_key`` (default ``"text"``); a directory written by Hugging Face
+``datasets`` (``Dataset.save_to_disk``, read with ``load_from_disk``; optional extra ``poplar[hf]``)
+is one document per row: its ``input_ids`` column if it has one (already tokenized: taken as
+is), else the string under ``text_key``. Tokenizers: the built-in byte
 tokenizer (``poplar.workloads.text.ByteTokenizer``: UTF-8 bytes, 260 ids with PAD/BOS/EOS/MASK),
 or a Hugging Face ``tokenizer.json`` loaded through the ``tokenizers`` package (optional extra
 ``poplar[hf]``; imported only then).
@@ -66,6 +69,33 @@ class TextTokenizer:
         return self._hf.encode(text, add_special_tokens=False).ids
 
 
+def is_arrow_dataset(path: str | os.PathLike | None) -> bool:
+    """Whether ``path`` is a directory ``datasets.Dataset.save_to_disk`` wrote."""
+    return path is not None and (Path(path) / "dataset_info.json").is_file() and (Path(path) / "state.json").is_file()
+
+
+def load_token_documents(path: str | os.PathLike | None, tokenizer: TextTokenizer,
+                         text_key: str = "text") -> list[list[int]]:
+    """Every document of ``path`` as token ids (see the module doc)."""
+    if not is_arrow_dataset(path):
+        return [tokenizer.encode(d) for d in load_documents(path, text_key)]
+    try:
+        from datasets import load_from_disk
+    except ImportError:
+        raise ImportError(f"{path} is a Hugging Face datasets directory; reading it needs the datasets package: "
+                          "pip install 'poplar[hf]'") from None
+    table = load_from_disk(str(path))
+    if not hasattr(table, "column_names") or isinstance(table.column_names, dict):
+        raise ValueError(f"{path} holds a DatasetDict (splits {list(table.column_names)}); save one split "
+                         "(dataset['train'].save_to_disk(...)) and give its directory")
+    if "input_ids" in table.column_names:
+        return [[int(t) for t in ids] for ids in table["input_ids"]]
+    if text_key not in table.column_names:
+        raise ValueError(f"{path} has no 'input_ids' column and no {text_key!r} text column (columns: "
+                         f"{table.column_names}); tokenize it into 'input_ids' or set data.text_key")
+    return [tokenizer.encode(str(t)) for t in table[text_key]]
+
+
 def load_documents(path: str | os.PathLike | None, text_key: str = "text") -> list[str]:
     """The documents of a ``.txt`` (one) or ``.jsonl`` (one per line) file; None: the shipped corpus."""
     p = default_corpus_path() if path is None else Path(path)
@@ -113,7 +143,7 @@ class TokenizedText(Dataset):
             raise ValueError(f"seq_len must be an int >= 2, got {seq_len!r}")
         self.seq_len, self.packing = seq_len, packing
         self.tokenizer = tokenizer or TextTokenizer()
-        docs = [self.tokenizer.encode(d) for d in load_documents(path, text_key)]
+        docs = load_token_documents(path, self.tokenizer, text_key)
         eos, pad = self.tokenizer.eos_id, self.tokenizer.pad_id
         if packing:
             stream = torch.tensor([t for d in docs for t in (*d, eos)], dtype=torch.long)

@@ -21,7 +21,7 @@ BASE = {"train_batch_size": 32, "zero_optimization": {"stage": 2, "reduce_bucket
 
 def test_reads_deepspeed_keys_and_the_poplar_section() -> None:
     cfg = TrainConfig.from_dict(BASE)
-    assert (cfg.train_batch_size, cfg.zero_stage, cfg.bucket_size_mb, cfg.gradient_clipping) == (32, 2, 4.0, 1.0)
+    assert (cfg.train_batch_size, cfg.zero_stage, cfg.bucket_size_mb, cfg.gradient_clipping) == (32, 2, 16.0, 1.0)
     assert cfg.optimizer == "AdamW" and cfg.optimizer_params == {"lr": 3e-4, "betas": (0.9, 0.95)}
     assert (cfg.iterations, cfg.model, cfg.model_overrides, cfg.seq_len) == (7, "bert-tiny", {"n_layers": 2}, 32)
     assert (cfg.checkpoint_dir, cfg.checkpoint_every, cfg.resume) == ("c", 3, True)

@@ -34,12 +34,14 @@ How Lightning's pieces map onto Poplar's:
 - Logging: ``poplar/loss`` (the global mean loss), ``poplar/iteration_s`` and per rank
   ``poplar/compute_s/rank{r}`` and ``poplar/idle_s/rank{r}``; the plan is logged when training starts.
 
-Processes: launch with ``torchrun`` (or any launcher Lightning reads, e.g. SLURM), or initialize
-``torch.distributed`` yourself before ``fit``; the strategy does not start processes.
+Processes: launch with ``torchrun`` (or SLURM), or initialize ``torch.distributed`` before ``fit``.
 ``register()`` adds the name ``"poplar"`` to Lightning's strategy registry (default arguments).
 """
 
 from __future__ import annotations
+
+import atexit
+import gc
 
 import dataclasses
 import os
@@ -139,6 +141,7 @@ class PoplarStrategy(ParallelStrategy):
             backend = "nccl" if self.root_device.type == "cuda" else "gloo"
             dist.init_process_group(backend, rank=env.global_rank(), world_size=env.world_size(),
                                     timeout=timedelta(seconds=self.timeout_s))
+            atexit.register(end_process_group)  # the group this strategy started ends with the script
         pl.utilities.rank_zero_only.rank = self.global_rank
 
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
@@ -330,6 +333,15 @@ class PoplarStrategy(ParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
+
+
+def end_process_group() -> None:
+    """Destroy the process group while the interpreter still runs, after collecting what held its
+    work: left to interpreter shutdown, gloo's threads can be destroyed late and abort a finished
+    process (SIGABRT, "terminate called without an active exception")."""
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 class NamedBlocks:

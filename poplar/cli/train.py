@@ -137,7 +137,9 @@ def finished_at(cfg: TrainConfig) -> int | None:
 def profile_store_dir(cfg: TrainConfig) -> Any:
     """Where auto mode keeps profiles: $POPLAR_PROFILE_STORE when set, else beside the
     checkpoints (``<checkpoint dir>/../profiles``), else the user's cache (AutoOptions' default)."""
-    if os.environ.get("POPLAR_PROFILE_STORE") is None and cfg.checkpoint_dir:
+    from poplar.profiler.store import ENV_VAR
+
+    if os.environ.get(ENV_VAR) is None and cfg.checkpoint_dir:
         return os.path.join(os.path.dirname(os.path.abspath(cfg.checkpoint_dir)), "profiles")
     return "default"
 
@@ -157,16 +159,15 @@ def run(cfg: TrainConfig, failures: "FailureReporting | None" = None, plan_only:
             log.info(f"nothing to do: the checkpoint in {cfg.checkpoint_dir} is at iteration {done} and iterations="
                      f"{cfg.iterations} is reached (raise iterations to train further)")
         return 0
+    from poplar.comm import Communicator
+    from poplar.train.checkpointing import claim, let_go
+
     if cfg.checkpoint_dir is not None:  # before anything else: a second job on the directory stops at once
-        from poplar.comm import Communicator
-        from poplar.train.checkpointing import claim
         claim(Communicator(), cfg.checkpoint_dir)
     try:
         return _train(cfg, device, plan_only)
     finally:
         if cfg.checkpoint_dir is not None:
-            from poplar.comm import Communicator
-            from poplar.train.checkpointing import let_go
             let_go(Communicator(), cfg.checkpoint_dir)
 
 

@@ -20,12 +20,19 @@ iteration, whatever micro-step they overlap.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from poplar.comm import PendingCollective, Phase
 from poplar.zero.replicated import Stage0
+
+
+class SentReduce(NamedTuple):
+    """A reduce-scatter in flight (None: already complete) and the bytes of its wire copy."""
+
+    work: PendingCollective | None
+    wire_bytes: int
 
 
 class Stage1(Stage0):
@@ -42,7 +49,7 @@ class Stage1(Stage0):
         self._overlapping = False  # in this rank's last micro-step: units go out as backward fills them
         self._ready = [0] * len(self.units)
         self._next = 0  # the next unit to reduce-scatter
-        self._in_flight: list[tuple[PendingCollective | None, int]] = []  # and the bytes of its wire copy
+        self._in_flight: list[SentReduce] = []
         self._reduced: list[torch.Tensor | None] = [None] * len(self.units)
 
     def last_micro_step(self) -> None:
@@ -68,7 +75,7 @@ class Stage1(Stage0):
         self._hold(out.numel() * out.element_size() + wire_bytes)
         with self.comm.ledger.scope(Phase.STEP, micro_step=-1):  # the iteration's closing reduction
             work = self.comm.reduce_scatter(out, wire, tag=f"unit{u.index}", async_op=True, sizes=u.part_sizes)
-        self._in_flight.append((work, wire_bytes))
+        self._in_flight.append(SentReduce(work, wire_bytes))
         self._reduced[ui] = out
         self._next = ui + 1
 

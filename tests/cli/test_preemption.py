@@ -97,7 +97,7 @@ def test_sigint_stops_a_single_process_run_with_status_130(tmp_path: Path) -> No
     assert json.loads((tmp_path / "ckpt" / "index.json").read_text())["iteration"] == stopped >= 2
 
 
-def _worker_pid(launcher: int, rank: int) -> int | None:
+def worker_pid(launcher: int, rank: int) -> int | None:
     """The pid of torchrun's worker of ``rank`` (a child of the launcher with RANK=rank)."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -124,7 +124,7 @@ def test_a_killed_rank_gives_one_line_that_names_it(tmp_path: Path) -> None:
     deadline = time.monotonic() + DEADLINE_S
     try:
         _wait_for(lambda: "iteration 3/100000" in log.read_text(), proc, deadline, "a third iteration")
-        victim = _worker_pid(proc.pid, 1)
+        victim = worker_pid(proc.pid, 1)
         assert victim is not None
         os.kill(victim, signal.SIGKILL)
         code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))

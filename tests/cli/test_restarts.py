@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli.test_preemption import _worker_pid
+from tests.cli.test_preemption import worker_pid
 from tests.cli.test_train_cli import CPU_ONLY, REPO, TORCHRUN, _config
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **CPU_ONLY}
@@ -70,7 +70,7 @@ def test_a_killed_worker_restarts_the_job_which_resumes_and_ends_with_the_uninte
     proc = _launch(restarted, log, "--max-restarts", "2")
     try:
         _wait_for(f"iteration 12/{iterations}", log, proc, deadline)
-        victim = _worker_pid(proc.pid, 2)
+        victim = worker_pid(proc.pid, 2)
         assert victim is not None
         os.kill(victim, signal.SIGKILL)
         code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
@@ -103,7 +103,7 @@ def test_sigkill_of_the_launcher_leaves_no_worker_and_the_last_checkpoint_loads(
     workers: list[int] = []
     try:
         _wait_for("iteration 7/100000", log, proc, deadline)
-        workers = [_worker_pid(proc.pid, r) for r in range(4)]
+        workers = [worker_pid(proc.pid, r) for r in range(4)]
         assert None not in workers
         proc.kill()  # the launcher alone: torchrun gives each worker a session of its own
         killed = time.monotonic()
@@ -155,7 +155,7 @@ def test_an_elastic_job_that_loses_a_member_resumes_on_the_smaller_world_with_a_
                 first_log.read_text()[-3000:] + second_log.read_text()[-3000:]
             time.sleep(0.05)
         assert "global batch 16" in first_log.read_text() + second_log.read_text()
-        lost = [_worker_pid(second.pid, r) for r in range(4)]
+        lost = [worker_pid(second.pid, r) for r in range(4)]
         for pid in [second.pid, *[p for p in lost if p is not None]]:  # the second node goes away
             os.kill(pid, signal.SIGKILL)
         code = first.wait(timeout=max(1.0, deadline - time.monotonic()))

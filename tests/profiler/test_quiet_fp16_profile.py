@@ -13,6 +13,7 @@ from poplar.profiler.profile_run import ProfileOptions, default_optimizer, profi
 from poplar.types.plans import Plan
 from poplar.workloads import get_workload
 from poplar.zero.runtime import ZeroRuntime
+from tests.log_lines import Lines
 
 WORKLOAD = get_workload("token-mlp")
 
@@ -21,15 +22,6 @@ def overflowing_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tenso
     """The workload's loss times 2000: at fp16's initial loss scale (65536) its gradients overflow,
     after the scale has backed off a few times they do not."""
     return WORKLOAD.loss_fn(model, batch) * 2000.0
-
-
-class Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
 
 
 def test_fp16_profiling_counts_overflows_and_training_reports_them() -> None:

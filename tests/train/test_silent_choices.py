@@ -12,15 +12,7 @@ from poplar.engine import PoplarEngine
 from poplar.train import ReportOptions, fit
 from poplar.train.tensorboard import ScalarLog
 from tests.toy import global_batch, loss_fn, make_model, plan_of
-
-
-class Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
+from tests.log_lines import Lines
 
 
 @pytest.mark.parametrize("installed", [True, False])

@@ -8,6 +8,13 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
 from poplar.comm.launch import free_port, spawn  # noqa: E402
 from tests import toy  # noqa: E402
 from tests.integrations import hf_jobs as jobs  # noqa: E402
@@ -22,6 +29,23 @@ def test_three_steps_equal_the_one_process_trainer(tmp_path, zero_stage: int) ->
     assert toy.max_rel_err(out[0]["state"], want["state"]) < 1e-5
     assert abs(out[0]["eval_loss"] - want["eval_loss"]) < 1e-5 * want["eval_loss"]
     assert toy.max_rel_err(out[0]["state"], jobs.tiny_gpt2().state_dict()) > 1e-3  # it trained
+
+
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed beside this Python")
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("zero_stage", [0, 3])
+def test_under_torchrun_three_steps_equal_the_one_process_trainer(tmp_path, zero_stage: int) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
+    run = subprocess.run([str(TORCHRUN), "--standalone", "--nproc_per_node", "3", "-m", "tests.integrations.hf_torchrun",
+                          str(zero_stage), str(tmp_path / "poplar"), str(tmp_path / "state.pt")],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    want = jobs.reference(str(tmp_path / "reference"), 3)
+    assert toy.max_rel_err(torch.load(tmp_path / "state.pt"), want) < 1e-5
 
 
 @pytest.mark.multiprocess

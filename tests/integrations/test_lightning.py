@@ -31,10 +31,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed beside this Python")
 @pytest.mark.multiprocess
-def test_under_torchrun_three_steps_equal_one_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("zero_stage", [0, 2, 3])
+def test_under_torchrun_three_steps_equal_one_process(tmp_path: Path, zero_stage: int) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
     run = subprocess.run([str(TORCHRUN), "--standalone", "--nproc_per_node", "3", "-m",
-                          "tests.integrations.lightning_torchrun", "2", str(tmp_path / "state.pt")],
+                          "tests.integrations.lightning_torchrun", str(zero_stage), str(tmp_path / "state.pt")],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert toy.max_rel_err(torch.load(tmp_path / "state.pt"), jobs.reference(3)) < 1e-5

@@ -53,6 +53,7 @@ from transformers import Trainer, TrainerCallback
 
 import poplar.checkpoint as checkpoint
 from poplar.auto import AutoOptions
+from poplar.comm.group_exit import end_process_group_at_exit
 from poplar.engine import PoplarEngine
 from poplar.types.batches import batch_size_of, slice_batch
 from poplar.types.logs import log
@@ -135,6 +136,7 @@ class PoplarAccelerator(Accelerator):
                                    global_batch_size=o.global_batch_size if o.plan is None else None,
                                    max_grad_norm=o.max_grad_norm, mixed_precision=precision, loss_fn=o.loss_fn,
                                    activation_checkpointing=o.activation_checkpointing, auto=o.auto)
+        end_process_group_at_exit()  # the group Accelerate started now holds the engine's work
         if self.engine.rank == 0:
             log.info(f"PoplarTrainer: ZeRO-{self.engine.zero_stage}, {self.engine.world_size} ranks, plan:\n"
                      f"{self.engine.plan.table()}")

@@ -40,8 +40,6 @@ Processes: launch with ``torchrun`` (or SLURM), or initialize ``torch.distribute
 
 from __future__ import annotations
 
-import atexit
-import gc
 
 import dataclasses
 import os
@@ -59,6 +57,7 @@ from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 
 import poplar.checkpoint as checkpoint
 from poplar.auto import AutoOptions
+from poplar.comm.group_exit import end_process_group_at_exit
 from poplar.engine import PoplarEngine
 from poplar.integrations.global_batches import RankDataLoader, rank_dataloader
 from poplar.types.logs import log
@@ -141,7 +140,7 @@ class PoplarStrategy(ParallelStrategy):
             backend = "nccl" if self.root_device.type == "cuda" else "gloo"
             dist.init_process_group(backend, rank=env.global_rank(), world_size=env.world_size(),
                                     timeout=timedelta(seconds=self.timeout_s))
-            atexit.register(end_process_group)  # the group this strategy started ends with the script
+            end_process_group_at_exit()  # the group this strategy started ends with the script
         pl.utilities.rank_zero_only.rank = self.global_rank
 
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
@@ -333,15 +332,6 @@ class PoplarStrategy(ParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
-
-
-def end_process_group() -> None:
-    """Destroy the process group while the interpreter still runs, after collecting what held its
-    work: left to interpreter shutdown, gloo's threads can be destroyed late and abort a finished
-    process (SIGABRT, "terminate called without an active exception")."""
-    gc.collect()
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 class NamedBlocks:

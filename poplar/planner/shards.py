@@ -5,12 +5,12 @@ its activations. The profile measured every rank at its shard weights (even, unl
 could fit even shards: ``Profile.shard_weights``): its largest micro-batch ``mbs``, its
 ``shard_bytes`` and ``bytes_per_sample``. The sharded state is the sum of the ranks' shard bytes;
 at a share s instead of the measured s0 a rank's state changes by that sum times (s - s0), and
-its largest micro-batch by that over ``bytes_per_sample``, rounded towards fewer samples (the
+its largest micro-batch by that over a sample's bytes (``activation_bytes``), rounded towards fewer samples (the
 measured ``mbs`` may have had room to spare; it is not counted). So the capacity of any
 (shard, batch) pair follows from the profile without a trial per pair.
 
 Candidates: even shards, the measured weights, and shares in proportion to the memory each rank
-gives to sharded state and activations as measured (its shard plus ``mbs * bytes_per_sample``: a
+gives to sharded state and activations as measured (its shard plus ``mbs`` samples' bytes: a
 card with twice the room holds twice the state), blended with even in quarters. Each candidate's
 batches are planned as usual on the ``mbs`` it allows, and priced with the optimizer step on the
 largest shard: the iteration's fixed overhead, measured at the largest measured share and mostly
@@ -67,6 +67,23 @@ def sharded_bytes(profile: Profile) -> int:
     return sum(r.shard_bytes or 0 for r in profile.ranks)
 
 
+def activation_bytes(profile: Profile) -> float:
+    """Bytes one more sample adds to a step, for every rank: those of the rank whose fitted
+    batches span the most samples (the largest ``mbs``).
+
+    [Note: one slope for every rank]
+    A rank measures its bytes per sample as the slope of the peaks of the steps that fitted. A
+    step's peak is the largest of its phases' (the optimizer step's, forward's, backward's), so a
+    rank that fitted one or two batches measures a slope between peaks that can lie in different
+    phases (the optimizer step's at batch 1, backward's at batch 2): several times the true
+    slope, which would price a freed shard byte at a fraction of a sample. The activations of a
+    sample are the model's at this stage, precision and sequence shape, the same on every card,
+    so every rank's capacity at another shard is priced with the slope measured over the widest
+    range of batches."""
+    widest = max(profile.ranks, key=lambda r: (r.mbs, -r.rank))
+    return float(widest.bytes_per_sample)
+
+
 def knows_shard_memory(profile: Profile) -> bool:
     """Whether the profile says what a shard costs each rank (profiles measured before shard
     weights existed, and synthetic ones without the field, do not)."""
@@ -86,8 +103,8 @@ def candidates(profile: Profile) -> list[ShardCandidate]:
         out.append(ShardCandidate("measured", tuple(float(w) for w in profile.shard_weights)))
         seen.add(out[-1].weights)
     ranks = sorted(profile.ranks, key=lambda r: r.rank)
-    total, shares = sharded_bytes(profile), measured_shares(profile)
-    proportional = memory_weights([shares[r.rank] * total + r.mbs * r.bytes_per_sample for r in ranks])
+    total, shares, per_sample = sharded_bytes(profile), measured_shares(profile), activation_bytes(profile)
+    proportional = memory_weights([shares[r.rank] * total + r.mbs * per_sample for r in ranks])
     for blend in BLENDS:
         weights = tuple(round((1 - blend) + blend * x, 6) for x in proportional)
         if weights not in seen:
@@ -106,11 +123,11 @@ def mbs_at(profile: Profile, weights: Sequence[float]) -> list[int]:
             raise PlanError("the profile does not say what a shard costs each rank (no shard_bytes: measured before "
                             "shard weights, or at ZeRO-0); profile again, or plan at the weights it was measured at")
         return [r.mbs for r in sorted(profile.ranks, key=lambda r: r.rank)]
-    total, shares = sharded_bytes(profile), shares_of(tuple(weights))
+    total, shares, per_sample = sharded_bytes(profile), shares_of(tuple(weights)), activation_bytes(profile)
     out = []
     for r in sorted(profile.ranks, key=lambda r: r.rank):
         extra = total * (shares[r.rank] - measured[r.rank])  # more state than measured (< 0: less)
-        out.append(max(0, r.mbs + math.floor(-extra / r.bytes_per_sample + 1e-9)))
+        out.append(max(0, r.mbs + math.floor(-extra / per_sample + 1e-9)))
     return out
 
 

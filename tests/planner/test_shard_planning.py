@@ -31,6 +31,23 @@ def test_largest_micro_batch_follows_the_share() -> None:
     assert shards.step_scale(prof, weights) == pytest.approx(4 * 1.5 / 4)
 
 
+def test_a_short_card_s_coarse_slope_does_not_price_its_freed_state() -> None:
+    """A card that fitted two samples measured its bytes per sample between two peaks of
+    different phases (six times the true slope here); its capacity at a smaller share is priced
+    with the slope of the card whose fits span the most samples."""
+    prof = _profile("C", 2, 3e9)
+    small = next(r for r in prof.ranks if r.device_type.startswith("V100"))
+    big = max(prof.ranks, key=lambda r: r.mbs)
+    true_slope = big.bytes_per_sample
+    for r in prof.ranks:
+        if r.device_type == small.device_type:
+            r.bytes_per_sample = 6 * true_slope
+    assert shards.activation_bytes(prof) == true_slope
+    weights = [1.5 if r.device_type.startswith("A800") else 0.5 for r in prof.ranks]
+    freed = small.shard_bytes * 0.5
+    assert shards.mbs_at(prof, weights)[small.rank] == small.mbs + int(freed // true_slope)
+
+
 def test_candidates_start_even_and_lean_towards_memory() -> None:
     prof = _profile("A", 2, 2e9)
     cands = shards.candidates(prof)

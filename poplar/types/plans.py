@@ -16,7 +16,7 @@ import math
 import os
 import secrets
 import stat
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -154,6 +154,12 @@ class Plan:
     def offloads(self) -> tuple[Offload, ...]:
         """Every rank's optimizer placement, in rank order."""
         return tuple(r.offload for r in self.ranks)
+
+    def with_offloads(self, offloads: tuple[Offload, ...]) -> "Plan":
+        """This plan with these optimizer placements, one per rank (batches and shards kept)."""
+        if len(offloads) != self.world_size:
+            raise PlanError(f"{len(offloads)} offload placements for a plan of {self.world_size} ranks; give one per rank")
+        return replace(self, ranks=[replace(r, offload=o) for r, o in zip(self.ranks, offloads)], meta=dict(self.meta))
 
     @property
     def even_shards(self) -> bool:

@@ -64,6 +64,7 @@ class OptimizerOffload:
         self.placement = Offload.NONE
         self.shards: list[HostShard] = []
         self._host_of: dict[int, nn.Parameter] = {}
+        self._capturable: list[bool | None] = []  # each group's setting while it steps on the host
 
     @property
     def active(self) -> bool:
@@ -85,10 +86,14 @@ class OptimizerOffload:
         return out
 
     def _to_host(self) -> None:
-        """Re-point every group at host copies of its (device shard) parameters; state moves too."""
-        self.shards, self._host_of = [], {}
+        """Re-point every group at host copies of its (device shard) parameters; state moves too.
+        ``capturable`` (CUDA graphs: state on the device) is off while the group steps on the host."""
+        self.shards, self._host_of, self._capturable = [], {}, []
         state = self.optimizer.state
         for group in self.optimizer.param_groups:
+            self._capturable.append(group.get("capturable"))
+            if group.get("capturable"):
+                group["capturable"] = False
             hosts = []
             for d in group["params"]:
                 h = nn.Parameter(self._host_tensor(d), requires_grad=True)
@@ -105,7 +110,9 @@ class OptimizerOffload:
         other state (Adam's ``step`` counter) stays where torch keeps it for device parameters."""
         device_of = {id(s.host): s for s in self.shards}
         state = self.optimizer.state
-        for group in self.optimizer.param_groups:
+        for group, capturable in zip(self.optimizer.param_groups, self._capturable):
+            if capturable:
+                group["capturable"] = capturable
             devices = []
             for h in group["params"]:
                 s = device_of[id(h)]

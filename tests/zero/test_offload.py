@@ -108,10 +108,12 @@ def variants_worker(rank: int, world: int, stage: int) -> dict:
                 return loss * float("nan") if it == NAN_AT and rank == 2 else loss
             losses.append(engine.train_step(rank_slice(global_batch(it, GBS), plan, rank), poisoned))
         out[("nan", offload)] = (losses, engine.full_state_dict(), engine.skipped_steps)
-    # the placement moves between iterations: none, ranks 1 and 2, rank 0 only
+    # the placement moves between iterations: none, ranks 1 and 2, rank 0 only; and so do the
+    # shard weights, re-cut while ranks 1 and 2 are offloaded (before iteration 2)
     model = make_model(seed=0)
-    plans = [rows((3, 2, 1), (2, 1, 0), (2, 2, 1), offload=o)
-             for o in (none, OFFLOADED, (Offload.OPTIMIZER, Offload.NONE, Offload.NONE))]
+    plans = [rows((3, 2, 1), (2, 1, 0), (2, 2, 1), offload=o, weights=w)
+             for o, w in ((none, (1, 1, 1)), (OFFLOADED, (5, 1, 2)), ((Offload.OPTIMIZER, Offload.NONE, Offload.NONE),
+                                                                       (1, 2, 2)))]
     engine = PoplarEngine(model, make_optimizer(model, "adamw"), zero_stage=_config(stage), plan=plans[0],
                           max_grad_norm=0.5)
     losses = []

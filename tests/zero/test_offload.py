@@ -202,3 +202,31 @@ def test_zero0_refuses_offload_naming_the_fix() -> None:
                           communicator=LocalCommunicator(1, 0))
     with pytest.raises(DistributedError, match="ZeRO-0"):
         runtime.set_plan(plan)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_one_rank_steps_host_copies_and_brings_the_state_back(stage: int) -> None:
+    """A world of one: the optimizer steps tensors apart from the stage's shards while offloaded;
+    switching back re-points it at the shards with the state it had; training equals the reference."""
+    torch.set_num_threads(1)
+    model = make_model(seed=0)
+    plan = Plan([RankPlan(4, 3, 2, offload=Offload.OPTIMIZER)])
+    runtime = ZeroRuntime(model, make_optimizer(model, "sgd"), plan=plan, zero_stage=_config(stage),
+                          max_grad_norm=0.5, communicator=LocalCommunicator(1, 0))
+    losses = [runtime.train_step(global_batch(0, GBS), loss_fn)]
+    stepped = [p for g in runtime.optimizer.param_groups for p in g["params"]]
+    shards = runtime.stage.shard_params
+    assert len(stepped) == len(shards)
+    assert not {p.data_ptr() for p in stepped} & {s.data_ptr() for s in shards}  # separate host copies
+    momentum = [runtime.optimizer.state[p]["momentum_buffer"].clone() for p in stepped]
+    assert runtime.memory_report()["optimizer"] == 0
+    runtime.set_plan(Plan([RankPlan(4, 3, 2)]))
+    back = [p for g in runtime.optimizer.param_groups for p in g["params"]]
+    assert {id(p) for p in back} == {id(s) for s in shards}
+    assert all(torch.equal(runtime.optimizer.state[p]["momentum_buffer"], m) for p, m in zip(back, momentum))
+    assert runtime.memory_report()["optimizer"] > 0 and "host_optimizer" not in runtime.memory_report()
+    runtime.set_plan(plan)
+    losses += [runtime.train_step(global_batch(it, GBS), loss_fn) for it in (1, 2)]
+    ref_losses, ref_state = reference_run("sgd", GBS, ITERATIONS, 0.5)
+    assert max_rel_err(runtime.full_state_dict(), ref_state) <= 1e-5
+    assert losses == pytest.approx(ref_losses, rel=1e-5)

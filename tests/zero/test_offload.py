@@ -34,11 +34,12 @@ def rows(*rows: tuple[int, int, int], weights: tuple[float, ...] = (1, 1, 1),
     return Plan([RankPlan(*r, shard_weight=w, offload=o) for r, w, o in zip(rows, weights, offload)])
 
 
-# n_i = 7, 2, 5 and 10, 0, 4 (an offloading rank with no samples); the last with shards 5:1:2
+# n_i = 7, 2, 5 and 10, 0, 4 (an offloading rank with no samples), even shards; then shards 5:1:2 and
+# 2:0:1 (offloading rank 1 holds none of the state: empty host copies)
 PLANS = [rows((3, 2, 1), (2, 1, 0), (2, 2, 1)),
          rows((3, 3, 1), (0, 0, 0), (2, 2, 0)),
          rows((3, 2, 1), (2, 1, 0), (2, 2, 1), weights=(5, 1, 2)),
-         rows((4, 1, 0), (4, 1, 2), (1, 4, 0), weights=(0, 1, 2))]
+         rows((4, 1, 0), (4, 1, 2), (1, 4, 0), weights=(2, 0, 1))]
 
 
 def _config(stage: int) -> ZeroConfig:

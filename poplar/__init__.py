@@ -4,13 +4,13 @@ Every rank gets its own micro-batch size, accumulation steps and last-batch size
 measured speed curves, while each optimizer step stays exactly the step of the whole global batch.
 """
 
-from poplar.types.plans import Plan, PlanError, RankPlan
+from poplar.types.plans import Offload, Plan, PlanError, RankPlan
 from poplar.types.profiles import CommProfile, Profile, ProfileError, ProfilePoint, RankProfile
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Plan", "PlanError", "RankPlan",
+    "Offload", "Plan", "PlanError", "RankPlan",
     "Profile", "ProfileError", "ProfilePoint", "RankProfile", "CommProfile",
     "PoplarEngine", "AutoOptions", "plan", "simulate", "profile",
     "fit", "Trainer", "FitConfig", "FitResult", "CheckpointOptions", "EvalOptions", "ReportOptions",

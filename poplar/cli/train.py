@@ -32,6 +32,7 @@ from poplar.types.precision import MixedPrecision
 from poplar.train.config import ConfigError, TrainConfig
 from poplar.train.deepspeed_hints import hint_line
 from poplar.train.preemption import Preempted
+from poplar.train.placement_config import offload_rows
 
 FAILURE_GRACE_S = 10.0  # how long the reporting rank waits for failing ranks not known dead to check in
 LOCAL_GRACE_S = 2.0  # after a peer died: how long for ranks alive on this machine (blocked on a rank still here)
@@ -191,7 +192,9 @@ def _train(cfg: TrainConfig, device: torch.device, plan_only: bool = False) -> i
     if rank == 0 and cfg.deepspeed_hints:
         log.info(hint_line(cfg.deepspeed_hints))
     plan, auto = choose_plan(cfg, world, device)
+    offloads = None if cfg.offload is None else offload_rows(cfg.offload, world, ConfigError)
     if plan is not None:
+        plan = plan if offloads is None else plan.with_offloads(offloads)
         run_parts.check_resumed_batch(cfg, plan)
     # a stage not given: auto mode chooses; with a plan, the plan file's stage, else DeepSpeed's 0
     stage = cfg.zero_stage if cfg.zero_stage is not None else \
@@ -217,6 +220,8 @@ def _train(cfg: TrainConfig, device: torch.device, plan_only: bool = False) -> i
     else:
         kwargs["plan"] = plan
     engine = PoplarEngine(model, optimizer, **kwargs)
+    if auto and offloads is not None:  # auto mode plans without offload; the config's ranks offload
+        engine.set_plan(engine.plan.with_offloads(offloads))
     if fingerprint is not None:
         run_parts.save_profile(cfg, engine.profile, fingerprint, rank)
     if plan_only:

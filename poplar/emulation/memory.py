@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from poplar.zero.base import ZeroStage
+from poplar.zero.offload import HOST_KEYS
 from poplar.zero.optim import optimizer_like, optimizer_state_bytes
 
 # memory_report keys that are not model states: peaks of temporaries (communication buffers,
@@ -51,16 +52,27 @@ def _rule_of_thumb(optimizer: torch.optim.Optimizer) -> int:
 
 
 def model_state_bytes(engine: Any, optimizer_bytes: int | None = None) -> dict[str, int]:
-    """Bytes this rank holds between steps, by ``memory_report`` key: params, grads, optimizer
-    (as after the first step), buffers, and whatever else the runtime reports it keeps (under
-    mixed precision the fp32 master weights). Communication buffers are not included (they come
-    and go: ``transient_bytes``)."""
+    """Bytes this rank's device holds between steps, by ``memory_report`` key: params, grads,
+    optimizer (as after the first step), buffers, and whatever else the runtime reports it keeps
+    (under mixed precision the fp32 master weights). Communication buffers are not included (they
+    come and go: ``transient_bytes``), nor is what an offloading rank keeps in host memory
+    (``host_state_bytes``)."""
     report = engine.memory_report()
-    states = {k: int(v) for k, v in report.items() if k not in TRANSIENT_KEYS}
+    states = {k: int(v) for k, v in report.items() if k not in TRANSIENT_KEYS and k not in HOST_KEYS}
     states.setdefault("buffers", 0)
-    if optimizer_bytes is not None:
+    if optimizer_bytes is not None and "host_optimizer" not in report:
         states["optimizer"] = max(states.get("optimizer", 0), int(optimizer_bytes))
     return states
+
+
+def host_state_bytes(engine: Any, optimizer_bytes: int | None = None) -> dict[str, int]:
+    """Bytes an offloading rank keeps in host memory (empty for one that does not), by
+    ``memory_report`` key, the optimizer state as after the first step."""
+    report = engine.memory_report()
+    host = {k: int(report[k]) for k in HOST_KEYS if k in report}
+    if host and optimizer_bytes is not None:
+        host["host_optimizer"] = max(host["host_optimizer"], int(optimizer_bytes))
+    return host
 
 
 def transient_bytes(stage: ZeroStage) -> int:

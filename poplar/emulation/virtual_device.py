@@ -4,7 +4,8 @@ Memory. While attached to a runtime, the device's usage is
 
     model states (params + grads + optimizer state as after the first step + module buffers,
                   and under mixed precision the fp32 master weights: every key of the
-                  runtime's ``memory_report`` but its communication buffers)
+                  runtime's ``memory_report`` but its communication buffers; an offloading
+                  rank's host copies, ``host_*`` keys, are host memory: ``host_bytes``)
   + saved activations (every tensor autograd saves for backward, counted once per storage
     through ``torch.autograd.graph.saved_tensors_hooks``; parameters are not activations)
   + communication buffers the stage holds right now (stage-2 buckets, ...)
@@ -50,7 +51,8 @@ import torch
 from poplar.emulation.block_pacing import BlockHooks
 from poplar.profiler.devices import OOM_ERROR, Device
 from poplar.emulation.faults import FaultSchedule
-from poplar.emulation.memory import gathered_bytes, model_state_bytes, predicted_optimizer_bytes, transient_bytes
+from poplar.emulation.memory import (gathered_bytes, host_state_bytes, model_state_bytes, predicted_optimizer_bytes,
+                                     transient_bytes)
 from poplar.profiler.precision import runtime_precision
 from poplar.emulation.saved_tensors import SavedTensors
 from poplar.emulation.profiling_phases import ProfilingPhases
@@ -107,6 +109,7 @@ class VirtualDevice(ProfilingPhases, SpeedPadding, Device):
         self.cluster: ClusterSpec | None = None  # the emulated cluster this device is a rank of
         # memory state
         self._static = 0
+        self._host = 0  # an offloading rank's optimizer state and fp32 master copies: host memory, not counted
         self._predicted_optimizer: int | None = None
         self._saved = SavedTensors(on_saved=self._tensor_saved,  # (bound methods: the device pickles)
                                    on_recomputed=self._tensor_recomputed)
@@ -188,6 +191,11 @@ class VirtualDevice(ProfilingPhases, SpeedPadding, Device):
 
     def static_bytes(self) -> int:
         return self._static
+
+    def host_bytes(self) -> int:
+        """Host memory the attached runtime keeps for this rank (its offloaded optimizer state,
+        fp32 master and gradient copies), outside the device's memory count."""
+        return self._host
 
     def memory_in_use(self) -> int:
         if self.runtime is None:
@@ -287,6 +295,7 @@ class VirtualDevice(ProfilingPhases, SpeedPadding, Device):
             self._predicted_optimizer = predicted_optimizer_bytes(self.runtime.optimizer)
         states = model_state_bytes(self.runtime, self._predicted_optimizer)
         self._static = sum(states.values())
+        self._host = sum(host_state_bytes(self.runtime, self._predicted_optimizer).values())
 
     @contextlib.contextmanager
     def _attached(self, runtime: Any) -> Iterator[None]:

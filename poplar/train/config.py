@@ -37,6 +37,7 @@ directory, as DeepSpeed's are.
         "strategy": "poplar",                       or "even" / "flops"
         "shards": "even",                           each rank's share of the sharded state: "even", "auto"
                                                     (chosen with the batches) or one weight per rank
+        "offload": "none",                          "all" or rank indices [1, 2]: their optimizer state in host memory
         "plan": null,                               a plan JSON: use it, no profiling
         "profile": null,                            a profile JSON: plan from it, no profiling
         "checkpoint": {"dir": "runs/x/ckpt", "every": 50, "resume": true, "keep": 2},
@@ -79,8 +80,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from poplar.train.deepspeed_hints import NOT_YET, TOP_HINTS, ZERO_HINTS, did_you_mean
+from poplar.train.placement_config import OffloadSetting, read_offload, read_shards
 from poplar.train.schedule import LRSchedule
-from poplar.types.plans import read_json, shard_weights_problem
+from poplar.types.plans import read_json
 from poplar.types.precision import LossScaleConfig, MixedPrecision, Precision
 
 OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD", "adagrad": "Adagrad", "rmsprop": "RMSprop"}
@@ -91,12 +93,12 @@ DATA_KEYS = {"path", "seq_len", "tokenizer", "packing", "text_key", "eval_fracti
 TOP_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
             "gradient_clipping", "steps_per_print", "seed", "zero_optimization", "optimizer", "scheduler", "poplar",
             "fp16", "bf16"}
-ZERO_KEYS = {"stage", "reduce_bucket_size"}
+ZERO_KEYS = {"stage", "reduce_bucket_size", "offload_optimizer"}
 BF16_KEYS = {"enabled"}
 FP16_KEYS = {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"}
 POPLAR_KEYS = {"iterations", "model", "data", "cluster", "strategy", "shards", "plan", "profile", "checkpoint",
-               "report_dir",
-               "collective_timeout_s", "log_every", "eval_every", "tensorboard", "activation_checkpointing"}
+               "report_dir", "offload", "collective_timeout_s", "log_every", "eval_every", "tensorboard",
+               "activation_checkpointing"}
 
 
 class ConfigError(ValueError):
@@ -136,6 +138,7 @@ class TrainConfig:
     cluster: str | None = None
     strategy: str = "poplar"
     shards: str | tuple[float, ...] = "even"  # "even", "auto" or one shard weight per rank
+    offload: OffloadSetting | None = None  # ranks whose optimizer is in host memory (train.placement_config)
     plan: str | None = None
     profile: str | None = None
     checkpoint_dir: str | None = None
@@ -181,6 +184,7 @@ class TrainConfig:
             cfg.bucket_size_mb = _int(zero, "reduce_bucket_size", 0, minimum=1, where='"zero_optimization"') * 4 / 2**20
         _read_optimizer(cfg, raw)
         _read_poplar(cfg, _get(raw, "poplar", dict, {}))
+        cfg.offload = read_offload(zero, _get(raw, "poplar", dict, {}), ConfigError)
         return cfg
 
     # ------------------------------------------------------------------ derived
@@ -328,13 +332,7 @@ def _read_poplar(cfg: TrainConfig, p: dict) -> None:
     cfg.strategy = str(p.get("strategy", cfg.strategy))
     if cfg.strategy not in ("poplar", "even", "flops"):
         raise ConfigError(f'"poplar.strategy" must be "poplar", "even" or "flops", got {cfg.strategy!r}')
-    shards = p.get("shards", cfg.shards)
-    if isinstance(shards, list) and shard_weights_problem(shards) is None:
-        shards = tuple(float(w) for w in shards)
-    elif shards not in ("even", "auto"):
-        raise ConfigError(f'"poplar.shards" must be "even", "auto" or a list of one weight >= 0 per rank (not all '
-                          f'0), got {shards!r}')
-    cfg.shards = shards
+    cfg.shards = read_shards(p.get("shards", cfg.shards), ConfigError)
     ckpt = _get(p, "checkpoint", dict, {}) or {}
     _no_unknown(ckpt, {"dir", "every", "resume", "keep"}, '"poplar.checkpoint"')
     cfg.checkpoint_dir = ckpt.get("dir")

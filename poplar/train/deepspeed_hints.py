@@ -32,12 +32,10 @@ ZERO_HINTS = {
     "memory_efficient_linear": "ignored",
 }
 
-# "zero_optimization" keys that move state off the GPU: not done yet, so an error says so
+# "zero_optimization" keys that move state off the GPU in ways Poplar does not: an error says so
 NOT_YET = {
-    "offload_optimizer": "Poplar does not offload optimizer state to the CPU or NVMe yet: remove the key "
-                         "(with \"stage\": \"auto\" auto mode chooses a stage and activation checkpointing that fit)",
     "offload_param": "Poplar does not offload parameters to the CPU or NVMe yet: remove the key",
-    "cpu_offload": "Poplar does not offload optimizer state to the CPU yet: remove the key",
+    "cpu_offload": "the key of older DeepSpeed versions: write \"offload_optimizer\": {\"device\": \"cpu\"}",
 }
 
 # top-level keys

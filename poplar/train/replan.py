@@ -202,6 +202,7 @@ class Replanner:
                             opts.strategy or current.strategy or "poplar", require_all_ranks=opts.require_all_ranks,
                             max_micro_steps=opts.max_micro_steps,
                             shards="even" if current.even_shards else current.shard_weights)
+            new = new.with_offloads(current.offloads)  # and so do the ranks whose optimizer is offloaded
         except PlanError as e:
             raise PlanError(f"re-planning at iteration {engine.iteration} failed: {e}") from None
         before = _price(corrected, current)

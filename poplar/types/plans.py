@@ -3,7 +3,9 @@
 A rank runs ``accum_steps`` micro-steps of ``micro_batch_size`` samples, then one more of
 ``last_batch_size`` samples if that is > 0. The global batch size is the sum over ranks.
 At ZeRO-1/2/3 rank r also holds a share ``shard_weight_r / sum of weights`` of every sharded
-state (optimizer state, gradients, parameters): equal weights are ZeRO's even shards.
+state (optimizer state, gradients, parameters): equal weights are ZeRO's even shards. A rank
+whose ``offload`` is ``Offload.OPTIMIZER`` keeps its optimizer state and fp32 master shard in
+host memory and steps them there (ZeRO-1/2/3).
 Plans are saved as JSON so that people can read and edit them.
 """
 
@@ -14,7 +16,8 @@ import math
 import os
 import secrets
 import stat
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +34,19 @@ def _check_count(name: str, value: Any, where: str) -> int:
     return value
 
 
+class Offload(str, Enum):
+    """Where a rank keeps its shard of the optimizer state (and its fp32 master shard)."""
+
+    NONE = "none"  # on its device
+    OPTIMIZER = "optimizer"  # in host memory, stepped by the CPU
+
+
 @dataclass
 class RankPlan:
     """One rank's share of an iteration: ``accum_steps`` x ``micro_batch_size`` + ``last_batch_size``
     samples, and its ``shard_weight``: relative to the other ranks', the share of the sharded
-    model state it holds (1.0 everywhere: even shards; 0: none)."""
+    model state it holds (1.0 everywhere: even shards; 0: none); ``offload``: where its optimizer
+    state lives (``Offload``; a plan file's "none" or "optimizer")."""
 
     micro_batch_size: int
     accum_steps: int
@@ -43,6 +54,14 @@ class RankPlan:
     predicted_compute_s: float | None = None
     device_type: str | None = None
     shard_weight: float = 1.0
+    offload: Offload = Offload.NONE
+
+    def __post_init__(self) -> None:
+        if isinstance(self.offload, str) and not isinstance(self.offload, Offload):
+            try:
+                self.offload = Offload(self.offload)
+            except ValueError:
+                pass  # validate() names it
 
     def validate(self, where: str = "RankPlan") -> None:
         _check_count("micro_batch_size", self.micro_batch_size, where)
@@ -52,6 +71,9 @@ class RankPlan:
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
             raise PlanError(f"{where}: shard_weight must be a finite number >= 0 (its share of the sharded "
                             f"state, relative to the other ranks'), got {w!r}")
+        if not isinstance(self.offload, Offload):
+            raise PlanError(f"{where}: offload must be Offload.NONE or Offload.OPTIMIZER (\"none\" or "
+                            f"\"optimizer\" in a plan file), got {self.offload!r}")
         if self.accum_steps > 0 and self.micro_batch_size == 0:
             raise PlanError(
                 f"{where}: accum_steps={self.accum_steps} with micro_batch_size=0 runs empty "
@@ -129,6 +151,17 @@ class Plan:
         return tuple(float(r.shard_weight) for r in self.ranks)
 
     @property
+    def offloads(self) -> tuple[Offload, ...]:
+        """Every rank's optimizer placement, in rank order."""
+        return tuple(r.offload for r in self.ranks)
+
+    def with_offloads(self, offloads: tuple[Offload, ...]) -> "Plan":
+        """This plan with these optimizer placements, one per rank (batches and shards kept)."""
+        if len(offloads) != self.world_size:
+            raise PlanError(f"{len(offloads)} offload placements for a plan of {self.world_size} ranks; give one per rank")
+        return replace(self, ranks=[replace(r, offload=o) for r, o in zip(self.ranks, offloads)], meta=dict(self.meta))
+
+    @property
     def even_shards(self) -> bool:
         return len(set(self.shard_weights)) == 1
 
@@ -166,6 +199,8 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        for row in d["ranks"]:
+            row["offload"] = Offload(row["offload"]).value
         d["global_batch_size"] = self.global_batch_size
         return d
 
@@ -198,12 +233,15 @@ class Plan:
         shares = None if self.even_shards else self.shard_shares()  # the column only for uneven shards
         head = f"{'rank':>4} {'device':>12} {'b':>5} {'gas':>5} {'lbs':>5} {'n':>6} {'pred s':>9}"
         head += "" if shares is None else f" {'shard':>6}"
+        offloading = any(r.offload is not Offload.NONE for r in self.ranks)  # the column only where some rank offloads
+        head += f" {'offload':>9}" if offloading else ""
         lines = [head, "-" * len(head)]
         for i, r in enumerate(self.ranks):
             pred = "" if r.predicted_compute_s is None else f"{r.predicted_compute_s:.4f}"
             lines.append(f"{i:>4} {str(r.device_type or '-'):>12} {r.micro_batch_size:>5} "
                          f"{r.accum_steps:>5} {r.last_batch_size:>5} {r.num_samples:>6} {pred:>9}"
-                         + ("" if shares is None else f" {100 * shares[i]:>5.1f}%"))
+                         + ("" if shares is None else f" {100 * shares[i]:>5.1f}%")
+                         + (f" {r.offload.value:>9}" if offloading else ""))
         tail = f"global batch {self.global_batch_size}"
         if self.predicted_iteration_s is not None:
             tail += f", predicted iteration {self.predicted_iteration_s:.4f} s"

@@ -16,7 +16,9 @@ import torch
 from torch import nn
 
 from poplar.comm import Communicator
+from poplar.types.plans import Offload
 from poplar.zero.flat import FlatUnit
+from poplar.zero.offload import OptimizerOffload
 from poplar.zero.optim import optimizer_state_bytes
 from poplar.zero.precision import ModelCast, StagePrecision, cast_inputs
 
@@ -34,6 +36,7 @@ class ZeroStage(ABC):
         self.peak_transient_bytes = 0  # largest communication buffers held at once, measured
         self._transient = 0
         self.model_cast: ModelCast | None = None  # frozen parameters and buffers in the compute dtype
+        self.offload = OptimizerOffload(optimizer, comm.device)  # where the optimizer steps (``place_optimizer``)
         if precision.compute is not None:
             self.model_cast = ModelCast(model, precision)
             model.register_forward_pre_hook(cast_inputs(precision.compute), with_kwargs=True)
@@ -98,7 +101,21 @@ class ZeroStage(ABC):
 
     def reshard(self, weights: tuple[float, ...]) -> None:
         """Hold shares of the sharded state by new weights from the next iteration on (every rank
-        together, between iterations); a stage that shards nothing keeps what it has."""
+        together, between iterations); a stage that shards nothing keeps what it has. An
+        offloaded optimizer comes back to the device for the re-cut and goes out again after."""
+        with self.offload.on_device():
+            self._reshard(weights)
+
+    def _reshard(self, weights: tuple[float, ...]) -> None:
+        """Re-cut this stage's shards by ``weights`` (the optimizer steps its device shards)."""
+
+    def place_optimizer(self, offload: Offload) -> None:
+        """Keep the optimizer state (and the fp32 master shard it steps) on the device or in host
+        memory from the next step on (between iterations; ``poplar.zero.offload``)."""
+        if offload is not Offload.NONE and self.stage == 0:
+            raise ValueError("ZeRO-0 replicates the optimizer state and has no shard to offload; use "
+                             "zero_stage=1, 2 or 3, or offload=Offload.NONE")
+        self.offload.place(offload)
 
     @abstractmethod
     def optimizer_step(self) -> None:
@@ -129,7 +146,7 @@ class ZeroStage(ABC):
                 a, b = max(lo, off), min(hi, off + shape.numel())
                 if a < b:
                     segs.append((name, a - off, b - a, a - lo))
-            out.append((shard, segs))
+            out.append((self.offload.stepped(shard), segs))
         return out
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -172,6 +189,7 @@ class ZeroStage(ABC):
         with torch.no_grad():
             for k, v in targets.items():
                 v.copy_(state[k])
+        self.offload.refresh()
 
     @abstractmethod
     def param_bytes(self) -> int:
@@ -199,7 +217,9 @@ class ZeroStage(ABC):
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds: model states, module buffers, and the peak of the engine's
         temporary communication buffers (``comm_buffers``). ``params`` is the copy the model
-        computes with; ``master_params`` the fp32 master kept apart from it (mixed precision)."""
+        computes with; ``master_params`` the fp32 master kept apart from it (mixed precision).
+        An offloading rank's optimizer state is host memory: ``optimizer`` is 0 and the
+        ``host_*`` keys count the host bytes."""
         buffers = sum(b.numel() * b.element_size() for b in self.model.buffers())
         frozen = sum(p.numel() * p.element_size() for p in self.model.parameters() if not p.requires_grad)
         cast = self.model_cast.master_bytes if self.model_cast is not None else 0
@@ -207,7 +227,8 @@ class ZeroStage(ABC):
             "params": self.param_bytes() + frozen,
             "master_params": self.master_bytes() + cast,
             "grads": self.grad_bytes(),
-            "optimizer": optimizer_state_bytes(self.optimizer),
+            "optimizer": 0 if self.offload.active else optimizer_state_bytes(self.optimizer),
             "buffers": buffers,
             "comm_buffers": self.peak_transient_bytes,
+            **self.offload.memory_report(),  # an offloading rank's host bytes (``HOST_KEYS``)
         }

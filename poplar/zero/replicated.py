@@ -89,7 +89,7 @@ class ReplicatedParams(ZeroStage):
         repoint_optimizer(self.optimizer, groups)
         return shards
 
-    def reshard(self, weights: tuple[float, ...]) -> None:
+    def _reshard(self, weights: tuple[float, ...]) -> None:
         """Cut every unit by new shard weights, between iterations (every rank together): the
         parameters are whole on every rank already; the optimizer state (and a sharded fp32
         master) is gathered over the old cut and cut again (``poplar.zero.reshard``)."""
@@ -180,6 +180,7 @@ class ReplicatedParams(ZeroStage):
             for k, v in sd.items():
                 if id(v) not in trained:
                     self.load_unsharded(v, state[k])
+        self.offload.refresh()
 
 
 class Stage0(ReplicatedParams):
@@ -326,7 +327,7 @@ class Stage2(ReplicatedParams):
         return self.shard_grads
 
     def optimizer_step(self) -> None:
-        self.optimizer.step()
+        self.offload.step()
         self.sync_params()
 
     def zero_grad(self) -> None:

@@ -38,6 +38,7 @@ from poplar.zero.iteration_status import (IterationStatus, LossAccumulator, chec
 from poplar.zero.loss_scaler import LossScaler
 from poplar.zero.nonfinite import NonFiniteGuard, SkipReport, Verdict, local_detail, nonfinite_flag
 from poplar.zero.observers import IterationStats, MicroStep, ObserverHandle, Observers, StepObserver
+from poplar.zero.plan_check import plan_problem
 from poplar.zero.precision import StagePrecision
 from poplar.zero.setup import agree_setup, check_arguments, check_policies
 from poplar.zero.stage_factory import build_stage
@@ -107,10 +108,10 @@ class ZeroRuntime:
         self.skip_report = SkipReport(config.skip_report)
         self.zero_stage = zero_stage
         self.shard_weights = plan.shard_weights  # each rank's share of the sharded state, as built
-        self.set_plan(plan, PlanCheck.LOCAL)
         self.stage: ZeroStage = build_stage(zero_stage, model, optimizer, self.comm, groups, bucket_size_mb,
                                             wrap_policy, StagePrecision.of(self.mixed_precision),
                                             self.observers.transient_allocated, plan.shard_weights)
+        self.set_plan(plan, PlanCheck.LOCAL)  # and the optimizer where the plan's row keeps it
         # after the stage: its block hooks run around the checkpoint's (docs/design.md §3.8)
         self.activation_checkpointing = checkpointing.setup(
             self.comm, model, activation_checkpointing, wrap_policy, self.stage.block_names())
@@ -136,14 +137,10 @@ class ZeroRuntime:
         ``DistributedError`` on every rank otherwise), or on this rank alone (``PlanCheck.LOCAL``,
         no collective, for callers whose ranks derive the plan from data they already agreed on:
         the profiler switches plans every timing round; a ``PlanError`` if it is not valid).
-        A plan whose shard weights differ from the running ones re-shards the state first (every
-        rank together, ``ZeroStage.reshard``)."""
+        Other shard weights re-shard the state first (every rank together, ``ZeroStage.reshard``);
+        this rank's row says where its optimizer steps (``ZeroStage.place_optimizer``)."""
         if check is PlanCheck.AGREE:
-            error = None
-            if self._micro_steps:
-                error = "set_plan() inside an iteration; call it between iterations"
-            else:
-                error = plan.problem(self.world_size) if isinstance(plan, Plan) else f"plan must be a Plan, got {plan!r}"
+            error = plan_problem(plan, self.world_size, self.zero_stage, bool(self._micro_steps))
             digest = hashlib.sha256(plan.to_json().encode()).hexdigest() if error is None else None
             self.comm.agree(error, "set_plan", digest,
                             mismatch="ranks were given different plans; pass the same plan to every rank")
@@ -156,6 +153,7 @@ class ZeroRuntime:
                 self.stage.reshard(plan.shard_weights)
             self.shard_weights = plan.shard_weights
         self.plan, self.rank_plan, self.global_batch_size = plan, plan.ranks[self.rank], plan.global_batch_size
+        self.stage.place_optimizer(self.rank_plan.offload)
 
     def restore_iteration(self, iteration: int) -> None:
         """Continue counting from ``iteration`` (a loaded checkpoint's), between iterations."""

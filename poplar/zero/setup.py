@@ -18,6 +18,7 @@ from poplar.comm import Communicator, DistributedError
 from poplar.types.plans import Plan
 from poplar.types.precision import MixedPrecision, resolve_precision
 from poplar.zero.nonfinite import NonFinitePolicy
+from poplar.zero.offload import offload_problem
 from poplar.zero.optim import named_param_groups
 
 
@@ -34,6 +35,8 @@ def check_arguments(world_size: int, model: nn.Module, optimizer: torch.optim.Op
     if plan.world_size != world_size:
         return (f"plan has {plan.world_size} rows but the world has {world_size} ranks; "
                 "give one RankPlan per rank"), []
+    if (problem := offload_problem(plan, zero_stage)) is not None:
+        return problem, []
     if max_grad_norm is not None and not max_grad_norm > 0:
         return f"max_grad_norm must be > 0 or None, got {max_grad_norm}", []
     if not bucket_size_mb > 0:

@@ -113,7 +113,7 @@ class Stage3(ZeroStage):
             per_group[u.group_index].append(sp)
         repoint_optimizer(self.optimizer, per_group)
 
-    def reshard(self, weights: tuple[float, ...]) -> None:
+    def _reshard(self, weights: tuple[float, ...]) -> None:
         """Cut every block by new shard weights, between iterations (every rank together)."""
         sharded_state.reshard(self, weights)
 
@@ -353,7 +353,7 @@ class Stage3(ZeroStage):
         return [b.shard_grad for b in self.blocks] + [g for b in self.blocks for g in b.late_flats or ()]
 
     def optimizer_step(self) -> None:
-        self.optimizer.step()
+        self.offload.step()
 
     def zero_grad(self) -> None:
         for b in self.blocks:
@@ -381,6 +381,7 @@ class Stage3(ZeroStage):
         """Set each rank's shards (and the unsharded tensors: buffers, frozen parameters) from a
         complete state, without a collective; ValueError before any change if it does not fit."""
         sharded_state.load_full_state_dict(self, state)
+        self.offload.refresh()
 
     def param_bytes(self) -> int:
         return 0 if self.precision.separate_master else self._shard_bytes()

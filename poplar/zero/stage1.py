@@ -107,7 +107,7 @@ class Stage1(Stage0):
         return [s.grad for s in self.shard_params]
 
     def optimizer_step(self) -> None:
-        self.optimizer.step()
+        self.offload.step()
         self.sync_params()
 
     def zero_grad(self) -> None:

@@ -1,0 +1,25 @@
+"""`torchrun -m poplar train` with ``poplar.offload``: rank 1 of 2 keeps its optimizer in host
+memory; the plan table says so, the run trains and checkpoints, and the checkpoint's plan keeps
+the placement."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.cli.test_train_cli import TORCHRUN, _config, _torchrun
+
+
+@pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed beside this Python")
+@pytest.mark.multiprocess
+def test_torchrun_trains_with_rank_1_offloaded(tmp_path: Path) -> None:
+    _config(tmp_path, offload=[1])
+    run = _torchrun(tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "iteration 4/4" in run.stderr and "plan (even, ZeRO-2)" in run.stderr
+    table = run.stderr[run.stderr.index("plan (even, ZeRO-2)"):]
+    assert "offload" in table.splitlines()[1] and "optimizer" in table.splitlines()[4]
+    index = json.loads((tmp_path / "ckpt" / "step-00000004" / "index.json").read_text())
+    assert index["iteration"] == 4 and [r["offload"] for r in index["plan"]["ranks"]] == ["none", "optimizer"]

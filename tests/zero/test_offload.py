@@ -1,0 +1,233 @@
+"""Per-rank CPU offload of the optimizer (``RankPlan.offload``): ZeRO-1/2/3 on 3 gloo ranks where
+ranks 1 and 2 step their optimizer shard on host copies equal single-process full-batch training
+under uneven batch plans, with uneven shard weights, clipping, SGD-momentum and AdamW; mixed
+precision and a non-finite skip give what the same run without offload gives; set_plan moves
+the optimizer between device and host; checkpoints saved with offload resume without it and the
+other way round; plan rows carry the placement; ZeRO-0 refuses it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from poplar.checkpoint import load_checkpoint, save_checkpoint
+from poplar.comm import DistributedError
+from poplar.comm.launch import spawn
+from poplar.engine import PoplarEngine
+from poplar.profiler.local_comm import LocalCommunicator
+from poplar.types.plans import Offload, Plan, PlanError, RankPlan
+from poplar.zero.config import ZeroConfig
+from poplar.zero.runtime import ZeroRuntime
+from tests.toy import global_batch, loss_fn, make_model, make_optimizer, max_rel_err, reference_run, rank_slice
+
+ITERATIONS = 3
+GBS = 14
+CONFIGS = [("sgd", None), ("sgd", 0.5), ("adamw", 0.5)]
+OFFLOADED = (Offload.NONE, Offload.OPTIMIZER, Offload.OPTIMIZER)  # ranks 1 and 2 offload
+
+
+def rows(*rows: tuple[int, int, int], weights: tuple[float, ...] = (1, 1, 1),
+         offload: tuple[Offload, ...] = OFFLOADED) -> Plan:
+    return Plan([RankPlan(*r, shard_weight=w, offload=o) for r, w, o in zip(rows, weights, offload)])
+
+
+# n_i = 7, 2, 5 and 10, 0, 4 (an offloading rank with no samples), even shards; then shards 5:1:2 and
+# 2:0:1 (offloading rank 1 holds none of the state: empty host copies)
+PLANS = [rows((3, 2, 1), (2, 1, 0), (2, 2, 1)),
+         rows((3, 3, 1), (0, 0, 0), (2, 2, 0)),
+         rows((3, 2, 1), (2, 1, 0), (2, 2, 1), weights=(5, 1, 2)),
+         rows((4, 1, 0), (4, 1, 2), (1, 4, 0), weights=(2, 0, 1))]
+
+
+def _config(stage: int) -> ZeroConfig:
+    if stage == 3:  # Linear blocks hold a weight and a bias of two optimizer groups: two units a block
+        return ZeroConfig(3, wrap_policy={nn.Linear, nn.LayerNorm})
+    return ZeroConfig(stage, bucket_size_mb=0.001)  # buckets of 262 elements: parameters cut across ranks
+
+
+def _train(rank: int, stage: int, kind: str, plan: Plan, iterations: int = ITERATIONS, **kwargs: object
+           ) -> tuple[list[float], PoplarEngine]:
+    model = make_model(seed=0)
+    engine = PoplarEngine(model, make_optimizer(model, kind), zero_stage=_config(stage), plan=plan, **kwargs)
+    losses = [engine.train_step(rank_slice(global_batch(it, GBS), plan, rank), loss_fn) for it in range(iterations)]
+    return losses, engine
+
+
+def parity_worker(rank: int, world: int, stage: int) -> dict:
+    torch.set_num_threads(1)
+    out = {}
+    for kind, max_norm in CONFIGS:
+        for pi, plan in enumerate(PLANS):
+            losses, engine = _train(rank, stage, kind, plan, max_grad_norm=max_norm)
+            out[(kind, max_norm, pi)] = (losses, engine.full_state_dict())
+            if kind == "adamw" and pi == 0:  # even shards
+                out["memory"] = engine.memory_report()
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.multiprocess
+def test_offloaded_ranks_match_single_process(stage: int) -> None:
+    results = spawn(parity_worker, 3, (stage,), timeout_s=240)
+    for kind, max_norm in CONFIGS:
+        ref_losses, ref_state = reference_run(kind, GBS, ITERATIONS, max_norm)
+        for pi in range(len(PLANS)):
+            for rank, res in enumerate(results):
+                losses, state = res[(kind, max_norm, pi)]
+                assert max_rel_err(state, ref_state) <= 1e-5, (kind, max_norm, pi, rank)
+                assert losses == pytest.approx(ref_losses, rel=1e-5), (kind, max_norm, pi, rank)
+    kept, offloaded = results[0]["memory"], results[1]["memory"]  # even shards: the same state, elsewhere
+    assert kept["optimizer"] > 0 and not any(k.startswith("host_") for k in kept)
+    assert offloaded["optimizer"] == 0
+    assert offloaded["host_optimizer"] == pytest.approx(kept["optimizer"], rel=0.10)
+    assert offloaded["host_master_params"] > 0 and offloaded["host_grads"] == offloaded["host_master_params"]
+
+
+NAN_AT = 1  # the iteration whose loss is NaN on rank 2
+
+
+def variants_worker(rank: int, world: int, stage: int) -> dict:
+    """Runs whose reference is the same run without offload: mixed precision (bf16, and fp16
+    with its loss scaling), a non-finite skip, and the placement switched by set_plan."""
+    torch.set_num_threads(1)
+    out = {}
+    none = (Offload.NONE,) * 3
+    for offload in (none, OFFLOADED):
+        plan = rows((3, 2, 1), (2, 1, 0), (2, 2, 1), weights=(5, 1, 2), offload=offload)
+        for precision in ("bf16", "fp16"):
+            losses, engine = _train(rank, stage, "adamw", plan, max_grad_norm=0.5, mixed_precision=precision)
+            out[(precision, offload)] = (losses, engine.full_state_dict(), engine.skipped_steps)
+        model = make_model(seed=0)
+        engine = PoplarEngine(model, make_optimizer(model, "sgd"), zero_stage=_config(stage), plan=plan)
+        losses = []
+        for it in range(ITERATIONS):
+            def poisoned(m: nn.Module, x: torch.Tensor, it: int = it) -> torch.Tensor:
+                loss = loss_fn(m, x)
+                return loss * float("nan") if it == NAN_AT and rank == 2 else loss
+            losses.append(engine.train_step(rank_slice(global_batch(it, GBS), plan, rank), poisoned))
+        out[("nan", offload)] = (losses, engine.full_state_dict(), engine.skipped_steps)
+    # the placement moves between iterations: none, ranks 1 and 2, rank 0 only; and so do the
+    # shard weights, re-cut while ranks 1 and 2 are offloaded (before iteration 2)
+    model = make_model(seed=0)
+    plans = [rows((3, 2, 1), (2, 1, 0), (2, 2, 1), offload=o, weights=w)
+             for o, w in ((none, (1, 1, 1)), (OFFLOADED, (5, 1, 2)), ((Offload.OPTIMIZER, Offload.NONE, Offload.NONE),
+                                                                       (1, 2, 2)))]
+    engine = PoplarEngine(model, make_optimizer(model, "adamw"), zero_stage=_config(stage), plan=plans[0],
+                          max_grad_norm=0.5)
+    losses = []
+    for it, plan in enumerate(plans):
+        engine.set_plan(plan)
+        losses.append(engine.train_step(rank_slice(global_batch(it, GBS), plan, rank), loss_fn))
+    out["switched"] = (losses, engine.full_state_dict())
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.multiprocess
+def test_offload_under_mixed_precision_skips_and_switches(stage: int) -> None:
+    results = spawn(variants_worker, 3, (stage,), timeout_s=240)
+    none = (Offload.NONE,) * 3
+    for rank, res in enumerate(results):
+        for what in ("bf16", "fp16", "nan"):
+            losses, state, skipped = res[(what, OFFLOADED)]
+            kept_losses, kept_state, kept_skipped = res[(what, none)]
+            assert max_rel_err(state, kept_state) <= 1e-6, (what, rank)
+            assert losses == pytest.approx(kept_losses, rel=1e-6, nan_ok=True), (what, rank)
+            assert skipped == kept_skipped, (what, rank)
+        assert res[("nan", OFFLOADED)][2] == 1
+        ref_losses, ref_state = reference_run("adamw", GBS, ITERATIONS, 0.5)
+        losses, state = res["switched"]
+        assert max_rel_err(state, ref_state) <= 1e-5, rank
+        assert losses == pytest.approx(ref_losses, rel=1e-5)
+
+
+def checkpoint_worker(rank: int, world: int, stage: int, directory: str) -> dict:
+    torch.set_num_threads(1)
+    none = (Offload.NONE,) * 3
+    out = {}
+    for kind, (saved, resumed) in [(k, s) for k in ("sgd", "adamw") for s in ((OFFLOADED, none), (none, OFFLOADED))]:
+        where = f"{directory}/{kind}-{saved[1].value}"
+        plan = rows((3, 2, 1), (2, 1, 0), (2, 2, 1), weights=(5, 1, 2), offload=saved)
+        _, engine = _train(rank, stage, kind, plan, iterations=2, max_grad_norm=0.5)
+        save_checkpoint(engine, where)
+        plan = rows((3, 2, 1), (2, 1, 0), (2, 2, 1), offload=resumed)  # even shards too
+        model = make_model(seed=1)  # other initial weights: everything must come from the checkpoint
+        engine = PoplarEngine(model, make_optimizer(model, kind), zero_stage=_config(stage), plan=plan,
+                              max_grad_norm=0.5)
+        load_checkpoint(engine, where)
+        loss = engine.train_step(rank_slice(global_batch(2, GBS), plan, rank), loss_fn)
+        out[(kind, saved[1])] = (loss, engine.full_state_dict())
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.multiprocess
+def test_checkpoint_resumes_across_offload(stage: int, tmp_path: Path) -> None:
+    """Saved with ranks 1 and 2 offloading (shards 5:1:2), resumed without offload (even
+    shards), and saved without, resumed with: the third iteration is the uninterrupted one's."""
+    results = spawn(checkpoint_worker, 3, (stage, str(tmp_path)), timeout_s=180)
+    for kind in ("sgd", "adamw"):
+        ref_losses, ref_state = reference_run(kind, GBS, ITERATIONS, 0.5)
+        for rank, res in enumerate(results):
+            for saved in (Offload.NONE, Offload.OPTIMIZER):
+                loss, state = res[(kind, saved)]
+                assert max_rel_err(state, ref_state) <= 1e-5, (kind, saved, rank)
+                assert loss == pytest.approx(ref_losses[2], rel=1e-5), (kind, saved, rank)
+
+
+# ---------------------------------------------------------------- one process
+def test_plan_rows_carry_their_offload() -> None:
+    plan = rows((2, 1, 0), (1, 1, 0), (1, 1, 0))
+    again = Plan.from_dict(plan.to_dict())
+    assert again.offloads == OFFLOADED
+    assert '"offload": "optimizer"' in plan.to_json()
+    table = plan.table()
+    assert "offload" in table and table.count("optimizer") == 2
+    assert "offload" not in Plan.even(3, 6, 2).table()
+    legacy = {"ranks": [{"micro_batch_size": 2, "accum_steps": 1, "shard_weight": 1.0}]}  # before the field
+    assert Plan.from_dict(legacy).offloads == (Offload.NONE,)
+    for bad in ("gpu", True, None):
+        with pytest.raises(PlanError, match="offload"):
+            Plan([RankPlan(1, 1, offload=bad)])  # type: ignore[arg-type]
+
+
+def test_zero0_refuses_offload_naming_the_fix() -> None:
+    model = make_model()
+    plan = Plan([RankPlan(2, 1, offload=Offload.OPTIMIZER)])
+    with pytest.raises(DistributedError, match="ZeRO-0 .*zero_stage=1, 2 or 3"):
+        ZeroRuntime(model, make_optimizer(model, "sgd"), plan=plan, zero_stage=0, communicator=LocalCommunicator(1, 0))
+    runtime = ZeroRuntime(model, make_optimizer(model, "sgd"), plan=Plan([RankPlan(2, 1)]), zero_stage=0,
+                          communicator=LocalCommunicator(1, 0))
+    with pytest.raises(DistributedError, match="ZeRO-0"):
+        runtime.set_plan(plan)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_one_rank_steps_host_copies_and_brings_the_state_back(stage: int) -> None:
+    """A world of one: the optimizer steps tensors apart from the stage's shards while offloaded;
+    switching back re-points it at the shards with the state it had; training equals the reference."""
+    torch.set_num_threads(1)
+    model = make_model(seed=0)
+    plan = Plan([RankPlan(4, 3, 2, offload=Offload.OPTIMIZER)])
+    runtime = ZeroRuntime(model, make_optimizer(model, "sgd"), plan=plan, zero_stage=_config(stage),
+                          max_grad_norm=0.5, communicator=LocalCommunicator(1, 0))
+    losses = [runtime.train_step(global_batch(0, GBS), loss_fn)]
+    stepped = [p for g in runtime.optimizer.param_groups for p in g["params"]]
+    shards = runtime.stage.shard_params
+    assert len(stepped) == len(shards)
+    assert not {p.data_ptr() for p in stepped} & {s.data_ptr() for s in shards}  # separate host copies
+    momentum = [runtime.optimizer.state[p]["momentum_buffer"].clone() for p in stepped]
+    assert runtime.memory_report()["optimizer"] == 0
+    runtime.set_plan(Plan([RankPlan(4, 3, 2)]))
+    back = [p for g in runtime.optimizer.param_groups for p in g["params"]]
+    assert {id(p) for p in back} == {id(s) for s in shards}
+    assert all(torch.equal(runtime.optimizer.state[p]["momentum_buffer"], m) for p, m in zip(back, momentum))
+    assert runtime.memory_report()["optimizer"] > 0 and "host_optimizer" not in runtime.memory_report()
+    runtime.set_plan(plan)
+    losses += [runtime.train_step(global_batch(it, GBS), loss_fn) for it in (1, 2)]
+    ref_losses, ref_state = reference_run("sgd", GBS, ITERATIONS, 0.5)
+    assert max_rel_err(runtime.full_state_dict(), ref_state) <= 1e-5
+    assert losses == pytest.approx(ref_losses, rel=1e-5)

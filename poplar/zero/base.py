@@ -102,9 +102,14 @@ class ZeroStage(ABC):
     def reshard(self, weights: tuple[float, ...]) -> None:
         """Hold shares of the sharded state by new weights from the next iteration on (every rank
         together, between iterations); a stage that shards nothing keeps what it has. An
-        offloaded optimizer comes back to the device for the re-cut and goes out again after."""
-        with self.offload.on_device():
+        offloaded optimizer (and fp32 master) comes back to the device for the re-cut and goes out
+        again after, with the new shards."""
+        placement = self.offload.placement
+        self.place_optimizer(Offload.NONE)
+        try:
             self._reshard(weights)
+        finally:
+            self.place_optimizer(placement)
 
     def _reshard(self, weights: tuple[float, ...]) -> None:
         """Re-cut this stage's shards by ``weights`` (the optimizer steps its device shards)."""
@@ -115,7 +120,20 @@ class ZeroStage(ABC):
         if offload is not Offload.NONE and self.stage == 0:
             raise ValueError("ZeRO-0 replicates the optimizer state and has no shard to offload; use "
                              "zero_stage=1, 2 or 3, or offload=Offload.NONE")
-        self.offload.place(offload)
+        if offload is self.offload.placement:
+            return
+        self.offload.place(offload, self.compute_copies() if offload is not Offload.NONE else None)
+        if offload is Offload.NONE:
+            self.drop_compute_copies()
+
+    def compute_copies(self) -> dict[int, torch.Tensor] | None:
+        """Mixed precision: by ``id`` of each optimizer parameter (an fp32 master shard), the
+        device tensor in the compute dtype that holds its values while the master lives on the
+        host; None where the device shard is itself what the stage computes with (it stays)."""
+        return None
+
+    def drop_compute_copies(self) -> None:
+        """The master is back on the device: free what ``compute_copies`` allocated, if anything."""
 
     @abstractmethod
     def optimizer_step(self) -> None:

@@ -19,7 +19,9 @@ backward gather refills before the block's backward runs.
 Mixed precision (``StagePrecision.compute`` set): ``shard`` is the fp32 master; a gather sends it
 cast to the compute dtype into a compute-dtype ``full``, so the gathered bytes are half of
 fp32's. Gradients arrive in the compute dtype and are added into fp32 flat buffers; a lower
-``reduce`` dtype is cast for the reduce-scatter only.
+``reduce`` dtype is cast for the reduce-scatter only. While the rank's optimizer is offloaded the
+master lives on the host only: ``shard``'s storage is freed and the block keeps ``compute_shard``,
+the shard in the compute dtype, which the gathers send as it is.
 """
 
 from __future__ import annotations
@@ -151,6 +153,7 @@ class ShardedBlock:
             part = flat[lo:min(hi, flat.numel())]
             self._unit_shard(self.shard, k)[:part.numel()].copy_(part)
         self.shard_grad = torch.zeros_like(self.shard)
+        self.compute_shard: torch.Tensor | None = None  # offloaded master: the shard in the compute dtype
         self.shard_params = [nn.Parameter(self._unit_shard(self.shard, k), requires_grad=True)
                              for k in range(len(units))]
 
@@ -200,14 +203,19 @@ class ShardedBlock:
         for k, at, lo, n in self._pieces:
             rank_major[at:at + n].copy_(flats[k][lo:lo + n])
 
-    def load_param(self, k: int, i: int, value: torch.Tensor) -> None:
-        """Copy this rank's part of parameter i of unit k from its full ``value``."""
+    def load_param(self, k: int, i: int, value: torch.Tensor, shard: torch.Tensor) -> None:
+        """Copy this rank's part of parameter i of unit k from its full ``value`` into ``shard``
+        (unit k's master shard, wherever it lives)."""
         u = self.units[k]
         lo, off, n = u.shard_range[0], u.offsets[i], u.shapes[i].numel()
         a, b = max(lo, off), min(lo + u.shard_numel, off + n)
         if a < b:
-            shard = self._unit_shard(self.shard, k)
             shard[a - lo:b - lo].copy_(value.detach().reshape(-1)[a - off:b - off].to(shard.dtype))
+
+    def hold_compute_shard(self) -> list[torch.Tensor]:
+        """Allocate ``compute_shard`` (its values come from the master); each unit's slice of it."""
+        self.compute_shard = torch.zeros(self.shard_numel, dtype=self.compute_dtype, device=self.device)
+        return [self._unit_shard(self.compute_shard, k) for k in range(len(self.units))]
 
     def unit_shard_grads(self) -> list[torch.Tensor]:
         return [self._unit_shard(self.shard_grad, k) for k in range(len(self.units))]
@@ -220,9 +228,10 @@ class ShardedBlock:
         self.state = BlockState.GATHERED
         out = self.full if len(self.units) == 1 else torch.empty(
             self.full_numel, dtype=self.compute_dtype, device=self.device)
-        source = self.shard if self.compute_dtype == self.dtype else self.shard.to(self.compute_dtype)
+        kept = self.shard if self.compute_shard is None else self.compute_shard
+        source = kept if self.compute_dtype == kept.dtype else kept.to(self.compute_dtype)
         work = comm.all_gather(out, source, tag=f"block{self.index}", async_op=async_op, sizes=self.part_sizes)
-        return GatherHandle(work, None if out is self.full else out, None if source is self.shard else source)
+        return GatherHandle(work, None if out is self.full else out, None if source is kept else source)
 
     def finish_gather(self, handle: GatherHandle, use: bool = True) -> None:
         """Wait for the all-gather; with ``use`` point the parameters at the gathered values."""
@@ -236,11 +245,12 @@ class ShardedBlock:
                 for v, p in zip(u_views, u.params):
                     p.data = v
 
-    def gather_master(self, comm: Communicator) -> list[torch.Tensor]:
+    def gather_master(self, comm: Communicator, shard: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Every unit's full flat master, gathered from the shards in their own dtype (mixed
-        precision: the fp32 values, not the compute copy). A collective."""
+        precision: the fp32 values, not the compute copy; ``shard``: this rank's, if not
+        ``self.shard``). A collective."""
         rows = torch.empty(self.full_numel, dtype=self.dtype, device=self.device)
-        comm.all_gather(rows, self.shard, tag=f"block{self.index}", sizes=self.part_sizes)
+        comm.all_gather(rows, self.shard if shard is None else shard, tag=f"block{self.index}", sizes=self.part_sizes)
         if len(self.units) == 1:
             return [rows]
         flats = [u.new_flat(zero=False) for u in self.units]

@@ -18,7 +18,9 @@ hold the low-precision copy; the fp32 master is kept apart (``masters``): whole 
 every rank steps it identically and casts it into the copy; only this rank's shard at stages 1/2,
 where the optimizer steps the shard and the post-step all-gather moves low-precision bytes
 straight into the copy. Gradients arrive in the compute dtype and are accumulated into the fp32
-flat gradients (or buckets); a lower ``reduce`` dtype is cast for the collective only.
+flat gradients (or buckets); a lower ``reduce`` dtype is cast for the collective only. A rank that
+offloads its optimizer (``poplar.zero.offload``) keeps the master shard on the host only: the
+host step's values are cast into this rank's slice of the compute copy, which the all-gather sends.
 """
 
 from __future__ import annotations
@@ -74,7 +76,17 @@ class ReplicatedParams(ZeroStage):
         return sum(f.numel() * f.element_size() for f in self.flat_params)
 
     def master_bytes(self) -> int:
-        return sum(m.numel() * m.element_size() for m in self.masters)
+        return 0 if self.offload.master_on_host else sum(m.numel() * m.element_size() for m in self.masters)
+
+    def compute_copies(self) -> dict[int, torch.Tensor] | None:
+        """Each master shard's slice of the compute copy (the model's low-precision parameters)."""
+        if not (self.masters and self.master_sharded):
+            return None
+        return {id(s): u.shard_of(flat) for u, flat, s in zip(self.units, self.flat_params, self.shard_params)}
+
+    def _master_shard(self, ui: int) -> torch.Tensor:
+        """Where unit ``ui``'s fp32 master shard lives: on the device, or its host copy (offloaded)."""
+        return self.offload.master(self.shard_params[ui]) if self.offload.master_on_host else self.masters[ui]
 
     def _shard_params(self) -> list[nn.Parameter]:
         """One optimizer parameter per unit: a view of this rank's slice of the flat buffer (or
@@ -123,7 +135,7 @@ class ReplicatedParams(ZeroStage):
         for ui, (u, flat) in enumerate(zip(self.units, self.flat_params)):
             whole_master = bool(self.masters) and not self.master_sharded
             target = self.masters[ui] if whole_master else flat
-            if self.masters and self.master_sharded:
+            if self.masters and self.master_sharded and not self.offload.master_on_host:
                 local = self.masters[ui].to(flat.dtype)
             else:
                 local = u.shard_of(target).detach().clone()  # the input must not alias the output
@@ -155,7 +167,10 @@ class ReplicatedParams(ZeroStage):
         u = self.units[ui]
         full = u.new_flat(zero=False)
         self._hold(full.numel() * full.element_size())
-        self.comm.all_gather(full, self.masters[ui], tag=f"unit{u.index}", sizes=u.part_sizes)
+        shard = self.masters[ui]
+        if self.offload.master_on_host:  # a device copy of the host master for the collective
+            shard = torch.empty_like(shard).copy_(self._master_shard(ui).detach())
+        self.comm.all_gather(full, shard, tag=f"unit{u.index}", sizes=u.part_sizes)
         return full
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -169,13 +184,14 @@ class ReplicatedParams(ZeroStage):
         with torch.no_grad():
             for ui, u in enumerate(self.units):
                 lo, hi = u.shard_range if self.master_sharded else (0, u.padded_numel)
+                master = self._master_shard(ui)
                 for i, p in enumerate(u.params):
-                    value = state[key_of[id(p)]].detach().reshape(-1).to(self.masters[ui].dtype)
+                    value = state[key_of[id(p)]].detach().reshape(-1).to(master.dtype)
                     u.slot(self.flat_params[ui], i).copy_(value.view(u.shapes[i]))
                     off = u.offsets[i]
                     a, b = max(lo, off), min(hi, off + value.numel())
                     if a < b:
-                        self.masters[ui][a - lo:b - lo].copy_(value[a - off:b - off])
+                        master[a - lo:b - lo].copy_(value[a - off:b - off])
             trained = {id(p) for u in self.units for p in u.params}
             for k, v in sd.items():
                 if id(v) not in trained:

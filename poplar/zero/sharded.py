@@ -36,8 +36,9 @@ Limits: one forward of the model per micro-step, a block runs once per forward (
 recomputation), parameters are used only inside their block's forward, and the model's
 parameters are empty between uses: read them with ``full_state_dict()``.
 
-Mixed precision: each block's shard is its fp32 master; the all-gathers send it cast to the
-compute dtype (half of fp32's bytes for bf16/fp16); ``full_state_dict`` gathers the fp32 shards.
+Mixed precision: each block's shard is its fp32 master, sent cast to the compute dtype by the
+all-gathers (half of fp32's bytes for bf16/fp16) and gathered as it is by ``full_state_dict``; an
+offloading rank keeps the master on the host and a compute-dtype shard on the device.
 """
 
 from __future__ import annotations
@@ -381,16 +382,15 @@ class Stage3(ZeroStage):
         """Set each rank's shards (and the unsharded tensors: buffers, frozen parameters) from a
         complete state, without a collective; ValueError before any change if it does not fit."""
         sharded_state.load_full_state_dict(self, state)
-        self.offload.refresh()
+
+    compute_copies = sharded_state.compute_copies  # offloaded master: a compute-dtype shard on the device
+    drop_compute_copies = sharded_state.drop_compute_copies
 
     def param_bytes(self) -> int:
-        return 0 if self.precision.separate_master else self._shard_bytes()
+        return sharded_state.kept_bytes(self)[0]
 
     def master_bytes(self) -> int:
-        return self._shard_bytes() if self.precision.separate_master else 0
-
-    def _shard_bytes(self) -> int:
-        return sum(b.shard.numel() * b.element_size for b in self.blocks)
+        return sharded_state.kept_bytes(self)[1]
 
     def grad_bytes(self) -> int:
         return sum(b.shard_grad.numel() * b.element_size for b in self.blocks)

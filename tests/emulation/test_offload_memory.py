@@ -1,6 +1,7 @@
 """A virtual device attached to a rank that offloads its optimizer (``RankPlan.offload``) counts
-the optimizer state, as after the first step, as host memory, not device memory; the rest of
-its count is unchanged."""
+the optimizer state, as after the first step, and under mixed precision the fp32 master shard, as
+host memory, not device memory; the rest of its count is unchanged but for ZeRO-3's compute-dtype
+shard, which takes the master's place."""
 
 from __future__ import annotations
 
@@ -48,9 +49,18 @@ def test_offloaded_optimizer_is_host_memory(stage: int, precision: str | None) -
             after = (device.static_bytes(), device.host_bytes())
         assert before == after  # the prediction before the first step was right
         counts[offload] = (after, predicted, engine.memory_report())
-    (kept, kept_host), predicted, _ = counts[Offload.NONE]
+    (kept, kept_host), predicted, kept_report = counts[Offload.NONE]
     (moved, host), _, report = counts[Offload.OPTIMIZER]
     assert kept_host == 0 and predicted > 0
-    assert kept - moved == predicted  # the device no longer holds the optimizer state
     shard = report["host_master_params"]
     assert shard > 0 and host == predicted + 2 * shard  # state, fp32 master copy and gradient copy
+    assert report["master_params"] == 0
+    if precision is None:
+        assert kept - moved == predicted  # the device no longer holds the optimizer state
+        return
+    # mixed precision: nor the fp32 master shard; at ZeRO-3 a bf16 shard (half its bytes) takes its
+    # place on the device, at ZeRO-1/2 the bf16 parameters hold this rank's slice already
+    assert kept_report["master_params"] == shard
+    compute = shard // 2 if stage == 3 else 0
+    assert kept - moved == predicted + shard - compute
+    assert report["params"] == kept_report["params"] + compute

@@ -110,19 +110,29 @@ def variants_worker(rank: int, world: int, stage: int) -> dict:
             losses.append(engine.train_step(rank_slice(global_batch(it, GBS), plan, rank), poisoned))
         out[("nan", offload)] = (losses, engine.full_state_dict(), engine.skipped_steps)
     # the placement moves between iterations: none, ranks 1 and 2, rank 0 only; and so do the
-    # shard weights, re-cut while ranks 1 and 2 are offloaded (before iteration 2)
+    # shard weights, re-cut while ranks 1 and 2 are offloaded (before iteration 2). Under mixed
+    # precision the reference is the same shard weights without offload
+    for precision in (None, "bf16", "fp16"):
+        for placements in (SWITCHES, (none,) * 3) if precision else (SWITCHES,):
+            out[("switched", precision, placements)] = _switched(rank, stage, placements, precision)
+    return out
+
+
+SWITCHES = ((Offload.NONE,) * 3, OFFLOADED, (Offload.OPTIMIZER, Offload.NONE, Offload.NONE))
+
+
+def _switched(rank: int, stage: int, placements: tuple[tuple[Offload, ...], ...], precision: str | None
+              ) -> tuple[list[float], dict]:
     model = make_model(seed=0)
     plans = [rows((3, 2, 1), (2, 1, 0), (2, 2, 1), offload=o, weights=w)
-             for o, w in ((none, (1, 1, 1)), (OFFLOADED, (5, 1, 2)), ((Offload.OPTIMIZER, Offload.NONE, Offload.NONE),
-                                                                       (1, 2, 2)))]
+             for o, w in zip(placements, ((1, 1, 1), (5, 1, 2), (1, 2, 2)))]
     engine = PoplarEngine(model, make_optimizer(model, "adamw"), zero_stage=_config(stage), plan=plans[0],
-                          max_grad_norm=0.5)
+                          max_grad_norm=0.5, mixed_precision=precision)
     losses = []
     for it, plan in enumerate(plans):
         engine.set_plan(plan)
         losses.append(engine.train_step(rank_slice(global_batch(it, GBS), plan, rank), loss_fn))
-    out["switched"] = (losses, engine.full_state_dict())
-    return out
+    return losses, engine.full_state_dict()
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -139,27 +149,37 @@ def test_offload_under_mixed_precision_skips_and_switches(stage: int) -> None:
             assert skipped == kept_skipped, (what, rank)
         assert res[("nan", OFFLOADED)][2] == 1
         ref_losses, ref_state = reference_run("adamw", GBS, ITERATIONS, 0.5)
-        losses, state = res["switched"]
+        losses, state = res[("switched", None, SWITCHES)]
         assert max_rel_err(state, ref_state) <= 1e-5, rank
         assert losses == pytest.approx(ref_losses, rel=1e-5)
+        for precision in ("bf16", "fp16"):
+            losses, state = res[("switched", precision, SWITCHES)]
+            kept_losses, kept_state = res[("switched", precision, (none,) * 3)]
+            assert max_rel_err(state, kept_state) <= 1e-6, (precision, rank)
+            assert losses == pytest.approx(kept_losses, rel=1e-6), (precision, rank)
 
 
 def checkpoint_worker(rank: int, world: int, stage: int, directory: str) -> dict:
     torch.set_num_threads(1)
     none = (Offload.NONE,) * 3
     out = {}
-    for kind, (saved, resumed) in [(k, s) for k in ("sgd", "adamw") for s in ((OFFLOADED, none), (none, OFFLOADED))]:
-        where = f"{directory}/{kind}-{saved[1].value}"
+    cases = [(kind, None) for kind in ("sgd", "adamw")] + [("adamw", precision) for precision in ("bf16", "fp16")]
+    for (kind, precision), (saved, resumed) in [(c, s) for c in cases for s in ((OFFLOADED, none), (none, OFFLOADED))]:
+        where = f"{directory}/{kind}-{precision}-{saved[1].value}"
         plan = rows((3, 2, 1), (2, 1, 0), (2, 2, 1), weights=(5, 1, 2), offload=saved)
-        _, engine = _train(rank, stage, kind, plan, iterations=2, max_grad_norm=0.5)
+        _, engine = _train(rank, stage, kind, plan, iterations=2, max_grad_norm=0.5, mixed_precision=precision)
         save_checkpoint(engine, where)
         plan = rows((3, 2, 1), (2, 1, 0), (2, 2, 1), offload=resumed)  # even shards too
+        if precision is not None and saved is none:  # the reference: the run goes on, uninterrupted
+            engine.set_plan(rows((3, 2, 1), (2, 1, 0), (2, 2, 1), offload=none))
+            loss = engine.train_step(rank_slice(global_batch(2, GBS), plan, rank), loss_fn)
+            out[(kind, precision, "uninterrupted")] = (loss, engine.full_state_dict())
         model = make_model(seed=1)  # other initial weights: everything must come from the checkpoint
         engine = PoplarEngine(model, make_optimizer(model, kind), zero_stage=_config(stage), plan=plan,
-                              max_grad_norm=0.5)
+                              max_grad_norm=0.5, mixed_precision=precision)
         load_checkpoint(engine, where)
         loss = engine.train_step(rank_slice(global_batch(2, GBS), plan, rank), loss_fn)
-        out[(kind, saved[1])] = (loss, engine.full_state_dict())
+        out[(kind, precision, saved[1])] = (loss, engine.full_state_dict())
     return out
 
 
@@ -167,15 +187,23 @@ def checkpoint_worker(rank: int, world: int, stage: int, directory: str) -> dict
 @pytest.mark.multiprocess
 def test_checkpoint_resumes_across_offload(stage: int, tmp_path: Path) -> None:
     """Saved with ranks 1 and 2 offloading (shards 5:1:2), resumed without offload (even
-    shards), and saved without, resumed with: the third iteration is the uninterrupted one's."""
-    results = spawn(checkpoint_worker, 3, (stage, str(tmp_path)), timeout_s=180)
+    shards), and saved without, resumed with: the third iteration is the uninterrupted one's
+    (fp32: single-process training; bf16 and fp16: the same run without offload)."""
+    results = spawn(checkpoint_worker, 3, (stage, str(tmp_path)), timeout_s=240)
     for kind in ("sgd", "adamw"):
         ref_losses, ref_state = reference_run(kind, GBS, ITERATIONS, 0.5)
         for rank, res in enumerate(results):
             for saved in (Offload.NONE, Offload.OPTIMIZER):
-                loss, state = res[(kind, saved)]
+                loss, state = res[(kind, None, saved)]
                 assert max_rel_err(state, ref_state) <= 1e-5, (kind, saved, rank)
                 assert loss == pytest.approx(ref_losses[2], rel=1e-5), (kind, saved, rank)
+    for precision in ("bf16", "fp16"):  # the master comes from the host copy, and goes back into it
+        for rank, res in enumerate(results):
+            ref_loss, ref_state = res[("adamw", precision, "uninterrupted")]
+            for saved in (Offload.NONE, Offload.OPTIMIZER):
+                loss, state = res[("adamw", precision, saved)]
+                assert max_rel_err(state, ref_state) <= 1e-6, (precision, saved, rank)
+                assert loss == pytest.approx(ref_loss, rel=1e-6), (precision, saved, rank)
 
 
 # ---------------------------------------------------------------- one process
@@ -231,3 +259,36 @@ def test_one_rank_steps_host_copies_and_brings_the_state_back(stage: int) -> Non
     ref_losses, ref_state = reference_run("sgd", GBS, ITERATIONS, 0.5)
     assert max_rel_err(runtime.full_state_dict(), ref_state) <= 1e-5
     assert losses == pytest.approx(ref_losses, rel=1e-5)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_offloaded_master_lives_on_the_host_only(stage: int, precision: str) -> None:
+    """Under mixed precision an offloading rank's device keeps no fp32 master: its storage is
+    freed while the optimizer steps on the host, and comes back with the host's values when the
+    optimizer returns to the device; states read while offloaded, and training, equal the run
+    that never offloads."""
+    torch.set_num_threads(1)
+    runs = {}
+    for offload in (Offload.NONE, Offload.OPTIMIZER):
+        model = make_model(seed=0)
+        runtime = ZeroRuntime(model, make_optimizer(model, "adamw"), plan=Plan([RankPlan(4, 3, 2, offload=offload)]),
+                              zero_stage=_config(stage), max_grad_norm=0.5, mixed_precision=precision,
+                              communicator=LocalCommunicator(1, 0))
+        stage_ = runtime.stage
+        masters = stage_.masters if stage < 3 else [b.shard for b in stage_.blocks]
+        losses = [runtime.train_step(global_batch(it, GBS), loss_fn) for it in range(2)]
+        held = [m.untyped_storage().nbytes() for m in masters]
+        report, state = runtime.memory_report(), runtime.full_state_dict()
+        runtime.set_plan(Plan([RankPlan(4, 3, 2)]))  # the optimizer back on the device
+        back = [m.untyped_storage().nbytes() for m in masters]
+        losses.append(runtime.train_step(global_batch(2, GBS), loss_fn))
+        runs[offload] = (losses, state, runtime.full_state_dict(), report, held, back)
+    kept, moved = runs[Offload.NONE], runs[Offload.OPTIMIZER]
+    assert all(n > 0 for n in kept[4]) and all(n == 0 for n in moved[4])  # the device masters freed
+    assert moved[5] == kept[4]  # and back
+    assert kept[3]["master_params"] > 0 and moved[3]["master_params"] == 0
+    assert moved[3]["host_master_params"] == kept[3]["master_params"]
+    for got, want in ((moved[1], kept[1]), (moved[2], kept[2])):
+        assert max_rel_err(got, want) <= 1e-6
+    assert moved[0] == pytest.approx(kept[0], rel=1e-6)

@@ -61,9 +61,10 @@ class AutoOptions:
     profile_data: Any = None  # what profiling trains on: a map-style dataset or sample_fn(b)
     device: Device | None = None  # this rank's device (default: the model's GPU)
     strategy: str = "poplar"  # or "even" / "flops" (the baselines, for comparison)
-    # each rank's share of the sharded state: "even", "auto" (chosen with the batches from the
-    # profile's memory, poplar.planner.shards) or one weight per rank
-    shards: str | tuple[float, ...] = "even"
+    # each rank's share of the sharded state: "auto" (chosen with the batches from the profile's
+    # memory, poplar.planner.shards: even unless other weights are predicted faster by more than
+    # the plan's tie, and those confirmed by one real step), "even", or one weight per rank
+    shards: str | tuple[float, ...] = "auto"
     profile: Profile | str | os.PathLike | None = None  # reuse a measured profile instead of profiling
     profile_output: str | os.PathLike | None = None  # save the measured profile here (JSON)
     repeats: int = 3  # timing measurements per batch size

@@ -35,8 +35,8 @@ directory, as DeepSpeed's are.
                                                     (the layer stack), a class name or a list of them: binding
         "cluster": "B",                             CPU: emulate this cluster (built-in name or JSON file)
         "strategy": "poplar",                       or "even" / "flops"
-        "shards": "even",                           each rank's share of the sharded state: "even", "auto"
-                                                    (chosen with the batches) or one weight per rank
+        "shards": "auto",                           each rank's share of the sharded state: "auto" (chosen
+                                                    with the batches), "even" or one weight per rank
         "offload": "none",                          "all" or rank indices [1, 2]: their optimizer state in host memory
         "plan": null,                               a plan JSON: use it, no profiling
         "profile": null,                            a profile JSON: plan from it, no profiling
@@ -137,7 +137,7 @@ class TrainConfig:
     activation_checkpointing: Any = None
     cluster: str | None = None
     strategy: str = "poplar"
-    shards: str | tuple[float, ...] = "even"  # "even", "auto" or one shard weight per rank
+    shards: str | tuple[float, ...] = "auto"  # "auto", "even" or one shard weight per rank
     offload: OffloadSetting | None = None  # ranks whose optimizer is in host memory (train.placement_config)
     plan: str | None = None
     profile: str | None = None

@@ -1,4 +1,5 @@
-"""memory_report() against docs/design.md §3 for a ~7M-parameter model with AdamW (K = 8 bytes/param)."""
+"""memory_report() against docs/design.md §3 for a ~440k-parameter model with AdamW (K = 8 bytes/param), cut
+into several communication units (buckets of 0.25 MB)."""
 
 from __future__ import annotations
 
@@ -11,19 +12,19 @@ from poplar.comm.launch import spawn
 from poplar.types.plans import Plan
 from poplar.zero.config import ZeroConfig
 
-BUCKET_MB = 4.0
+BUCKET_MB = 0.25
 
 
-def seven_million() -> nn.Module:
+def seven_layers() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(*[nn.Linear(1000, 1000) for _ in range(7)])  # Ψ = 7,007,000
+    return nn.Sequential(*[nn.Linear(250, 250) for _ in range(7)])  # Ψ = 439,250
 
 
 def memory_worker(rank: int, world: int, stage: int) -> dict:
-    model = seven_million()
+    model = seven_layers()
     plan = Plan.even(world, 2 * world, 1)
     engine = PoplarEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-3), zero_stage=ZeroConfig(stage, bucket_size_mb=BUCKET_MB), plan=plan)
-    x = torch.randn(2, 1000)
+    x = torch.randn(2, 250)
     engine.train_step(x, lambda m, b: m(b).pow(2).mean())
     report = engine.memory_report()
     report["psi"] = sum(p.numel() for p in model.parameters())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -72,6 +73,20 @@ def reference_run(kind: str, gbs: int, iterations: int, max_grad_norm: float | N
     model = make_model()
     return train_reference(model, make_optimizer(model, kind), lambda it: loss_fn(model, global_batch(it, gbs)),
                            iterations, max_grad_norm)
+
+
+def assert_runs_match_reference(results: list[dict], configs: list[tuple[str, float | None]], plans: int, gbs: int,
+                                iterations: int) -> None:
+    """Every rank's run of every (optimizer kind, max_norm) config and plan index, as
+    ``results[rank][(kind, max_norm, plan index)] = (losses, full state)``, equals single-process
+    training on the whole global batch to 1e-5."""
+    for kind, max_norm in configs:
+        ref_losses, ref_state = reference_run(kind, gbs, iterations, max_norm)
+        for pi in range(plans):
+            for rank, res in enumerate(results):
+                losses, state = res[(kind, max_norm, pi)]
+                assert max_rel_err(state, ref_state) <= 1e-5, (kind, max_norm, pi, rank)
+                assert losses == pytest.approx(ref_losses, rel=1e-5), (kind, max_norm, pi, rank)
 
 
 def train_reference(model: nn.Module, opt: torch.optim.Optimizer, loss_at: Callable[[int], Any], iterations: int,

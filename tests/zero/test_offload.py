@@ -21,7 +21,8 @@ from poplar.profiler.local_comm import LocalCommunicator
 from poplar.types.plans import Offload, Plan, PlanError, RankPlan
 from poplar.zero.config import ZeroConfig
 from poplar.zero.runtime import ZeroRuntime
-from tests.toy import global_batch, loss_fn, make_model, make_optimizer, max_rel_err, reference_run, rank_slice
+from tests.toy import (assert_runs_match_reference, global_batch, loss_fn, make_model, make_optimizer, max_rel_err,
+                       rank_slice, reference_run)
 
 ITERATIONS = 3
 GBS = 14
@@ -72,13 +73,7 @@ def parity_worker(rank: int, world: int, stage: int) -> dict:
 @pytest.mark.multiprocess
 def test_offloaded_ranks_match_single_process(stage: int) -> None:
     results = spawn(parity_worker, 3, (stage,), timeout_s=240)
-    for kind, max_norm in CONFIGS:
-        ref_losses, ref_state = reference_run(kind, GBS, ITERATIONS, max_norm)
-        for pi in range(len(PLANS)):
-            for rank, res in enumerate(results):
-                losses, state = res[(kind, max_norm, pi)]
-                assert max_rel_err(state, ref_state) <= 1e-5, (kind, max_norm, pi, rank)
-                assert losses == pytest.approx(ref_losses, rel=1e-5), (kind, max_norm, pi, rank)
+    assert_runs_match_reference(results, CONFIGS, len(PLANS), GBS, ITERATIONS)
     kept, offloaded = results[0]["memory"], results[1]["memory"]  # even shards: the same state, elsewhere
     assert kept["optimizer"] > 0 and not any(k.startswith("host_") for k in kept)
     assert offloaded["optimizer"] == 0

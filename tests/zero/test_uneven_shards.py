@@ -20,8 +20,8 @@ from poplar.types.plans import Plan, PlanError, RankPlan
 from poplar.zero.config import ZeroConfig
 from poplar.zero.flat import FlatUnit
 from poplar.zero.shard_layout import ShardLayout
-from tests.toy import (global_batch, loss_fn, make_model, make_optimizer, max_rel_err, plan_of, rank_slice,
-                       reference_run, with_shards)
+from tests.toy import (assert_runs_match_reference, global_batch, loss_fn, make_model, make_optimizer, max_rel_err,
+                       plan_of, rank_slice, reference_run, with_shards)
 
 ITERATIONS = 3
 GBS = 14
@@ -63,13 +63,7 @@ def parity_worker(rank: int, world: int, stage: int) -> dict:
 @pytest.mark.multiprocess
 def test_weighted_shards_match_single_process(stage: int) -> None:
     results = spawn(parity_worker, 3, (stage,), timeout_s=240)
-    for kind, max_norm in CONFIGS:
-        ref_losses, ref_state = reference_run(kind, GBS, ITERATIONS, max_norm)
-        for pi in range(len(PLANS)):
-            for rank, res in enumerate(results):
-                losses, state = res[(kind, max_norm, pi)]
-                assert max_rel_err(state, ref_state) <= 1e-5, (kind, max_norm, pi, rank)
-                assert losses == pytest.approx(ref_losses, rel=1e-5), (kind, max_norm, pi, rank)
+    assert_runs_match_reference(results, CONFIGS, len(PLANS), GBS, ITERATIONS)
 
 
 RESHARDS = [(1, 1, 1), (5, 1, 2), (0, 1, 2)]  # the weights of iterations 0, 1 and 2

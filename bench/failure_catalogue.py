@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from poplar.emulation.torchrun_workers import worker_pid
+
 REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 RANKS = 3
@@ -41,20 +43,6 @@ def config(work: Path, **poplar: object) -> dict:
             "poplar": {"iterations": 100_000, "model": {"name": "llama-tiny", "n_layers": 2}, "data": {"seq_len": 16},
                        "checkpoint": {"dir": "ckpt", "every": 2}, "collective_timeout_s": 30, "log_every": 1,
                        **poplar}}
-
-
-def worker_pid(launcher: int, rank: int) -> int | None:
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == launcher and f"RANK={rank}".encode() in environ:
-            return int(entry.name)
-    return None
 
 
 def launch(work: Path, log: Path) -> subprocess.Popen:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from poplar.emulation.torchrun_workers import worker_pid
 from tests.cli.test_train_cli import CPU_ONLY, REPO, TORCHRUN, _config
 
 DEADLINE_S = 90.0
@@ -95,21 +96,6 @@ def test_sigint_stops_a_single_process_run_with_status_130(tmp_path: Path) -> No
     assert code == 128 + signal.SIGINT, text[-3000:]
     stopped = int(re.search(r"poplar train: stopped by SIGINT at iteration (\d+)", text).group(1))
     assert json.loads((tmp_path / "ckpt" / "index.json").read_text())["iteration"] == stopped >= 2
-
-
-def worker_pid(launcher: int, rank: int) -> int | None:
-    """The pid of torchrun's worker of ``rank`` (a child of the launcher with RANK=rank)."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == launcher and f"RANK={rank}".encode() in environ:
-            return int(entry.name)
-    return None
 
 
 @pytest.mark.skipif(not TORCHRUN.exists() or not Path("/proc").is_dir(), reason="needs torchrun and /proc")

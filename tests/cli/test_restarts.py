@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli.test_preemption import worker_pid
+from poplar.emulation.torchrun_workers import worker_pid
 from tests.cli.test_train_cli import CPU_ONLY, REPO, TORCHRUN, _config
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **CPU_ONLY}

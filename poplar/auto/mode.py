@@ -41,6 +41,7 @@ from poplar.auto.stored import StoreUse, profile_from_store, store_key
 from poplar.planner.candidates import RULES, CandidateRow
 from poplar.profiler.cuda_device import CudaDevice
 from poplar.profiler.devices import Device
+from poplar.profiler.exposure import EXPOSURE_PRECISION
 from poplar.profiler.phases import observers_of
 from poplar.profiler.precision import agree_precision_support, profile_precision
 from poplar.profiler.profile_run import ProfileJob, ProfileOptions, confirm_plan_memory, profile_rank
@@ -68,6 +69,9 @@ class AutoOptions:
     profile: Profile | str | os.PathLike | None = None  # reuse a measured profile instead of profiling
     profile_output: str | os.PathLike | None = None  # save the measured profile here (JSON)
     repeats: int = 3  # timing measurements per batch size
+    # steady timing rounds go on until the exposed communication is known to this fraction of a
+    # round (poplar.profiler.exposure; 0: the fewest rounds, a quicker and rougher profile)
+    exposure_precision: float = EXPOSURE_PRECISION
     max_batch: int = 4096  # the capacity search stops here
     # zero_stage="auto" with choose="first_fit": move up from the lowest stage while batch 1 does
     # not fit somewhere (a given stage never moves: it is binding)
@@ -152,7 +156,8 @@ def _measure(comm: Communicator, model: nn.Module, optimizer: torch.optim.Optimi
     binding = len(choice.stages) == 1  # a given stage: no escalation, an error naming the stage that fits
     popts = ProfileOptions(zero_stage=min(choice.stages), escalate=options.escalate and not binding,
                            max_batch=options.max_batch,
-                           repeats=options.repeats, bucket_size_mb=zero.bucket_size_mb, wrap_policy=zero.wrap_policy,
+                           repeats=options.repeats, exposure_precision=options.exposure_precision,
+                           bucket_size_mb=zero.bucket_size_mb, wrap_policy=zero.wrap_policy,
                            model_name=type(model).__name__, progress=options.progress, mixed_precision=policy,
                            activation_checkpointing=None if choice.active else choice.checkpointing)
     job = ProfileJob(model_fn, loss_fn, sample_fn, optimizer_fn, popts,

@@ -58,3 +58,19 @@ def test_dead_rank_fails_fast() -> None:
 def test_timeout() -> None:
     with pytest.raises(RankFailure, match="timed out"):
         spawn(sleeps, 2, timeout_s=8)
+
+
+def environment_and_threads(rank: int, world: int) -> tuple[str | None, str | None, int]:
+    return os.environ.get("POPLAR_TEST_LAUNCH"), os.environ.get("POPLAR_TEST_GONE"), torch.get_num_threads()
+
+
+@pytest.mark.multiprocess
+def test_ranks_see_the_callers_environment_at_each_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranks fork from a server started at the first call; each call's ranks still see the
+    caller's environment as it is then (set and unset variables), not the server's."""
+    monkeypatch.setenv("POPLAR_TEST_GONE", "set")
+    monkeypatch.setenv("POPLAR_TEST_LAUNCH", "first")
+    assert spawn(environment_and_threads, 2, threads_per_rank=2) == [("first", "set", 2)] * 2
+    monkeypatch.setenv("POPLAR_TEST_LAUNCH", "second")
+    monkeypatch.delenv("POPLAR_TEST_GONE")
+    assert spawn(environment_and_threads, 2) == [("second", None, 1)] * 2

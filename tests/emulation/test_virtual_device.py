@@ -208,20 +208,31 @@ def test_a_single_measurement_is_trusted_only_where_it_keeps_the_curves_shape() 
     assert unconfirmed({**once, 4: [3.2, 3.21]}, [4], 0.02, Confirmation.REPEAT) == []
 
 
-def test_sleep_is_not_the_bottleneck() -> None:
-    """``sleep_until`` wakes no later than a bare ``time.sleep`` of the same length, taken in turn
-    with it (a busy machine delays both alike), and never early."""
+def _sleep_errors(rounds: int = 20) -> tuple[list[float], list[float]]:
+    """Overshoots of ``sleep_until`` and of a bare ``time.sleep`` of 3 ms, taken in turn."""
     from poplar.emulation.speed_padding import sleep_until
     errors, bare = [], []
-    for _ in range(20):
+    for _ in range(rounds):
         target = time.perf_counter() + 0.003
         sleep_until(target)
         errors.append(time.perf_counter() - target)
         start = time.perf_counter()
         time.sleep(0.003)
         bare.append(time.perf_counter() - start - 0.003)
-    assert min(errors) >= 0
-    assert sorted(errors)[10] <= sorted(bare)[10] + 1e-4, (sorted(errors), sorted(bare))
+    return sorted(errors), sorted(bare)
+
+
+def test_sleep_is_not_the_bottleneck() -> None:
+    """``sleep_until`` wakes no later than a bare ``time.sleep`` of the same length, taken in turn
+    with it, and never early. A busy machine can take the core from the final spin for a whole
+    time slice, so the medians are compared over up to three sets of rounds: one set must show
+    it; a ``sleep_until`` that is late by design is late in every set."""
+    for _ in range(3):
+        errors, bare = _sleep_errors()
+        assert errors[0] >= 0
+        if errors[10] <= bare[10] + 1e-4:
+            return
+    raise AssertionError((errors, bare))
 
 
 class MicroStepStarts(StepObserver):

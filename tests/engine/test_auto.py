@@ -36,7 +36,7 @@ def _parts(seed: int = 0) -> tuple:
 def auto_rank(rank: int, world: int, tmp: str) -> dict:
     data, model, opt = _parts()
     engine = PoplarEngine(model, opt, zero_stage=1, global_batch_size=GBS, loss_fn=llama_loss_fn,
-                          auto=AutoOptions(profile_data=data, device=cluster_device(PAIR), repeats=1,
+                          auto=AutoOptions(profile_data=data, device=cluster_device(PAIR), repeats=1, exposure_precision=0,
                                            profile_output=f"{tmp}/profile.json", progress=False))
     planned = engine.plan.to_dict()  # auto mode's plan (a drifting rank may get a new one during fit)
     fit = poplar.fit(engine, data, 3, report=ReportOptions(log_every=0, progress=False))

@@ -26,7 +26,7 @@ def binding_rank(rank: int, world: int, capacity: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for stage in (2, 0, "auto"):
         model = WORKLOAD.model_fn()
-        options = AutoOptions(profile_data=WORKLOAD.sample_fn, device=device, repeats=1, progress=False,
+        options = AutoOptions(profile_data=WORKLOAD.sample_fn, device=device, repeats=1, exposure_precision=0, progress=False,
                               max_batch=64)
         try:
             result = auto_plan(Communicator(), model, default_optimizer(model), global_batch_size=12,

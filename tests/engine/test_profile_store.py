@@ -101,7 +101,7 @@ def store_rank(rank: int, world: int, store: str) -> dict:
         model = create_model("llama-tiny", max_seq_len=16)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         engine = PoplarEngine(model, opt, zero_stage=1, global_batch_size=GBS, loss_fn=llama_loss_fn,
-                              auto=AutoOptions(profile_data=data, device=cluster_device(cluster), repeats=1,
+                              auto=AutoOptions(profile_data=data, device=cluster_device(cluster), repeats=1, exposure_precision=0,
                                                choose="first_fit", store=store, progress=False))
         out[run] = {"use": engine.auto_result.store_use, "profile": engine.profile.to_dict(),
                     "plan": engine.plan.to_dict(), "trial_steps": engine.profile.ranks[rank].trial_steps}

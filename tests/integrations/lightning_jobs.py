@@ -103,7 +103,7 @@ def auto_fit_rank(rank: int, world: int, steps: int) -> dict[str, Any]:
     data = TokenData(96)
     device = cluster_device("B", rank)
     strategy = PoplarStrategy(zero_stage=0, global_batch_size=24,
-                              auto=AutoOptions(profile_data=data, device=device, repeats=1, progress=False))
+                              auto=AutoOptions(profile_data=data, device=device, repeats=1, exposure_precision=0, progress=False))
     trainer = trainer_for(strategy, steps)
     trainer.fit(ToyModule(), DataLoader(data, shuffle=False))
     engine = trainer.strategy.engine

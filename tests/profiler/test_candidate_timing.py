@@ -30,7 +30,7 @@ def worker(rank: int, world: int, devices: list[VirtualDevice]) -> dict:
     torch.set_num_threads(1)
     device = devices[rank]
     job = ProfileJob(WORKLOAD.model_fn, WORKLOAD.loss_fn, WORKLOAD.sample_fn,
-                     options=ProfileOptions(repeats=1, bucket_size_mb=0.03, progress=False))
+                     options=ProfileOptions(repeats=1, bucket_size_mb=0.03, progress=False, exposure_precision=0))
     prof = CandidateProfiler(job, device, log=lambda m: None)
     late = latest_wake_up(CURVES[rank](1))  # bare sleeps as long as a step, before and after: the reference
     caps = prof.capacities([Configuration(0), Configuration(1)])

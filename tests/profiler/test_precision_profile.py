@@ -196,7 +196,8 @@ def test_fp16_fits_larger_micro_batches_on_cluster_b(stage: int) -> None:
 def test_profile_records_its_precision_and_measures_the_fp16_curve() -> None:
     late = latest_wake_up(0.01)  # bare sleeps in this process before and after the profile: the reference
     prof = profile_cluster(WORKLOAD.model_fn, WORKLOAD.loss_fn, WORKLOAD.sample_fn, cluster=PAIR,
-                           options=ProfileOptions(zero_stage=1, mixed_precision="fp16", repeats=2, progress=False))
+                           options=ProfileOptions(zero_stage=1, mixed_precision="fp16", repeats=2, progress=False,
+                                                          exposure_precision=0))
     late = max(late, latest_wake_up(0.01))
     assert prof.meta["precision"] == "fp16" and prof.meta["mixed_precision"]["param_dtype"] == "fp16"
     assert prof.meta["calibration"]["precision"] == "fp16"
@@ -217,7 +218,7 @@ def auto_fp16_rank(rank: int, world: int) -> dict:
     model = WORKLOAD.model_fn()
     optimizer = default_optimizer(model)
     result = auto_plan(Communicator(), model, optimizer, global_batch_size=24, zero_stage=1, loss_fn=WORKLOAD.loss_fn,
-                       options=AutoOptions(profile_data=WORKLOAD.sample_fn, device=cluster_device(PAIR), repeats=1,
+                       options=AutoOptions(profile_data=WORKLOAD.sample_fn, device=cluster_device(PAIR), repeats=1, exposure_precision=0,
                                            progress=False), mixed_precision="fp16")
     engine = PoplarEngine(model, optimizer, plan=result.plan, zero_stage=result.plan.zero_stage,
                           mixed_precision="fp16")

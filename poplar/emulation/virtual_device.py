@@ -192,6 +192,15 @@ class VirtualDevice(ProfilingPhases, SpeedPadding, Device):
     def static_bytes(self) -> int:
         return self._static
 
+    def host_link_bytes_per_s(self) -> float | None:
+        """The preset's nominal host link at the emulation's scales (a byte here stands for
+        1 / memory_scale bytes of the real model, a second of the real card for time_scale
+        seconds here); None for a device not made from a preset."""
+        name = self.preset_name
+        if name is None or self.memory_scale is None or self.time_scale is None:
+            return None
+        return get_preset(name).host_link_bytes_per_s * self.memory_scale / self.time_scale
+
     def host_bytes(self) -> int:
         """Host memory the attached runtime keeps for this rank (its offloaded optimizer state,
         fp32 master and gradient copies), outside the device's memory count."""

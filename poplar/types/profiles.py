@@ -162,6 +162,9 @@ class Profile:
     meta: dict[str, Any] = field(default_factory=dict)
     # the shard weights every rank was measured at (its mbs and shard_bytes are theirs); None: even
     shard_weights: list[float] | None = None
+    # where every rank's optimizer was while its mbs was measured ("none" / "optimizer", the values
+    # of ``Offload``); None: on the device everywhere
+    offloads: list[str] | None = None
 
     def __post_init__(self) -> None:
         _require(isinstance(self.ranks, list), "ranks", self.ranks, "a list of rank profiles")
@@ -248,6 +251,10 @@ class Profile:
             if problem is not None or len(self.shard_weights) != self.world_size:
                 raise ProfileError(f"profile shard_weights must be one weight per rank ({self.world_size}): "
                                    f"{problem or self.shard_weights}; re-run the profiler")
+        if self.offloads is not None and (not isinstance(self.offloads, list) or len(self.offloads) != self.world_size
+                                          or any(o not in ("none", "optimizer") for o in self.offloads)):
+            raise ProfileError(f"profile offloads must be one of \"none\" / \"optimizer\" per rank ({self.world_size}), "
+                               f"got {self.offloads!r}; re-run the profiler")
         if not self.comm.bandwidth_bytes_per_s > 0:
             raise ProfileError(f"comm bandwidth must be > 0, got {self.comm.bandwidth_bytes_per_s}")
         if self.comm.exposed_error is not None and not 0 <= self.comm.exposed_error < 1:

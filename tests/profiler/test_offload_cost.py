@@ -78,3 +78,13 @@ def test_bad_offload_cost_is_named() -> None:
     d["ranks"][1]["offload_cost"] = {"bandwidth": 1}
     with pytest.raises(ProfileError, match="malformed offload_cost"):
         Profile.from_dict(d)
+
+
+def test_profile_round_trips_the_placement_it_was_measured_at() -> None:
+    prof = _profile()
+    prof.offloads = ["none", "optimizer", "none", "none"]
+    assert Profile.from_dict(prof.to_dict()).offloads == ["none", "optimizer", "none", "none"]
+    d = prof.to_dict()
+    d["offloads"] = ["none", "cpu", "none", "none"]
+    with pytest.raises(ProfileError, match="offloads"):
+        Profile.from_dict(d)

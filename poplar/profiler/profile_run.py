@@ -50,6 +50,7 @@ from poplar.profiler.precision import agree_precision_support, precision_meta
 from poplar.profiler.progress import PhaseProgress
 from poplar.profiler.timing import Confirmation, measure_comm
 from poplar.types.configuration import Configuration
+from poplar.types.plans import Offload
 from poplar.types.precision import MixedPrecision, resolve_precision
 from poplar.types.profiles import CommProfile, OffloadCost, Profile, ProfileError, RankProfile
 from poplar.zero.config import ZeroConfig
@@ -136,20 +137,22 @@ class ProfileJob:
 
 @dataclass(frozen=True)
 class Trial:
-    """One step of ``batch`` samples with these shard weights, instead of a capacity search."""
+    """One step of ``batch`` samples with these shard weights and optimizer placements (None:
+    on the device), instead of a capacity search."""
 
     batch: int
     shard_weights: tuple[float, ...] | None = None
+    offloads: tuple[Offload, ...] | None = None
 
 
 def confirm_plan_memory(job: ProfileJob, device: Device, comm: Any, plan: Any) -> list[int]:
-    """The ranks on which one step of their row's largest micro-batch, at ``plan``'s stage and
-    shard weights, does not fit (every rank together; [] when it fits everywhere): the trial that
+    """The ranks on which one step of their row's largest micro-batch, at ``plan``'s stage, shard
+    weights and optimizer placements, does not fit (every rank together; [] when it fits everywhere): the trial that
     confirms the planner's memory model at the point it chose."""
     row = plan.ranks[comm.rank]
     batch = max(row.micro_batch_size if row.accum_steps else 0, row.last_batch_size)
     result = search_capacity(job, device, world_size=comm.world_size, rank=comm.rank, stage=plan.zero_stage,
-                             trial=Trial(batch, plan.shard_weights))
+                             trial=Trial(batch, plan.shard_weights, plan.offloads))
     fits = comm.all_gather_object(result.mbs == batch, tag="profile:shard trial")
     return [r for r, ok in enumerate(fits) if not ok]
 
@@ -164,6 +167,7 @@ def search_capacity(job: ProfileJob, device: Device, *, world_size: int, rank: i
     its batch at its shard weights (``mbs`` = the batch if it fitted, else 0)."""
     options = job.options
     weights = trial.shard_weights if trial is not None else options.shard_weights
+    offloads = trial.offloads if trial is not None else None
     attached = contextlib.ExitStack()
     current: list[ZeroRuntime] = []  # the runtime of the trials now, whose skipped steps are counted
     overflows = 0
@@ -178,7 +182,8 @@ def search_capacity(job: ProfileJob, device: Device, *, world_size: int, rank: i
         runtime = local_engine(model, job.optimizer_fn(model), world_size=world_size, rank=rank,
                                zero_stage=options.zero_config(stage), device=device.torch_device,
                                mixed_precision=options.mixed_precision,
-                               activation_checkpointing=options.activation_checkpointing, shard_weights=weights)
+                               activation_checkpointing=options.activation_checkpointing, shard_weights=weights,
+                               offloads=offloads)
         attached.enter_context(device.attach(runtime))
         current.append(runtime)
         return runtime

@@ -107,3 +107,18 @@ def test_explicit_placements_are_priced_and_unpriced_profiles_keep_the_device() 
         plan(prof, 64, 2, offload="some")
     with pytest.raises(PlanError, match="3 offload placements"):
         plan(prof, 64, 2, offload=(N, O, O))
+
+
+def test_cli_plan_offload_auto_shows_the_offloading_rank(tmp_path, capsys) -> None:
+    from poplar.cli import main
+
+    prof = _profile("C", 2, 3e9)
+    prof.offloads = ["none", "none", "none", "optimizer"]
+    prof.ranks[3].mbs = 3
+    prof.ranks[3].points = [p for p in prof.ranks[3].points if p.batch <= 3]
+    prof.save(tmp_path / "profile.json")
+    assert main(["plan", "--profile", str(tmp_path / "profile.json"), "--gbs", "64", "--offload", "auto"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    head = next(i for i, line in enumerate(table) if line.lstrip().startswith("rank"))
+    assert table[head].split()[-1] == "offload"
+    assert [line.split()[-1] for line in table[head + 2:head + 6]] == ["none", "none", "none", "optimizer"]

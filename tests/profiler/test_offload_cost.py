@@ -88,3 +88,22 @@ def test_profile_round_trips_the_placement_it_was_measured_at() -> None:
     d["offloads"] = ["none", "cpu", "none", "none"]
     with pytest.raises(ProfileError, match="offloads"):
         Profile.from_dict(d)
+
+
+def test_the_plan_trial_runs_at_the_plan_s_offload() -> None:
+    """The trial that confirms a plan runs its ranks' optimizer where the plan keeps it: a step
+    that fits only with AdamW's state in host memory fits there, and not on the device."""
+    from poplar.profiler.profile_run import ProfileJob, ProfileOptions, Trial, search_capacity
+    from poplar.types.plans import Offload
+    from tests.toy import SEQ, VOCAB, loss_fn, make_model
+
+    torch.set_num_threads(1)
+    job = ProfileJob(make_model, loss_fn, lambda b: torch.randint(0, VOCAB, (b, SEQ + 1)),
+                     optimizer_fn=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3),
+                     options=ProfileOptions(zero_stage=2))
+    fitted = []
+    for offloads in (None, (Offload.NONE, Offload.OPTIMIZER)):
+        device = VirtualDevice("short", 18_000)  # batch 2 fits at ~16 kB offloaded, ~21 kB not
+        device.pad = False
+        fitted.append(search_capacity(job, device, world_size=2, rank=1, stage=2, trial=Trial(2, None, offloads)).mbs)
+    assert fitted == [0, 2]

@@ -48,7 +48,7 @@ from poplar.profiler.profile_run import ProfileJob, ProfileOptions, confirm_plan
 from poplar.profiler.store import ProfileStore, default_store_dir
 from poplar.types.configuration import Configuration, heaviest
 from poplar.types.logs import log
-from poplar.types.plans import Plan, PlanError
+from poplar.types.plans import Offload, Plan, PlanError
 from poplar.types.precision import MixedPrecision, precision_of, resolve_precision
 from poplar.types.profiles import Profile, ProfileError
 from poplar.zero.config import ZeroConfig
@@ -66,6 +66,10 @@ class AutoOptions:
     # memory, poplar.planner.shards: even unless other weights are predicted faster by more than
     # the plan's tie, and those confirmed by one real step), "even", or one weight per rank
     shards: str | tuple[float, ...] = "auto"
+    # where each rank's optimizer lives: "none" (on its device), "auto" (a rank offloads it to host
+    # memory only where that lets the model fit or is predicted faster by more than the plan's tie,
+    # poplar.planner.offload_pricing, confirmed by one real step) or one Offload per rank
+    offload: str | tuple[Offload, ...] = "none"
     profile: Profile | str | os.PathLike | None = None  # reuse a measured profile instead of profiling
     profile_output: str | os.PathLike | None = None  # save the measured profile here (JSON)
     repeats: int = 3  # timing measurements per batch size
@@ -205,9 +209,9 @@ def _measure(comm: Communicator, model: nn.Module, optimizer: torch.optim.Optimi
 
 def _plan(comm: Communicator, profile: Profile, global_batch_size: int, options: AutoOptions, job: ProfileJob,
           device: Device | None, checkpointing: Any, say: Callable[[str], None]) -> Plan:
-    """The plan; one whose shards are not even is first confirmed by one real step of every
-    rank's largest micro-batch at its weights (while the model is off the device), and replaced
-    by the even-shard plan where that does not fit. A profile measured at uneven weights (the
+    """The plan; one whose shards are not even, or whose ranks offload, is first confirmed by one
+    real step of every rank's largest micro-batch at its weights and placement (while the model
+    is off the device), and replaced by the even-shard plan where that does not fit. A profile measured at uneven weights (the
     model fitted no even shards) plans at them unless ``options.shards`` chooses, and falls back
     to them."""
     limits = {"require_all_ranks": options.require_all_ranks, "max_micro_steps": options.max_micro_steps}
@@ -219,8 +223,10 @@ def _plan(comm: Communicator, profile: Profile, global_batch_size: int, options:
             say(f"the model fits every rank only with uneven shards: planning at the measured weights {measured}")
             shards = fallback
     try:
-        plan = make_plan(profile, global_batch_size, profile.zero_stage, options.strategy, shards=shards, **limits)
-        if not plan.even_shards and device is not None and job.sample_fn is not None:
+        plan = make_plan(profile, global_batch_size, profile.zero_stage, options.strategy, shards=shards,
+                         offload=options.offload, **limits)
+        offloads = any(o is not Offload.NONE for o in plan.offloads)
+        if (not plan.even_shards or offloads) and device is not None and job.sample_fn is not None:
             configured = job.at(Configuration(profile.zero_stage, checkpointing))
             failed = confirm_plan_memory(configured, device, comm, plan)
             if failed and fallback != "even" and plan.shard_weights == fallback:
@@ -231,7 +237,7 @@ def _plan(comm: Communicator, profile: Profile, global_batch_size: int, options:
                 say(f"the planned shard weights do not fit a step on ranks {failed}: planning with "
                     f"{'even shards' if fallback == 'even' else f'the measured weights {list(fallback)}'}")
                 plan = make_plan(profile, global_batch_size, profile.zero_stage, options.strategy, shards=fallback,
-                                 **limits)
+                                 **limits)  # and every optimizer on its device, as the profile measured
                 plan.meta["shard_trial_failed_on"] = failed
     except (PlanError, ProfileError) as e:
         raise PlanError(f"auto mode: planning failed: {e}") from None

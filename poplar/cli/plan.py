@@ -59,6 +59,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--shards", type=shards_arg, default="even", metavar="{even,auto,W0,W1,...}",
                    help="each rank's share of the sharded state: even (default), auto (chosen with the batches "
                         "from the profile's memory) or one weight per rank")
+    p.add_argument("--offload", choices=("none", "auto"), default="none",
+                   help="where each rank's optimizer lives: none (on its device, default) or auto (in host memory "
+                        "where that lets the model fit or is predicted faster, priced from the profile)")
     p.add_argument("-o", "--output", default=None, help="write the plan JSON here")
     add_limits(p)
     p.set_defaults(func=_plan)
@@ -74,7 +77,7 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"candidates auto mode profiled (the profile is the choice's; others are lower bounds from it):\n"
               f"{format_table(rows)}\n")
         stage = profile.zero_stage
-    result = plan(args.profile, args.gbs, stage, args.strategy, shards=args.shards, **limits)
+    result = plan(args.profile, args.gbs, stage, args.strategy, shards=args.shards, offload=args.offload, **limits)
     if rows is not None:
         result.meta["candidates"] = [r.to_dict() for r in rows]
     print(f"strategy {result.strategy}, ZeRO-{result.zero_stage}")

@@ -192,7 +192,9 @@ def _train(cfg: TrainConfig, device: torch.device, plan_only: bool = False) -> i
     if rank == 0 and cfg.deepspeed_hints:
         log.info(hint_line(cfg.deepspeed_hints))
     plan, auto = choose_plan(cfg, world, device)
-    offloads = None if cfg.offload is None else offload_rows(cfg.offload, world, ConfigError)
+    # "auto": auto mode's planner chooses (AutoOptions.offload); rows given are applied as given
+    offloads = None if cfg.offload is None or (auto and cfg.offload == "auto") else \
+        offload_rows(cfg.offload, world, ConfigError)
     if plan is not None:
         plan = plan if offloads is None else plan.with_offloads(offloads)
         run_parts.check_resumed_batch(cfg, plan)
@@ -214,7 +216,8 @@ def _train(cfg: TrainConfig, device: torch.device, plan_only: bool = False) -> i
         device = cluster_device(cfg.cluster) if cfg.cluster else None  # rank r emulates the cluster's r-th GPU
         kwargs.update(global_batch_size=cfg.global_batch_size(world),
                       auto=AutoOptions(profile_data=data, device=device, strategy=cfg.strategy, shards=cfg.shards,
-                                       profile=profile, store=profile_store_dir(cfg),
+                                       offload="auto" if cfg.offload == "auto" else "none", profile=profile,
+                                       store=profile_store_dir(cfg),
                                        profile_output=os.path.join(cfg.report_dir, "profile.json")
                                        if cfg.report_dir else None))
     else:

@@ -88,6 +88,12 @@ class PrecisionSpeedup:
         return {Precision.FP32: 1.0, Precision.FP16: self.fp16, Precision.BF16: self.bf16}[precision]
 
 
+# Host links, bytes/s: nominal figures of large pinned copies over PCIe x16 (not measured here):
+# PCIe 3.0 (V100 PCIe, T4) about 12 GB/s, PCIe 4.0 (A100, A800, RTX 30xx/40xx) about 24 GB/s
+# (the links' 16 / 32 GB/s raw, less protocol overhead). Offloaded optimizer copies ride them.
+PCIE_GEN3_X16 = 12e9
+PCIE_GEN4_X16 = 24e9
+
 NO_SPEEDUP = PrecisionSpeedup(1.0, 1.0, "no data: low precision is emulated at fp32 speed")
 
 REFERENCE_SAMPLES_PER_S = 40.0  # reference workload on a V100-SXM2-32GB (relative speed 1.0)
@@ -103,6 +109,7 @@ class DevicePreset:
     overhead_s: float = 0.004  # fixed seconds per micro-step
     source: str = ""
     precision_speedup: PrecisionSpeedup = field(default=NO_SPEEDUP)  # fp16 / bf16 vs fp32
+    host_link_bytes_per_s: float = PCIE_GEN4_X16  # nominal host link (PCIE_GEN3_X16 / PCIE_GEN4_X16)
 
     @property
     def peak_speed(self) -> float:
@@ -157,13 +164,15 @@ PRESETS: dict[str, DevicePreset] = {p.name: p for p in (
                                                                 "bf16 = fp16 rate [W]")),
     DevicePreset("V100-16G", 16, 112.0, 0.9, 2.0,
                  source="estimate: V100 PCIe vs SXM2 clocks/power (1380 vs 1530 MHz, 250 vs 300 W), [L] base",
-                 precision_speedup=_VOLTA),
+                 precision_speedup=_VOLTA, host_link_bytes_per_s=PCIE_GEN3_X16),
     DevicePreset("V100S-32G", 32, 130.0, 1.0, 2.0,
                  source="estimate: V100S PCIe clocks/bandwidth ~ V100 SXM2 (1601 MHz, 1134 GB/s), [L] base",
-                 precision_speedup=PrecisionSpeedup(3.28, None, "estimate: Volta as [LP] V100 16GB; no bf16")),
+                 precision_speedup=PrecisionSpeedup(3.28, None, "estimate: Volta as [LP] V100 16GB; no bf16"),
+                 host_link_bytes_per_s=PCIE_GEN3_X16),
     DevicePreset("T4-16G", 16, 65.0, 0.28, 1.0, source="[D] T4 vs V100-PCIe, MLPerf v0.5 training",
                  precision_speedup=PrecisionSpeedup(2.8, None, "estimate: [N] T4 AMP/FP32 2.80 (inference "
-                                                               "throughput); no bf16 (Turing)")),
+                                                               "throughput); no bf16 (Turing)"),
+                 host_link_bytes_per_s=PCIE_GEN3_X16),
     DevicePreset("RTX3060-12G", 12, 25.5, 0.35, 1.0,
                  source="estimate: [L] RTX 3090 47/49 = 0.96 scaled by bandwidth 360/936 GB/s and tensor cores",
                  precision_speedup=PrecisionSpeedup(1.92, 1.92, "estimate: GA10x as [LP] RTX 3090 1.92; bf16 = "

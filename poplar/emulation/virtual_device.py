@@ -27,7 +27,9 @@ that it takes the device's curve ``time_s(b)`` (or ``slowdown`` times the real c
 backward is padded before autograd runs, so collectives come when a GPU's would; at ZeRO-3 both
 passes are paced block by block instead (``block_pacing``). The real CPU
 compute must stay below the curve (calibration picks the time scale so); ``late_steps`` of
-``padded_steps`` overshot it. Attached to a runtime with activation checkpointing, a micro-step
+``padded_steps`` overshot it. An offloading rank's copies of its optimizer shard (the runtime's
+``host_copy`` point) take as long as the preset's host link would (``host_link_bytes_per_s``);
+its host optimizer step is real CPU work. Attached to a runtime with activation checkpointing, a micro-step
 takes ``1 + forward_fraction`` times the curve (the forward runs again in backward), and the
 recomputation's saved tensors are counted while they live (``SavedTensors.recomputed``).
 
@@ -56,10 +58,11 @@ from poplar.emulation.memory import (gathered_bytes, host_state_bytes, model_sta
 from poplar.profiler.precision import runtime_precision
 from poplar.emulation.saved_tensors import SavedTensors
 from poplar.emulation.profiling_phases import ProfilingPhases
-from poplar.emulation.speed_padding import PaddedStep, SpeedPadding
+from poplar.emulation.speed_padding import PaddedStep, SpeedPadding, sleep_until
 from poplar.emulation.speed_curves import PresetCurve, SaturatingCurve
 from poplar.emulation.cluster import ClusterSpec
 from poplar.types.precision import Precision
+from poplar.zero.observers import CopyDirection
 from poplar.emulation.presets import PresetError, get_preset
 from poplar.types.precision import precision_of, precision_unsupported_message
 
@@ -191,6 +194,22 @@ class VirtualDevice(ProfilingPhases, SpeedPadding, Device):
 
     def static_bytes(self) -> int:
         return self._static
+
+    def host_link_bytes_per_s(self) -> float | None:
+        """The preset's nominal host link at the emulation's scales (a byte here stands for
+        1 / memory_scale bytes of the real model, a second of the real card for time_scale
+        seconds here); None for a device not made from a preset."""
+        name = self.preset_name
+        if name is None or self.memory_scale is None or self.time_scale is None:
+            return None
+        return get_preset(name).host_link_bytes_per_s * self.memory_scale / self.time_scale
+
+    def host_copy(self, direction: CopyDirection, nbytes: int) -> None:
+        """An offloading rank's copies take as long as the preset's host link takes (the CPU's own
+        copy is a memory copy, far faster); off a preset, or with padding off, at CPU speed."""
+        link = self.host_link_bytes_per_s()
+        if self.pad and link:
+            sleep_until(time.perf_counter() + nbytes / link)
 
     def host_bytes(self) -> int:
         """Host memory the attached runtime keeps for this rank (its offloaded optimizer state,

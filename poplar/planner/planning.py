@@ -22,9 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from poplar.types.plans import Plan, PlanError, RankPlan
+from poplar.types.plans import Offload, Plan, PlanError, RankPlan
 from poplar.planner.baselines import even_rows, flops_rows
 from poplar.planner.cost_model import CommModel, Evaluation, evaluate_rows
+from poplar.planner import offload_pricing
+from poplar.planner.placement_choice import fastest_placement, offload_setting
 from poplar.planner import shards as shard_choice
 from poplar.planner.groups import DeviceGroup, group_profile
 from poplar.planner.zero01 import allocate_zero01
@@ -190,17 +192,30 @@ def plan_problem(problem: Problem, strategy: str = "poplar") -> Plan:
 
 def plan(profile: Profile | Mapping[str, Any] | str | os.PathLike, global_batch_size: int,
          zero_stage: int | None = None, strategy: str = "poplar", *, require_all_ranks: bool = False,
-         max_micro_steps: int | None = None, shards: str | Sequence[float] = "even") -> Plan:
+         max_micro_steps: int | None = None, shards: str | Sequence[float] = "even",
+         offload: str | Sequence[Offload] = "none") -> Plan:
     """Plan one iteration: per-rank micro-batch, accumulation steps and last batch.
 
     ``profile`` is a ``Profile``, its dict, or a path to its JSON; ``zero_stage`` defaults to
     the profile's; ``strategy`` is ``poplar`` (default), ``even`` or ``flops``. ``shards``:
     ``"even"`` (default), ``"auto"`` (shard weights chosen with the batches, ``planner.shards``)
-    or one weight per rank. The plan carries per-rank predicted compute seconds and the
-    predicted iteration (compute + communication).
+    or one weight per rank. ``offload``: ``"none"`` (default), ``"auto"`` (ranks offload their
+    optimizer where that lets the model fit or is predicted faster, ``planner.offload_pricing``)
+    or one ``Offload`` per rank. The plan carries per-rank predicted compute seconds and the
+    predicted iteration (compute + communication + offload copies and host step).
     """
     prof = load_profile(profile)
     stage = prof.zero_stage if zero_stage is None else zero_stage
+    placement = offload_setting(offload, prof.world_size)
+    if not isinstance(placement, str) and stage == 0:
+        raise PlanError("ZeRO-0 replicates the optimizer state on every rank and has no shard to offload; plan at "
+                        "ZeRO-1, 2 or 3, or with offload='none'")
+    if placement == "none" and Offload.OPTIMIZER in offload_pricing.measured_offloads(prof):
+        placement = (Offload.NONE,) * prof.world_size  # measured offloaded: keeping it on the device costs room
+        if not offload_pricing.knows_offload_cost(prof) or stage != prof.zero_stage:
+            raise PlanError(f"the profile was measured with ranks offloaded ({prof.offloads}) and cannot say what "
+                            f"keeping their optimizer on the device costs at ZeRO-{stage}; plan with offload='auto' "
+                            "or those placements at the profile's stage")
 
     def planned(weights: Sequence[float], source: Profile | None) -> Plan | None:
         if source is None:
@@ -215,6 +230,29 @@ def plan(profile: Profile | Mapping[str, Any] | str | os.PathLike, global_batch_
 
     if isinstance(shards, str) and shards not in ("even", "auto"):
         raise PlanError(f"shards must be 'even', 'auto' or one weight per rank, got {shards!r}")
+    if placement != "none" and stage == prof.zero_stage and offload_pricing.knows_offload_cost(prof):
+        return fastest_placement(prof, _shard_candidates(prof, shards), placement, planned)
+    found = _planned_shards(prof, stage, shards, planned)
+    if placement == "auto":  # the profile cannot price it: every optimizer stays on its device
+        found.meta["offload"] = ("not priced: the profile has no offload_cost" if stage == prof.zero_stage else
+                                 f"not priced: planned at ZeRO-{stage}, the profile measured ZeRO-{prof.zero_stage}")
+    elif placement != "none":  # as given, unpriced: offloading only frees memory, so the mbs hold
+        found = found.with_offloads(placement)
+        found.meta["offload"] = "as given, not priced (the profile has no offload_cost)"
+    return found
+
+
+def _shard_candidates(prof: Profile, shards: str | Sequence[float]) -> list[shard_choice.ShardCandidate]:
+    if shards == "auto":
+        return shard_choice.candidates(prof)
+    if shards == "even":
+        return [shard_choice.ShardCandidate("even", (1.0,) * prof.world_size)]
+    return [shard_choice.ShardCandidate("given", tuple(float(w) for w in shards))]
+
+
+def _planned_shards(prof: Profile, stage: int, shards: str | Sequence[float],
+                    planned: Callable[[Sequence[float], Profile | None], Plan | None]) -> Plan:
+    """The plan with every optimizer on its device, at ``shards``."""
     # the profile's shard bytes are its own stage's: another stage shards other state
     even = [1.0] * prof.world_size
     if shards == "even" and prof.shard_weights is not None and stage == prof.zero_stage:

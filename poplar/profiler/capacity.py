@@ -122,6 +122,7 @@ class CapacitySearch:
                  rebuild: Callable[[], ZeroRuntime] | None = None) -> None:
         self.runtime, self.device, self.sample_fn, self.loss_fn = runtime, device, sample_fn, loss_fn
         self.shard_weights = runtime.shard_weights  # the trials keep the runtime's shards
+        self.offloads = runtime.plan.offloads  # and its optimizer placements
         self.stage, self.max_batch, self.log, self.rebuild = stage, max_batch, log or (lambda s: None), rebuild
         self.result = CapacityResult(stage=stage, capacity_bytes=device.capacity_bytes, mbs=0, trial_steps=0)
         # a real allocator also counts earlier runtimes' uncollected garbage: it would shrink the
@@ -131,7 +132,8 @@ class CapacitySearch:
     def trial(self, batch: int) -> bool:
         """One real training step of ``batch`` samples; False on out-of-memory (then released)."""
         runtime, device = self.runtime, self.device
-        runtime.set_plan(search_plan(runtime.world_size, runtime.rank, batch, self.shard_weights), PlanCheck.LOCAL)
+        runtime.set_plan(search_plan(runtime.world_size, runtime.rank, batch, self.shard_weights, self.offloads),
+                         PlanCheck.LOCAL)
         data = to_device(self.sample_fn(batch), device.torch_device)
         device.last_failure = None
         before, gathered = device.memory_in_use(), runtime.stage.gathered_bytes

@@ -107,6 +107,11 @@ class Device(StepObserver, ABC):
         optimizer state as after the first step, buffers), or None where it sees only the
         allocator's total."""
 
+    def host_link_bytes_per_s(self) -> float | None:
+        """The bandwidth of the device's link to host memory where the device states it (an
+        emulated GPU: its preset's), else None: the profiler times real copies."""
+        return None
+
     def synchronize(self) -> None:
         """Wait for queued work (a no-op on CPU), so wall-clock timing is honest."""
 

@@ -24,7 +24,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from poplar.types.plans import Plan, RankPlan
+from poplar.types.plans import Offload, Plan, RankPlan
 from poplar.comm import CommLedger, Communicator, PendingCollective
 from poplar.zero.config import ZeroConfig
 from poplar.zero.runtime import ZeroRuntime
@@ -86,13 +86,16 @@ class LocalCommunicator(Communicator):
         pass
 
 
-def search_plan(world_size: int, rank: int, batch: int, shard_weights: tuple[float, ...] | None = None) -> Plan:
+def search_plan(world_size: int, rank: int, batch: int, shard_weights: tuple[float, ...] | None = None,
+                offloads: tuple[Offload, ...] | None = None) -> Plan:
     """The plan of one capacity-search trial: this rank runs one micro-step of ``batch``, the
     (pretend) others none, so the global batch is ``batch``; ``shard_weights``: each rank's share
-    of the sharded state (None: even)."""
+    of the sharded state (None: even); ``offloads``: where each rank's optimizer lives (None: on
+    the device)."""
     weights = shard_weights or (1.0,) * world_size
-    rows = [RankPlan(0, 0, 0, shard_weight=w) for w in weights]
-    rows[rank] = RankPlan(batch, 1, 0, shard_weight=weights[rank])
+    places = offloads or (Offload.NONE,) * world_size
+    rows = [RankPlan(0, 0, 0, shard_weight=w, offload=o) for w, o in zip(weights, places)]
+    rows[rank] = RankPlan(batch, 1, 0, shard_weight=weights[rank], offload=places[rank])
     return Plan(rows)
 
 
@@ -105,9 +108,11 @@ def round_plan(batches: list[int], shard_weights: tuple[float, ...] | None = Non
 
 def local_engine(model: nn.Module, optimizer: torch.optim.Optimizer, *, world_size: int, rank: int,
                  zero_stage: int | ZeroConfig, device: torch.device, mixed_precision: Any = None,
-                 activation_checkpointing: Any = None, shard_weights: tuple[float, ...] | None = None) -> ZeroRuntime:
-    """A ZeRO runtime for rank ``rank`` of ``world_size`` on a ``LocalCommunicator``."""
+                 activation_checkpointing: Any = None, shard_weights: tuple[float, ...] | None = None,
+                 offloads: tuple[Offload, ...] | None = None) -> ZeroRuntime:
+    """A ZeRO runtime for rank ``rank`` of ``world_size`` on a ``LocalCommunicator`` (its plan's
+    shard weights and optimizer placements: ``search_plan``'s)."""
     comm = LocalCommunicator(world_size, rank, device)
-    return ZeroRuntime(model, optimizer, zero_stage=zero_stage, plan=search_plan(world_size, rank, 1, shard_weights),
+    return ZeroRuntime(model, optimizer, zero_stage=zero_stage, plan=search_plan(world_size, rank, 1, shard_weights, offloads),
                        communicator=comm, mixed_precision=mixed_precision,
                        activation_checkpointing=activation_checkpointing)

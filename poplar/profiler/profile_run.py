@@ -7,7 +7,8 @@ communicator, its logs and the clock of its phases. Its methods are the phases, 
 for several (docs/design.md §4, "deadlock trap"):
 
 1. Set-up (``ProfileRun(...)``): the profiling observers among the devices prepare for the job
-   (``phases``), then the model's size, and that every rank's device computes in the options'
+   (``phases``), then the model's size, what offloading the optimizer would cost this rank
+   (``offload_cost``), and that every rank's device computes in the options'
    precision (``mixed_precision``: bf16 on a V100 / T4 is one clear error everywhere), agreed on
    by every rank.
 2. Capacity search and stage escalation (``escalation.find_fitting_stage``): per rank, with no
@@ -42,14 +43,16 @@ from poplar.profiler.devices import Device
 from poplar.profiler.escalation import StageCapacity, find_fitting_stage, format_bytes
 from poplar.profiler.exposure import EXPOSURE_PRECISION, ExposureRounds
 from poplar.profiler.local_comm import local_engine
+from poplar.profiler.offload_cost import measure_offload_cost
 from poplar.profiler.lock_step import LockStepTiming, time_rounds, young_garbage_only
 from poplar.profiler.phases import ProfileObserver, ProfilePhase, in_phase, observers_of
 from poplar.profiler.precision import agree_precision_support, precision_meta
 from poplar.profiler.progress import PhaseProgress
 from poplar.profiler.timing import Confirmation, measure_comm
 from poplar.types.configuration import Configuration
+from poplar.types.plans import Offload
 from poplar.types.precision import MixedPrecision, resolve_precision
-from poplar.types.profiles import CommProfile, Profile, ProfileError, RankProfile
+from poplar.types.profiles import CommProfile, OffloadCost, Profile, ProfileError, RankProfile
 from poplar.zero.config import ZeroConfig
 from poplar.zero.nonfinite import SkipReport
 from poplar.zero.runtime import ZeroRuntime
@@ -134,20 +137,22 @@ class ProfileJob:
 
 @dataclass(frozen=True)
 class Trial:
-    """One step of ``batch`` samples with these shard weights, instead of a capacity search."""
+    """One step of ``batch`` samples with these shard weights and optimizer placements (None:
+    on the device), instead of a capacity search."""
 
     batch: int
     shard_weights: tuple[float, ...] | None = None
+    offloads: tuple[Offload, ...] | None = None
 
 
 def confirm_plan_memory(job: ProfileJob, device: Device, comm: Any, plan: Any) -> list[int]:
-    """The ranks on which one step of their row's largest micro-batch, at ``plan``'s stage and
-    shard weights, does not fit (every rank together; [] when it fits everywhere): the trial that
+    """The ranks on which one step of their row's largest micro-batch, at ``plan``'s stage, shard
+    weights and optimizer placements, does not fit (every rank together; [] when it fits everywhere): the trial that
     confirms the planner's memory model at the point it chose."""
     row = plan.ranks[comm.rank]
     batch = max(row.micro_batch_size if row.accum_steps else 0, row.last_batch_size)
     result = search_capacity(job, device, world_size=comm.world_size, rank=comm.rank, stage=plan.zero_stage,
-                             trial=Trial(batch, plan.shard_weights))
+                             trial=Trial(batch, plan.shard_weights, plan.offloads))
     fits = comm.all_gather_object(result.mbs == batch, tag="profile:shard trial")
     return [r for r, ok in enumerate(fits) if not ok]
 
@@ -162,6 +167,7 @@ def search_capacity(job: ProfileJob, device: Device, *, world_size: int, rank: i
     its batch at its shard weights (``mbs`` = the batch if it fitted, else 0)."""
     options = job.options
     weights = trial.shard_weights if trial is not None else options.shard_weights
+    offloads = trial.offloads if trial is not None else None
     attached = contextlib.ExitStack()
     current: list[ZeroRuntime] = []  # the runtime of the trials now, whose skipped steps are counted
     overflows = 0
@@ -176,7 +182,8 @@ def search_capacity(job: ProfileJob, device: Device, *, world_size: int, rank: i
         runtime = local_engine(model, job.optimizer_fn(model), world_size=world_size, rank=rank,
                                zero_stage=options.zero_config(stage), device=device.torch_device,
                                mixed_precision=options.mixed_precision,
-                               activation_checkpointing=options.activation_checkpointing, shard_weights=weights)
+                               activation_checkpointing=options.activation_checkpointing, shard_weights=weights,
+                               offloads=offloads)
         attached.enter_context(device.attach(runtime))
         current.append(runtime)
         return runtime
@@ -221,6 +228,7 @@ class ProfileRun:
                                       lambda m: self.log(f"[poplar profile] {m}"))
         self.observers: list[ProfileObserver] = observers_of(device) + [self.progress]
         self.param_count = self.param_bytes = 0
+        self.offload_cost: OffloadCost | None = None
         self.started = time.perf_counter()
         self.phase_seconds: dict[str, float] = {}
         self._set_up()
@@ -233,11 +241,17 @@ class ProfileRun:
             raise ProfileError(f"zero_stage must be 0, 1, 2 or 3, got {options.zero_stage!r}")
         for observer in self.observers:
             observer.prepare_profiling(comm, self.job, None)
-        error = None
+        error, model = None, None
         try:
-            self.param_count, self.param_bytes = model_size(self.job.model_fn())
+            model = self.job.model_fn()
+            self.param_count, self.param_bytes = model_size(model)
         except Exception as e:  # noqa: BLE001 - every rank must reach the agreement
             error = f"model_fn() failed: {type(e).__name__}: {e}"
+        try:  # what offloading would cost this rank; an optimizer it cannot twin leaves it unknown
+            self.offload_cost = None if model is None else measure_offload_cost(
+                self.device, self.job.optimizer_fn(model), options.mixed_precision is not None)
+        except Exception:  # noqa: BLE001 - the planner then offers no offload
+            self.offload_cost = None
         comm.agree(error, "profile set-up", error_type=ProfileError)
         policy = agree_precision_support(comm, self.device, options.mixed_precision, "profile precision")
         self.lead(f"{comm.world_size} ranks, model {options.model_name or 'model'} with {self.param_count:,} "
@@ -327,7 +341,8 @@ def _assemble_profile(run: ProfileRun, fit: StageCapacity, timing: LockStepTimin
     part = RankProfile(rank=comm.rank, device_type=device.device_type, mbs=result.mbs, points=timing.points,
                        device_name=device.name, capacity_bytes=int(device.capacity_bytes),
                        base_bytes=result.base_bytes, bytes_per_sample=result.bytes_per_sample,
-                       shard_bytes=result.shard_bytes, nominal_tflops=device.nominal_tflops, trial_steps=result.trial_steps)
+                       shard_bytes=result.shard_bytes, nominal_tflops=device.nominal_tflops, trial_steps=result.trial_steps,
+                       offload_cost=run.offload_cost)
     notes = {"estimate": result.estimate, "trials": result.trials, "trial_budget": trial_budget(result.mbs),
              "trial_steps_per_stage": fit.trials_per_stage,
              "state_bytes": result.state_bytes, "capped": result.capped,

@@ -37,7 +37,7 @@ directory, as DeepSpeed's are.
         "strategy": "poplar",                       or "even" / "flops"
         "shards": "auto",                           each rank's share of the sharded state: "auto" (chosen
                                                     with the batches), "even" or one weight per rank
-        "offload": "none",                          "all" or rank indices [1, 2]: their optimizer state in host memory
+        "offload": "none",                          "all", "auto" or rank indices [1, 2]: their optimizer state in host memory
         "plan": null,                               a plan JSON: use it, no profiling
         "profile": null,                            a profile JSON: plan from it, no profiling
         "checkpoint": {"dir": "runs/x/ckpt", "every": 50, "resume": true, "keep": 2},

@@ -5,9 +5,10 @@ state (``poplar.shards``) and whether its optimizer is offloaded to the host.
 DeepSpeed's ``zero_optimization.offload_optimizer`` is all or nothing: ``{"device": "cpu"}``
 (``pin_memory`` accepted: Poplar pins host state whenever the device is a GPU) means every rank
 offloads, ``{"device": "none"}`` none. Poplar decides per rank: ``poplar.offload`` is ``"none"``,
-``"all"``, or a list of rank indices (``[1, 2]``: ranks 1 and 2 offload, the others keep their
-optimizer on the device). ``"auto"`` (the planner chooses) is refused for now. Giving both
-keys is an error: they could disagree.
+``"all"``, a list of rank indices (``[1, 2]``: ranks 1 and 2 offload, the others keep their
+optimizer on the device), or ``"auto"``: auto mode's planner offloads a rank only where that lets
+the model fit or is predicted faster (``poplar.planner.offload_pricing``); it needs auto mode (no
+plan file). Giving both keys is an error: they could disagree.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 
 from poplar.types.plans import Offload, shard_weights_problem
 
-# an offload setting: "none", "all" or the indices of the offloading ranks (None: the config says nothing,
+# an offload setting: "none", "all", "auto" or the indices of the offloading ranks (None: the config says nothing,
 # a plan file's rows keep theirs)
 OffloadSetting = str | tuple[int, ...]
 
@@ -44,15 +45,12 @@ def read_offload(zero: dict, poplar: dict, error: type[Exception]) -> OffloadSet
         raise error('"zero_optimization.offload_optimizer" and "poplar.offload" are both given; keep one '
                     '("poplar.offload" chooses per rank)')
     value = poplar["offload"]
-    if value == "auto":
-        raise error('"poplar.offload": "auto" (the planner choosing which ranks offload) is not built yet; give '
-                    '"none", "all" or a list of rank indices')
-    if value in ("none", "all"):
+    if value in ("none", "all", "auto"):
         return value
     if isinstance(value, list) and all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in value) \
             and len(set(value)) == len(value):
         return tuple(sorted(value))
-    raise error(f'"poplar.offload" must be "none", "all" or a list of distinct rank indices (e.g. [1, 2]: ranks 1 '
+    raise error(f'"poplar.offload" must be "none", "all", "auto" or a list of distinct rank indices (e.g. [1, 2]: ranks 1 '
                 f'and 2 keep their optimizer state in host memory), got {value!r}')
 
 
@@ -79,7 +77,10 @@ def _read_deepspeed(section: Any, error: type[Exception]) -> OffloadSetting | No
 
 
 def offload_rows(setting: OffloadSetting, world_size: int, error: type[Exception]) -> tuple[Offload, ...]:
-    """Every rank's placement under ``setting``."""
+    """Every rank's placement under ``setting`` (not "auto": the planner chooses those)."""
+    if setting == "auto":
+        raise error('"poplar.offload": "auto" lets auto mode\'s planner choose; it cannot apply to a plan file: give '
+                    '"none", "all" or rank indices with "poplar.plan", or leave the plan to auto mode')
     if setting == "none":
         return (Offload.NONE,) * world_size
     if setting == "all":

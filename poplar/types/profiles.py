@@ -30,6 +30,20 @@ class ProfilePoint:
 
 
 @dataclass
+class OffloadCost:
+    """What keeping this rank's optimizer in host memory costs, as the profiler measured it: the
+    copies' bandwidth both ways, the host optimizer step per parameter element (the user's
+    optimizer class and settings on a CPU fp32 tensor), and the device bytes per parameter element
+    that leave the device (its optimizer state, and its fp32 master under mixed precision)."""
+
+    d2h_bytes_per_s: float
+    h2d_bytes_per_s: float
+    host_step_s_per_element: float
+    state_bytes_per_element: float
+    master_bytes_per_element: float = 0.0
+
+
+@dataclass
 class RankProfile:
     rank: int
     device_type: str
@@ -42,9 +56,15 @@ class RankProfile:
     shard_bytes: int | None = None  # its share of the sharded state at even shards (moves with a shard weight)
     nominal_tflops: float | None = None  # spec-sheet rating, used only by the `flops` baseline
     trial_steps: int = 0  # real steps the capacity search ran
+    offload_cost: OffloadCost | None = None  # None: not measured (profiles from before offload)
 
     def __post_init__(self) -> None:
         self.points = [p if isinstance(p, ProfilePoint) else ProfilePoint(**p) for p in self.points]
+        if isinstance(self.offload_cost, dict):
+            try:
+                self.offload_cost = OffloadCost(**self.offload_cost)
+            except TypeError as e:
+                raise ProfileError(f"rank {self.rank}: malformed offload_cost: {e}; re-run the profiler") from None
 
 
 # A timing round whose slowest rank leads the next by this fraction of its compute or more counts
@@ -142,6 +162,9 @@ class Profile:
     meta: dict[str, Any] = field(default_factory=dict)
     # the shard weights every rank was measured at (its mbs and shard_bytes are theirs); None: even
     shard_weights: list[float] | None = None
+    # where every rank's optimizer was while its mbs was measured ("none" / "optimizer", the values
+    # of ``Offload``); None: on the device everywhere
+    offloads: list[str] | None = None
 
     def __post_init__(self) -> None:
         _require(isinstance(self.ranks, list), "ranks", self.ranks, "a list of rank profiles")
@@ -169,6 +192,15 @@ class Profile:
             _check(r.capacity_bytes, f"{where}.capacity_bytes", int, optional=True)
             for name in ("base_bytes", "bytes_per_sample", "shard_bytes", "nominal_tflops"):
                 _check(getattr(r, name), f"{where}.{name}", float, optional=True)
+            cost = r.offload_cost
+            if cost is not None:
+                _require(isinstance(cost, OffloadCost), f"{where}.offload_cost", cost, "an object or null")
+                for name in ("d2h_bytes_per_s", "h2d_bytes_per_s", "host_step_s_per_element",
+                             "state_bytes_per_element", "master_bytes_per_element"):
+                    _check(getattr(cost, name), f"{where}.offload_cost.{name}", float)
+                _require(cost.d2h_bytes_per_s > 0 and cost.h2d_bytes_per_s > 0 and cost.host_step_s_per_element >= 0
+                         and cost.state_bytes_per_element >= 0 and cost.master_bytes_per_element >= 0,
+                         f"{where}.offload_cost", cost, "bandwidths > 0 and the rest >= 0")
             for j, pt in enumerate(r.points):
                 _check(pt.batch, f"{where}.points[{j}].batch", int)
                 _check(pt.compute_s, f"{where}.points[{j}].compute_s", float)
@@ -219,6 +251,10 @@ class Profile:
             if problem is not None or len(self.shard_weights) != self.world_size:
                 raise ProfileError(f"profile shard_weights must be one weight per rank ({self.world_size}): "
                                    f"{problem or self.shard_weights}; re-run the profiler")
+        if self.offloads is not None and (not isinstance(self.offloads, list) or len(self.offloads) != self.world_size
+                                          or any(o not in ("none", "optimizer") for o in self.offloads)):
+            raise ProfileError(f"profile offloads must be one of \"none\" / \"optimizer\" per rank ({self.world_size}), "
+                               f"got {self.offloads!r}; re-run the profiler")
         if not self.comm.bandwidth_bytes_per_s > 0:
             raise ProfileError(f"comm bandwidth must be > 0, got {self.comm.bandwidth_bytes_per_s}")
         if self.comm.exposed_error is not None and not 0 <= self.comm.exposed_error < 1:

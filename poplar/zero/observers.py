@@ -15,7 +15,10 @@ observer must not raise there, nor in ``transient_allocated`` from then on or ou
 micro-step (the zeros a rank joins the others' collectives with, the gathers of a full state):
 the other ranks would be left inside those collectives. ``transient_allocated`` is called
 whenever the stage has just allocated a transient buffer that counts against memory (a ZeRO-3
-gathered block).
+gathered block). ``host_copy`` is called at the optimizer step of a rank that offloads its
+optimizer (``poplar.zero.offload``), once its gradient shards were copied to the host and once
+the stepped values were queued back, with the bytes copied: a device that models its host link
+(an emulated GPU) takes that long there; it must not raise (the other ranks' collectives follow).
 ``micro_step_abort`` replaces the remaining points of a micro-step that raised.
 
 Start points run in the order observers were added, end points in reverse order, as nested
@@ -26,7 +29,16 @@ error); the step then fails as if its own code had raised.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
+
 import torch
+
+
+class CopyDirection(str, Enum):
+    """Which way an offloading rank's copies of its optimizer shard went."""
+
+    TO_HOST = "to_host"  # the reduced gradient shards
+    TO_DEVICE = "to_device"  # the stepped parameter shards
 
 
 @dataclass
@@ -93,6 +105,9 @@ class StepObserver:
         pass
 
     def transient_allocated(self) -> None:
+        pass
+
+    def host_copy(self, direction: CopyDirection, nbytes: int) -> None:
         pass
 
 
@@ -184,3 +199,7 @@ class Observers:
     def transient_allocated(self) -> None:
         for o in self._forward():
             o.transient_allocated()
+
+    def host_copy(self, direction: CopyDirection, nbytes: int) -> None:
+        for o in self._forward():
+            o.host_copy(direction, nbytes)

@@ -30,12 +30,13 @@ separate, so the same code runs in tests.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 from torch import nn
 
 from poplar.types.plans import Offload, Plan
+from poplar.zero.observers import CopyDirection
 from poplar.zero.optim import optimizer_state_bytes
 
 HOST_KEYS = ("host_master_params", "host_grads", "host_optimizer")  # memory_report keys of host bytes
@@ -74,6 +75,8 @@ class OptimizerOffload:
         self._host_of: dict[int, nn.Parameter] = {}
         self._capturable: list[bool | None] = []  # each group's setting while it steps on the host
         self._freed: list[tuple[torch.UntypedStorage, int]] = []  # device masters' storage and its bytes
+        # told the bytes of each direction's copies in a step (the runtime's observers' ``host_copy``)
+        self.on_copy: Callable[[CopyDirection, int], None] = lambda direction, nbytes: None
 
     @property
     def master_on_host(self) -> bool:
@@ -175,19 +178,24 @@ class OptimizerOffload:
         if not self.active:
             self.optimizer.step()
             return
+        nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
+        copied = 0
         for s in self.shards:  # device to host: every copy queued, then one wait
             if s.device.grad is None:
                 s.host.grad = None
                 continue
             s.grad.copy_(s.device.grad, non_blocking=self.pin)
             s.host.grad = s.grad
+            copied += nbytes(s.grad)
         if self.pin:
             torch.cuda.current_stream(self.device).synchronize()
+        self.on_copy(CopyDirection.TO_HOST, copied)
         self.optimizer.step()
         with torch.no_grad():
             for s in self.shards:  # host to device: ordered before the stage's next use on the stream
                 (s.device if s.compute is None else s.compute).copy_(s.host, non_blocking=self.pin)
                 s.host.grad = None
+        self.on_copy(CopyDirection.TO_DEVICE, sum(nbytes(s.host) for s in self.shards))
 
     def refresh(self) -> None:
         """After the stage's state was loaded: the host copy takes the device shard's values, or

@@ -111,6 +111,7 @@ class ZeroRuntime:
         self.stage: ZeroStage = build_stage(zero_stage, model, optimizer, self.comm, groups, bucket_size_mb,
                                             wrap_policy, StagePrecision.of(self.mixed_precision),
                                             self.observers.transient_allocated, plan.shard_weights)
+        self.stage.offload.on_copy = self.observers.host_copy  # an offloading rank's copies, told to observers
         self.set_plan(plan, PlanCheck.LOCAL)  # and the optimizer where the plan's row keeps it
         # after the stage: its block hooks run around the checkpoint's (docs/design.md §3.8)
         self.activation_checkpointing = checkpointing.setup(

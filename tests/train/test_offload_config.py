@@ -45,7 +45,6 @@ def test_poplar_offload_is_per_rank() -> None:
     ({"offload_optimizer": "cpu"}, {}, "must be a dict"),
     ({"offload_optimizer": {"device": "cpu"}}, {"offload": [1]}, "both given"),
     ({"cpu_offload": True}, {}, '"offload_optimizer": {"device": "cpu"}'),
-    ({}, {"offload": "auto"}, "not built yet"),
     ({}, {"offload": [1, 1]}, "distinct rank indices"),
     ({}, {"offload": [-1]}, "distinct rank indices"),
     ({}, {"offload": True}, "distinct rank indices"),

@@ -35,18 +35,13 @@ import sys
 import time
 from typing import Any
 
-from hetero import cluster_link, rows_of, sample, train  # bench/ is on the path of a script run from it
-from shard_speed import measured_s
+from hetero import rows_of, sample, train  # bench/ is on the path of a script run from it
+from shard_speed import emulated_row, measured_s, row_arguments
 
-from poplar.comm.launch import spawn
-from poplar.emulation.calibration import calibrate
 from poplar.emulation.cluster import ClusterSpec
-from poplar.emulation.emulate import cluster_devices
-from poplar.emulation.runs import until_on_time
-from poplar.emulation.speed_padding import LATE_BUDGET, late_fraction
+from poplar.emulation.speed_padding import late_fraction
 from poplar.planner import plan
-from poplar.profiler.profile_run import ProfileJob, ProfileOptions, default_optimizer, profile_rank
-from poplar.types.configuration import Configuration
+from poplar.profiler.profile_run import ProfileOptions, default_optimizer, profile_rank
 from poplar.types.plans import Offload, Plan
 from poplar.workloads.configs import LlamaConfig
 from poplar.workloads.models import LlamaModel, llama_loss_fn
@@ -114,16 +109,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--clusters", default="A,C,B")
     ap.add_argument("--stages", default="2")
     ap.add_argument("--regimes", default="unbound")
-    ap.add_argument("--bound-mbs", type=int, default=1, help="the smallest card's samples at even shards when bound")
-    ap.add_argument("--iterations", type=int, default=9, help="measured iterations per plan")
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--gbs", type=int, default=24)
-    ap.add_argument("--seq", type=int, default=8, help="tokens per sample")
-    ap.add_argument("--dim", type=int, default=256, help="model width")
-    ap.add_argument("--layers", type=int, default=4, help="blocks")
-    ap.add_argument("--repeats", type=int, default=2, help="profiler measurements per batch size")
-    ap.add_argument("--attempts", type=int, default=2, help="runs of a row whose micro-steps were late")
+    row_arguments(ap, iterations=9, gbs=24, repeats=2, attempts=2)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     args.stages = [int(s) for s in args.stages.split(",")]
@@ -145,27 +131,7 @@ def main() -> None:
         spec = CLUSTERS[name]
         for stage in args.stages:
             for regime in args.regimes:
-                target = args.bound_mbs if regime == "bound" else args.gbs
-
-                def once(margin: float, spec: ClusterSpec = spec, stage: int = stage, target: int = target,
-                         regime: str = regime) -> tuple[dict, float]:
-                    with cluster_link(spec, "emulated", model_fn) as (link, _):
-                        pj = ProfileJob(model_fn, llama_loss_fn, sample_fn, default_optimizer, ProfileOptions())
-                        cal = calibrate(pj.at(Configuration(stage)), spec, link=link, margin=margin,
-                                        target_min_mbs=target)
-                        devices = cluster_devices(spec, cal.memory_scale, cal.time_scale, None, link=link)
-                        print(f"# {spec.name} ZeRO-{stage} {regime}: memory scale {cal.memory_scale:.3g}, "
-                              f"time scale {cal.time_scale:.3g}", file=sys.stderr, flush=True)
-                        job = {"model": f"llama-d{args.dim}x{args.layers}", "model_fn": model_fn,
-                               "sample_fn": sample_fn, "stage": stage, "devices": devices, "repeats": args.repeats,
-                               "gbs": args.gbs, "seq": args.seq, "warmup": args.warmup,
-                               "iterations": args.iterations, "rounds": args.rounds, "precision": None}
-                        results = spawn(worker, spec.world_size, (job,), timeout_s=3600, collective_timeout_s=900)
-                    row = analyse(spec.name, stage, regime, results, args.gbs)
-                    return row, row["late_step_fraction"]
-
-                row, late, _ = until_on_time(f"{spec.name} ZeRO-{stage} {regime}", args.attempts, once)
-                row["valid"] = late <= LATE_BUDGET
+                row = emulated_row(spec, stage, regime, args, model_fn, sample_fn, worker, analyse)
                 for c in row["placement_candidates"] or []:
                     print(f"#   candidate {c['shards']}/{c.get('offload')}: mbs {c.get('mbs')}, predicted "
                           f"{c['predicted_s']}, offload {c.get('offload_s')}", file=sys.stderr, flush=True)

@@ -129,21 +129,53 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def emulated_row(spec: ClusterSpec, stage: int, regime: str, args: argparse.Namespace, model_fn: Any, sample_fn: Any,
+                 worker: Any, analyse: Any) -> dict[str, Any]:
+    """One row: ``spec`` calibrated at ``stage`` so that its smallest card fits ``args.bound_mbs``
+    samples at even shards ("bound") or the whole global batch ("unbound"), ``worker`` run on every
+    emulated rank and its results ``analyse``d; run again (``args.attempts`` in all) while too many
+    micro-steps were late, and marked ``valid`` when the last run held its speed."""
+    target = args.bound_mbs if regime == "bound" else args.gbs
+
+    def once(margin: float) -> tuple[dict, float]:
+        with cluster_link(spec, "emulated", model_fn) as (link, _):
+            pj = ProfileJob(model_fn, llama_loss_fn, sample_fn, default_optimizer, ProfileOptions())
+            cal = calibrate(pj.at(Configuration(stage)), spec, link=link, margin=margin, target_min_mbs=target)
+            devices = cluster_devices(spec, cal.memory_scale, cal.time_scale, None, link=link)
+            print(f"# {spec.name} ZeRO-{stage} {regime}: memory scale {cal.memory_scale:.3g}, "
+                  f"time scale {cal.time_scale:.3g}", file=sys.stderr, flush=True)
+            job = {"model": f"llama-d{args.dim}x{args.layers}", "model_fn": model_fn, "sample_fn": sample_fn,
+                   "stage": stage, "devices": devices, "repeats": args.repeats, "gbs": args.gbs, "seq": args.seq,
+                   "warmup": args.warmup, "iterations": args.iterations, "rounds": args.rounds, "precision": None}
+            results = spawn(worker, spec.world_size, (job,), timeout_s=3600, collective_timeout_s=900)
+        row = analyse(spec.name, stage, regime, results, args.gbs)
+        return row, row["late_step_fraction"]
+
+    row, late, _ = until_on_time(f"{spec.name} ZeRO-{stage} {regime}", args.attempts, once)
+    row["valid"] = late <= LATE_BUDGET
+    return row
+
+
+def row_arguments(ap: argparse.ArgumentParser, *, iterations: int, gbs: int, repeats: int, attempts: int) -> None:
+    """The options of an ``emulated_row``: the regimes' memory, the run's length, the model."""
+    ap.add_argument("--bound-mbs", type=int, default=1, help="the smallest card's samples at even shards when bound")
+    ap.add_argument("--iterations", type=int, default=iterations, help="measured iterations per plan")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--gbs", type=int, default=gbs)
+    ap.add_argument("--seq", type=int, default=8, help="tokens per sample")
+    ap.add_argument("--dim", type=int, default=256, help="model width")
+    ap.add_argument("--layers", type=int, default=4, help="blocks")
+    ap.add_argument("--repeats", type=int, default=repeats, help="profiler measurements per batch size")
+    ap.add_argument("--attempts", type=int, default=attempts, help="runs of a row whose micro-steps were late")
+
+
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--clusters", default="A,C", help="A and/or C")
     ap.add_argument("--stages", default="2,3")
     ap.add_argument("--regimes", default="bound,unbound")
-    ap.add_argument("--bound-mbs", type=int, default=1, help="the smallest card's samples at even shards when bound")
-    ap.add_argument("--iterations", type=int, default=12, help="measured iterations per plan")
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--gbs", type=int, default=48)
-    ap.add_argument("--seq", type=int, default=8, help="tokens per sample")
-    ap.add_argument("--dim", type=int, default=256, help="model width")
-    ap.add_argument("--layers", type=int, default=4, help="blocks")
-    ap.add_argument("--repeats", type=int, default=3, help="profiler measurements per batch size")
-    ap.add_argument("--attempts", type=int, default=3, help="runs of a row whose micro-steps were late")
+    row_arguments(ap, iterations=12, gbs=48, repeats=3, attempts=3)
     ap.add_argument("--full", action="store_true", help="4 + 4 ranks per cluster instead of 2 + 2")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -166,27 +198,7 @@ def main() -> None:
         spec = FULL[name] if args.full else ClusterSpec.resolve(name)
         for stage in args.stages:
             for regime in args.regimes:
-                target = args.bound_mbs if regime == "bound" else args.gbs
-
-                def once(margin: float, spec: ClusterSpec = spec, stage: int = stage, target: int = target,
-                         regime: str = regime) -> tuple[dict, float]:
-                    with cluster_link(spec, "emulated", model_fn) as (link, _):
-                        pj = ProfileJob(model_fn, llama_loss_fn, sample_fn, default_optimizer, ProfileOptions())
-                        cal = calibrate(pj.at(Configuration(stage)), spec, link=link, margin=margin,
-                                        target_min_mbs=target)
-                        devices = cluster_devices(spec, cal.memory_scale, cal.time_scale, None, link=link)
-                        print(f"# {spec.name} ZeRO-{stage} {regime}: memory scale {cal.memory_scale:.3g}, "
-                              f"time scale {cal.time_scale:.3g}", file=sys.stderr, flush=True)
-                        job = {"model": f"llama-d{args.dim}x{args.layers}", "model_fn": model_fn, "sample_fn": sample_fn, "stage": stage,
-                               "devices": devices, "repeats": args.repeats, "gbs": args.gbs, "seq": args.seq,
-                               "warmup": args.warmup, "iterations": args.iterations, "rounds": args.rounds,
-                               "precision": None}
-                        results = spawn(worker, spec.world_size, (job,), timeout_s=3600, collective_timeout_s=900)
-                    row = analyse(spec.name, stage, regime, results, args.gbs)
-                    return row, row["late_step_fraction"]
-
-                row, late, _ = until_on_time(f"{spec.name} ZeRO-{stage} {regime}", args.attempts, once)
-                row["valid"] = late <= LATE_BUDGET
+                row = emulated_row(spec, stage, regime, args, model_fn, sample_fn, worker, analyse)
                 print(f"#   memory: {row['memory']}", file=sys.stderr, flush=True)
                 for c in row["shard_candidates"] or []:
                     print(f"#   candidate {c['name']}: weights {[round(w, 2) for w in c['weights']]}, "

@@ -68,7 +68,7 @@ CLUSTERS = {
 }
 WIDTHS = list(range(64, 1025, 16))  # about 3-6 % more parameters a step where the limits lie
 SEQ = 32
-LAYERS = 8
+LAYERS = 8  # the family's default depth (--layers)
 
 
 def config(width: int) -> LlamaConfig:
@@ -186,10 +186,12 @@ class Width:
 COLUMNS = ("even", "planned", "offload", "offload_planned", "bound")
 
 
-def worker(rank: int, world: int, cluster: str, memory_scale: float, precision: str | None
+def worker(rank: int, world: int, cluster: str, memory_scale: float, precision: str | None, layers: int = LAYERS
            ) -> list[dict[str, Any]]:
     """Bisection over the widths, for each column (each fits up to a width and not beyond: memory
     grows with the width), measuring each width's probe and trials once."""
+    global LAYERS
+    LAYERS = layers  # this rank process's family: config() builds every width at this depth
     torch.set_num_threads(1)
     presets = rank_types(cluster)
     widths: dict[int, Width] = {}
@@ -217,18 +219,20 @@ def main() -> None:
     ap.add_argument("--clusters", default="A,C,B")
     ap.add_argument("--memory-scale", type=float, default=1e-3)
     ap.add_argument("--precision", default="fp16", choices=("fp16", "bf16", "fp32"))
+    ap.add_argument("--layers", type=int, default=LAYERS, help="blocks of every model in the family")
     args = ap.parse_args()
     precision = None if args.precision == "fp32" else args.precision
     started = time.perf_counter()
-    result: dict[str, Any] = {"memory_scale": args.memory_scale, "stage": 3, "precision": args.precision}
+    result: dict[str, Any] = {"memory_scale": args.memory_scale, "stage": 3, "precision": args.precision,
+                              "layers": args.layers}
     fractions, notes = [], []
-    print(f"ZeRO-3, AdamW, {args.precision}, micro-batch 1 per rank, memory x {args.memory_scale:g}; parameters (M) "
+    print(f"ZeRO-3, AdamW, {args.precision}, {args.layers} blocks, micro-batch 1 per rank, memory x {args.memory_scale:g}; parameters (M) "
           "of the largest model that trains one iteration")
     print(f"{'cluster':<8} {'even':>12} {'planned':>12} {'offload':>12} {'off+plan':>12} {'bound':>12} "
           f"{'plan':>5} {'off':>5} {'o+p':>5}  offloading ranks (offload | offload + planned weights)")
     for cluster in args.clusters.split(","):
         world = len(rank_types(cluster))
-        rows = spawn(worker, world, (cluster, args.memory_scale, precision), timeout_s=3000,
+        rows = spawn(worker, world, (cluster, args.memory_scale, precision, args.layers), timeout_s=3000,
                      collective_timeout_s=300)[0]
         best = {c: largest(rows, (lambda r: r["bound"]) if c == "bound" else (lambda r, c=c: r.get(c) == ""))
                 for c in COLUMNS}

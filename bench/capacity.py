@@ -12,8 +12,8 @@ master shard, the fp32 gradient shard and AdamW's moments (16 bytes per shard el
 fp16 gathered parameters; an offloading rank keeps an fp16 shard and the fp32 gradient shard
 (6 bytes), its fp32 master and moments in host memory (not counted: the host is assumed large).
 
-Models: a Llama-style family (8 blocks, SwiGLU of 4 x width, 512-token vocabulary, sequence 32)
-growing in width. For each cluster and width, every rank first runs one iteration at even
+Models: a Llama-style family (8 blocks by default, ``--layers``; SwiGLU of 4 x width, 512-token
+vocabulary, sequence 32) growing in width. For each cluster and width, every rank first runs one iteration at even
 shards on a device that records overflows instead of raising (its peak and its share of the
 sharded state, ``sharded_bytes``). What does not move with the shard is the peak less that
 share; a rank's room is its capacity less that. Then, each one full iteration (micro-batch 1
@@ -253,7 +253,8 @@ def main() -> None:
         result[f"offload_planned_gain_{cluster}"] = gain["offload_planned"]
         for c, target in (("offload", 2.0), ("offload_planned", 2.0)):
             if gain[c] is not None and gain[c] < target:
-                notes.append(f"{cluster}: {c} gain {gain[c]:.2f} < {target}: " + why_short(best[c], even, 8 if precision is None else 6))
+                notes.append(f"{cluster}: {c} gain {gain[c]:.2f} < {target}: " + why_short(best[c], even, 8 if precision is None else 6,
+                                                                                       args.layers))
         result[f"rows_{cluster}"] = [{k: r.get(k) for k in ("width", "params", "offloading", *COLUMNS)} for r in rows]
         result[f"rows_{cluster}"] = [{k: v[:80] if isinstance(v, str) else v for k, v in r.items()}
                                      for r in result[f"rows_{cluster}"]]
@@ -265,7 +266,7 @@ def main() -> None:
     print("RESULT " + json.dumps(result))
 
 
-def why_short(best: dict[str, Any] | None, even: dict[str, Any] | None, offloaded_bytes: int) -> str:
+def why_short(best: dict[str, Any] | None, even: dict[str, Any] | None, offloaded_bytes: int, layers: int) -> str:
     """Where a column's limit lies: what does not move with the shard at its largest width."""
     if best is None or even is None:
         return "nothing trained"
@@ -273,8 +274,8 @@ def why_short(best: dict[str, Any] | None, even: dict[str, Any] | None, offloade
     return (f"largest {best['params'] / 1e6:.2f} M vs even {even['params'] / 1e6:.2f} M; at w{best['width']} what "
             f"does not move with the shard (activations, gathered blocks, a block's fp32 gradient buffers, "
             f"communication buffers) takes {fixed:.0%} of a card, and offload shrinks only the rest (16 to "
-            f"{offloaded_bytes} bytes per shard element): this family has 8 blocks, so one block's buffers are large beside a "
-            f"rank's share of the state")
+            f"{offloaded_bytes} bytes per shard element): this family has {layers} blocks, so one block's buffers "
+            f"are large beside a rank's share of the state (--layers: a deeper family)")
 
 
 if __name__ == "__main__":

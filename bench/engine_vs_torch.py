@@ -7,6 +7,13 @@
 - ``zero2_bf16_vs_fsdp2_bf16`` / ``zero3_bf16_vs_fsdp2_bf16``: Poplar ZeRO-2/3 with
   ``mixed_precision="bf16"`` ÷ FSDP2 with ``MixedPrecisionPolicy(param_dtype=bfloat16,
   reduce_dtype=float32)`` (``--no-bf16`` leaves these rows out).
+- ``zero2_offload_over_peer``: Poplar ZeRO-2 with every rank's plan row ``Offload.OPTIMIZER``
+  (fp32 master shard and AdamW state on the host, the step there) ÷ FSDP2 with
+  ``CPUOffloadPolicy`` (parameters, gradients and optimizer state on the host, the step there),
+  per block and root, ``reshard_after_forward=False`` (one parameter gather per iteration, as at
+  ZeRO-2) (``--no-offload`` leaves these rows out). On CPU the "host" is the device: both sides
+  pay the same host AdamW step, and their device-host copies are plain CPU memcpys (FSDP2
+  skips its own when the device is the CPU); pinned memory needs a GPU, so it is off on CPU.
 
 By default gloo ranks on CPU (``poplar.comm.launch.spawn``), one thread each, a small transformer
 (~3.3M parameters, 4 blocks). ``--device cuda`` runs a world of one on this machine's GPU with
@@ -37,7 +44,7 @@ from torch import nn
 
 from poplar.engine import PoplarEngine
 from poplar.comm.launch import free_port, spawn
-from poplar.types.plans import Plan
+from poplar.types.plans import Offload, Plan
 from poplar.zero.config import ZeroConfig
 
 
@@ -104,9 +111,10 @@ def batch(c: Shape, rank: int, it: int, device: torch.device) -> torch.Tensor:
     return torch.randint(0, c.vocab, (c.batch, c.seq + 1), generator=g).to(device)
 
 
-def make_systems(c: Shape, world: int, bf16: bool, device: torch.device) -> dict[str, Callable[[torch.Tensor], float]]:
+def make_systems(c: Shape, world: int, bf16: bool, device: torch.device, offload: bool = True
+                 ) -> dict[str, Callable[[torch.Tensor], float]]:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
 
@@ -130,6 +138,17 @@ def make_systems(c: Shape, world: int, bf16: bool, device: torch.device) -> dict
     model = DistributedDataParallel(fresh_model(c, device), device_ids=ids)
     systems["torch_ddp_zero"] = _torch_step(model, ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW,
                                                                            lr=1e-3))
+    if offload:
+        model = fresh_model(c, device)
+        engine = PoplarEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-3), zero_stage=ZeroConfig(2),
+                              plan=plan.with_offloads((Offload.OPTIMIZER,) * world))
+        systems["poplar_zero2_offload"] = lambda x, e=engine: e.train_step(x, loss_fn)
+        model = fresh_model(c, device)
+        cpu_policy = CPUOffloadPolicy(pin_memory=device.type == "cuda")  # pinning needs an accelerator
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh, reshard_after_forward=False, offload_policy=cpu_policy)
+        fully_shard(model, mesh=mesh, reshard_after_forward=False, offload_policy=cpu_policy)
+        systems["torch_fsdp2_offload"] = _torch_step(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
     if not bf16:
         return systems
     for stage in (3, 2):
@@ -161,9 +180,9 @@ def _sync(device: torch.device) -> None:
 
 
 def worker(rank: int, world: int, c: Shape, iters: int, repeats: int, bf16: bool,
-           device_type: str = "cpu") -> dict[str, Any]:
+           device_type: str = "cpu", offload: bool = True) -> dict[str, Any]:
     device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
-    systems = make_systems(c, world, bf16, device)
+    systems = make_systems(c, world, bf16, device, offload)
     losses = {name: [step(batch(c, rank, it, device)) for it in range(2)] for name, step in systems.items()}  # warm-up
     times: dict[str, list[float]] = {name: [] for name in systems}
     for rep in range(repeats):
@@ -182,14 +201,14 @@ def worker(rank: int, world: int, c: Shape, iters: int, repeats: int, bf16: bool
     return {"times": times, "losses": losses, "peak_bytes": peak}
 
 
-def run_cuda(c: Shape, iters: int, repeats: int, bf16: bool) -> dict[str, Any]:
+def run_cuda(c: Shape, iters: int, repeats: int, bf16: bool, offload: bool) -> dict[str, Any]:
     """A world of one on this process's GPU, over NCCL."""
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
                             timeout=timedelta(seconds=300), device_id=device)
     try:
-        return worker(0, 1, c, iters, repeats, bf16, "cuda")
+        return worker(0, 1, c, iters, repeats, bf16, "cuda", offload)
     finally:
         dist.destroy_process_group()
 
@@ -200,6 +219,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=4, help="iterations per timed block")
     ap.add_argument("--repeats", type=int, default=5, help="timed blocks per system (interleaved)")
     ap.add_argument("--no-bf16", dest="bf16", action="store_false", help="leave out the bf16 rows")
+    ap.add_argument("--no-offload", dest="offload", action="store_false", help="leave out the offload rows")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cpu: gloo ranks (--world); cuda: a world of one on GPU 0 over NCCL")
     for field in ("vocab", "dim", "heads", "layers", "seq", "batch"):
@@ -209,19 +229,19 @@ def main() -> None:
     c = replace(c, **{k: getattr(args, k) for k in asdict(c) if getattr(args, k) is not None})
     if args.device == "cuda":
         args.world = 1
-        out = run_cuda(c, args.iters, args.repeats, args.bf16)
+        out = run_cuda(c, args.iters, args.repeats, args.bf16, args.offload)
         where = f"1 NCCL rank on {torch.cuda.get_device_name(0)}"
     else:
-        out = spawn(worker, args.world, (c, args.iters, args.repeats, args.bf16), timeout_s=900,
+        out = spawn(worker, args.world, (c, args.iters, args.repeats, args.bf16, "cpu", args.offload), timeout_s=900,
                     collective_timeout_s=300)[0]
         where = f"{args.world} gloo ranks on CPU"
     med = {name: statistics.median(ts) for name, ts in out["times"].items()}
     psi = sum(p.numel() for p in LM(c).parameters())
     print(f"{where}, {psi / 1e6:.2f}M parameters, {c.layers} blocks, {c.batch}x{c.seq} tokens "
           f"per rank, AdamW; median of {args.repeats} blocks of {args.iters} iterations")
-    print(f"{'system':<18} {'s/iter':>8} {'min':>8} {'max':>8}   warm-up losses")
+    print(f"{'system':<22} {'s/iter':>8} {'min':>8} {'max':>8}   warm-up losses")
     for name, ts in out["times"].items():
-        print(f"{name:<18} {med[name]:>8.4f} {min(ts):>8.4f} {max(ts):>8.4f}   "
+        print(f"{name:<22} {med[name]:>8.4f} {min(ts):>8.4f} {max(ts):>8.4f}   "
               + " ".join(f"{v:.4f}" for v in out["losses"][name]))
     result = {"zero3_vs_fsdp2": med["poplar_zero3"] / med["torch_fsdp2"],
               "zero0_vs_ddp": med["poplar_zero0"] / med["torch_ddp"],
@@ -231,6 +251,12 @@ def main() -> None:
         result.update(device=torch.cuda.get_device_name(0), shape=asdict(c), peak_gib=out["peak_bytes"] / 2 ** 30)
     print(f"ZeRO-3 / FSDP2 = {result['zero3_vs_fsdp2']:.3f}   ZeRO-0 / DDP = {result['zero0_vs_ddp']:.3f}   "
           f"ZeRO-1 / DDP+ZeroRedundancyOptimizer = {result['zero1_vs_ddp_zero']:.3f}")
+    if args.offload:
+        result["zero2_offload_over_peer"] = med["poplar_zero2_offload"] / med["torch_fsdp2_offload"]
+        print(f"offload: ZeRO-2, every rank's optimizer on the host / FSDP2 with CPUOffloadPolicy = "
+              f"{result['zero2_offload_over_peer']:.3f}"
+              + (" (on CPU the host is the device: both step AdamW there, the copies are memcpys)"
+                 if args.device == "cpu" else ""))
     if args.bf16:
         for stage in (2, 3):
             result[f"zero{stage}_bf16_vs_fsdp2_bf16"] = med[f"poplar_zero{stage}_bf16"] / med["torch_fsdp2_bf16"]

@@ -7,6 +7,16 @@
 - ``zero2_bf16_vs_fsdp2_bf16`` / ``zero3_bf16_vs_fsdp2_bf16``: Poplar ZeRO-2/3 with
   ``mixed_precision="bf16"`` ÷ FSDP2 with ``MixedPrecisionPolicy(param_dtype=bfloat16,
   reduce_dtype=float32)`` (``--no-bf16`` leaves these rows out).
+- ``zero2_offload_over_peer``: Poplar ZeRO-2 with every rank's plan row ``Offload.OPTIMIZER``
+  (fp32 master shard and AdamW state on the host, the step there) ÷ FSDP2 with
+  ``CPUOffloadPolicy`` (parameters, gradients and optimizer state on the host, the step there),
+  per block and root, ``reshard_after_forward=False`` (one parameter gather per iteration, as at
+  ZeRO-2) (``--no-offload`` leaves these rows out). On CPU the "host" is the device: both sides
+  pay the same host AdamW step, and their device-host copies are plain CPU memcpys (FSDP2
+  skips its own when the device is the CPU); pinned memory needs a GPU, so it is off on CPU.
+- ``zero1_vs_ddp_zero_by_shape`` (CPU, ``--zero1-shapes``, default ``4x256,8x384``): after the
+  main pass, in the same run, one pass per shape (blocks x width) of only ZeRO-1 and DDP +
+  ``ZeroRedundancyOptimizer``; ``zero1_vs_ddp_zero_max`` is the largest of them.
 
 By default gloo ranks on CPU (``poplar.comm.launch.spawn``), one thread each, a small transformer
 (~3.3M parameters, 4 blocks). ``--device cuda`` runs a world of one on this machine's GPU with
@@ -16,7 +26,8 @@ trains the same model copy on the same batches; timed blocks of iterations are i
 (A, B, A, B, ...) after a warm-up, each block's time is the slowest rank's, and ratios are of
 medians (ours ÷ torch: < 1 means Poplar is faster). Prints a table and, last, ``RESULT {json}``.
 
-    python bench/engine_vs_torch.py [--world 2] [--iters 4] [--repeats 5]
+    python bench/engine_vs_torch.py [--world 2] [--iters 4] [--repeats 5] [--zero1-shapes 4x256,8x384]
+    python bench/engine_vs_torch.py --zero1-only --repeats 9
     python bench/engine_vs_torch.py --device cuda [--layers 12]
 """
 
@@ -37,7 +48,7 @@ from torch import nn
 
 from poplar.engine import PoplarEngine
 from poplar.comm.launch import free_port, spawn
-from poplar.types.plans import Plan
+from poplar.types.plans import Offload, Plan
 from poplar.zero.config import ZeroConfig
 
 
@@ -104,12 +115,37 @@ def batch(c: Shape, rank: int, it: int, device: torch.device) -> torch.Tensor:
     return torch.randint(0, c.vocab, (c.batch, c.seq + 1), generator=g).to(device)
 
 
-def make_systems(c: Shape, world: int, bf16: bool, device: torch.device) -> dict[str, Callable[[torch.Tensor], float]]:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+@dataclass(frozen=True)
+class Rows:
+    """Which systems a pass builds: every row (with or without the bf16 and offload rows), or
+    only the ZeRO-1 pair (``poplar_zero1``, ``torch_ddp_zero``) for the ``--zero1-shapes`` passes."""
+
+    bf16: bool = True
+    offload: bool = True
+    zero1_only: bool = False
+
+
+def make_zero1_pair(c: Shape, world: int, device: torch.device) -> dict[str, Callable[[torch.Tensor], float]]:
+    """Poplar ZeRO-1 and DDP + ZeroRedundancyOptimizer, AdamW, even shards."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
 
+    model = fresh_model(c, device)
+    engine = PoplarEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-3), zero_stage=ZeroConfig(1),
+                          plan=Plan.even(world, world * c.batch, c.batch))
+    model = DistributedDataParallel(fresh_model(c, device), device_ids=[device.index or 0] if device.type == "cuda" else None)
+    return {"poplar_zero1": lambda x, e=engine: e.train_step(x, loss_fn),
+            "torch_ddp_zero": _torch_step(model, ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3))}
+
+
+def make_systems(c: Shape, world: int, rows: Rows, device: torch.device) -> dict[str, Callable[[torch.Tensor], float]]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    if rows.zero1_only:
+        return make_zero1_pair(c, world, device)
     plan = Plan.even(world, world * c.batch, c.batch)  # one micro-step of c.batch samples per rank
     systems: dict[str, Callable[[torch.Tensor], float]] = {}
     for stage in (3, 1, 0):
@@ -130,7 +166,18 @@ def make_systems(c: Shape, world: int, bf16: bool, device: torch.device) -> dict
     model = DistributedDataParallel(fresh_model(c, device), device_ids=ids)
     systems["torch_ddp_zero"] = _torch_step(model, ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW,
                                                                            lr=1e-3))
-    if not bf16:
+    if rows.offload:
+        model = fresh_model(c, device)
+        engine = PoplarEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-3), zero_stage=ZeroConfig(2),
+                              plan=plan.with_offloads((Offload.OPTIMIZER,) * world))
+        systems["poplar_zero2_offload"] = lambda x, e=engine: e.train_step(x, loss_fn)
+        model = fresh_model(c, device)
+        cpu_policy = CPUOffloadPolicy(pin_memory=device.type == "cuda")  # pinning needs an accelerator
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh, reshard_after_forward=False, offload_policy=cpu_policy)
+        fully_shard(model, mesh=mesh, reshard_after_forward=False, offload_policy=cpu_policy)
+        systems["torch_fsdp2_offload"] = _torch_step(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    if not rows.bf16:
         return systems
     for stage in (3, 2):
         model = fresh_model(c, device)
@@ -160,10 +207,10 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def worker(rank: int, world: int, c: Shape, iters: int, repeats: int, bf16: bool,
+def worker(rank: int, world: int, c: Shape, iters: int, repeats: int, rows: Rows,
            device_type: str = "cpu") -> dict[str, Any]:
     device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
-    systems = make_systems(c, world, bf16, device)
+    systems = make_systems(c, world, rows, device)
     losses = {name: [step(batch(c, rank, it, device)) for it in range(2)] for name, step in systems.items()}  # warm-up
     times: dict[str, list[float]] = {name: [] for name in systems}
     for rep in range(repeats):
@@ -182,14 +229,14 @@ def worker(rank: int, world: int, c: Shape, iters: int, repeats: int, bf16: bool
     return {"times": times, "losses": losses, "peak_bytes": peak}
 
 
-def run_cuda(c: Shape, iters: int, repeats: int, bf16: bool) -> dict[str, Any]:
+def run_cuda(c: Shape, iters: int, repeats: int, rows: Rows) -> dict[str, Any]:
     """A world of one on this process's GPU, over NCCL."""
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
                             timeout=timedelta(seconds=300), device_id=device)
     try:
-        return worker(0, 1, c, iters, repeats, bf16, "cuda")
+        return worker(0, 1, c, iters, repeats, rows, "cuda")
     finally:
         dist.destroy_process_group()
 
@@ -200,8 +247,13 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=4, help="iterations per timed block")
     ap.add_argument("--repeats", type=int, default=5, help="timed blocks per system (interleaved)")
     ap.add_argument("--no-bf16", dest="bf16", action="store_false", help="leave out the bf16 rows")
+    ap.add_argument("--no-offload", dest="offload", action="store_false", help="leave out the offload rows")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cpu: gloo ranks (--world); cuda: a world of one on GPU 0 over NCCL")
+    ap.add_argument("--zero1-shapes", default="4x256,8x384",
+                    help="CPU: after the main pass, one ZeRO-1 ÷ DDP+ZeroRedundancyOptimizer pass per "
+                         "BLOCKSxDIM shape ('' for none)")
+    ap.add_argument("--zero1-only", action="store_true", help="CPU: only the --zero1-shapes passes")
     for field in ("vocab", "dim", "heads", "layers", "seq", "batch"):
         ap.add_argument(f"--{field}", type=int, help=f"override the preset's {field}")
     args = ap.parse_args()
@@ -209,34 +261,72 @@ def main() -> None:
     c = replace(c, **{k: getattr(args, k) for k in asdict(c) if getattr(args, k) is not None})
     if args.device == "cuda":
         args.world = 1
-        out = run_cuda(c, args.iters, args.repeats, args.bf16)
+        out = run_cuda(c, args.iters, args.repeats, Rows(args.bf16, args.offload))
         where = f"1 NCCL rank on {torch.cuda.get_device_name(0)}"
+        result = main_rows(args, c, out, where)
+        result.update(device=torch.cuda.get_device_name(0), shape=asdict(c), peak_gib=out["peak_bytes"] / 2 ** 30)
     else:
-        out = spawn(worker, args.world, (c, args.iters, args.repeats, args.bf16), timeout_s=900,
-                    collective_timeout_s=300)[0]
-        where = f"{args.world} gloo ranks on CPU"
+        result = {"world": args.world}
+        if not args.zero1_only:
+            out = spawn(worker, args.world, (c, args.iters, args.repeats, Rows(args.bf16, args.offload)),
+                        timeout_s=900, collective_timeout_s=300)[0]
+            result = main_rows(args, c, out, f"{args.world} gloo ranks on CPU")
+        if args.zero1_shapes:
+            result.update(zero1_pair_passes(args, c))
+    print("RESULT " + json.dumps(result))
+
+
+def _table(out: dict[str, Any], med: dict[str, float]) -> None:
+    print(f"{'system':<22} {'s/iter':>8} {'min':>8} {'max':>8}   warm-up losses")
+    for name, ts in out["times"].items():
+        print(f"{name:<22} {med[name]:>8.4f} {min(ts):>8.4f} {max(ts):>8.4f}   "
+              + " ".join(f"{v:.4f}" for v in out["losses"][name]))
+
+
+def main_rows(args: argparse.Namespace, c: Shape, out: dict[str, Any], where: str) -> dict[str, Any]:
+    """The main pass's table and ratios."""
     med = {name: statistics.median(ts) for name, ts in out["times"].items()}
     psi = sum(p.numel() for p in LM(c).parameters())
     print(f"{where}, {psi / 1e6:.2f}M parameters, {c.layers} blocks, {c.batch}x{c.seq} tokens "
           f"per rank, AdamW; median of {args.repeats} blocks of {args.iters} iterations")
-    print(f"{'system':<18} {'s/iter':>8} {'min':>8} {'max':>8}   warm-up losses")
-    for name, ts in out["times"].items():
-        print(f"{name:<18} {med[name]:>8.4f} {min(ts):>8.4f} {max(ts):>8.4f}   "
-              + " ".join(f"{v:.4f}" for v in out["losses"][name]))
+    _table(out, med)
     result = {"zero3_vs_fsdp2": med["poplar_zero3"] / med["torch_fsdp2"],
               "zero0_vs_ddp": med["poplar_zero0"] / med["torch_ddp"],
               "zero1_vs_ddp_zero": med["poplar_zero1"] / med["torch_ddp_zero"],
               "seconds_per_iter": med, "world": args.world, "params": psi}
-    if args.device == "cuda":
-        result.update(device=torch.cuda.get_device_name(0), shape=asdict(c), peak_gib=out["peak_bytes"] / 2 ** 30)
     print(f"ZeRO-3 / FSDP2 = {result['zero3_vs_fsdp2']:.3f}   ZeRO-0 / DDP = {result['zero0_vs_ddp']:.3f}   "
           f"ZeRO-1 / DDP+ZeroRedundancyOptimizer = {result['zero1_vs_ddp_zero']:.3f}")
+    if args.offload:
+        result["zero2_offload_over_peer"] = med["poplar_zero2_offload"] / med["torch_fsdp2_offload"]
+        print(f"offload: ZeRO-2, every rank's optimizer on the host / FSDP2 with CPUOffloadPolicy = "
+              f"{result['zero2_offload_over_peer']:.3f}"
+              + (" (on CPU the host is the device: both step AdamW there, the copies are memcpys)"
+                 if args.device == "cpu" else ""))
     if args.bf16:
         for stage in (2, 3):
             result[f"zero{stage}_bf16_vs_fsdp2_bf16"] = med[f"poplar_zero{stage}_bf16"] / med["torch_fsdp2_bf16"]
         print(f"bf16: ZeRO-2 / FSDP2 = {result['zero2_bf16_vs_fsdp2_bf16']:.3f}   "
               f"ZeRO-3 / FSDP2 = {result['zero3_bf16_vs_fsdp2_bf16']:.3f}")
-    print("RESULT " + json.dumps(result))
+    return result
+
+
+def zero1_pair_passes(args: argparse.Namespace, c: Shape) -> dict[str, Any]:
+    """One pass per ``--zero1-shapes`` entry (BLOCKSxDIM, the rest of the shape as the main
+    pass's): only ZeRO-1 and DDP + ZeroRedundancyOptimizer, interleaved, in this same run."""
+    ratios: dict[str, float] = {}
+    for spec in args.zero1_shapes.split(","):
+        layers, dim = (int(v) for v in spec.lower().split("x"))
+        shape = replace(c, layers=layers, dim=dim)
+        out = spawn(worker, args.world, (shape, args.iters, args.repeats, Rows(zero1_only=True)),
+                    timeout_s=900, collective_timeout_s=300)[0]
+        med = {name: statistics.median(ts) for name, ts in out["times"].items()}
+        psi = sum(p.numel() for p in LM(shape).parameters())
+        print(f"ZeRO-1 pair, {spec}: {psi / 1e6:.2f}M parameters, {layers} blocks, d={dim}, {c.batch}x{c.seq} "
+              f"tokens per rank, AdamW; median of {args.repeats} blocks of {args.iters} iterations")
+        _table(out, med)
+        ratios[spec] = med["poplar_zero1"] / med["torch_ddp_zero"]
+        print(f"ZeRO-1 / DDP+ZeroRedundancyOptimizer ({spec}) = {ratios[spec]:.3f}")
+    return {"zero1_vs_ddp_zero_by_shape": ratios, "zero1_vs_ddp_zero_max": max(ratios.values())}
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ Reductions always use ``ReduceOp.SUM``; the engine scales losses itself (averagi
 size is wrong for uneven batches).
 
 All-gather and reduce-scatter take per-rank ``sizes`` for parts of different lengths (uneven
-shards, ``poplar.comm.uneven``); the ledger records the bytes the chosen method sends.
+shards, ``poplar.comm.uneven``); the ledger records the bytes the chosen method sends. On gloo
+even parts take the same methods, faster there than torch's tensor collectives.
 
 A ``CollectiveObserver`` (``Communicator.observed``) hears of every tensor collective when it is
 issued and when it is done on this rank, before the rank's blocked seconds are stopped, so what
@@ -157,7 +158,8 @@ class Communicator:
         order) gets this rank's part of the sum of ``input`` over ranks."""
         if self.world_size == 1:
             output.copy_(input)
-        elif sizes is not None and len(set(sizes)) > 1:
+        elif (sizes is not None and len(set(sizes)) > 1) or uneven.even_method(self.backend, "reduce_scatter"):
+            sizes = sizes or [output.numel()] * self.world_size
             call = uneven.reduce_scatter(output, input, sizes, self.rank, self.group,
                                          uneven.method_for(self.backend, "reduce_scatter"))
             return self._run("reduce_scatter", call.wire_bytes, call.run, async_op, tag, call.finish)
@@ -173,7 +175,8 @@ class Communicator:
         every rank's ``input``, in rank order."""
         if self.world_size == 1:
             output.copy_(input)
-        elif sizes is not None and len(set(sizes)) > 1:
+        elif (sizes is not None and len(set(sizes)) > 1) or uneven.even_method(self.backend, "all_gather"):
+            sizes = sizes or [input.numel()] * self.world_size
             call = uneven.all_gather(output, input, sizes, self.rank, self.group,
                                      uneven.method_for(self.backend, "all_gather"))
             return self._run("all_gather", call.wire_bytes, call.run, async_op, tag, call.finish)
@@ -181,6 +184,13 @@ class Communicator:
         return self._run("all_gather", nbytes,
                          lambda a: all_gather_tensor(output, input, group=self.group, async_op=a),
                          async_op, tag)
+
+    @property
+    def gathers_in_place(self) -> bool:
+        """Whether an all-gather's ``input`` may be this rank's own part of ``output`` (a view of
+        it): a world of one, and gloo, whose all-gather is one broadcast per part into ``output``
+        (``uneven.even_method``). Elsewhere the input must be a separate tensor."""
+        return self.world_size == 1 or uneven.even_method(self.backend, "all_gather") is uneven.UnevenMethod.BROADCASTS
 
     def all_gather_object(self, obj: Any, tag: str = "") -> list[Any]:
         if self.world_size == 1:

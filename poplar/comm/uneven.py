@@ -21,6 +21,13 @@ no padded bytes. gloo's list all-gather refuses parts of different sizes, so on 
 all-gather is BROADCASTS or PADDED, whichever ``bench/uneven_collectives.py`` measures faster
 (``GLOO_ALL_GATHER``); docs/design.md §3.9 gives the bytes on the wire of each.
 
+[Note: even parts on gloo]
+gloo's tensor collectives are slower than these methods even where every part is the same
+length (``bench/uneven_collectives.py --weights 1,1``, 2 ranks, 6.5 M fp32: the list
+reduce-scatter 0.51 x ``reduce_scatter_tensor``'s time, the broadcasts 0.78 x
+``all_gather_into_tensor``'s), so on gloo even calls take the same methods (``even_method``);
+the bytes on the wire are the same. Other backends (NCCL) keep torch's tensor collectives.
+
 Each function returns an ``UnevenCall``: the collective to run, what to do once it is done, and
 the bytes it puts on the wire (what the ledger records).
 """
@@ -78,6 +85,12 @@ def method_for(backend: str, op: str) -> UnevenMethod:
     return UnevenMethod.LISTED
 
 
+def even_method(backend: str, op: str) -> UnevenMethod | None:
+    """The method of ``op`` over equal parts on ``backend``; None: torch's tensor collective
+    (Note: even parts on gloo)."""
+    return method_for(backend, op) if backend == "gloo" else None
+
+
 def _offsets(sizes: Sequence[int]) -> list[int]:
     return list(accumulate(sizes, initial=0))[:-1]
 
@@ -92,7 +105,8 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, sizes: Sequence[int], 
                           sum(sizes) * element)
     if method is UnevenMethod.BROADCASTS:
         views = list(output.split(list(sizes)))
-        views[rank].copy_(input)
+        if input.data_ptr() != views[rank].data_ptr():  # an input that is its own part is in place
+            views[rank].copy_(input)
 
         def run(async_op: bool) -> Any:
             ranks = [r for r, size in enumerate(sizes) if size]  # an empty part has nothing to send

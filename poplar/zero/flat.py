@@ -79,8 +79,11 @@ class FlatUnit:
         make = torch.zeros if zero else torch.empty
         return make(self.padded_numel, dtype=dtype or self.dtype, device=self.device)
 
-    def new_shard(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        return torch.zeros(self.shard_numel, dtype=dtype or self.dtype, device=self.device)
+    def new_shard(self, dtype: torch.dtype | None = None, zero: bool = True) -> torch.Tensor:
+        """This rank's shard of a flat buffer, zeros (``zero=False``: uninitialised, for a
+        collective's output that overwrites every element)."""
+        make = torch.zeros if zero else torch.empty
+        return make(self.shard_numel, dtype=dtype or self.dtype, device=self.device)
 
     def shard_of(self, flat: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a full flat buffer (a view)."""

@@ -137,11 +137,14 @@ class ReplicatedParams(ZeroStage):
             target = self.masters[ui] if whole_master else flat
             if self.masters and self.master_sharded and not self.offload.master_on_host:
                 local = self.masters[ui].to(flat.dtype)
+            elif self.comm.gathers_in_place:  # this rank's part is sent from where it is
+                local = u.shard_of(target).detach()
             else:
                 local = u.shard_of(target).detach().clone()  # the input must not alias the output
-            self._hold(local.numel() * local.element_size())
+            held = 0 if local.data_ptr() == u.shard_of(target).data_ptr() else local.numel() * local.element_size()
+            self._hold(held)
             self.comm.all_gather(target, local, tag=f"unit{u.index}", sizes=u.part_sizes)
-            self._release(local.numel() * local.element_size())
+            self._release(held)
             if whole_master:
                 flat.copy_(target)
 
@@ -218,11 +221,33 @@ class Stage0(ReplicatedParams):
 
     def _new_grad_buffers(self) -> None:
         self.flat_grads = [u.new_flat() for u in self.units]
+        self._written = [[False] * len(u.params) for u in self.units]
 
+    # [Note: gradient slots are written, not zeroed]
+    # A parameter's first gradient of the iteration is copied into its slot and later ones are
+    # added, so ``zero_grad`` marks the slots unwritten instead of zeroing the whole buffer (one
+    # pass over the gradients fewer per iteration, as DDP's buckets). A slot no gradient reached
+    # is zeroed when its unit is first read (``_settle``): before it is reduced, checked or
+    # stepped. Padding is never written and stays zero.
     def _grad_ready(self, ui: int, si: int, grad: torch.Tensor) -> None:
-        self.units[ui].slot(self.flat_grads[ui], si).add_(grad)
+        slot = self.units[ui].slot(self.flat_grads[ui], si)
+        if self._written[ui][si]:
+            slot.add_(grad)
+        else:
+            slot.copy_(grad)
+            self._written[ui][si] = True
+
+    def _settle(self, ui: int) -> None:
+        """Unit ``ui``'s slots that no gradient reached this iteration hold zeros."""
+        written = self._written[ui]
+        for si in range(len(written)):
+            if not written[si]:
+                self.units[ui].slot(self.flat_grads[ui], si).zero_()
+                written[si] = True
 
     def reduce_gradients(self) -> None:
+        for ui in range(len(self.units)):
+            self._settle(ui)
         for u, g in zip(self.units, self.flat_grads):
             wire = self.precision.for_reduce(g)
             if wire is not g:
@@ -236,6 +261,8 @@ class Stage0(ReplicatedParams):
         return self.flat_grads
 
     def held_grads(self) -> list[torch.Tensor]:
+        for ui in range(len(self.units)):
+            self._settle(ui)
         return self.flat_grads
 
     @property
@@ -262,8 +289,8 @@ class Stage0(ReplicatedParams):
                     flat.copy_(master)
 
     def zero_grad(self) -> None:
-        for g in self.flat_grads:
-            g.zero_()
+        for written in self._written:  # Note: gradient slots are written, not zeroed
+            written[:] = [False] * len(written)
 
     def grad_bytes(self) -> int:
         return sum(g.numel() * g.element_size() for g in self.flat_grads)
@@ -312,7 +339,7 @@ class Stage2(ReplicatedParams):
         u = self.units[ui]
         bucket = self._bucket(ui)
         wire = self.precision.for_reduce(bucket)  # the bucket itself, or its copy in the reduce dtype
-        out = u.new_shard(wire.dtype)
+        out = u.new_shard(wire.dtype, zero=False)  # the reduce-scatter writes all of it
         out_bytes, wire_bytes = out.numel() * out.element_size(), wire.numel() * wire.element_size()
         self._hold(out_bytes)
         if wire is not bucket:  # only the copy stays alive

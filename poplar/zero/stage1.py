@@ -69,8 +69,9 @@ class Stage1(Stage0):
     def _issue(self, ui: int) -> None:
         """Reduce-scatter unit ``ui``'s flat gradient into a shard kept apart (async)."""
         u, g = self.units[ui], self.flat_grads[ui]
+        self._settle(ui)
         wire = self.precision.for_reduce(g)  # the gradient itself, or its copy in the reduce dtype
-        out = u.new_shard(wire.dtype)
+        out = u.new_shard(wire.dtype, zero=False)  # the reduce-scatter writes all of it
         wire_bytes = wire.numel() * wire.element_size() if wire is not g else 0
         self._hold(out.numel() * out.element_size() + wire_bytes)
         with self.comm.ledger.scope(Phase.STEP, micro_step=-1):  # the iteration's closing reduction

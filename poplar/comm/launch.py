@@ -31,6 +31,7 @@ from datetime import timedelta
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 
 class RankFailure(RuntimeError):
@@ -71,15 +72,14 @@ def _context() -> Any:
 
 def _worker(fn: Callable[..., Any], rank: int, world_size: int, args: tuple, port: int, backend: str,
             collective_timeout_s: float, threads: int, results: Any, environ: dict[str, str]) -> None:
-    import torch.distributed as dist
-
     os.environ.clear()
     os.environ.update(environ)  # the caller's environment, not the fork server's
     torch.set_num_threads(threads)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     try:
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world_size, timeout=timedelta(seconds=collective_timeout_s))
+        timeout = timedelta(seconds=collective_timeout_s)
+        store = dist.TCPStore("127.0.0.1", port, None, False, timeout)  # a client of the caller's store
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
         out = fn(rank, world_size, *args)
         results.put(("ok", rank, _dumps(out)))
     except BaseException:  # noqa: BLE001 - every failure goes back to the parent
@@ -103,7 +103,10 @@ def spawn(fn: Callable[..., Any], world_size: int, args: tuple = (), *, timeout_
     """
     ctx = _context()
     results = ctx.Queue()
-    port = free_port()
+    # The rendezvous store lives in this process, on a port the system picked when it bound it: a
+    # port chosen free and bound later by rank 0 can be taken in between by another job.
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=collective_timeout_s), wait_for_workers=False)
+    port = store.port
     procs = [ctx.Process(target=_worker, daemon=True,
                          args=(fn, r, world_size, args, port, backend, collective_timeout_s, threads_per_rank, results,
                                dict(os.environ)))

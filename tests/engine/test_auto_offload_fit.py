@@ -27,30 +27,36 @@ def _sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9)
 
 
-def offload_fit_rank(rank: int, world: int, offload: str) -> dict:
+def offload_fit_rank(rank: int, world: int, offload: str, stage: int | str = "auto", choose: str = "fastest") -> dict:
     torch.set_num_threads(1)
     device = VirtualDevice(("roomy", "short")[rank], CAPACITY[rank])
     device.pad = False
     model = make_model()
-    engine = PoplarEngine(model, _sgd(model), zero_stage="auto", global_batch_size=GBS, loss_fn=loss_fn,
+    engine = PoplarEngine(model, _sgd(model), zero_stage=stage, global_batch_size=GBS, loss_fn=loss_fn,
                           activation_checkpointing=False,
                           auto=AutoOptions(profile_data=lambda b: torch.randint(0, VOCAB, (b, SEQ + 1)),
                                            device=device, repeats=1, max_batch=16, progress=False, offload=offload,
-                                           store=None))
+                                           store=None, choose=choose))
     losses = [engine.train_step(rank_slice(global_batch(it, GBS), engine.plan, rank)) for it in range(ITERATIONS)]
+    meta = engine.profile.meta
+    escalated = meta["auto_choice"]["offload_escalations"] if "auto_choice" in meta else meta["escalations"]
     out = {"plan": engine.plan.to_dict(), "stage": engine.zero_stage, "measured": engine.profile.offloads,
-           "mbs": [r.mbs for r in engine.profile.ranks], "choice": engine.profile.meta.get("auto_choice"),
+           "mbs": [r.mbs for r in engine.profile.ranks], "escalated": escalated,
            "losses": losses, "state": engine.full_state_dict()}
     engine.close()
     return out
 
 
 @pytest.mark.multiprocess
-def test_a_model_that_fits_only_with_offload_trains() -> None:
-    r0, r1 = spawn(offload_fit_rank, 2, ("auto",), timeout_s=300, collective_timeout_s=120)
+@pytest.mark.parametrize("stage,choose", [("auto", "fastest"), (3, "first_fit")])
+def test_a_model_that_fits_only_with_offload_trains(stage: int | str, choose: str) -> None:
+    # "fastest": the configuration choice searches again (auto.choice.fit_by_offload); "first_fit"
+    # at a given stage: the profiler's own escalation (profiler.escalation)
+    r0, r1 = spawn(offload_fit_rank, 2, ("auto", stage, choose), timeout_s=300, collective_timeout_s=120)
     assert r0["plan"] == r1["plan"] and r0["stage"] == 3
     assert r0["measured"] == ["none", "optimizer"], r0["measured"]
-    assert r0["choice"]["offload_escalations"][0]["ranks"] == [1]
+    (record,) = r0["escalated"]
+    assert record["ranks"] == [1] and record["offload"] == ["none", "optimizer"]
     assert r0["plan"]["ranks"][1]["offload"] == "optimizer"  # it fits no sample otherwise
     assert all(m >= 1 for m in r0["mbs"])
     model = make_model()

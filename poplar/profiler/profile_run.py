@@ -14,8 +14,9 @@ for several (docs/design.md §4, "deadlock trap"):
 2. Capacity search and stage escalation (``escalation.find_fitting_stage``): per rank, with no
    collective at all (a ``ZeroRuntime`` over a LocalCommunicator has the real runtime's memory at
    world size N), then one agreement outside any training step, after which every rank takes
-   the same decision: escalate to the next ZeRO stage, fail with the same error everywhere, or
-   go on.
+   the same decision: escalate to the next ZeRO stage (past ZeRO-3, where the options allow it,
+   to the short ranks' optimizers offloaded: ``ProfileOptions.offload_escalation``), fail with
+   the same error everywhere, or go on.
 3. Timing in lock-step rounds at sizes known to fit (``ProfileRun.time``), with the real runtime
    and its instrumented collectives, in the ``TIMING`` phase (an observer records memory
    overflows there instead of raising mid-collective); the records are agreed on afterwards.

@@ -18,6 +18,7 @@ from poplar.planner.candidates import CandidateRow, choose, estimate_profile, fo
 from poplar.planner.shards import weights_to_fit
 from poplar.profiler.configurations import CandidateProfiler, ConfigCapacity, Reuse
 from poplar.profiler.devices import Device
+from poplar.profiler.escalation import OffloadEscalation, next_offloads
 from poplar.profiler.exposure import ExposureRounds
 from poplar.profiler.profile_run import ProfileJob
 from poplar.profiler.timing import Confirmation, TimingGrid
@@ -65,6 +66,29 @@ def fit_by_shards(prof: CandidateProfiler, caps: list[ConfigCapacity],
     return out
 
 
+def fit_by_offload(prof: CandidateProfiler, caps: list[ConfigCapacity], say: Callable[[str], None],
+                   record: list[dict[str, Any]]) -> list[ConfigCapacity]:
+    """Where no configuration fits batch 1 on every rank, at even shards or by room: the
+    configurations at the highest stage (ZeRO-1 or above) are searched again with the optimizer
+    of the ranks batch 1 does not fit offloaded to host memory (``escalation.next_offloads``,
+    from the agreed searches: the same on every rank), until they fit or those ranks already
+    offload. Each search again is appended to ``record``."""
+    top = max(c.config.stage for c in caps)
+    out = []
+    for c in caps:
+        while c.config.stage == top >= 1 and not c.fits:
+            short = [r for r, m in enumerate(c.mbs) if m < 1]
+            more = next_offloads(c.offloads, short, len(c.mbs))
+            if more is None:
+                break
+            say(f"{c.config.name}: batch 1 does not fit ranks {short}; searching again with their optimizer "
+                "offloaded to host memory")
+            record.append({"configuration": c.config.name, "ranks": short, "offload": [o.value for o in more]})
+            c = prof.capacities([c.config], c.shard_weights, more)[0]
+        out.append(c)
+    return out
+
+
 def choose_configuration(comm: Communicator, job: ProfileJob, device: Device, choice: Choice,
                          say: Callable[[str], None], **limits: Any) -> Profile:
     """Capacity of every configuration (no collective), timing of the first fit, then of each
@@ -78,6 +102,9 @@ def choose_configuration(comm: Communicator, job: ProfileJob, device: Device, ch
     caps = prof.capacities(choice.configs())
     if not any(c.fits for c in caps):
         caps = fit_by_shards(prof, caps, say)
+    offloaded: list[dict[str, Any]] = []  # the searches again with short ranks' optimizers offloaded
+    if not any(c.fits for c in caps) and popts.offload_escalation is OffloadEscalation.SHORT_RANKS:
+        caps = fit_by_offload(prof, caps, say, offloaded)
     rows = [CandidateRow(c.config.stage, c.config.checkpointed, c.fits, mbs_by_type(types, c.mbs)) for c in caps]
     for row, c in zip(rows, caps):
         if not c.fits:
@@ -122,6 +149,7 @@ def choose_configuration(comm: Communicator, job: ProfileJob, device: Device, ch
             base = with_probe(base, probes[i])
         estimate = estimate_profile(base, rows[i].stage, caps[i].mbs)
         estimate.shard_weights = list(caps[i].shard_weights) if caps[i].shard_weights else None
+        estimate.offloads = [o.value for o in caps[i].offloads] if caps[i].offloads else None
         plan, why = predict(estimate, choice.gbs, rows[i].stage, **limits)
         rows[i].predicted_s, rows[i].reason = (plan.predicted_iteration_s if plan else None), why
         if plan and plan.predicted_iteration_s >= best * (1 - noise):
@@ -130,7 +158,7 @@ def choose_configuration(comm: Communicator, job: ProfileJob, device: Device, ch
 
     fitting = sorted((i for i, r in enumerate(rows) if r.fits), key=lambda i: (rows[i].checkpointing, rows[i].stage))
     if not fitting:
-        raise _none_fits(prof, choice, rows, say)
+        raise _none_fits(prof, choice, rows, say, popts.offload_escalation)
     # one bar over the fitting candidates: each is timed, or decided by its bound (rank 0)
     bar = progress_bar(len(fitting), "profiling: candidates", popts.progress and comm.rank == 0)
     time(fitting[0])
@@ -164,7 +192,7 @@ def choose_configuration(comm: Communicator, job: ProfileJob, device: Device, ch
     profile = profiles[index]
     profile.meta["auto_choice"] = {"rule": choice.rule, "profiling_s": {k: round(v, 3) for k, v in prof.seconds.items()},
                                    "timed": len(profiles), "probed": len(probes), "timing_rounds": prof.rounds,
-                                   "candidates": [r.to_dict() for r in rows]}
+                                   "candidates": [r.to_dict() for r in rows], "offload_escalations": offloaded}
     say(f"configurations ({choice.rule}; profiling {prof.total_seconds:.1f} s, {_time.perf_counter() - started:.1f} s "
         f"of wall time with set-up: capacity "
         f"{prof.seconds['capacity_s']:.1f} s, timing {prof.seconds['timing_s']:.1f} s ({prof.rounds} rounds), "
@@ -175,7 +203,7 @@ def choose_configuration(comm: Communicator, job: ProfileJob, device: Device, ch
 
 
 def _none_fits(prof: CandidateProfiler, choice: Choice, rows: list[CandidateRow],
-               say: Callable[[str], None]) -> ProfileError:
+               say: Callable[[str], None], offload: OffloadEscalation) -> ProfileError:
     """The error when no allowed configuration fits batch 1 on every rank: each one's reason, and
     the lowest higher stage that would fit, at even shards or by room (its capacity searched now,
     every rank together)."""
@@ -188,9 +216,12 @@ def _none_fits(prof: CandidateProfiler, choice: Choice, rows: list[CandidateRow]
     would = min(found, key=lambda c: (c.stage, c.checkpointed), default=None)
     asked = "the stage given" if len(set(choice.stages)) == 1 else "the stages allowed"
     if would is None:
+        tried = (" (offloading the short ranks' optimizer to host memory did not make it fit either)"
+                 if offload is OffloadEscalation.SHORT_RANKS else
+                 ", or let the short ranks offload their optimizer to host memory: AutoOptions(offload=\"auto\")")
         return ProfileError(f"batch 1 does not fit every rank at {asked} ({why}), nor at any higher stage: use "
                             "devices with more memory, a smaller model, activation checkpointing or fewer ranks "
-                            "on the small devices")
+                            f"on the small devices{tried}")
     return ProfileError(f"batch 1 does not fit every rank at {asked} ({why}); {would.name} would fit: give "
                         f'zero_stage={would.stage} ("stage": {would.stage} in a config), or "auto" to let auto mode '
                         "choose the stage")

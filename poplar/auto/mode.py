@@ -31,16 +31,17 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.utils.data import default_collate
 
 from poplar.comm import Communicator
 from poplar.planner import plan as make_plan
 from poplar.planner.planning import batch_using_every_rank, load_profile
 from poplar.auto.choice import Choice, choose_configuration
+from poplar.auto.samples import sample_fn_of
 from poplar.auto.stored import StoreUse, profile_from_store, store_key
 from poplar.planner.candidates import RULES, CandidateRow
 from poplar.profiler.cuda_device import CudaDevice
 from poplar.profiler.devices import Device
+from poplar.profiler.escalation import OffloadEscalation
 from poplar.profiler.exposure import EXPOSURE_PRECISION
 from poplar.profiler.phases import observers_of
 from poplar.profiler.precision import agree_precision_support, profile_precision
@@ -114,28 +115,6 @@ def store_of(options: AutoOptions) -> ProfileStore | None:
     return ProfileStore(directory) if directory is not None else None
 
 
-class DatasetSamples:
-    """``sample_fn(b)`` over a map-style dataset: its first ``b`` samples (cycled), collated."""
-
-    def __init__(self, dataset: Any, collate_fn: Callable[[list], Any] | None = None) -> None:
-        if len(dataset) < 1:
-            raise ValueError("profile_data is an empty dataset; give one with samples")
-        self.dataset, self.collate_fn = dataset, collate_fn or default_collate
-
-    def __call__(self, batch: int) -> Any:
-        n = len(self.dataset)
-        return self.collate_fn([self.dataset[i % n] for i in range(batch)])
-
-
-def sample_fn_of(profile_data: Any, collate_fn: Callable[[list], Any] | None = None) -> Callable[[int], Any]:
-    if callable(profile_data) and not hasattr(profile_data, "__getitem__"):
-        return profile_data
-    if hasattr(profile_data, "__len__") and hasattr(profile_data, "__getitem__"):
-        return DatasetSamples(profile_data, collate_fn)
-    raise ValueError("auto mode needs profile_data: a map-style dataset or sample_fn(b) returning a batch of b "
-                     f"samples, got {type(profile_data).__name__}")
-
-
 def clone_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module,
                     template: nn.Module) -> torch.optim.Optimizer:
     """An optimizer of ``optimizer``'s class and param-group settings over ``model``, a copy of
@@ -163,7 +142,10 @@ def _measure(comm: Communicator, model: nn.Module, optimizer: torch.optim.Optimi
                            repeats=options.repeats, exposure_precision=options.exposure_precision,
                            bucket_size_mb=zero.bucket_size_mb, wrap_policy=zero.wrap_policy,
                            model_name=type(model).__name__, progress=options.progress, mixed_precision=policy,
-                           activation_checkpointing=None if choice.active else choice.checkpointing)
+                           activation_checkpointing=None if choice.active else choice.checkpointing,
+                           # "auto": ranks batch 1 fits at no stage may be profiled with their optimizer offloaded
+                           offload_escalation=OffloadEscalation.SHORT_RANKS if options.offload == "auto"
+                           else OffloadEscalation.NEVER)
     job = ProfileJob(model_fn, loss_fn, sample_fn, optimizer_fn, popts,
                      heaviest(choice.configs()) if choice.active else None)
     profile = _load_profile(comm, options, policy, say, choice.stages) if options.profile is not None else None
@@ -198,8 +180,9 @@ def _measure(comm: Communicator, model: nn.Module, optimizer: torch.optim.Optimi
     if options.profile_output is not None and comm.rank == 0:
         profile.save(options.profile_output)
     uneven = profile.shard_weights is not None and len(set(profile.shard_weights)) > 1
-    if store is not None and comm.rank == 0 and uneven:  # its mbs belong to this mix's weights
-        say("profile store: not kept: it was measured at uneven shard weights, which hold for this mix of ranks only")
+    if store is not None and comm.rank == 0 and (uneven or profile.offloads is not None):  # this mix's own mbs
+        say("profile store: not kept: it was measured at uneven shard weights or with ranks offloaded, which hold "
+            "for this mix of ranks only")
     elif store is not None and comm.rank == 0:
         new = set(profile.meta.get("store", {}).get("profiled", profile.device_types()))
         store.save(profile, key, bool(profile.meta.get("activation_checkpointing")), only=new)
@@ -236,8 +219,9 @@ def _plan(comm: Communicator, profile: Profile, global_batch_size: int, options:
             if failed:
                 say(f"the planned shard weights do not fit a step on ranks {failed}: planning with "
                     f"{'even shards' if fallback == 'even' else f'the measured weights {list(fallback)}'}")
+                placed = [Offload(o) for o in profile.offloads] if profile.offloads is not None else "none"
                 plan = make_plan(profile, global_batch_size, profile.zero_stage, options.strategy, shards=fallback,
-                                 **limits)  # and every optimizer on its device, as the profile measured
+                                 offload=placed, **limits)  # and every optimizer where the profile measured it
                 plan.meta["shard_trial_failed_on"] = failed
     except (PlanError, ProfileError) as e:
         raise PlanError(f"auto mode: planning failed: {e}") from None

@@ -21,7 +21,7 @@ from typing import Any
 
 from poplar.planner.planning import plan as make_plan
 from poplar.types.configuration import Configuration
-from poplar.types.plans import Plan, PlanError
+from poplar.types.plans import Offload, Plan, PlanError
 from poplar.types.profiles import Profile, ProfileError, ProfilePoint
 
 RULES = ("fastest", "first_fit")
@@ -64,10 +64,12 @@ def mbs_by_type(device_types: list[str], mbs: list[int]) -> dict[str, int]:
 
 def predict(profile: Profile, gbs: int, stage: int, **limits: Any) -> tuple[Plan | None, str]:
     """The plan of ``profile`` at ``stage`` and "" , or None and why it cannot be planned; at the
-    shard weights the profile was measured at (even unless the model fitted no even shards)."""
+    shard weights and optimizer placements the profile was measured at (even and on every
+    device unless the model fitted no other way)."""
     shards = profile.shard_weights if profile.shard_weights is not None else "even"
+    offload = [Offload(o) for o in profile.offloads] if profile.offloads is not None else "none"
     try:
-        return make_plan(profile, gbs, stage, "poplar", shards=shards, **limits), ""
+        return make_plan(profile, gbs, stage, "poplar", shards=shards, offload=offload, **limits), ""
     except (PlanError, ProfileError, ValueError) as e:
         return None, f"cannot plan: {e}"
 
@@ -87,6 +89,7 @@ def estimate_profile(base: Profile, stage: int, mbs: list[int]) -> Profile:
         r.points, r.mbs = pts, m
     est.meta = {**est.meta, "estimated_from": base.zero_stage}
     est.shard_weights = None  # the caller's configuration's own, if not even
+    est.offloads = None  # likewise its optimizer placements
     return est
 
 

@@ -26,6 +26,7 @@ from poplar.profiler.phases import ProfilePhase
 from poplar.profiler.profile_run import ProfileJob, ProfileRun
 from poplar.profiler.timing import Confirmation, TimingGrid, timing_batches
 from poplar.types.configuration import Configuration
+from poplar.types.plans import Offload
 from poplar.types.profiles import CommProfile, Profile, ProfileError
 
 
@@ -65,6 +66,7 @@ class ConfigCapacity:
     result: CapacityResult | None  # this rank's search
     memory: list[ShardMemory] = field(default_factory=list)  # per rank
     shard_weights: tuple[float, ...] | None = None  # the searches' shard weights (None: even)
+    offloads: tuple[Offload, ...] | None = None  # the searches' optimizer placements (None: on every device)
 
     @property
     def fits(self) -> bool:
@@ -89,10 +91,12 @@ class CandidateProfiler:
         self.trial_steps = 0  # this rank's capacity trial steps
         self._comm: CommProfile | None = None
 
-    def capacities(self, configs: list[Configuration],
-                   shard_weights: tuple[float, ...] | None = None) -> list[ConfigCapacity]:
+    def capacities(self, configs: list[Configuration], shard_weights: tuple[float, ...] | None = None,
+                   offloads: tuple[Offload, ...] | None = None) -> list[ConfigCapacity]:
         """Every configuration's capacity search on this rank (no collective), then one agreement;
-        at these shard weights (None: even)."""
+        at these shard weights (None: even) and optimizer placements (None: the options')."""
+        offloads = offloads if offloads is not None else self.run.options.offloads
+        places = [offloads if c.stage >= 1 else None for c in configs]  # ZeRO-0 has no shard to offload
         t0 = time.perf_counter()
         run, base = self.run, self.run.job
         run.progress.expect(ProfilePhase.CAPACITY, len(configs))
@@ -100,7 +104,7 @@ class CandidateProfiler:
         references: dict[bool, CapacityResult] = {}  # per checkpointing setting: its first search
         for c in configs:
             # the search's own stage is c.stage
-            run.job = _weighted(base.at(replace(c, stage=base.options.zero_stage)), shard_weights)
+            run.job = _placed(base.at(replace(c, stage=base.options.zero_stage)), shard_weights, places[len(mine)])
             try:
                 result = run.search_capacity(c.stage, guided=True, reference=references.get(c.checkpointed))
                 if result.mbs >= 1:
@@ -117,7 +121,7 @@ class CandidateProfiler:
                                    for r, _ in mine], error_type=ProfileError)
         self.seconds["capacity_s"] += time.perf_counter() - t0
         return [ConfigCapacity(c, [v[i][0] for v in verdicts], [v[i][1] for v in verdicts], mine[i][0],
-                               [v[i][2] for v in verdicts], shard_weights) for i, c in enumerate(configs)]
+                               [v[i][2] for v in verdicts], shard_weights, places[i]) for i, c in enumerate(configs)]
 
     def time(self, capacity: ConfigCapacity, reuse: Profile | None = None, how: Reuse = Reuse.SAME_COMPUTE,
              sizes: list[list[int]] | None = None, grid: TimingGrid = TimingGrid.DENSE,
@@ -146,10 +150,12 @@ class CandidateProfiler:
             per_rank = [sorted(uncovered(bs, h, m) | a) for bs, h, a, m in zip(per_rank, have, again, capacity.mbs)]
             per_rank = [bs or [1] for bs in per_rank]  # a rank with every point still runs each round: its cheapest
         run, base = self.run, self.run.job
-        run.job = _weighted(base.at(capacity.config), capacity.shard_weights)
+        run.job = _placed(base.at(capacity.config), capacity.shard_weights, capacity.offloads)
         try:
             t0 = time.perf_counter()
-            fit = StageCapacity(capacity.config.stage, capacity.result, list(capacity.mbs))
+            offloading = capacity.offloads is not None and Offload.OPTIMIZER in capacity.offloads
+            fit = StageCapacity(capacity.config.stage, capacity.result, list(capacity.mbs),
+                                offloads=capacity.offloads if offloading else None)
             # with CURVE a first round still slow enough to matter breaks the curve's shape and
             # is measured again, so only a first REPEAT timing has a warm-up round
             warmup = self.rounds == 0 and confirm is Confirmation.REPEAT
@@ -175,6 +181,7 @@ class CandidateProfiler:
         return sum(self.seconds.values())
 
 
-def _weighted(job: ProfileJob, shard_weights: tuple[float, ...] | None) -> ProfileJob:
-    """``job`` with its searches and rounds at these shard weights."""
-    return replace(job, options=replace(job.options, shard_weights=shard_weights))
+def _placed(job: ProfileJob, shard_weights: tuple[float, ...] | None,
+            offloads: tuple[Offload, ...] | None) -> ProfileJob:
+    """``job`` with its searches and rounds at these shard weights and optimizer placements."""
+    return replace(job, options=replace(job.options, shard_weights=shard_weights, offloads=offloads))

@@ -7,20 +7,36 @@ The agreement is one ``all_gather_object`` of every rank's result, outside any t
 after which every rank takes the same decision: go on at this stage, move to the next one if
 batch 1 fits nowhere on some rank (and escalation is on), or fail with the same error
 everywhere.
+
+Offload escalation (``OffloadEscalation.SHORT_RANKS``): where batch 1 does not fit some ranks
+even at ZeRO-3, those ranks search ZeRO-3 again with their optimizer state in host memory
+(``Offload.OPTIMIZER``), decided from the agreed verdicts, so the same on every rank. A rank's
+placement changes only its own memory, so a rank still short with its optimizer offloaded ends
+the escalation: offloading the other ranks too could not make it fit.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Callable
 
 from poplar.comm import Communicator
 from poplar.profiler.capacity import CapacityResult
 from poplar.profiler.devices import Device
+from poplar.types.plans import Offload
 from poplar.types.profiles import ProfileError
 
 MB = 1e6
 Log = Callable[[str], None]
+Placements = tuple[Offload, ...] | None  # where each rank's optimizer lives (None: on every device)
+
+
+class OffloadEscalation(str, Enum):
+    """Whether the profiler may offload optimizers to host memory where batch 1 fits no stage."""
+
+    NEVER = "never"  # the optimizers stay where the options put them; no fit is an error naming offload
+    SHORT_RANKS = "short_ranks"  # at ZeRO-3, the ranks batch 1 does not fit offload their optimizer
 
 
 def format_bytes(n: float | None) -> str:
@@ -36,20 +52,34 @@ class StageCapacity:
     mbs: list[int]  # every rank's largest micro-batch at ``stage``
     escalations: list[dict[str, Any]] = field(default_factory=list)  # one per stage left behind
     trials_per_stage: dict[str, int] = field(default_factory=dict)  # this rank's trial steps, per stage
+    offloads: Placements = None  # every rank's optimizer placement at ``stage`` (None: on its device)
 
 
-def find_fitting_stage(search: Callable[[int], CapacityResult], comm: Communicator, device: Device, *, stage: int,
-                       escalate: bool, model_size: tuple[int, int], lead: Log, mine: Log) -> StageCapacity:
-    """Search capacity at ``stage`` (``search(stage)``: this rank's search, no collectives) and,
-    while batch 1 does not fit on some rank, at the next stages. ``model_size`` is (parameter
-    count, bytes) for the error; ``lead`` logs for the cluster, ``mine`` for this rank."""
+def next_offloads(current: Placements, no_fit: list[int], world_size: int) -> Placements:
+    """The placements to search again with: ``current`` plus the ranks in ``no_fit`` offloaded;
+    None when those already offload (nothing offload can do for them)."""
+    now = current or (Offload.NONE,) * world_size
+    wanted = tuple(Offload.OPTIMIZER if r in no_fit else o for r, o in enumerate(now))
+    return None if wanted == now else wanted
+
+
+def find_fitting_stage(search: Callable[[int, Placements], CapacityResult], comm: Communicator, device: Device, *,
+                       stage: int, escalate: bool, model_size: tuple[int, int], lead: Log, mine: Log,
+                       offloads: Placements = None,
+                       offload_escalation: OffloadEscalation = OffloadEscalation.NEVER) -> StageCapacity:
+    """Search capacity at ``stage`` (``search(stage, offloads)``: this rank's search with these
+    optimizer placements, no collectives) and, while batch 1 does not fit on some rank, at the
+    next stages; at ZeRO-3, with ``OffloadEscalation.SHORT_RANKS``, with the short ranks'
+    optimizers offloaded. ``model_size`` is (parameter count, bytes) for the error; ``lead``
+    logs for the cluster, ``mine`` for this rank."""
     escalations: list[dict[str, Any]] = []
     trials_per_stage: dict[str, int] = {}
     refused: ProfileError | None = None  # the stage asked for did not fit and escalation is off
     while True:
-        result, error = _search_at(search, stage, mine)
+        result, error = _search_at(search, stage, offloads, mine)
         if result is not None:
-            trials_per_stage[str(stage)] = result.trial_steps
+            key = str(stage) if not _offloading(offloads) else f"{stage}+offload"
+            trials_per_stage[key] = trials_per_stage.get(key, 0) + result.trial_steps
         verdicts = _agree_on_capacity(comm, device, result, error)
         no_fit = [r for r, v in enumerate(verdicts) if v["mbs"] < 1]
         if not no_fit and refused is not None:  # the stage that would fit, named in the error
@@ -57,13 +87,23 @@ def find_fitting_stage(search: Callable[[int], CapacityResult], comm: Communicat
                                "to let auto mode choose")
         if not no_fit:
             assert result is not None
-            return StageCapacity(stage, result, [v["mbs"] for v in verdicts], escalations, trials_per_stage)
+            return StageCapacity(stage, result, [v["mbs"] for v in verdicts], escalations, trials_per_stage,
+                                 offloads if _offloading(offloads) else None)
         names = ", ".join(f"rank {r} ({verdicts[r]['device']}, {format_bytes(verdicts[r]['capacity'])})"
                           for r in no_fit)
+        more = next_offloads(offloads, no_fit, comm.world_size)
+        if stage == 3 and refused is None and more is not None and offload_escalation is OffloadEscalation.SHORT_RANKS:
+            lead(f"batch 1 does not fit at ZeRO-3 on {names}; searching ZeRO-3 again with their optimizer "
+                 "offloaded to host memory")
+            escalations.append({"from": stage, "to": stage, "ranks": no_fit, "offload": [o.value for o in more],
+                                "reasons": {str(r): verdicts[r]["reason"] for r in no_fit}})
+            offloads = more
+            continue
         if stage == 3:
-            raise refused or _does_not_fit(stage, verdicts, no_fit, names, model_size)
+            raise refused or _does_not_fit(stage, verdicts, no_fit, names, model_size, offloads, offload_escalation)
         if not escalate:
-            refused = refused or _does_not_fit(stage, verdicts, no_fit, names, model_size)
+            refused = refused or _does_not_fit(stage, verdicts, no_fit, names, model_size, offloads,
+                                               offload_escalation)
             stage += 1  # searched only to name the stage that would fit
             continue
         lead(f"batch 1 does not fit at ZeRO-{stage} on {names}; moving to ZeRO-{stage + 1}")
@@ -72,19 +112,24 @@ def find_fitting_stage(search: Callable[[int], CapacityResult], comm: Communicat
         stage += 1
 
 
-def _search_at(search: Callable[[int], CapacityResult], stage: int,
+def _offloading(offloads: Placements) -> bool:
+    return offloads is not None and any(o is not Offload.NONE for o in offloads)
+
+
+def _search_at(search: Callable[[int, Placements], CapacityResult], stage: int, offloads: Placements,
                mine: Log) -> tuple[CapacityResult | None, str | None]:
     """This rank's search at ``stage``, or the error it raised (reported at the agreement)."""
+    where = f"ZeRO-{stage}" + (" with offload" if _offloading(offloads) else "")
     try:
-        result = search(stage)
+        result = search(stage, offloads)
     except Exception as e:  # noqa: BLE001 - every rank must reach the agreement
-        return None, f"capacity search at ZeRO-{stage} failed: {type(e).__name__}: {e}"
+        return None, f"capacity search at {where} failed: {type(e).__name__}: {e}"
     if result.mbs:
-        mine(f"ZeRO-{stage}: mbs {result.mbs}{' (capped)' if result.capped else ''} after "
+        mine(f"{where}: mbs {result.mbs}{' (capped)' if result.capped else ''} after "
              f"{result.trial_steps} trial steps (estimate {result.estimate}, "
              f"{len(result.oom_events)} OOMs recovered)")
     else:
-        mine(f"ZeRO-{stage}: batch 1 does not fit ({result.reason})")
+        mine(f"{where}: batch 1 does not fit ({result.reason})")
     return result, None
 
 
@@ -98,8 +143,19 @@ def _agree_on_capacity(comm: Communicator, device: Device, result: CapacityResul
 
 
 def _does_not_fit(stage: int, verdicts: list[dict[str, Any]], no_fit: list[int], names: str,
-                  model_size: tuple[int, int]) -> ProfileError:
+                  model_size: tuple[int, int], offloads: Placements,
+                  offload_escalation: OffloadEscalation) -> ProfileError:
     param_count, param_bytes = model_size
+    offloaded = [r for r in no_fit if _offloading(offloads) and offloads[r] is not Offload.NONE]  # type: ignore[index]
+    if offloaded:
+        hint_offload = f" (ranks {offloaded} with their optimizer already offloaded to host memory)"
+        fix = "Use devices with more memory, a smaller model, activation checkpointing, or leave those ranks out."
+    else:
+        hint_offload = ""
+        fix = ("Use devices with more memory, a smaller model, or leave those ranks out"
+               + ("; or offload those ranks' optimizer to host memory (ProfileOptions(offload_escalation="
+                  "OffloadEscalation.SHORT_RANKS), in auto mode AutoOptions(offload=\"auto\"))."
+                  if offload_escalation is OffloadEscalation.NEVER else "."))
     smallest = min(range(len(verdicts)), key=lambda r: verdicts[r]["capacity"])
     hint = "even at ZeRO-3" if stage == 3 else f"at ZeRO-{stage}, the stage given,"
     first = verdicts[no_fit[0]]
@@ -107,6 +163,5 @@ def _does_not_fit(stage: int, verdicts: list[dict[str, Any]], no_fit: list[int],
               if first["state_bytes"] else "")
     return ProfileError(
         f"the model ({param_count:,} parameters, {format_bytes(param_bytes)} of weights) does not fit batch 1 "
-        f"{hint} on {names}{states}. Smallest capacity: {format_bytes(verdicts[smallest]['capacity'])} on "
-        f"rank {smallest} ({verdicts[smallest]['device']}). First failure: {first['reason']}. "
-        "Use devices with more memory, a smaller model, or leave those ranks out.")
+        f"{hint} on {names}{hint_offload}{states}. Smallest capacity: {format_bytes(verdicts[smallest]['capacity'])} on "
+        f"rank {smallest} ({verdicts[smallest]['device']}). First failure: {first['reason']}. " + fix)

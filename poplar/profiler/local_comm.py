@@ -99,11 +99,13 @@ def search_plan(world_size: int, rank: int, batch: int, shard_weights: tuple[flo
     return Plan(rows)
 
 
-def round_plan(batches: list[int], shard_weights: tuple[float, ...] | None = None) -> Plan:
+def round_plan(batches: list[int], shard_weights: tuple[float, ...] | None = None,
+               offloads: tuple[Offload, ...] | None = None) -> Plan:
     """One lock-step timing round: rank i runs one micro-step of ``batches[i]`` samples, at
-    these shard weights (None: even)."""
+    these shard weights (None: even) and optimizer placements (None: on every device)."""
     weights = shard_weights or (1.0,) * len(batches)
-    return Plan([RankPlan(b, 1, 0, shard_weight=w) for b, w in zip(batches, weights)])
+    places = offloads or (Offload.NONE,) * len(batches)
+    return Plan([RankPlan(b, 1, 0, shard_weight=w, offload=o) for b, w, o in zip(batches, weights, places)])
 
 
 def local_engine(model: nn.Module, optimizer: torch.optim.Optimizer, *, world_size: int, rank: int,

@@ -104,7 +104,7 @@ def _timing_rounds(run: TimedRun, fit: StageCapacity, per_rank: list[list[int]] 
         error = f"timing set-up failed: {type(e).__name__}: {e}"
     comm.agree(error, "profile timing set-up", error_type=ProfileError)
     runtime = ZeroRuntime(model, optimizer, zero_stage=options.zero_config(fit.stage, run.process_group),
-                          plan=round_plan([max(b) for b in per_rank], options.shard_weights),
+                          plan=round_plan([max(b) for b in per_rank], options.shard_weights, fit.offloads),
                           mixed_precision=options.mixed_precision,
                           activation_checkpointing=options.activation_checkpointing)
     try:

@@ -14,8 +14,9 @@ for several (docs/design.md §4, "deadlock trap"):
 2. Capacity search and stage escalation (``escalation.find_fitting_stage``): per rank, with no
    collective at all (a ``ZeroRuntime`` over a LocalCommunicator has the real runtime's memory at
    world size N), then one agreement outside any training step, after which every rank takes
-   the same decision: escalate to the next ZeRO stage, fail with the same error everywhere, or
-   go on.
+   the same decision: escalate to the next ZeRO stage (past ZeRO-3, where the options allow it,
+   to the short ranks' optimizers offloaded: ``ProfileOptions.offload_escalation``), fail with
+   the same error everywhere, or go on.
 3. Timing in lock-step rounds at sizes known to fit (``ProfileRun.time``), with the real runtime
    and its instrumented collectives, in the ``TIMING`` phase (an observer records memory
    overflows there instead of raising mid-collective); the records are agreed on afterwards.
@@ -38,9 +39,10 @@ import torch
 from torch import nn
 
 from poplar.comm import Communicator
-from poplar.profiler.capacity import DEFAULT_MAX_BATCH, CapacityResult, CapacitySearch, trial_budget
+from poplar.profiler.assemble import assemble_profile
+from poplar.profiler.capacity import DEFAULT_MAX_BATCH, CapacityResult, CapacitySearch
 from poplar.profiler.devices import Device
-from poplar.profiler.escalation import StageCapacity, find_fitting_stage, format_bytes
+from poplar.profiler.escalation import OffloadEscalation, Placements, StageCapacity, find_fitting_stage, format_bytes
 from poplar.profiler.exposure import EXPOSURE_PRECISION, ExposureRounds
 from poplar.profiler.local_comm import local_engine
 from poplar.profiler.offload_cost import measure_offload_cost
@@ -52,7 +54,7 @@ from poplar.profiler.timing import Confirmation, measure_comm
 from poplar.types.configuration import Configuration
 from poplar.types.plans import Offload
 from poplar.types.precision import MixedPrecision, resolve_precision
-from poplar.types.profiles import CommProfile, OffloadCost, Profile, ProfileError, RankProfile
+from poplar.types.profiles import CommProfile, OffloadCost, Profile, ProfileError
 from poplar.zero.config import ZeroConfig
 from poplar.zero.nonfinite import SkipReport
 from poplar.zero.runtime import ZeroRuntime
@@ -85,9 +87,20 @@ class ProfileOptions:
     exposure_precision: float = EXPOSURE_PRECISION
     # each rank's shard weight in the capacity searches and timing rounds (None: even shards)
     shard_weights: tuple[float, ...] | None = None
+    # where each rank's optimizer lives in the capacity searches and timing rounds (None: on every device)
+    offloads: tuple[Offload, ...] | None = None
+    # whether ranks that fit batch 1 at no stage may search ZeRO-3 again with their optimizer offloaded
+    offload_escalation: OffloadEscalation = OffloadEscalation.NEVER
 
     def __post_init__(self) -> None:
         self.mixed_precision = resolve_precision(self.mixed_precision)
+        try:
+            self.offload_escalation = OffloadEscalation(self.offload_escalation)
+            self.offloads = None if self.offloads is None else tuple(Offload(o) for o in self.offloads)
+        except (TypeError, ValueError):
+            raise ValueError(f"offloads must be one Offload per rank (\"none\" / \"optimizer\") and offload_escalation "
+                             f"one of {[e.value for e in OffloadEscalation]}, got {self.offloads!r} and "
+                             f"{self.offload_escalation!r}") from None
         if not self.exposure_precision >= 0:
             raise ValueError(f"exposure_precision must be >= 0 (a fraction of a round's time; 0: the fewest "
                              f"steady rounds), got {self.exposure_precision}")
@@ -167,7 +180,7 @@ def search_capacity(job: ProfileJob, device: Device, *, world_size: int, rank: i
     its batch at its shard weights (``mbs`` = the batch if it fitted, else 0)."""
     options = job.options
     weights = trial.shard_weights if trial is not None else options.shard_weights
-    offloads = trial.offloads if trial is not None else None
+    offloads = trial.offloads if trial is not None else options.offloads
     attached = contextlib.ExitStack()
     current: list[ZeroRuntime] = []  # the runtime of the trials now, whose skipped steps are counted
     overflows = 0
@@ -239,6 +252,11 @@ class ProfileRun:
         options, comm = self.options, self.comm
         if options.zero_stage not in (0, 1, 2, 3):
             raise ProfileError(f"zero_stage must be 0, 1, 2 or 3, got {options.zero_stage!r}")
+        if options.offloads is not None and len(options.offloads) != comm.world_size:
+            raise ProfileError(f"{len(options.offloads)} offload placements for {comm.world_size} ranks; give one per rank")
+        if options.offloads is not None and Offload.OPTIMIZER in options.offloads and options.zero_stage == 0:
+            raise ProfileError("ZeRO-0 replicates the optimizer state and has no shard to offload; profile at "
+                               "ZeRO-1, 2 or 3, or without offloads")
         for observer in self.observers:
             observer.prepare_profiling(comm, self.job, None)
         error, model = None, None
@@ -284,10 +302,21 @@ class ProfileRun:
                                stage=stage, guided=guided, reference=reference, observers=self.observers)
 
     def find_fitting_stage(self) -> StageCapacity:
-        """The options' stage, or the next ones while batch 1 does not fit on some rank."""
-        return find_fitting_stage(self.search_capacity, self.comm, self.device, stage=self.options.zero_stage,
-                                  escalate=self.options.escalate, model_size=(self.param_count, self.param_bytes),
-                                  lead=self.lead, mine=self.mine)
+        """The options' stage, or the next ones while batch 1 does not fit on some rank (then, if the
+        options allow it, ZeRO-3 with the short ranks' optimizers offloaded)."""
+        options, base = self.options, self.job
+
+        def search(stage: int, offloads: Placements) -> CapacityResult:
+            self.job = replace(base, options=replace(options, offloads=offloads))
+            try:
+                return self.search_capacity(stage)
+            finally:
+                self.job = base
+
+        return find_fitting_stage(search, self.comm, self.device, stage=options.zero_stage,
+                                  escalate=options.escalate, model_size=(self.param_count, self.param_bytes),
+                                  lead=self.lead, mine=self.mine, offloads=options.offloads,
+                                  offload_escalation=options.offload_escalation)
 
     def time(self, fit: StageCapacity, per_rank: list[list[int]] | None = None, warmup: bool = True,
              confirm: Confirmation = Confirmation.REPEAT,
@@ -309,7 +338,7 @@ class ProfileRun:
 
     def assemble(self, fit: StageCapacity, timing: LockStepTiming, comm_profile: CommProfile | None) -> Profile:
         """Every rank's part, gathered: the same ``Profile`` on every rank."""
-        return _assemble_profile(self, fit, timing, comm_profile)
+        return assemble_profile(self, fit, timing, comm_profile)
 
 
 def profile_rank(model_fn: Callable[[], nn.Module], loss_fn: Callable, sample_fn: Callable[[int], Any],
@@ -332,49 +361,3 @@ def profile_rank(model_fn: Callable[[], nn.Module], loss_fn: Callable, sample_fn
     profile = run.assemble(fit, timing, comm_profile)
     run.lead(f"done in {profile.meta['seconds']:.1f} s (in the ranks, from their set-up)")
     return profile
-
-
-def _assemble_profile(run: ProfileRun, fit: StageCapacity, timing: LockStepTiming,
-                      comm_profile: CommProfile | None) -> Profile:
-    """Every rank's part, gathered: the same ``Profile`` on every rank."""
-    comm, device, options, result = run.comm, run.device, run.options, fit.result
-    part = RankProfile(rank=comm.rank, device_type=device.device_type, mbs=result.mbs, points=timing.points,
-                       device_name=device.name, capacity_bytes=int(device.capacity_bytes),
-                       base_bytes=result.base_bytes, bytes_per_sample=result.bytes_per_sample,
-                       shard_bytes=result.shard_bytes, nominal_tflops=device.nominal_tflops, trial_steps=result.trial_steps,
-                       offload_cost=run.offload_cost)
-    notes = {"estimate": result.estimate, "trials": result.trials, "trial_budget": trial_budget(result.mbs),
-             "trial_steps_per_stage": fit.trials_per_stage,
-             "state_bytes": result.state_bytes, "capped": result.capped,
-             "oom_events": [vars(e) for e in result.oom_events], "device": device.describe(),
-             "timing_comm_s": timing.comm_seconds,
-             "overflowing_trials": result.overflowing_trials + timing.overflowing_rounds,
-             "phase_seconds": {k: round(v, 3) for k, v in run.phase_seconds.items()}}
-    parts = comm.all_gather_object((part, notes), tag="profile:assemble")
-    if comm_profile is None:
-        comm_profile = CommProfile(bandwidth_bytes_per_s=1e15, backend=comm.backend)
-    comm_profile.collectives_stage = fit.stage
-    comm_profile.micro_step, comm_profile.iteration = timing.collectives
-    for key, value in timing.costs.items():
-        setattr(comm_profile, key, value)
-    meta = dict(options.meta)
-    for observer in run.observers:
-        meta.update(observer.profile_meta())
-    meta.update(precision_meta(options.mixed_precision))
-    meta.update({"requested_stage": options.zero_stage,
-                 "activation_checkpointing": options.activation_checkpointing not in (None, False), "escalations": fit.escalations,
-                 "timing_rounds": timing.rounds, "repeats": options.repeats,
-                 "timing_estimator": "min over repeats, confirmed by a 2nd measurement within "
-                                     f"{options.tolerance:.0%} (up to {options.max_extra_passes} extra passes)"
-                                     + (", or by a single one that keeps the curve's shape"
-                                        if timing.confirm is Confirmation.CURVE else ""),
-                 "comm_fit": "seconds = latency_s + bus volume / bandwidth (ring: 2(N-1)/N V all-reduce, "
-                             "(N-1)/N V reduce-scatter/all-gather)",
-                 "ranks": {str(r): rank_notes for r, (_, rank_notes) in enumerate(parts)},
-                 "overflowing_trials": sum(rank_notes["overflowing_trials"] for _, rank_notes in parts),
-                 "seconds": round(time.perf_counter() - run.started, 3)})
-    weights = options.shard_weights
-    return Profile(zero_stage=fit.stage, world_size=comm.world_size, param_count=run.param_count,
-                   param_bytes=run.param_bytes, ranks=[p for p, _ in parts], comm=comm_profile,
-                   model_name=options.model_name, meta=meta,
-                   shard_weights=None if weights is None else [float(w) for w in weights])

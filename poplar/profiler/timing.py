@@ -207,7 +207,7 @@ def run_rounds(runtime: ZeroRuntime, device: Device, per_rank: list[list[int]], 
         def run(rounds: list[list[int]], skip_first: bool, first_pass: int) -> None:
             nonlocal count
             for r, row in enumerate(rounds):
-                runtime.set_plan(round_plan(row, runtime.shard_weights), PlanCheck.LOCAL)
+                runtime.set_plan(round_plan(row, runtime.shard_weights, runtime.plan.offloads), PlanCheck.LOCAL)
                 n = len(timer.records)
                 runtime.train_step(batches[row[rank]], loss_fn)
                 count += 1

@@ -17,8 +17,10 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m poplar demo
 
+# two workers, a test file each at a time (a file's fixtures are built once): the multi-process
+# tests spend much of their time waiting on sleeps and sockets, so two files share 2 cores well
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist loadfile
 
 # the edit-test loop: every test that runs in this one process (no gloo ranks, no torchrun)
 test-fast: $(STAMP)

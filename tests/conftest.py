@@ -18,3 +18,12 @@ def one_thread():
 # Tests are hermetic: auto mode keeps no profiles in the user's cache unless a test gives a
 # store (AutoOptions(store=...)); spawned ranks inherit the setting.
 os.environ.setdefault("POPLAR_PROFILE_STORE", "off")
+
+
+# The README's snippets are the longest test (minutes of torchrun jobs): collected first, a
+# worker of `make test` starts them at once and the other files run beside them, not after.
+LONGEST_FIRST = ("tests/test_readme.py::",)
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: not item.nodeid.startswith(LONGEST_FIRST))  # stable: the rest keep their order

@@ -11,6 +11,7 @@ fp32 master apart from the low-precision copy the model computes with.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Callable, NamedTuple
 
 import torch
 from torch import nn
@@ -18,9 +19,18 @@ from torch import nn
 from poplar.comm import Communicator
 from poplar.types.plans import Offload
 from poplar.zero.flat import FlatUnit
+from poplar.zero.observers import CopyDirection
 from poplar.zero.offload import OptimizerOffload
 from poplar.zero.optim import optimizer_state_bytes
 from poplar.zero.precision import ModelCast, StagePrecision, cast_inputs
+
+
+class StageHooks(NamedTuple):
+    """What a stage tells its runtime's observers as it happens (``poplar.zero.observers``): each
+    transient buffer it allocates (a ZeRO-3 gathered block) and an offloading rank's host copies."""
+
+    transient_allocated: Callable[[], None] | None = None
+    host_copy: Callable[[CopyDirection, int], None] | None = None
 
 
 class ZeroStage(ABC):
@@ -30,13 +40,15 @@ class ZeroStage(ABC):
     gathered_bytes: int = 0  # stage 3: gathered parameter bytes alive now
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: Communicator,
-                 units: list[FlatUnit], precision: StagePrecision = StagePrecision()) -> None:
+                 units: list[FlatUnit], precision: StagePrecision = StagePrecision(),
+                 hooks: StageHooks | None = None) -> None:
         self.model, self.optimizer, self.comm, self.units = model, optimizer, comm, units
+        self.hooks = hooks or StageHooks()
         self.precision = precision
         self.peak_transient_bytes = 0  # largest communication buffers held at once, measured
         self._transient = 0
         self.model_cast: ModelCast | None = None  # frozen parameters and buffers in the compute dtype
-        self.offload = OptimizerOffload(optimizer, comm.device)  # where the optimizer steps (``place_optimizer``)
+        self.offload = OptimizerOffload(optimizer, comm.device, self.hooks.host_copy)  # where the optimizer steps (``place_optimizer``)
         if precision.compute is not None:
             self.model_cast = ModelCast(model, precision)
             model.register_forward_pre_hook(cast_inputs(precision.compute), with_kwargs=True)

@@ -66,7 +66,8 @@ class OptimizerOffload:
     """Where ``optimizer`` steps: on the stage's device shards (``Offload.NONE``) or on host
     copies of them (``Offload.OPTIMIZER``)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device,
+                 on_copy: Callable[[CopyDirection, int], None] | None = None) -> None:
         self.optimizer = optimizer
         self.device = device
         self.pin = device.type == "cuda" and torch.cuda.is_available()
@@ -76,7 +77,7 @@ class OptimizerOffload:
         self._capturable: list[bool | None] = []  # each group's setting while it steps on the host
         self._freed: list[tuple[torch.UntypedStorage, int]] = []  # device masters' storage and its bytes
         # told the bytes of each direction's copies in a step (the runtime's observers' ``host_copy``)
-        self.on_copy: Callable[[CopyDirection, int], None] = lambda direction, nbytes: None
+        self._on_copy = on_copy or (lambda direction, nbytes: None)
 
     @property
     def master_on_host(self) -> bool:
@@ -189,13 +190,13 @@ class OptimizerOffload:
             copied += nbytes(s.grad)
         if self.pin:
             torch.cuda.current_stream(self.device).synchronize()
-        self.on_copy(CopyDirection.TO_HOST, copied)
+        self._on_copy(CopyDirection.TO_HOST, copied)
         self.optimizer.step()
         with torch.no_grad():
             for s in self.shards:  # host to device: ordered before the stage's next use on the stream
                 (s.device if s.compute is None else s.compute).copy_(s.host, non_blocking=self.pin)
                 s.host.grad = None
-        self.on_copy(CopyDirection.TO_DEVICE, sum(nbytes(s.host) for s in self.shards))
+        self._on_copy(CopyDirection.TO_DEVICE, sum(nbytes(s.host) for s in self.shards))
 
     def refresh(self) -> None:
         """After the stage's state was loaded: the host copy takes the device shard's values, or

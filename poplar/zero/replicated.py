@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from poplar.zero.base import ZeroStage
+from poplar.zero.base import StageHooks, ZeroStage
 from poplar.comm import Communicator, Phase
 from poplar.zero.flat import FlatUnit
 from poplar.zero.grad_hooks import on_grad_accumulated
@@ -47,8 +47,9 @@ class ReplicatedParams(ZeroStage):
     master_sharded = True  # mixed precision: each rank keeps only its shard of the fp32 master
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: Communicator,
-                 units: list[FlatUnit], precision: StagePrecision = StagePrecision()) -> None:
-        super().__init__(model, optimizer, comm, units, precision)
+                 units: list[FlatUnit], precision: StagePrecision = StagePrecision(),
+                 hooks: StageHooks | None = None) -> None:
+        super().__init__(model, optimizer, comm, units, precision, hooks)
         self.flat_params = []  # what the model's parameters view (the low-precision copy, if any)
         self.masters: list[torch.Tensor] = []  # mixed precision: per unit, the fp32 master (or its shard)
         for u in units:

@@ -28,7 +28,7 @@ from poplar.types.logs import log
 from poplar.types.plans import Plan, PlanError, shares_of
 from poplar.types.precision import MixedPrecision
 from poplar.zero import activation_checkpointing as checkpointing
-from poplar.zero.base import ZeroStage
+from poplar.zero.base import StageHooks, ZeroStage
 from poplar.zero.config import ZeroConfig
 from poplar.zero.failures import IterationFailed, failure_kind
 from poplar.zero.frames import release_frames
@@ -110,8 +110,8 @@ class ZeroRuntime:
         self.shard_weights = plan.shard_weights  # each rank's share of the sharded state, as built
         self.stage: ZeroStage = build_stage(zero_stage, model, optimizer, self.comm, groups, bucket_size_mb,
                                             wrap_policy, StagePrecision.of(self.mixed_precision),
-                                            self.observers.transient_allocated, plan.shard_weights)
-        self.stage.offload.on_copy = self.observers.host_copy  # an offloading rank's copies, told to observers
+                                            StageHooks(self.observers.transient_allocated, self.observers.host_copy),
+                                            plan.shard_weights)
         self.set_plan(plan, PlanCheck.LOCAL)  # and the optimizer where the plan's row keeps it
         # after the stage: its block hooks run around the checkpoint's (docs/design.md §3.8)
         self.activation_checkpointing = checkpointing.setup(

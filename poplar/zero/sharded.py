@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import warnings
 from functools import partial
-from typing import Any, Callable, Collection
+from typing import Any, Collection
 
 import torch
 from torch import nn
@@ -53,7 +53,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
 from poplar.zero.activation_checkpointing import recomputing
-from poplar.zero.base import ZeroStage
+from poplar.zero.base import StageHooks, ZeroStage
 from poplar.zero.blocks import BlockState, GatherHandle, GradState, ShardedBlock, build_blocks
 from poplar.zero.grad_hooks import on_grad_accumulated
 from poplar.comm import Communicator, DistributedError, Phase
@@ -73,17 +73,17 @@ class Stage3(ZeroStage):
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: Communicator,
                  groups: list[list[tuple[str, nn.Parameter]]], wrap_policy: Any = None, *,
-                 prefetch: bool = True, on_transient: Callable[[], None] | None = None,
+                 prefetch: bool = True, hooks: StageHooks | None = None,
                  precision: StagePrecision = StagePrecision(), shard_weights: tuple[float, ...] | None = None) -> None:
         blocks = build_blocks(model, groups, wrap_policy, comm, precision, shard_weights)
-        super().__init__(model, optimizer, comm, [u for b in blocks for u in b.units], precision)
+        super().__init__(model, optimizer, comm, [u for b in blocks for u in b.units], precision, hooks)
         self.blocks = blocks
         self.root = blocks[0] if blocks and blocks[0].index == 0 else None
         self.layers = [b for b in blocks if b is not self.root]
         self.point_optimizer()
 
         self.prefetch = prefetch
-        self._on_gathered = on_transient  # called after each gather allocation (memory-cap checks)
+        self._on_gathered = self.hooks.transient_allocated  # after each gather allocation (memory-cap checks)
         self.gathered_bytes = 0  # gathered parameter bytes alive now
         self.peak_gathered_bytes = 0
         self._gathered: dict[int, ShardedBlock] = {}  # blocks whose gathered parameters exist

@@ -29,7 +29,6 @@ model fit or makes the iteration faster (larger micro-batches on a short card).
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -114,19 +113,9 @@ def mbs_with(profile: Profile, weights: Sequence[float], offloads: Sequence[Offl
 def reshaped(profile: Profile, weights: Sequence[float], offloads: Sequence[Offload]) -> Profile | None:
     """The profile as these shard weights and placements would have measured it (every rank's
     ``mbs``, the optimizer step on the largest shard); None if a rank would fit no sample."""
-    mbs = mbs_with(profile, weights, offloads)
-    if min(mbs) < 1:
-        return None
-    out = copy.deepcopy(profile)
-    for r in out.ranks:
-        r.mbs = mbs[r.rank]
-        r.points = [p for p in r.points if p.batch <= r.mbs]
-        if not r.points:
-            return None
-    if out.comm.iteration_overhead_s is not None:
-        out.comm.iteration_overhead_s *= shard_choice.step_scale(profile, weights)
-    out.shard_weights = [float(w) for w in weights]
-    out.offloads = [o.value for o in offloads]
+    out = shard_choice.with_mbs(profile, weights, mbs_with(profile, weights, offloads))
+    if out is not None:
+        out.offloads = [o.value for o in offloads]
     return out
 
 

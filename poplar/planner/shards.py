@@ -141,7 +141,13 @@ def reshaped(profile: Profile, weights: Sequence[float]) -> Profile | None:
     """The profile as these shard weights would have measured it: each rank's ``mbs`` and the
     iteration's fixed overhead (the optimizer step on the largest shard). None if a rank would
     fit no sample."""
-    mbs = mbs_at(profile, weights)
+    return with_mbs(profile, weights, mbs_at(profile, weights))
+
+
+def with_mbs(profile: Profile, weights: Sequence[float], mbs: Sequence[int]) -> Profile | None:
+    """A copy of the profile at these shard weights with every rank's largest micro-batch ``mbs``
+    (the points beyond it dropped) and the optimizer step on the largest shard; None if a rank
+    would fit no sample."""
     if min(mbs) < 1:
         return None
     out = copy.deepcopy(profile)

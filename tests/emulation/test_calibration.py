@@ -15,6 +15,9 @@ from poplar.emulation.presets import get_preset
 from poplar.workloads import get_workload
 from poplar.zero.runtime import PlanCheck
 
+# bounds real wall time: make test runs these files alone, after the parallel pass
+pytestmark = pytest.mark.timing
+
 WORKLOAD = get_workload("token-mlp")
 MB = 10 ** 6
 

@@ -15,6 +15,9 @@ from poplar.types.plans import Offload, Plan, RankPlan
 from poplar.zero.observers import CopyDirection, StepObserver
 from tests.toy import SEQ, VOCAB, loss_fn, make_model
 
+# bounds real wall time: make test runs these files alone, after the parallel pass
+pytestmark = pytest.mark.timing
+
 
 class Copies(StepObserver):
     def __init__(self) -> None:

@@ -23,6 +23,9 @@ from poplar.zero.config import ZeroConfig
 from poplar.zero.runtime import PlanCheck
 from tests.timing_reference import latest_wake_up, sleep_lateness
 
+# bounds real wall time: make test runs these files alone, after the parallel pass
+pytestmark = pytest.mark.timing
+
 # the profiler's fast workload: the capacities and curves below are calibrated for it
 WORKLOAD = get_workload("token-mlp")
 

@@ -15,6 +15,9 @@ from poplar.comm.launch import RankFailure, spawn
 from poplar.emulation.virtual_link import LinkSpec, VirtualLink
 from tests.timing_reference import latest_wake_up, sleep_lateness
 
+# bounds real wall time: make test runs these files alone, after the parallel pass
+pytestmark = pytest.mark.timing
+
 LATENCY = 0.1  # far above a 2-rank gloo all-reduce on a quiet machine, so the link sets the time
 # a busy machine may only delay a paced collective: by half a link time at most (plus the latest
 # wake-up a bare sleep showed right after), which still tells one link time from the next

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from poplar.checkpoint.lock import LOCK_FILE
 from poplar.types.plans import Plan
 from tests.cli.test_train_cli import CPU_ONLY, REPO, TORCHRUN, _config, _torchrun
 
@@ -47,14 +48,16 @@ def rank_exit_codes(stderr: str) -> dict[int, int]:
 @pytest.mark.multiprocess
 def test_a_second_job_on_a_checkpoint_directory_is_refused_and_the_first_keeps_every_checkpoint(
         tmp_path: Path) -> None:
-    _config(tmp_path, iterations=600, log_every=10, checkpoint={"dir": "ckpt", "every": 50, "keep": 100})
+    _config(tmp_path, iterations=300, log_every=10, checkpoint={"dir": "ckpt", "every": 50, "keep": 100})
     log = tmp_path / "first.log"
     first = subprocess.Popen([str(TORCHRUN), "--standalone", "--nproc_per_node", "2", "-m", "poplar", "train",
                               "--config", "run.json"], cwd=tmp_path, env=ENV, stdout=subprocess.DEVNULL,
                              stderr=log.open("w"), start_new_session=True)
     deadline = time.monotonic() + DEADLINE_S
     try:
-        while "iteration 10/600" not in log.read_text():
+        # the second job starts once the first holds the directory, so the first's whole run (its
+        # plan and 300 iterations) stands against the second's start-up, not what is left after 10
+        while not (tmp_path / "ckpt" / LOCK_FILE).exists():
             assert first.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.05)
         t0 = time.monotonic()
@@ -78,9 +81,9 @@ def test_a_second_job_on_a_checkpoint_directory_is_refused_and_the_first_keeps_e
     assert code == 0, text[-3000:]
     ckpt = tmp_path / "ckpt"
     assert sorted(p.name for p in ckpt.iterdir()) == ["index.json", "profile.json", "profile.fingerprint.json",
-                                                      *[f"step-{i:08d}" for i in range(50, 601, 50)]] \
-        or sorted(p.name for p in ckpt.iterdir()) == ["index.json", *[f"step-{i:08d}" for i in range(50, 601, 50)]]
-    assert json.loads((tmp_path / "report" / "metrics.json").read_text())["end_iteration"] == 600
+                                                      *[f"step-{i:08d}" for i in range(50, 301, 50)]] \
+        or sorted(p.name for p in ckpt.iterdir()) == ["index.json", *[f"step-{i:08d}" for i in range(50, 301, 50)]]
+    assert json.loads((tmp_path / "report" / "metrics.json").read_text())["end_iteration"] == 300
 
 
 @pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed beside this Python")

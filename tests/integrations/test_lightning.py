@@ -29,9 +29,11 @@ TORCHRUN = Path(sys.executable).with_name("torchrun")
 REPO = Path(__file__).resolve().parents[2]
 
 
+# What torchrun adds is the strategy joining the job from its environment; the stages' numerics
+# are the spawned test's above, so one stage (the sharded one) runs here.
 @pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed beside this Python")
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("zero_stage", [0, 2, 3])
+@pytest.mark.parametrize("zero_stage", [3])
 def test_under_torchrun_three_steps_equal_one_process(tmp_path: Path, zero_stage: int) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
     run = subprocess.run([str(TORCHRUN), "--standalone", "--nproc_per_node", "3", "-m",

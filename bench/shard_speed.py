@@ -34,7 +34,7 @@ padded micro-steps whose real compute overshot the device's curve; a run above t
 re-calibrated with more headroom and, if still late, marked INVALID. Last line ``RESULT {json}``.
 
     .venv/bin/python bench/shard_speed.py [--clusters A,C] [--stages 2,3] [--regimes bound,unbound]
-                                          [--iterations 12] [--rounds 3] [--gbs 48] [--full]
+                                          [--iterations 12] [--rounds 3] [--gbs 192] [--full]
 """
 
 from __future__ import annotations
@@ -175,7 +175,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--clusters", default="A,C", help="A and/or C")
     ap.add_argument("--stages", default="2,3")
     ap.add_argument("--regimes", default="bound,unbound")
-    row_arguments(ap, iterations=12, gbs=48, repeats=3, attempts=3)
+    # gbs 192: about one micro-batch of a big card at the bound, so every card takes part; a global
+    # batch below one big card's micro-batch (48 was the first default) leaves the short cards a
+    # sample or two whatever their shards
+    row_arguments(ap, iterations=12, gbs=192, repeats=3, attempts=3)
     ap.add_argument("--full", action="store_true", help="4 + 4 ranks per cluster instead of 2 + 2")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()

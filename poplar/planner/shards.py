@@ -11,7 +11,9 @@ measured ``mbs`` may have had room to spare; it is not counted). So the capacity
 
 Candidates: even shards, the measured weights, and shares in proportion to the memory each rank
 gives to sharded state and activations as measured (its shard plus ``mbs`` samples' bytes: a
-card with twice the room holds twice the state), blended with even in quarters. Each candidate's
+card with twice the room holds twice the state), blended with even in quarters, and past them
+in thirds of the way to where the rank with the least room holds none (its memory all
+activations, the state on the cards with room to spare). Each candidate's
 batches are planned as usual on the ``mbs`` it allows, and priced with the optimizer step on the
 largest shard: the iteration's fixed overhead, measured at the largest measured share and mostly
 the optimizer step, is scaled by the ratio of the largest shares (an upper bound: the rest of it
@@ -35,6 +37,10 @@ from poplar.types.plans import PlanError, shares_of
 from poplar.types.profiles import Profile
 
 BLENDS = (0.25, 0.5, 0.75, 1.0)  # steps from even (0) to memory-proportional (1) shares
+# Past memory-proportional shares, thirds of the way to where the rank with the least room holds none:
+# a card whose room goes to activations runs larger micro-batches (fewer micro-steps, and at ZeRO-2/3
+# fewer rounds of collectives per sample) while the cards with room to spare hold its state.
+BEYOND = (1 / 3, 2 / 3, 1.0)
 
 
 @dataclass(frozen=True)
@@ -105,11 +111,15 @@ def candidates(profile: Profile) -> list[ShardCandidate]:
     ranks = sorted(profile.ranks, key=lambda r: r.rank)
     total, shares, per_sample = sharded_bytes(profile), measured_shares(profile), activation_bytes(profile)
     proportional = memory_weights([shares[r.rank] * total + r.mbs * per_sample for r in ranks])
-    for blend in BLENDS:
-        weights = tuple(round((1 - blend) + blend * x, 6) for x in proportional)
+    blends = list(BLENDS)
+    if min(proportional) < 1.0:  # the blend at which the rank with the least room holds nothing
+        empty = 1.0 / (1.0 - min(proportional))
+        blends += [1.0 + f * (empty - 1.0) for f in BEYOND]
+    for blend in blends:
+        weights = tuple(max(0.0, round((1 - blend) + blend * x, 6)) for x in proportional)
         if weights not in seen:
             seen.add(weights)
-            out.append(ShardCandidate(f"memory x{blend:g}", weights))
+            out.append(ShardCandidate(f"memory x{blend:.3g}", weights))
     return out
 
 

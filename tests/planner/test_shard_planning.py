@@ -51,10 +51,15 @@ def test_a_short_card_s_coarse_slope_does_not_price_its_freed_state() -> None:
 def test_candidates_start_even_and_lean_towards_memory() -> None:
     prof = _profile("A", 2, 2e9)
     cands = shards.candidates(prof)
-    assert cands[0].weights == (1.0,) * 4 and len(cands) == 1 + len(shards.BLENDS)
+    assert cands[0].weights == (1.0,) * 4 and len(cands) == 1 + len(shards.BLENDS) + len(shards.BEYOND)
     big = [r.rank for r in prof.ranks if r.device_type.startswith("A100-80")]
     for c in cands[1:]:
         assert all(c.weights[r] > 1.0 for r in big) and sum(c.weights) == pytest.approx(4.0)
+    # each step leans further: the short cards' weights fall to none, their memory all activations
+    small = [r for r in range(4) if r not in big]
+    assert [c.weights[small[0]] for c in cands] == sorted((c.weights[small[0]] for c in cands), reverse=True)
+    assert all(cands[-1].weights[r] == 0.0 for r in small)
+    assert shards.mbs_at(prof, cands[-1].weights)[small[0]] > shards.mbs_at(prof, cands[4].weights)[small[0]]
     # ZeRO-0 shards nothing, and a profile that does not know its shard bytes cannot move them
     assert len(shards.candidates(_profile("A", 0, 2e9))) == 1
     legacy = _profile("A", 2, 2e9)

@@ -16,7 +16,10 @@
   skips its own when the device is the CPU); pinned memory needs a GPU, so it is off on CPU.
 - ``zero1_vs_ddp_zero_by_shape`` (CPU, ``--zero1-shapes``, default ``4x256,8x384``): after the
   main pass, in the same run, one pass per shape (blocks x width) of only ZeRO-1 and DDP +
-  ``ZeroRedundancyOptimizer``; ``zero1_vs_ddp_zero_max`` is the largest of them.
+  ``ZeroRedundancyOptimizer``; ``zero1_vs_ddp_zero_max`` is the largest of them. Beside them each
+  pass times ``compute_floor``: the same forward and backward and an AdamW step on about 1/world
+  of the parameters, with no communication, the least any ZeRO-1 can take on these cores;
+  ``zero1_floor_vs_ddp_zero_by_shape`` is it ÷ the peer, how far below the peer a ratio can go.
 
 By default gloo ranks on CPU (``poplar.comm.launch.spawn``), one thread each, a small transformer
 (~3.3M parameters, 4 blocks). ``--device cuda`` runs a world of one on this machine's GPU with
@@ -134,8 +137,29 @@ def make_zero1_pair(c: Shape, world: int, device: torch.device) -> dict[str, Cal
     engine = PoplarEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-3), zero_stage=ZeroConfig(1),
                           plan=Plan.even(world, world * c.batch, c.batch))
     model = DistributedDataParallel(fresh_model(c, device), device_ids=[device.index or 0] if device.type == "cuda" else None)
+    local = fresh_model(c, device)
+    local_opt = torch.optim.AdamW(local.parameters(), lr=1e-3)
+    shard = [p for i, p in enumerate(local.parameters()) if i % world == 0]  # about 1/world of the state
     return {"poplar_zero1": lambda x, e=engine: e.train_step(x, loss_fn),
-            "torch_ddp_zero": _torch_step(model, ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3))}
+            "torch_ddp_zero": _torch_step(model, ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)),
+            "compute_floor": _local_step(local, local_opt, shard)}
+
+
+def _local_step(model: nn.Module, opt: torch.optim.Optimizer, shard: list[nn.Parameter]) -> Callable[[torch.Tensor], float]:
+    """The floor under any data-parallel ZeRO-1 on these cores: forward, backward and an AdamW
+    step on about 1/world of the parameters, with no communication at all."""
+    mine = {id(p) for p in shard}
+
+    def step(x: torch.Tensor) -> float:
+        loss = loss_fn(model, x)
+        loss.backward()
+        for p in model.parameters():
+            if id(p) not in mine:
+                p.grad = None  # the step below updates this rank's share only
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+    return step
 
 
 def make_systems(c: Shape, world: int, rows: Rows, device: torch.device) -> dict[str, Callable[[torch.Tensor], float]]:
@@ -314,6 +338,7 @@ def zero1_pair_passes(args: argparse.Namespace, c: Shape) -> dict[str, Any]:
     """One pass per ``--zero1-shapes`` entry (BLOCKSxDIM, the rest of the shape as the main
     pass's): only ZeRO-1 and DDP + ZeroRedundancyOptimizer, interleaved, in this same run."""
     ratios: dict[str, float] = {}
+    floors: dict[str, float] = {}
     for spec in args.zero1_shapes.split(","):
         layers, dim = (int(v) for v in spec.lower().split("x"))
         shape = replace(c, layers=layers, dim=dim)
@@ -325,8 +350,11 @@ def zero1_pair_passes(args: argparse.Namespace, c: Shape) -> dict[str, Any]:
               f"tokens per rank, AdamW; median of {args.repeats} blocks of {args.iters} iterations")
         _table(out, med)
         ratios[spec] = med["poplar_zero1"] / med["torch_ddp_zero"]
-        print(f"ZeRO-1 / DDP+ZeroRedundancyOptimizer ({spec}) = {ratios[spec]:.3f}")
-    return {"zero1_vs_ddp_zero_by_shape": ratios, "zero1_vs_ddp_zero_max": max(ratios.values())}
+        floors[spec] = med["compute_floor"] / med["torch_ddp_zero"]
+        print(f"ZeRO-1 / DDP+ZeroRedundancyOptimizer ({spec}) = {ratios[spec]:.3f}   "
+              f"no-communication floor / DDP+ZeroRedundancyOptimizer = {floors[spec]:.3f}")
+    return {"zero1_vs_ddp_zero_by_shape": ratios, "zero1_vs_ddp_zero_max": max(ratios.values()),
+            "zero1_floor_vs_ddp_zero_by_shape": floors}
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@
   ZeRO-2) (``--no-offload`` leaves these rows out). On CPU the "host" is the device: both sides
   pay the same host AdamW step, and their device-host copies are plain CPU memcpys (FSDP2
   skips its own when the device is the CPU); pinned memory needs a GPU, so it is off on CPU.
-- ``zero1_vs_ddp_zero_by_shape`` (CPU, ``--zero1-shapes``, default ``4x256,8x384``): after the
+- ``zero1_vs_ddp_zero_by_shape`` (CPU, ``--zero1-shapes``, default ``4x256,8x256,8x384``): after the
   main pass, in the same run, one pass per shape (blocks x width) of only ZeRO-1 and DDP +
   ``ZeroRedundancyOptimizer``; ``zero1_vs_ddp_zero_max`` is the largest of them. Beside them each
   pass times ``compute_floor``: the same forward and backward and an AdamW step on about 1/world
@@ -29,7 +29,7 @@ trains the same model copy on the same batches; timed blocks of iterations are i
 (A, B, A, B, ...) after a warm-up, each block's time is the slowest rank's, and ratios are of
 medians (ours ÷ torch: < 1 means Poplar is faster). Prints a table and, last, ``RESULT {json}``.
 
-    python bench/engine_vs_torch.py [--world 2] [--iters 4] [--repeats 5] [--zero1-shapes 4x256,8x384]
+    python bench/engine_vs_torch.py [--world 2] [--iters 4] [--repeats 5] [--zero1-shapes 4x256,8x256,8x384]
     python bench/engine_vs_torch.py --zero1-only --repeats 9
     python bench/engine_vs_torch.py --device cuda [--layers 12]
 """
@@ -274,7 +274,7 @@ def main() -> None:
     ap.add_argument("--no-offload", dest="offload", action="store_false", help="leave out the offload rows")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cpu: gloo ranks (--world); cuda: a world of one on GPU 0 over NCCL")
-    ap.add_argument("--zero1-shapes", default="4x256,8x384",
+    ap.add_argument("--zero1-shapes", default="4x256,8x256,8x384",
                     help="CPU: after the main pass, one ZeRO-1 ÷ DDP+ZeroRedundancyOptimizer pass per "
                          "BLOCKSxDIM shape ('' for none)")
     ap.add_argument("--zero1-only", action="store_true", help="CPU: only the --zero1-shapes passes")

@@ -29,22 +29,20 @@ medians). Both run even when they are the same plan, so the ratio shows what a r
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import sys
 import time
 from typing import Any
 
-from hetero import rows_of, sample, train  # bench/ is on the path of a script run from it
-from shard_speed import emulated_row, measured_s, row_arguments
+from hetero import rows_of, train  # bench/ is on the path of a script run from it
+from shard_speed import emulated_row, measured_s, model_and_sample, row_arguments, split_row_lists
 
 from poplar.emulation.cluster import ClusterSpec
 from poplar.emulation.speed_padding import late_fraction
 from poplar.planner import plan
 from poplar.profiler.profile_run import ProfileOptions, default_optimizer, profile_rank
 from poplar.types.plans import Offload, Plan
-from poplar.workloads.configs import LlamaConfig
-from poplar.workloads.models import LlamaModel, llama_loss_fn
+from poplar.workloads.models import llama_loss_fn
 
 CLUSTERS = {"A": ClusterSpec("A-1+1", [{"type": "A100-80G", "count": 1}, {"type": "A100-40G", "count": 1}]),
             "C": ClusterSpec("C-1+1", [{"type": "A800-80G", "count": 1}, {"type": "V100S-32G", "count": 1}]),
@@ -112,20 +110,14 @@ def parse_args() -> argparse.Namespace:
     row_arguments(ap, iterations=9, gbs=24, repeats=2, attempts=2)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    args.stages = [int(s) for s in args.stages.split(",")]
-    args.regimes = args.regimes.split(",")
-    args.clusters = args.clusters.split(",")
-    if not set(args.stages) <= {1, 2, 3} or not set(args.regimes) <= set(REGIMES) or not set(args.clusters) <= set(CLUSTERS):
-        ap.error("--stages from 1,2,3; --regimes from unbound,bound; --clusters from A,C,B")
+    split_row_lists(ap, args, REGIMES, CLUSTERS)
     return args
 
 
 def main() -> None:
     args = parse_args()
     t_start = time.perf_counter()
-    model_fn = functools.partial(LlamaModel, LlamaConfig(vocab_size=512, dim=args.dim, n_layers=args.layers,
-                                                         n_heads=4, hidden_dim=4 * args.dim, max_seq_len=args.seq))
-    sample_fn = functools.partial(sample, seq=args.seq)
+    model_fn, sample_fn = model_and_sample(args)
     rows = []
     for name in args.clusters:
         spec = CLUSTERS[name]

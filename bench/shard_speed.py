@@ -170,32 +170,43 @@ def row_arguments(ap: argparse.ArgumentParser, *, iterations: int, gbs: int, rep
     ap.add_argument("--attempts", type=int, default=attempts, help="runs of a row whose micro-steps were late")
 
 
+def split_row_lists(ap: argparse.ArgumentParser, args: argparse.Namespace, regimes: tuple[str, ...],
+                    clusters: Any) -> None:
+    """``--stages``, ``--regimes`` and ``--clusters`` as lists, each checked against what the bench has."""
+    args.stages = [int(s) for s in args.stages.split(",")]
+    args.regimes = args.regimes.split(",")
+    args.clusters = args.clusters.split(",")
+    if not set(args.stages) <= {1, 2, 3} or not set(args.regimes) <= set(regimes) or not set(args.clusters) <= set(clusters):
+        ap.error(f"--stages from 1,2,3; --regimes from {','.join(regimes)}; --clusters from {','.join(clusters)}")
+
+
+def model_and_sample(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The rows' Llama-style model (``--dim``, ``--layers``, ``--seq``) and its sample function."""
+    model_fn = functools.partial(LlamaModel, LlamaConfig(vocab_size=512, dim=args.dim, n_layers=args.layers,
+                                                         n_heads=4, hidden_dim=4 * args.dim, max_seq_len=args.seq))
+    return model_fn, functools.partial(sample, seq=args.seq)
+
+
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--clusters", default="A,C", help="A and/or C")
     ap.add_argument("--stages", default="2,3")
     ap.add_argument("--regimes", default="bound,unbound")
     # gbs 192: about one micro-batch of a big card at the bound, so every card takes part; a global
-    # batch below one big card's micro-batch (48 was the first default) leaves the short cards a
-    # sample or two whatever their shards
+    # batch below one big card's micro-batch leaves the short cards a sample or two whatever their
+    # shards
     row_arguments(ap, iterations=12, gbs=192, repeats=3, attempts=3)
     ap.add_argument("--full", action="store_true", help="4 + 4 ranks per cluster instead of 2 + 2")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    args.stages = [int(s) for s in args.stages.split(",")]
-    args.regimes = args.regimes.split(",")
-    args.clusters = args.clusters.split(",")
-    if not set(args.stages) <= {1, 2, 3} or not set(args.regimes) <= set(REGIMES) or not set(args.clusters) <= set(FULL):
-        ap.error("--stages from 1,2,3; --regimes from bound,unbound; --clusters from A,C")
+    split_row_lists(ap, args, REGIMES, FULL)
     return args
 
 
 def main() -> None:
     args = parse_args()
     t_start = time.perf_counter()
-    model_fn = functools.partial(LlamaModel, LlamaConfig(vocab_size=512, dim=args.dim, n_layers=args.layers,
-                                                         n_heads=4, hidden_dim=4 * args.dim, max_seq_len=args.seq))
-    sample_fn = functools.partial(sample, seq=args.seq)
+    model_fn, sample_fn = model_and_sample(args)
     rows = []
     for name in args.clusters:
         spec = FULL[name] if args.full else ClusterSpec.resolve(name)

@@ -98,8 +98,8 @@ def knows_shard_memory(profile: Profile) -> bool:
 
 
 def candidates(profile: Profile) -> list[ShardCandidate]:
-    """Even shards first, the measured weights, then blends towards memory-proportional ones
-    (duplicates dropped)."""
+    """Even shards first, the measured weights, then blends towards memory-proportional ones and
+    past them to where the rank with the least room holds none (duplicates dropped)."""
     n = profile.world_size
     even = ShardCandidate("even", (1.0,) * n)
     if not knows_shard_memory(profile):

@@ -16,8 +16,12 @@ collective into a shared board (a file mapped by every process of the machine: `
 one row per collective, counted in issue order. When the real collective is done on a rank,
 every rank has issued it and all before it, so the rank reads their rows, computes when the
 link would have finished it, and sleeps until then (``Communicator.observed`` calls it there, so
-the ledger's blocked seconds are the link's). A collective whose real gloo time overshoots the
-link's is *late* (``late_collectives`` of ``paced_collectives``), as a late micro-step is.
+the ledger's blocked seconds are the link's). A collective can be done on a rank before every
+rank issued it: an uneven all-gather run as broadcasts has no sender on a rank whose part is
+empty (shard weight 0), so a receiver is done once the senders are. The rank then waits on the
+board until the others have issued it (``LinkSpec.issue_wait_s`` at most), as a GPU collective
+would. A collective whose real gloo time overshoots the link's is *late* (``late_collectives``
+of ``paced_collectives``), as a late micro-step is.
 
 Every rank sees the same rows and computes the same ends: the ranks leave a collective together,
 as on a GPU cluster. Calibration picks a link slow enough for the real collectives to fit
@@ -41,6 +45,10 @@ from poplar.types.profiles import bus_bytes
 
 SLOTS = 1 << 14  # rows of the board: far more than the collectives a rank can issue ahead of another
 LATE_TOLERANCE_S = 5e-4  # a real collective this much past the link's end is late
+# how long a rank done with a collective waits by default for another rank to issue it (a rank
+# with an empty part computing its micro-step meanwhile) before the order is called wrong: far
+# past any emulated micro-step, within the collective timeouts the tests and benches give
+ISSUE_WAIT_S = 120.0
 
 
 class LinkError(RuntimeError):
@@ -55,6 +63,7 @@ class LinkSpec:
     bandwidth_bytes_per_s: float
     world_size: int
     board_path: str
+    issue_wait_s: float = ISSUE_WAIT_S  # a rank done with a collective waits this long for the others' issue
 
     def __post_init__(self) -> None:
         if self.latency_s < 0 or self.bandwidth_bytes_per_s <= 0:
@@ -146,6 +155,10 @@ class VirtualLink:
 
     def _compute_end(self, ticket: _Ticket) -> None:
         row = np.array(self.board()[ticket.index % SLOTS])
+        waited_until = time.perf_counter() + self.spec.issue_wait_s
+        while not (row[:, 0] == ticket.index + 1).all() and time.perf_counter() < waited_until:
+            time.sleep(2e-4)  # a rank without a part to send has not issued it yet
+            row = np.array(self.board()[ticket.index % SLOTS])
         if not (row[:, 0] == ticket.index + 1).all():
             behind = [r for r in range(self.spec.world_size) if row[r, 0] != ticket.index + 1]
             raise LinkError(f"rank {self.rank}: paced collective #{ticket.index} was not issued on ranks {behind} "

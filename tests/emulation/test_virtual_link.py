@@ -4,9 +4,11 @@ collective is a clear error, not a hang."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
+
 import pytest
 import torch
 
@@ -65,6 +67,22 @@ def one_rank_unpaced(rank: int, world: int, spec: LinkSpec) -> None:
         comm.all_reduce(torch.zeros(4))  # rank 1 issues it outside the link
 
 
+def empty_part_gather(rank: int, world: int, spec: LinkSpec) -> tuple[float, float]:
+    """Rank 1's part is empty: rank 0 sends alone, so its real all-gather is done before rank 1,
+    asleep for ``DELAY``, has issued the collective."""
+    comm = Communicator()
+    comm.all_reduce(torch.zeros(1))  # start together (outside the link)
+    with comm.observed(VirtualLink(spec, rank)):
+        if rank == 1:
+            time.sleep(DELAY)
+        issue = time.perf_counter()
+        comm.all_gather(torch.zeros(1000), torch.ones(1000 if rank == 0 else 0), sizes=[1000, 0])
+        return issue, time.perf_counter()
+
+
+DELAY = 0.1
+
+
 @pytest.fixture
 def spec() -> LinkSpec:
     s = LinkSpec.create(LATENCY, 1e12, 2)
@@ -101,7 +119,14 @@ def test_async_collectives_queue_on_the_link(spec: LinkSpec) -> None:
 @pytest.mark.multiprocess
 def test_a_collective_outside_the_link_on_one_rank_is_a_clear_error(spec: LinkSpec) -> None:
     with pytest.raises(RankFailure, match="was not issued on ranks \\[1\\]"):
-        spawn(one_rank_unpaced, 2, (spec,), timeout_s=60)
+        spawn(one_rank_unpaced, 2, (dataclasses.replace(spec, issue_wait_s=1.0),), timeout_s=60)
+
+
+@pytest.mark.multiprocess
+def test_a_rank_done_before_an_empty_part_was_issued_waits_for_its_issue(spec: LinkSpec) -> None:
+    (issue0, end0), (issue1, end1) = spawn(empty_part_gather, 2, (spec,), timeout_s=60)
+    # both leave at rank 1's issue + the link's time, not at rank 0's real end (long before)
+    assert end0 > issue1 + LATENCY - 0.001 and abs(end0 - end1) < 0.005 + SLACK, (issue0, end0, issue1, end1)
 
 
 def test_the_link_prices_collectives_like_the_profilers_ring_fit(spec: LinkSpec) -> None:

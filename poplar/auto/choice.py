@@ -190,6 +190,8 @@ def choose_configuration(comm: Communicator, job: ProfileJob, device: Device, ch
     index = rows.index(pick)
     choice.rows, choice.chosen = rows, caps[index].config
     profile = profiles[index]
+    if popts.time_past_mbs and caps[index].result is not None:
+        profile = prof.time_past_mbs(caps[index], profile)
     profile.meta["auto_choice"] = {"rule": choice.rule, "profiling_s": {k: round(v, 3) for k, v in prof.seconds.items()},
                                    "timed": len(profiles), "probed": len(probes), "timing_rounds": prof.rounds,
                                    "candidates": [r.to_dict() for r in rows], "offload_escalations": offloaded}

@@ -29,12 +29,13 @@ bytes of a batch-1 step that do not move with the shard, as a rank that fitted m
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from poplar.types.plans import PlanError, shares_of
+from poplar.types.plans import shares_of
 from poplar.types.profiles import Profile
+from poplar.types.shard_memory import (activation_bytes, blended, emptied_blend, knows_shard_memory, mbs_at,
+                                       measured_shares, memory_weights, proportional_weights, sharded_bytes)
 
 BLENDS = (0.25, 0.5, 0.75, 1.0)  # steps from even (0) to memory-proportional (1) shares
 # Past memory-proportional shares, thirds of the way to where the rank with the least room holds none:
@@ -51,52 +52,6 @@ class ShardCandidate:
     weights: tuple[float, ...]
 
 
-def memory_weights(room: Sequence[float]) -> tuple[float, ...]:
-    """Shard weights in proportion to each rank's room for sharded state (what its memory holds
-    besides what does not move with the shard), scaled to a mean of 1; a rank without room: 0."""
-    room = [max(0.0, float(x)) for x in room]
-    if sum(room) <= 0:
-        raise PlanError("no rank has room for the sharded state; the model does not fit this cluster at any "
-                        "shard weights: use a higher ZeRO stage or a smaller model")
-    mean = sum(room) / len(room)
-    return tuple(round(x / mean, 6) for x in room)
-
-
-def measured_shares(profile: Profile) -> tuple[float, ...]:
-    """Each rank's share of the sharded state when the profile was measured."""
-    n = profile.world_size
-    return shares_of(tuple(profile.shard_weights)) if profile.shard_weights else (1.0 / n,) * n
-
-
-def sharded_bytes(profile: Profile) -> int:
-    """The whole sharded state: every rank's measured shard, summed."""
-    return sum(r.shard_bytes or 0 for r in profile.ranks)
-
-
-def activation_bytes(profile: Profile) -> float:
-    """Bytes one more sample adds to a step, for every rank: those of the rank whose fitted
-    batches span the most samples (the largest ``mbs``).
-
-    [Note: one slope for every rank]
-    A rank measures its bytes per sample as the slope of the peaks of the steps that fitted. A
-    step's peak is the largest of its phases' (the optimizer step's, forward's, backward's), so a
-    rank that fitted one or two batches measures a slope between peaks that can lie in different
-    phases (the optimizer step's at batch 1, backward's at batch 2): several times the true
-    slope, which would price a freed shard byte at a fraction of a sample. The activations of a
-    sample are the model's at this stage, precision and sequence shape, the same on every card,
-    so every rank's capacity at another shard is priced with the slope measured over the widest
-    range of batches."""
-    widest = max(profile.ranks, key=lambda r: (r.mbs, -r.rank))
-    return float(widest.bytes_per_sample)
-
-
-def knows_shard_memory(profile: Profile) -> bool:
-    """Whether the profile says what a shard costs each rank (profiles measured before shard
-    weights existed, and synthetic ones without the field, do not)."""
-    return profile.zero_stage >= 1 and sharded_bytes(profile) > 0 and all(
-        r.shard_bytes is not None and r.shard_bytes >= 0 and r.bytes_per_sample for r in profile.ranks)
-
-
 def candidates(profile: Profile) -> list[ShardCandidate]:
     """Even shards first, the measured weights, then blends towards memory-proportional ones and
     past them to where the rank with the least room holds none (duplicates dropped)."""
@@ -108,36 +63,16 @@ def candidates(profile: Profile) -> list[ShardCandidate]:
     if profile.shard_weights is not None and tuple(profile.shard_weights) not in seen:
         out.append(ShardCandidate("measured", tuple(float(w) for w in profile.shard_weights)))
         seen.add(out[-1].weights)
-    ranks = sorted(profile.ranks, key=lambda r: r.rank)
-    total, shares, per_sample = sharded_bytes(profile), measured_shares(profile), activation_bytes(profile)
-    proportional = memory_weights([shares[r.rank] * total + r.mbs * per_sample for r in ranks])
+    proportional = proportional_weights(profile)
     blends = list(BLENDS)
-    if min(proportional) < 1.0:  # the blend at which the rank with the least room holds nothing
-        empty = 1.0 / (1.0 - min(proportional))
+    empty = emptied_blend(proportional)
+    if empty is not None:
         blends += [1.0 + f * (empty - 1.0) for f in BEYOND]
     for blend in blends:
-        weights = tuple(max(0.0, round((1 - blend) + blend * x, 6)) for x in proportional)
+        weights = blended(proportional, blend)
         if weights not in seen:
             seen.add(weights)
             out.append(ShardCandidate(f"memory x{blend:.3g}", weights))
-    return out
-
-
-def mbs_at(profile: Profile, weights: Sequence[float]) -> list[int]:
-    """Every rank's largest micro-batch with these shard weights (from the measured profile)."""
-    if len(weights) != profile.world_size:
-        raise PlanError(f"{len(weights)} shard weights for a profile of {profile.world_size} ranks; give one per rank")
-    measured = measured_shares(profile)
-    if not knows_shard_memory(profile):
-        if shares_of(tuple(weights)) != measured:
-            raise PlanError("the profile does not say what a shard costs each rank (no shard_bytes: measured before "
-                            "shard weights, or at ZeRO-0); profile again, or plan at the weights it was measured at")
-        return [r.mbs for r in sorted(profile.ranks, key=lambda r: r.rank)]
-    total, shares, per_sample = sharded_bytes(profile), shares_of(tuple(weights)), activation_bytes(profile)
-    out = []
-    for r in sorted(profile.ranks, key=lambda r: r.rank):
-        extra = total * (shares[r.rank] - measured[r.rank])  # more state than measured (< 0: less)
-        out.append(max(0, r.mbs + math.floor(-extra / per_sample + 1e-9)))
     return out
 
 
@@ -156,14 +91,16 @@ def reshaped(profile: Profile, weights: Sequence[float]) -> Profile | None:
 
 def with_mbs(profile: Profile, weights: Sequence[float], mbs: Sequence[int]) -> Profile | None:
     """A copy of the profile at these shard weights with every rank's largest micro-batch ``mbs``
-    (the points beyond it dropped) and the optimizer step on the largest shard; None if a rank
-    would fit no sample."""
+    (the points beyond it dropped, those timed past the measured mbs up to it added) and the
+    optimizer step on the largest shard; None if a rank would fit no sample."""
     if min(mbs) < 1:
         return None
     out = copy.deepcopy(profile)
     for r in out.ranks:
+        grown = [p for p in r.points_past_mbs if p.batch <= mbs[r.rank]]
+        r.points = [p for p in r.points if p.batch <= mbs[r.rank]] + grown  # a batch that no longer fits is no point
+        r.points_past_mbs = [p for p in r.points_past_mbs if p.batch > mbs[r.rank]]
         r.mbs = mbs[r.rank]
-        r.points = [p for p in r.points if p.batch <= r.mbs]  # a batch that no longer fits is no point
         if not r.points:
             return None
     if out.comm.iteration_overhead_s is not None:

@@ -24,6 +24,7 @@ from poplar.profiler.escalation import StageCapacity
 from poplar.profiler.exposure import ExposureRounds
 from poplar.profiler.phases import ProfilePhase
 from poplar.profiler.profile_run import ProfileJob, ProfileRun
+from poplar.profiler.shard_room import time_past_mbs
 from poplar.profiler.timing import Confirmation, TimingGrid, timing_batches
 from poplar.types.configuration import Configuration
 from poplar.types.plans import Offload
@@ -175,6 +176,21 @@ class CandidateProfiler:
             return run.assemble(fit, timing, comm)
         finally:
             run.job = base
+
+    def time_past_mbs(self, capacity: ConfigCapacity, profile: Profile) -> Profile:
+        """``profile`` (this configuration's timing) with each rank timed past its mbs at shard
+        weights that give it the room (``shard_room.time_past_mbs``), every rank together."""
+        run, base = self.run, self.run.job
+        run.job = _placed(base.at(capacity.config), capacity.shard_weights, capacity.offloads)
+        t0 = time.perf_counter()
+        try:
+            offloading = capacity.offloads is not None and Offload.OPTIMIZER in capacity.offloads
+            fit = StageCapacity(capacity.config.stage, capacity.result, list(capacity.mbs),
+                                offloads=capacity.offloads if offloading else None)
+            return time_past_mbs(run, fit, profile)
+        finally:
+            run.job = base
+            self.seconds["timing_s"] += time.perf_counter() - t0
 
     @property
     def total_seconds(self) -> float:

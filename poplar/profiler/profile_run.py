@@ -50,6 +50,7 @@ from poplar.profiler.lock_step import LockStepTiming, time_rounds, young_garbage
 from poplar.profiler.phases import ProfileObserver, ProfilePhase, in_phase, observers_of
 from poplar.profiler.precision import agree_precision_support, precision_meta
 from poplar.profiler.progress import PhaseProgress
+from poplar.profiler.shard_room import time_past_mbs
 from poplar.profiler.timing import Confirmation, measure_comm
 from poplar.types.configuration import Configuration
 from poplar.types.plans import Offload
@@ -91,6 +92,9 @@ class ProfileOptions:
     offloads: tuple[Offload, ...] | None = None
     # whether ranks that fit batch 1 at no stage may search ZeRO-3 again with their optimizer offloaded
     offload_escalation: OffloadEscalation = OffloadEscalation.NEVER
+    # time each rank past its mbs at shard weights that give it the room (``shard_room``), for
+    # planning shard weights; off: the curve past mbs is extended at constant speed
+    time_past_mbs: bool = True
 
     def __post_init__(self) -> None:
         self.mixed_precision = resolve_precision(self.mixed_precision)
@@ -329,6 +333,14 @@ class ProfileRun:
         existed before it."""
         return time_rounds(self, fit, per_rank, warmup, confirm, exposure)
 
+    def trial_fits(self, stage: int, batch: int, shard_weights: tuple[float, ...],
+                   offloads: Placements) -> list[bool]:
+        """Per rank, whether one local step of its ``batch`` fits at these shard weights and
+        optimizer placements (every rank together, its own batch)."""
+        result = search_capacity(self.job, self.device, world_size=self.comm.world_size, rank=self.comm.rank,
+                                 stage=stage, trial=Trial(batch, shard_weights, offloads), observers=self.observers)
+        return self.comm.all_gather_object(result.mbs == batch, tag="profile:trial")
+
     def measure_comm(self) -> CommProfile | None:
         """The collectives' bandwidth fit (the ``COMM`` phase), if the options ask for it."""
         if not self.options.measure_comm:
@@ -359,5 +371,7 @@ def profile_rank(model_fn: Callable[[], nn.Module], loss_fn: Callable, sample_fn
     comm_profile = run.measure_comm()
     run.end_phase("comm_s")
     profile = run.assemble(fit, timing, comm_profile)
+    if job.options.time_past_mbs:
+        profile = time_past_mbs(run, fit, profile)
     run.lead(f"done in {profile.meta['seconds']:.1f} s (in the ranks, from their set-up)")
     return profile

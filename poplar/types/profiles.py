@@ -57,9 +57,13 @@ class RankProfile:
     nominal_tflops: float | None = None  # spec-sheet rating, used only by the `flops` baseline
     trial_steps: int = 0  # real steps the capacity search ran
     offload_cost: OffloadCost | None = None  # None: not measured (profiles from before offload)
+    # timed above mbs, at shard weights that gave this rank the room (``profiler.shard_room``):
+    # what its curve is there when a plan's weights let it run those batches
+    points_past_mbs: list[ProfilePoint] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.points = [p if isinstance(p, ProfilePoint) else ProfilePoint(**p) for p in self.points]
+        self.points_past_mbs = [p if isinstance(p, ProfilePoint) else ProfilePoint(**p) for p in self.points_past_mbs]
         if isinstance(self.offload_cost, dict):
             try:
                 self.offload_cost = OffloadCost(**self.offload_cost)
@@ -170,10 +174,11 @@ class Profile:
         _require(isinstance(self.ranks, list), "ranks", self.ranks, "a list of rank profiles")
         for i, r in enumerate(self.ranks):
             if not isinstance(r, RankProfile):
-                points = _mapping(r, f"ranks[{i}]").get("points")
-                _require(isinstance(points, list), f"ranks[{i}].points", points, "a list of points")
-                for j, point in enumerate(points):
-                    _mapping(point, f"ranks[{i}].points[{j}]")
+                for name in ("points", "points_past_mbs"):
+                    points = _mapping(r, f"ranks[{i}]").get(name, [])
+                    _require(isinstance(points, list), f"ranks[{i}].{name}", points, "a list of points")
+                    for j, point in enumerate(points):
+                        _mapping(point, f"ranks[{i}].{name}[{j}]")
         self.ranks = [r if isinstance(r, RankProfile) else RankProfile(**r) for r in self.ranks]
         if isinstance(self.comm, dict):
             self.comm = CommProfile(**self.comm)
@@ -201,10 +206,11 @@ class Profile:
                 _require(cost.d2h_bytes_per_s > 0 and cost.h2d_bytes_per_s > 0 and cost.host_step_s_per_element >= 0
                          and cost.state_bytes_per_element >= 0 and cost.master_bytes_per_element >= 0,
                          f"{where}.offload_cost", cost, "bandwidths > 0 and the rest >= 0")
-            for j, pt in enumerate(r.points):
-                _check(pt.batch, f"{where}.points[{j}].batch", int)
-                _check(pt.compute_s, f"{where}.points[{j}].compute_s", float)
-                _check(pt.comm_s, f"{where}.points[{j}].comm_s", float)
+            for name in ("points", "points_past_mbs"):
+                for j, pt in enumerate(getattr(r, name)):
+                    _check(pt.batch, f"{where}.{name}[{j}].batch", int)
+                    _check(pt.compute_s, f"{where}.{name}[{j}].compute_s", float)
+                    _check(pt.comm_s, f"{where}.{name}[{j}].comm_s", float)
         _check(self.comm.bandwidth_bytes_per_s, "comm.bandwidth_bytes_per_s", float)
         _check(self.comm.latency_s, "comm.latency_s", float)
         for name in ("exposed_micro_step_s", "exposed_switch_s", "exposed_iteration_s", "iteration_overhead_s",
@@ -246,6 +252,11 @@ class Profile:
                     raise ProfileError(
                         f"rank {r.rank}: bad point batch={p.batch}, compute_s={p.compute_s} "
                         f"(need 1 <= batch <= mbs={r.mbs} and compute_s > 0)")
+            for p in r.points_past_mbs:
+                if p.batch <= r.mbs or not p.compute_s > 0:
+                    raise ProfileError(
+                        f"rank {r.rank}: bad point past mbs batch={p.batch}, compute_s={p.compute_s} "
+                        f"(need batch > mbs={r.mbs} and compute_s > 0)")
         if self.shard_weights is not None:
             problem = shard_weights_problem(self.shard_weights)
             if problem is not None or len(self.shard_weights) != self.world_size:

@@ -36,11 +36,14 @@ Each cluster reports the largest width (and its parameters) that trained in each
 by bisection over the widths (each column fits up to a width and not beyond). ``capacity_gain_X``
 = parameters of the largest planned ÷ largest even; ``offload_gain_X`` = offload ÷ even;
 ``offload_planned_gain_X`` = offload + planned ÷ even; ``min_fraction_of_aggregate`` = the
-smallest planned ÷ bound over the clusters. Last line ``RESULT {json}``. The speed rows of the
-issue (memory-bound and unbound speed-ups, offload's cost) need emulated-speed runs and are not
-measured here.
+smallest planned ÷ bound over the clusters. Last line ``RESULT {json}``.
 
-    python bench/capacity.py [--clusters A,C,B] [--memory-scale 0.001] [--precision fp16|bf16|fp32]
+The speed of planned shards needs emulated speed, not only memory: ``--speed`` then runs
+``bench/shard_speed.py``'s rows (its defaults: A and C as 2 + 2 ranks, ZeRO-2 and 3, where memory
+binds and where it does not; about an hour on 2 cores) and adds its ``memory_bound_speedup`` and
+``min_speedup_unbound`` to this RESULT (its whole result under ``speed``).
+
+    python bench/capacity.py [--clusters A,C,B] [--memory-scale 0.001] [--precision fp16|bf16|fp32] [--speed]
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from typing import Any
 
 import torch
 
+import shard_speed  # bench/ is on the path of a script run from it
 from poplar.comm.launch import spawn
 from poplar.emulation import VirtualDevice
 from poplar.emulation.presets import get_preset
@@ -220,6 +224,7 @@ def main() -> None:
     ap.add_argument("--memory-scale", type=float, default=1e-3)
     ap.add_argument("--precision", default="fp16", choices=("fp16", "bf16", "fp32"))
     ap.add_argument("--layers", type=int, default=LAYERS, help="blocks of every model in the family")
+    ap.add_argument("--speed", action="store_true", help="also bench/shard_speed.py's rows (module doc)")
     args = ap.parse_args()
     precision = None if args.precision == "fp32" else args.precision
     started = time.perf_counter()
@@ -262,6 +267,12 @@ def main() -> None:
         print("note: " + note)
     result["min_fraction_of_aggregate"] = min(fractions) if fractions else None
     result["notes"] = notes
+    if args.speed:
+        speed_args, speed_started = shard_speed.parse_args([]), time.perf_counter()
+        speed_rows = shard_speed.run_rows(speed_args)
+        print(shard_speed.table(speed_rows))
+        speed = shard_speed.summary(speed_rows, speed_args, time.perf_counter() - speed_started)
+        result.update({k: speed[k] for k in ("memory_bound_speedup", "min_speedup_unbound")}, speed=speed)
     result["wall_s"] = round(time.perf_counter() - started, 1)
     print("RESULT " + json.dumps(result))
 

@@ -188,7 +188,7 @@ def model_and_sample(args: argparse.Namespace) -> tuple[Any, Any]:
     return model_fn, functools.partial(sample, seq=args.seq)
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--clusters", default="A,C", help="A and/or C")
     ap.add_argument("--stages", default="2,3")
@@ -199,13 +199,13 @@ def parse_args() -> argparse.Namespace:
     row_arguments(ap, iterations=12, gbs=192, repeats=3, attempts=3)
     ap.add_argument("--full", action="store_true", help="4 + 4 ranks per cluster instead of 2 + 2")
     ap.add_argument("--json", default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     split_row_lists(ap, args, REGIMES, FULL)
     return args
 
 
-def main() -> None:
-    args = parse_args()
+def run_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every (cluster, stage, regime) row, in order, each written to ``args.json`` once measured."""
     t_start = time.perf_counter()
     model_fn, sample_fn = model_and_sample(args)
     rows = []
@@ -224,19 +224,31 @@ def main() -> None:
                         json.dump({"rows": rows}, f, indent=1)
                 print(f"# {spec.name} ZeRO-{stage} {regime}: x{row['speedup']:.2f} "
                       f"({time.perf_counter() - t_start:.0f} s so far)", file=sys.stderr, flush=True)
-    print(table(rows))
+    return rows
+
+
+def summary(rows: list[dict[str, Any]], args: argparse.Namespace, wall_s: float) -> dict[str, Any]:
+    """The RESULT of measured rows."""
     bound = [r["speedup"] for r in rows if r["regime"] == "bound"]
     unbound = [r["speedup"] for r in rows if r["regime"] == "unbound"]
-    result = {"memory_bound_speedup": min(bound) if bound else None,
-              "min_speedup_unbound": min(unbound) if unbound else None,
-              "late_step_fraction": late_fraction(sum(r["late_steps"] for r in rows),
-                                                  sum(r["padded_steps"] for r in rows)),
-              "valid": all(r["valid"] for r in rows),
-              "max_loss_diff": max(r["max_loss_diff"] for r in rows),
-              "rows": [{k: r[k] for k in ("cluster", "stage", "regime", "speedup", "predicted_speedup", "same_plan")}
-                       for r in rows],
-              "ranks": "4+4" if args.full else "2+2", "gbs": args.gbs, "iterations": args.iterations,
-              "wall_s": round(time.perf_counter() - t_start, 1), "targets": TARGETS}
+    return {"memory_bound_speedup": min(bound) if bound else None,
+            "min_speedup_unbound": min(unbound) if unbound else None,
+            "late_step_fraction": late_fraction(sum(r["late_steps"] for r in rows),
+                                                sum(r["padded_steps"] for r in rows)),
+            "valid": all(r["valid"] for r in rows),
+            "max_loss_diff": max(r["max_loss_diff"] for r in rows),
+            "rows": [{k: r[k] for k in ("cluster", "stage", "regime", "speedup", "predicted_speedup", "same_plan")}
+                     for r in rows],
+            "ranks": "4+4" if args.full else "2+2", "gbs": args.gbs, "iterations": args.iterations,
+            "wall_s": round(wall_s, 1), "targets": TARGETS}
+
+
+def main() -> None:
+    args = parse_args()
+    t_start = time.perf_counter()
+    rows = run_rows(args)
+    print(table(rows))
+    result = summary(rows, args, time.perf_counter() - t_start)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"result": result, "rows": rows}, f, indent=1)

@@ -41,15 +41,18 @@ smallest planned ÷ bound over the clusters. Last line ``RESULT {json}``.
 The speed of planned shards needs emulated speed, not only memory: ``--speed`` then runs
 ``bench/shard_speed.py``'s rows (its defaults: A and C as 2 + 2 ranks, ZeRO-2 and 3, where memory
 binds and where it does not; about an hour on 2 cores) and adds its ``memory_bound_speedup`` and
-``min_speedup_unbound`` to this RESULT (its whole result under ``speed``).
+``min_speedup_unbound`` to this RESULT (its whole result under ``speed``); ``--speed="--stages 3"``
+gives it its own options.
 
-    python bench/capacity.py [--clusters A,C,B] [--memory-scale 0.001] [--precision fp16|bf16|fp32] [--speed]
+    python bench/capacity.py [--clusters A,C,B] [--memory-scale 0.001] [--precision fp16|bf16|fp32]
+                             [--speed [OPTIONS]]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import time
 from typing import Any
 
@@ -224,7 +227,8 @@ def main() -> None:
     ap.add_argument("--memory-scale", type=float, default=1e-3)
     ap.add_argument("--precision", default="fp16", choices=("fp16", "bf16", "fp32"))
     ap.add_argument("--layers", type=int, default=LAYERS, help="blocks of every model in the family")
-    ap.add_argument("--speed", action="store_true", help="also bench/shard_speed.py's rows (module doc)")
+    ap.add_argument("--speed", nargs="?", const="", default=None, metavar="OPTIONS",
+                    help="also bench/shard_speed.py's rows (module doc), with its options in one string if given")
     args = ap.parse_args()
     precision = None if args.precision == "fp32" else args.precision
     started = time.perf_counter()
@@ -267,8 +271,8 @@ def main() -> None:
         print("note: " + note)
     result["min_fraction_of_aggregate"] = min(fractions) if fractions else None
     result["notes"] = notes
-    if args.speed:
-        speed_args, speed_started = shard_speed.parse_args([]), time.perf_counter()
+    if args.speed is not None:
+        speed_args, speed_started = shard_speed.parse_args(shlex.split(args.speed)), time.perf_counter()
         speed_rows = shard_speed.run_rows(speed_args)
         print(shard_speed.table(speed_rows))
         speed = shard_speed.summary(speed_rows, speed_args, time.perf_counter() - speed_started)

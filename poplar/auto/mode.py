@@ -145,7 +145,9 @@ def _measure(comm: Communicator, model: nn.Module, optimizer: torch.optim.Optimi
                            activation_checkpointing=None if choice.active else choice.checkpointing,
                            # "auto": ranks batch 1 fits at no stage may be profiled with their optimizer offloaded
                            offload_escalation=OffloadEscalation.SHORT_RANKS if options.offload == "auto"
-                           else OffloadEscalation.NEVER)
+                           else OffloadEscalation.NEVER,
+                           # a card's speed past its even-shard mbs matters only to shard weights
+                           time_past_mbs=options.shards != "even")
     job = ProfileJob(model_fn, loss_fn, sample_fn, optimizer_fn, popts,
                      heaviest(choice.configs()) if choice.active else None)
     profile = _load_profile(comm, options, policy, say, choice.stages) if options.profile is not None else None

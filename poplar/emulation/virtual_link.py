@@ -155,10 +155,11 @@ class VirtualLink:
 
     def _compute_end(self, ticket: _Ticket) -> None:
         row = np.array(self.board()[ticket.index % SLOTS])
-        waited_until = time.perf_counter() + self.spec.issue_wait_s
-        while not (row[:, 0] == ticket.index + 1).all() and time.perf_counter() < waited_until:
-            time.sleep(2e-4)  # a rank without a part to send has not issued it yet
-            row = np.array(self.board()[ticket.index % SLOTS])
+        if not (row[:, 0] == ticket.index + 1).all():  # a rank without a part to send has not issued it yet
+            waited_until = time.perf_counter() + self.spec.issue_wait_s
+            while not (row[:, 0] == ticket.index + 1).all() and time.perf_counter() < waited_until:
+                time.sleep(2e-4)
+                row = np.array(self.board()[ticket.index % SLOTS])
         if not (row[:, 0] == ticket.index + 1).all():
             behind = [r for r in range(self.spec.world_size) if row[r, 0] != ticket.index + 1]
             raise LinkError(f"rank {self.rank}: paced collective #{ticket.index} was not issued on ranks {behind} "

@@ -154,9 +154,7 @@ class CandidateProfiler:
         run.job = _placed(base.at(capacity.config), capacity.shard_weights, capacity.offloads)
         try:
             t0 = time.perf_counter()
-            offloading = capacity.offloads is not None and Offload.OPTIMIZER in capacity.offloads
-            fit = StageCapacity(capacity.config.stage, capacity.result, list(capacity.mbs),
-                                offloads=capacity.offloads if offloading else None)
+            fit = _stage_capacity(capacity)
             # with CURVE a first round still slow enough to matter breaks the curve's shape and
             # is measured again, so only a first REPEAT timing has a warm-up round
             warmup = self.rounds == 0 and confirm is Confirmation.REPEAT
@@ -184,10 +182,7 @@ class CandidateProfiler:
         run.job = _placed(base.at(capacity.config), capacity.shard_weights, capacity.offloads)
         t0 = time.perf_counter()
         try:
-            offloading = capacity.offloads is not None and Offload.OPTIMIZER in capacity.offloads
-            fit = StageCapacity(capacity.config.stage, capacity.result, list(capacity.mbs),
-                                offloads=capacity.offloads if offloading else None)
-            return time_past_mbs(run, fit, profile)
+            return time_past_mbs(run, _stage_capacity(capacity), profile)
         finally:
             run.job = base
             self.seconds["timing_s"] += time.perf_counter() - t0
@@ -195,6 +190,14 @@ class CandidateProfiler:
     @property
     def total_seconds(self) -> float:
         return sum(self.seconds.values())
+
+
+def _stage_capacity(capacity: ConfigCapacity) -> StageCapacity:
+    """A fitting configuration's capacity as the timing rounds take it (placements only where
+    some rank offloads)."""
+    offloading = capacity.offloads is not None and Offload.OPTIMIZER in capacity.offloads
+    return StageCapacity(capacity.config.stage, capacity.result, list(capacity.mbs),
+                         offloads=capacity.offloads if offloading else None)
 
 
 def _placed(job: ProfileJob, shard_weights: tuple[float, ...] | None,

@@ -168,10 +168,17 @@ def confirm_plan_memory(job: ProfileJob, device: Device, comm: Any, plan: Any) -
     confirms the planner's memory model at the point it chose."""
     row = plan.ranks[comm.rank]
     batch = max(row.micro_batch_size if row.accum_steps else 0, row.last_batch_size)
-    result = search_capacity(job, device, world_size=comm.world_size, rank=comm.rank, stage=plan.zero_stage,
-                             trial=Trial(batch, plan.shard_weights, plan.offloads))
-    fits = comm.all_gather_object(result.mbs == batch, tag="profile:shard trial")
+    fits = trial_fits(job, device, comm, plan.zero_stage, Trial(batch, plan.shard_weights, plan.offloads))
     return [r for r, ok in enumerate(fits) if not ok]
+
+
+def trial_fits(job: ProfileJob, device: Device, comm: Any, stage: int, trial: Trial,
+               observers: list[ProfileObserver] | None = None) -> list[bool]:
+    """Per rank, whether one local step of its ``trial`` (its own batch, at the trial's shard
+    weights and optimizer placements) fits at ``stage``, every rank together."""
+    result = search_capacity(job, device, world_size=comm.world_size, rank=comm.rank, stage=stage, trial=trial,
+                             observers=observers)
+    return comm.all_gather_object(result.mbs == trial.batch, tag="profile:trial")
 
 
 def search_capacity(job: ProfileJob, device: Device, *, world_size: int, rank: int, stage: int,
@@ -337,9 +344,8 @@ class ProfileRun:
                    offloads: Placements) -> list[bool]:
         """Per rank, whether one local step of its ``batch`` fits at these shard weights and
         optimizer placements (every rank together, its own batch)."""
-        result = search_capacity(self.job, self.device, world_size=self.comm.world_size, rank=self.comm.rank,
-                                 stage=stage, trial=Trial(batch, shard_weights, offloads), observers=self.observers)
-        return self.comm.all_gather_object(result.mbs == batch, tag="profile:trial")
+        return trial_fits(self.job, self.device, self.comm, stage, Trial(batch, shard_weights, offloads),
+                          self.observers)
 
     def measure_comm(self) -> CommProfile | None:
         """The collectives' bandwidth fit (the ``COMM`` phase), if the options ask for it."""

@@ -69,8 +69,7 @@ def time_past_mbs(run: Any, fit: Any, profile: Profile) -> Profile:
         # no warm-up round: this process has run these computations (its timing rounds, its
         # capacity searches), and a first round slow enough to matter breaks the curve's shape
         # and is measured again (CURVE)
-        timing = run.time(replace(fit, mbs=[max(s) for s in per_rank]), per_rank, warmup=False,
-                          confirm=Confirmation.CURVE, exposure=ExposureRounds.GRID)
+        timing = run.time(fit, per_rank, warmup=False, confirm=Confirmation.CURVE, exposure=ExposureRounds.GRID)
     except ProfileError as e:  # a round overflowed on some rank: every rank raised it
         run.lead(f"timing past mbs skipped: {e}")
         return profile

@@ -24,6 +24,7 @@ precision is refused (its mbs and speeds are not this run's).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 from dataclasses import dataclass
@@ -365,9 +366,15 @@ def auto_plan(comm: Communicator, model: nn.Module, optimizer: torch.optim.Optim
             say(f"ZeRO-{min(stages)} does not fit batch 1 on every rank: running at ZeRO-{profile.zero_stage}, the "
                 "lowest stage that fits")
         plan = _plan(comm, profile, global_batch_size, options, job, device, chosen, say)
-    finally:
+    except BaseException:
         if home.type != "cpu":
-            model.to(home)
+            # the failed profiling's frames still hold its device memory until this error is
+            # handled: where the model does not fit back beside them, that error is the one to report
+            with contextlib.suppress(torch.OutOfMemoryError):
+                model.to(home)
+        raise
+    if home.type != "cpu":
+        model.to(home)
     say(f"plan ({plan.strategy}, ZeRO-{plan.zero_stage}, predicted "
         f"{plan.meta.get('predicted_samples_per_s', 0):.1f} samples/s):\n{plan.table()}")
     recorded = profile.meta.get("auto_choice")

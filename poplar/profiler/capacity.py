@@ -105,6 +105,11 @@ class CapacityResult:
         return asdict(self)
 
 
+class NoRoomToBuild(Exception):
+    """The runtime could not be built for lack of device memory (its message: the device's own
+    words): no batch fits at its shard weights (see [Note: no room to build] in profile_run)."""
+
+
 class CapacitySearch:
     """Runs trial steps of ``runtime`` (a ``ZeroRuntime`` on a LocalCommunicator) with ``device``
     attached.
@@ -113,8 +118,9 @@ class CapacitySearch:
     handling (the exception that leaves ``train_step`` is not the runtime's agreed
     ``DistributedError``) or the memory does not come back to its level before the trial, the
     runtime's state cannot be trusted; ``rebuild()`` must detach the device, drop the runtime and
-    return a fresh one with the device attached. The event is recorded (``OomEvent.rebuilt``).
-    Without ``rebuild`` such a failure is an error.
+    return a fresh one with the device attached, or raise ``NoRoomToBuild``, which leaves the
+    search. The event is recorded (``OomEvent.rebuilt``). Without ``rebuild`` such a failure is an
+    error.
     """
 
     def __init__(self, runtime: ZeroRuntime, device: Device, sample_fn: Callable[[int], Any], loss_fn: Callable,
@@ -145,19 +151,30 @@ class CapacitySearch:
         except Exception as e:  # noqa: BLE001 - only an OOM is an answer; anything else is re-raised
             if not is_oom(e):
                 raise
-            ok, message = False, _oom_message(e)
+            ok, message = False, oom_message(e)
             handled = isinstance(e, DistributedError)  # the runtime's agreed report, its clean-up done
             if not handled:
                 message += f" (then, in the runtime's clean-up: {type(e).__name__}: {str(e)[:200]})"
             e = None  # noqa: F841 - drop the failed step's frames (and the activations they hold)
+        del runtime  # a rebuild below must find the broken runtime held by nothing else (its memory)
+        self.result.trials.append((batch, ok))
         if ok:
             self._record_fit(batch)
         else:
             self._recover(OomEvent(batch, message, before, 0, gathered, 0), handled)
         del data
-        self.result.trials.append((batch, ok))
         self.log(f"  trial batch {batch}: {'fits' if ok else 'out of memory'}")
         return ok
+
+    def steady_fits(self, batch: int) -> bool:
+        """``batch`` as the runtime's first step and, where the device sees only its allocator's
+        total (``static_bytes`` None: a real GPU), once more: state built lazily in the first
+        step (the optimizer's, allocated at its first ``step``) is absent from that step's
+        backward, so only the second step holds what every later one holds. A device that counts
+        the model states itself counts them as after the first step already."""
+        if not self.trial(batch):
+            return False
+        return self.device.static_bytes() is not None or self.trial(batch)
 
     def _record_fit(self, batch: int) -> None:
         """The peak of a step that fitted; at batch 1 also Algorithm 1's base and per-sample bytes."""
@@ -182,7 +199,11 @@ class CapacitySearch:
                 raise RuntimeError(f"the runtime did not recover from an out-of-memory error at batch {event.batch}: "
                                    f"{event.message}; memory {event.memory_before} -> {event.memory_after} bytes, "
                                    f"gathered {event.gathered_before} -> {event.gathered_after}")
-            self.runtime = self.rebuild()
+            # [Note: one runtime at a time] the broken runtime is dropped before its replacement
+            # is built: a real allocator frees its memory only once nothing holds it, and the
+            # two together need twice the state the card is being measured for
+            del self.runtime
+            self.runtime = self.rebuild()  # NoRoomToBuild ends the search
             event.rebuilt = True
             event.memory_after = device.memory_in_use()
             event.gathered_after = self.runtime.stage.gathered_bytes
@@ -197,7 +218,7 @@ class CapacitySearch:
         or, without one, batch 1's own bytes above the base. The batch-1 step always runs
         first: a runtime's first step can hold less than the later ones (lazily built state)."""
         res = self.result
-        if not self.trial(1):
+        if not self.steady_fits(1):
             return res
         model = None
         if 1 in res.peaks and reference is not None and reference.mbs >= 1 and 1 in reference.peaks:
@@ -233,7 +254,7 @@ class CapacitySearch:
 
     def run(self) -> CapacityResult:
         res = self.result
-        if not self.trial(1):
+        if not self.steady_fits(1):
             return res
         if res.base_bytes is not None and res.bytes_per_sample:
             res.estimate = max(1, int((res.capacity_bytes - res.base_bytes) // res.bytes_per_sample))
@@ -253,7 +274,8 @@ def _slope(peaks: dict[int, int]) -> float | None:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else None
 
 
-def _oom_message(e: BaseException) -> str:
+def oom_message(e: BaseException) -> str:
+    """The first line of the out-of-memory error in ``e``'s chain (the device's own words)."""
     chain: BaseException | None = e
     while chain is not None:
         if is_oom(chain) and not is_oom(chain.__cause__ or chain.__context__):

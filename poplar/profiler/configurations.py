@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import copy
 import time
+import traceback
 from dataclasses import dataclass, field, replace
 from enum import Enum
+from pathlib import Path
 from typing import Any, Callable
 
 from poplar.profiler.capacity import CapacityResult
@@ -55,6 +57,18 @@ class ShardMemory:
         peak, shard = result.peaks.get(1), result.shard_bytes
         fixed = peak - shard if peak is not None and shard is not None and result.mbs >= 1 else None
         return cls(int(result.capacity_bytes), fixed, shard if fixed is not None else None)
+
+
+POPLAR_DIR = Path(__file__).resolve().parents[1]  # the package's own files
+
+
+def raised_at(error: BaseException, frames: int = 3) -> str:
+    """Where in Poplar ``error`` was raised (file:line function, innermost first; any frame where
+    none is Poplar's): the agreement that carries a rank's error to every rank carries its text,
+    not its traceback."""
+    stack = traceback.extract_tb(error.__traceback__)
+    ours = [f for f in stack if Path(f.filename).resolve().is_relative_to(POPLAR_DIR)] or stack
+    return " < ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(ours[-frames:]))
 
 
 @dataclass
@@ -113,7 +127,8 @@ class CandidateProfiler:
                 mine.append((result, None))
             except Exception as e:  # noqa: BLE001 - every rank must reach the agreement
                 mine.append((None, f"capacity search of ZeRO-{c.stage}, checkpointing "
-                                   f"{'on' if c.checkpointed else 'off'} failed: {type(e).__name__}: {e}"))
+                                   f"{'on' if c.checkpointed else 'off'} failed: {type(e).__name__}: {e} "
+                                   f"(at {raised_at(e)})"))
         run.job = base
         self.trial_steps += sum(r.trial_steps for r, _ in mine if r is not None)
         error = next((e for _, e in mine if e), None)

@@ -40,7 +40,7 @@ from torch import nn
 
 from poplar.comm import Communicator
 from poplar.profiler.assemble import assemble_profile
-from poplar.profiler.capacity import DEFAULT_MAX_BATCH, CapacityResult, CapacitySearch
+from poplar.profiler.capacity import DEFAULT_MAX_BATCH, CapacityResult, CapacitySearch, NoRoomToBuild, oom_message
 from poplar.profiler.devices import Device
 from poplar.profiler.escalation import OffloadEscalation, Placements, StageCapacity, find_fitting_stage, format_bytes
 from poplar.profiler.exposure import EXPOSURE_PRECISION, ExposureRounds
@@ -57,6 +57,7 @@ from poplar.types.plans import Offload
 from poplar.types.precision import MixedPrecision, resolve_precision
 from poplar.types.profiles import CommProfile, OffloadCost, Profile, ProfileError
 from poplar.zero.config import ZeroConfig
+from poplar.zero.failures import is_oom
 from poplar.zero.nonfinite import SkipReport
 from poplar.zero.runtime import ZeroRuntime
 
@@ -202,12 +203,17 @@ def search_capacity(job: ProfileJob, device: Device, *, world_size: int, rank: i
         current.clear()
         attached.close()  # detach from the previous runtime, if any
         device.release()
-        model = job.model_fn().to(device.torch_device)
-        runtime = local_engine(model, job.optimizer_fn(model), world_size=world_size, rank=rank,
-                               zero_stage=options.zero_config(stage), device=device.torch_device,
-                               mixed_precision=options.mixed_precision,
-                               activation_checkpointing=options.activation_checkpointing, shard_weights=weights,
-                               offloads=offloads)
+        try:
+            model = job.model_fn().to(device.torch_device)
+            runtime = local_engine(model, job.optimizer_fn(model), world_size=world_size, rank=rank,
+                                   zero_stage=options.zero_config(stage), device=device.torch_device,
+                                   mixed_precision=options.mixed_precision,
+                                   activation_checkpointing=options.activation_checkpointing, shard_weights=weights,
+                                   offloads=offloads)
+        except Exception as e:  # noqa: BLE001 - only an OOM is an answer; anything else is re-raised
+            if not is_oom(e):
+                raise
+            raise NoRoomToBuild(oom_message(e)) from None
         attached.enter_context(device.attach(runtime))
         current.append(runtime)
         return runtime
@@ -220,13 +226,23 @@ def search_capacity(job: ProfileJob, device: Device, *, world_size: int, rank: i
                                     log or (lambda m: None), rebuild=build)
             if trial is not None:
                 result = search.result
-                result.mbs = trial.batch if trial.batch == 0 or search.trial(trial.batch) else 0
+                result.mbs = trial.batch if trial.batch == 0 or search.steady_fits(trial.batch) else 0
             else:
                 result = search.run_guided(reference) if guided else search.run()
             state_bytes = device.static_bytes()
             if state_bytes is not None:
                 result.state_bytes = state_bytes
             result.overflowing_trials = overflows + sum(r.skipped_steps for r in current)
+            return result
+        except NoRoomToBuild as e:
+            # [Note: no room to build] The model goes to the device whole and is then cut into
+            # shards, so a card can run out before any step, or when the runtime is built again
+            # after a failed trial (beside what the trials left for good: cuBLAS's workspaces):
+            # then no batch fits at these weights, as when batch 1 does not, and other weights
+            # may still fit
+            result = search.result if search is not None else CapacityResult(stage, device.capacity_bytes, 0, 0)
+            result.mbs, result.capped = 0, False
+            result.reason = f"out of memory while the model was placed and sharded ({e})"
             return result
         finally:
             current.clear()

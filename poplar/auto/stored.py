@@ -8,7 +8,8 @@ Every rank takes the same path, decided from rank 0's reading of the store (one 
 - some types stored: the new ones are profiled at the stored configuration
   (``profile_new_types``): their capacity search, then lock-step timing rounds in which the
   stored ranks run their cheapest batch (a round needs every rank); the stored ranks keep their
-  stored points and capacity (``StoreUse.PARTIAL``);
+  stored points and capacity (``StoreUse.PARTIAL``), and every rank is timed past its mbs
+  (``shard_room``) where shard weights give it room in this mix;
 - none stored, or the entries disagree on the configuration: the full profile, as without a
   store (``StoreUse.MEASURED``).
 
@@ -33,6 +34,7 @@ from poplar.profiler.escalation import StageCapacity
 from poplar.profiler.exposure import ExposureRounds
 from poplar.profiler.phases import observers_of
 from poplar.profiler.profile_run import ProfileJob, ProfileRun
+from poplar.profiler.shard_room import time_past_mbs
 from poplar.profiler.store import Entry, ProfileStore, StoreKey, agreed_configuration, assemble
 from poplar.profiler.timing import Confirmation, TimingGrid, timing_batches
 from poplar.types.configuration import Configuration
@@ -170,6 +172,10 @@ def profile_new_types(comm: Communicator, job: ProfileJob, device: Device, looku
     comm_profile = run.measure_comm()
     run.end_phase("comm_s")
     profile = run.assemble(fit, timing, comm_profile)
+    if configured.options.time_past_mbs:
+        # every rank, the stored ones too: how far a rank's micro-batch grows under shard weights
+        # depends on the room of every card in this mix, not of the mix its entry was measured in
+        profile = time_past_mbs(run, fit, profile)
     profile.meta["store"] = {"reused": sorted(lookup.entries), "profiled": lookup.new_types}
     return profile
 

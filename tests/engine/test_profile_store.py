@@ -137,3 +137,40 @@ def test_a_profile_at_uneven_shard_weights_is_not_kept(tmp_path: Path) -> None:
     with pytest.raises(Exception, match="uneven shard weights"):
         ProfileStore(tmp_path).save(profile, KEY, checkpointed=False)
     assert not any(tmp_path.iterdir())
+
+
+# the toy model at ZeRO-3 on 2 ranks (tests/profiler/test_points_past_mbs.py): the short card fits
+# a sample or two at even shards, and far more where shard weights leave it no state
+CAPACITY = {"roomy": 60_000, "short": 16_500}
+
+
+def partial_rank(rank: int, world: int, store: str) -> dict:
+    from poplar.emulation import VirtualDevice
+    from tests.toy import SEQ, VOCAB, loss_fn, make_model
+
+    torch.set_num_threads(1)
+    out = {}
+    for run, types in (("first", ("roomy", "roomy")), ("mixed", ("roomy", "short"))):
+        device = VirtualDevice(types[rank], CAPACITY[types[rank]], time_fn=lambda b: 0.02 + 0.001 * b)
+        model = make_model()
+        engine = PoplarEngine(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), zero_stage=3,
+                              global_batch_size=24, loss_fn=loss_fn, activation_checkpointing=False,
+                              auto=AutoOptions(profile_data=lambda b: torch.randint(0, VOCAB, (b, SEQ + 1)),
+                                               device=device, repeats=1, max_batch=32, exposure_precision=0,
+                                               store=store, progress=False))
+        out[run] = {"use": engine.auto_result.store_use, "profile": engine.profile.to_dict()}
+        engine.close()
+    return out
+
+
+@pytest.mark.multiprocess
+def test_a_new_short_type_is_timed_past_its_mbs_beside_stored_ones(tmp_path: Path) -> None:
+    """Profiling only the new device type still times the ranks past their mbs, as a whole
+    profile does: the short card's points at the batches planned shards give it."""
+    r0, _ = spawn(partial_rank, 2, (str(tmp_path),), timeout_s=300, collective_timeout_s=150)
+    assert r0["first"]["use"] is StoreUse.MEASURED and r0["mixed"]["use"] is StoreUse.PARTIAL
+    mixed = Profile.from_dict(r0["mixed"]["profile"])
+    assert mixed.meta["store"] == {"reused": ["roomy"], "profiled": ["short"]}
+    short = mixed.ranks[1]
+    assert short.points_past_mbs and all(p.batch > short.mbs for p in short.points_past_mbs)
+    assert mixed.meta["points_past_mbs"]["batches"][1] == [p.batch for p in short.points_past_mbs]

@@ -4,13 +4,11 @@ short card cannot hold batch 1 beside an even ZeRO-3 shard of the model; auto mo
 cards, cuts the shards by memory and trains, and the parameters equal single-process training on
 the whole global batch.
 
-Skipped without a GPU (CI has none). On a machine with one GPU both ranks share it (NCCL joins them
-as two hosts, as ``tests/zero/test_cuda_shards.py`` explains); the caps hold per process.
+Skipped without a GPU (CI has none). On a machine with one GPU both ranks share it
+(``tests/cuda_ranks.py``); the caps hold per process.
 """
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
@@ -21,6 +19,7 @@ from poplar.engine import PoplarEngine
 from poplar.profiler.cuda_device import CudaDevice
 from poplar.workloads.configs import LlamaConfig
 from poplar.workloads.models import LlamaModel, llama_loss_fn
+from tests.cuda_ranks import rank_gpu
 from tests.toy import max_rel_err, train_reference
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"), pytest.mark.multiprocess]
@@ -55,13 +54,7 @@ def global_batch(iteration: int) -> torch.Tensor:
 
 
 def fit_rank(rank: int, world: int) -> dict:
-    gpus = torch.cuda.device_count()
-    if world > gpus:  # ranks share a GPU: one host apiece to NCCL
-        os.environ["NCCL_HOSTID"] = f"poplar-test-rank-{rank}"
-        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
-    torch.cuda.set_device(rank % gpus)
-    device = CudaDevice(rank % gpus, memory_cap_bytes=CAPS[rank],
-                        device_type=("roomy", "short")[rank])
+    device = CudaDevice(rank_gpu(rank, world), memory_cap_bytes=CAPS[rank], device_type=("roomy", "short")[rank])
     model = make_model().to(device.torch_device)
     engine = PoplarEngine(model, _adamw(model), zero_stage=3, global_batch_size=GBS, loss_fn=llama_loss_fn,
                           activation_checkpointing=False,

@@ -1,11 +1,9 @@
 """Shard weights on NCCL: the uneven collectives, and ZeRO-1/2/3 with weighted shards against
 single-process full-batch training on the same GPU.
 
-Three ranks (``POPLAR_CUDA_RANKS=N`` asks for N), placed on the visible GPUs in turn. NCCL refuses
-two ranks of one communicator on one GPU, so where ranks share a GPU each names itself a host of its
-own (``NCCL_HOSTID``) and NCCL joins them through its socket transport over loopback: the collectives
-and the engine run as they do across machines, only slower. That is a test arrangement, not a
-way to train. Skipped without a GPU (CI has none); written to run as is on one.
+Three ranks (``POPLAR_CUDA_RANKS=N`` asks for N), placed on the visible GPUs in turn, sharing them
+where there are fewer (``tests/cuda_ranks.py``). Skipped without a GPU (CI has none); written to
+run as is on one.
 """
 
 from __future__ import annotations
@@ -23,6 +21,7 @@ from poplar.comm.launch import spawn
 from poplar.engine import PoplarEngine
 from poplar.types.plans import Offload, Plan, RankPlan
 from poplar.zero.config import ZeroConfig
+from tests.cuda_ranks import rank_gpu
 from tests.toy import global_batch, loss_fn, make_model, make_optimizer, max_rel_err, train_reference
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"), pytest.mark.multiprocess]
@@ -37,17 +36,6 @@ CONFIGS = [("sgd", None, Offload.NONE), ("sgd", 0.5, Offload.NONE), ("adamw", 0.
 
 def world_size() -> int:
     return int(os.environ.get("POPLAR_CUDA_RANKS", "3"))
-
-
-def _device(rank: int, world: int) -> torch.device:
-    """This rank's GPU; set before the rank's first collective, where NCCL reads its settings."""
-    gpus = torch.cuda.device_count()
-    if world > gpus:  # ranks share GPUs: one host apiece to NCCL, joined by sockets over loopback
-        os.environ["NCCL_HOSTID"] = f"poplar-test-rank-{rank}"
-        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
-    device = torch.device("cuda", rank % gpus)
-    torch.cuda.set_device(device)
-    return device
 
 
 def plan_for(world: int, weights: bool = True, offload: Offload = Offload.NONE) -> Plan:
@@ -89,7 +77,7 @@ def _part(rank: int, size: int, device: torch.device) -> torch.Tensor:
 
 
 def collectives_worker(rank: int, world: int) -> dict:
-    device = _device(rank, world)
+    device = rank_gpu(rank, world)
     comm = Communicator(device=device)
     out = {"backend": comm.backend}
     for sizes in _sizes(world):
@@ -145,7 +133,7 @@ def test_uneven_collectives_on_nccl() -> None:
 
 # ---------------------------------------------------------------- training with weighted shards
 def parity_worker(rank: int, world: int, stage: int) -> dict:
-    device = _device(rank, world)
+    device = rank_gpu(rank, world)
     plan = plan_for(world)
     gbs = plan.global_batch_size
     out: dict = {}
@@ -182,7 +170,7 @@ def test_weighted_shards_match_single_process_on_nccl(stage: int) -> None:
 
 
 def checkpoint_worker(rank: int, world: int, directory: str) -> dict:
-    device = _device(rank, world)
+    device = rank_gpu(rank, world)
     weighted_plan, even_plan = plan_for(world), plan_for(world, weights=False)
     gbs = weighted_plan.global_batch_size
     model = make_model(seed=0).to(device)

@@ -35,7 +35,9 @@ MIB = 2 ** 20
 # tests/zero/test_cuda_shards.py's).
 CONFIG = LlamaConfig(vocab_size=4096, dim=384, n_layers=8, n_heads=6, hidden_dim=1024, max_seq_len=64)
 CAPS = (640 * MIB, 208 * MIB)  # roomy, short
-MAX_BATCH = 2  # the search's bound: the short card's micro-batches stay below its memory's edge
+# the search's bound, below the short card's memory edge: at the edge a lock-step timing round with
+# real collectives in flight ran out of memory (docs/design.md §4.2, "Not solved: the edge")
+MAX_BATCH = 2
 SEQ, GBS, ITERATIONS = 64, 8, 2
 
 

@@ -22,7 +22,7 @@ from poplar.engine import PoplarEngine
 from poplar.types.plans import Offload, Plan, RankPlan
 from poplar.zero.config import ZeroConfig
 from tests.cuda_ranks import rank_gpu
-from tests.toy import global_batch, loss_fn, make_model, make_optimizer, max_rel_err, train_reference
+from tests.toy import global_batch, loss_fn, make_model, make_optimizer, max_rel_err, rank_slice, train_reference
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"), pytest.mark.multiprocess]
 
@@ -47,11 +47,6 @@ def _config(stage: int) -> ZeroConfig:
     if stage == 3:
         return ZeroConfig(3, wrap_policy={nn.Linear, nn.LayerNorm})
     return ZeroConfig(stage, bucket_size_mb=0.001)  # small buckets: parameters cut across ranks
-
-
-def _slice(batch: torch.Tensor, plan: Plan, rank: int, device: torch.device) -> torch.Tensor:
-    start = plan.sample_offsets()[rank]
-    return batch[start:start + plan.ranks[rank].num_samples].to(device)
 
 
 def _cpu(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -142,13 +137,13 @@ def parity_worker(rank: int, world: int, stage: int) -> dict:
         model = make_model(seed=0).to(device)
         engine = PoplarEngine(model, make_optimizer(model, kind), zero_stage=_config(stage), plan=run_plan,
                               max_grad_norm=max_norm)
-        losses = [engine.train_step(_slice(global_batch(it, gbs), plan, rank, device), loss_fn)
+        losses = [engine.train_step(rank_slice(global_batch(it, gbs), plan, rank).to(device), loss_fn)
                   for it in range(ITERATIONS)]
         out[(kind, max_norm, offload.value)] = (losses, _cpu(engine.full_state_dict()))
     model = make_model(seed=0).to(device)
     engine = PoplarEngine(model, make_optimizer(model, "sgd"), zero_stage=_config(stage), plan=plan,
                           max_grad_norm=0.5, mixed_precision="bf16")
-    out["bf16"] = [engine.train_step(_slice(global_batch(it, gbs), plan, rank, device), loss_fn)
+    out["bf16"] = [engine.train_step(rank_slice(global_batch(it, gbs), plan, rank).to(device), loss_fn)
                    for it in range(ITERATIONS)]
     return out
 
@@ -176,12 +171,12 @@ def checkpoint_worker(rank: int, world: int, directory: str) -> dict:
     model = make_model(seed=0).to(device)
     engine = PoplarEngine(model, make_optimizer(model, "sgd"), zero_stage=_config(3), plan=weighted_plan)
     for it in range(2):
-        engine.train_step(_slice(global_batch(it, gbs), weighted_plan, rank, device), loss_fn)
+        engine.train_step(rank_slice(global_batch(it, gbs), weighted_plan, rank).to(device), loss_fn)
     save_checkpoint(engine, directory)
     model = make_model(seed=1).to(device)  # other initial weights: everything must come from the checkpoint
     resumed = PoplarEngine(model, make_optimizer(model, "sgd"), zero_stage=_config(3), plan=even_plan)
     load_checkpoint(resumed, directory)
-    loss = resumed.train_step(_slice(global_batch(2, gbs), even_plan, rank, device), loss_fn)
+    loss = resumed.train_step(rank_slice(global_batch(2, gbs), even_plan, rank).to(device), loss_fn)
     return {"loss": loss, "state": _cpu(resumed.full_state_dict())}
 
 

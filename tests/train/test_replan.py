@@ -137,6 +137,10 @@ def _check_memory_runs(results: list[dict], ref_losses: list[float], ref_state: 
 
 
 SHARDS = (2.0, 1.0)
+# The fault doubles rank 0's step. A shared 2-core machine can slow a rank's measured step by
+# 20-30 % for several iterations on its own, which the default 10 % would (rightly) call drift;
+# this test is about the fault, so it looks for drift beyond 40 %.
+DRIFT = 0.4
 
 
 def speed_rank(rank: int, world: int, stage: int) -> dict:
@@ -149,7 +153,7 @@ def speed_rank(rank: int, world: int, stage: int) -> dict:
         engine = _engine(stage, device, profile, shards=SHARDS)  # the V100 holds two shares of the state
         before = [r.num_samples for r in engine.plan.ranks]
         result = fit(engine, Tokens(), 14, report=ReportOptions(log_every=0, progress=False),
-                     replan=ReplanOptions() if replan else False)
+                     replan=ReplanOptions(threshold=DRIFT) if replan else False)
         runs[replan] = {"before": before, "after": [r.num_samples for r in engine.plan.ranks],
                         "weights": (engine.plan.shard_weights, engine.shard_weights),
                         "replans": result.replans, "state": engine.full_state_dict(), "losses": result.losses}

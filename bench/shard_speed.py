@@ -171,7 +171,7 @@ def row_arguments(ap: argparse.ArgumentParser, *, iterations: int, gbs: int, rep
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--gbs", type=int, default=gbs)
-    ap.add_argument("--seq", type=int, default=8, help="tokens per sample")
+    ap.add_argument("--seq", type=int, default=SEQ, help="tokens per sample")
     ap.add_argument("--dim", type=int, default=256, help="model width")
     ap.add_argument("--layers", type=int, default=4, help="blocks")
     ap.add_argument("--repeats", type=int, default=repeats, help="profiler measurements per batch size")

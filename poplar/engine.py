@@ -23,8 +23,8 @@ from poplar.types.plans import Plan
 from poplar.types.precision import MixedPrecision
 from poplar.types.profiles import Profile
 from poplar.zero.config import ZeroConfig
+from poplar.zero.observers import MicroStepTimeline
 from poplar.zero.runtime import LossFn, ZeroRuntime
-from poplar.zero.timeline import MicroStepTimeline
 
 
 class PoplarEngine(ZeroRuntime):

@@ -6,15 +6,25 @@ the stage communicates inside micro-steps), then ``reduce_gradients`` → clippi
 ``grad_tensors`` → ``optimizer_step`` → ``zero_grad``. A stage decides what each rank holds
 and which collectives run where; under mixed precision (``StagePrecision``) it also keeps the
 fp32 master apart from the low-precision copy the model computes with.
+
+[Note: gradient hooks hold their stage weakly]
+A hook registered with ``Tensor.register_post_accumulate_grad_hook`` is kept by the parameter's
+C++ side, where Python's cycle collector cannot see it. A hook that refers to the ZeRO stage,
+which refers to the module and so back to the parameter, therefore forms a cycle the collector
+can never free: every engine ever built (each profiler trial builds one) would stay alive with
+its model. The stages' hooks (``on_grad_accumulated``) reach their owner through a weak
+reference and carry only plain values.
 """
 
 from __future__ import annotations
 
+import weakref
 from abc import ABC, abstractmethod
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from poplar.comm import Communicator
 from poplar.types.plans import Offload
@@ -23,6 +33,20 @@ from poplar.zero.observers import CopyDirection
 from poplar.zero.offload import OptimizerOffload
 from poplar.zero.optim import optimizer_state_bytes
 from poplar.zero.precision import ModelCast, StagePrecision, cast_inputs
+
+
+def on_grad_accumulated(param: torch.Tensor, method: Callable[..., Any], *args: int) -> RemovableHandle:
+    """Call ``method(*args, param)`` after ``param``'s gradient is accumulated, for as long as
+    ``method``'s object lives (Note: gradient hooks hold their stage weakly). ``method`` must be
+    a bound method; ``args`` plain indices (never the module or anything that refers to it)."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(p: torch.Tensor) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(*args, p)
+
+    return param.register_post_accumulate_grad_hook(hook)
 
 
 class StageHooks(NamedTuple):

@@ -4,10 +4,21 @@ docs/design.md §11) and re-raise the rest.
 
 ``IterationFailed`` is the ``DistributedError`` the status reduction raises on every rank when
 some rank failed (docs/design.md §3.4); every rank gets the same ``failures``.
+
+[Note: a failed micro-step's frames]
+An exception caught in ``ZeroRuntime`` holds its traceback, the traceback holds the frames of the
+failed forward (their locals: activations, the autograd graph), and the frames reach back through
+``f_back`` to the runtime's frame that keeps the exception to re-raise it later: a reference cycle,
+freed only by the garbage collector. After an out-of-memory error that leaves the memory full, so
+the next iteration, even on a plan that fits, runs out of memory again unless the user calls
+``gc.collect()``. ``release_frames`` turns the traceback into text (an exception note, shown where
+the traceback would be) and drops it, so reference counting frees the frames as soon as the step
+is abandoned: the error keeps its story, not its frames.
 """
 
 from __future__ import annotations
 
+import traceback
 from enum import Enum
 
 import torch
@@ -41,6 +52,18 @@ def is_oom(exc: BaseException | None) -> bool:
 def failure_kind(exc: BaseException | None) -> FailureKind:
     """OUT_OF_MEMORY if ``exc`` is an out-of-memory error (``is_oom``), else ERROR."""
     return FailureKind.OUT_OF_MEMORY if is_oom(exc) else FailureKind.ERROR
+
+
+def release_frames(error: BaseException) -> None:
+    """Replace ``error``'s traceback by a note holding its text, and clear the frames' locals
+    (Note: a failed micro-step's frames)."""
+    tb = error.__traceback__
+    if tb is None:
+        return
+    error.add_note("Traceback of the failed micro-step (its frames were released):\n"
+                   + "".join(traceback.format_tb(tb)).rstrip())
+    traceback.clear_frames(tb)
+    error.__traceback__ = None
 
 
 class IterationFailed(DistributedError):

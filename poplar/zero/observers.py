@@ -24,12 +24,18 @@ the stepped values were queued back, with the bytes copied: a device that models
 Start points run in the order observers were added, end points in reverse order, as nested
 context managers would. An observer may raise (a virtual device raises its out-of-memory
 error); the step then fails as if its own code had raised.
+
+``MicroStepTimeline`` is the observer the training loop draws its trace from: the windows of
+recent micro-steps.
 """
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from dataclasses import dataclass
 from enum import Enum
+from typing import Iterator
 
 import torch
 
@@ -203,3 +209,27 @@ class Observers:
     def host_copy(self, direction: CopyDirection, nbytes: int) -> None:
         for o in self._forward():
             o.host_copy(direction, nbytes)
+
+
+TimelineEntry = tuple[int, int, float, float]  # (iteration, micro-step, start wall clock, seconds)
+
+
+class MicroStepTimeline(StepObserver):
+    """The last ``max_entries`` micro-steps' windows, from ``micro_step_start`` to ``micro_step_end``."""
+
+    def __init__(self, max_entries: int = 8_192) -> None:
+        self.entries: deque[TimelineEntry] = deque(maxlen=max_entries)
+        self._t0 = 0.0
+
+    def micro_step_start(self, step: MicroStep) -> None:
+        self._t0 = time.perf_counter()
+
+    def micro_step_end(self, step: MicroStep) -> None:
+        dt = time.perf_counter() - self._t0
+        self.entries.append((step.iteration, step.index, time.time() - dt, dt))
+
+    def __iter__(self) -> Iterator[TimelineEntry]:
+        return iter(self.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)

@@ -31,10 +31,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from poplar.zero.base import StageHooks, ZeroStage
+from poplar.zero.base import StageHooks, ZeroStage, on_grad_accumulated
 from poplar.comm import Communicator, Phase
 from poplar.zero.flat import FlatUnit
-from poplar.zero.grad_hooks import on_grad_accumulated
 from poplar.zero.optim import repoint_optimizer
 from poplar.zero.precision import StagePrecision
 from poplar.zero.reduce_queue import ReduceHandle, ReduceQueue

@@ -30,18 +30,14 @@ from poplar.types.precision import MixedPrecision
 from poplar.zero import activation_checkpointing as checkpointing
 from poplar.zero.base import StageHooks, ZeroStage
 from poplar.zero.config import ZeroConfig
-from poplar.zero.failures import IterationFailed, failure_kind
-from poplar.zero.frames import release_frames
-from poplar.zero.grad_norm import clip_and_unscale
+from poplar.zero.failures import IterationFailed, failure_kind, release_frames
 from poplar.zero.iteration_status import (IterationStatus, LossAccumulator, check_batch, failure_message,
                                           reduce_status, skip_empty_step, status_error)
 from poplar.zero.loss_scaler import LossScaler
 from poplar.zero.nonfinite import NonFiniteGuard, SkipReport, Verdict, local_detail, nonfinite_flag
 from poplar.zero.observers import IterationStats, MicroStep, ObserverHandle, Observers, StepObserver
-from poplar.zero.plan_check import plan_problem
 from poplar.zero.precision import StagePrecision
-from poplar.zero.setup import agree_setup, check_arguments, check_policies
-from poplar.zero.stage_factory import build_stage
+from poplar.zero.setup import agree_setup, build_stage, check_arguments, check_policies, plan_problem
 
 # returns the mean loss of the micro-batch, or a pair (loss_sum, count) (docs/design.md §2)
 LossFn = Callable[[nn.Module, Any], Any]
@@ -397,3 +393,33 @@ class ZeroRuntime:
         (fp32 masters kept apart under mixed precision), ``grads``, ``optimizer``, ``buffers`` and
         ``comm_buffers`` (peak of temporary communication buffers); stage 3: ``gathered_params``."""
         return self.stage.memory_report()
+
+
+def clip_and_unscale(grads: list[torch.Tensor], comm: Communicator, sharded: bool, max_norm: float | None,
+                     divisor: float = 1.0) -> float | None:
+    """Divide ``grads`` by ``divisor`` and clip them to ``max_norm`` (None: no clipping), in place.
+    Returns the global norm of the divided gradients before clipping (None without clipping).
+
+    The gradients a rank holds after ``reduce_gradients`` are the full reduced gradients (stage 0)
+    or its shards (stages 1-3, whose squared norms are summed over ranks in one all-reduce). They
+    are ``divisor`` times the true gradients: the fp16 loss scale, times the global count when the
+    losses were (loss_sum, count) pairs (docs/design.md §2). The norm is divided by the divisor, and
+    the division and the clipping coefficient become one multiply of each buffer."""
+    if max_norm is None:
+        if divisor != 1.0:
+            for g in grads:
+                g.mul_(1.0 / divisor)
+        return None
+    sq = torch.zeros((), dtype=torch.float64, device=comm.device)
+    for g in grads:
+        sq += g.detach().double().pow(2).sum()
+    if sharded:
+        sq = sq.reshape(1)
+        comm.all_reduce(sq, tag="grad_norm")
+    norm = float(sq.sum().sqrt()) / divisor
+    coef = max_norm / (norm + 1e-6)
+    factor = min(coef, 1.0) / divisor
+    if factor != 1.0:
+        for g in grads:
+            g.mul_(factor)
+    return norm

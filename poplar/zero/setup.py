@@ -1,8 +1,10 @@
-"""Set-up checks of the runtime's arguments, as verdicts every rank agrees on.
+"""The runtime's set-up: its arguments checked, as verdicts every rank agrees on, and its
+ZeRO stage built; and the check of a plan it is given later (``ZeroRuntime.set_plan``).
 
 Each rank checks its arguments without raising (a message naming the fix, or None), so a bad
 value on one rank becomes the same ``DistributedError`` on every rank at the set-up agreement
-(docs/design.md §3.4), which also compares the stage, plan, parameter shapes and policies.
+(docs/design.md §3.4), which also compares the stage, plan, parameter shapes and policies. Only
+then is the stage built (``build_stage``), its collectives recorded in the set-up phase.
 """
 
 from __future__ import annotations
@@ -14,12 +16,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from poplar.comm import Communicator, DistributedError
+from poplar.comm import Communicator, DistributedError, Phase
 from poplar.types.plans import Plan
 from poplar.types.precision import MixedPrecision, resolve_precision
+from poplar.zero.base import StageHooks, ZeroStage
+from poplar.zero.flat import gradient_buckets
 from poplar.zero.nonfinite import NonFinitePolicy
 from poplar.zero.offload import offload_problem
 from poplar.zero.optim import named_param_groups
+from poplar.zero.precision import StagePrecision
 
 
 def check_arguments(world_size: int, model: nn.Module, optimizer: torch.optim.Optimizer, zero_stage: Any, plan: Any,
@@ -119,3 +124,36 @@ def check_policies(model: nn.Module, mixed_precision: Any, nonfinite: Any,
                           f"master weights) but trainable parameters are {others}; build the model in fp32")
     signature = repr((None if precision is None else precision.to_dict(), str(policy), max_consecutive_skips))
     return CheckedPolicies(precision, policy, errors[0] if errors else None, signature)
+
+
+def plan_problem(plan: Any, world_size: int, zero_stage: int, in_iteration: bool) -> str | None:
+    """Why ``plan`` cannot be taken now by a runtime of ``world_size`` ranks at ``zero_stage``
+    (None: it can); every rank reports its verdict at one agreement."""
+    if in_iteration:
+        return "set_plan() inside an iteration; call it between iterations"
+    if not isinstance(plan, Plan):
+        return f"plan must be a Plan, got {plan!r}"
+    return plan.problem(world_size) or offload_problem(plan, zero_stage)
+
+
+def build_stage(zero_stage: int, model: nn.Module, optimizer: torch.optim.Optimizer, comm: Communicator,
+                groups: list, bucket_size_mb: float, wrap_policy: Any, precision: StagePrecision,
+                hooks: StageHooks, shard_weights: tuple[float, ...] | None = None) -> ZeroStage:
+    """The stage for ``zero_stage`` (0-3) over ``groups`` (the optimizer's (name, param) groups):
+    stage 3 (blocks, ``zero.sharded``) or stages 0-2 (gradient buckets over replicated
+    parameters, ``zero.replicated``), first parameter sync included; ``hooks`` are what the stage
+    tells the runtime's observers as it happens; ``shard_weights`` (one per rank, None = even)
+    sets each rank's share of the sharded state."""
+    with comm.ledger.scope(Phase.SETUP):
+        if zero_stage == 3:
+            from poplar.zero.sharded import Stage3
+            return Stage3(model, optimizer, comm, groups, wrap_policy, hooks=hooks, precision=precision,
+                          shard_weights=shard_weights)
+        from poplar.zero.replicated import Stage0, Stage2
+        from poplar.zero.stage1 import Stage1
+
+        units = gradient_buckets(model, groups, comm.world_size, comm.rank, bucket_size_mb, shard_weights)
+        stage_class = {0: Stage0, 1: Stage1, 2: Stage2}[zero_stage]
+        stage = stage_class(model, optimizer, comm, units, precision=precision, hooks=hooks)
+        stage.sync_params()
+        return stage

@@ -53,9 +53,8 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
 from poplar.zero.activation_checkpointing import recomputing
-from poplar.zero.base import StageHooks, ZeroStage
+from poplar.zero.base import StageHooks, ZeroStage, on_grad_accumulated
 from poplar.zero.blocks import BlockState, GatherHandle, GradState, ShardedBlock, build_blocks
-from poplar.zero.grad_hooks import on_grad_accumulated
 from poplar.comm import Communicator, DistributedError, Phase
 from poplar.zero import sharded_state
 from poplar.zero.optim import repoint_optimizer

@@ -33,6 +33,7 @@ from poplar.zero.observers import CopyDirection
 from poplar.zero.offload import OptimizerOffload
 from poplar.zero.optim import optimizer_state_bytes
 from poplar.zero.precision import ModelCast, StagePrecision, cast_inputs
+from poplar.zero.shard_layout import Shards
 
 
 def on_grad_accumulated(param: torch.Tensor, method: Callable[..., Any], *args: int) -> RemovableHandle:
@@ -135,20 +136,20 @@ class ZeroStage(ABC):
         (None: being finite is enough)."""
         return None
 
-    def reshard(self, weights: tuple[float, ...]) -> None:
-        """Hold shares of the sharded state by new weights from the next iteration on (every rank
+    def reshard(self, shards: Shards) -> None:
+        """Hold shares of the sharded state by new ``shards`` from the next iteration on (every rank
         together, between iterations); a stage that shards nothing keeps what it has. An
         offloaded optimizer (and fp32 master) comes back to the device for the re-cut and goes out
         again after, with the new shards."""
         placement = self.offload.placement
         self.place_optimizer(Offload.NONE)
         try:
-            self._reshard(weights)
+            self._reshard(shards)
         finally:
             self.place_optimizer(placement)
 
-    def _reshard(self, weights: tuple[float, ...]) -> None:
-        """Re-cut this stage's shards by ``weights`` (the optimizer steps its device shards)."""
+    def _reshard(self, shards: Shards) -> None:
+        """Re-cut this stage's shards by ``shards`` (the optimizer steps its device shards)."""
 
     def place_optimizer(self, offload: Offload) -> None:
         """Keep the optimizer state (and the fp32 master shard it steps) on the device or in host

@@ -38,6 +38,7 @@ from poplar.comm import Communicator, PendingCollective
 from poplar.zero.flat import FlatUnit
 from poplar.zero.precision import StagePrecision
 from poplar.zero.reduce_queue import ReduceHandle
+from poplar.zero.shard_layout import Shards
 from poplar.zero.wrap import plan_blocks
 
 
@@ -77,9 +78,9 @@ class GatherHandle:
 
 
 def build_blocks(model: nn.Module, groups: list[list[tuple[str, nn.Parameter]]], wrap_policy: Any,
-                 comm: Communicator, precision: StagePrecision = StagePrecision(),
-                 shard_weights: tuple[float, ...] | None = None) -> list["ShardedBlock"]:
-    """The root unit's block (index 0, if it owns anything) and the wrapped blocks, sharded.
+                 comm: Communicator, shards: Shards, precision: StagePrecision = StagePrecision()
+                 ) -> list["ShardedBlock"]:
+    """The root unit's block (index 0, if it owns anything) and the wrapped blocks, cut by ``shards``.
     Every rank first checks the policy and agrees on the layout, so a bad policy (or different
     policies on different ranks) is a ``DistributedError`` on every rank before any other collective."""
     try:
@@ -94,8 +95,7 @@ def build_blocks(model: nn.Module, groups: list[list[tuple[str, nn.Parameter]]],
     for bi, spec in enumerate(specs):
         units = []
         for gi, named in spec.members:
-            units.append(FlatUnit([p for _, p in named], [n for n, _ in named], gi, comm.world_size, comm.rank, index,
-                                  shard_weights))
+            units.append(FlatUnit([p for _, p in named], [n for n, _ in named], gi, shards, comm.rank, index))
             index += 1
         if units:
             blocks.append(ShardedBlock(bi, spec.name, spec.module, units, precision))
@@ -123,12 +123,12 @@ class ShardedBlock:
         self.late_flats: list[torch.Tensor] | None = None
         self.reset_grads()
 
-    def reshard(self, weights: tuple[float, ...], flats: list[torch.Tensor]) -> None:
-        """Cut the block by new shard weights, taking this rank's new shard from ``flats`` (every
+    def reshard(self, shards: Shards, flats: list[torch.Tensor]) -> None:
+        """Cut the block by new ``shards``, taking this rank's new shard from ``flats`` (every
         unit's full flat values: ``gather_master``'s, between iterations, block released)."""
         assert self.state is BlockState.RELEASED, f"block {self.name!r} resharded while gathered"
         for u in self.units:
-            u.set_shard_weights(weights)
+            u.set_shards(shards)
         self._allocate(flats)
 
     def _allocate(self, flats: list[torch.Tensor]) -> None:

@@ -2,8 +2,9 @@
 
 A ``FlatUnit`` is a list of parameters of one optimizer param group (one dtype, one device)
 laid out back to back in one flat buffer, padded; rank r owns the contiguous slice its
-``ShardLayout`` gives it (``poplar.zero.shard_layout``: ``[r*S, (r+1)*S)`` with S = padded / N
-under even shard weights, a share in proportion to the weight otherwise). Stages 0-2 cut the model into units by
+``ShardLayout`` gives it, cut by the unit's ``Shards`` (``poplar.zero.shard_layout``:
+``[r*S, (r+1)*S)`` with S = padded / N under even shard weights, a share in proportion to the
+weight otherwise). Stages 0-2 cut the model into units by
 a bucket size (the units are the gradient buckets); stage 3 makes one unit per wrapped block.
 Padding is zero and stays zero (its gradient is zero), so it never changes a norm or a step.
 """
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from poplar.zero.shard_layout import ShardLayout
+from poplar.zero.shard_layout import ShardLayout, Shards
 
 
 @dataclass
@@ -23,10 +24,9 @@ class FlatUnit:
     params: list[nn.Parameter]
     names: list[str]
     group_index: int  # optimizer param group the unit's parameters belong to
-    world_size: int
+    shards: Shards  # how the unit is cut among the ranks
     rank: int
     index: int = 0
-    shard_weights: tuple[float, ...] | None = None  # one per rank; None = even shards
     shapes: list[torch.Size] = field(init=False)
     offsets: list[int] = field(init=False)
     numel: int = field(init=False)
@@ -42,18 +42,21 @@ class FlatUnit:
         self.numel = off
         p0 = self.params[0]
         self.dtype, self.device = p0.dtype, p0.device
-        weights = self.shard_weights or (1.0,) * self.world_size
-        if len(weights) != self.world_size:
-            raise ValueError(f"{len(weights)} shard weights for a world of {self.world_size}")
-        self.layout = ShardLayout.of(off, weights, p0.element_size())
+        if not 0 <= self.rank < self.shards.world_size:
+            raise ValueError(f"rank {self.rank} of a unit cut among {self.shards.world_size} ranks")
+        self.layout = self.shards.layout(off, p0.element_size())
         self.padded_numel = self.layout.padded_numel
         self.slot_of = {id(p): i for i, p in enumerate(self.params)}
 
-    def set_shard_weights(self, weights: tuple[float, ...] | None) -> None:
-        """Cut the unit by other shard weights (the padded length may change with them)."""
-        self.shard_weights = weights
-        self.layout = ShardLayout.of(self.numel, weights or (1.0,) * self.world_size, self.element_size)
+    def set_shards(self, shards: Shards) -> None:
+        """Cut the unit by other shards (the padded length may change with them)."""
+        self.shards = shards
+        self.layout = shards.layout(self.numel, self.element_size)
         self.padded_numel = self.layout.padded_numel
+
+    @property
+    def world_size(self) -> int:
+        return self.shards.world_size
 
     @property
     def shard_numel(self) -> int:
@@ -106,8 +109,8 @@ class FlatUnit:
             p.data = self.slot(flat, i)
 
 
-def split_into_units(groups: list[list[tuple[str, nn.Parameter]]], world_size: int, rank: int,
-                     max_unit_numel: int | None, shard_weights: tuple[float, ...] | None = None) -> list[FlatUnit]:
+def split_into_units(groups: list[list[tuple[str, nn.Parameter]]], shards: Shards, rank: int,
+                     max_unit_numel: int | None) -> list[FlatUnit]:
     """Cut each param group into units of at most ``max_unit_numel`` elements (a parameter is
     never split; None = one unit per group and dtype). Units are ordered so the last parameters
     of the model come first, roughly the order in which backward produces their gradients."""
@@ -121,22 +124,22 @@ def split_into_units(groups: list[list[tuple[str, nn.Parameter]]], world_size: i
             size = 0
             for name, p in reversed(members):
                 if current and max_unit_numel is not None and size + p.numel() > max_unit_numel:
-                    units.append(_unit(current, gi, world_size, rank, len(units), shard_weights))
+                    units.append(_unit(current, gi, shards, rank, len(units)))
                     current, size = [], 0
                 current.append((name, p))
                 size += p.numel()
             if current:
-                units.append(_unit(current, gi, world_size, rank, len(units), shard_weights))
+                units.append(_unit(current, gi, shards, rank, len(units)))
     return units
 
 
-def gradient_buckets(model: nn.Module, groups: list[list[tuple[str, nn.Parameter]]], world_size: int, rank: int,
-                     bucket_size_mb: float, shard_weights: tuple[float, ...] | None = None) -> list[FlatUnit]:
+def gradient_buckets(model: nn.Module, groups: list[list[tuple[str, nn.Parameter]]], shards: Shards, rank: int,
+                     bucket_size_mb: float) -> list[FlatUnit]:
     """The units of stages 0-2: each group cut at ``bucket_size_mb`` (of the parameters' own
     dtype), in backward order, roughly, numbered in that order."""
     element = next(model.parameters()).element_size()
     max_numel = max(1, int(bucket_size_mb * 2**20 / element))
-    units = split_into_units(groups, world_size, rank, max_numel, shard_weights)
+    units = split_into_units(groups, shards, rank, max_numel)
     order = {id(p): i for i, p in enumerate(model.parameters())}
     units.sort(key=lambda u: -max(order[id(p)] for p in u.params))
     for i, u in enumerate(units):
@@ -144,6 +147,5 @@ def gradient_buckets(model: nn.Module, groups: list[list[tuple[str, nn.Parameter
     return units
 
 
-def _unit(named: list[tuple[str, nn.Parameter]], gi: int, world_size: int, rank: int, index: int,
-          shard_weights: tuple[float, ...] | None) -> FlatUnit:
-    return FlatUnit([p for _, p in named], [n for n, _ in named], gi, world_size, rank, index, shard_weights)
+def _unit(named: list[tuple[str, nn.Parameter]], gi: int, shards: Shards, rank: int, index: int) -> FlatUnit:
+    return FlatUnit([p for _, p in named], [n for n, _ in named], gi, shards, rank, index)

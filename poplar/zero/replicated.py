@@ -38,6 +38,7 @@ from poplar.zero.optim import repoint_optimizer
 from poplar.zero.precision import StagePrecision
 from poplar.zero.reduce_queue import ReduceHandle, ReduceQueue
 from poplar.zero.reshard import cut_state, gather_state, shard_from
+from poplar.zero.shard_layout import Shards
 
 
 class ReplicatedParams(ZeroStage):
@@ -101,8 +102,8 @@ class ReplicatedParams(ZeroStage):
         repoint_optimizer(self.optimizer, groups)
         return shards
 
-    def _reshard(self, weights: tuple[float, ...]) -> None:
-        """Cut every unit by new shard weights, between iterations (every rank together): the
+    def _reshard(self, shards: Shards) -> None:
+        """Cut every unit by new ``shards``, between iterations (every rank together): the
         parameters are whole on every rank already; the optimizer state (and a sharded fp32
         master) is gathered over the old cut and cut again (``poplar.zero.reshard``)."""
         if not self.master_sharded:  # stage 0 shards nothing
@@ -112,7 +113,7 @@ class ReplicatedParams(ZeroStage):
         for ui, u in enumerate(self.units):
             master = self._whole_master(ui) if self.masters else None
             previous = self.flat_params[ui]
-            u.set_shard_weights(weights)
+            u.set_shards(shards)
             flat = u.new_flat(dtype=previous.dtype)
             flat[:u.numel].copy_(previous[:u.numel])
             u.point_params_at(flat)

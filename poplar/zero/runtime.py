@@ -25,7 +25,7 @@ from torch import nn
 from poplar.comm import CommLedger, Communicator, DistributedError, Phase
 from poplar.types.batches import batch_size_of, slice_batch
 from poplar.types.logs import log
-from poplar.types.plans import Plan, PlanError, shares_of
+from poplar.types.plans import Plan, PlanError
 from poplar.types.precision import MixedPrecision
 from poplar.zero import activation_checkpointing as checkpointing
 from poplar.zero.base import StageHooks, ZeroStage
@@ -38,6 +38,7 @@ from poplar.zero.nonfinite import NonFiniteGuard, SkipReport, Verdict, local_det
 from poplar.zero.observers import IterationStats, MicroStep, ObserverHandle, Observers, StepObserver
 from poplar.zero.precision import StagePrecision
 from poplar.zero.setup import agree_setup, build_stage, check_arguments, check_policies, plan_problem
+from poplar.zero.shard_layout import Shards
 
 # returns the mean loss of the micro-batch, or a pair (loss_sum, count) (docs/design.md §2)
 LossFn = Callable[[nn.Module, Any], Any]
@@ -103,11 +104,11 @@ class ZeroRuntime:
         self.nonfinite = NonFiniteGuard(checked.nonfinite, config.max_consecutive_skips)
         self.skip_report = SkipReport(config.skip_report)
         self.zero_stage = zero_stage
-        self.shard_weights = plan.shard_weights  # each rank's share of the sharded state, as built
+        self.shards = Shards(plan.shard_weights)  # how the sharded state is cut, as built
         self.stage: ZeroStage = build_stage(zero_stage, model, optimizer, self.comm, groups, bucket_size_mb,
                                             wrap_policy, StagePrecision.of(self.mixed_precision),
                                             StageHooks(self.observers.transient_allocated, self.observers.host_copy),
-                                            plan.shard_weights)
+                                            self.shards)
         self.set_plan(plan, PlanCheck.LOCAL)  # and the optimizer where the plan's row keeps it
         # after the stage: its block hooks run around the checkpoint's (docs/design.md §3.8)
         self.activation_checkpointing = checkpointing.setup(
@@ -143,12 +144,13 @@ class ZeroRuntime:
                             mismatch="ranks were given different plans; pass the same plan to every rank")
         elif (problem := plan.problem(self.world_size)) is not None:  # edited since it was built?
             raise PlanError(problem)
-        if shares_of(plan.shard_weights) != shares_of(self.shard_weights):
+        shards = Shards(plan.shard_weights)
+        if not shards.cuts_like(self.shards):
             if self._micro_steps:
                 raise PlanError("set_plan() with other shard weights inside an iteration; call it between iterations")
             with self.comm.ledger.scope(Phase.STATE):  # every rank together: they have the same plan
-                self.stage.reshard(plan.shard_weights)
-            self.shard_weights = plan.shard_weights
+                self.stage.reshard(shards)
+            self.shards = shards
         self.plan, self.rank_plan, self.global_batch_size = plan, plan.ranks[self.rank], plan.global_batch_size
         self.stage.place_optimizer(self.rank_plan.offload)
 
@@ -373,6 +375,11 @@ class ZeroRuntime:
     def loss_scale(self) -> float:
         """The fp16 loss scale of the next iteration (1.0 without loss scaling)."""
         return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+
+    @property
+    def shard_weights(self) -> tuple[float, ...]:
+        """Each rank's shard weight the state is cut by now (``Plan.shard_weights``)."""
+        return self.shards.weights
 
     @property
     def skipped_steps(self) -> int:

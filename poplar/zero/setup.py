@@ -25,6 +25,7 @@ from poplar.zero.nonfinite import NonFinitePolicy
 from poplar.zero.offload import offload_problem
 from poplar.zero.optim import named_param_groups
 from poplar.zero.precision import StagePrecision
+from poplar.zero.shard_layout import Shards
 
 
 def check_arguments(world_size: int, model: nn.Module, optimizer: torch.optim.Optimizer, zero_stage: Any, plan: Any,
@@ -138,21 +139,21 @@ def plan_problem(plan: Any, world_size: int, zero_stage: int, in_iteration: bool
 
 def build_stage(zero_stage: int, model: nn.Module, optimizer: torch.optim.Optimizer, comm: Communicator,
                 groups: list, bucket_size_mb: float, wrap_policy: Any, precision: StagePrecision,
-                hooks: StageHooks, shard_weights: tuple[float, ...] | None = None) -> ZeroStage:
+                hooks: StageHooks, shards: Shards) -> ZeroStage:
     """The stage for ``zero_stage`` (0-3) over ``groups`` (the optimizer's (name, param) groups):
     stage 3 (blocks, ``zero.sharded``) or stages 0-2 (gradient buckets over replicated
     parameters, ``zero.replicated``), first parameter sync included; ``hooks`` are what the stage
-    tells the runtime's observers as it happens; ``shard_weights`` (one per rank, None = even)
-    sets each rank's share of the sharded state."""
+    tells the runtime's observers as it happens; ``shards`` sets each rank's share of the
+    sharded state."""
     with comm.ledger.scope(Phase.SETUP):
         if zero_stage == 3:
             from poplar.zero.sharded import Stage3
             return Stage3(model, optimizer, comm, groups, wrap_policy, hooks=hooks, precision=precision,
-                          shard_weights=shard_weights)
+                          shards=shards)
         from poplar.zero.replicated import Stage0, Stage2
         from poplar.zero.stage1 import Stage1
 
-        units = gradient_buckets(model, groups, comm.world_size, comm.rank, bucket_size_mb, shard_weights)
+        units = gradient_buckets(model, groups, shards, comm.rank, bucket_size_mb)
         stage_class = {0: Stage0, 1: Stage1, 2: Stage2}[zero_stage]
         stage = stage_class(model, optimizer, comm, units, precision=precision, hooks=hooks)
         stage.sync_params()

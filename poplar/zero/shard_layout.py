@@ -1,6 +1,9 @@
 """Where each rank's shard of a flat buffer lies: contiguous ranges cut in proportion to the
 ranks' shard weights (``RankPlan.shard_weight``).
 
+``Shards`` is the ranks' weights as one value: the runtime takes it from its plan and hands it
+down to every flat unit it builds, and each unit's ``ShardLayout`` is ``shards.layout(numel)``.
+
 [Note: even and weighted layouts]
 With equal weights the layout is ZeRO's usual one: the buffer is padded to a multiple of the
 world size N and rank r owns ``[r*S, (r+1)*S)``, S = padded / N, so every collective is an even
@@ -17,7 +20,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Sequence
 
-from poplar.types.plans import shard_weights_problem
+from poplar.types.plans import shard_weights_problem, shares_of
 
 ALIGN_BYTES = 16  # shard starts on 16-byte boundaries: what NCCL's vectorised copies want
 
@@ -71,3 +74,36 @@ class ShardLayout:
 
     def size(self, rank: int) -> int:
         return self.bounds[rank + 1] - self.bounds[rank]
+
+
+@dataclass(frozen=True)
+class Shards:
+    """Each rank's shard weight, in rank order (``Plan.shard_weights``): every flat buffer of the
+    sharded state is cut in proportion to them."""
+
+    weights: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.weights, tuple):
+            raise TypeError(f"Shards takes a tuple of weights, one per rank, got {self.weights!r}")
+        problem = shard_weights_problem(self.weights)
+        if problem is not None:
+            raise ValueError(problem)
+
+    @classmethod
+    def even(cls, world_size: int) -> "Shards":
+        """Equal shares on ``world_size`` ranks: ZeRO's usual layout."""
+        return cls((1.0,) * world_size)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.weights)
+
+    def cuts_like(self, other: "Shards") -> bool:
+        """Both give every rank the same share of the sum (the same weights up to a scale)."""
+        return shares_of(self.weights) == shares_of(other.weights)
+
+    def layout(self, numel: int, element_size: int = 4) -> ShardLayout:
+        """The cut points of a flat buffer of ``numel`` elements of ``element_size`` bytes: rank
+        r's range is ``layout(...).range(r)``."""
+        return ShardLayout.of(numel, self.weights, element_size)

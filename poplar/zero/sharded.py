@@ -61,6 +61,7 @@ from poplar.zero.optim import repoint_optimizer
 from poplar.zero.precision import StagePrecision
 from poplar.zero.prefetch import Pass, PassKind, PassState, Schedule, backward_items, forward_items
 from poplar.zero.reduce_queue import ReduceQueue
+from poplar.zero.shard_layout import Shards
 from poplar.zero.wrap import block_orders, post_order
 
 
@@ -73,8 +74,8 @@ class Stage3(ZeroStage):
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: Communicator,
                  groups: list[list[tuple[str, nn.Parameter]]], wrap_policy: Any = None, *,
                  prefetch: bool = True, hooks: StageHooks | None = None,
-                 precision: StagePrecision = StagePrecision(), shard_weights: tuple[float, ...] | None = None) -> None:
-        blocks = build_blocks(model, groups, wrap_policy, comm, precision, shard_weights)
+                 precision: StagePrecision = StagePrecision(), shards: Shards) -> None:
+        blocks = build_blocks(model, groups, wrap_policy, comm, shards, precision)
         super().__init__(model, optimizer, comm, [u for b in blocks for u in b.units], precision, hooks)
         self.blocks = blocks
         self.root = blocks[0] if blocks and blocks[0].index == 0 else None
@@ -113,9 +114,9 @@ class Stage3(ZeroStage):
             per_group[u.group_index].append(sp)
         repoint_optimizer(self.optimizer, per_group)
 
-    def _reshard(self, weights: tuple[float, ...]) -> None:
-        """Cut every block by new shard weights, between iterations (every rank together)."""
-        sharded_state.reshard(self, weights)
+    def _reshard(self, shards: Shards) -> None:
+        """Cut every block by new ``shards``, between iterations (every rank together)."""
+        sharded_state.reshard(self, shards)
 
     def block_names(self) -> list[str]:
         return [b.name for b in self.layers]

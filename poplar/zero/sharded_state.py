@@ -21,6 +21,7 @@ from poplar.zero.flat import FlatUnit
 from poplar.zero.offload import OptimizerOffload
 from poplar.zero.precision import StagePrecision
 from poplar.zero.reshard import cut_state, gather_state
+from poplar.zero.shard_layout import Shards
 
 
 class ShardedState(Protocol):
@@ -45,8 +46,8 @@ class ShardedState(Protocol):
     def point_optimizer(self) -> None: ...
 
 
-def reshard(stage: ShardedState, weights: tuple[float, ...]) -> None:
-    """Cut every block by new shard weights: each block's full fp32 values and the optimizer
+def reshard(stage: ShardedState, shards: Shards) -> None:
+    """Cut every block by new ``shards``: each block's full fp32 values and the optimizer
     state are gathered over the old cut and cut again (``poplar.zero.reshard``)."""
     if stage.in_pass:
         raise RuntimeError("ZeRO-3: re-sharding inside a micro-step; change the plan between iterations")
@@ -54,7 +55,7 @@ def reshard(stage: ShardedState, weights: tuple[float, ...]) -> None:
     old = stage.shard_params
     with torch.no_grad():
         for b in stage.blocks:
-            b.reshard(weights, b.gather_master(stage.comm))
+            b.reshard(shards, b.gather_master(stage.comm))
     stage.point_optimizer()
     cut_state(stage.optimizer, stage.units, old, stage.shard_params, states)
 

@@ -11,6 +11,7 @@ from poplar.comm import Communicator
 from poplar.zero.blocks import BlockState, GatherHandle, GradState, ShardedBlock
 from poplar.zero.flat import FlatUnit
 from poplar.zero.reduce_queue import ReduceHandle, ReduceQueue
+from poplar.zero.shard_layout import Shards
 
 
 class FakeWork:
@@ -106,7 +107,7 @@ def block(group_sizes: list[list[int]]) -> tuple[ShardedBlock, list[torch.Tensor
     parameters' values."""
     torch.manual_seed(0)
     units = [FlatUnit([nn.Parameter(torch.randn(n)) for n in sizes], [f"g{gi}p{i}" for i in range(len(sizes))],
-                      gi, 1, 0, gi) for gi, sizes in enumerate(group_sizes)]
+                      gi, Shards.even(1), 0, gi) for gi, sizes in enumerate(group_sizes)]
     values = [p.detach().clone() for u in units for p in u.params]
     return ShardedBlock(1, "blk", nn.Identity(), units), values
 

@@ -19,7 +19,7 @@ from poplar.profiler.local_comm import LocalCommunicator
 from poplar.types.plans import Plan, PlanError, RankPlan
 from poplar.zero.config import ZeroConfig
 from poplar.zero.flat import FlatUnit
-from poplar.zero.shard_layout import ShardLayout
+from poplar.zero.shard_layout import ShardLayout, Shards
 from tests.toy import (assert_runs_match_reference, global_batch, loss_fn, make_model, make_optimizer, max_rel_err,
                        plan_of, rank_slice, reference_run, with_shards)
 
@@ -202,6 +202,21 @@ def test_bad_weights_are_refused(weights: list[float]) -> None:
         ShardLayout.of(10, weights)
 
 
+def test_shards_cut_every_buffer_by_their_shares() -> None:
+    shards = Shards((5.0, 1.0, 2.0))
+    assert shards.world_size == 3 and shards.layout(8000).sizes == (5000, 1000, 2000)
+    assert shards.layout(1001).bounds == ShardLayout.of(1001, [5, 1, 2]).bounds
+    assert Shards((2.0, 2.0)).cuts_like(Shards.even(2)) and not shards.cuts_like(Shards.even(3))
+    assert Shards.even(4).layout(10).even
+    for bad in [(), (0.0, 0.0), (1.0, -1.0)]:
+        with pytest.raises(ValueError, match="shard weights"):
+            Shards(bad)
+    with pytest.raises(TypeError, match="tuple"):
+        Shards([1.0, 2.0])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="rank 3"):
+        FlatUnit([nn.Parameter(torch.ones(4))], ["a"], 0, shards, 3, 0)
+
+
 def test_plan_rows_carry_their_shard_weight() -> None:
     plan = weighted((5, 1, 2), (2, 1, 0), (1, 1, 0), (1, 1, 0))
     again = Plan.from_dict(plan.to_dict())
@@ -219,7 +234,7 @@ def test_plan_rows_carry_their_shard_weight() -> None:
 
 def test_unit_shard_ranges_and_local_collectives() -> None:
     params = [nn.Parameter(torch.arange(30, dtype=torch.float32)), nn.Parameter(torch.ones(11))]
-    units = [FlatUnit(params, ["a", "b"], 0, 3, r, 0, (5.0, 1.0, 2.0)) for r in range(3)]
+    units = [FlatUnit(params, ["a", "b"], 0, Shards((5.0, 1.0, 2.0)), r, 0) for r in range(3)]
     assert [u.shard_range for u in units] == [(0, 28), (28, 32), (32, 44)]
     flat = units[0].new_flat()
     units[0].copy_params_into(flat)

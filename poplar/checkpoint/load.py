@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +35,26 @@ def load_checkpoint(engine: Any, directory: str | os.PathLike, *, verify_hashes:
     anything is set); ``DamagedCheckpoint`` (a ``CheckpointError``) when a data file does not
     match its sha256. ``verify_hashes=False`` checks file sizes only.
     """
-    comm = engine.comm
-    directory = Path(directory)
-    what = f"load checkpoint {directory}"
-    # 1. the index, on every rank; every rank must be between iterations and read the same index
+    what = f"load checkpoint {Path(directory)}"
+    directory, index = _agree_on_index(engine, Path(directory), what)
+    loaded = _read_state(engine, directory, index, verify_hashes, what)
+    _apply(engine, index, loaded, what)
+    return _meta(index, loaded, directory)
+
+
+@dataclass
+class _LoadedState:
+    """What a rank read of a checkpoint, checked, before changing anything."""
+
+    model: dict[str, torch.Tensor]  # the full model state
+    optimizer: dict[str, Any]  # the optimizer state for this rank's shard of the engine's layout
+    rng: dict[str, torch.Tensor]  # "cpu" / "cuda" generator states; empty for a rank the saver lacked
+
+
+def _agree_on_index(engine: Any, directory: Path, what: str) -> tuple[Path, dict]:
+    """Step 1: the checkpoint directory (a kept one resolved to its latest complete checkpoint)
+    and its index, read on every rank; every rank must be between iterations and read the same
+    index."""
     error, index, digest = None, None, None
     try:
         if engine.in_iteration:
@@ -49,27 +66,23 @@ def load_checkpoint(engine: Any, directory: str | os.PathLike, *, verify_hashes:
         error = str(e)
     except Exception as e:  # noqa: BLE001 - reported on every rank
         error = f"{type(e).__name__}: {e}"
-    if len(set(comm.agree(error, what, digest, error_type=CheckpointError))) > 1:
+    if len(set(engine.comm.agree(error, what, digest, error_type=CheckpointError))) > 1:
         raise CheckpointError(f"{what}: ranks read different index files; every rank must load the same "
                               "checkpoint directory")
     assert index is not None
+    return directory, index
 
-    # 2. check everything and read what this rank needs, changing nothing yet
+
+def _read_state(engine: Any, directory: Path, index: dict, verify_hashes: bool, what: str) -> _LoadedState:
+    """Step 2: check everything and read what this rank needs, changing nothing yet. A damaged
+    file on any rank is a ``DamagedCheckpoint`` on every rank (a caller may go back to an older
+    checkpoint), any other problem a ``CheckpointError``."""
+    comm = engine.comm
     expected = _expected_params(engine)  # every rank: a collective at stage 3
-    error, damaged = None, None
-    loaded: dict[str, Any] = {}
+    error, damaged, loaded = None, None, None
     try:
-        _check_params(index, expected)
-        if "tied" in index["model"] and index["model"]["tied"] != ties(engine.module):
-            raise Invalid(f"tied weights differ: the checkpoint ties {index['model']['tied']} and the model ties "
-                          f"{ties(engine.module)}")
-        check_files(directory, index)
-        with ExitStack() as stack:
-            files = CheckpointFiles(directory, index, verify_hashes, stack)
-            loaded["model"] = files.model_state()
-            loaded["optimizer"] = assemble_optimizer(engine, index, files)
-            loaded["rng"] = _read_rng(engine, index, files)
-    except Damaged as e:  # told apart from the other problems: a caller may go back to an older checkpoint
+        loaded = _check_and_read(engine, directory, index, expected, verify_hashes)
+    except Damaged as e:  # told apart from the other problems
         damaged = str(e)
     except Invalid as e:
         error = str(e)
@@ -79,29 +92,52 @@ def load_checkpoint(engine: Any, directory: str | os.PathLike, *, verify_hashes:
               if d is not None]
     if damage:
         raise DamagedCheckpoint(f"{what} failed on {len(damage)} of {comm.world_size} ranks:\n" + "\n".join(damage))
+    assert loaded is not None
+    return loaded
 
-    # 3. apply
+
+def _check_and_read(engine: Any, directory: Path, index: dict, expected: dict, verify_hashes: bool) -> _LoadedState:
+    """This rank's checks of the checkpoint against the engine, then its reads; raises."""
+    _check_params(index, expected)
+    if "tied" in index["model"] and index["model"]["tied"] != ties(engine.module):
+        raise Invalid(f"tied weights differ: the checkpoint ties {index['model']['tied']} and the model ties "
+                      f"{ties(engine.module)}")
+    check_files(directory, index)
+    with ExitStack() as stack:
+        files = CheckpointFiles(directory, index, verify_hashes, stack)
+        model = files.model_state()
+        optimizer = assemble_optimizer(engine, index, files)
+        return _LoadedState(model, optimizer, _read_rng(engine, index, files))
+
+
+def _apply(engine: Any, index: dict, loaded: _LoadedState, what: str) -> None:
+    """Step 3: set the engine's model, optimizer, iteration, precision state and RNG; every rank
+    agrees that it succeeded."""
     error = None
     try:
-        engine.stage.load_full_state_dict(loaded["model"])
-        engine.optimizer.load_state_dict(loaded["optimizer"])
+        engine.stage.load_full_state_dict(loaded.model)
+        engine.optimizer.load_state_dict(loaded.optimizer)
         engine.restore_iteration(int(index["iteration"]))
         restore_precision_state(engine, index.get("precision"))
-        for kind, state in loaded["rng"].items():
+        for kind, state in loaded.rng.items():
             if kind == "cpu":
                 torch.set_rng_state(state)
             else:
-                torch.cuda.set_rng_state(state, comm.device)
+                torch.cuda.set_rng_state(state, engine.comm.device)
     except Exception as e:  # noqa: BLE001
         error = f"{type(e).__name__}: {e}"
-    comm.agree(error, what, error_type=CheckpointError)
+    engine.comm.agree(error, what, error_type=CheckpointError)
+
+
+def _meta(index: dict, loaded: _LoadedState, directory: Path) -> dict[str, Any]:
+    """What ``load_checkpoint`` returns: the saving run's meta and what this load did."""
     plan = index.get("plan")
     try:
         plan = Plan.from_dict(plan) if plan is not None else None
     except Exception:  # noqa: BLE001 - the plan is informational here
         pass
     return {"iteration": index["iteration"], "world_size": index["world_size"], "zero_stage": index["zero_stage"],
-            "plan": plan, "extra": index.get("extra"), "rng_restored": bool(loaded["rng"]),
+            "plan": plan, "extra": index.get("extra"), "rng_restored": bool(loaded.rng),
             "created": index.get("created"), "path": str(directory)}
 
 

@@ -10,6 +10,7 @@ device auto mode profiled is attached last, as an observer of the step.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 from typing import Any
 
@@ -78,8 +79,7 @@ class PoplarEngine(ZeroRuntime):
                                          mixed_precision=mixed_precision,
                                          activation_checkpointing=activation_checkpointing)
             plan, device = self.auto_result.plan, self.auto_result.device
-            zero = ZeroConfig(plan.zero_stage, zero.bucket_size_mb, zero.wrap_policy, zero.process_group,
-                              zero.nonfinite, zero.max_consecutive_skips)
+            zero = dataclasses.replace(zero, stage=plan.zero_stage)  # every other field as the caller gave it
             activation_checkpointing = self.auto_result.activation_checkpointing
         elif isinstance(plan, Plan) and global_batch_size is not None and global_batch_size != plan.global_batch_size:
             raise ValueError(f"global_batch_size={global_batch_size} but the plan's rows sum to "

@@ -23,3 +23,15 @@ def test_torchrun_trains_with_rank_1_offloaded(tmp_path: Path) -> None:
     assert "offload" in table.splitlines()[1] and "optimizer" in table.splitlines()[4]
     index = json.loads((tmp_path / "ckpt" / "step-00000004" / "index.json").read_text())
     assert index["iteration"] == 4 and [r["offload"] for r in index["plan"]["ranks"]] == ["none", "optimizer"]
+
+
+@pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed beside this Python")
+@pytest.mark.multiprocess
+def test_torchrun_applies_config_shards_without_auto_mode(tmp_path: Path) -> None:
+    _config(tmp_path, shards=[2, 0.5])  # an even plan (train_micro_batch_size_per_gpu), no auto mode
+    run = _torchrun(tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    table = run.stderr[run.stderr.index("plan (even, ZeRO-2)"):].splitlines()
+    assert "shard" in table[1] and "80.0%" in table[3] and "20.0%" in table[4]
+    index = json.loads((tmp_path / "ckpt" / "step-00000004" / "index.json").read_text())
+    assert [r["shard_weight"] for r in index["plan"]["ranks"]] == [2.0, 0.5]

@@ -276,11 +276,15 @@ def fit(engine: PoplarEngine, data: Any, iterations: int, *, lr_schedule: Callab
     The keywords are shortcuts for the fields of ``config`` (a ``FitConfig``: the loss, warm-up,
     loader, throughput and preemption knobs, and these) and replace them; a field given both
     ways is an error. ``checkpoint`` and ``report`` take a directory for the default policy
-    there. A ``Trainer`` is the same loop as an object.
+    there, and ``replan`` True / False for ``ReplanOptions()`` / ``ReplanOptions(enabled=False)``.
+    A ``Trainer`` is the same loop as an object.
     """
     _check_iterations(iterations)
-    shortcuts = {"lr_schedule": lr_schedule, "evaluation": evaluation, "checkpoint": checkpoint, "report": report,
-                 "replan": replan}
+    # the door: the short forms become policies here, once (FitConfig takes the policies alone)
+    shortcuts = {"lr_schedule": lr_schedule, "evaluation": evaluation,
+                 "checkpoint": CheckpointOptions(checkpoint) if _is_path(checkpoint) else checkpoint,
+                 "report": ReportOptions(report) if _is_path(report) else report,
+                 "replan": ReplanOptions(enabled=replan) if isinstance(replan, bool) else replan}
     with Trainer(engine, data, _with_shortcuts(config, shortcuts)) as trainer:
         return trainer.fit(iterations)
 
@@ -297,6 +301,12 @@ def _with_shortcuts(config: FitConfig | None, shortcuts: dict[str, Any]) -> FitC
         if mine is not None and (name != "report" or mine != default.report):
             raise ValueError(f"{name} is given twice, as fit(..., {name}=...) and in config; give it once")
     return dataclasses.replace(base, **given) if given else base
+
+
+def _is_path(value: Any) -> bool:
+    import os
+
+    return isinstance(value, (str, os.PathLike))
 
 
 def _check_iterations(iterations: Any) -> None:

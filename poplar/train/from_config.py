@@ -117,14 +117,16 @@ def shard_setting(cfg: TrainConfig, world: int) -> str | tuple[float, ...]:
 
 
 def offload_setting(cfg: TrainConfig, world: int, auto: bool) -> tuple[Offload, ...] | None:
-    """``poplar.offload`` as one placement per rank; None where the config says nothing, or says
-    "auto" to auto mode (its planner chooses)."""
+    """``poplar.offload`` as one placement per rank; None where the config says nothing (a plan
+    file keeps its rows) or says "auto" to auto mode (its planner chooses). "auto" without auto
+    mode asks for a choice nothing makes: an error."""
     if cfg.offload is None or (auto and cfg.offload == "auto"):
         return None
-    if cfg.offload == "auto" and cfg.plan:
-        return offload_rows("auto", world, ConfigError)  # raises: a plan file has no planner to choose
-    if cfg.offload == "auto":  # an even plan: nothing chooses, so nothing offloads
-        return (Offload.NONE,) * world
+    if cfg.offload == "auto":
+        source = f"the plan file {cfg.plan}" if cfg.plan else "an even plan (train_micro_batch_size_per_gpu)"
+        raise ConfigError(f'"poplar.offload": "auto" lets auto mode\'s planner choose, but this run trains on '
+                          f'{source}, which no planner chooses: give "none", "all" or rank indices, or leave the '
+                          "plan to auto mode")
     return offload_rows(cfg.offload, world, ConfigError)
 
 

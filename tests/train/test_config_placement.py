@@ -67,8 +67,12 @@ def test_offload_means_the_same_as_shards(tmp_path: Path) -> None:
     assert _placed(_cfg(offload=[1]), 2).offloads == (Offload.NONE, Offload.OPTIMIZER)
     assert offload_setting(_cfg(offload=[1]), 2, auto=True) == (Offload.NONE, Offload.OPTIMIZER)  # auto mode plans with it
     assert offload_setting(_cfg(offload="auto"), 2, auto=True) is None  # auto mode's planner chooses
+    with pytest.raises(ConfigError, match="this run trains on an even plan .* which no planner chooses"):
+        _placed(_cfg(offload="auto"), 2)
     path = _plan_file(tmp_path, (1.0, 1.0), (Offload.NONE, Offload.OPTIMIZER))
     assert _placed(_cfg(path), 2).offloads == (Offload.NONE, Offload.OPTIMIZER)  # not given: the file's
+    with pytest.raises(ConfigError, match="this run trains on the plan file .*plan.json, which no planner"):
+        _placed(_cfg(path, offload="auto"), 2)
     assert _placed(_cfg(path, offload=[1]), 2).offloads == (Offload.NONE, Offload.OPTIMIZER)
     with pytest.raises(ConfigError, match=r'"poplar.offload" .*\[\'optimizer\', \'optimizer\'\].* plan file .*'
                                           r"\['none', 'optimizer'\] disagree"):

@@ -98,6 +98,7 @@ from poplar.emulation.link_calibration import measure_link
 from poplar.emulation.virtual_link import LinkSpec
 from poplar.emulation.speed_padding import LATE_BUDGET, late_fraction
 from poplar.profiler.local_comm import local_engine
+from poplar.zero.config import ZeroConfig
 from poplar.profiler.profile_run import ProfileJob, ProfileOptions, default_optimizer, model_size, profile_rank
 from poplar.types.profiles import Profile
 
@@ -133,7 +134,7 @@ def true_mbs(job: dict, device: Any, stage: int, rank: int, world: int, start: i
         stack.close()
         device.release()
         model = job["model_fn"]()
-        engine = local_engine(model, default_optimizer(model), world_size=world, rank=rank, zero_stage=stage,
+        engine = local_engine(model, default_optimizer(model), world_size=world, rank=rank, zero_stage=ZeroConfig(stage),
                               device=torch.device("cpu"), mixed_precision=job["precision"])
         stack.enter_context(device.attach(engine))
         return engine

@@ -10,6 +10,7 @@ device auto mode profiled is attached last, as an observer of the step.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 from typing import Any
 
@@ -20,7 +21,7 @@ from poplar.auto import AutoOptions, AutoResult, auto_plan
 from poplar.comm import Communicator
 from poplar.profiler.devices import Device
 from poplar.types.plans import Plan
-from poplar.types.precision import MixedPrecision
+from poplar.types.precision import MixedPrecision, resolve_precision
 from poplar.types.profiles import Profile
 from poplar.zero.config import ZeroConfig
 from poplar.zero.observers import MicroStepTimeline
@@ -65,7 +66,9 @@ class PoplarEngine(ZeroRuntime):
                  max_grad_norm: float | None = None, mixed_precision: MixedPrecision | str | None = None,
                  activation_checkpointing: Any = None, auto: AutoOptions | None = None) -> None:
         auto_mode = plan is None and global_batch_size is not None
+        # the door: a stage's number or "auto", and a precision's name, become policies here, once
         zero = ZeroConfig.of(("auto" if auto_mode else 0) if zero_stage is None else zero_stage)
+        mixed_precision = resolve_precision(mixed_precision)
         if not auto_mode and "auto" in (zero.stage, activation_checkpointing):
             raise ValueError('zero_stage="auto" and activation_checkpointing="auto" ask auto mode to choose: give '
                              "global_batch_size (and no plan), or a stage and a setting with the plan")
@@ -78,8 +81,7 @@ class PoplarEngine(ZeroRuntime):
                                          mixed_precision=mixed_precision,
                                          activation_checkpointing=activation_checkpointing)
             plan, device = self.auto_result.plan, self.auto_result.device
-            zero = ZeroConfig(plan.zero_stage, zero.bucket_size_mb, zero.wrap_policy, zero.process_group,
-                              zero.nonfinite, zero.max_consecutive_skips)
+            zero = dataclasses.replace(zero, stage=plan.zero_stage)  # every other field as the caller gave it
             activation_checkpointing = self.auto_result.activation_checkpointing
         elif isinstance(plan, Plan) and global_batch_size is not None and global_batch_size != plan.global_batch_size:
             raise ValueError(f"global_batch_size={global_batch_size} but the plan's rows sum to "

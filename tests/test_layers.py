@@ -25,9 +25,11 @@ LAYERS: dict[str, set[str]] = {
     "auto": {"types", "comm", "zero", "profiler", "planner"},
     "engine": {"types", "comm", "zero", "profiler", "planner", "auto"},
     "checkpoint": {"types", "comm", "zero"},
-    "train": {"types", "comm", "zero", "profiler", "planner", "auto", "engine", "checkpoint"},
+    # the loop, and a run built from a config: its built-in models and data (workloads) too
+    "train": {"types", "comm", "zero", "profiler", "planner", "auto", "engine", "checkpoint", "workloads"},
     # above the training loop: the doors of other frameworks' loops (optional dependencies)
-    "integrations": {"types", "comm", "zero", "profiler", "planner", "auto", "engine", "checkpoint", "train"},
+    "integrations": {"types", "comm", "zero", "profiler", "planner", "auto", "engine", "checkpoint", "train",
+                     "workloads"},
     "cli": {"types", "comm", "zero", "profiler", "planner", "auto", "engine", "checkpoint", "train", "workloads",
             "facade", "emulation", "integrations"},
     "facade": {"types", "comm", "zero", "profiler", "planner", "auto", "engine", "checkpoint", "train", "workloads"},

@@ -30,9 +30,7 @@ import torch
 from poplar.types.logs import log
 from poplar.types.precision import MixedPrecision
 from poplar.train.config import ConfigError, TrainConfig
-from poplar.train.deepspeed_hints import hint_line
 from poplar.train.preemption import Preempted
-from poplar.train.placement_config import offload_rows
 
 FAILURE_GRACE_S = 10.0  # how long the reporting rank waits for failing ranks not known dead to check in
 LOCAL_GRACE_S = 2.0  # after a peer died: how long for ranks alive on this machine (blocked on a rank still here)
@@ -74,34 +72,6 @@ def init_distributed(timeout_s: float) -> torch.device:
     return device
 
 
-def choose_plan(cfg: TrainConfig, world: int, device: torch.device) -> tuple[Any, bool]:
-    """(a fixed Plan or None, whether to run auto mode)."""
-    from poplar.types.plans import Plan
-
-    if cfg.plan:
-        plan = Plan.load(cfg.plan)
-        if cfg.train_batch_size is not None and plan.global_batch_size != cfg.train_batch_size:
-            raise ConfigError(f'the plan {cfg.plan} trains a global batch of {plan.global_batch_size} samples (the sum of '
-                              f'its rows) but "train_batch_size" is {cfg.train_batch_size}; make them agree: set '
-                              f'"train_batch_size": {plan.global_batch_size}, or make a plan for '
-                              f'{cfg.train_batch_size} (poplar plan --gbs {cfg.train_batch_size})')
-        return plan, False
-    if device.type == "cuda" or cfg.cluster or cfg.profile:
-        if cfg.cluster and cfg.mixed_precision is not None:  # bf16 on an emulated V100 / T4: say so now
-            from poplar.emulation.cluster import ClusterSpec
-            ClusterSpec.resolve(cfg.cluster).check_precision(cfg.mixed_precision)
-        return None, True
-    if cfg.micro_batch_size is None:
-        raise ConfigError('on a CPU without a GPU to profile, give "poplar.cluster" (emulate a cluster of GPUs), '
-                          '"poplar.plan" (a plan file) or "train_micro_batch_size_per_gpu" (an even plan)')
-    gbs = cfg.global_batch_size(world)
-    if cfg.accum_steps is not None and cfg.train_batch_size is not None and \
-            cfg.micro_batch_size * cfg.accum_steps * world != gbs:
-        raise ConfigError(f"train_batch_size {gbs} != train_micro_batch_size_per_gpu {cfg.micro_batch_size} x "
-                          f"gradient_accumulation_steps {cfg.accum_steps} x {world} ranks")
-    return Plan.even(world, gbs, cfg.micro_batch_size), False
-
-
 def describe_precision(policy: MixedPrecision) -> str:
     """One line about a precision policy, for the log."""
     text = f"{policy.precision} compute, fp32 master weights and optimizer state"
@@ -135,23 +105,13 @@ def finished_at(cfg: TrainConfig) -> int | None:
     return answer[0]
 
 
-def profile_store_dir(cfg: TrainConfig) -> Any:
-    """Where auto mode keeps profiles: $POPLAR_PROFILE_STORE when set, else beside the
-    checkpoints (``<checkpoint dir>/../profiles``), else the user's cache (AutoOptions' default)."""
-    from poplar.profiler.store import ENV_VAR
-
-    if os.environ.get(ENV_VAR) is None and cfg.checkpoint_dir:
-        return os.path.join(os.path.dirname(os.path.abspath(cfg.checkpoint_dir)), "profiles")
-    return "default"
-
-
 def run(cfg: TrainConfig, failures: "FailureReporting | None" = None, plan_only: bool = False) -> int:
     """Join the job, claim the checkpoint directory, build and train (every rank); ``plan_only``:
     stop once the plan is made (``poplar profile --config``: the profile store is then filled)."""
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a worker whose launcher is gone stops by itself
         from poplar.comm.launcher_watch import LauncherWatch
         LauncherWatch(cfg.collective_timeout_s).start()
-    device = init_distributed(cfg.collective_timeout_s)
+    init_distributed(cfg.collective_timeout_s)
     if failures is not None:
         failures.join()
     done = None if plan_only else finished_at(cfg)
@@ -166,90 +126,53 @@ def run(cfg: TrainConfig, failures: "FailureReporting | None" = None, plan_only:
     if cfg.checkpoint_dir is not None:  # before anything else: a second job on the directory stops at once
         claim(Communicator(), cfg.checkpoint_dir)
     try:
-        return _train(cfg, device, plan_only)
+        return _train(cfg, plan_only)
     finally:
         if cfg.checkpoint_dir is not None:
             let_go(Communicator(), cfg.checkpoint_dir)
 
 
-def _train(cfg: TrainConfig, device: torch.device, plan_only: bool = False) -> int:
-    from poplar.auto import AutoOptions
+def emulated_device(cfg: TrainConfig) -> Any:
+    """The door to the emulator: where the config names an emulated cluster (``poplar.cluster``)
+    and auto mode will profile, this rank's device of that cluster (its r-th GPU), checked for
+    the config's precision (bf16 on an emulated V100 / T4 is an error now); else None, and the
+    emulator is not imported."""
+    if not cfg.cluster or cfg.plan:
+        return None
     from poplar.emulation import cluster_device
-    from poplar.engine import PoplarEngine
-    from poplar.zero.config import ZeroConfig
+    from poplar.emulation.cluster import ClusterSpec
 
-    from poplar.cli import run_parts
-    from poplar.types.profiles import Profile
-
-    torch.manual_seed(cfg.seed)
-    parts = run_parts.build_parts(cfg, device)
-    model, optimizer, loss_fn, data = parts.model, parts.optimizer, parts.loss_fn, parts.train_data
     import torch.distributed as dist
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    if rank == 0:
-        log.info(f"data: {parts.about_data}")
-    if rank == 0 and cfg.deepspeed_hints:
-        log.info(hint_line(cfg.deepspeed_hints))
-    plan, auto = choose_plan(cfg, world, device)
-    # "auto": auto mode's planner chooses (AutoOptions.offload); rows given are applied as given
-    offloads = None if cfg.offload is None or (auto and cfg.offload == "auto") else \
-        offload_rows(cfg.offload, world, ConfigError)
-    if plan is not None:
-        plan = plan if offloads is None else plan.with_offloads(offloads)
-        run_parts.check_resumed_batch(cfg, plan)
-    # a stage not given: auto mode chooses; with a plan, the plan file's stage, else DeepSpeed's 0
-    stage = cfg.zero_stage if cfg.zero_stage is not None else \
-        "auto" if auto else (plan.zero_stage if plan.zero_stage is not None else 0)
-    kwargs: dict[str, Any] = {"zero_stage": ZeroConfig(stage, cfg.bucket_size_mb),
-                              "max_grad_norm": cfg.gradient_clipping, "loss_fn": loss_fn,
-                              "mixed_precision": cfg.mixed_precision}
-    if cfg.activation_checkpointing is not None:
-        kwargs["activation_checkpointing"] = cfg.activation_checkpointing
-    fingerprint = None
-    if auto:
-        profile: Any = cfg.profile
-        if profile is None:  # a restart plans from the profile saved with the checkpoints when nothing changed
-            fingerprint = run_parts.profile_fingerprint(cfg, model, data[0], world)
-            saved = run_parts.reusable_profile(cfg, fingerprint, rank)
-            profile = Profile.from_dict(saved) if saved is not None else None
-        device = cluster_device(cfg.cluster) if cfg.cluster else None  # rank r emulates the cluster's r-th GPU
-        kwargs.update(global_batch_size=cfg.global_batch_size(world),
-                      auto=AutoOptions(profile_data=data, device=device, strategy=cfg.strategy, shards=cfg.shards,
-                                       offload="auto" if cfg.offload == "auto" else "none", profile=profile,
-                                       store=profile_store_dir(cfg),
-                                       profile_output=os.path.join(cfg.report_dir, "profile.json")
-                                       if cfg.report_dir else None))
-    else:
-        kwargs["plan"] = plan
-    engine = PoplarEngine(model, optimizer, **kwargs)
-    if auto and offloads is not None:  # auto mode plans without offload; the config's ranks offload
-        engine.set_plan(engine.plan.with_offloads(offloads))
-    if fingerprint is not None:
-        run_parts.save_profile(cfg, engine.profile, fingerprint, rank)
-    if plan_only:
-        engine.close()
+
+    if cfg.mixed_precision is not None:
+        ClusterSpec.resolve(cfg.cluster).check_precision(cfg.mixed_precision)
+    # a world of one (no torchrun) stands as the cluster's first GPU; auto mode then names the ranks missing
+    return cluster_device(cfg.cluster, dist.get_rank() if dist.is_initialized() else 0)
+
+
+def _train(cfg: TrainConfig, plan_only: bool = False) -> int:
+    from poplar.train import Trainer
+
+    if plan_only:  # the plan is made (and the profile store filled) by building the engine
+        from poplar.train.from_config import build_engine
+        from poplar.train.run_parts import build_parts
+
+        torch.manual_seed(cfg.seed)
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
+            torch.device("cpu")
+        build_engine(cfg, build_parts(cfg, device), emulated_device(cfg)).close()
         return 0
-    if engine.rank == 0 and not auto:
-        log.info(f"plan ({plan.strategy or 'from file'}, ZeRO-{engine.zero_stage}):\n{plan.table()}")
-    if engine.rank == 0 and cfg.mixed_precision is not None:
-        log.info(f"mixed precision: {describe_precision(cfg.mixed_precision)}")
-    # fit handles SIGTERM while it trains and then gives back the handler it found: SIG_IGN, so a
-    # SIGTERM torchrun sends once it sees a peer die cannot end this rank between fit's failure
-    # and the failure line (a second SIGTERM during fit then no longer kills at once)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    trainer = Trainer.from_config(cfg, emulated_device(cfg))
     try:
-        from poplar.train import CheckpointOptions, EvalOptions, FitConfig, LoaderOptions, ReportOptions, fit
-        fit(engine, data, cfg.iterations, lr_schedule=cfg.lr_schedule(),
-            evaluation=None if parts.eval_data is None and cfg.eval_every is None
-            else EvalOptions(parts.eval_data, every=cfg.eval_every),
-            checkpoint=None if cfg.checkpoint_dir is None
-            else CheckpointOptions(cfg.checkpoint_dir, every=cfg.checkpoint_every, keep_checkpoints=cfg.checkpoint_keep,
-                                   resume=cfg.resume),
-            report=ReportOptions(cfg.report_dir, log_every=cfg.log_every, tensorboard=cfg.tensorboard),
-            config=FitConfig(loader=LoaderOptions(seed=cfg.seed), stop_on_signals=True))
+        if trainer.engine.rank == 0 and cfg.mixed_precision is not None:
+            log.info(f"mixed precision: {describe_precision(cfg.mixed_precision)}")
+        # fit handles SIGTERM while it trains and then gives back the handler it found: SIG_IGN, so a
+        # SIGTERM torchrun sends once it sees a peer die cannot end this rank between fit's failure
+        # and the failure line (a second SIGTERM during fit then no longer kills at once)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        trainer.fit(cfg.iterations)
     finally:
-        engine.close()
+        trainer.close()
     return 0
 
 

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from poplar.types.plans import Offload, Plan, RankPlan
+from poplar.types.precision import MixedPrecision
 from poplar.comm import CommLedger, Communicator, PendingCollective
 from poplar.zero.config import ZeroConfig
 from poplar.zero.runtime import ZeroRuntime
@@ -109,7 +110,7 @@ def round_plan(batches: list[int], shard_weights: tuple[float, ...] | None = Non
 
 
 def local_engine(model: nn.Module, optimizer: torch.optim.Optimizer, *, world_size: int, rank: int,
-                 zero_stage: int | ZeroConfig, device: torch.device, mixed_precision: Any = None,
+                 zero_stage: ZeroConfig, device: torch.device, mixed_precision: MixedPrecision | None = None,
                  activation_checkpointing: Any = None, shard_weights: tuple[float, ...] | None = None,
                  offloads: tuple[Offload, ...] | None = None) -> ZeroRuntime:
     """A ZeRO runtime for rank ``rank`` of ``world_size`` on a ``LocalCommunicator`` (its plan's

@@ -50,7 +50,10 @@ How the plan is chosen: ``poplar.plan`` if given; otherwise auto mode (profile, 
 ``poplar.strategy``) when there is something to profile — a GPU, ``poplar.cluster`` on CPU, or
 a saved ``poplar.profile``; otherwise, on plain CPU, DeepSpeed's even plan from
 ``train_micro_batch_size_per_gpu``. In auto mode the micro-batch and accumulation keys are not
-used: every rank gets its own.
+used: every rank gets its own. ``poplar.shards`` and ``poplar.offload`` mean the same whichever
+the plan's source (``poplar.train.from_config``): a list is one entry per rank, applied to an
+even plan, planned with in auto mode, and checked against a plan file (a disagreement is an
+error naming both).
 
 The stage means what it says: a given ``zero_optimization.stage`` (0-3) is the stage the job
 runs at; in auto mode a stage where batch 1 does not fit some rank is an error that names the

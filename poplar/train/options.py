@@ -13,9 +13,10 @@ stays small and a call names only what differs from the defaults:
 - ``ReplanOptions`` (``poplar.train.replan``): re-planning on drift.
 
 ``FitConfig`` holds one of each, with the loss, the learning-rate schedule, the warm-up and
-preemption. Where a plain directory is the common case it is accepted for the whole policy:
-``checkpoint="ckpt"`` is ``CheckpointOptions("ckpt")`` and ``report="runs/x"`` is
-``ReportOptions("runs/x")``.
+preemption; each field has one type, the policy's. ``poplar.fit``, the functional door, also
+takes the common short forms and converts them once: ``checkpoint="ckpt"`` is
+``CheckpointOptions("ckpt")``, ``report="runs/x"`` is ``ReportOptions("runs/x")``, and
+``replan=True`` / ``False`` is ``ReplanOptions()`` / ``ReplanOptions(enabled=False)``.
 
 Every field is checked when the object is built, before any rank starts a collective, and a bad
 value is an error that names the field and what it takes.
@@ -156,13 +157,14 @@ class FitConfig:
             alone, so a resume continues it).
         warmup: leading iterations of each ``fit`` call left out of the medians and the throughput.
         evaluation: ``EvalOptions``, or None for no evaluation.
-        checkpoint: ``CheckpointOptions`` or a directory, or None for no checkpoints.
-        report: ``ReportOptions`` or a report directory.
+        checkpoint: ``CheckpointOptions``, or None for no checkpoints.
+        report: ``ReportOptions``.
         loader: ``LoaderOptions`` of the loader built over a dataset (a ``PlanLoader`` given as the
             data keeps its own).
         throughput: ``ThroughputOptions``.
         replan: re-plan when a rank's speed or memory drifts (``poplar.train.replan``): None = on
-            when the engine has a profile, True / False, or ``ReplanOptions``. Adds no collective.
+            when the engine has a profile; a ``ReplanOptions``: on (an error without a profile),
+            or off with ``ReplanOptions(enabled=False)``. Adds no collective.
         stop_on_signals: SIGTERM / SIGINT on any rank stop every rank after the same iteration,
             which is checkpointed and reported; then ``Preempted`` is raised on every rank
             (``poplar.train.preemption``). Costs one tiny all-reduce per iteration.
@@ -172,26 +174,21 @@ class FitConfig:
     lr_schedule: Callable[[int], float | None] | None = None
     warmup: int = 1
     evaluation: EvalOptions | None = None
-    checkpoint: CheckpointOptions | str | os.PathLike | None = None
-    report: ReportOptions | str | os.PathLike = field(default_factory=ReportOptions)
+    checkpoint: CheckpointOptions | None = None
+    report: ReportOptions = field(default_factory=ReportOptions)
     loader: LoaderOptions = field(default_factory=LoaderOptions)
     throughput: ThroughputOptions = field(default_factory=ThroughputOptions)
-    replan: bool | ReplanOptions | None = None
+    replan: ReplanOptions | None = None
     stop_on_signals: bool = False
 
     def __post_init__(self) -> None:
-        if _is_path(self.checkpoint):  # a plain directory: the default policy there
-            object.__setattr__(self, "checkpoint", CheckpointOptions(self.checkpoint))
-        if _is_path(self.report):
-            object.__setattr__(self, "report", ReportOptions(self.report))
         for name, kind, none_ok in (("evaluation", EvalOptions, True), ("checkpoint", CheckpointOptions, True),
                                     ("report", ReportOptions, False), ("loader", LoaderOptions, False),
-                                    ("throughput", ThroughputOptions, False)):
+                                    ("throughput", ThroughputOptions, False), ("replan", ReplanOptions, True)):
             value = getattr(self, name)
             if not (isinstance(value, kind) or (none_ok and value is None)):
-                plain = " or a directory" if name in ("checkpoint", "report") else ""
-                raise TypeError(f"{name} must be a {kind.__name__}{plain}{' or None' if none_ok else ''}, got "
-                                f"{type(value).__name__}")
+                raise TypeError(f"{name} must be a {kind.__name__}{' or None' if none_ok else ''}, got "
+                                f"{value!r}{_short_form(name, value)}")
         if self.loss_fn is not None and not callable(self.loss_fn):
             raise TypeError(f"loss_fn must be loss_fn(module, batch) or None (the engine's), got "
                             f"{type(self.loss_fn).__name__}")
@@ -201,7 +198,16 @@ class FitConfig:
         if not _count(self.warmup, 0):
             raise ValueError(f"warmup must be an int >= 0 (leading iterations left out of the medians), got "
                              f"{self.warmup!r}")
-        if self.replan is not None and not isinstance(self.replan, (bool, ReplanOptions)):
-            raise TypeError(f"replan must be True, False, None or a ReplanOptions, got {type(self.replan).__name__}")
         if not isinstance(self.stop_on_signals, bool):
             raise TypeError(f"stop_on_signals must be True or False, got {self.stop_on_signals!r}")
+
+
+def _short_form(name: str, value: Any) -> str:
+    """The fix for a short form given to ``FitConfig``, which takes the policy alone."""
+    if name in ("checkpoint", "report") and _is_path(value):
+        kind = "CheckpointOptions" if name == "checkpoint" else "ReportOptions"
+        return f"; write {name}={kind}({str(value)!r}) (poplar.fit(..., {name}=...) also takes the directory alone)"
+    if name == "replan" and isinstance(value, bool):
+        return (f"; write replan=ReplanOptions({'' if value else 'enabled=False'}) (poplar.fit(..., replan=...) also "
+                "takes True / False)")
+    return ""

@@ -57,8 +57,11 @@ class ReplanOptions:
     strategy: str | None = None  # default: the current plan's
     require_all_ranks: bool = False
     max_micro_steps: int | None = None
+    enabled: bool = True  # False: re-planning off (also with a profile)
 
     def check(self) -> None:
+        if not isinstance(self.enabled, bool):
+            raise TypeError(f"ReplanOptions.enabled must be True or False, got {self.enabled!r}")
         if not (math.isfinite(self.threshold) and self.threshold > 0):
             raise ValueError(f"replan threshold must be > 0 (0.1 = 10 %), got {self.threshold}")
         for name in ("patience", "cooldown", "max_retries"):
@@ -88,14 +91,14 @@ class ReplanEvent:
         return asdict(self)
 
 
-def make_replanner(engine: Any, replan: bool | ReplanOptions | None) -> "Replanner | None":
-    """The re-planner ``fit`` uses, or None when re-planning is off (``replan=False``, or None
-    and no profile). ``replan=True`` without a profile is an error naming the fix."""
-    if replan is not None and not isinstance(replan, (bool, ReplanOptions)):
-        raise TypeError(f"replan must be True, False, None or a ReplanOptions, got {type(replan).__name__}")
-    if replan is False:
+def make_replanner(engine: Any, replan: ReplanOptions | None) -> "Replanner | None":
+    """The re-planner ``fit`` uses, or None when re-planning is off (``ReplanOptions(enabled=False)``,
+    or None and no profile). Options given without a profile are an error naming the fix."""
+    if replan is not None and not isinstance(replan, ReplanOptions):
+        raise TypeError(f"replan must be None or a ReplanOptions, got {type(replan).__name__}")
+    if replan is not None and not replan.enabled:
         return None
-    options = replan if isinstance(replan, ReplanOptions) else ReplanOptions()
+    options = replan if replan is not None else ReplanOptions()
     options.check()
     profile = options.profile if options.profile is not None else engine.profile
     if profile is None:

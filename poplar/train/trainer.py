@@ -46,6 +46,8 @@ if TYPE_CHECKING:
     import os
 
     from poplar.engine import PoplarEngine
+    from poplar.profiler.devices import Device
+    from poplar.train.config import TrainConfig
 
 
 class Trainer:
@@ -67,6 +69,7 @@ class Trainer:
             raise TypeError(f"config must be a poplar.train.FitConfig, got {type(config).__name__}")
         report = config.report
         self.engine, self.config = engine, config
+        self._owns_engine = False  # from_config built it: close() closes it too
         self.loader = _loader_for(engine, data, config.loader)
         self.replanner = make_replanner(engine, config.replan)
         self.monitor = FitMonitor(engine, lr_schedule=config.lr_schedule, loss_fn=config.loss_fn,
@@ -80,6 +83,34 @@ class Trainer:
             except BaseException:
                 self.close()  # let go of the checkpoint directory: no fit follows
                 raise
+
+    @classmethod
+    def from_config(cls, cfg: TrainConfig, auto_device: Device | None = None) -> Trainer:
+        """The run ``cfg`` (a ``poplar train`` config) describes, built on every rank together
+        (``poplar.train.from_config``): its model, data, engine and loop. ``auto_device``: the
+        device auto mode profiles on where it is not this rank's GPU (an emulated cluster's).
+        ``trainer.fit(cfg.iterations)`` trains it; ``close()`` also closes the engine."""
+        import torch
+
+        from poplar.train.deepspeed_hints import hint_line
+        from poplar.train.from_config import build_engine, fit_config, world_and_rank
+        from poplar.train.run_parts import build_parts
+
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        torch.manual_seed(cfg.seed)
+        parts = build_parts(cfg, device)
+        if world_and_rank()[1] == 0:
+            log.info(f"data: {parts.about_data}")
+            if cfg.deepspeed_hints:
+                log.info(hint_line(cfg.deepspeed_hints))
+        engine = build_engine(cfg, parts, auto_device)
+        try:
+            trainer = cls(engine, parts.train_data, fit_config(cfg, parts))
+        except BaseException:
+            engine.close()
+            raise
+        trainer._owns_engine = True
+        return trainer
 
     # ------------------------------------------------------------------ the loop
     def fit(self, iterations: int) -> FitResult:
@@ -201,6 +232,8 @@ class Trainer:
         self.monitor.close()
         if self.checkpointer is not None:
             self.checkpointer.close()
+        if self._owns_engine:
+            self.engine.close()
 
     def __enter__(self) -> Trainer:
         return self
@@ -243,11 +276,15 @@ def fit(engine: PoplarEngine, data: Any, iterations: int, *, lr_schedule: Callab
     The keywords are shortcuts for the fields of ``config`` (a ``FitConfig``: the loss, warm-up,
     loader, throughput and preemption knobs, and these) and replace them; a field given both
     ways is an error. ``checkpoint`` and ``report`` take a directory for the default policy
-    there. A ``Trainer`` is the same loop as an object.
+    there, and ``replan`` True / False for ``ReplanOptions()`` / ``ReplanOptions(enabled=False)``.
+    A ``Trainer`` is the same loop as an object.
     """
     _check_iterations(iterations)
-    shortcuts = {"lr_schedule": lr_schedule, "evaluation": evaluation, "checkpoint": checkpoint, "report": report,
-                 "replan": replan}
+    # the door: the short forms become policies here, once (FitConfig takes the policies alone)
+    shortcuts = {"lr_schedule": lr_schedule, "evaluation": evaluation,
+                 "checkpoint": CheckpointOptions(checkpoint) if _is_path(checkpoint) else checkpoint,
+                 "report": ReportOptions(report) if _is_path(report) else report,
+                 "replan": ReplanOptions(enabled=replan) if isinstance(replan, bool) else replan}
     with Trainer(engine, data, _with_shortcuts(config, shortcuts)) as trainer:
         return trainer.fit(iterations)
 
@@ -264,6 +301,12 @@ def _with_shortcuts(config: FitConfig | None, shortcuts: dict[str, Any]) -> FitC
         if mine is not None and (name != "report" or mine != default.report):
             raise ValueError(f"{name} is given twice, as fit(..., {name}=...) and in config; give it once")
     return dataclasses.replace(base, **given) if given else base
+
+
+def _is_path(value: Any) -> bool:
+    import os
+
+    return isinstance(value, (str, os.PathLike))
 
 
 def _check_iterations(iterations: Any) -> None:

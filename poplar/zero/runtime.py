@@ -59,14 +59,14 @@ class ZeroRuntime:
         optimizer: any ``torch.optim`` optimizer built on ``model.parameters()`` (groups allowed).
             At stages 1-3 its groups are re-pointed at this rank's shard; settings are kept.
         plan: one ``RankPlan`` per rank (``Plan``); its global batch size defines loss scaling.
-        zero_stage: 0, 1, 2 or 3, or a ``ZeroConfig`` (the stage with the bucket size, stage-3
-            wrapping, process group and non-finite policy).
+        zero_stage: a ``ZeroConfig`` (the stage with the bucket size, stage-3 wrapping, process
+            group and non-finite policy). ``PoplarEngine``, the public door, also takes a plain stage.
         max_grad_norm: clip the global gradient norm (over all ranks) to this value.
         communicator: use this ``Communicator`` instead of one on the config's process group.
         loss_fn: ``loss_fn(module, micro_batch)`` -> the mean loss, or a pair ``(loss_sum, count)``
             (token-weighted, docs/design.md §2); ``train_step``'s default.
-        mixed_precision: None or "fp32" (plain fp32), "bf16", "fp16" or a ``MixedPrecision``.
-            The model must be fp32: masters and optimizer state stay fp32.
+        mixed_precision: a ``MixedPrecision`` or None (plain fp32); ``PoplarEngine`` also takes its
+            name. The model must be fp32: masters and optimizer state stay fp32.
         activation_checkpointing: None/False, True (the wrap policy's blocks) or a policy naming
             module classes: recompute their forward in backward (``poplar.zero.activation_checkpointing``).
     Every rank constructs it together (set-up is agreed: a bad argument on any rank is a
@@ -74,10 +74,18 @@ class ZeroRuntime:
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, plan: Plan | None,
-                 zero_stage: int | ZeroConfig = 0, max_grad_norm: float | None = None,
+                 zero_stage: ZeroConfig = ZeroConfig(), max_grad_norm: float | None = None,
                  communicator: Communicator | None = None, loss_fn: LossFn | None = None,
-                 mixed_precision: MixedPrecision | str | None = None, activation_checkpointing: Any = None) -> None:
-        config = ZeroConfig.of(zero_stage)
+                 mixed_precision: MixedPrecision | None = None, activation_checkpointing: Any = None) -> None:
+        # one type per argument here: the engine (PoplarEngine) is the door that takes a stage's
+        # number or a precision's name and converts it, once
+        if not isinstance(zero_stage, ZeroConfig):
+            raise TypeError(f"ZeroRuntime takes zero_stage=poplar.ZeroConfig(stage, ...), got {zero_stage!r}; "
+                            f"write ZeroConfig({zero_stage!r}), or build a PoplarEngine, which takes the stage")
+        if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+            raise TypeError(f"ZeroRuntime takes mixed_precision=poplar.MixedPrecision(...) or None, got "
+                            f"{mixed_precision!r}; a PoplarEngine takes the names 'fp32', 'bf16' and 'fp16'")
+        config = zero_stage
         zero_stage, bucket_size_mb, wrap_policy = config.stage, config.bucket_size_mb, config.wrap_policy
         model_device = next(model.parameters()).device
         self.comm = communicator if communicator is not None else Communicator(config.process_group, model_device)

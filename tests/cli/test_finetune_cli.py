@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from poplar.cli.run_parts import build_parts
+from poplar.train.run_parts import build_parts
 from poplar.train.config import ConfigError, TrainConfig
 from tests.cli.test_train_cli import TORCHRUN, _torchrun
 

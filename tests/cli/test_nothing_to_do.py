@@ -8,7 +8,8 @@ from pathlib import Path
 
 import torch
 
-from poplar.cli.train import finished_at, profile_store_dir, run
+from poplar.cli.train import finished_at, run
+from poplar.train.from_config import profile_store_dir
 from poplar.train.config import TrainConfig
 from tests.checkpoint.test_checkpoint_kept import PLAN1, fit, make_engine
 

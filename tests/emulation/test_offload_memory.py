@@ -18,6 +18,7 @@ from poplar.types.plans import Offload, Plan
 from poplar.workloads import get_workload
 from poplar.zero.config import ZeroConfig
 from poplar.zero.runtime import PlanCheck, ZeroRuntime
+from poplar.types.precision import resolve_precision
 
 WORKLOAD = get_workload("token-mlp")
 MB = 10 ** 6
@@ -38,7 +39,7 @@ def test_offloaded_optimizer_is_host_memory(stage: int, precision: str | None) -
         torch.manual_seed(0)
         model = WORKLOAD.model_fn()
         engine = ZeroRuntime(model, default_optimizer(model), plan=plan_at(1, offload),
-                             zero_stage=ZeroConfig(stage, bucket_size_mb=0.03), mixed_precision=precision,
+                             zero_stage=ZeroConfig(stage, bucket_size_mb=0.03), mixed_precision=resolve_precision(precision),
                              communicator=LocalCommunicator(3, 1))
         predicted = predicted_optimizer_bytes(engine.optimizer)
         device = VirtualDevice("d", 100 * MB)

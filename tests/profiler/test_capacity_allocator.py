@@ -16,6 +16,7 @@ from poplar.profiler.configurations import raised_at
 from poplar.profiler.local_comm import local_engine
 from poplar.profiler.profile_run import ProfileJob, ProfileOptions, search_capacity
 from poplar.zero.runtime import ZeroRuntime
+from poplar.zero.config import ZeroConfig
 from tests.toy import SEQ, VOCAB, loss_fn, make_model
 
 
@@ -60,7 +61,7 @@ def test_a_rebuild_finds_the_broken_runtime_gone() -> None:
     def new_runtime() -> ZeroRuntime:
         model = make_model()
         return local_engine(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), world_size=2, rank=0,
-                            zero_stage=3, device=torch.device("cpu"))
+                            zero_stage=ZeroConfig(3), device=torch.device("cpu"))
 
     def too_big(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
         if len(tokens) > 2:

@@ -19,7 +19,7 @@ from poplar.profiler.local_comm import local_engine, search_plan
 from poplar.profiler.precision import agree_precision_support, precision_meta, profile_precision
 from poplar.profiler.profile_run import ProfileJob, ProfileOptions, default_optimizer, profile_rank, search_capacity
 from poplar.emulation.cluster import ClusterSpec
-from poplar.types.precision import MixedPrecision, Precision
+from poplar.types.precision import MixedPrecision, Precision, resolve_precision
 from poplar.emulation.presets import PresetError, get_preset
 from poplar.types.profiles import Profile, ProfileError
 from poplar.workloads import get_workload
@@ -129,7 +129,7 @@ def test_auto_mode_refuses_a_profile_of_another_precision(tmp_path: Path) -> Non
 def _engine(stage: int, world: int, rank: int, precision: str | None) -> ZeroRuntime:
     model = WORKLOAD.model_fn()
     return local_engine(model, default_optimizer(model), world_size=world, rank=rank, zero_stage=ZeroConfig(stage, bucket_size_mb=0.03),
-                        device=torch.device("cpu"), mixed_precision=precision)
+                        device=torch.device("cpu"), mixed_precision=resolve_precision(precision))
 
 
 def test_device_follows_the_runtimes_precision() -> None:

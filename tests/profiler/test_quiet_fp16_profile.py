@@ -13,6 +13,7 @@ from poplar.profiler.profile_run import ProfileOptions, default_optimizer, profi
 from poplar.types.plans import Plan
 from poplar.workloads import get_workload
 from poplar.zero.runtime import ZeroRuntime
+from poplar.types.precision import MixedPrecision
 from tests.log_lines import Lines
 
 WORKLOAD = get_workload("token-mlp")
@@ -40,7 +41,8 @@ def test_fp16_profiling_counts_overflows_and_training_reports_them() -> None:
             profile.meta["ranks"]["0"]
 
         model = WORKLOAD.model_fn()
-        runtime = ZeroRuntime(model, default_optimizer(model), plan=Plan.even(1, 4, 4), mixed_precision="fp16")
+        runtime = ZeroRuntime(model, default_optimizer(model), plan=Plan.even(1, 4, 4),
+                              mixed_precision=MixedPrecision(param_dtype=torch.float16))
         runtime.train_step(WORKLOAD.sample_fn(4), overflowing_loss)
         assert runtime.skipped_steps == 1
         assert any("optimizer step was skipped" in line and "loss scale 65536" in line for line in lines.lines), \

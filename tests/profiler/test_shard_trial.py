@@ -13,6 +13,7 @@ from poplar.emulation import VirtualDevice
 from poplar.profiler.local_comm import local_engine
 from poplar.profiler.profile_run import ProfileJob, ProfileOptions, confirm_plan_memory
 from poplar.types.plans import Plan, RankPlan
+from poplar.zero.config import ZeroConfig
 from tests.toy import SEQ, VOCAB, loss_fn, make_model
 
 WEIGHTS = (3.0, 1.0)
@@ -47,6 +48,6 @@ def test_local_runtime_shards_follow_the_weights() -> None:
     for rank in range(2):
         model = make_model()
         runtime = local_engine(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), world_size=2,
-                               rank=rank, zero_stage=3, device=torch.device("cpu"), shard_weights=WEIGHTS)
+                               rank=rank, zero_stage=ZeroConfig(3), device=torch.device("cpu"), shard_weights=WEIGHTS)
         sharded.append(sum(b.shard_numel for b in runtime.stage.blocks))
     assert sharded[0] == pytest.approx(3 * sharded[1], rel=0.1)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from poplar.cli.run_parts import build_parts
+from poplar.train.run_parts import build_parts
 from poplar.train.config import ConfigError, TrainConfig
 from poplar.workloads.tokenized import TokenizedText
 

@@ -184,9 +184,9 @@ def test_replan_options_are_checked() -> None:
     class NoProfile:
         profile, world_size = None, 2
 
-    assert make_replanner(NoProfile(), None) is None and make_replanner(NoProfile(), False) is None
+    assert make_replanner(NoProfile(), None) is None and make_replanner(NoProfile(), ReplanOptions(enabled=False)) is None
     with pytest.raises(ValueError, match="build the engine in auto mode"):
-        make_replanner(NoProfile(), True)
+        make_replanner(NoProfile(), ReplanOptions())
     with pytest.raises(ValueError, match="threshold must be > 0"):
         make_replanner(NoProfile(), ReplanOptions(threshold=0))
     with pytest.raises(ValueError, match="patience must be an int >= 1"):

@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from poplar.cli.train import choose_plan, describe_precision
+from poplar.cli.train import describe_precision, emulated_device
+from poplar.train.from_config import choose_plan
 from poplar.train.config import ConfigError, TrainConfig
 from poplar.types.precision import LossScaleConfig, MixedPrecision
 
@@ -101,9 +102,9 @@ def test_fp16_section_maps_to_deepspeed_loss_scaling() -> None:
 def test_train_passes_the_policy_and_refuses_bf16_on_an_emulated_v100_t4_cluster() -> None:
     cfg = TrainConfig.from_dict({**BASE, "bf16": {"enabled": True}, "poplar": {"cluster": "B"}})
     with pytest.raises(ValueError, match=r"bf16 is not supported on V100-16G \(ranks 0, 1\), T4-16G.*Use fp16"):
-        choose_plan(cfg, 4, torch.device("cpu"))
+        emulated_device(cfg)
     fp16 = TrainConfig.from_dict({**BASE, "fp16": {"enabled": True}, "poplar": {"cluster": "B"}})
-    assert choose_plan(fp16, 4, torch.device("cpu")) == (None, True)
+    assert choose_plan(fp16, 4, torch.device("cpu"), object()) == (None, True)  # a device to profile on
     assert "dynamic loss scale from 65536" in describe_precision(fp16.mixed_precision)
 
 
@@ -123,7 +124,10 @@ def test_plan_choice_on_cpu() -> None:
     even = TrainConfig.from_dict({**BASE, "train_micro_batch_size_per_gpu": 3})
     plan, auto = choose_plan(even, 4, cpu)
     assert not auto and [r.num_samples for r in plan.ranks] == [8] * 4 and plan.ranks[0].micro_batch_size == 3
-    assert choose_plan(TrainConfig.from_dict({**BASE, "poplar": {"cluster": "B"}}), 4, cpu) == (None, True)
+    emulated = TrainConfig.from_dict({**BASE, "poplar": {"cluster": "B"}})
+    assert choose_plan(emulated, 4, cpu, object()) == (None, True)
+    with pytest.raises(ConfigError, match="only the command line"):  # from Python: give auto mode its device
+        choose_plan(emulated, 4, cpu)
     with pytest.raises(ConfigError, match="poplar.cluster"):
         choose_plan(TrainConfig.from_dict(BASE), 4, cpu)
     bad = TrainConfig.from_dict({**BASE, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3})

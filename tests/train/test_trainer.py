@@ -16,6 +16,8 @@ from poplar.engine import PoplarEngine
 from poplar.train import (CheckpointOptions, EvalOptions, FitConfig, LoaderOptions, ReportOptions, ThroughputOptions,
                           Trainer)
 from poplar.train.records import StepRow, iteration_records
+from poplar.train.replan import ReplanOptions
+from poplar.train.trainer import _with_shortcuts
 from tests.toy import global_batch, loss_fn, make_model, plan_of
 
 PLAN = plan_of((3, 1, 1), (2, 1, 0))  # 4 + 2 samples
@@ -42,22 +44,30 @@ def test_policies_name_the_bad_field_and_the_fix() -> None:
         LoaderOptions(num_workers=-1)
     with pytest.raises(ValueError, match="warmup must be an int >= 0"):
         FitConfig(warmup=-1)
-    with pytest.raises(TypeError, match="report must be a ReportOptions or a directory"):
+    with pytest.raises(TypeError, match="report must be a ReportOptions, got 3"):
         FitConfig(report=3)  # type: ignore[arg-type]
 
 
-def test_a_directory_stands_for_the_default_policy_there() -> None:
-    config = FitConfig(checkpoint="runs/x/ckpt", report="runs/x")
-    assert config.checkpoint == CheckpointOptions("runs/x/ckpt")
-    assert config.report == ReportOptions("runs/x")
-    assert FitConfig().checkpoint is None and FitConfig().report == ReportOptions()
+def test_fit_config_takes_policies_and_names_the_short_forms_fix() -> None:
+    """Each FitConfig field has one type; the short forms are fit's, converted there once."""
+    config = FitConfig(checkpoint=CheckpointOptions("runs/x/ckpt"), report=ReportOptions("runs/x"))
+    assert config.checkpoint == CheckpointOptions("runs/x/ckpt") and config.report == ReportOptions("runs/x")
+    assert FitConfig().checkpoint is None and FitConfig().report == ReportOptions() and FitConfig().replan is None
+    with pytest.raises(TypeError, match=r"write checkpoint=CheckpointOptions\('runs/x/ckpt'\)"):
+        FitConfig(checkpoint="runs/x/ckpt")
+    with pytest.raises(TypeError, match=r"write report=ReportOptions\('runs/x'\)"):
+        FitConfig(report="runs/x")
+    with pytest.raises(TypeError, match=r"write replan=ReplanOptions\(enabled=False\)"):
+        FitConfig(replan=False)
+    assert _with_shortcuts(None, {"checkpoint": CheckpointOptions("c"), "replan": None}).checkpoint == \
+        CheckpointOptions("c")
 
 
 def test_a_field_given_twice_is_refused_before_any_work() -> None:
     with pytest.raises(ValueError, match="replan is given twice"):
-        poplar.fit(object(), [], 1, replan=False, config=FitConfig(replan=True))
+        poplar.fit(object(), [], 1, replan=False, config=FitConfig(replan=ReplanOptions()))
     with pytest.raises(ValueError, match="report is given twice"):
-        poplar.fit(object(), [], 1, report="a", config=FitConfig(report="b"))
+        poplar.fit(object(), [], 1, report="a", config=FitConfig(report=ReportOptions("b")))
     with pytest.raises(ValueError, match="iterations must be an int >= 0"):
         poplar.fit(object(), [], -1)
 

@@ -19,6 +19,7 @@ from poplar.workloads.models import create_model, llama_loss_fn
 from tests.toy import max_rel_err, plan_of
 from tests.zero.test_stage3_common import tiny_lm
 from poplar.zero.config import ZeroConfig
+from poplar.zero.runtime import ZeroRuntime
 
 ITERATIONS, SEQ, GBS = 12, 16, 10
 PLANS = {2: plan_of((2, 2, 1), (3, 1, 2)),  # n_i = 5, 5 with micro-step counts 3, 2
@@ -192,8 +193,19 @@ def test_policy_resolution() -> None:
     assert model.embed.weight.dtype == torch.float32
 
 
+def test_a_bad_precision_name_is_refused_at_the_door() -> None:
+    """The engine turns a precision's name into a policy once; a name it does not know is
+    refused there, before any collective, and the runtime takes a policy only."""
+    model = create_model("llama-tiny")
+    with pytest.raises(ValueError, match="mixed_precision='fp8': use None, 'fp32', 'bf16', 'fp16'"):
+        PoplarEngine(model, adamw(model), zero_stage=1, plan=Plan.even(1, 2, 1), mixed_precision="fp8")
+    with pytest.raises(TypeError, match="ZeroRuntime takes mixed_precision=poplar.MixedPrecision"):
+        ZeroRuntime(model, adamw(model), zero_stage=ZeroConfig(1), plan=Plan.even(1, 2, 1), mixed_precision="bf16")
+    with pytest.raises(TypeError, match=r"write ZeroConfig\(1\)"):
+        ZeroRuntime(model, adamw(model), zero_stage=1, plan=Plan.even(1, 2, 1))
+
+
 @pytest.mark.parametrize("kwargs, needle", [
-    ({"mixed_precision": "fp8"}, "mixed_precision='fp8'"),
     ({"zero_stage": ZeroConfig(1, nonfinite="ignore")}, "nonfinite must be 'skip' or 'raise'"),
     ({"zero_stage": ZeroConfig(1, max_consecutive_skips=-1)}, "max_consecutive_skips must be an int >= 0"),
 ])

@@ -21,6 +21,7 @@ from poplar.profiler.local_comm import LocalCommunicator
 from poplar.types.plans import Offload, Plan, PlanError, RankPlan
 from poplar.zero.config import ZeroConfig
 from poplar.zero.runtime import ZeroRuntime
+from poplar.types.precision import resolve_precision
 from tests.toy import (assert_runs_match_reference, global_batch, loss_fn, make_model, make_optimizer, max_rel_err,
                        rank_slice, reference_run)
 
@@ -221,8 +222,8 @@ def test_zero0_refuses_offload_naming_the_fix() -> None:
     model = make_model()
     plan = Plan([RankPlan(2, 1, offload=Offload.OPTIMIZER)])
     with pytest.raises(DistributedError, match="ZeRO-0 .*zero_stage=1, 2 or 3"):
-        ZeroRuntime(model, make_optimizer(model, "sgd"), plan=plan, zero_stage=0, communicator=LocalCommunicator(1, 0))
-    runtime = ZeroRuntime(model, make_optimizer(model, "sgd"), plan=Plan([RankPlan(2, 1)]), zero_stage=0,
+        ZeroRuntime(model, make_optimizer(model, "sgd"), plan=plan, zero_stage=ZeroConfig(0), communicator=LocalCommunicator(1, 0))
+    runtime = ZeroRuntime(model, make_optimizer(model, "sgd"), plan=Plan([RankPlan(2, 1)]), zero_stage=ZeroConfig(0),
                           communicator=LocalCommunicator(1, 0))
     with pytest.raises(DistributedError, match="ZeRO-0"):
         runtime.set_plan(plan)
@@ -268,7 +269,7 @@ def test_offloaded_master_lives_on_the_host_only(stage: int, precision: str) -> 
     for offload in (Offload.NONE, Offload.OPTIMIZER):
         model = make_model(seed=0)
         runtime = ZeroRuntime(model, make_optimizer(model, "adamw"), plan=Plan([RankPlan(4, 3, 2, offload=offload)]),
-                              zero_stage=_config(stage), max_grad_norm=0.5, mixed_precision=precision,
+                              zero_stage=_config(stage), max_grad_norm=0.5, mixed_precision=resolve_precision(precision),
                               communicator=LocalCommunicator(1, 0))
         stage_ = runtime.stage
         masters = stage_.masters if stage < 3 else [b.shard for b in stage_.blocks]

@@ -1,4 +1,4 @@
-"""What ``poplar train`` builds from its config before the engine: the model, optimizer, loss,
+"""What a run built from a ``TrainConfig`` (``poplar.train.from_config``) needs before the engine: the model, optimizer, loss,
 training and held-out data, and the profile a resumed run may reuse.
 
 Models (``poplar.model``): a built-in name (``llama-small``, ``bert-tiny``, ...), a Hugging Face
@@ -159,16 +159,18 @@ def build_parts(cfg: TrainConfig, device: torch.device) -> RunParts:
 
 
 # ---------------------------------------------------------------------- profile reuse
-def profile_fingerprint(cfg: TrainConfig, model: nn.Module, sample: Any, world: int) -> dict[str, Any]:
-    """What a profile depends on (JSON-safe): equal fingerprints, reusable profile."""
-    from poplar.emulation.cluster import ClusterSpec
-
+def profile_fingerprint(cfg: TrainConfig, model: nn.Module, sample: Any, world: int,
+                        auto_device: Any = None) -> dict[str, Any]:
+    """What a profile depends on (JSON-safe): equal fingerprints, reusable profile.
+    ``auto_device``: the device auto mode profiles on where it is not this rank's GPU; an emulated
+    GPU names its whole cluster (``ClusterDevice.cluster``)."""
     params = hashlib.sha256(repr([(n, tuple(p.shape), p.requires_grad) for n, p in model.named_parameters()])
                             .encode()).hexdigest()
     shapes = {k: list(v.shape) for k, v in sample.items()} if isinstance(sample, dict) else list(sample.shape)
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() \
         else None
-    return {"model": params, "cluster": ClusterSpec.resolve(cfg.cluster).to_dict() if cfg.cluster else None,
+    cluster = getattr(auto_device, "cluster", None)
+    return {"model": params, "cluster": cluster.to_dict() if cluster is not None else None,
             "gpus": gpus, "zero_stage": cfg.zero_stage, "world_size": world, "sample": shapes,
             "precision": str(cfg.mixed_precision.precision) if cfg.mixed_precision is not None else "fp32",
             "bucket_size_mb": cfg.bucket_size_mb, "activation_checkpointing": repr(cfg.activation_checkpointing)}
@@ -212,24 +214,3 @@ def save_profile(cfg: TrainConfig, profile: Any, fingerprint: dict[str, Any], ra
     os.makedirs(paths[0].parent, exist_ok=True)
     profile.save(paths[0])
     write_text_atomic(paths[1], json.dumps(fingerprint, indent=1) + "\n")
-
-
-def check_resumed_batch(cfg: TrainConfig, plan: Any) -> None:
-    """A plan file with no ``train_batch_size`` beside it must keep the global batch of the run it
-    resumes (a config's ``train_batch_size`` is checked against the plan itself, ``choose_plan``).
-    Looks only; a damaged directory is left for the resume to report."""
-    from poplar.checkpoint import CheckpointError, find_latest, read_index
-    from poplar.types.plans import Plan
-
-    if cfg.train_batch_size is not None or not cfg.plan or cfg.checkpoint_dir is None or not cfg.resume:
-        return
-    try:
-        latest = find_latest(cfg.checkpoint_dir)
-        saved = read_index(latest.path).get("plan") if latest is not None else None
-        resumed = Plan.from_dict(saved).global_batch_size if saved is not None else None
-    except (CheckpointError, ValueError, KeyError, TypeError):
-        return
-    if resumed is not None and resumed != plan.global_batch_size:
-        raise ConfigError(f"the plan {cfg.plan} trains a global batch of {plan.global_batch_size} samples but the run "
-                          f"it resumes from {cfg.checkpoint_dir} trained {resumed}; use a plan for {resumed} samples, "
-                          f'or set "train_batch_size": {plan.global_batch_size} to change the global batch on purpose')

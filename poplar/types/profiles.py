@@ -446,15 +446,17 @@ class Profile:
         if not isinstance(d, dict):
             raise ProfileError(f"{source} must be a JSON object, got {type(d).__name__}")
         version = d.get("schema_version", 1)
-        if version != PROFILE_SCHEMA:
-            raise ProfileError(
-                f"{source} has profile schema {version}, this Poplar reads schema {PROFILE_SCHEMA} (typed exposure, "
-                "links and provenance records); profile the cluster again (`poplar profile`, or auto mode)")
-        d = {k: v for k, v in d.items() if k != "schema_version"}
+        again = "profile the cluster again (`poplar profile`, or auto mode)"
+        if version not in (1, PROFILE_SCHEMA):
+            raise ProfileError(f"{source} has profile schema {version}, this Poplar reads schemas 1 and "
+                               f"{PROFILE_SCHEMA}; {again}")
         try:
+            if version == 1:
+                d = from_schema_1(d)
+            d = {k: v for k, v in d.items() if k != "schema_version"}
             return cls(**d)
-        except TypeError as e:
-            raise ProfileError(f"malformed {source}: {e}") from None
+        except (TypeError, KeyError, AttributeError) as e:
+            raise ProfileError(f"malformed {source} (schema {version}): {e}; {again}") from None
 
     def save(self, path: str | os.PathLike) -> None:
         write_text_atomic(path, json.dumps(self.to_dict(), indent=2) + "\n")
@@ -468,6 +470,57 @@ class Profile:
 def _require(ok: bool, where: str, value: Any, what: str) -> None:
     if not ok:
         raise ProfileError(f"profile field {where} must be {what}, got {value!r} ({type(value).__name__})")
+
+
+# the exposure fields of a schema-1 CommProfile, by their ``Exposure`` / ``LedExposure`` names
+_SCHEMA_1_EXPOSURE = {"exposed_micro_step_s": "micro_step_s", "exposed_iteration_s": "iteration_s",
+                      "exposed_step_compute_s": "step_compute_s", "exposed_step_s": "step_s",
+                      "exposed_switch_s": "switch_s", "iteration_overhead_s": "overhead_s", "exposed_error": "error"}
+_SCHEMA_1_LED = {"exposed_micro_step_lead_s": "micro_step_s", "exposed_iteration_lead_s": "iteration_s",
+                 "exposed_small_lead": "small_lead", "exposed_micro_step_small_lead_s": "micro_step_small_lead_s",
+                 "exposed_iteration_small_lead_s": "iteration_small_lead_s"}
+
+
+def from_schema_1(d: dict[str, Any]) -> dict[str, Any]:
+    """A schema-1 profile (before typed records: flat ``exposed_*`` fields and a ``meta`` dict) as
+    a schema-2 one. Every measured number has one place in the new records; ``meta``'s prose and
+    diagnostics that have none are left out."""
+    d = dict(d)
+    comm = dict(_mapping(d.get("comm"), "comm"))
+    links = {k: comm.pop(k) for k in ("bandwidth_bytes_per_s", "latency_s", "backend") if k in comm}
+    exposure: dict[str, Any] = {new: comm.pop(old) for old, new in _SCHEMA_1_EXPOSURE.items() if old in comm}
+    leaders: dict[str, dict[str, Any]] = {}
+    for old, new in _SCHEMA_1_LED.items():
+        for dtype, x in (comm.pop(old, None) or {}).items():
+            leaders.setdefault(dtype, {"device_type": dtype})[new] = x
+    exposure["leaders"] = list(leaders.values())
+    d["comm"] = {**comm, "links": links, "exposure": exposure}
+    legacy = dict(_mapping(d.pop("meta", None) or {}, "meta"))
+    d["precision"] = legacy.get("precision", "fp32")
+    d["mixed_precision"] = legacy.get("mixed_precision")
+    d["activation_checkpointing"] = bool(legacy.get("activation_checkpointing"))
+    emulated = None
+    if legacy.get("emulated") or legacy.get("synthetic"):
+        cluster = legacy.get("cluster")
+        emulated = Emulated(memory_scale=legacy["memory_scale"], time_scale=legacy.get("time_scale"),
+                            cluster=cluster.get("name", "") if isinstance(cluster, dict) else "",
+                            synthetic=bool(legacy.get("synthetic")), calibration=legacy.get("calibration"))
+    d["provenance"] = Provenance(schema_version=1, emulated=emulated)
+    notes = legacy.get("ranks") or {}
+    past = legacy.get("points_past_mbs")
+    d["measurement"] = Measurement(
+        requested_stage=legacy.get("requested_stage"),
+        escalations=[Escalation(e["from"], e["to"], e["ranks"], e.get("reasons", {}), e.get("offload"))
+                     for e in legacy.get("escalations", [])],
+        seconds=legacy.get("seconds", 0.0), timing_rounds=legacy.get("timing_rounds", 0),
+        repeats=legacy.get("repeats", 0), overflowing_trials=legacy.get("overflowing_trials", 0), ranks=[notes[k] for k in sorted(notes, key=int)],
+        past_mbs=PastMbs(past["shard_weights"], past["batches"], past.get("seconds", 0.0)) if past else None)
+    choice = legacy.get("auto_choice")
+    if choice:
+        d["auto_choice"] = AutoChoice(choice["rule"], choice["candidates"], choice.get("profiling_s", {}),
+                                      choice.get("timed", 0), choice.get("probed", 0), choice.get("timing_rounds", 0),
+                                      choice.get("offload_escalations", []))
+    return d
 
 
 def _record(value: Any, kind: type, where: str) -> Any:

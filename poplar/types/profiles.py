@@ -83,9 +83,9 @@ class RankProfile:
 LEAD_SCALE = 0.1
 # The lead of the profiler's steady led rounds: one device type at the balanced compute, the
 # others at half of it. A lock-step micro-step (an iteration's end) whose slowest device type
-# leads the next by this fraction or more exposes ``CommProfile.exposed_micro_step_lead_s[type]``
-# (``exposed_iteration_lead_s``); with every rank finishing together, ``exposed_micro_step_s``
-# (``exposed_iteration_s``); in between, as ``lead_change`` says, because the change grows with
+# leads the next by this fraction or more exposes its ``LedExposure.micro_step_s``
+# (``LedExposure.iteration_s``); with every rank finishing together, ``Exposure.micro_step_s``
+# (``Exposure.iteration_s``); in between, as ``lead_change`` says, because the change grows with
 # the lead rather than arriving in full at a small one. Tuned on the CPU emulator
 # (docs/experiments.md); the profiler does not measure the led rounds' lead, it sets it.
 LED_ROUNDS_LEAD = 0.5
@@ -93,7 +93,7 @@ LED_ROUNDS_LEAD = 0.5
 # measures how the change grows with the lead: a lone leader takes most of it early, several
 # leaders more gradually, so one straight line to ``LED_ROUNDS_LEAD`` cannot fit both
 # (``lead_change``). Chosen on the CPU emulator; the lead those rounds actually ran at is
-# measured (``CommProfile.exposed_small_lead``), and the cost model uses the measured one.
+# measured (``LedExposure.small_lead``), and the cost model uses the measured one.
 SMALL_LEAD = 0.15
 
 

@@ -141,15 +141,16 @@ def test_profile_finds_true_mbs_and_curve(stage: int, truth: dict[int, list[int]
         assert max(waits) > 0.2, waits
     else:
         assert max(waits) == 0.0
-    assert prof.comm.bandwidth_bytes_per_s > 0
+    assert prof.comm.links.bandwidth_bytes_per_s > 0
     # what the engine issued at this stage, and what of it compute did not hide, for the cost model
     c = prof.comm
     ops = {op for op, _ in c.micro_step}
     assert c.collectives_stage == stage and ops == {0: set(), 1: set(), 2: {"reduce_scatter"},
                                                     3: {"all_gather", "reduce_scatter"}}[stage]
     assert ("all_reduce", 8 * (7 + 2 * WORLD)) in [tuple(x) for x in c.iteration]  # the status all-reduce (7 + 2N float64)
-    assert c.exposed_micro_step_s >= 0 and c.exposed_iteration_s > 0 and c.iteration_overhead_s >= 0
-    assert (c.exposed_micro_step_s > 0) == (stage >= 2)
+    x = c.exposure
+    assert x.micro_step_s >= 0 and x.iteration_s > 0 and x.overhead_s >= 0
+    assert (x.micro_step_s > 0) == (stage >= 2)
     if stage == 3:
         events = prof.measurement.ranks[1]["oom_events"]
         injected = [e for e in events if "injected" in e["message"]]

@@ -141,7 +141,8 @@ def rank_main(rank: int, world: int, cluster: str, gbs: int, iterations: int, re
             "auto_profiling_s": auto_s, "single_profile_s": single_s, "chosen_single_s": chosen_single_s,
             "auto_split": auto.plan.choice.profiling_s,
             "single_split": single.measurement.ranks[rank]["phase_seconds"],
-            "rounds": (auto.profile.auto_choice.timing_rounds, single.measurement.timing_rounds), "auto_table": format_table(auto.candidates or []),
+            "rounds": (auto.profile.auto_choice.timing_rounds, single.measurement.timing_rounds),
+            "auto_table": format_table(auto.candidates or []),
             "late": late}
 
 

@@ -130,14 +130,18 @@ def load_checkpoint(engine: Any, directory: str | os.PathLike, *, verify_hashes:
     except Exception as e:  # noqa: BLE001
         error = f"{type(e).__name__}: {e}"
     comm.agree(error, what, error_type=CheckpointError)
-    plan = index.get("plan")
+    return LoadedCheckpoint(iteration=index["iteration"], world_size=index["world_size"],
+                            zero_stage=index["zero_stage"], plan=_saved_plan(index), extra=index.get("extra") or {},
+                            rng_restored=bool(loaded["rng"]), created=index.get("created"), path=str(directory))
+
+
+def _saved_plan(index: dict[str, Any]) -> Plan | None:
+    """The saving run's plan, or None where the index has none or it no longer reads (it is
+    informational: the engine's own plan decides)."""
     try:
-        plan = Plan.from_dict(plan) if plan is not None else None
+        return Plan.from_dict(index["plan"]) if index.get("plan") is not None else None
     except Exception:  # noqa: BLE001 - the plan is informational here
-        pass
-    return LoadedCheckpoint(iteration=index["iteration"], world_size=index["world_size"], zero_stage=index["zero_stage"],
-                            plan=plan, extra=index.get("extra") or {}, rng_restored=bool(loaded["rng"]),
-                            created=index.get("created"), path=str(directory))
+        return None
 
 
 def _expected_params(engine: Any) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

@@ -513,7 +513,8 @@ def from_schema_1(d: dict[str, Any]) -> dict[str, Any]:
         escalations=[Escalation(e["from"], e["to"], e["ranks"], e.get("reasons", {}), e.get("offload"))
                      for e in legacy.get("escalations", [])],
         seconds=legacy.get("seconds", 0.0), timing_rounds=legacy.get("timing_rounds", 0),
-        repeats=legacy.get("repeats", 0), overflowing_trials=legacy.get("overflowing_trials", 0), ranks=[notes[k] for k in sorted(notes, key=int)],
+        repeats=legacy.get("repeats", 0), overflowing_trials=legacy.get("overflowing_trials", 0),
+        ranks=[notes[k] for k in sorted(notes, key=int)],
         past_mbs=PastMbs(past["shard_weights"], past["batches"], past.get("seconds", 0.0)) if past else None)
     choice = legacy.get("auto_choice")
     if choice:

@@ -125,11 +125,11 @@ def bus_bytes(op: str, nbytes: float, world_size: int) -> float:
     return (2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n) * nbytes
 
 
+# The profile format's version, written in every profile and store entry. Bumped when the format
+# or the profiler's measurement changes, so that a stored profile measured by another profiler is
+# measured again rather than reused. 1: the format before typed records (no ``schema_version``
+# on disk: flat ``exposed_*`` fields and a ``meta`` dict), which ``from_schema_1`` converts.
 PROFILE_SCHEMA = 2
-"""The profile format's version, written in every profile and store entry. Bumped when the
-format or the profiler's measurement changes, so that a stored profile measured by another
-profiler is measured again rather than reused. 1: the format before typed records (no
-``schema_version`` on disk)."""
 
 
 @dataclass(frozen=True)

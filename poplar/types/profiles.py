@@ -54,7 +54,6 @@ class RankProfile:
     mbs: int  # largest micro-batch that fits at this stage
     points: list[ProfilePoint]
     device_name: str = ""
-    device_identity: str = ""  # its name and total capacity (``Device.identity``): what the profile store checks
     capacity_bytes: int | None = None
     base_bytes: int | None = None  # memory in use before a forward (model states etc.)
     bytes_per_sample: float | None = None
@@ -65,6 +64,7 @@ class RankProfile:
     # timed above mbs, at shard weights that gave this rank the room (``profiler.shard_room``):
     # what its curve is there when a plan's weights let it run those batches
     points_past_mbs: list[ProfilePoint] = field(default_factory=list)
+    device_identity: str = ""  # its name and total capacity (``Device.identity``): what the profile store checks
 
     def __post_init__(self) -> None:
         self.points = [p if isinstance(p, ProfilePoint) else ProfilePoint(**p) for p in self.points]

@@ -85,7 +85,7 @@ def rank_main(rank: int, world: int, cluster: str, gbs: int, iterations: int, re
     quiet = AutoOptions(profile_data=sample_fn, device=device, repeats=repeats, progress=False, max_batch=1024)
     # auto mode: its choice and profiling seconds (the device it emulates is reused below)
     auto = auto_plan(comm, model, opt, global_batch_size=gbs, zero_stage="auto", loss_fn=llama_loss_fn, options=quiet)
-    auto_s = sum(auto.plan.meta["profiling_s"].values())  # capacity searches, timing rounds, collectives
+    auto_s = sum(auto.plan.choice.profiling_s.values())  # capacity searches, timing rounds, collectives
     device = auto.device
     # the paper's single-stage profile (ZeRO-0, escalating): the yardstick and the first fit
     t0 = time.perf_counter()
@@ -139,9 +139,10 @@ def rank_main(rank: int, world: int, cluster: str, gbs: int, iterations: int, re
     late = device.late_steps, device.padded_steps
     return {"rows": [r.to_dict() for r in rows], "measured": measured, "auto": chosen, "first_fit": first_fit,
             "auto_profiling_s": auto_s, "single_profile_s": single_s, "chosen_single_s": chosen_single_s,
-            "auto_split": auto.plan.meta["profiling_s"],
-            "single_split": single.meta["ranks"][str(rank)]["phase_seconds"],
-            "rounds": (auto.profile.meta["auto_choice"]["timing_rounds"], single.meta["timing_rounds"]), "auto_table": format_table(auto.candidates or []),
+            "auto_split": auto.plan.choice.profiling_s,
+            "single_split": single.measurement.ranks[rank]["phase_seconds"],
+            "rounds": (auto.profile.auto_choice.timing_rounds, single.measurement.timing_rounds),
+            "auto_table": format_table(auto.candidates or []),
             "late": late}
 
 

@@ -81,7 +81,7 @@ def analyse(cluster: str, stage: int, regime: str, results: list[dict], gbs: int
     row["ratio"] = pp["auto"]["samples_per_s"] / pp["none"]["samples_per_s"]
     row["predicted_ratio"] = pp["none"]["predicted_s"] / pp["auto"]["predicted_s"]
     row["late_step_fraction"] = late_fraction(row["late_steps"], row["padded_steps"])
-    row["placement_candidates"] = plans["auto"].meta.get("placement_candidates")
+    row["placement_candidates"] = plans["auto"].choice.placement_candidates
     row["costs"] = [vars(c) if c is not None else None for c in results[0]["costs"]]
     return row
 

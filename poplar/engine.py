@@ -47,7 +47,7 @@ class PoplarEngine(ZeroRuntime):
     default (``AutoOptions.choose="fastest"``) it tries every stage of ``AutoOptions.stages``,
     with activation checkpointing off and on (``activation_checkpointing=None`` or "auto"; a
     value given is binding too), and runs the configuration with the shortest predicted iteration
-    that fits every rank; the candidate table is logged and kept in ``plan.meta["candidates"]``.
+    that fits every rank; the candidate table is logged and kept in ``plan.choice.candidates``.
     With a plan, ``zero_stage`` defaults to 0.
 
         global_batch_size: samples per optimizer step.

@@ -9,7 +9,7 @@ repeated only where it breaks the curve's shape: together about a single-stage p
 from __future__ import annotations
 
 import time as _time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from poplar.comm import Communicator
@@ -24,7 +24,7 @@ from poplar.profiler.profile_run import ProfileJob
 from poplar.profiler.timing import Confirmation, TimingGrid
 from poplar.types.configuration import Configuration
 from poplar.types.logs import progress_bar
-from poplar.types.profiles import Profile, ProfileError
+from poplar.types.profiles import AutoChoice, Profile, ProfileError
 
 
 @dataclass
@@ -192,9 +192,8 @@ def choose_configuration(comm: Communicator, job: ProfileJob, device: Device, ch
     profile = profiles[index]
     if popts.time_past_mbs and caps[index].result is not None:
         profile = prof.time_past_mbs(caps[index], profile)
-    profile.meta["auto_choice"] = {"rule": choice.rule, "profiling_s": {k: round(v, 3) for k, v in prof.seconds.items()},
-                                   "timed": len(profiles), "probed": len(probes), "timing_rounds": prof.rounds,
-                                   "candidates": [r.to_dict() for r in rows], "offload_escalations": offloaded}
+    profile = replace(profile, auto_choice=AutoChoice(choice.rule, [r.to_dict() for r in rows], {
+        k: round(v, 3) for k, v in prof.seconds.items()}, len(profiles), len(probes), prof.rounds, offloaded))
     say(f"configurations ({choice.rule}; profiling {prof.total_seconds:.1f} s, {_time.perf_counter() - started:.1f} s "
         f"of wall time with set-up: capacity "
         f"{prof.seconds['capacity_s']:.1f} s, timing {prof.seconds['timing_s']:.1f} s ({prof.rounds} rounds), "

@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -187,9 +187,12 @@ def _measure(comm: Communicator, model: nn.Module, optimizer: torch.optim.Optimi
         say("profile store: not kept: it was measured at uneven shard weights or with ranks offloaded, which hold "
             "for this mix of ranks only")
     elif store is not None and comm.rank == 0:
-        new = set(profile.meta.get("store", {}).get("profiled", profile.device_types()))
-        store.save(profile, key, bool(profile.meta.get("activation_checkpointing")), only=new)
-        say(f"profile store: kept {', '.join(sorted(new))} in {store.directory}")
+        new = set(profile.store.profiled if profile.store is not None else profile.device_types())
+        kept = store.save(profile, key, profile.activation_checkpointing, only=new)
+        for warning in store.take_warnings():  # a store that cannot be written is a cache miss, not a failure
+            say(warning)
+        if kept:
+            say(f"profile store: kept {', '.join(sorted(p.stem for p in kept))} in {store.directory}")
     return profile, device, job, use
 
 
@@ -225,7 +228,7 @@ def _plan(comm: Communicator, profile: Profile, global_batch_size: int, options:
                 placed = [Offload(o) for o in profile.offloads] if profile.offloads is not None else "none"
                 plan = make_plan(profile, global_batch_size, profile.zero_stage, options.strategy, shards=fallback,
                                  offload=placed, **limits)  # and every optimizer where the profile measured it
-                plan.meta["shard_trial_failed_on"] = failed
+                plan.choice = replace(plan.choice, shard_trial_failed_on=failed)
     except (PlanError, ProfileError) as e:
         raise PlanError(f"auto mode: planning failed: {e}") from None
     idle = [r for r, row in enumerate(plan.ranks) if row.num_samples == 0]
@@ -254,7 +257,7 @@ def _load_profile(comm: Communicator, options: AutoOptions, policy: MixedPrecisi
     error, profile = None, None
     try:
         profile = load_profile(options.profile)
-        measured, wanted = profile_precision(profile.meta), precision_of(policy)
+        measured, wanted = profile_precision(profile), precision_of(policy)
         if profile.world_size != comm.world_size:
             error = (f"the profile has {profile.world_size} ranks but the job has {comm.world_size}; "
                      "profile this cluster again")
@@ -355,7 +358,7 @@ def auto_plan(comm: Communicator, model: nn.Module, optimizer: torch.optim.Optim
         profile, device, job, use = _measure(comm, model, optimizer, loss_fn, sample_fn, zero, options, policy, say,
                                         choice, home)
         chosen = choice.chosen.checkpointing if choice.chosen is not None else activation_checkpointing
-        if chosen is None and profile.meta.get("activation_checkpointing"):
+        if chosen is None and profile.activation_checkpointing:
             chosen = True  # a reused profile measured with checkpointing: train as it was measured
         if choice.chosen is not None and len(choice.configs()) > 1:
             ckpt = " with activation checkpointing" if choice.chosen.checkpointed else ""
@@ -376,12 +379,11 @@ def auto_plan(comm: Communicator, model: nn.Module, optimizer: torch.optim.Optim
     if home.type != "cpu":
         model.to(home)
     say(f"plan ({plan.strategy}, ZeRO-{plan.zero_stage}, predicted "
-        f"{plan.meta.get('predicted_samples_per_s', 0):.1f} samples/s):\n{plan.table()}")
-    recorded = profile.meta.get("auto_choice")
+        f"{plan.predicted_samples_per_s or 0:.1f} samples/s):\n{plan.table()}")
+    recorded = profile.auto_choice
     if recorded:  # chosen now, or when the reused profile was measured: the plan says how
-        plan.meta["candidates"] = recorded["candidates"]
-        plan.meta["choice_rule"] = recorded["rule"]
-        plan.meta["profiling_s"] = recorded["profiling_s"]
+        plan.choice = replace(plan.choice, candidates=recorded.candidates, choice_rule=recorded.rule,
+                              profiling_s=recorded.profiling_s)
     if use is not None:
-        plan.meta["profile_store"] = use.value
+        plan.choice = replace(plan.choice, profile_store=use.value)
     return AutoResult(plan, profile, device, chosen, choice.rows, use)

@@ -19,8 +19,7 @@ Whatever was measured is written back (rank 0), one entry per device type.
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any, Callable
 
@@ -35,11 +34,12 @@ from poplar.profiler.exposure import ExposureRounds
 from poplar.profiler.phases import observers_of
 from poplar.profiler.profile_run import ProfileJob, ProfileRun
 from poplar.profiler.shard_room import time_past_mbs
-from poplar.profiler.store import Entry, ProfileStore, StoreKey, agreed_configuration, assemble
+from poplar.profiler.store import (Entry, ProfileStore, StoreKey, agreed_configuration, assemble, model_config,
+                                   module_structure)
 from poplar.profiler.timing import Confirmation, TimingGrid, timing_batches
 from poplar.types.configuration import Configuration
 from poplar.types.precision import MixedPrecision, precision_of
-from poplar.types.profiles import Profile, ProfileError
+from poplar.types.profiles import Profile, ProfileError, StoreRecord
 
 
 class StoreUse(Enum):
@@ -69,24 +69,17 @@ def model_fingerprint(model: nn.Module, optimizer: torch.optim.Optimizer) -> str
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:24]
 
 
-def poplar_version() -> str:
-    """The installed Poplar's version (a profile measured by another may not be this one's)."""
-    try:
-        return importlib.metadata.version("poplar")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
-
-
 def store_key(model: nn.Module, optimizer: torch.optim.Optimizer, sample_fn: Callable[[int], Any], *,
               zero_stage: int, stages: tuple[int, ...], checkpointing: Any, rule: str, bucket_size_mb: float,
               policy: MixedPrecision | None) -> StoreKey:
     """What this job's profiles depend on (every rank computes the same key)."""
     setting = "auto" if checkpointing is None and rule != "single" else \
         "off" if checkpointing in (None, False) else "on" if checkpointing is True else repr(checkpointing)
-    return StoreKey(model=model_fingerprint(model, optimizer), zero_stage=zero_stage,
+    return StoreKey(model=model_fingerprint(model, optimizer), structure=module_structure(model),
+                    config=model_config(model), zero_stage=zero_stage,
                     stages=tuple(sorted(set(stages))), checkpointing=setting, rule=rule,
                     precision=str(precision_of(policy).value), sample=repr(_shapes(sample_fn(1))),
-                    bucket_size_mb=float(bucket_size_mb), poplar_version=poplar_version())
+                    bucket_size_mb=float(bucket_size_mb), torch_version=torch.__version__)
 
 
 @dataclass
@@ -108,13 +101,13 @@ class StoreLookup:
 
 def look_up(comm: Communicator, store: ProfileStore, key: StoreKey, device: Device) -> StoreLookup:
     """Every rank: the job's device types and rank 0's fresh entries for them."""
-    cluster = comm.all_gather_object(device.device_type, tag="auto:store types")
-    found: tuple[dict[str, Any], list[str]] = ({}, [])
+    devices = comm.all_gather_object((device.device_type, device.identity()), tag="auto:store types")
+    cluster = [t for t, _ in devices]
+    found: tuple[dict[str, Entry], list[str]] = ({}, [])
     if comm.rank == 0:
-        entries = store.lookup(key, cluster)
-        found = ({t: e.to_dict() for t, e in entries.items()}, list(store.warnings))
-    entries_d, warnings = comm.all_gather_object(found, tag="auto:store entries")[0]
-    return StoreLookup(cluster, {t: Entry.from_dict(d) for t, d in entries_d.items()}, warnings)
+        found = (store.lookup(key, cluster, dict(reversed(devices))), store.take_warnings())
+    entries, warnings = comm.all_gather_object(found, tag="auto:store entries")[0]
+    return StoreLookup(cluster, entries, warnings)
 
 
 def stored_configuration(lookup: StoreLookup, checkpointing: Any) -> Configuration:
@@ -176,7 +169,7 @@ def profile_new_types(comm: Communicator, job: ProfileJob, device: Device, looku
         # every rank, the stored ones too: how far a rank's micro-batch grows under shard weights
         # depends on the room of every card in this mix, not of the mix its entry was measured in
         profile = time_past_mbs(run, fit, profile)
-    profile.meta["store"] = {"reused": sorted(lookup.entries), "profiled": lookup.new_types}
+    profile = replace(profile, store=StoreRecord(reused=sorted(lookup.entries), profiled=lookup.new_types))
     return profile
 
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Iterator, Mapping
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -20,16 +21,49 @@ from poplar.checkpoint.reshard import CheckpointFiles, assemble_optimizer
 from poplar.types.plans import Plan
 
 
-def load_checkpoint(engine: Any, directory: str | os.PathLike, *, verify_hashes: bool = True) -> dict[str, Any]:
+@dataclass(frozen=True, eq=False)
+class LoadedCheckpoint(Mapping):
+    """What ``load_checkpoint`` loaded: the saving run's ``iteration``, ``world_size``,
+    ``zero_stage`` and ``plan`` (None where it cannot be read), the caller's ``extra`` (an empty
+    dict where none was saved), whether this rank's RNG came from the checkpoint, when it was
+    created and the directory loaded. Also a read-only mapping of those names (``loaded["extra"]``),
+    as the dict it was before."""
+
+    iteration: int
+    world_size: int
+    zero_stage: int
+    plan: Plan | None
+    extra: dict[str, Any]
+    rng_restored: bool
+    created: Any
+    path: str
+
+    def __getitem__(self, name: str) -> Any:
+        if name not in self._names():
+            raise KeyError(name)
+        return getattr(self, name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names())
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+    @classmethod
+    def _names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+
+def load_checkpoint(engine: Any, directory: str | os.PathLike, *, verify_hashes: bool = True) -> LoadedCheckpoint:
     """Load a checkpoint into ``engine``: model, optimizer state and hyper-parameters, iteration,
     and (for ranks that existed when it was saved) RNG states. The engine may have another
     world size, stage or plan than the run that saved it.
 
     Call on every rank between iterations. ``directory`` is a checkpoint, or a directory of kept
     checkpoints (``save_kept``, ``fit``), whose latest complete one is loaded. Returns the
-    checkpoint's meta: ``iteration``, ``world_size``, ``zero_stage`` and ``plan`` (a ``Plan``) of
-    the saving run, ``extra``, ``rng_restored`` (this rank's RNG came from the checkpoint),
-    ``created`` and ``path`` (the checkpoint directory loaded). Raises
+    checkpoint's record (``LoadedCheckpoint``): ``iteration``, ``world_size``, ``zero_stage`` and
+    ``plan`` (a ``Plan``) of the saving run, ``extra``, ``rng_restored`` (this rank's RNG came from
+    the checkpoint), ``created`` and ``path`` (the checkpoint directory loaded). Raises
     ``CheckpointError`` on every rank, having changed nothing, if the checkpoint is missing,
     incomplete, corrupt or does not fit the engine (everything is checked and read before
     anything is set); ``DamagedCheckpoint`` (a ``CheckpointError``) when a data file does not
@@ -129,16 +163,20 @@ def _apply(engine: Any, index: dict, loaded: _LoadedState, what: str) -> None:
     engine.comm.agree(error, what, error_type=CheckpointError)
 
 
-def _meta(index: dict, loaded: _LoadedState, directory: Path) -> dict[str, Any]:
-    """What ``load_checkpoint`` returns: the saving run's meta and what this load did."""
-    plan = index.get("plan")
+def _meta(index: dict, loaded: _LoadedState, directory: Path) -> LoadedCheckpoint:
+    """What ``load_checkpoint`` returns: the saving run's record and what this load did."""
+    return LoadedCheckpoint(iteration=index["iteration"], world_size=index["world_size"],
+                            zero_stage=index["zero_stage"], plan=_saved_plan(index), extra=index.get("extra") or {},
+                            rng_restored=bool(loaded.rng), created=index.get("created"), path=str(directory))
+
+
+def _saved_plan(index: dict[str, Any]) -> Plan | None:
+    """The saving run's plan, or None where the index has none or it no longer reads (it is
+    informational: the engine's own plan decides)."""
     try:
-        plan = Plan.from_dict(plan) if plan is not None else None
+        return Plan.from_dict(index["plan"]) if index.get("plan") is not None else None
     except Exception:  # noqa: BLE001 - the plan is informational here
-        pass
-    return {"iteration": index["iteration"], "world_size": index["world_size"], "zero_stage": index["zero_stage"],
-            "plan": plan, "extra": index.get("extra"), "rng_restored": bool(loaded.rng),
-            "created": index.get("created"), "path": str(directory)}
+        return None
 
 
 def _expected_params(engine: Any) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

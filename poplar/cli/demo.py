@@ -110,7 +110,7 @@ def summary(out: dict[str, Any]) -> str:
                 + f"; late micro-steps: poplar {100 * late['poplar']:.1f}%, even {100 * late['even']:.1f}%")
     rows.append(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} iterations")
     prof = out["profile"]
-    rows.append(f"profiled at {prof['meta'].get('precision', 'fp32')}: mbs per rank "
+    rows.append(f"profiled at {prof['precision']}: mbs per rank "
                 + ", ".join(f"{r['device_type']} {r['mbs']}" for r in prof["ranks"]))
     return "\n".join(rows)
 

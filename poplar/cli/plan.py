@@ -11,6 +11,7 @@ predicted iteration at this global batch, why rejected) and plans the chosen con
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 from poplar.planner.candidates import format_table, recorded_candidates
 from poplar.planner.planning import STRATEGIES, load_profile, plan
@@ -79,10 +80,10 @@ def _plan(args: argparse.Namespace) -> int:
         stage = profile.zero_stage
     result = plan(args.profile, args.gbs, stage, args.strategy, shards=args.shards, offload=args.offload, **limits)
     if rows is not None:
-        result.meta["candidates"] = [r.to_dict() for r in rows]
+        result.choice = replace(result.choice, candidates=[r.to_dict() for r in rows])
     print(f"strategy {result.strategy}, ZeRO-{result.zero_stage}")
     print(result.table())
-    print(f"predicted {result.meta['predicted_samples_per_s']:.2f} samples/s, communication "
+    print(f"predicted {result.predicted_samples_per_s:.2f} samples/s, communication "
           f"{result.predicted_comm_s:.4f} s of {result.predicted_iteration_s:.4f} s, "
           f"{result.max_micro_steps} micro-steps")
     if args.output:

@@ -83,7 +83,7 @@ def _profile(args: argparse.Namespace) -> int:
     print(summary(result))
     if not args.quiet:  # the command's wall time: calibration and process start-up included
         print(f"[poplar profile] command done in {time.perf_counter() - started:.1f} s (profiling in the ranks "
-              f"{result.meta.get('seconds', 0.0):.1f} s)", file=sys.stderr)
+              f"{result.measurement.seconds:.1f} s)", file=sys.stderr)
     if args.output:
         print(f"profile written to {args.output}", file=sys.stderr)
     return 0
@@ -92,8 +92,8 @@ def _profile(args: argparse.Namespace) -> int:
 def summary(profile: Profile) -> str:
     """A readable table: one row per rank."""
     lines = [f"model {profile.model_name or '?'}: {profile.param_count:,} parameters; ZeRO-{profile.zero_stage}"
-             + (f" (asked {profile.meta.get('requested_stage')})"
-                if profile.meta.get("requested_stage") not in (None, profile.zero_stage) else "")]
+             + (f" (asked {asked})" if (asked := profile.measurement.requested_stage) not in (None, profile.zero_stage)
+                else "")]
     head = (f"{'rank':>4} {'device':>12} {'capacity MB':>11} {'MB/sample':>9} {'mbs':>5} {'trials':>6} "
             f"{'t(1) ms':>8} {'t(mbs) ms':>9} {'peak samples/s':>14}")
     lines += [head, "-" * len(head)]
@@ -103,7 +103,7 @@ def summary(profile: Profile) -> str:
         lines.append(f"{r.rank:>4} {r.device_type:>12} {(r.capacity_bytes or 0) / 1e6:>11.3f} "
                      f"{(r.bytes_per_sample or 0) / 1e6:>9.4f} {r.mbs:>5} {r.trial_steps:>6} "
                      f"{pts.get(1, float('nan')) * 1e3:>8.2f} {pts.get(r.mbs, float('nan')) * 1e3:>9.2f} {peak:>14.1f}")
-    c = profile.comm
-    lines.append(f"collectives ({c.backend}): bus bandwidth {c.bandwidth_bytes_per_s / 1e9:.3f} GB/s, "
-                 f"latency {c.latency_s * 1e6:.0f} us")
+    link = profile.comm.links
+    lines.append(f"collectives ({link.backend}): bus bandwidth {link.bandwidth_bytes_per_s / 1e9:.3f} GB/s, "
+                 f"latency {link.latency_s * 1e6:.0f} us")
     return "\n".join(lines)

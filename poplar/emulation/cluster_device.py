@@ -60,6 +60,11 @@ class ClusterDevice(VirtualDevice):
     def calibrated(self) -> bool:
         return self.emulated is not None
 
+    def identity(self) -> str:
+        """The preset's name and unscaled memory: the same before and after the scales are known
+        (a stored profile brings the scales it was measured at)."""
+        return f"{self.device_type} (emulated), {get_preset(self.device_type).capacity_bytes(1.0)} bytes"
+
     def _use(self, emulated: EmulatedCluster, precision: Precision | None) -> None:
         """Take the cluster's scales (and, profiling, its precision)."""
         preset = get_preset(self.device_type)
@@ -85,8 +90,9 @@ class ClusterDevice(VirtualDevice):
         emulated = self.emulated  # scales given, or calibrated for an earlier profile of this job
         if emulated is None:
             scales = self.scales
-            if reused is not None and reused.meta.get("emulated"):  # emulate the devices it measured
-                scales = Scales(reused.meta["memory_scale"], reused.meta["time_scale"])
+            stored = reused.provenance.emulated if reused is not None else None
+            if stored is not None and stored.time_scale is not None:  # emulate the devices it measured
+                scales = Scales(stored.memory_scale, stored.time_scale)
             if comm.rank == 0 and not scales.fixed:  # a timing run of its own: say so before it
                 log.info(f"emulated cluster {spec.name}: calibrating its memory and time scales for the model ...")
             emulated = emulate_cluster_together(comm, spec, job, scales, what="emulated cluster")

@@ -43,7 +43,7 @@ from poplar.emulation.virtual_link import LinkSpec, VirtualLink
 from poplar.profiler.profile_run import ProfileJob
 from poplar.types.configuration import Configuration
 from poplar.types.precision import Precision, precision_of
-from poplar.types.profiles import ProfileError
+from poplar.types.profiles import Emulated, ProfileError
 
 __all__ = ["EmulatedCluster", "cluster_devices", "emulate_cluster", "emulate_cluster_together"]
 
@@ -73,11 +73,10 @@ class EmulatedCluster:
     def devices(self) -> list[VirtualDevice]:
         return [self.device(rank) for rank in range(self.spec.world_size)]
 
-    def meta(self) -> dict[str, Any]:
-        """What a profile of this cluster records in its meta."""
-        return {"cluster": self.spec.to_dict(), "memory_scale": self.memory_scale, "time_scale": self.time_scale,
-                "calibration": self.calibration.to_dict() if self.calibration else None,
-                "precision": str(self.precision)}
+    def emulated(self) -> Emulated:
+        """What a profile of this cluster records in its ``Provenance``."""
+        return Emulated(memory_scale=self.memory_scale, time_scale=self.time_scale, cluster=self.spec.name,
+                        calibration=self.calibration.to_dict() if self.calibration else None)
 
 
 def emulate_cluster(cluster: ClusterSpec | str, job: ProfileJob, scales: Scales = Scales(),

@@ -1,6 +1,6 @@
 """Profile an emulated cluster on one CPU machine: one process per rank, each with the virtual
 device of its GPU, spawned here (``poplar.comm.launch.spawn``); the ``Profile`` is the one a
-real cluster of those GPUs would give, with the scales it was emulated at in its meta.
+real cluster of those GPUs would give, with the scales it was emulated at in its provenance.
 
 The functions must be importable by name (module-level), since they travel to the spawned
 processes.
@@ -55,7 +55,7 @@ def profile_cluster(model_fn: Callable[[], nn.Module], loss_fn: Callable[[nn.Mod
                   f"{emulated.calibration.predicted_mbs}; calibrated in {time.perf_counter() - t0:.1f} s); "
                   f"starting {len(emulated.devices())} ranks ...", file=sys.stderr, flush=True)
         devices = emulated.devices()
-        job = replace(job, options=replace(options, meta={**options.meta, **emulated.meta()}))
+        job = replace(job, options=replace(options, emulated=emulated.emulated()))
     if not devices:
         raise ProfileError("devices is empty; give one VirtualDevice per rank")
     results = spawn(emulated_rank, len(devices), ({"job": job, "devices": list(devices)},), timeout_s=timeout_s,

@@ -12,6 +12,7 @@ from typing import Any, Iterator
 
 from poplar.comm import Communicator
 from poplar.profiler.phases import PhaseRecord, ProfilePhase
+from poplar.types.profiles import Emulated
 
 
 class ProfilingPhases:
@@ -47,10 +48,9 @@ class ProfilingPhases:
             with self.pacing(comm):
                 yield record
 
-    def profile_meta(self) -> dict[str, Any]:
-        meta: dict[str, Any] = {"cluster": self.cluster.to_dict()} if self.cluster is not None else {}
-        meta.update(memory_scale=self.memory_scale, time_scale=self.time_scale, emulated=True)
-        return meta
+    def emulation(self) -> Emulated:
+        return Emulated(memory_scale=self.memory_scale, time_scale=self.time_scale,
+                        cluster=self.cluster.name if self.cluster is not None else "")
 
     # ------------------------------------------------------------------ temporary switches
     @contextlib.contextmanager

@@ -19,12 +19,13 @@ CPU-sized model on emulated devices).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 from poplar.emulation.cluster import ClusterSpec
 from poplar.emulation.presets import GIB, DevicePreset, get_preset
-from poplar.types.profiles import CommProfile, Profile, ProfileError, ProfilePoint, RankProfile
+from poplar.types.profiles import (CommProfile, Emulated, Links, Profile, ProfileError, ProfilePoint, Provenance,
+                                   RankProfile)
 
 
 @dataclass(frozen=True)
@@ -65,8 +66,8 @@ def synthetic_profile(cluster: ClusterSpec | str, zero_stage: int, model: ModelS
     spec = ClusterSpec.resolve(cluster)
     prof = profile_from_presets([get_preset(t) for t in spec.rank_types()], zero_stage, model,
                                 spec.bandwidth_gbps, spec.latency_us, memory_scale, speed_scale)
-    prof.meta["cluster"] = spec.to_dict()
-    return prof
+    emulated = replace(prof.provenance.emulated, cluster=spec.name)
+    return replace(prof, provenance=replace(prof.provenance, emulated=emulated))
 
 
 def profile_from_presets(presets: Sequence[DevicePreset], zero_stage: int, model: ModelSpec = REFERENCE_MODEL,
@@ -95,5 +96,5 @@ def profile_from_presets(presets: Sequence[DevicePreset], zero_stage: int, model
                                  shard_bytes=int(model.shard_bytes(zero_stage, world)) or None,
                                  nominal_tflops=preset.nominal_tflops))
     return Profile(zero_stage, world, model.param_count, model.param_bytes, ranks,
-                   CommProfile(bandwidth_gbps * 1e9, latency_us * 1e-6, "simulated"),
-                   model_name=model.name, meta={"synthetic": True, "memory_scale": memory_scale})
+                   CommProfile(Links(bandwidth_gbps * 1e9, latency_us * 1e-6, "simulated")), model_name=model.name,
+                   provenance=Provenance(emulated=Emulated(memory_scale=memory_scale, synthetic=True)))

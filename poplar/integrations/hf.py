@@ -278,9 +278,9 @@ class PoplarTrainer(Trainer):
 
     def _load_poplar_checkpoint(self, path: str) -> None:
         directory = Path(path) / POPLAR_DIR
-        meta = checkpoint.load_checkpoint(self.engine, directory)
+        loaded = checkpoint.load_checkpoint(self.engine, directory)
         if self.engine.rank == 0:
-            log.info(f"PoplarTrainer: resumed from {directory} at iteration {meta['iteration']}")
+            log.info(f"PoplarTrainer: resumed from {directory} at iteration {loaded.iteration}")
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Every rank: the full state is gathered; the main process writes it with ``save_pretrained``."""

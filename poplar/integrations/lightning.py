@@ -307,10 +307,10 @@ class PoplarStrategy(ParallelStrategy):
         if self.engine is None or not (root / LIGHTNING_FILE).exists():
             raise ValueError(f"{root} is not a checkpoint PoplarStrategy wrote (a directory with {POPLAR_DIR}/ and "
                              f"{LIGHTNING_FILE}); resume from one written by trainer.save_checkpoint under this strategy")
-        meta = checkpoint.load_checkpoint(self.engine, root / POPLAR_DIR)
+        loaded = checkpoint.load_checkpoint(self.engine, root / POPLAR_DIR)
         if self.is_global_zero:
-            log.info(f"PoplarStrategy: resumed from {root} at iteration {meta['iteration']} "
-                     f"(saved by {meta['world_size']} ranks at ZeRO-{meta['zero_stage']})")
+            log.info(f"PoplarStrategy: resumed from {root} at iteration {loaded.iteration} "
+                     f"(saved by {loaded.world_size} ranks at ZeRO-{loaded.zero_stage})")
         return torch.load(root / LIGHTNING_FILE, map_location="cpu", weights_only=False)
 
     def load_model_state_dict(self, checkpoint_dict: Mapping[str, Any], strict: bool = True) -> None:

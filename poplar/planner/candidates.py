@@ -87,7 +87,6 @@ def estimate_profile(base: Profile, stage: int, mbs: list[int]) -> Profile:
         extra = sorted({b for b in (2 ** k for k in range(int(math.log2(max(m, 1))) + 1)) if top < b <= m} | {m})
         pts += [ProfilePoint(b, optimistic_time(r.points, b)) for b in extra if b > top]
         r.points, r.mbs = pts, m
-    est.meta = {**est.meta, "estimated_from": base.zero_stage}
     est.shard_weights = None  # the caller's configuration's own, if not even
     est.offloads = None  # likewise its optimizer placements
     return est
@@ -164,12 +163,12 @@ def format_table(rows: list[CandidateRow], measured: dict[str, float] | None = N
 
 
 def recorded_candidates(profile: Profile, gbs: int, **limits: Any) -> list[CandidateRow]:
-    """The candidate table auto mode saved with ``profile`` (``meta["auto_choice"]``), predicted
+    """The candidate table auto mode saved with ``profile`` (``Profile.auto_choice``), predicted
     again at ``gbs``. The profile is the chosen configuration's: it is planned from its timings
     and stays the choice; every other fitting configuration gets a lower bound from it
     (``estimate_profile``), and a bound below the choice says that profiling again at this
     global batch could choose differently."""
-    saved = (profile.meta.get("auto_choice") or {}).get("candidates")
+    saved = profile.auto_choice.candidates if profile.auto_choice is not None else None
     if not saved:
         raise ValueError(f"this profile holds one configuration (ZeRO-{profile.zero_stage}), not auto mode's "
                          "candidates: profile in auto mode with AutoOptions(profile_output=...), or ask "

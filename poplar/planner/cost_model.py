@@ -42,7 +42,7 @@ linear below it through 0 at g = 0 and the change the small led rounds measured 
 (``CommModel.lockstep_s``); c_s likewise, with the
 lead of the last lock-step (stages 2/3) or of the ranks' compute C_i (stages 0/1). At stages 2/3 a
 micro-step whose batches differ from the one before it (the first follows the iteration's last)
-adds the measured ``exposed_switch_s``. ``evaluate_rows`` and the exact
+adds the measured ``Exposure.switch_s``. ``evaluate_rows`` and the exact
 ``ideal`` price steps so; the ZeRO-2/3 allocator searches with every step at c_m, then prices
 its shortlist, with led last steps, by ``evaluate_rows``. Idle time of rank i is T - C_i.
 """
@@ -83,24 +83,25 @@ class CommModel:
 
     @classmethod
     def from_profile(cls, profile: Any) -> "CommModel":
-        c = profile.comm
+        c, x = profile.comm, profile.comm.exposure
         end = None
-        overhead = c.iteration_overhead_s or 0.0
-        if c.exposed_iteration_s is not None:
-            end = c.exposed_iteration_s + overhead
+        overhead = x.overhead_s or 0.0
+        if x.iteration_s is not None:
+            end = x.iteration_s + overhead
 
-        def per_type(seconds: dict[str, float] | None, add: float = 0.0) -> Led | None:
-            return tuple((t, x + add) for t, x in sorted(seconds.items())) if seconds else None
+        def per_type(name: str, add: float = 0.0) -> Led | None:
+            seconds = x.per_leader(name)
+            return tuple((t, v + add) for t, v in sorted(seconds.items())) if seconds else None
 
-        return cls(profile.world_size, float(profile.param_bytes), float(c.bandwidth_bytes_per_s),
-                   float(c.latency_s or 0.0), c.collectives_stage,
+        return cls(profile.world_size, float(profile.param_bytes), float(c.links.bandwidth_bytes_per_s),
+                   float(c.links.latency_s or 0.0), c.collectives_stage,
                    tuple((str(op), float(n)) for op, n in c.micro_step),
-                   tuple((str(op), float(n)) for op, n in c.iteration), c.exposed_micro_step_s, end,
-                   per_type(c.exposed_micro_step_lead_s),
-                   (tuple(c.exposed_step_compute_s), tuple(c.exposed_step_s)) if c.exposed_step_s else None,
-                   per_type(c.exposed_iteration_lead_s, overhead), float(c.exposed_switch_s or 0.0),
-                   per_type(c.exposed_small_lead), per_type(c.exposed_micro_step_small_lead_s),
-                   per_type(c.exposed_iteration_small_lead_s, overhead))
+                   tuple((str(op), float(n)) for op, n in c.iteration), x.micro_step_s, end,
+                   per_type("micro_step_s"),
+                   (tuple(x.step_compute_s), tuple(x.step_s)) if x.step_s else None,
+                   per_type("iteration_s", overhead), float(x.switch_s or 0.0),
+                   per_type("small_lead"), per_type("micro_step_small_lead_s"),
+                   per_type("iteration_small_lead_s", overhead))
 
     def call_s(self, op: str, nbytes: float) -> float:
         """One collective of a ``nbytes`` buffer (the full, unsharded size)."""

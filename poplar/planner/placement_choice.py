@@ -6,11 +6,12 @@ first), so a rank offloads only where that lets the model fit or makes the itera
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 from poplar.planner import offload_pricing
 from poplar.planner.shards import ShardCandidate
-from poplar.types.plans import Offload, Plan, PlanError
+from poplar.types.plans import Offload, OffloadPricing, Plan, PlanError
 from poplar.types.profiles import Profile
 
 Planned = Callable[[Sequence[float], Profile | None], Plan | None]
@@ -60,8 +61,7 @@ def fastest_placement(prof: Profile, shard_cands: list[ShardCandidate],
             seconds = offload_pricing.offload_seconds(prof, sc.weights, oc.offloads)
             found = found.with_offloads(oc.offloads)
             found.predicted_iteration_s += max(seconds)
-            found.meta["offload_s"] = seconds
-            found.meta["predicted_samples_per_s"] = found.global_batch_size / found.predicted_iteration_s
+            found.choice = replace(found.choice, offload_s=list(seconds), offload_pricing=OffloadPricing.PRICED)
             row.update(predicted_s=found.predicted_iteration_s, offload_s=max(seconds),
                        mbs=offload_pricing.mbs_with(prof, sc.weights, oc.offloads))
             found_all.append((sc.name, found))
@@ -69,11 +69,11 @@ def fastest_placement(prof: Profile, shard_cands: list[ShardCandidate],
         raise PlanError("no shard weights and offload placement fit every rank a sample: " + "; ".join(
             f"{r['shards']}/{r.get('offload', '-')}: {r['reason']}" for r in rows))
     best = min((p for _, p in found_all), key=lambda p: p.predicted_iteration_s)
-    limit = best.predicted_iteration_s * (1 + best.meta["plan_tie"])
+    limit = best.predicted_iteration_s * (1 + (best.choice.plan_tie or 0.0))
     kept = [(name, p) for name, p in found_all if not any(o is not Offload.NONE for o in p.offloads)
             and p.predicted_iteration_s <= limit]
     if kept:  # no offload within the tie: even shards if they are, else the fastest without offload
         even = [p for name, p in kept if name == "even"]
         best = even[0] if even else min((p for _, p in kept), key=lambda p: p.predicted_iteration_s)
-    best.meta["placement_candidates"] = rows
+    best.choice = replace(best.choice, placement_candidates=rows)
     return best

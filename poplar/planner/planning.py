@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from poplar.types.plans import Offload, Plan, PlanError, RankPlan
+from poplar.types.plans import Offload, OffloadPricing, Plan, PlanError, RankPlan
 from poplar.planner.baselines import even_rows, flops_rows
 from poplar.planner.cost_model import CommModel, Evaluation, evaluate_rows
 from poplar.planner import offload_pricing
@@ -40,7 +40,7 @@ STRATEGIES = ("poplar", "even", "flops")
 # CPU emulator (its median error there; docs/experiments.md), not measured by the profiler.
 PLAN_TIE = 0.01
 # Where the profile measured its exposure less well, the tie is this many of its standard errors
-# (``CommProfile.exposed_error``, measured by the profiler's steady rounds, in round times): a gain
+# (``Exposure.error``, measured by the profiler's steady rounds, in round times): a gain
 # sets one plan's exposure against another's, and two standard errors of a difference of two such
 # exposures are 2 sqrt(2) of one. The factor follows from that; it replaced a factor of 2 after a
 # run on the CPU emulator showed 2 too narrow (docs/experiments.md).
@@ -160,7 +160,7 @@ def make_problem(profile: Profile | Mapping[str, Any] | str | os.PathLike, globa
                 "max_micro_steps, or use a higher ZeRO stage (larger micro-batches)")
     comm = CommModel.from_profile(prof)
     return Problem(groups, comm, stage, gbs, require_all_ranks, max_micro_steps,
-                   plan_tie=max(PLAN_TIE, TIE_ERRORS * (prof.comm.exposed_error or 0.0)))
+                   plan_tie=max(PLAN_TIE, TIE_ERRORS * (prof.comm.exposure.error or 0.0)))
 
 
 def plan_problem(problem: Problem, strategy: str = "poplar") -> Plan:
@@ -177,7 +177,6 @@ def plan_problem(problem: Problem, strategy: str = "poplar") -> Plan:
         raise PlanError(f"strategy {strategy!r} produced {total} samples, not {problem.gbs}; this is a bug")
     meta = {
         "global_batch_size": problem.gbs,
-        "predicted_samples_per_s": problem.gbs / ev.iteration_s,
         "micro_steps": ev.micro_steps,
         "comm_per_micro_step_s": problem.comm.per_micro_step_s(problem.stage),
         "comm_per_iteration_s": problem.comm.per_iteration_s(problem.stage),
@@ -225,7 +224,7 @@ def plan(profile: Profile | Mapping[str, Any] | str | os.PathLike, global_batch_
         out = plan_problem(problem, strategy)
         for row, w in zip(out.ranks, weights):
             row.shard_weight = float(w)
-        out.meta["plan_tie"] = problem.plan_tie
+        out.choice = replace(out.choice, plan_tie=problem.plan_tie)
         return out
 
     if isinstance(shards, str) and shards not in ("even", "auto"):
@@ -234,11 +233,11 @@ def plan(profile: Profile | Mapping[str, Any] | str | os.PathLike, global_batch_
         return fastest_placement(prof, _shard_candidates(prof, shards), placement, planned)
     found = _planned_shards(prof, stage, shards, planned)
     if placement == "auto":  # the profile cannot price it: every optimizer stays on its device
-        found.meta["offload"] = ("not priced: the profile has no offload_cost" if stage == prof.zero_stage else
-                                 f"not priced: planned at ZeRO-{stage}, the profile measured ZeRO-{prof.zero_stage}")
+        found.choice = replace(found.choice, offload_pricing=OffloadPricing.NO_OFFLOAD_COST
+                               if stage == prof.zero_stage else OffloadPricing.OTHER_STAGE)
     elif placement != "none":  # as given, unpriced: offloading only frees memory, so the mbs hold
         found = found.with_offloads(placement)
-        found.meta["offload"] = "as given, not priced (the profile has no offload_cost)"
+        found.choice = replace(found.choice, offload_pricing=OffloadPricing.AS_GIVEN)
     return found
 
 
@@ -299,9 +298,10 @@ def _fastest_shards(prof: Profile, planned: Callable[[Sequence[float], Profile |
     if best is None:
         raise PlanError("no shard weights fit every rank a sample: " + "; ".join(
             f"{r['name']}: {r['reason']}" for r in rows))
-    if even is not None and even.predicted_iteration_s <= best.predicted_iteration_s * (1 + even.meta["plan_tie"]):
+    tie = (even.choice.plan_tie or 0.0) if even is not None else 0.0
+    if even is not None and even.predicted_iteration_s <= best.predicted_iteration_s * (1 + tie):
         best = even
-    best.meta["shard_candidates"] = rows
+    best.choice = replace(best.choice, shard_candidates=rows)
     return best
 
 

@@ -29,7 +29,7 @@ bytes of a batch-1 step that do not move with the shard, as a rank that fitted m
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 from poplar.types.plans import shares_of
@@ -103,8 +103,9 @@ def with_mbs(profile: Profile, weights: Sequence[float], mbs: Sequence[int]) -> 
         r.mbs = mbs[r.rank]
         if not r.points:
             return None
-    if out.comm.iteration_overhead_s is not None:
-        out.comm.iteration_overhead_s *= step_scale(profile, weights)
+    overhead = out.comm.exposure.overhead_s
+    if overhead is not None:
+        out.comm.exposure = replace(out.comm.exposure, overhead_s=overhead * step_scale(profile, weights))
     out.shard_weights = [float(w) for w in weights]
     return out
 

@@ -33,7 +33,7 @@ def profile(model_fn: Callable[[], nn.Module], loss_fn: Callable[[nn.Module, Any
         loss_fn: ``loss_fn(model, batch)`` -> the mean loss of the batch.
         sample_fn: ``sample_fn(b)`` -> a batch of ``b`` samples (samples on dim 0).
         options: ``ProfileOptions``: the ZeRO stage (raised automatically, and recorded in
-            ``profile.meta["escalations"]``, if batch 1 does not fit on some rank, unless
+            ``profile.measurement.escalations``, if batch 1 does not fit on some rank, unless
             ``escalate=False``), the precision training will run (``mixed_precision``: every
             runtime profiled runs under it; a device without it, bf16 on a V100 or T4, is a
             ``ProfileError`` naming it), the search bound, the repeats, stage-3 wrapping.

@@ -4,15 +4,38 @@ collectives, options and the placement the profile was measured at (``Profile.of
 
 from __future__ import annotations
 
+import importlib.metadata
 import time
+from dataclasses import replace
 from typing import Any
+
+import torch
 
 from poplar.profiler.capacity import trial_budget
 from poplar.profiler.escalation import StageCapacity
 from poplar.profiler.lock_step import LockStepTiming
 from poplar.profiler.precision import precision_meta
-from poplar.profiler.timing import Confirmation
-from poplar.types.profiles import CommProfile, Profile, RankProfile
+from poplar.types.profiles import CommProfile, Emulated, Links, Measurement, Profile, Provenance, RankProfile
+
+
+def poplar_version() -> str:
+    """The installed Poplar's version (informational: the profile's schema decides what is read)."""
+    try:
+        return importlib.metadata.version("poplar")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def provenance(run: Any) -> Provenance:
+    """Where the run's profile comes from: this torch and Poplar, and the emulator's scales where
+    the devices are emulated (a device that observes profiling says so; the options may add how
+    its scales were calibrated)."""
+    emulated: Emulated | None = run.options.emulated
+    for observer in run.observers:
+        seen = observer.emulation()
+        if seen is not None:
+            emulated = seen if emulated is None else replace(seen, calibration=emulated.calibration)
+    return Provenance(torch_version=torch.__version__, poplar_version=poplar_version(), emulated=emulated)
 
 
 def assemble_profile(run: Any, fit: StageCapacity, timing: LockStepTiming,
@@ -22,7 +45,8 @@ def assemble_profile(run: Any, fit: StageCapacity, timing: LockStepTiming,
     start time and phase seconds)."""
     comm, device, options, result = run.comm, run.device, run.options, fit.result
     part = RankProfile(rank=comm.rank, device_type=device.device_type, mbs=result.mbs, points=timing.points,
-                       device_name=device.name, capacity_bytes=int(device.capacity_bytes),
+                       device_name=device.name, device_identity=device.identity(),
+                       capacity_bytes=int(device.capacity_bytes),
                        base_bytes=result.base_bytes, bytes_per_sample=result.bytes_per_sample,
                        shard_bytes=result.shard_bytes, nominal_tflops=device.nominal_tflops, trial_steps=result.trial_steps,
                        offload_cost=run.offload_cost)
@@ -34,31 +58,22 @@ def assemble_profile(run: Any, fit: StageCapacity, timing: LockStepTiming,
              "overflowing_trials": result.overflowing_trials + timing.overflowing_rounds,
              "phase_seconds": {k: round(v, 3) for k, v in run.phase_seconds.items()}}
     parts = comm.all_gather_object((part, notes), tag="profile:assemble")
-    if comm_profile is None:
-        comm_profile = CommProfile(bandwidth_bytes_per_s=1e15, backend=comm.backend)
-    comm_profile.collectives_stage = fit.stage
-    comm_profile.micro_step, comm_profile.iteration = timing.collectives
-    for key, value in timing.costs.items():
-        setattr(comm_profile, key, value)
-    meta = dict(options.meta)
-    for observer in run.observers:
-        meta.update(observer.profile_meta())
-    meta.update(precision_meta(options.mixed_precision))
-    meta.update({"requested_stage": options.zero_stage,
-                 "activation_checkpointing": options.activation_checkpointing not in (None, False), "escalations": fit.escalations,
-                 "timing_rounds": timing.rounds, "repeats": options.repeats,
-                 "timing_estimator": "min over repeats, confirmed by a 2nd measurement within "
-                                     f"{options.tolerance:.0%} (up to {options.max_extra_passes} extra passes)"
-                                     + (", or by a single one that keeps the curve's shape"
-                                        if timing.confirm is Confirmation.CURVE else ""),
-                 "comm_fit": "seconds = latency_s + bus volume / bandwidth (ring: 2(N-1)/N V all-reduce, "
-                             "(N-1)/N V reduce-scatter/all-gather)",
-                 "ranks": {str(r): rank_notes for r, (_, rank_notes) in enumerate(parts)},
-                 "overflowing_trials": sum(rank_notes["overflowing_trials"] for _, rank_notes in parts),
-                 "seconds": round(time.perf_counter() - run.started, 3)})
+    links = comm_profile.links if comm_profile is not None else Links(bandwidth_bytes_per_s=1e15, backend=comm.backend)
+    micro_step, iteration = timing.collectives
+    measured_comm = CommProfile(links, collectives_stage=fit.stage, micro_step=micro_step, iteration=iteration,
+                                exposure=timing.exposure)
+    measurement = Measurement(requested_stage=options.zero_stage, escalations=list(fit.escalations),
+                              seconds=round(time.perf_counter() - run.started, 3), timing_rounds=timing.rounds,
+                              repeats=options.repeats,
+                              overflowing_trials=sum(rank_notes["overflowing_trials"] for _, rank_notes in parts),
+                              ranks=[rank_notes for _, rank_notes in parts])
+    precision = precision_meta(options.mixed_precision)
     weights = options.shard_weights
     return Profile(zero_stage=fit.stage, world_size=comm.world_size, param_count=run.param_count,
-                   param_bytes=run.param_bytes, ranks=[p for p, _ in parts], comm=comm_profile,
-                   model_name=options.model_name, meta=meta,
+                   param_bytes=run.param_bytes, ranks=[p for p, _ in parts], comm=measured_comm,
+                   model_name=options.model_name,
                    shard_weights=None if weights is None else [float(w) for w in weights],
-                   offloads=None if fit.offloads is None else [o.value for o in fit.offloads])
+                   offloads=None if fit.offloads is None else [o.value for o in fit.offloads],
+                   precision=precision["precision"], mixed_precision=precision["mixed_precision"],
+                   activation_checkpointing=options.activation_checkpointing not in (None, False),
+                   provenance=provenance(run), measurement=measurement)

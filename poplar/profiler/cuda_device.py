@@ -62,6 +62,11 @@ class CudaDevice(Device):
     def capacity_bytes(self) -> int:
         return self._capacity
 
+    def identity(self) -> str:
+        """The GPU's name and total memory (and the cap, if any): its free memory varies from run to run."""
+        cap = "" if self.memory_cap_bytes is None else f", capped at {self.memory_cap_bytes} bytes"
+        return f"{self.name}, {self.total_bytes} bytes{cap}"
+
     def memory_in_use(self) -> int:
         return int(torch.cuda.memory_allocated(self.torch_device))
 

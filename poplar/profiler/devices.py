@@ -89,6 +89,11 @@ class Device(StepObserver, ABC):
     def memory_in_use(self) -> int:
         ...
 
+    def identity(self) -> str:
+        """Its name and capacity: a stored profile is reused only on a device of the same
+        (``profiler.store``). Stable from run to run: no memory that other processes hold."""
+        return f"{self.name}, {self.capacity_bytes} bytes"
+
     @abstractmethod
     def reset_peak(self) -> None:
         ...

@@ -25,7 +25,7 @@ from poplar.comm import Communicator
 from poplar.profiler.capacity import CapacityResult
 from poplar.profiler.devices import Device
 from poplar.types.plans import Offload
-from poplar.types.profiles import ProfileError
+from poplar.types.profiles import Escalation, ProfileError
 
 MB = 1e6
 Log = Callable[[str], None]
@@ -50,7 +50,7 @@ class StageCapacity:
     stage: int
     result: CapacityResult  # this rank's search at ``stage``
     mbs: list[int]  # every rank's largest micro-batch at ``stage``
-    escalations: list[dict[str, Any]] = field(default_factory=list)  # one per stage left behind
+    escalations: list[Escalation] = field(default_factory=list)  # one per configuration left behind
     trials_per_stage: dict[str, int] = field(default_factory=dict)  # this rank's trial steps, per stage
     offloads: Placements = None  # every rank's optimizer placement at ``stage`` (None: on its device)
 
@@ -72,7 +72,7 @@ def find_fitting_stage(search: Callable[[int, Placements], CapacityResult], comm
     next stages; at ZeRO-3, with ``OffloadEscalation.SHORT_RANKS``, with the short ranks'
     optimizers offloaded. ``model_size`` is (parameter count, bytes) for the error; ``lead``
     logs for the cluster, ``mine`` for this rank."""
-    escalations: list[dict[str, Any]] = []
+    escalations: list[Escalation] = []
     trials_per_stage: dict[str, int] = {}
     refused: ProfileError | None = None  # the stage asked for did not fit and escalation is off
     while True:
@@ -95,8 +95,8 @@ def find_fitting_stage(search: Callable[[int, Placements], CapacityResult], comm
         if stage == 3 and refused is None and more is not None and offload_escalation is OffloadEscalation.SHORT_RANKS:
             lead(f"batch 1 does not fit at ZeRO-3 on {names}; searching ZeRO-3 again with their optimizer "
                  "offloaded to host memory")
-            escalations.append({"from": stage, "to": stage, "ranks": no_fit, "offload": [o.value for o in more],
-                                "reasons": {str(r): verdicts[r]["reason"] for r in no_fit}})
+            escalations.append(Escalation(stage, stage, no_fit, {str(r): verdicts[r]["reason"] for r in no_fit},
+                                          offload=[o.value for o in more]))
             offloads = more
             continue
         if stage == 3:
@@ -107,8 +107,7 @@ def find_fitting_stage(search: Callable[[int, Placements], CapacityResult], comm
             stage += 1  # searched only to name the stage that would fit
             continue
         lead(f"batch 1 does not fit at ZeRO-{stage} on {names}; moving to ZeRO-{stage + 1}")
-        escalations.append({"from": stage, "to": stage + 1, "ranks": no_fit,
-                            "reasons": {str(r): verdicts[r]["reason"] for r in no_fit}})
+        escalations.append(Escalation(stage, stage + 1, no_fit, {str(r): verdicts[r]["reason"] for r in no_fit}))
         stage += 1
 
 

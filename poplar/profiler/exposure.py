@@ -26,7 +26,7 @@ first ``SETTLING`` left out, in these configurations (``exposure_batches``):
 - led by a little, one per device type: that type there, the others at ``1 - SMALL_LEAD`` of it,
   since how the change grows with the lead differs (a lone leader takes most of it early, several
   leaders more gradually); its measured median lead goes to the profile too
-  (``exposed_small_lead``), and the cost model uses that, not ``SMALL_LEAD``;
+  (``LedExposure.small_lead``), and the cost model uses that, not ``SMALL_LEAD``;
 - short and shortest (stages 2/3): balanced at a third of it and at the least all reach, since
   shorter steps hide less (a plan's last micro-step is often short, one sample at times); the
   balanced micro-step exposure is interpolated between the levels in the step's compute;
@@ -36,7 +36,7 @@ first ``SETTLING`` left out, in these configurations (``exposure_batches``):
   exposure less that lead's change.
 A step whose batches differ from the step before it (an iteration of a full micro-step and a
 shorter last one alternates shapes) exposes what a grid round does, which changes shape every
-round: the grid's led rounds less the steady led rounds is that step's extra (``exposed_switch_s``).
+round: the grid's led rounds less the steady led rounds is that step's extra (``Exposure.switch_s``).
 Grid rounds compute less than steady ones, and where the levels show that less compute exposes
 more, each grid round is first moved to the steady led rounds' compute along the levels' slope,
 so that the extra is what changing shape adds, not what computing less exposes.
@@ -45,7 +45,7 @@ prediction needs its exposure to about a percent of the iteration: the steady ro
 configuration go on, ``STEADY_CHUNK`` at a time, until the median of the step's exposure plus the
 end's is known that well (``more_steady_rounds``: its standard error at most ``precision`` of
 the round's median time), at most ``MAX_STEADY_ROUNDS`` rounds; a steady device stops at the first.
-The largest of the configurations' standard errors goes to the profile (``exposed_error``): under
+The largest of the configurations' standard errors goes to the profile (``Exposure.error``): under
 load a configuration can end at the cap still known less well, and the planner then asks a larger
 predicted gain before it leaves a conventional plan.
 Without steady rounds (a probe) the grid rounds that did not lead give the balanced medians and
@@ -61,12 +61,12 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
 from poplar.profiler.timing import RoundFacts
-from poplar.types.profiles import LEAD_SCALE, LED_ROUNDS_LEAD, SMALL_LEAD, lead_change
+from poplar.types.profiles import LEAD_SCALE, LED_ROUNDS_LEAD, SMALL_LEAD, Exposure, LedExposure, lead_change
 
 # Round counts and thresholds. Each was chosen on the CPU emulator (emulated clusters on a 2-core
 # machine; docs/experiments.md), not on GPUs; where the profiler measures the quantity instead,
@@ -82,7 +82,7 @@ STEADY_CHUNK = 8
 MAX_STEADY_ROUNDS = 42
 # the standard error of the median exposure to reach, in round times: a plan's prediction needs its
 # exposure to about a percent of the iteration. Tuned on the CPU emulator; the error each
-# configuration actually reached is measured and goes to the profile (``exposed_error``), where
+# configuration actually reached is measured and goes to the profile (``Exposure.error``), where
 # the planner's tie reads it
 EXPOSURE_PRECISION = 0.01
 # ranks whose compute is within this fraction of the slowest's tie with it (they wait on each other
@@ -251,13 +251,13 @@ def _long_level(steady: dict[SteadyConfig, list[list[RoundFacts]]], led: dict[st
 
 
 def exposed_costs(grid: list[list[RoundFacts]],
-                  steady: dict[SteadyConfig, list[list[RoundFacts]]] | None = None) -> dict[str, Any]:
-    """The profile's exposed communication (``CommProfile.exposed_*``) from every rank's facts of
+                  steady: dict[SteadyConfig, list[list[RoundFacts]]] | None = None) -> Exposure:
+    """The profile's exposed communication (``CommProfile.exposure``) from every rank's facts of
     the grid rounds and of the steady rounds, if any. Without steady rounds the grid
     rounds give the balanced exposure (those whose slowest rank did not lead, or all), and there
     is no lead exposure per device type."""
     if min(len(f) for f in grid) == 0:
-        return {}
+        return Exposure()
     critical = _critical(grid, 1)
     settled = {k: [c.facts for c in _critical(v, SETTLING)] for k, v in (steady or {}).items()
                if min(len(f) for f in v) > 0}
@@ -297,16 +297,19 @@ def exposed_costs(grid: list[list[RoundFacts]],
         together = [c.facts for c in critical if c.lead < LEAD_SCALE]
         if len(together) < MIN_ROUNDS:
             together = [c.facts for c in critical]
-    return {"exposed_micro_step_s": statistics.median(f.micro_step_comm_s for f in together),
-            "exposed_micro_step_lead_s": {t: statistics.median(f.micro_step_comm_s for f in fs)
-                                          for t, fs in led.items()} or None,
-            "exposed_step_compute_s": at, "exposed_step_s": levels, "exposed_switch_s": switch,
-            "exposed_iteration_s": statistics.median(f.end_comm_s for f in together),
-            "exposed_iteration_lead_s": {t: statistics.median(f.end_comm_s for f in fs)
-                                         for t, fs in led.items()} or None,
-            "exposed_small_lead": {t: x.lead for t, x in small_led.items()} or None,
-            "exposed_micro_step_small_lead_s": {t: x.exposed_s for t, x in small_led.items()} or None,
-            "exposed_iteration_small_lead_s": {t: statistics.median(r.facts.end_comm_s for r in c)
-                                               for t, c in small.items()} or None,
-            "iteration_overhead_s": max(0.0, statistics.median(f.overhead_s for f in together)),
-            "exposed_error": max((exposure_error(steady[k]) for k in settled), default=None)}
+    leaders = sorted(set(led) | set(small_led))
+    return Exposure(
+        micro_step_s=statistics.median(f.micro_step_comm_s for f in together),
+        iteration_s=statistics.median(f.end_comm_s for f in together),
+        step_compute_s=None if at is None else tuple(at), step_s=None if levels is None else tuple(levels),
+        switch_s=switch,
+        leaders=tuple(LedExposure(
+            t,
+            micro_step_s=statistics.median(f.micro_step_comm_s for f in led[t]) if t in led else None,
+            iteration_s=statistics.median(f.end_comm_s for f in led[t]) if t in led else None,
+            small_lead=small_led[t].lead if t in small_led else None,
+            micro_step_small_lead_s=small_led[t].exposed_s if t in small_led else None,
+            iteration_small_lead_s=statistics.median(r.facts.end_comm_s for r in small[t]) if t in small else None)
+            for t in leaders),
+        overhead_s=max(0.0, statistics.median(f.overhead_s for f in together)),
+        error=max((exposure_error(steady[k]) for k in settled), default=None))

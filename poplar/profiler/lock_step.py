@@ -25,7 +25,7 @@ from poplar.profiler.exposure import (STEADY_ROUNDS, ExposureRounds, SteadyConfi
 from poplar.profiler.local_comm import round_plan
 from poplar.profiler.phases import ProfileObserver, ProfilePhase, in_phase
 from poplar.profiler.timing import Confirmation, RoundOptions, run_rounds, summarize, timing_batches
-from poplar.types.profiles import ProfileError, ProfilePoint
+from poplar.types.profiles import Exposure, ProfileError, ProfilePoint
 from poplar.zero.runtime import ZeroRuntime
 
 
@@ -71,7 +71,7 @@ class LockStepTiming:
 
     points: list[ProfilePoint]
     rounds: int
-    costs: dict[str, float]  # exposed communication and overhead (``exposure.exposed_costs``)
+    exposure: Exposure  # exposed communication and overhead (``exposure.exposed_costs``)
     comm_seconds: float  # seconds in collectives over all rounds
     collectives: tuple[list[list], list[list]]  # ``runtime_collectives`` of the last round
     confirm: Confirmation = Confirmation.REPEAT  # when a measurement was trusted

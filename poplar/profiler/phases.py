@@ -27,7 +27,7 @@ from enum import Enum
 from typing import Any, ContextManager, Iterator, Protocol, runtime_checkable
 
 from poplar.comm import Communicator
-from poplar.types.profiles import Profile
+from poplar.types.profiles import Emulated, Profile
 
 
 class ProfilePhase(Enum):
@@ -56,8 +56,9 @@ class ProfileObserver(Protocol):
     def profile_phase(self, phase: ProfilePhase, comm: Communicator) -> ContextManager[PhaseRecord]:
         """The phase runs while the returned block does (``comm``: the run's communicator)."""
 
-    def profile_meta(self) -> dict[str, Any]:
-        """What a profile measured with this observer records about it in ``Profile.meta``."""
+    def emulation(self) -> Emulated | None:
+        """The emulator's scales a profile measured with this observer records in its
+        ``Provenance`` (None: a real device)."""
 
 
 def observers_of(*candidates: Any) -> list[ProfileObserver]:

@@ -19,7 +19,7 @@ from poplar.comm import Communicator
 from poplar.profiler.devices import Device
 from poplar.types.precision import MixedPrecision, Precision, resolve_precision
 from poplar.types.precision import precision_unsupported_message
-from poplar.types.profiles import ProfileError
+from poplar.types.profiles import Profile, ProfileError
 from poplar.zero.runtime import ZeroRuntime
 
 
@@ -30,14 +30,15 @@ def runtime_precision(runtime: ZeroRuntime) -> Precision:
 
 
 def precision_meta(policy: MixedPrecision | None) -> dict[str, Any]:
-    """What a profile records about the precision it was measured at (``Profile.meta``)."""
+    """What a profile records about the precision it was measured at (``Profile.precision`` and
+    ``Profile.mixed_precision``)."""
     return {"precision": str(Precision.FP32 if policy is None else policy.precision),
             "mixed_precision": None if policy is None else policy.to_dict()}
 
 
-def profile_precision(meta: dict[str, Any]) -> Precision:
-    """The precision a profile was measured at (profiles from before mixed precision: fp32)."""
-    return Precision(meta.get("precision", "fp32"))
+def profile_precision(profile: Profile) -> Precision:
+    """The precision a profile was measured at."""
+    return Precision(profile.precision)
 
 
 def agree_precision_support(comm: Communicator, device: Device | None, policy: Any, what: str,

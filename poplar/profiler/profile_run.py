@@ -24,7 +24,7 @@ for several (docs/design.md §4, "deadlock trap"):
    rank's part (``ProfileRun.assemble``).
 
 Every runtime built here runs under the options' precision policy, so memory (the mbs) and speed
-are those of training at that precision; the profile records it (``meta["precision"]``).
+are those of training at that precision; the profile records it (``Profile.precision``).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from poplar.profiler.timing import Confirmation, measure_comm
 from poplar.types.configuration import Configuration
 from poplar.types.plans import Offload
 from poplar.types.precision import MixedPrecision, resolve_precision
-from poplar.types.profiles import CommProfile, OffloadCost, Profile, ProfileError
+from poplar.types.profiles import CommProfile, Emulated, OffloadCost, Profile, ProfileError
 from poplar.zero.config import ZeroConfig
 from poplar.zero.failures import is_oom
 from poplar.zero.nonfinite import SkipReport
@@ -80,7 +80,7 @@ class ProfileOptions:
     measure_comm: bool = True
     model_name: str = ""
     progress: bool = True  # a progress bar of the timing rounds on rank 0 (on a terminal)
-    meta: dict[str, Any] = field(default_factory=dict)
+    emulated: Emulated | None = None  # the emulator's scales and calibration (``Provenance.emulated``)
     # the precision policy training will run (None: fp32); "bf16" / "fp16" are resolved to one
     mixed_precision: MixedPrecision | str | None = None
     # the runtime's activation_checkpointing (None / False off, True, or a module policy)
@@ -395,5 +395,5 @@ def profile_rank(model_fn: Callable[[], nn.Module], loss_fn: Callable, sample_fn
     profile = run.assemble(fit, timing, comm_profile)
     if job.options.time_past_mbs:
         profile = time_past_mbs(run, fit, profile)
-    run.lead(f"done in {profile.meta['seconds']:.1f} s (in the ranks, from their set-up)")
+    run.lead(f"done in {profile.measurement.seconds:.1f} s (in the ranks, from their set-up)")
     return profile

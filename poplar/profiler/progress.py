@@ -65,5 +65,5 @@ class PhaseProgress:
                 n = self.done.get(phase, 0)
                 self.log(f"{WHAT[phase]}: {n} block{'s' * (n != 1)} done, {self.seconds.get(phase, 0.0):.1f} s so far")
 
-    def profile_meta(self) -> dict[str, Any]:
-        return {}
+    def emulation(self) -> None:
+        return None

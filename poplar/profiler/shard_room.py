@@ -25,7 +25,7 @@ from typing import Any
 
 from poplar.profiler.exposure import ExposureRounds
 from poplar.profiler.timing import Confirmation, TimingGrid, timing_batches
-from poplar.types.profiles import Profile, ProfileError
+from poplar.types.profiles import PastMbs, Profile, ProfileError
 from poplar.types.shard_memory import blended, emptied_blend, knows_shard_memory, mbs_at, proportional_weights
 
 
@@ -79,7 +79,7 @@ def time_past_mbs(run: Any, fit: Any, profile: Profile) -> Profile:
     points = run.comm.all_gather_object([p for p in timing.points if p.batch in mine], tag="profile:past mbs")
     for r in profile.ranks:
         r.points_past_mbs = sorted(points[r.rank], key=lambda p: p.batch)
-    profile.meta["points_past_mbs"] = {"shard_weights": list(weights), "batches": sizes,
-                                       "seconds": round(time.perf_counter() - started, 3)}
+    profile = replace(profile, measurement=replace(profile.measurement, past_mbs=PastMbs(
+        [float(w) for w in weights], [list(b) for b in sizes], round(time.perf_counter() - started, 3))))
     run.lead(f"timed past mbs at shard weights {[round(w, 2) for w in weights]}: batches {sizes}")
     return profile

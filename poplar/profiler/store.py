@@ -1,18 +1,33 @@
-"""The profile store: measured profiles kept per device type, keyed by what they depend on, so a
-start profiles only the device types it has no profile for.
+"""The profile store: a cache of measured profiles kept per device type, keyed by what they
+depend on, so a start profiles only the device types it has no profile for.
 
-A profile's rank parts depend on the model (its parameter names, shapes and dtypes, and its
-optimizer's class), the configuration asked for (ZeRO stage, the stages auto mode may choose
-among, activation checkpointing, the choice rule), the precision, the shape of one sample, the
-runtime's bucket size and Poplar's version: together the ``StoreKey``. They do not depend on
-which other devices share the job, except for the communication costs, which are measured on
-one mix of devices and world size and kept with each entry (``Entry.cluster``).
+A profile's rank parts depend on the model and on the device, and on nothing else of the job
+but the communication costs. The key (``StoreKey``) covers what changes compute and memory,
+also where it leaves every shape alone:
+
+- the model: its class, parameter and buffer names, shapes, dtypes and trainability, the
+  class of every module in order (its structure), and its configuration where it has one (a
+  Hugging Face config with its attention implementation and dtype); the optimizer's class;
+- the configuration asked for (ZeRO stage, the stages auto mode may choose among, activation
+  checkpointing, the choice rule), the precision, the shape of one sample, the runtime's
+  bucket size;
+- the torch version;
+
+and each entry is checked against two more parts of it: the device (its name and capacity,
+``Device.identity``) and the profile schema (``PROFILE_SCHEMA``, bumped when the profile format
+or the profiler changes). An entry measured on another device of the same type name, or by a
+profiler of another schema, is measured again, with one line saying why. The communication
+costs are measured on one mix of devices and world size and kept with each entry
+(``Entry.cluster``).
 
 On disk (JSON): ``<dir>/<key digest>/<device type>.json``, one ``Entry`` per device type: the key
 (checked on read, so a digest collision or a hand-copied file cannot be taken for another key),
-the configuration the run chose, one rank's ``RankProfile`` of that type, and the cluster-wide
-parts of the profile it came from (communication, model size, meta). Written atomically by one
-process (rank 0), read by any; a file that does not parse is ignored with a warning.
+the device, the schema, the configuration the run chose, one rank's ``RankProfile`` of that
+type, and the cluster-wide parts of the profile it came from (communication, model size,
+precision, provenance, auto mode's choice). Written atomically by one process (rank 0), read by
+any. The store is a cache: a file that cannot be read or has a bad field is skipped, and a
+directory that cannot be read or written is passed over, each with a warning naming the path
+and the reason (``ProfileStore.warnings``); the job goes on and profiles what it needs.
 
 ``assemble`` makes a whole ``Profile`` for a job from one entry per device type of its ranks:
 the communication profile is the entry's whose mix is the job's, else the most recent entry's,
@@ -22,19 +37,20 @@ re-planner corrects from measured iterations).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
 import re
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from poplar.types.plans import write_text_atomic
-from poplar.types.profiles import CommProfile, Profile, ProfileError, RankProfile
+from poplar.types.profiles import (PROFILE_SCHEMA, AutoChoice, CommProfile, Profile, ProfileError, Provenance,
+                                   RankProfile, StoreRecord)
 
-FORMAT = 1
 ENV_VAR = "POPLAR_PROFILE_STORE"  # a directory, or "off"
 
 
@@ -48,11 +64,49 @@ def default_store_dir() -> Path | None:
     return Path(cache) / "poplar" / "profiles"
 
 
+def _digest(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def module_structure(model: Any) -> str:
+    """Digest of every module's name and class, in order: a model whose modules compute
+    differently (another attention class, say) differs here where its parameters may not."""
+    return _digest([[name, type(m).__qualname__] for name, m in model.named_modules()])
+
+
+# keys of a Hugging Face config that say where it came from, not what the model computes
+_CONFIG_ORIGIN = ("_name_or_path", "transformers_version", "_commit_hash")
+
+
+def model_config(model: Any) -> str:
+    """Digest of the model's configuration ("" without one): the first module's ``config`` (a
+    Hugging Face ``PretrainedConfig``, a dataclass or a dict), with its attention implementation
+    and dtype. Heads, attention kernels and dtypes change compute and memory but need not change
+    a parameter's shape."""
+    config = next((m.config for m in model.modules() if getattr(m, "config", None) is not None), None)
+    if config is None:
+        return ""
+    if hasattr(config, "to_dict"):
+        d = dict(config.to_dict())
+    elif dataclasses.is_dataclass(config) and not isinstance(config, type):
+        d = dataclasses.asdict(config)
+    elif isinstance(config, dict):
+        d = dict(config)
+    else:
+        d = {"repr": repr(config)}
+    d = {k: v for k, v in d.items() if k not in _CONFIG_ORIGIN}
+    d["attn_implementation"] = getattr(config, "_attn_implementation", None)
+    d["dtype"] = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None))
+    return _digest(d)
+
+
 @dataclass(frozen=True)
 class StoreKey:
-    """What a device type's profile depends on (JSON-safe values only)."""
+    """What a device type's profile depends on, besides the device and the schema (JSON-safe values only)."""
 
     model: str  # fingerprint: class, parameter names/shapes/dtypes, optimizer class
+    structure: str  # digest of the class of every module, in order
+    config: str  # digest of the model's configuration (a Hugging Face config, attention, dtype); "" without one
     zero_stage: int  # the stage asked for
     stages: tuple[int, ...]  # the stages auto mode may choose among
     checkpointing: str  # "auto" (auto mode tries off and on), "off", "on" or the policy's repr
@@ -60,12 +114,16 @@ class StoreKey:
     precision: str
     sample: str  # the shape of one sample's tensors
     bucket_size_mb: float
-    poplar_version: str
+    torch_version: str
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["stages"] = list(self.stages)
         return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "StoreKey":
+        return cls(**{**d, "stages": tuple(d["stages"])})
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:20]
@@ -75,51 +133,68 @@ class StoreKey:
 class Entry:
     """One device type's stored profile."""
 
-    key: dict[str, Any]
+    key: StoreKey
     device_type: str
+    device: str  # the device's identity: its name and capacity (``RankProfile.device_identity``)
     zero_stage: int  # the configuration the run chose
     activation_checkpointing: bool
     rank: RankProfile  # one rank of this type (its curve is its type's)
     cluster: list[str]  # the device type of every rank of the run that measured it
-    comm: dict[str, Any]  # that run's CommProfile
+    comm: CommProfile  # that run's
     param_count: int
     param_bytes: int
     model_name: str = ""
-    meta: dict[str, Any] = field(default_factory=dict)  # that run's Profile.meta
+    precision: str = "fp32"
+    mixed_precision: dict[str, Any] | None = None
+    provenance: Provenance = field(default_factory=Provenance)
+    auto_choice: AutoChoice | None = None
     saved_at: float = 0.0  # time.time() when it was written
-    format: int = FORMAT
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d["rank"] = asdict(self.rank)
-        return d
+        d["key"] = self.key.to_dict()
+        return {"schema_version": PROFILE_SCHEMA, **d}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Entry":
-        if not isinstance(d, dict) or d.get("format") != FORMAT:
-            raise ProfileError(f"not a profile store entry of format {FORMAT}")
+    def from_dict(cls, d: Any, path: Path) -> "Entry":
+        """The entry of the JSON object read from ``path``; a ``StaleEntry`` if another schema
+        wrote it, a ``ProfileError`` naming ``path`` and the field if a field is bad."""
+        if not isinstance(d, dict):
+            raise ProfileError(f"stored profile {path} is not a JSON object")
+        version = d.get("schema_version", 1)  # entries before typed records: schema 1
+        if version != PROFILE_SCHEMA:
+            raise StaleEntry(f"stored profile {path} is of profile schema {version}, this Poplar's is "
+                             f"{PROFILE_SCHEMA}: profiling {d.get('device_type', 'that device type')} again")
         try:
-            d = dict(d)
-            d["rank"] = RankProfile(**d["rank"])
-            return cls(**d)
-        except (TypeError, KeyError) as e:
-            raise ProfileError(f"malformed profile store entry: {e}") from None
+            d = {k: v for k, v in d.items() if k != "schema_version"}
+            # the stored rank, checked as a profile of one rank (every field its JSON type)
+            check = Profile(d["zero_stage"], 1, d["param_count"], d["param_bytes"], [{**d["rank"], "rank": 0}],
+                            d["comm"], provenance=d.get("provenance") or Provenance(),
+                            auto_choice=d.get("auto_choice"))
+            return cls(**{**d, "key": StoreKey.from_dict(d["key"]), "rank": RankProfile(**d["rank"]),
+                          "comm": check.comm, "provenance": check.provenance, "auto_choice": check.auto_choice})
+        except (TypeError, KeyError, ProfileError) as e:
+            raise ProfileError(f"stored profile {path} is malformed: {e}") from None
 
     @property
     def configuration(self) -> tuple[int, bool]:
         return self.zero_stage, self.activation_checkpointing
 
 
+class StaleEntry(ProfileError):
+    """A stored entry written by a profiler of another profile schema."""
+
+
 def entries_of(profile: Profile, key: StoreKey, checkpointed: bool) -> list[Entry]:
     """One entry per device type of ``profile`` (its first rank of that type)."""
     cluster = [r.device_type for r in profile.ranks]
-    meta = {k: v for k, v in profile.meta.items() if k not in ("ranks", "store")}
     now = time.time()
     out = []
     for dtype in profile.device_types():
         rank = next(r for r in profile.ranks if r.device_type == dtype)
-        out.append(Entry(key.to_dict(), dtype, profile.zero_stage, checkpointed, rank, cluster, asdict(profile.comm),
-                         profile.param_count, profile.param_bytes, profile.model_name, meta, now))
+        out.append(Entry(key, dtype, rank.device_identity, profile.zero_stage, checkpointed, rank, cluster,
+                         profile.comm, profile.param_count, profile.param_bytes, profile.model_name,
+                         profile.precision, profile.mixed_precision, profile.provenance, profile.auto_choice, now))
     return out
 
 
@@ -133,49 +208,72 @@ class ProfileStore:
 
     def __init__(self, directory: str | os.PathLike, max_age_s: float | None = None) -> None:
         self.directory, self.max_age_s = Path(directory), max_age_s
-        self.warnings: list[str] = []  # files that could not be read, since the store was made
+        self.warnings: list[str] = []  # entries skipped and paths that could not be read or written
+
+    def take_warnings(self) -> list[str]:
+        """The warnings since the last call (each reported once)."""
+        out, self.warnings = self.warnings, []
+        return out
 
     def path(self, key: StoreKey, device_type: str) -> Path:
         return self.directory / key.digest() / _file_name(device_type)
 
-    def get(self, key: StoreKey, device_type: str) -> Entry | None:
-        """The fresh entry of ``device_type`` under ``key``, or None."""
+    def get(self, key: StoreKey, device_type: str, device: str | None = None) -> Entry | None:
+        """The fresh entry of ``device_type`` under ``key``, measured on ``device`` (an identity,
+        ``Device.identity``; None: any), or None."""
         path = self.path(key, device_type)
-        if not path.is_file():
-            return None
         try:
-            entry = Entry.from_dict(json.loads(path.read_text()))
-        except (OSError, ValueError) as e:
+            if not path.is_file():
+                return None
+            entry = Entry.from_dict(json.loads(path.read_text()), path)
+        except StaleEntry as e:
+            self.warnings.append(str(e))
+            return None
+        except OSError as e:
+            self.warnings.append(f"profile store: cannot read {path} ({e.strerror or e}); profiling "
+                                 f"{device_type} instead")
+            return None
+        except ValueError as e:  # not JSON, or a bad field: ProfileError names the file
             self.warnings.append(f"ignoring the stored profile {path}: {e}")
             return None
-        if entry.key != key.to_dict() or entry.device_type != device_type:
+        if entry.key != key or entry.device_type != device_type:
+            return None
+        if device is not None and entry.device != device:
+            self.warnings.append(f"stored profile {path} was measured on {entry.device or 'another device'}, this "
+                                 f"job's {device_type} is {device}: profiling it again")
             return None
         if self.max_age_s is not None and time.time() - entry.saved_at > self.max_age_s:
             return None
         return entry
 
-    def lookup(self, key: StoreKey, device_types: list[str]) -> dict[str, Entry]:
-        """The fresh entries among ``device_types`` (each once)."""
+    def lookup(self, key: StoreKey, device_types: list[str], devices: dict[str, str] | None = None) -> dict[str, Entry]:
+        """The fresh entries among ``device_types`` (each once); ``devices``: each type's device identity."""
         found = {}
         for dtype in dict.fromkeys(device_types):
-            entry = self.get(key, dtype)
+            entry = self.get(key, dtype, None if devices is None else devices.get(dtype))
             if entry is not None:
                 found[dtype] = entry
         return found
 
-    def put(self, entry: Entry) -> Path:
-        key = entry.key
-        path = self.directory / StoreKey(**{**key, "stages": tuple(key["stages"])}).digest() / \
-            _file_name(entry.device_type)
-        write_text_atomic(path, json.dumps(entry.to_dict(), indent=1) + "\n")
+    def put(self, entry: Entry) -> Path | None:
+        """Write ``entry``; None, with a warning naming the path and the reason, where it cannot be written."""
+        path = self.path(entry.key, entry.device_type)
+        try:
+            write_text_atomic(path, json.dumps(entry.to_dict(), indent=1) + "\n")
+        except OSError as e:
+            self.warnings.append(f"profile store: cannot write {path} ({e.strerror or e}); the {entry.device_type} "
+                                 "profile is not kept, the job goes on")
+            return None
         return path
 
     def save(self, profile: Profile, key: StoreKey, checkpointed: bool, only: set[str] | None = None) -> list[Path]:
-        """Keep ``profile``'s device types (``only``: these of them). Only a profile measured at
-        even shards can be kept: at uneven weights a rank's mbs is its weight's, not its type's."""
+        """Keep ``profile``'s device types (``only``: these of them); the paths written. Only a
+        profile measured at even shards can be kept: at uneven weights a rank's mbs is its weight's, not its type's."""
         if profile.shard_weights is not None and len(set(profile.shard_weights)) > 1:
             raise ProfileError("a profile measured at uneven shard weights cannot be kept per device type")
-        return [self.put(e) for e in entries_of(profile, key, checkpointed) if only is None or e.device_type in only]
+        written = [self.put(e) for e in entries_of(profile, key, checkpointed)
+                   if only is None or e.device_type in only]
+        return [p for p in written if p is not None]
 
 
 def agreed_configuration(entries: dict[str, Entry]) -> tuple[int, bool] | None:
@@ -193,22 +291,15 @@ def assemble(entries: dict[str, Entry], cluster: list[str]) -> Profile:
         raise ProfileError(f"cannot assemble a profile: missing {missing} or the entries' configurations differ")
     same_mix = [e for e in entries.values() if e.cluster == cluster]
     base = max(same_mix or entries.values(), key=lambda e: e.saved_at)
-    comm = CommProfile(**base.comm)
-    if base.cluster != cluster:  # exposures led by a device type the job lacks do not apply
-        for name in ("exposed_micro_step_lead_s", "exposed_iteration_lead_s", "exposed_small_lead",
-                     "exposed_micro_step_small_lead_s", "exposed_iteration_small_lead_s"):
-            led = getattr(comm, name)
-            if led is not None:
-                setattr(comm, name, {t: v for t, v in led.items() if t in cluster} or None)
-    ranks = []
-    for r, dtype in enumerate(cluster):
-        part = asdict(entries[dtype].rank)
-        part["rank"] = r
-        ranks.append(RankProfile(**part))
-    meta = dict(base.meta)
+    comm, provenance = base.comm, base.provenance
     if base.cluster != cluster:
-        meta.pop("cluster", None)  # the cluster it names is the storing run's, not this job's
-    meta["store"] = {"reused": sorted(entries), "comm_from": base.cluster,
-                     "saved_at": {t: e.saved_at for t, e in entries.items()}}
+        # exposures led by a device type the job lacks do not apply; the cluster named is the storing run's
+        comm = replace(comm, exposure=comm.exposure.only_leaders(cluster))
+        if provenance.emulated is not None:
+            provenance = replace(provenance, emulated=replace(provenance.emulated, cluster=""))
+    ranks = [replace(entries[dtype].rank, rank=r) for r, dtype in enumerate(cluster)]
     return Profile(zero_stage=config[0], world_size=len(cluster), param_count=base.param_count,
-                   param_bytes=base.param_bytes, ranks=ranks, comm=comm, model_name=base.model_name, meta=meta)
+                   param_bytes=base.param_bytes, ranks=ranks, comm=comm, model_name=base.model_name,
+                   precision=base.precision, mixed_precision=base.mixed_precision,
+                   activation_checkpointing=config[1], provenance=provenance, auto_choice=base.auto_choice,
+                   store=StoreRecord(reused=sorted(entries), comm_from=base.cluster))

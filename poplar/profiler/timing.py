@@ -34,7 +34,7 @@ import torch
 from poplar.types.logs import progress_bar
 from poplar.profiler.devices import Device
 from poplar.profiler.local_comm import round_plan
-from poplar.types.profiles import CommProfile, ProfilePoint, bus_bytes
+from poplar.types.profiles import CommProfile, Links, ProfilePoint, bus_bytes
 from poplar.comm import Communicator
 from poplar.zero.observers import MicroStep, StepObserver
 from poplar.zero.runtime import PlanCheck, ZeroRuntime
@@ -263,7 +263,7 @@ def measure_comm(comm: Communicator, sizes: tuple[int, ...] = DEFAULT_COMM_SIZES
     of the full buffer). Every rank runs the same calls in the same order."""
     n, dev = comm.world_size, comm.device
     if n <= 1:
-        return CommProfile(bandwidth_bytes_per_s=1e15, latency_s=0.0, backend=comm.backend)
+        return CommProfile(Links(bandwidth_bytes_per_s=1e15, latency_s=0.0, backend=comm.backend))
     xs: list[float] = []
     ys: list[float] = []
     barrier = torch.zeros(1, device=dev)
@@ -297,4 +297,4 @@ def measure_comm(comm: Communicator, sizes: tuple[int, ...] = DEFAULT_COMM_SIZES
         latency = 0.0
     else:
         bandwidth, latency = 1.0 / slope, max(float(intercept), 0.0)
-    return CommProfile(bandwidth_bytes_per_s=float(bandwidth), latency_s=latency, backend=comm.backend)
+    return CommProfile(Links(bandwidth_bytes_per_s=float(bandwidth), latency_s=latency, backend=comm.backend))

@@ -84,7 +84,7 @@ class Checkpointer:
         passed_over = list(latest.passed_over)
         while True:
             try:  # every rank; a rank that cannot read it fails them all
-                meta = checkpoint.load_checkpoint(engine, latest.path)
+                loaded = checkpoint.load_checkpoint(engine, latest.path)
                 break
             except checkpoint.DamagedCheckpoint as e:
                 older = kept.agree_on_latest(engine.comm, directory, below=latest.iteration)
@@ -92,7 +92,7 @@ class Checkpointer:
                     raise
                 passed_over.append(str(e))
                 latest = older
-        data_state = (meta.get("extra") or {}).get("data")
+        data_state = loaded.extra.get("data")
         if data_state is not None:
             loader.load_state_dict(data_state)
         else:
@@ -101,8 +101,8 @@ class Checkpointer:
             for reason in passed_over:
                 log.warning(f"not resuming from a damaged or incomplete checkpoint: {reason}")
             log.info(f"resumed from {directory} at iteration {engine.iteration}: {latest.path} "
-                     f"({latest.source.value}; saved by {meta['world_size']} ranks at ZeRO-{meta['zero_stage']})")
-        return meta.get("extra") or {}
+                     f"({latest.source.value}; saved by {loaded.world_size} ranks at ZeRO-{loaded.zero_stage})")
+        return loaded.extra
 
     def due(self, done: bool, stopping: bool) -> bool:
         """Whether to save after the iteration just taken: at the end, at a stop, and every

@@ -174,7 +174,7 @@ class PlanLoader:
     one collated sample), which the engine accepts.
 
     With checkpoints: save ``loader.state_dict()`` in ``extra`` and, after ``load_checkpoint``,
-    ``loader.load_state_dict(meta["extra"][...])`` (any plan, any world size).
+    ``loader.load_state_dict(loaded.extra[...])`` (any plan, any world size).
 
     Args:
         dataset: map-style dataset.

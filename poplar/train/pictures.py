@@ -33,7 +33,8 @@ def cluster_name(profile: Profile) -> str:
     """"2 x V100-16G + 2 x T4-16G" (with the emulated cluster's name where the profile has one)."""
     types = [r.device_type for r in profile.ranks]
     mix = " + ".join(f"{types.count(t)} x {t}" for t in dict.fromkeys(types))
-    name = (profile.meta.get("cluster") or {}).get("name") if isinstance(profile.meta.get("cluster"), dict) else None
+    emulated = profile.provenance.emulated
+    name = emulated.cluster if emulated is not None else None
     return f"cluster {name} ({mix})" if name else mix
 
 
@@ -83,8 +84,8 @@ def write_curves_png(path: str | os.PathLike, profile: Profile, plan: Plan | Non
                 notes.append(note)
     ax.set_xlabel("micro-batch size (triangle: largest that fits, mbs; dotted: the plan's b)")
     ax.set_ylabel("samples / s")
-    precision = profile.meta.get("precision", "fp32")
-    ckpt = " + activation checkpointing" if profile.meta.get("activation_checkpointing") else ""
+    precision = profile.precision
+    ckpt = " + activation checkpointing" if profile.activation_checkpointing else ""
     stage = plan.zero_stage if plan is not None else profile.zero_stage
     ax.set_title(f"{profile.model_name or 'model'} on {cluster_name(profile)}\nZeRO-{stage}{ckpt}, {precision}",
                  fontsize=10)

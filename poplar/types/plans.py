@@ -96,9 +96,41 @@ class RankPlan:
         return sizes
 
 
+class OffloadPricing(str, Enum):
+    """Whether the planner priced the optimizer placements (offload copies and host step)."""
+
+    PRICED = "priced"  # each placement candidate planned and priced from the profile's offload cost
+    NO_OFFLOAD_COST = "no_offload_cost"  # not priced: the profile has no offload cost; nothing offloaded
+    OTHER_STAGE = "other_stage"  # not priced: planned at another stage than the profile measured
+    AS_GIVEN = "as_given"  # the placements given, not priced (the profile has no offload cost)
+
+
+@dataclass
+class PlanChoice:
+    """How a plan was chosen among alternatives: tables and numbers for a reader (``plan.json``,
+    the log); the runtime reads none of it. None: that choice was not made."""
+
+    plan_tie: float | None = None  # a predicted gain below this fraction keeps the conventional plan
+    offload_pricing: OffloadPricing | None = None
+    offload_s: list[float] | None = None  # per rank: predicted seconds of its offload copies and host step
+    shard_candidates: list[dict[str, Any]] | None = None  # the shard weights planned (name, weights, predicted_s)
+    placement_candidates: list[dict[str, Any]] | None = None  # shard weights x optimizer placements planned
+    # auto mode: the configurations it compared, its rule, its profiling seconds, the profile store's use
+    candidates: list[dict[str, Any]] | None = None
+    choice_rule: str | None = None
+    profiling_s: dict[str, float] | None = None
+    profile_store: str | None = None
+    shard_trial_failed_on: list[int] | None = None  # ranks where the planned shard weights did not fit a step
+
+    def __post_init__(self) -> None:
+        if self.offload_pricing is not None:
+            self.offload_pricing = OffloadPricing(self.offload_pricing)
+
+
 @dataclass
 class Plan:
-    """One row per rank, plus what the planner predicted for it (if it came from a planner)."""
+    """One row per rank, plus what the planner predicted for it (if it came from a planner):
+    ``choice`` says how it was chosen, ``meta`` holds the allocator's search record."""
 
     ranks: list[RankPlan]
     zero_stage: int | None = None
@@ -106,10 +138,20 @@ class Plan:
     predicted_iteration_s: float | None = None
     predicted_comm_s: float | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    choice: PlanChoice = field(default_factory=PlanChoice)
 
     def __post_init__(self) -> None:
         self.ranks = [r if isinstance(r, RankPlan) else RankPlan(**r) for r in self.ranks]
+        if isinstance(self.choice, dict):
+            self.choice = PlanChoice(**self.choice)
         self.validate()
+
+    @property
+    def predicted_samples_per_s(self) -> float | None:
+        """The global batch over the predicted iteration (None: not predicted)."""
+        if not self.predicted_iteration_s:
+            return None
+        return self.global_batch_size / self.predicted_iteration_s
 
     def validate(self) -> None:
         if not self.ranks:
@@ -159,7 +201,8 @@ class Plan:
         """This plan with these optimizer placements, one per rank (batches and shards kept)."""
         if len(offloads) != self.world_size:
             raise PlanError(f"{len(offloads)} offload placements for a plan of {self.world_size} ranks; give one per rank")
-        return replace(self, ranks=[replace(r, offload=o) for r, o in zip(self.ranks, offloads)], meta=dict(self.meta))
+        return replace(self, ranks=[replace(r, offload=o) for r, o in zip(self.ranks, offloads)], meta=dict(self.meta),
+                       choice=replace(self.choice))
 
     @property
     def even_shards(self) -> bool:
@@ -201,6 +244,8 @@ class Plan:
         d = asdict(self)
         for row in d["ranks"]:
             row["offload"] = Offload(row["offload"]).value
+        if self.choice.offload_pricing is not None:
+            d["choice"]["offload_pricing"] = self.choice.offload_pricing.value
         d["global_batch_size"] = self.global_batch_size
         return d
 

@@ -2,15 +2,19 @@
 
 One ``RankProfile`` per rank: its device type, memory capacity, largest micro-batch ``mbs``
 and timed points (batch, compute seconds with communication subtracted, communication
-seconds). ``CommProfile`` holds the measured collective bandwidth used to predict the
-communication time of a plan. Ranks with the same ``device_type`` share one speed curve.
+seconds). ``CommProfile`` holds the fitted link (``Links``) used to predict the communication
+time of a plan and the measured ``Exposure``. Ranks with the same ``device_type`` share one
+speed curve. ``Provenance`` says where the profile comes from (schema, torch and Poplar
+versions, the emulator's scales), ``Measurement`` how it was measured. On disk every profile
+carries ``schema_version`` (``PROFILE_SCHEMA``); one of another schema is refused with a
+``ProfileError`` that names it and says to profile again.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -60,6 +64,7 @@ class RankProfile:
     # timed above mbs, at shard weights that gave this rank the room (``profiler.shard_room``):
     # what its curve is there when a plan's weights let it run those batches
     points_past_mbs: list[ProfilePoint] = field(default_factory=list)
+    device_identity: str = ""  # its name and total capacity (``Device.identity``): what the profile store checks
 
     def __post_init__(self) -> None:
         self.points = [p if isinstance(p, ProfilePoint) else ProfilePoint(**p) for p in self.points]
@@ -78,9 +83,9 @@ class RankProfile:
 LEAD_SCALE = 0.1
 # The lead of the profiler's steady led rounds: one device type at the balanced compute, the
 # others at half of it. A lock-step micro-step (an iteration's end) whose slowest device type
-# leads the next by this fraction or more exposes ``CommProfile.exposed_micro_step_lead_s[type]``
-# (``exposed_iteration_lead_s``); with every rank finishing together, ``exposed_micro_step_s``
-# (``exposed_iteration_s``); in between, as ``lead_change`` says, because the change grows with
+# leads the next by this fraction or more exposes its ``LedExposure.micro_step_s``
+# (``LedExposure.iteration_s``); with every rank finishing together, ``Exposure.micro_step_s``
+# (``Exposure.iteration_s``); in between, as ``lead_change`` says, because the change grows with
 # the lead rather than arriving in full at a small one. Tuned on the CPU emulator
 # (docs/experiments.md); the profiler does not measure the led rounds' lead, it sets it.
 LED_ROUNDS_LEAD = 0.5
@@ -88,7 +93,7 @@ LED_ROUNDS_LEAD = 0.5
 # measures how the change grows with the lead: a lone leader takes most of it early, several
 # leaders more gradually, so one straight line to ``LED_ROUNDS_LEAD`` cannot fit both
 # (``lead_change``). Chosen on the CPU emulator; the lead those rounds actually ran at is
-# measured (``CommProfile.exposed_small_lead``), and the cost model uses the measured one.
+# measured (``LedExposure.small_lead``), and the cost model uses the measured one.
 SMALL_LEAD = 0.15
 
 
@@ -120,38 +125,180 @@ def bus_bytes(op: str, nbytes: float, world_size: int) -> float:
     return (2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n) * nbytes
 
 
-@dataclass
-class CommProfile:
-    """Measured collective performance: time(bytes) ~= latency_s + bytes / bandwidth; which
-    collectives the engine issued at ``collectives_stage`` while it was timed, as ``[op, bytes]``
-    pairs: those of one micro-step (``micro_step``) and those of the iteration's end
-    (``iteration``); and what of them compute did not hide, measured (``exposed_*``), with the
-    iteration's fixed overhead. The cost model uses these when it plans at that stage."""
+# The profile format's version, written in every profile and store entry. Bumped when the format
+# or the profiler's measurement changes, so that a stored profile measured by another profiler is
+# measured again rather than reused. 1: the format before typed records (no ``schema_version``
+# on disk: flat ``exposed_*`` fields and a ``meta`` dict), which ``from_schema_1`` converts.
+PROFILE_SCHEMA = 2
+
+
+@dataclass(frozen=True)
+class Links:
+    """The fitted collective link: seconds ~= ``latency_s`` + bus bytes / ``bandwidth_bytes_per_s``
+    (``bus_bytes``), on ``backend``. One link for the whole job."""
 
     bandwidth_bytes_per_s: float
     latency_s: float = 0.0
     backend: str = ""
+
+
+@dataclass(frozen=True)
+class LedExposure:
+    """What one leading device type changes in the exposure: measured in its led rounds (it at
+    the balanced compute, the others at half of it: ``LED_ROUNDS_LEAD``) and in its small led
+    rounds (the others at 85 %: ``SMALL_LEAD``, at the lead they actually ran, ``small_lead``).
+    A value is None where those rounds did not run."""
+
+    device_type: str
+    micro_step_s: float | None = None  # a micro-step's exposed communication, led by this type
+    iteration_s: float | None = None  # the iteration's closing collectives, led by this type
+    small_lead: float | None = None  # the measured median lead of its small led rounds
+    micro_step_small_lead_s: float | None = None
+    iteration_small_lead_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Exposure:
+    """What of the collectives compute did not hide, measured at ``CommProfile.collectives_stage``
+    on the critical rank (``poplar.profiler.exposure.exposed_costs``). None: not measured."""
+
+    micro_step_s: float | None = None  # balanced: every rank finishing its micro-step together
+    iteration_s: float | None = None  # the iteration's closing collectives, balanced
+    # balanced exposure of shorter (and longer) steps: at each compute (ascending), this much
+    step_compute_s: tuple[float, ...] | None = None
+    step_s: tuple[float, ...] | None = None
+    switch_s: float | None = None  # more per micro-step whose batches differ from the step before
+    leaders: tuple[LedExposure, ...] = ()  # one per device type that led rounds
+    overhead_s: float | None = None  # the optimizer step and the rest outside micro-steps
+    # how well the steady rounds knew their exposure: the largest standard error of a
+    # configuration's median, as a fraction of its round time (None: no steady rounds)
+    error: float | None = None
+
+    def per_leader(self, name: str) -> dict[str, float] | None:
+        """``LedExposure.<name>`` of every leader that has it, by device type (None: none has)."""
+        found = {x.device_type: getattr(x, name) for x in self.leaders if getattr(x, name) is not None}
+        return found or None
+
+    def only_leaders(self, device_types: list[str]) -> "Exposure":
+        """This exposure with the leaders of these device types only."""
+        return replace(self, leaders=tuple(x for x in self.leaders if x.device_type in device_types))
+
+
+@dataclass
+class CommProfile:
+    """Measured collective performance: the fitted link (``links``); which collectives the engine
+    issued at ``collectives_stage`` while it was timed, as ``[op, bytes]`` pairs: those of one
+    micro-step (``micro_step``) and those of the iteration's end (``iteration``); and what of them
+    compute did not hide (``exposure``), with the iteration's fixed overhead. The cost model uses
+    these when it plans at that stage."""
+
+    links: Links
     collectives_stage: int | None = None
     micro_step: list[list] = field(default_factory=list)
     iteration: list[list] = field(default_factory=list)
-    # measured at collectives_stage on the critical rank (poplar.profiler.exposure.exposed_costs):
-    exposed_micro_step_s: float | None = None  # communication a micro-step's compute did not hide
-    exposed_micro_step_lead_s: dict[str, float] | None = None  # per leading device type: the same led by it
-    # balanced exposure of shorter steps too: at each of these computes (ascending), this much
-    exposed_step_compute_s: list[float] | None = None
-    exposed_step_s: list[float] | None = None
-    exposed_switch_s: float | None = None  # more per micro-step whose batches differ from the step before
-    exposed_iteration_s: float | None = None  # the iteration's closing collectives
-    exposed_iteration_lead_s: dict[str, float] | None = None  # per leading device type: the same led by it
-    # per leading device type, its small led rounds (``SMALL_LEAD``): their measured median lead,
-    # and the micro-step's and the iteration's end's exposure there (``lead_change``)
-    exposed_small_lead: dict[str, float] | None = None
-    exposed_micro_step_small_lead_s: dict[str, float] | None = None
-    exposed_iteration_small_lead_s: dict[str, float] | None = None
-    iteration_overhead_s: float | None = None  # optimizer step and the rest outside micro-steps
-    # how well the steady rounds knew their exposure: the largest standard error of a
-    # configuration's median, as a fraction of its round time (None: no steady rounds)
-    exposed_error: float | None = None
+    exposure: Exposure = field(default_factory=Exposure)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.links, dict):
+            self.links = Links(**self.links)
+        _require(isinstance(self.links, Links), "comm.links", self.links, "an object")
+        if isinstance(self.exposure, dict):
+            d = dict(self.exposure)
+            for name in ("step_compute_s", "step_s"):
+                if isinstance(d.get(name), list):
+                    d[name] = tuple(d[name])
+            leaders = d.get("leaders", [])
+            _require(isinstance(leaders, (list, tuple)), "comm.exposure.leaders", leaders, "a list of objects")
+            d["leaders"] = tuple(x if isinstance(x, LedExposure) else LedExposure(
+                **_mapping(x, f"comm.exposure.leaders[{i}]")) for i, x in enumerate(leaders))
+            self.exposure = Exposure(**d)
+        _require(isinstance(self.exposure, Exposure), "comm.exposure", self.exposure, "an object")
+
+
+@dataclass(frozen=True)
+class Emulated:
+    """The emulator's scales a profile was measured at (``poplar.emulation``): what a real
+    cluster of those devices would measure is this profile with the scales undone."""
+
+    memory_scale: float
+    time_scale: float | None = None  # None: a synthetic profile, computed without timing
+    cluster: str = ""  # the emulated cluster's name
+    synthetic: bool = False  # computed from presets, not measured
+    calibration: dict[str, Any] | None = None  # how the scales were calibrated (the emulator's record)
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """Where a profile comes from. Each rank's device name and capacity are in its
+    ``RankProfile`` (``device_name``, ``capacity_bytes``)."""
+
+    schema_version: int = PROFILE_SCHEMA
+    torch_version: str = ""
+    poplar_version: str = ""
+    emulated: Emulated | None = None  # None: measured on real devices
+
+
+@dataclass(frozen=True)
+class Escalation:
+    """A configuration the capacity search left because batch 1 did not fit ``ranks`` there:
+    a higher stage (``to_stage`` > ``from_stage``) or the same stage with ``offload``."""
+
+    from_stage: int
+    to_stage: int
+    ranks: list[int]
+    reasons: dict[str, str] = field(default_factory=dict)  # rank -> why batch 1 did not fit
+    offload: list[str] | None = None  # every rank's placement searched next (same stage)
+
+
+@dataclass(frozen=True)
+class PastMbs:
+    """Where the timing past mbs ran (``profiler.shard_room``): the shard weights and each rank's batches."""
+
+    shard_weights: list[float]
+    batches: list[list[int]]
+    seconds: float = 0.0
+
+
+@dataclass
+class Measurement:
+    """How the profile was measured: diagnostics for a reader; the planner reads none of it."""
+
+    requested_stage: int | None = None  # the stage asked for (``Profile.zero_stage``: the one that fitted)
+    escalations: list[Escalation] = field(default_factory=list)
+    seconds: float = 0.0  # the run's wall time in the ranks, from their set-up
+    timing_rounds: int = 0
+    repeats: int = 0
+    overflowing_trials: int = 0  # fp16 trial steps and rounds skipped for an overflow, all ranks
+    ranks: list[dict[str, Any]] = field(default_factory=list)  # per rank: its capacity search's notes
+    past_mbs: PastMbs | None = None
+
+    def __post_init__(self) -> None:
+        self.escalations = [e if isinstance(e, Escalation) else Escalation(**e) for e in self.escalations]
+        if isinstance(self.past_mbs, dict):
+            self.past_mbs = PastMbs(**self.past_mbs)
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    """Auto mode's choice of configuration, made on this profile (``poplar.auto.choice``)."""
+
+    rule: str  # "fastest" or "first_fit"
+    candidates: list[dict[str, Any]]  # the candidate table (``Candidate.to_dict``), chosen row marked
+    profiling_s: dict[str, float] = field(default_factory=dict)  # capacity_s, timing_s, comm_s
+    timed: int = 0
+    probed: int = 0
+    timing_rounds: int = 0
+    # the capacity searches run again with short ranks' optimizers offloaded: configuration, ranks, offload
+    offload_escalations: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class StoreRecord:
+    """What of the profile came from the profile store (``poplar.profiler.store``)."""
+
+    reused: list[str]  # device types whose parts came from the store
+    profiled: list[str] = field(default_factory=list)  # device types measured by this run
+    comm_from: list[str] | None = None  # the cluster of the run whose communication profile was taken
 
 
 @dataclass
@@ -163,12 +310,18 @@ class Profile:
     ranks: list[RankProfile]
     comm: CommProfile
     model_name: str = ""
-    meta: dict[str, Any] = field(default_factory=dict)
     # the shard weights every rank was measured at (its mbs and shard_bytes are theirs); None: even
     shard_weights: list[float] | None = None
     # where every rank's optimizer was while its mbs was measured ("none" / "optimizer", the values
     # of ``Offload``); None: on the device everywhere
     offloads: list[str] | None = None
+    precision: str = "fp32"  # the precision the ranks computed in (``Precision``'s value)
+    mixed_precision: dict[str, Any] | None = None  # the policy measured at (``MixedPrecision.to_dict``)
+    activation_checkpointing: bool = False  # measured with activation checkpointing
+    provenance: Provenance = field(default_factory=Provenance)
+    measurement: Measurement = field(default_factory=Measurement)
+    auto_choice: AutoChoice | None = None  # auto mode chose the configuration on this profile
+    store: StoreRecord | None = None  # parts of it came from, or went to, the profile store
 
     def __post_init__(self) -> None:
         _require(isinstance(self.ranks, list), "ranks", self.ranks, "a list of rank profiles")
@@ -181,8 +334,14 @@ class Profile:
                         _mapping(point, f"ranks[{i}].{name}[{j}]")
         self.ranks = [r if isinstance(r, RankProfile) else RankProfile(**r) for r in self.ranks]
         if isinstance(self.comm, dict):
-            self.comm = CommProfile(**self.comm)
+            self.comm = CommProfile(**_mapping(self.comm, "comm"))
         _require(isinstance(self.comm, CommProfile), "comm", self.comm, "an object")
+        self.provenance = _record(self.provenance, Provenance, "provenance")
+        if isinstance(self.provenance.emulated, dict):
+            self.provenance = replace(self.provenance, emulated=Emulated(**self.provenance.emulated))
+        self.measurement = _record(self.measurement, Measurement, "measurement")
+        self.store = _record(self.store, StoreRecord, "store")
+        self.auto_choice = _record(self.auto_choice, AutoChoice, "auto_choice")
         self.validate()
 
     def check_types(self) -> None:
@@ -211,26 +370,23 @@ class Profile:
                     _check(pt.batch, f"{where}.{name}[{j}].batch", int)
                     _check(pt.compute_s, f"{where}.{name}[{j}].compute_s", float)
                     _check(pt.comm_s, f"{where}.{name}[{j}].comm_s", float)
-        _check(self.comm.bandwidth_bytes_per_s, "comm.bandwidth_bytes_per_s", float)
-        _check(self.comm.latency_s, "comm.latency_s", float)
-        for name in ("exposed_micro_step_s", "exposed_switch_s", "exposed_iteration_s", "iteration_overhead_s",
-                     "exposed_error"):
-            _check(getattr(self.comm, name), f"comm.{name}", float, optional=True)
-        for name in ("exposed_micro_step_lead_s", "exposed_iteration_lead_s", "exposed_small_lead",
-                     "exposed_micro_step_small_lead_s", "exposed_iteration_small_lead_s"):
-            led = getattr(self.comm, name)
-            if led is not None:
-                what = "leads" if name == "exposed_small_lead" else "seconds"
-                _require(isinstance(led, dict), f"comm.{name}", led, f"an object of {what} per device type or null")
-                for dtype, x in led.items():
-                    _check(x, f"comm.{name}[{dtype!r}]", float)
-        at, level = self.comm.exposed_step_compute_s, self.comm.exposed_step_s
+        links, exposure = self.comm.links, self.comm.exposure
+        _check(links.bandwidth_bytes_per_s, "comm.links.bandwidth_bytes_per_s", float)
+        _check(links.latency_s, "comm.links.latency_s", float)
+        for name in ("micro_step_s", "iteration_s", "switch_s", "overhead_s", "error"):
+            _check(getattr(exposure, name), f"comm.exposure.{name}", float, optional=True)
+        for i, led in enumerate(exposure.leaders):
+            _check(led.device_type, f"comm.exposure.leaders[{i}].device_type", str)
+            for name in ("micro_step_s", "iteration_s", "small_lead", "micro_step_small_lead_s",
+                         "iteration_small_lead_s"):
+                _check(getattr(led, name), f"comm.exposure.leaders[{i}].{name}", float, optional=True)
+        at, level = exposure.step_compute_s, exposure.step_s
         if at is not None or level is not None:
-            _require(isinstance(at, list) and isinstance(level, list) and len(at) == len(level),
-                     "comm.exposed_step_compute_s / exposed_step_s", (at, level), "two lists of equal length")
+            _require(isinstance(at, tuple) and isinstance(level, tuple) and len(at) == len(level),
+                     "comm.exposure.step_compute_s / step_s", (at, level), "two lists of equal length")
             for j, (x, y) in enumerate(zip(at, level)):
-                _check(x, f"comm.exposed_step_compute_s[{j}]", float)
-                _check(y, f"comm.exposed_step_s[{j}]", float)
+                _check(x, f"comm.exposure.step_compute_s[{j}]", float)
+                _check(y, f"comm.exposure.step_s[{j}]", float)
 
     def validate(self) -> None:
         self.check_types()
@@ -266,43 +422,116 @@ class Profile:
                                           or any(o not in ("none", "optimizer") for o in self.offloads)):
             raise ProfileError(f"profile offloads must be one of \"none\" / \"optimizer\" per rank ({self.world_size}), "
                                f"got {self.offloads!r}; re-run the profiler")
-        if not self.comm.bandwidth_bytes_per_s > 0:
-            raise ProfileError(f"comm bandwidth must be > 0, got {self.comm.bandwidth_bytes_per_s}")
-        if self.comm.exposed_error is not None and not 0 <= self.comm.exposed_error < 1:
-            raise ProfileError(f"comm.exposed_error must be a fraction in [0, 1), got {self.comm.exposed_error}; "
-                               "re-run the profiler")
-        for dtype, lead in (self.comm.exposed_small_lead or {}).items():
-            if not 0 <= lead < 1:
-                raise ProfileError(f"comm.exposed_small_lead[{dtype!r}] must be a fraction in [0, 1), got {lead}; "
-                                   "re-run the profiler")
+        if not self.comm.links.bandwidth_bytes_per_s > 0:
+            raise ProfileError(f"comm bandwidth must be > 0, got {self.comm.links.bandwidth_bytes_per_s}")
+        error = self.comm.exposure.error
+        if error is not None and not 0 <= error < 1:
+            raise ProfileError(f"comm.exposure.error must be a fraction in [0, 1), got {error}; re-run the profiler")
+        for led in self.comm.exposure.leaders:
+            if led.small_lead is not None and not 0 <= led.small_lead < 1:
+                raise ProfileError(f"comm.exposure small_lead of {led.device_type!r} must be a fraction in [0, 1), "
+                                   f"got {led.small_lead}; re-run the profiler")
 
     def device_types(self) -> list[str]:
         """Distinct device types, in order of first appearance."""
         return list(dict.fromkeys(r.device_type for r in self.ranks))
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {"schema_version": PROFILE_SCHEMA, **asdict(self)}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Profile":
+    def from_dict(cls, d: dict[str, Any], source: str = "profile") -> "Profile":
+        """The profile of a JSON object written by ``to_dict``. ``source`` names it in errors
+        (a file path, say). A profile of another schema is refused: measure it again."""
         if not isinstance(d, dict):
-            raise ProfileError(f"profile must be a JSON object, got {type(d).__name__}")
+            raise ProfileError(f"{source} must be a JSON object, got {type(d).__name__}")
+        version = d.get("schema_version", 1)
+        again = "profile the cluster again (`poplar profile`, or auto mode)"
+        if version not in (1, PROFILE_SCHEMA):
+            raise ProfileError(f"{source} has profile schema {version}, this Poplar reads schemas 1 and "
+                               f"{PROFILE_SCHEMA}; {again}")
         try:
+            if version == 1:
+                d = from_schema_1(d)
+            d = {k: v for k, v in d.items() if k != "schema_version"}
             return cls(**d)
-        except TypeError as e:
-            raise ProfileError(f"malformed profile: {e}") from None
+        except (TypeError, KeyError, AttributeError) as e:
+            raise ProfileError(f"malformed {source} (schema {version}): {e}; {again}") from None
 
     def save(self, path: str | os.PathLike) -> None:
         write_text_atomic(path, json.dumps(self.to_dict(), indent=2) + "\n")
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Profile":
-        return cls.from_dict(read_json(path, "profile file", ProfileError, "; run `poplar profile` first"))
+        d = read_json(path, "profile file", ProfileError, "; run `poplar profile` first")
+        return cls.from_dict(d, source=f"profile file {path}")
 
 
 def _require(ok: bool, where: str, value: Any, what: str) -> None:
     if not ok:
         raise ProfileError(f"profile field {where} must be {what}, got {value!r} ({type(value).__name__})")
+
+
+# the exposure fields of a schema-1 CommProfile, by their ``Exposure`` / ``LedExposure`` names
+_SCHEMA_1_EXPOSURE = {"exposed_micro_step_s": "micro_step_s", "exposed_iteration_s": "iteration_s",
+                      "exposed_step_compute_s": "step_compute_s", "exposed_step_s": "step_s",
+                      "exposed_switch_s": "switch_s", "iteration_overhead_s": "overhead_s", "exposed_error": "error"}
+_SCHEMA_1_LED = {"exposed_micro_step_lead_s": "micro_step_s", "exposed_iteration_lead_s": "iteration_s",
+                 "exposed_small_lead": "small_lead", "exposed_micro_step_small_lead_s": "micro_step_small_lead_s",
+                 "exposed_iteration_small_lead_s": "iteration_small_lead_s"}
+
+
+def from_schema_1(d: dict[str, Any]) -> dict[str, Any]:
+    """A schema-1 profile (before typed records: flat ``exposed_*`` fields and a ``meta`` dict) as
+    a schema-2 one. Every measured number has one place in the new records; ``meta``'s prose and
+    diagnostics that have none are left out."""
+    d = dict(d)
+    comm = dict(_mapping(d.get("comm"), "comm"))
+    links = {k: comm.pop(k) for k in ("bandwidth_bytes_per_s", "latency_s", "backend") if k in comm}
+    exposure: dict[str, Any] = {new: comm.pop(old) for old, new in _SCHEMA_1_EXPOSURE.items() if old in comm}
+    leaders: dict[str, dict[str, Any]] = {}
+    for old, new in _SCHEMA_1_LED.items():
+        for dtype, x in (comm.pop(old, None) or {}).items():
+            leaders.setdefault(dtype, {"device_type": dtype})[new] = x
+    exposure["leaders"] = list(leaders.values())
+    d["comm"] = {**comm, "links": links, "exposure": exposure}
+    legacy = dict(_mapping(d.pop("meta", None) or {}, "meta"))
+    d["precision"] = legacy.get("precision", "fp32")
+    d["mixed_precision"] = legacy.get("mixed_precision")
+    d["activation_checkpointing"] = bool(legacy.get("activation_checkpointing"))
+    emulated = None
+    if legacy.get("emulated") or legacy.get("synthetic"):
+        cluster = legacy.get("cluster")
+        emulated = Emulated(memory_scale=legacy["memory_scale"], time_scale=legacy.get("time_scale"),
+                            cluster=cluster.get("name", "") if isinstance(cluster, dict) else "",
+                            synthetic=bool(legacy.get("synthetic")), calibration=legacy.get("calibration"))
+    d["provenance"] = Provenance(schema_version=1, emulated=emulated)
+    notes = legacy.get("ranks") or {}
+    past = legacy.get("points_past_mbs")
+    d["measurement"] = Measurement(
+        requested_stage=legacy.get("requested_stage"),
+        escalations=[Escalation(e["from"], e["to"], e["ranks"], e.get("reasons", {}), e.get("offload"))
+                     for e in legacy.get("escalations", [])],
+        seconds=legacy.get("seconds", 0.0), timing_rounds=legacy.get("timing_rounds", 0),
+        repeats=legacy.get("repeats", 0), overflowing_trials=legacy.get("overflowing_trials", 0),
+        ranks=[notes[k] for k in sorted(notes, key=int)],
+        past_mbs=PastMbs(past["shard_weights"], past["batches"], past.get("seconds", 0.0)) if past else None)
+    choice = legacy.get("auto_choice")
+    if choice:
+        d["auto_choice"] = AutoChoice(choice["rule"], choice["candidates"], choice.get("profiling_s", {}),
+                                      choice.get("timed", 0), choice.get("probed", 0), choice.get("timing_rounds", 0),
+                                      choice.get("offload_escalations", []))
+    return d
+
+
+def _record(value: Any, kind: type, where: str) -> Any:
+    """``value`` as a ``kind`` record: itself, or built from its JSON object (None stays None)."""
+    if value is None or isinstance(value, kind):
+        return value
+    try:
+        return kind(**_mapping(value, where))
+    except TypeError as e:
+        raise ProfileError(f"profile field {where} is malformed: {e}; re-run the profiler") from None
 
 
 def _mapping(value: Any, where: str) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from poplar.cli import main
 from poplar.cli.model_specs import resolve_model
 from poplar.planner.candidates import CandidateRow
 from poplar.emulation.synthetic import synthetic_profile
+from poplar.types.profiles import AutoChoice
 
 ROOT = Path(__file__).resolve().parents[2]
 SIMULATE = [sys.executable, "-m", "poplar", "simulate", "--cluster", "B", "--gbs", "64", "--stage", "auto",
@@ -102,7 +103,7 @@ def test_plan_stage_auto_reads_the_candidates_auto_mode_saved(capsys: pytest.Cap
     rows = [CandidateRow(0, False, False, {t: 0 for t in mbs}, reason="batch 1 does not fit on rank 0"),
             CandidateRow(1, False, True, mbs, 1.0, True, chosen=True),
             CandidateRow(3, False, True, {t: m + 1 for t, m in mbs.items()}, 2.0, False)]
-    profile.meta["auto_choice"] = {"rule": "fastest", "candidates": [r.to_dict() for r in rows]}
+    profile.auto_choice = AutoChoice("fastest", [r.to_dict() for r in rows])
     path = tmp_path / "profile.json"
     profile.save(path)
     code, out, _ = _run(capsys, "plan", "--profile", str(path), "--gbs", "128", "--stage", "auto",
@@ -110,7 +111,7 @@ def test_plan_stage_auto_reads_the_candidates_auto_mode_saved(capsys: pytest.Cap
     assert code == 0 and "CHOSEN" in out and "strategy poplar, ZeRO-1" in out
     assert "lower bound" in next(x for x in out.splitlines() if x.startswith("ZeRO-3"))
     saved = json.loads((tmp_path / "plan.json").read_text())
-    assert [r["chosen"] for r in saved["meta"]["candidates"]] == [False, True, False]
+    assert [r["chosen"] for r in saved["choice"]["candidates"]] == [False, True, False]
     # the same table from `poplar simulate --profile`
     code, out, _ = _run(capsys, "simulate", "--profile", str(path), "--gbs", "128", "--stage", "auto")
     assert code == 0 and "CHOSEN" in out and "ZeRO-1" in out

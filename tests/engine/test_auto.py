@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -60,12 +61,13 @@ def test_auto_mode_profiles_plans_and_trains(tmp_path: Path) -> None:
     profile = Profile.from_dict(r0["profile"])
     assert r0["plan"] == r1["plan"] and r0["profile"] == r1["profile"]
     assert [r.device_type for r in profile.ranks] == ["V100-16G", "T4-16G"]
-    assert profile.meta["emulated"] and profile.meta["memory_scale"] > 0
-    plan = Plan.from_dict(json.loads(json.dumps(r0["plan"])))  # a copy: its meta is popped below
+    assert profile.provenance.emulated is not None and profile.provenance.emulated.memory_scale > 0
+    plan = Plan.from_dict(json.loads(json.dumps(r0["plan"])))  # a copy: its choice is cleared below
     assert plan.global_batch_size == GBS and plan.strategy == "poplar" and plan.zero_stage == r0["stage"] >= 1
-    chosen = [r for r in plan.meta.pop("candidates") if r["chosen"]]  # auto mode's choice, recorded
-    assert len(chosen) == 1 and chosen[0]["stage"] == plan.zero_stage and plan.meta.pop("choice_rule") == "fastest"
-    assert plan.meta.pop("profiling_s")["capacity_s"] > 0
+    chosen = [r for r in plan.choice.candidates if r["chosen"]]  # auto mode's choice, recorded
+    assert len(chosen) == 1 and chosen[0]["stage"] == plan.zero_stage and plan.choice.choice_rule == "fastest"
+    assert plan.choice.profiling_s["capacity_s"] > 0
+    plan.choice = replace(plan.choice, candidates=None, choice_rule=None, profiling_s=None)
     # what the planner says, shard weights chosen with the batches (auto mode's default)
     assert plan.to_dict() == make_plan(profile, GBS, plan.zero_stage, shards="auto").to_dict()
     assert plan.ranks[0].num_samples > plan.ranks[1].num_samples  # the V100 is ~3x the T4
@@ -74,7 +76,7 @@ def test_auto_mode_profiles_plans_and_trains(tmp_path: Path) -> None:
     # each rank measured its share of the sharded state, so the planner can price shard weights;
     # two 16 GB cards have the same room: even shards stay
     assert all(r.shard_bytes and r.shard_bytes > 0 for r in profile.ranks) and plan.even_shards
-    assert plan.meta["shard_candidates"][0]["name"] == "even"
+    assert plan.choice.shard_candidates[0]["name"] == "even"
     assert r0["losses"] == r1["losses"] and len(r0["losses"]) == 3 and all(x == x for x in r0["losses"])
     assert r0["device"]["device_type"] == "V100-16G" and r1["device"]["device_type"] == "T4-16G"
     assert r0["fit_ranks"] == 2

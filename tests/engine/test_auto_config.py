@@ -17,7 +17,7 @@ from poplar.profiler.profile_run import ProfileJob, ProfileOptions, default_opti
 from poplar.emulation.saved_tensors import SavedTensors
 from poplar.emulation.virtual_device import VirtualDevice
 from poplar.types.plans import PlanError
-from poplar.types.profiles import CommProfile, Profile, ProfilePoint, RankProfile
+from poplar.types.profiles import CommProfile, Links, Profile, ProfilePoint, RankProfile
 from poplar.workloads import get_workload
 from poplar.zero.activation_checkpointing import ActivationCheckpointing
 
@@ -105,7 +105,7 @@ def _profile(times: list[dict[int, float]], stage: int = 0) -> Profile:
     ranks = [RankProfile(rank=i, device_type=f"T{i}", mbs=max(t), points=[ProfilePoint(b, s) for b, s in t.items()])
              for i, t in enumerate(times)]
     return Profile(zero_stage=stage, world_size=len(ranks), param_count=10, param_bytes=40, ranks=ranks,
-                   comm=CommProfile(bandwidth_bytes_per_s=1e9))
+                   comm=CommProfile(Links(bandwidth_bytes_per_s=1e9)))
 
 
 def test_a_probe_at_mbs_replaces_the_plain_points_from_its_batch_up() -> None:

@@ -33,7 +33,7 @@ def auto_offload_rank(rank: int, world: int) -> dict:
                                            shards="even", store=None))
     losses = [engine.train_step(rank_slice(global_batch(it, GBS), engine.plan, rank)) for it in range(ITERATIONS)]
     out = {"plan": engine.plan.to_dict(), "costs": [r.offload_cost for r in engine.profile.ranks],
-           "candidates": engine.plan.meta.get("placement_candidates"), "losses": losses,
+           "candidates": engine.plan.choice.placement_candidates, "losses": losses,
            "state": engine.full_state_dict()}
     engine.close()
     return out

@@ -6,6 +6,8 @@ global batch, SGD with momentum); with offload not allowed, the error names offl
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import pytest
 import torch
 
@@ -38,8 +40,9 @@ def offload_fit_rank(rank: int, world: int, offload: str, stage: int | str = "au
                                            device=device, repeats=1, max_batch=16, progress=False, offload=offload,
                                            store=None, choose=choose))
     losses = [engine.train_step(rank_slice(global_batch(it, GBS), engine.plan, rank)) for it in range(ITERATIONS)]
-    meta = engine.profile.meta
-    escalated = meta["auto_choice"]["offload_escalations"] if "auto_choice" in meta else meta["escalations"]
+    profile = engine.profile
+    escalated = profile.auto_choice.offload_escalations if profile.auto_choice is not None else \
+        [asdict(e) for e in profile.measurement.escalations]
     out = {"plan": engine.plan.to_dict(), "stage": engine.zero_stage, "measured": engine.profile.offloads,
            "mbs": [r.mbs for r in engine.profile.ranks], "escalated": escalated,
            "losses": losses, "state": engine.full_state_dict()}

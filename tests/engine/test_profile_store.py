@@ -18,20 +18,23 @@ from poplar.emulation.cluster import ClusterSpec
 from poplar.engine import PoplarEngine
 from poplar.planner import plan as make_plan
 from poplar.profiler.store import ProfileStore, StoreKey, assemble, entries_of
-from poplar.types.profiles import CommProfile, Profile, ProfilePoint, RankProfile
+from poplar.types.profiles import (PROFILE_SCHEMA, CommProfile, Emulated, Exposure, LedExposure, Links, Profile,
+                                   ProfilePoint, Provenance, RankProfile, StoreRecord)
 from poplar.workloads.models import create_model, llama_loss_fn
 from poplar.workloads.text import TextBlocks
 
-KEY = StoreKey(model="m", zero_stage=1, stages=(0, 1, 2, 3), checkpointing="auto", rule="fastest",
-               precision="fp32", sample="[[16], 'torch.int64']", bucket_size_mb=25.0, poplar_version="0.1.0")
+KEY = StoreKey(model="m", structure="s", config="", zero_stage=1, stages=(0, 1, 2, 3), checkpointing="auto",
+               rule="fastest", precision="fp32", sample="[[16], 'torch.int64']", bucket_size_mb=25.0,
+               torch_version="2.0")
 
 
 def _profile(types: list[str], stage: int = 1) -> Profile:
-    ranks = [RankProfile(r, t, mbs=4 + r, points=[ProfilePoint(1, 0.01 * (r + 1)), ProfilePoint(4, 0.03 * (r + 1))])
-             for r, t in enumerate(types)]
-    comm = CommProfile(1e9, 1e-5, "gloo", exposed_iteration_lead_s={t: 0.01 for t in types})
-    return Profile(stage, len(types), 1000, 4000, ranks, comm, "m", {"emulated": True, "memory_scale": 0.1,
-                                                                     "time_scale": 2.0, "cluster": {"name": "x"}})
+    ranks = [RankProfile(r, t, mbs=4 + r, points=[ProfilePoint(1, 0.01 * (r + 1)), ProfilePoint(4, 0.03 * (r + 1))],
+                         device_identity=f"{t}, 16 bytes") for r, t in enumerate(types)]
+    leaders = tuple(LedExposure(t, iteration_s=0.01) for t in dict.fromkeys(types))
+    comm = CommProfile(Links(1e9, 1e-5, "gloo"), exposure=Exposure(leaders=leaders))
+    emulated = Emulated(memory_scale=0.1, time_scale=2.0, cluster="x")
+    return Profile(stage, len(types), 1000, 4000, ranks, comm, "m", provenance=Provenance(emulated=emulated))
 
 
 def test_store_hit_miss_and_keying(tmp_path: Path) -> None:
@@ -42,8 +45,8 @@ def test_store_hit_miss_and_keying(tmp_path: Path) -> None:
     assert sorted(found) == ["T4-16G", "V100-16G"] and found["T4-16G"].rank.mbs == 6
     assert found["V100-16G"].cluster == ["V100-16G", "V100-16G", "T4-16G"]
     # every part of the key matters: another precision, stage, sample shape or version misses
-    for change in ({"precision": "bf16"}, {"zero_stage": 2}, {"sample": "[[32]]"}, {"poplar_version": "0.2.0"},
-                   {"checkpointing": "on"}, {"model": "other"}):
+    for change in ({"precision": "bf16"}, {"zero_stage": 2}, {"sample": "[[32]]"}, {"torch_version": "2.1"},
+                   {"checkpointing": "on"}, {"model": "other"}, {"structure": "t"}, {"config": "c"}):
         assert ProfileStore(tmp_path).lookup(replace(KEY, **change), ["V100-16G", "T4-16G"]) == {}
     # a stale entry is no hit; a corrupt file is ignored with a warning
     assert ProfileStore(tmp_path, max_age_s=0.0).lookup(KEY, ["T4-16G"]) == {}
@@ -61,10 +64,10 @@ def test_assemble_for_another_mix(tmp_path: Path) -> None:
     profile = assemble(entries, ["T4-16G", "T4-16G", "T4-16G", "V100-16G"])
     assert profile.world_size == 4 and [r.rank for r in profile.ranks] == [0, 1, 2, 3]
     assert [r.mbs for r in profile.ranks] == [5, 5, 5, 4]  # each rank has its type's stored part
-    assert profile.meta["store"]["comm_from"] == ["V100-16G", "T4-16G"] and profile.meta["emulated"]
-    assert "cluster" not in profile.meta  # the storing run's cluster is not this mix
+    assert profile.store.comm_from == ["V100-16G", "T4-16G"] and profile.provenance.emulated.memory_scale == 0.1
+    assert profile.provenance.emulated.cluster == ""  # the storing run's cluster is not this mix
     only_t4 = assemble(entries, ["T4-16G", "T4-16G"])
-    assert only_t4.comm.exposed_iteration_lead_s == {"T4-16G": 0.01}  # V100-led exposure does not apply
+    assert only_t4.comm.exposure.per_leader("iteration_s") == {"T4-16G": 0.01}  # V100-led exposure does not apply
     make_plan(profile, 32, profile.zero_stage)  # plannable
     with pytest.raises(Exception, match="missing"):
         assemble(entries, ["A100-80G", "T4-16G"])
@@ -121,11 +124,11 @@ def test_second_start_reuses_and_a_new_type_alone_is_profiled(tmp_path: Path) ->
     # the new mix: the V100 keeps its stored part, the A100 alone was searched and timed
     assert r0["new"]["use"] is StoreUse.PARTIAL
     new = Profile.from_dict(r0["new"]["profile"])
-    assert new.meta["store"] == {"reused": ["V100-16G"], "profiled": ["A100-40G"]}
+    assert new.store == StoreRecord(reused=["V100-16G"], profiled=["A100-40G"])
     assert vars(new.ranks[0])["points"] == vars(first.ranks[0])["points"] and new.ranks[0].mbs == first.ranks[0].mbs
     assert r0["new"]["trial_steps"] == 0 and r1["new"]["trial_steps"] > 0
     assert new.ranks[1].mbs > first.ranks[1].mbs  # an A100-40G holds more than a T4-16G
-    assert new.meta["memory_scale"] == first.meta["memory_scale"]  # emulated at the stored scales
+    assert new.provenance.emulated.memory_scale == first.provenance.emulated.memory_scale  # at the stored scales
     digest = next(tmp_path.iterdir())
     assert sorted(p.name for p in digest.iterdir()) == ["A100-40G.json", "T4-16G.json", "V100-16G.json"]
     assert json.loads((digest / "A100-40G.json").read_text())["cluster"] == ["V100-16G", "A100-40G"]
@@ -170,7 +173,161 @@ def test_a_new_short_type_is_timed_past_its_mbs_beside_stored_ones(tmp_path: Pat
     r0, _ = spawn(partial_rank, 2, (str(tmp_path),), timeout_s=300, collective_timeout_s=150)
     assert r0["first"]["use"] is StoreUse.MEASURED and r0["mixed"]["use"] is StoreUse.PARTIAL
     mixed = Profile.from_dict(r0["mixed"]["profile"])
-    assert mixed.meta["store"] == {"reused": ["roomy"], "profiled": ["short"]}
+    assert mixed.store == StoreRecord(reused=["roomy"], profiled=["short"])
     short = mixed.ranks[1]
     assert short.points_past_mbs and all(p.batch > short.mbs for p in short.points_past_mbs)
-    assert mixed.meta["points_past_mbs"]["batches"][1] == [p.batch for p in short.points_past_mbs]
+    assert mixed.measurement.past_mbs.batches[1] == [p.batch for p in short.points_past_mbs]
+
+
+# ---------------------------------------------------------------- the store as a cache (what it keys on, what it skips)
+
+def _key_of(model: torch.nn.Module) -> StoreKey:
+    return store_key(model, torch.optim.AdamW(model.parameters()), lambda b: torch.zeros(b, 16, dtype=torch.long),
+                     zero_stage=2, stages=(2,), checkpointing=None, rule="single", bucket_size_mb=25.0, policy=None)
+
+
+def test_a_model_whose_heads_change_but_not_its_shapes_gets_another_key() -> None:
+    """A GPT-2 of 32 heads and eager attention has the parameter shapes of one of 2 heads, but
+    not its activation memory: the store must not take one's profile for the other's."""
+    transformers = pytest.importorskip("transformers")
+
+    def gpt2(heads: int, attention: str | None = None) -> torch.nn.Module:
+        config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=heads, n_positions=128, vocab_size=128)
+        if attention is not None:
+            config._attn_implementation = attention
+        return transformers.GPT2LMHeadModel(config)
+
+    two, many = gpt2(2), gpt2(32, "eager")
+    opt = torch.optim.AdamW(two.parameters())
+    assert model_fingerprint(two, opt) == model_fingerprint(many, opt)  # the same shapes
+    assert _key_of(two).config != _key_of(many).config and _key_of(two).digest() != _key_of(many).digest()
+    assert _key_of(gpt2(2)).digest() == _key_of(two).digest()  # another copy of the same model: the same key
+    assert _key_of(gpt2(2, "eager")).digest() != _key_of(two).digest()  # the attention kernel alone
+
+
+class _Configured(torch.nn.Module):
+    """A model with a plain configuration object and its activation as a module."""
+
+    def __init__(self, heads: int, activation: type[torch.nn.Module] = torch.nn.ReLU) -> None:
+        super().__init__()
+        self.config = {"heads": heads}
+        self.body = torch.nn.Sequential(torch.nn.Embedding(128, 8), torch.nn.Linear(8, 8), activation())
+
+
+def test_a_models_configuration_and_module_classes_are_in_the_key() -> None:
+    base = _key_of(_Configured(2))
+    assert _key_of(_Configured(2)).digest() == base.digest()
+    assert _key_of(_Configured(32)).config != base.config  # the same parameters, another configuration
+    assert _key_of(_Configured(2, torch.nn.GELU)).structure != base.structure  # the same parameters, another module
+    assert base.torch_version == torch.__version__
+
+
+def test_an_entry_of_another_schema_is_measured_again_with_a_line_saying_why(tmp_path: Path) -> None:
+    store = ProfileStore(tmp_path)
+    store.save(_profile(["V100-16G", "T4-16G"]), KEY, checkpointed=False)
+    path = store.path(KEY, "T4-16G")
+    old = json.loads(path.read_text())
+    old["schema_version"] = PROFILE_SCHEMA - 1
+    path.write_text(json.dumps(old))
+    again = ProfileStore(tmp_path)
+    assert list(again.lookup(KEY, ["V100-16G", "T4-16G"])) == ["V100-16G"]
+    assert again.warnings == [f"stored profile {path} is of profile schema {PROFILE_SCHEMA - 1}, this Poplar's is "
+                              f"{PROFILE_SCHEMA}: profiling T4-16G again"]
+    del old["schema_version"]  # an entry from before schema versions (its "format": 1)
+    path.write_text(json.dumps(old))
+    assert list(ProfileStore(tmp_path).lookup(KEY, ["T4-16G"])) == []
+
+
+def test_an_entry_with_a_bad_field_is_skipped_naming_the_file(tmp_path: Path) -> None:
+    store = ProfileStore(tmp_path)
+    store.save(_profile(["V100-16G", "T4-16G"]), KEY, checkpointed=False)
+    path = store.path(KEY, "T4-16G")
+    bad = json.loads(path.read_text())
+    bad["rank"]["mbs"] = "5"
+    path.write_text(json.dumps(bad))
+    again = ProfileStore(tmp_path)
+    assert list(again.lookup(KEY, ["V100-16G", "T4-16G"])) == ["V100-16G"]
+    assert len(again.warnings) == 1 and str(path) in again.warnings[0]
+    assert "ranks[0].mbs must be an integer" in again.warnings[0]
+
+
+def test_an_entry_measured_on_another_device_of_the_type_is_not_reused(tmp_path: Path) -> None:
+    store = ProfileStore(tmp_path)
+    store.save(_profile(["V100-16G", "T4-16G"]), KEY, checkpointed=False)
+    devices = {"V100-16G": "V100-16G, 16 bytes", "T4-16G": "T4-16G, 8 bytes"}  # a T4 of less memory
+    assert list(store.lookup(KEY, ["V100-16G", "T4-16G"], devices)) == ["V100-16G"]
+    assert "was measured on T4-16G, 16 bytes, this job's T4-16G is T4-16G, 8 bytes" in store.warnings[0]
+
+
+@pytest.mark.parametrize("where", ["under_a_file", "entry_path_is_a_directory"])
+def test_a_store_that_cannot_be_read_or_written_is_a_warning(tmp_path: Path, where: str) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("a regular file")
+    if where == "under_a_file":
+        store = ProfileStore(blocker / "store")
+        assert store.lookup(KEY, ["T4-16G"]) == {}
+        assert store.save(_profile(["V100-16G", "T4-16G"]), KEY, checkpointed=False) == []
+        assert [w.split(" (")[0] for w in store.take_warnings()] == [
+            f"profile store: cannot write {store.path(KEY, t)}" for t in ("V100-16G", "T4-16G")]
+    else:  # the entry's path is a directory: no entry to read, and none can be written
+        store = ProfileStore(tmp_path / "store")
+        store.path(KEY, "T4-16G").mkdir(parents=True)
+        assert store.lookup(KEY, ["T4-16G"]) == {} and store.save(_profile(["T4-16G"]), KEY, False) == []
+        assert any(f"cannot write {store.path(KEY, 'T4-16G')}" in w for w in store.take_warnings())
+
+
+def cache_rank(rank: int, world: int, root: str) -> dict:
+    """Auto mode with the toy model on two roomy cards: with a store under a regular file, then
+    with a store whose entries a profiler of another schema wrote."""
+    import logging
+
+    from poplar.emulation import VirtualDevice
+    from tests.log_lines import Lines
+    from tests.toy import SEQ, VOCAB, loss_fn, make_model
+
+    torch.set_num_threads(1)
+    lines, logger = Lines(), logging.getLogger("poplar")
+    logger.addHandler(lines)
+    level, logger.level = logger.level, logging.INFO
+    out = {}
+    try:
+        for run, store in (("unwritable", Path(root) / "file" / "store"), ("first", Path(root) / "store"),
+                           ("stale", Path(root) / "store")):
+            if run == "stale" and rank == 0:  # the entries, as a profiler of the schema before wrote them
+                for path in (Path(root) / "store").glob("*/*.json"):
+                    entry = json.loads(path.read_text())
+                    entry["schema_version"] = PROFILE_SCHEMA - 1
+                    path.write_text(json.dumps(entry))
+            device = VirtualDevice("roomy", CAPACITY["roomy"], time_fn=lambda b: 0.02 + 0.001 * b)
+            model = make_model()
+            del lines.lines[:]
+            engine = PoplarEngine(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), zero_stage=3,
+                                  global_batch_size=8, loss_fn=loss_fn, activation_checkpointing=False,
+                                  auto=AutoOptions(profile_data=lambda b: torch.randint(0, VOCAB, (b, SEQ + 1)),
+                                                   device=device, repeats=1, max_batch=8, exposure_precision=0,
+                                                   store=str(store), progress=True))
+            loss = engine.train_step(torch.randint(0, VOCAB, (engine.plan.ranks[rank].num_samples, SEQ + 1)))
+            out[run] = {"use": engine.auto_result.store_use, "lines": list(lines.lines), "loss": float(loss)}
+            engine.close()
+    finally:
+        logger.removeHandler(lines)
+        logger.level = level
+    return out
+
+
+@pytest.mark.multiprocess
+def test_the_store_is_a_cache_the_job_goes_on_without(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("a regular file where the store's directory would be")
+    r0, _ = spawn(cache_rank, 2, (str(tmp_path),), timeout_s=300, collective_timeout_s=150)
+    said = r0["unwritable"]["lines"]
+    assert r0["unwritable"]["use"] is StoreUse.MEASURED
+    assert any(line.startswith(f"profile store: cannot write {tmp_path / 'file' / 'store'}") for line in said), said
+    assert not any(line.startswith("profile store: kept") for line in said)
+    assert r0["first"]["use"] is StoreUse.MEASURED
+    assert any("profile store: kept roomy" in x for x in r0["first"]["lines"])
+    stale = r0["stale"]["lines"]
+    assert r0["stale"]["use"] is StoreUse.MEASURED
+    why = [x for x in stale if "profile schema" in x]
+    assert len(why) == 1 and why[0].startswith(f"stored profile {tmp_path / 'store'}") and why[0].endswith(
+        f"is of profile schema {PROFILE_SCHEMA - 1}, this Poplar's is {PROFILE_SCHEMA}: profiling roomy again"), stale
+    assert all(r["loss"] == r["loss"] for r in r0.values())  # every job trained

@@ -2,12 +2,15 @@
 linear through the profiler's small led rounds (measured at their lead) and its led rounds (from
 ``LED_ROUNDS_LEAD`` on), and a straight line where a profile has no small led rounds."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
 from poplar.planner.cost_model import CommModel, evaluate_rows
 from poplar.planner.curves import SpeedCurve
-from poplar.types.profiles import (LED_ROUNDS_LEAD, CommProfile, Profile, ProfileError, ProfilePoint, RankProfile,
+from poplar.types.profiles import (LED_ROUNDS_LEAD, CommProfile, Exposure, LedExposure, Links, Profile, ProfileError,
+                                   ProfilePoint, RankProfile,
                                    lead_change)
 
 
@@ -37,13 +40,11 @@ def profile(small: bool) -> Profile:
     A's small led rounds led by 0.15 and exposed 0.042 s (ends 0.02, 0.01, 0.012)."""
     def rank(i: int, dtype: str, per_sample: float) -> RankProfile:
         return RankProfile(i, dtype, 100, [ProfilePoint(b, per_sample * b) for b in (1, 25, 50, 100)])
-    comm = CommProfile(1e9, collectives_stage=2, micro_step=[["reduce_scatter", 1000]],
-                       exposed_micro_step_s=0.05, exposed_micro_step_lead_s={"A": 0.04},
-                       exposed_iteration_s=0.02, exposed_iteration_lead_s={"A": 0.01}, iteration_overhead_s=0.003)
+    led = LedExposure("A", micro_step_s=0.04, iteration_s=0.01)
     if small:
-        comm.exposed_small_lead = {"A": 0.15}
-        comm.exposed_micro_step_small_lead_s = {"A": 0.042}
-        comm.exposed_iteration_small_lead_s = {"A": 0.012}
+        led = replace(led, small_lead=0.15, micro_step_small_lead_s=0.042, iteration_small_lead_s=0.012)
+    comm = CommProfile(Links(1e9), collectives_stage=2, micro_step=[["reduce_scatter", 1000]],
+                       exposure=Exposure(micro_step_s=0.05, iteration_s=0.02, leaders=(led,), overhead_s=0.003))
     return Profile(2, 2, 1000, 4000, [rank(0, "A", 0.001), rank(1, "B", 0.002)], comm)
 
 
@@ -68,20 +69,21 @@ def test_the_cost_model_prices_a_step_and_an_end_by_the_leaders_measured_shape()
 
 def test_the_search_bound_is_the_full_lead_where_the_small_one_measured_past_it():
     p = profile(True)
-    p.comm.exposed_micro_step_small_lead_s = {"A": 0.035}  # a change of -0.015 at 0.15, past -0.01
+    led = replace(p.comm.exposure.leaders[0], micro_step_small_lead_s=0.035)  # a change of -0.015 at 0.15, past -0.01
+    p.comm = replace(p.comm, exposure=replace(p.comm.exposure, leaders=(led,)))
     comm = CommModel.from_profile(p)
     assert comm.led_micro_step_s(2, 0.15, None, "A") == pytest.approx(0.04)
     assert comm.cheapest_micro_step_s(2) == pytest.approx(0.04)
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("exposed_small_lead", {"A": 1.5}, r"comm.exposed_small_lead\['A'\] must be a fraction in \[0, 1\)"),
-    ("exposed_small_lead", [0.15], "comm.exposed_small_lead must be an object of leads per device type"),
-    ("exposed_micro_step_small_lead_s", {"A": "fast"}, r"comm.exposed_micro_step_small_lead_s\['A'\] must be a number"),
+    ("small_lead", 1.5, r"small_lead of 'A' must be a fraction in \[0, 1\)"),
+    ("small_lead", [0.15], r"comm.exposure.leaders\[0\].small_lead must be a number or null"),
+    ("micro_step_small_lead_s", "fast", r"comm.exposure.leaders\[0\].micro_step_small_lead_s must be a number"),
 ])
 def test_a_bad_small_lead_field_is_refused_by_name(field, value, message):
     d = profile(True).to_dict()
-    d["comm"][field] = value
+    d["comm"]["exposure"]["leaders"][0][field] = value
     with pytest.raises(ProfileError, match=message):
         Profile.from_dict(d)
 

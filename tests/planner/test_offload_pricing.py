@@ -10,7 +10,7 @@ import pytest
 from poplar.emulation.synthetic import GIB, ModelSpec, synthetic_profile
 from poplar.planner import offload_pricing
 from poplar.planner.planning import plan
-from poplar.types.plans import Offload, PlanError
+from poplar.types.plans import Offload, OffloadPricing, PlanError
 from poplar.types.profiles import OffloadCost, Profile
 
 N, O = Offload.NONE, Offload.OPTIMIZER
@@ -46,7 +46,7 @@ def test_nothing_needs_offload_so_nothing_offloads() -> None:
         auto = plan(prof, 256, stage, offload="auto", shards="auto")
         assert auto.offloads == (N,) * 4, (cluster, stage)
         assert auto.predicted_iteration_s == pytest.approx(plan(prof, 256, stage, shards="auto").predicted_iteration_s)
-        assert len(auto.meta["placement_candidates"]) > 1  # offload was priced, and lost
+        assert len(auto.choice.placement_candidates) > 1  # offload was priced, and lost
 
 
 def test_the_short_rank_alone_offloads_when_it_cannot_fit_without() -> None:
@@ -61,7 +61,7 @@ def test_the_short_rank_alone_offloads_when_it_cannot_fit_without() -> None:
     assert offload_pricing.candidates(prof, even)[1].offloads == (N, N, N, O)  # "to fit"
     auto = plan(prof, 64, 2, offload="auto")
     assert auto.offloads == (N, N, N, O)
-    assert auto.meta["offload_s"][3] == pytest.approx(1.25) and auto.meta["offload_s"][:3] == [0.0] * 3
+    assert auto.choice.offload_s[3] == pytest.approx(1.25) and auto.choice.offload_s[:3] == [0.0] * 3
     # the price: the same rows without the offload's seconds, plus them
     rows_only = offload_pricing.reshaped(prof, even, auto.offloads)
     rows_only.offloads = None
@@ -87,7 +87,7 @@ def test_offload_where_it_is_faster_and_not_where_the_copies_cost_more() -> None
     fast = plan(_profile("B", 2, 1e9, bandwidth=100e9, step=1e-11), 256, 2, offload="auto")
     assert O in fast.offloads
     none = plan(_profile("B", 2, 1e9), 256, 2)
-    assert fast.predicted_iteration_s < none.predicted_iteration_s / (1 + fast.meta["plan_tie"])
+    assert fast.predicted_iteration_s < none.predicted_iteration_s / (1 + fast.choice.plan_tie)
     slow = plan(_profile("B", 2, 1e9, bandwidth=1e9, step=1e-8), 256, 2, offload="auto")
     assert slow.offloads == (N,) * 4
 
@@ -95,12 +95,12 @@ def test_offload_where_it_is_faster_and_not_where_the_copies_cost_more() -> None
 def test_explicit_placements_are_priced_and_unpriced_profiles_keep_the_device() -> None:
     prof = _profile("B", 2, 1e9)
     given = plan(prof, 64, 2, offload=(N, O, O, N))
-    assert given.offloads == (N, O, O, N) and max(given.meta["offload_s"]) > 0
+    assert given.offloads == (N, O, O, N) and max(given.choice.offload_s) > 0
     legacy = synthetic_profile("B", 2, ModelSpec("m", int(1e9), 1.0 * GIB))  # no offload_cost
     auto = plan(legacy, 64, 2, offload="auto")
-    assert auto.offloads == (N,) * 4 and "not priced" in auto.meta["offload"]
+    assert auto.offloads == (N,) * 4 and auto.choice.offload_pricing is OffloadPricing.NO_OFFLOAD_COST
     kept = plan(legacy, 64, 2, offload=(N, O, O, N))
-    assert kept.offloads == (N, O, O, N) and "not priced" in kept.meta["offload"]
+    assert kept.offloads == (N, O, O, N) and kept.choice.offload_pricing is OffloadPricing.AS_GIVEN
     with pytest.raises(PlanError, match="ZeRO-0"):
         plan(_profile("B", 0, 125e6), 64, 0, offload=(O,) * 4)
     with pytest.raises(PlanError, match="one Offload per rank"):

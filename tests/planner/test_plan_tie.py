@@ -10,7 +10,7 @@ from poplar.planner.cost_model import CommModel
 from poplar.planner.curves import SpeedCurve
 from poplar.planner.groups import DeviceGroup
 from poplar.planner.planning import Problem, plan, plan_problem
-from poplar.types.profiles import CommProfile, Profile, ProfileError, ProfilePoint, RankProfile
+from poplar.types.profiles import CommProfile, Exposure, Links, Profile, ProfileError, ProfilePoint, RankProfile
 
 
 def two_types(y_per_sample: float) -> list[DeviceGroup]:
@@ -61,7 +61,7 @@ def test_a_profile_that_knew_its_exposure_less_well_widens_the_tie(exposed_error
         return RankProfile(i, dtype, 300, points, nominal_tflops=tflops)
 
     prof = Profile(0, 2, 10, 40, [rank(0, "X", 0.001, 2.0), rank(1, "Y", 0.00205, 1.0)],
-                   CommProfile(1e12, exposed_error=exposed_error))
+                   CommProfile(Links(1e12), exposure=Exposure(error=exposed_error)))
     got = plan(prof, 300, 0)
     assert shares(got) == ([200, 100] if kept else [202, 98])
     assert ("kept" in got.meta["search"]) == kept
@@ -72,8 +72,9 @@ def test_a_profile_that_knew_its_exposure_less_well_widens_the_tie(exposed_error
 
 def test_a_profile_with_an_exposure_error_outside_a_fraction_is_refused() -> None:
     points = [ProfilePoint(b, 0.001 * b) for b in (1, 2)]
-    with pytest.raises(ProfileError, match="exposed_error"):
-        Profile(0, 1, 10, 40, [RankProfile(0, "X", 2, points)], CommProfile(1e12, exposed_error=1.5))
+    with pytest.raises(ProfileError, match="comm.exposure.error"):
+        Profile(0, 1, 10, 40, [RankProfile(0, "X", 2, points)],
+                CommProfile(Links(1e12), exposure=Exposure(error=1.5)))
 
 
 def test_within_the_tie_flops_comes_before_even_even_when_even_is_the_allocators_plan() -> None:

@@ -105,13 +105,13 @@ def test_comm_model_prices_the_measured_collectives_at_their_stage():
 
 def test_ranks_of_a_type_share_one_curve_with_the_smallest_mbs():
     from poplar.planner import group_profile, plan
-    from poplar.types.profiles import CommProfile, Profile, ProfilePoint, RankProfile
+    from poplar.types.profiles import CommProfile, Links, Profile, ProfilePoint, RankProfile
 
     def rank(i, dtype, mbs, scale):
         return RankProfile(i, dtype, mbs, [ProfilePoint(b, scale * (0.01 + 0.01 * b)) for b in (1, 2, 4, mbs)])
 
     prof = Profile(0, 3, 10, 40, [rank(0, "X", 8, 1.0), rank(1, "Y", 5, 2.0), rank(2, "X", 6, 1.2)],
-                   CommProfile(1e9))
+                   CommProfile(Links(1e9)))
     groups = group_profile(prof)
     assert [(g.device_type, g.ranks, g.mbs) for g in groups] == [("X", [0, 2], 6), ("Y", [1], 5)]
     assert groups[0].curve.time(1) == pytest.approx(0.5 * (0.02 + 0.024))  # median of two ranks

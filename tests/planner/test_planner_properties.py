@@ -8,7 +8,7 @@ from poplar.types.plans import Plan
 from poplar.planner import plan
 from poplar.planner.cost_model import CommModel
 from poplar.planner.groups import group_profile
-from poplar.types.profiles import CommProfile, Profile, ProfilePoint, RankProfile
+from poplar.types.profiles import CommProfile, Links, Profile, ProfilePoint, RankProfile
 
 SETTINGS = settings(max_examples=75, deadline=None, derandomize=True, database=None)
 
@@ -33,14 +33,14 @@ def profiles(draw, max_types=3, max_count=3, max_mbs=12):
         r.rank = i
     bw = draw(st.sampled_from([1e8, 1e9, 1e11]))
     return Profile(0, len(ranks), 1000, draw(st.sampled_from([0, 4_000, 4_000_000])), ranks,
-                   CommProfile(bw, draw(st.sampled_from([0.0, 1e-4]))))
+                   CommProfile(Links(bw, draw(st.sampled_from([0.0, 1e-4])))))
 
 
 def naive_iteration(p: Plan, profile: Profile) -> tuple[list[float], float]:
     """The cost model written out the slow way, straight from its docstring."""
     curves = {g.device_type: g.curve for g in group_profile(profile)}
-    comm = CommModel(profile.world_size, profile.param_bytes, profile.comm.bandwidth_bytes_per_s,
-                     profile.comm.latency_s)
+    comm = CommModel(profile.world_size, profile.param_bytes, profile.comm.links.bandwidth_bytes_per_s,
+                     profile.comm.links.latency_s)
     sizes = [r.micro_batch_sizes() for r in p.ranks]
     times = [[curves[r.device_type].time(s) for s in ss] for r, ss in zip(p.ranks, sizes)]
     compute = [sum(t) for t in times]

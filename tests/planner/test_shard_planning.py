@@ -75,7 +75,7 @@ def test_even_shards_where_memory_does_not_bind() -> None:
         prof = _profile(cluster, stage, 125e6)
         auto = plan(prof, 256, stage, shards="auto")
         assert auto.even_shards, (cluster, stage, auto.shard_weights)
-        assert auto.meta["shard_candidates"][0]["name"] == "even"
+        assert auto.choice.shard_candidates[0]["name"] == "even"
 
 
 def test_memory_bound_rows_move_state_to_the_roomy_cards() -> None:
@@ -85,7 +85,7 @@ def test_memory_bound_rows_move_state_to_the_roomy_cards() -> None:
     roomy = {r.rank for r in prof.ranks if r.device_type.startswith("A800")}
     assert min(auto.shard_weights[r] for r in roomy) > max(w for r, w in enumerate(auto.shard_weights)
                                                            if r not in roomy)
-    assert auto.predicted_iteration_s < even.predicted_iteration_s * (1 - auto.meta["plan_tie"])
+    assert auto.predicted_iteration_s < even.predicted_iteration_s * (1 - auto.choice.plan_tie)
     short = min(r.rank for r in prof.ranks if r.rank not in roomy)
     assert auto.ranks[short].micro_batch_size > even.ranks[short].micro_batch_size
     again = Plan.from_dict(auto.to_dict())

@@ -33,10 +33,10 @@ def test_grid_rounds_that_did_not_lead_give_the_exposure_without_the_first_pass(
     tied = [(0.2, 0.199, 0.04, p) for p in (1, 1, 2, 2)]  # the other type finishes together
     first = [(0.2, 0.1, 0.09, 0)] * 4
     costs = exposed_costs(facts(first + led + tied))
-    assert costs["exposed_micro_step_lead_s"] is None  # which type led, the grid does not say
-    assert costs["exposed_micro_step_s"] == pytest.approx(0.04)  # the rounds that did not lead
-    assert costs["exposed_iteration_s"] == pytest.approx(0.01)
-    assert costs["iteration_overhead_s"] == pytest.approx(0.002)
+    assert costs.per_leader("micro_step_s") is None  # which type led, the grid does not say
+    assert costs.micro_step_s == pytest.approx(0.04)  # the rounds that did not lead
+    assert costs.iteration_s == pytest.approx(0.01)
+    assert costs.overhead_s == pytest.approx(0.002)
 
 
 def test_steady_rounds_go_on_until_the_median_exposure_is_known_to_a_percent_of_a_round():
@@ -69,8 +69,8 @@ def test_the_profile_keeps_the_least_well_known_configurations_standard_error():
     assert exposure_error(rounds(STEADY_ROUNDS, 0.01)) == pytest.approx(noisy / 2, rel=0.05)
     grid = facts([(0.2, 0.1, 0.02, 1)] * 6)
     costs = exposed_costs(grid, {BALANCED: rounds(STEADY_ROUNDS, 0.01), LED_S: rounds(STEADY_ROUNDS, 0.02)})
-    assert costs["exposed_error"] == pytest.approx(noisy)
-    assert exposed_costs(grid)["exposed_error"] is None  # a probe has no steady rounds
+    assert costs.error == pytest.approx(noisy)
+    assert exposed_costs(grid).error is None  # a probe has no steady rounds
 
 
 def test_steady_rounds_give_both_exposures_after_settling():
@@ -80,27 +80,27 @@ def test_steady_rounds_give_both_exposures_after_settling():
     led = facts([(0.15, 0.07, 0.09, p) for p in (0, 1)] + [(0.15, 0.07, 0.025, p) for p in (2, 3, 4, 5)], end=0.015)
     other = facts([(0.15, 0.07, 0.012, p) for p in range(6)], end=0.005)
     costs = exposed_costs(grid, {BALANCED: balanced, LED_S: led, LED_F: other})
-    assert costs["exposed_micro_step_s"] == pytest.approx(0.035)  # median of the settled rounds
-    assert costs["exposed_micro_step_lead_s"] == pytest.approx({"S": 0.025, "F": 0.012})
-    assert costs["exposed_iteration_s"] == pytest.approx(0.03)  # the balanced rounds' end
-    assert costs["exposed_iteration_lead_s"] == pytest.approx({"S": 0.015, "F": 0.005})
+    assert costs.micro_step_s == pytest.approx(0.035)  # median of the settled rounds
+    assert costs.per_leader("micro_step_s") == pytest.approx({"S": 0.025, "F": 0.012})
+    assert costs.iteration_s == pytest.approx(0.03)  # the balanced rounds' end
+    assert costs.per_leader("iteration_s") == pytest.approx({"S": 0.015, "F": 0.005})
     # the grid's led rounds (0.02) less the steady led ones pooled (median 0.0185)
-    assert costs["exposed_switch_s"] == pytest.approx(0.0015)
+    assert costs.switch_s == pytest.approx(0.0015)
     switching = facts([(0.2, 0.1, 0.04, 1)] * 6)
-    assert exposed_costs(switching, {BALANCED: balanced, LED_S: led})["exposed_switch_s"] == pytest.approx(0.015)
+    assert exposed_costs(switching, {BALANCED: balanced, LED_S: led}).switch_s == pytest.approx(0.015)
     one_type = exposed_costs(grid, {BALANCED: balanced})
-    assert one_type["exposed_micro_step_lead_s"] is None and one_type["exposed_step_s"] is None
+    assert one_type.per_leader("micro_step_s") is None and one_type.step_s is None
     short = facts([(0.05, 0.049, 0.06, p) for p in range(6)])
     shortest = facts([(0.02, 0.0199, 0.09, p) for p in range(6)])
     costs = exposed_costs(grid, {BALANCED: balanced, SHORT: short, SHORTEST: shortest})
-    assert costs["exposed_step_compute_s"] == pytest.approx([0.02, 0.05, 0.15])
-    assert costs["exposed_step_s"] == pytest.approx([0.09, 0.06, 0.035])
+    assert costs.step_compute_s == pytest.approx([0.02, 0.05, 0.15])
+    assert costs.step_s == pytest.approx([0.09, 0.06, 0.035])
 
 
 def test_without_lead_rounds_there_is_no_lead_exposure():
     costs = exposed_costs(facts([(0.2, 0.199, 0.04, 1)] * 5))
-    assert costs["exposed_micro_step_lead_s"] is None
-    assert costs["exposed_micro_step_s"] == pytest.approx(0.04)
+    assert costs.per_leader("micro_step_s") is None
+    assert costs.micro_step_s == pytest.approx(0.04)
 
 
 def test_exposure_batches_balance_the_ranks_or_let_each_type_lead():
@@ -160,9 +160,9 @@ def test_the_switch_compares_grid_and_steady_rounds_at_the_same_compute():
     led = facts([(0.15, 0.07, 0.09, p) for p in range(6)])
     on_slope = facts([(0.05, 0.02, 0.13, 1)] * 6)  # 0.09 + 0.04: what its compute predicts
     costs = exposed_costs(on_slope, {BALANCED: balanced, SHORT: short, LED_S: led})
-    assert costs["exposed_switch_s"] == pytest.approx(0.0)
+    assert costs.switch_s == pytest.approx(0.0)
     above = facts([(0.05, 0.02, 0.15, 1)] * 6)  # 0.02 more than the slope predicts
-    assert exposed_costs(above, {BALANCED: balanced, SHORT: short, LED_S: led})["exposed_switch_s"] == \
+    assert exposed_costs(above, {BALANCED: balanced, SHORT: short, LED_S: led}).switch_s == \
         pytest.approx(0.02)
 
 
@@ -182,17 +182,17 @@ def test_a_long_level_where_a_rank_computes_far_past_the_balanced_one():
     long = facts([(0.45, 0.15, 0.02, p) for p in range(6)])  # S at 0.45 s leads by 2/3
     costs = exposed_costs(grid, {BALANCED: balanced, LED_S: led, LONG_S: long})
     # as a balanced level: 0.02 less the lead's -0.01, which the cost model adds back
-    assert costs["exposed_step_compute_s"] == pytest.approx([0.15, 0.45])
-    assert costs["exposed_step_s"] == pytest.approx([0.035, 0.03])
-    comm = CommModel(3, 0.0, 1e9, measured_stage=3, exposed_micro_step_s=costs["exposed_micro_step_s"],
-                     exposed_lead_s=tuple(sorted(costs["exposed_micro_step_lead_s"].items())),
-                     exposed_steps=(tuple(costs["exposed_step_compute_s"]), tuple(costs["exposed_step_s"])))
+    assert costs.step_compute_s == pytest.approx([0.15, 0.45])
+    assert costs.step_s == pytest.approx([0.035, 0.03])
+    comm = CommModel(3, 0.0, 1e9, measured_stage=3, exposed_micro_step_s=costs.micro_step_s,
+                     exposed_lead_s=tuple(sorted(costs.per_leader("micro_step_s").items())),
+                     exposed_steps=(tuple(costs.step_compute_s), tuple(costs.step_s)))
     assert comm.led_micro_step_s(3, 2 / 3, 0.45, "S") == pytest.approx(0.02)  # what the long rounds measured
     assert comm.led_micro_step_s(3, 0.0, 0.3, "S") == pytest.approx(0.0325)  # balanced, halfway
     short = facts([(0.05, 0.049, 0.06, p) for p in range(6)])
     with_short = exposed_costs(grid, {BALANCED: balanced, SHORT: short, LED_S: led, LONG_S: long})
-    assert with_short["exposed_step_compute_s"] == pytest.approx([0.05, 0.15, 0.45])
-    assert with_short["exposed_step_s"] == pytest.approx([0.06, 0.035, 0.03])
+    assert with_short.step_compute_s == pytest.approx([0.05, 0.15, 0.45])
+    assert with_short.step_s == pytest.approx([0.06, 0.035, 0.03])
 
 
 def test_small_led_rounds_where_the_batches_give_a_small_lead():
@@ -215,14 +215,14 @@ def test_small_led_rounds_give_the_lead_and_exposure_where_the_change_starts():
     small = facts([(0.15, 0.126, 0.05, p) for p in (0, 1)] + [(0.15, 0.126, 0.027, p) for p in range(2, 7)],
                   end=0.02)
     costs = exposed_costs(grid, {BALANCED: balanced, LED_S: led, SMALL_S: small})
-    assert costs["exposed_small_lead"] == pytest.approx({"S": 0.16})
-    assert costs["exposed_micro_step_small_lead_s"] == pytest.approx({"S": 0.027})
-    assert costs["exposed_iteration_small_lead_s"] == pytest.approx({"S": 0.02})
-    assert costs["exposed_micro_step_lead_s"] == pytest.approx({"S": 0.025})  # the led rounds alone
-    assert exposed_costs(grid, {BALANCED: balanced, LED_S: led})["exposed_small_lead"] is None
+    assert costs.per_leader("small_lead") == pytest.approx({"S": 0.16})
+    assert costs.per_leader("micro_step_small_lead_s") == pytest.approx({"S": 0.027})
+    assert costs.per_leader("iteration_small_lead_s") == pytest.approx({"S": 0.02})
+    assert costs.per_leader("micro_step_s") == pytest.approx({"S": 0.025})  # the led rounds alone
+    assert exposed_costs(grid, {BALANCED: balanced, LED_S: led}).per_leader("small_lead") is None
     # long rounds led by 0.16 as a balanced level: 0.02 less the small rounds' -0.008, not a third of -0.01
     long = facts([(0.45, 0.378, 0.02, p) for p in range(6)])
     costs = exposed_costs(grid, {BALANCED: balanced, LED_S: led, SMALL_S: small, LONG_S: long})
-    assert costs["exposed_step_s"] == pytest.approx([0.035, 0.028])
+    assert costs.step_s == pytest.approx([0.035, 0.028])
     straight = exposed_costs(grid, {BALANCED: balanced, LED_S: led, LONG_S: long})
-    assert straight["exposed_step_s"] == pytest.approx([0.035, 0.02 + 0.01 * 0.16 / 0.5])
+    assert straight.step_s == pytest.approx([0.035, 0.02 + 0.01 * 0.16 / 0.5])

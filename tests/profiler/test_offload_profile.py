@@ -6,6 +6,8 @@ it, the error names offload as a fix."""
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import pytest
 import torch
 
@@ -63,7 +65,8 @@ def escalation_worker(rank: int, world: int) -> dict:
     torch.set_num_threads(1)
     capacity = (40_000, 14_000)[rank]  # the short card fits batch 1 at ZeRO-3 only with its momentum offloaded
     p = _profile(rank, capacity, _options(offload_escalation=OffloadEscalation.SHORT_RANKS), _sgd)
-    out = {"mbs": [r.mbs for r in p.ranks], "offloads": p.offloads, "escalations": p.meta["escalations"],
+    out = {"mbs": [r.mbs for r in p.ranks], "offloads": p.offloads,
+           "escalations": [asdict(e) for e in p.measurement.escalations],
            "stage": p.zero_stage, "planned": [r.offload.value for r in plan(p, 6, 3, offload="auto").ranks]}
     try:
         plan(p, 6, 3)
@@ -85,7 +88,7 @@ def test_escalation_offloads_exactly_the_short_ranks() -> None:
         assert res["stage"] == 3 and res["offloads"] == ["none", "optimizer"], res
         assert res["mbs"][1] >= 1 and res["mbs"][0] > res["mbs"][1]
         (record,) = res["escalations"]
-        assert record["from"] == record["to"] == 3 and record["ranks"] == [1]
+        assert record["from_stage"] == record["to_stage"] == 3 and record["ranks"] == [1]
         assert record["offload"] == ["none", "optimizer"] and "out of memory" in record["reasons"]["1"]
         assert res["planned"][1] == "optimizer"  # the planner keeps it offloaded: it fits no sample otherwise
         assert res["kept_on_device"] is not None  # and cannot plan every optimizer on its device

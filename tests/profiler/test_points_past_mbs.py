@@ -112,7 +112,7 @@ def test_a_short_card_is_timed_past_its_mbs_at_its_curve() -> None:
     weights, sizes = sizes_past_mbs(prof, 32)
     assert short.points_past_mbs and [p.batch for p in short.points_past_mbs] == sizes[1]
     assert prof.ranks[0].points_past_mbs == []
-    assert prof.meta["points_past_mbs"]["shard_weights"] == list(weights)
+    assert prof.measurement.past_mbs.shard_weights == list(weights)
     curve = lambda b: FIXED_S + PER_SAMPLE_S * b  # noqa: E731
     for p in short.points_past_mbs:  # the device's curve, not the constant-speed extension of mbs
         assert curve(p.batch) <= p.compute_s * 1.05 and p.compute_s < 1.5 * curve(p.batch) + late, (p, late)

@@ -6,6 +6,7 @@ micro-batches on cluster B), profiles record their precision, and bf16 on device
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from poplar.profiler.profile_run import ProfileJob, ProfileOptions, default_opti
 from poplar.emulation.cluster import ClusterSpec
 from poplar.types.precision import MixedPrecision, Precision, resolve_precision
 from poplar.emulation.presets import PresetError, get_preset
+from poplar.emulation.synthetic import synthetic_profile
 from poplar.types.profiles import Profile, ProfileError
 from poplar.workloads import get_workload
 from poplar.zero.runtime import ZeroRuntime
@@ -106,7 +108,8 @@ def test_precision_agreement_in_one_process() -> None:
         agree_precision_support(comm, VirtualDevice.from_preset("T4-16G", 1e-3, 1.0), "bf16", "x")
     assert precision_meta(None) == {"precision": "fp32", "mixed_precision": None}
     assert precision_meta(MixedPrecision(torch.float16))["mixed_precision"]["loss_scale"]["initial_scale"] == 2 ** 16
-    assert profile_precision({}) is Precision.FP32 and profile_precision({"precision": "bf16"}) is Precision.BF16
+    assert profile_precision(synthetic_profile("B", 1)) is Precision.FP32
+    assert profile_precision(replace(synthetic_profile("B", 1), precision="bf16")) is Precision.BF16
 
 
 def test_auto_mode_refuses_a_profile_of_another_precision(tmp_path: Path) -> None:
@@ -199,14 +202,15 @@ def test_profile_records_its_precision_and_measures_the_fp16_curve() -> None:
                            options=ProfileOptions(zero_stage=1, mixed_precision="fp16", repeats=2, progress=False,
                                                           exposure_precision=0))
     late = max(late, latest_wake_up(0.01))
-    assert prof.meta["precision"] == "fp16" and prof.meta["mixed_precision"]["param_dtype"] == "fp16"
-    assert prof.meta["calibration"]["precision"] == "fp16"
-    devices = cluster_devices(PAIR, prof.meta["memory_scale"], prof.meta["time_scale"], "fp16")
+    emulated = prof.provenance.emulated
+    assert prof.precision == "fp16" and prof.mixed_precision["param_dtype"] == "fp16"
+    assert emulated.calibration["precision"] == "fp16"
+    devices = cluster_devices(PAIR, emulated.memory_scale, emulated.time_scale, "fp16")
     for rp, dev in zip(prof.ranks, devices):  # the fp16 curves, ~3x faster than fp32 on V100 / T4
         for p in rp.points:  # (bench/profile_accuracy.py holds the 5 % target; a shared machine adds noise)
             curve_s = dev.time_s(p.batch)  # within 10 %; above, also by the latest wake-up of the reference
             assert 0.9 * curve_s <= p.compute_s <= 1.1 * curve_s + late, (rp.device_type, p, late)
-    assert Profile.from_dict(prof.to_dict()).meta["precision"] == "fp16"
+    assert Profile.from_dict(prof.to_dict()).precision == "fp16"
 
 
 def auto_fp16_rank(rank: int, world: int) -> dict:
@@ -235,6 +239,6 @@ def auto_fp16_rank(rank: int, world: int) -> dict:
 def test_auto_mode_profiles_and_plans_under_fp16() -> None:
     results = spawn(auto_fp16_rank, 2, timeout_s=300, collective_timeout_s=120)
     prof = Profile.from_dict(results[0]["profile"])
-    assert prof.meta["precision"] == "fp16" and prof.meta["emulated"]
+    assert prof.precision == "fp16" and prof.provenance.emulated is not None
     assert [r["precision"] for r in results] == ["fp16", "fp16"]  # the emulated devices run the fp16 curves
     assert results[0]["losses"] == results[1]["losses"] and all(x == x for x in results[0]["losses"])

@@ -111,10 +111,10 @@ def test_profile_finds_true_mbs_and_curve(stage: int, truth: dict[int, list[int]
     results = [r[stage] for r in cluster_run]
     late = max(r["late_s"] for r in results)  # the latest wake-up of a bare sleep on any rank
     prof = Profile.from_dict(results[0]["profile"])
-    assert prof.zero_stage == stage and prof.meta["escalations"] == []
+    assert prof.zero_stage == stage and prof.measurement.escalations == []
     assert all(Profile.from_dict(r["profile"]).ranks == prof.ranks for r in results)
     for rank, rp in enumerate(prof.ranks):
-        extra = prof.meta["ranks"][str(rank)]
+        extra = prof.measurement.ranks[rank]
         assert rp.mbs == expected[rank], (rank, rp.mbs, expected)
         assert rp.trial_steps <= trial_budget(rp.mbs), (rank, rp.trial_steps, extra["trials"])
         assert rp.trial_steps == len(extra["trials"])
@@ -141,17 +141,18 @@ def test_profile_finds_true_mbs_and_curve(stage: int, truth: dict[int, list[int]
         assert max(waits) > 0.2, waits
     else:
         assert max(waits) == 0.0
-    assert prof.comm.bandwidth_bytes_per_s > 0
+    assert prof.comm.links.bandwidth_bytes_per_s > 0
     # what the engine issued at this stage, and what of it compute did not hide, for the cost model
     c = prof.comm
     ops = {op for op, _ in c.micro_step}
     assert c.collectives_stage == stage and ops == {0: set(), 1: set(), 2: {"reduce_scatter"},
                                                     3: {"all_gather", "reduce_scatter"}}[stage]
     assert ("all_reduce", 8 * (7 + 2 * WORLD)) in [tuple(x) for x in c.iteration]  # the status all-reduce (7 + 2N float64)
-    assert c.exposed_micro_step_s >= 0 and c.exposed_iteration_s > 0 and c.iteration_overhead_s >= 0
-    assert (c.exposed_micro_step_s > 0) == (stage >= 2)
+    x = c.exposure
+    assert x.micro_step_s >= 0 and x.iteration_s > 0 and x.overhead_s >= 0
+    assert (x.micro_step_s > 0) == (stage >= 2)
     if stage == 3:
-        events = prof.meta["ranks"]["1"]["oom_events"]
+        events = prof.measurement.ranks[1]["oom_events"]
         injected = [e for e in events if "injected" in e["message"]]
         assert injected and injected[0]["at"]["where"] == "gather" and injected[0]["at"]["gathered"] > 0
         assert injected[0]["at"]["saved"] > 0  # mid-forward: activations of earlier blocks were alive
@@ -199,8 +200,8 @@ def test_escalation_picks_lowest_stage_that_fits(scenarios_run: tuple[dict[int, 
     assert peaks[0] > peaks[1] > peaks[2], peaks
     prof = Profile.from_dict(results[0][0]["profile"])
     assert prof.zero_stage == 2
-    assert [(e["from"], e["to"], e["ranks"]) for e in prof.meta["escalations"]] == [(0, 1, [2]), (1, 2, [2])]
-    assert prof.meta["requested_stage"] == 0 and prof.ranks[2].mbs >= 1
+    assert [(e.from_stage, e.to_stage, e.ranks) for e in prof.measurement.escalations] == [(0, 1, [2]), (1, 2, [2])]
+    assert prof.measurement.requested_stage == 0 and prof.ranks[2].mbs >= 1
     assert all(Profile.from_dict(r[0]["profile"]).zero_stage == 2 for r in results)
 
 
@@ -278,7 +279,7 @@ def test_cli_profile_end_to_end(tmp_path, capsys) -> None:
     assert prof.ranks[0].mbs > prof.ranks[1].mbs >= 4  # 16 GB vs 12 GB
     for r in prof.ranks:
         SpeedCurve.from_points(r.device_type, r.mbs, [(p.batch, p.compute_s) for p in r.points])
-    assert prof.meta["cluster"]["name"] == "pair" and prof.meta["memory_scale"] > 0
+    assert prof.provenance.emulated.cluster == "pair" and prof.provenance.emulated.memory_scale > 0
 
 
 def test_stage3_engine_cleans_up_after_an_oom_inside_a_block() -> None:

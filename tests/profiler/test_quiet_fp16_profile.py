@@ -37,8 +37,8 @@ def test_fp16_profiling_counts_overflows_and_training_reports_them() -> None:
                                                       measure_comm=False), log=lambda m: None)
         skipped = [line for line in lines.lines if "skipped" in line]
         assert skipped == [], skipped
-        assert profile.meta["overflowing_trials"] == profile.meta["ranks"]["0"]["overflowing_trials"] > 0, \
-            profile.meta["ranks"]["0"]
+        notes = profile.measurement.ranks[0]
+        assert profile.measurement.overflowing_trials == notes["overflowing_trials"] > 0, notes
 
         model = WORKLOAD.model_fn()
         runtime = ZeroRuntime(model, default_optimizer(model), plan=Plan.even(1, 4, 4),

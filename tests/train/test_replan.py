@@ -22,7 +22,7 @@ from poplar.train import ReportOptions, fit
 from poplar.train.data import GlobalBatchSampler
 from poplar.train.replan import ReplanOptions, make_replanner
 from poplar.emulation.presets import get_preset
-from poplar.types.profiles import CommProfile, Profile, ProfilePoint, RankProfile
+from poplar.types.profiles import CommProfile, Links, Profile, ProfilePoint, RankProfile
 from tests.toy import SEQ, VOCAB, loss_fn, make_model, make_optimizer, max_rel_err
 
 GBS, N = 24, 240
@@ -61,7 +61,7 @@ def _profile(rank: int, world: int, device: VirtualDevice, stage: int) -> Profil
                                                           if b <= res.mbs], device.name, res.capacity_bytes,
                       res.base_bytes, res.bytes_per_sample, shard_bytes=res.shard_bytes)
     rows = Communicator().all_gather_object(row)
-    return Profile(stage, world, 0, 0, rows, CommProfile(1e10))
+    return Profile(stage, world, 0, 0, rows, CommProfile(Links(1e10)))
 
 
 def _engine(stage: int, device: VirtualDevice, profile: Profile, shards: object = "even") -> PoplarEngine:

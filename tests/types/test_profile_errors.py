@@ -13,7 +13,8 @@ GOOD = {
     "ranks": [{"rank": r, "device_type": "A100-80G", "mbs": 8, "points": [{"batch": 1, "compute_s": 0.01},
                                                                           {"batch": 8, "compute_s": 0.05}]}
               for r in range(2)],
-    "comm": {"bandwidth_bytes_per_s": 1e9},
+    "comm": {"links": {"bandwidth_bytes_per_s": 1e9}},
+    "schema_version": 2,
 }
 
 
@@ -40,7 +41,10 @@ def test_the_good_profile_loads() -> None:
     (["ranks", 0, "points", 0], 3, "ranks[0].points[0] must be an object"),
     (["ranks", 1], "A100", "ranks[1] must be an object"),
     (["ranks"], {}, "profile field ranks must be a list"),
-    (["comm", "bandwidth_bytes_per_s"], None, "comm.bandwidth_bytes_per_s must be a number, got None"),
+    (["comm", "links", "bandwidth_bytes_per_s"], None, "comm.links.bandwidth_bytes_per_s must be a number, got None"),
+    (["comm", "exposure"], {"leaders": [{"device_type": "A100-80G", "micro_step_s": "x"}]},
+     "comm.exposure.leaders[0].micro_step_s must be a number or null"),
+    (["comm", "exposure"], {"leaders": [3]}, "comm.exposure.leaders[0] must be an object"),
     (["world_size"], True, "world_size must be an integer, got True (bool)"),
     (["zero_stage"], "2", "zero_stage must be an integer"),
 ])

@@ -8,7 +8,7 @@ from torch import nn
 
 from poplar.auto import AutoOptions
 from poplar.engine import PoplarEngine
-from poplar.types.profiles import CommProfile, Profile, ProfilePoint, RankProfile
+from poplar.types.profiles import CommProfile, Links, Profile, ProfilePoint, RankProfile
 from poplar.zero.config import ZeroConfig
 from poplar.zero.nonfinite import SkipReport
 
@@ -19,7 +19,7 @@ def _loss(module: nn.Module, batch: torch.Tensor) -> torch.Tensor:
 
 def test_auto_mode_keeps_every_zero_config_field() -> None:
     profile = Profile(0, 1, 10, 40, [RankProfile(0, "X", 8, [ProfilePoint(b, 0.001 * b) for b in (1, 2, 4, 8)])],
-                      CommProfile(1e12))
+                      CommProfile(Links(1e12)))
     model = nn.Linear(4, 1)
     given = ZeroConfig("auto", bucket_size_mb=7.0, nonfinite="raise", max_consecutive_skips=3,
                        skip_report=SkipReport.COUNT)

@@ -193,8 +193,9 @@ class ConfigurationSearch:
                                        "timing_rounds": record.rounds, "candidates": [r.to_dict() for r in rows],
                                        "offload_escalations": record.offload_escalations}
         self.say(f"configurations ({self.choice.rule}; profiling {sum(seconds.values()):.1f} s, {record.wall_s:.1f} s "
-                 f"of wall time with set-up: capacity {seconds['capacity_s']:.1f} s, timing {seconds['timing_s']:.1f} s "
-                 f"({record.rounds} rounds), collectives {seconds['comm_s']:.1f} s; {len(self.timed)} timed, "
+                 f"of wall time with set-up: capacity {seconds['capacity_s']:.1f} s, timing "
+                 f"{seconds['timing_s']:.1f} s ({record.rounds} rounds), collectives {seconds['comm_s']:.1f} s; "
+                 f"{len(self.timed)} timed, "
                  f"{len(self.probed)} probed):\n" + format_table(rows))
 
     # ---- the bound ----

@@ -381,7 +381,7 @@ def _auto_job(comm: Communicator, model: nn.Module, optimizer: torch.optim.Optim
         activation_checkpointing = None
     choice = Choice(global_batch_size, options.choose, activation_checkpointing, stages,
                     active=options.choose == "fastest" and options.profile is None)
-    return AutoJob(comm, model, optimizer, loss_fn, sample_fn, zero, options, policy, say, choice)  # type: ignore[arg-type]
+    return AutoJob(comm, model, optimizer, loss_fn, sample_fn, zero, options, policy, say, choice)
 
 
 def _chosen_checkpointing(auto: AutoJob, measured: Measured) -> Any:

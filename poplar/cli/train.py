@@ -192,7 +192,7 @@ def _train(cfg: TrainConfig, device: torch.device, plan_only: bool = False) -> i
     if rank == 0 and cfg.deepspeed_hints:
         log.info(hint_line(cfg.deepspeed_hints))
     plan, auto = choose_plan(cfg, world, device)
-    # "auto": auto mode's planner chooses (AutoOptions.offload); rows given are applied as given
+    # "auto": auto mode's planner chooses (AutoOptions.offload); rows given: auto mode plans with them
     offloads = None if cfg.offload is None or (auto and cfg.offload == "auto") else \
         offload_rows(cfg.offload, world, ConfigError)
     if plan is not None:
@@ -216,15 +216,14 @@ def _train(cfg: TrainConfig, device: torch.device, plan_only: bool = False) -> i
         device = cluster_device(cfg.cluster) if cfg.cluster else None  # rank r emulates the cluster's r-th GPU
         kwargs.update(global_batch_size=cfg.global_batch_size(world),
                       auto=AutoOptions(profile_data=data, device=device, strategy=cfg.strategy, shards=cfg.shards,
-                                       offload="auto" if cfg.offload == "auto" else "none", profile=profile,
+                                       offload="auto" if cfg.offload == "auto" else offloads or "none",
+                                       profile=profile,
                                        store=profile_store_dir(cfg),
                                        profile_output=os.path.join(cfg.report_dir, "profile.json")
                                        if cfg.report_dir else None))
     else:
         kwargs["plan"] = plan
-    engine = PoplarEngine(model, optimizer, **kwargs)
-    if auto and offloads is not None:  # auto mode plans without offload; the config's ranks offload
-        engine.set_plan(engine.plan.with_offloads(offloads))
+    engine = PoplarEngine(model, optimizer, **kwargs)  # auto mode's plan holds the config's offloading ranks
     if fingerprint is not None:
         run_parts.save_profile(cfg, engine.profile, fingerprint, rank)
     if plan_only:

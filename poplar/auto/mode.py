@@ -134,7 +134,7 @@ class AutoJob:
     choice: Choice
 
 
-class Measured(NamedTuple):
+class Measurement(NamedTuple):
     """The profile auto mode plans from, this rank's device, the profiling job, how the store
     served it, and the configuration search (None: one configuration, or a loaded profile)."""
 
@@ -165,75 +165,75 @@ def clone_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module,
     return optimizer_like(optimizer, [[params[index[id(p)]] for p in g["params"]] for g in optimizer.param_groups])
 
 
-def _profile_job(job: AutoJob) -> ProfileJob:
+def _profile_job(auto: AutoJob) -> ProfileJob:
     """The profiling job: fresh copies of the model (from its CPU snapshot: the caller moved the
     model there), an optimizer like the user's, the options for the choice."""
-    snapshot = copy.deepcopy(job.model)
+    snapshot = copy.deepcopy(auto.model)
     model_fn = lambda: copy.deepcopy(snapshot)  # noqa: E731
-    optimizer_fn = lambda m: clone_optimizer(job.optimizer, m, job.model)  # noqa: E731
-    choice, options, zero = job.choice, job.options, job.zero
+    optimizer_fn = lambda m: clone_optimizer(auto.optimizer, m, auto.model)  # noqa: E731
+    choice, options, zero = auto.choice, auto.options, auto.zero
     binding = len(choice.stages) == 1  # a given stage: no escalation, an error naming the stage that fits
     policy = replace(options.policy(), escalate=options.escalate and not binding)
     popts = ProfileOptions(**vars(policy), zero_stage=min(choice.stages), bucket_size_mb=zero.bucket_size_mb,
-                           wrap_policy=zero.wrap_policy, model_name=type(job.model).__name__,
-                           mixed_precision=job.policy,
+                           wrap_policy=zero.wrap_policy, model_name=type(auto.model).__name__,
+                           mixed_precision=auto.policy,
                            activation_checkpointing=None if choice.active else choice.checkpointing,
                            # "auto": ranks batch 1 fits at no stage may be profiled with their optimizer offloaded
                            offload_escalation=OffloadEscalation.SHORT_RANKS if options.offload == "auto"
                            else OffloadEscalation.NEVER,
                            # a card's speed past its even-shard mbs matters only to shard weights
                            time_past_mbs=options.shards != "even")
-    return ProfileJob(model_fn, job.loss_fn, job.sample_fn, optimizer_fn, popts,
+    return ProfileJob(model_fn, auto.loss_fn, auto.sample_fn, optimizer_fn, popts,
                       heaviest(choice.configs()) if choice.active else None)
 
 
-def _load_or_measure(job: AutoJob, home: torch.device) -> Measured:
+def _load_or_measure(auto: AutoJob, home: torch.device) -> Measurement:
     """The profile (loaded from ``options.profile``, or measured), this rank's device (``home``:
     where the model lives, moved to the CPU meanwhile) and the profiling job."""
-    comm, options = job.comm, job.options
-    pjob = _profile_job(job)
-    loaded = _load_profile(comm, options, job.policy, job.say, job.choice.stages) if options.profile is not None \
+    comm, options = auto.comm, auto.options
+    pjob = _profile_job(auto)
+    loaded = _load_profile(comm, options, auto.policy, auto.say, auto.choice.stages) if options.profile is not None \
         else None
     device = _rank_device(comm, options.device, home, needed=loaded is None)
     if loaded is not None:  # a reused profile: the device prepares for it, and must compute at its precision
         for observer in observers_of(device):
             observer.prepare_profiling(comm, pjob, loaded)
         if device is not None:
-            agree_precision_support(comm, device, job.policy, "auto mode precision")
-        return Measured(loaded, device, pjob, None, None)
+            agree_precision_support(comm, device, auto.policy, "auto mode precision")
+        return Measurement(loaded, device, pjob, None, None)
     assert device is not None
-    return _measure(job, pjob, device)
+    return _measure(auto, pjob, device)
 
 
-def _measure(job: AutoJob, pjob: ProfileJob, device: Device) -> Measured:
+def _measure(auto: AutoJob, pjob: ProfileJob, device: Device) -> Measurement:
     """The profiling run: from the store, else at the one configuration or the search's choice;
     rank 0's copy on every rank (the per-rank copies differ only in their own wall-clock notes)."""
-    comm, options, choice, say = job.comm, job.options, job.choice, job.say
+    comm, options, choice, say = auto.comm, auto.options, auto.choice, auto.say
     store, request = store_of(options), None
     if store is not None:
-        key = store_key(job.model, job.optimizer, job.sample_fn, zero_stage=job.zero.stage,
+        key = store_key(auto.model, auto.optimizer, auto.sample_fn, zero_stage=auto.zero.stage,
                         stages=tuple(choice.stages), checkpointing=choice.checkpointing,
-                        rule=options.choose if choice.active else "single", bucket_size_mb=job.zero.bucket_size_mb,
-                        policy=job.policy)
+                        rule=options.choose if choice.active else "single", bucket_size_mb=auto.zero.bucket_size_mb,
+                        policy=auto.policy)
         request = StoreRequest(store, key, choice.checkpointing)
     search = ConfigurationSearch(choice, say, options.limits, noise=pjob.options.tolerance,
                                  progress=options.progress and comm.rank == 0) if choice.active else None
     run = ProfileRun(pjob, device, process_group=comm.group, log=lambda m: say(m.removeprefix("[poplar profile] ")),
                      store=request)
-    announce = f"profiling {comm.world_size} ranks at ZeRO-{pjob.options.zero_stage}, {precision_of(job.policy)} ..."
+    announce = f"profiling {comm.world_size} ranks at ZeRO-{pjob.options.zero_stage}, {precision_of(auto.policy)} ..."
     measured = run.measure(Candidates(search) if search is not None else OneConfiguration(announce))
     profile = measured.profile
     if measured.store_use is StoreUse.REUSED:
-        agree_precision_support(comm, device, job.policy, "auto mode precision")
-        return Measured(profile, device, pjob, measured.store_use, search)
+        agree_precision_support(comm, device, auto.policy, "auto mode precision")
+        return Measurement(profile, device, pjob, measured.store_use, search)
     profile = Profile.from_dict(comm.all_gather_object(profile.to_dict() if comm.rank == 0 else None,
                                                        tag="auto:profile")[0])
     if options.profile_output is not None and comm.rank == 0:
         profile.save(options.profile_output)
-    return Measured(profile, device, pjob, measured.store_use, search)
+    return Measurement(profile, device, pjob, measured.store_use, search)
 
 
-def _plan(auto: AutoJob, measured: Measured, checkpointing: Any) -> Plan:
+def _plan(auto: AutoJob, measured: Measurement, checkpointing: Any) -> Plan:
     """The plan; one whose shards are not even, or whose ranks offload, is first confirmed by one
     real step of every rank's largest micro-batch at its weights and placement (while the model
     is off the device), and replaced by the even-shard plan where that does not fit. A profile measured at uneven weights (the
@@ -384,7 +384,7 @@ def _auto_job(comm: Communicator, model: nn.Module, optimizer: torch.optim.Optim
     return AutoJob(comm, model, optimizer, loss_fn, sample_fn, zero, options, policy, say, choice)
 
 
-def _chosen_checkpointing(auto: AutoJob, measured: Measured) -> Any:
+def _chosen_checkpointing(auto: AutoJob, measured: Measurement) -> Any:
     """The activation checkpointing to run with: the search's choice, the one given, or the
     reused profile's; and a line on the configuration chosen."""
     choice, profile, say, stages = auto.choice, measured.profile, auto.say, auto.choice.stages
@@ -403,7 +403,7 @@ def _chosen_checkpointing(auto: AutoJob, measured: Measured) -> Any:
     return chosen
 
 
-def _with_record(plan: Plan, measured: Measured) -> Plan:
+def _with_record(plan: Plan, measured: Measurement) -> Plan:
     """The plan, saying how its configuration was chosen and how the store served the profile."""
     recorded = measured.profile.meta.get("auto_choice")
     if recorded:  # chosen now, or when the reused profile was measured: the plan says how

@@ -145,7 +145,7 @@ class ProfileRun:
         if lookup is not None and lookup.configuration is not None and not lookup.new_types:
             return Measured(self._reuse_all(lookup), StoreUse.REUSED)
         attempts: list[Target] = [target]
-        if lookup is not None and lookup.configuration is not None:
+        if lookup is not None and lookup.configuration is not None and self.store is not None:
             attempts.insert(0, NewTypes(lookup, lookup.stored_configuration(self.store.checkpointing)))
         profile = None
         for attempt in attempts:  # the new types, where the store has some; else (or then) everything

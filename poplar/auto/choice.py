@@ -4,30 +4,28 @@ timed; then, while a candidate's lower bound could beat the best prediction so f
 its mbs (a few rounds where its plan runs most) or its timing. Timings after the first reuse
 what an earlier one measured with the same compute, on the sparse grid, with a measurement
 repeated only where it breaks the curve's shape: together about a single-stage profile's cost.
+
+``ConfigurationSearch`` decides; the profiler's run (``ProfileRun.measure`` with a
+``candidate_run.Candidates`` target) measures what it asks for, on every rank together.
 """
 
 from __future__ import annotations
 
-import time as _time
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
-from poplar.comm import Communicator
 from poplar.planner.candidates import CandidateRow, choose, estimate_profile, format_table, mbs_by_type, predict, \
     with_probe
 from poplar.planner.shards import weights_to_fit
-from poplar.profiler.configurations import CandidateProfiler, ConfigCapacity, Reuse
-from poplar.profiler.devices import Device
-from poplar.profiler.escalation import OffloadEscalation, next_offloads
-from poplar.profiler.exposure import ExposureRounds
-from poplar.profiler.profile_run import ProfileJob
-from poplar.profiler.timing import Confirmation, TimingGrid
+from poplar.profiler.candidate_run import ChoiceRecord, TimingRequest
+from poplar.profiler.configurations import ConfigCapacity, Reuse, ShardMemory
+from poplar.profiler.escalation import OffloadEscalation
 from poplar.types.configuration import Configuration
 from poplar.types.logs import progress_bar
 from poplar.types.profiles import AutoChoice, Profile, ProfileError
 
 
-@dataclass
+@dataclass(frozen=True)
 class Choice:
     """What auto mode chooses among: the global batch, the rule, the stages (one when the user
     gave a stage: it is binding; every stage for "auto") and the checkpointing settings (the
@@ -38,8 +36,6 @@ class Choice:
     checkpointing: Any
     stages: tuple[int, ...]
     active: bool = True  # False: profile one configuration (escalating), as the paper does
-    rows: list[CandidateRow] | None = None
-    chosen: Configuration | None = None
 
     def configs(self, stages: tuple[int, ...] | None = None) -> list[Configuration]:
         """The configurations allowed (or those at ``stages``), checkpointing off first, stages up."""
@@ -47,182 +43,201 @@ class Choice:
         return [Configuration(s, c) for c in settings for s in sorted(set(self.stages if stages is None else stages))]
 
 
-def fit_by_shards(prof: CandidateProfiler, caps: list[ConfigCapacity],
-                  say: Callable[[str], None]) -> list[ConfigCapacity]:
-    """Where no configuration fits batch 1 on every rank at even shards: each one that fits some
-    rank is searched again at shard weights that share the state in proportion to every rank's
-    room (``planner.shards.weights_to_fit``, from the agreed searches: the same on every rank)."""
-    out = []
-    for c in caps:
-        memory = c.memory
-        weights = weights_to_fit([m.capacity_bytes for m in memory], [m.fixed_bytes for m in memory],
-                                 [m.shard_bytes for m in memory]) if c.config.stage >= 1 else None
-        if weights is None:
-            out.append(c)
-            continue
-        say(f"ZeRO-{c.config.stage}, checkpointing {'on' if c.config.checkpointed else 'off'}: batch 1 does not "
-            f"fit every rank at even shards; searching again at shard weights {list(weights)} (by memory)")
-        out.append(prof.capacities([c.config], weights)[0])
-    return out
+@dataclass(frozen=True)
+class PlanLimits:
+    """The planner's limits a candidate's prediction is made under."""
+
+    require_all_ranks: bool = False
+    max_micro_steps: int | None = None
+
+    def predict(self, profile: Profile, gbs: int, stage: int) -> tuple[Any, str]:
+        return predict(profile, gbs, stage, require_all_ranks=self.require_all_ranks,
+                       max_micro_steps=self.max_micro_steps)
 
 
-def fit_by_offload(prof: CandidateProfiler, caps: list[ConfigCapacity], say: Callable[[str], None],
-                   record: list[dict[str, Any]]) -> list[ConfigCapacity]:
-    """Where no configuration fits batch 1 on every rank, at even shards or by room: the
-    configurations at the highest stage (ZeRO-1 or above) are searched again with the optimizer
-    of the ranks batch 1 does not fit offloaded to host memory (``escalation.next_offloads``,
-    from the agreed searches: the same on every rank), until they fit or those ranks already
-    offload. Each search again is appended to ``record``."""
-    top = max(c.config.stage for c in caps)
-    out = []
-    for c in caps:
-        while c.config.stage == top >= 1 and not c.fits:
-            short = [r for r, m in enumerate(c.mbs) if m < 1]
-            more = next_offloads(c.offloads, short, len(c.mbs))
-            if more is None:
-                break
-            say(f"{c.config.name}: batch 1 does not fit ranks {short}; searching again with their optimizer "
-                "offloaded to host memory")
-            record.append({"configuration": c.config.name, "ranks": short, "offload": [o.value for o in more]})
-            c = prof.capacities([c.config], c.shard_weights, more)[0]
-        out.append(c)
-    return out
+@dataclass
+class Candidate:
+    """One configuration of the search: its agreed capacity, its row of the table, and what was
+    measured of it (its timing; its probe, one round at its mbs)."""
+
+    index: int
+    capacity: ConfigCapacity
+    row: CandidateRow
+    profile: Profile | None = None
+    probe: Profile | None = None
+
+    def computes_as(self, other: "Candidate") -> bool:
+        """Whether ``other``'s micro-steps compute as this one's (stages 0-2, the same setting)."""
+        return other.row.checkpointing == self.row.checkpointing and \
+            (other is self or other.row.stage < 3 and self.row.stage < 3)
 
 
-def choose_configuration(comm: Communicator, job: ProfileJob, device: Device, choice: Choice,
-                         say: Callable[[str], None], **limits: Any) -> Profile:
-    """Capacity of every configuration (no collective), timing of the first fit, then of each
-    candidate whose lower bound could beat the best prediction so far; choose (docs/design.md §7.1).
-    ``limits``: the planner's (``require_all_ranks``, ``max_micro_steps``). Returns the chosen
-    configuration's profile (the same on every rank) and records the choice in ``choice``."""
-    popts, started = job.options, _time.perf_counter()
-    prof = CandidateProfiler(job, device, log=lambda m: say(m.removeprefix("[poplar profile] ")),
-                             process_group=comm.group)
-    types = comm.all_gather_object(device.device_type, tag="auto:types")
-    caps = prof.capacities(choice.configs())
-    if not any(c.fits for c in caps):
-        caps = fit_by_shards(prof, caps, say)
-    offloaded: list[dict[str, Any]] = []  # the searches again with short ranks' optimizers offloaded
-    if not any(c.fits for c in caps) and popts.offload_escalation is OffloadEscalation.SHORT_RANKS:
-        caps = fit_by_offload(prof, caps, say, offloaded)
-    rows = [CandidateRow(c.config.stage, c.config.checkpointed, c.fits, mbs_by_type(types, c.mbs)) for c in caps]
-    for row, c in zip(rows, caps):
-        if not c.fits:
-            bad = [r for r, m in enumerate(c.mbs) if m < 1]
-            row.reason = f"batch 1 does not fit on rank {bad[0]} ({types[bad[0]]})" + \
-                (f" and {len(bad) - 1} more" if len(bad) > 1 else "")
-    profiles: dict[int, Profile] = {}  # timed candidates
-    probes: dict[int, Profile] = {}  # candidates timed at their mbs only
-    noise = popts.tolerance  # a bound within this fraction of the best cannot win by more than the noise
+class Bound(NamedTuple):
+    """A candidate not timed: its predicted iteration from an estimate (a lower bound), and why."""
 
-    def same_compute(i: int, among: dict[int, Profile]) -> Profile | None:
-        """A profile in ``among`` whose micro-steps compute as candidate i's do (stages 0-2, same setting)."""
-        return next((among[j] for j in among if rows[j].checkpointing == rows[i].checkpointing
-                     and (j == i or rows[j].stage < 3 and rows[i].stage < 3)), None)
-
-    def time(i: int) -> None:
-        # the sparse grid (powers of two and mbs), a measurement repeated only where it breaks
-        # the curve's shape: fewer and cheaper rounds than a single-stage profile's
-        reuse, how = same_compute(i, profiles) or same_compute(i, probes), Reuse.SAME_COMPUTE
-        if i in probes:  # its own probe measured its mbs and its costs
-            reuse, how = (with_probe(reuse, probes[i]) if reuse else probes[i]), Reuse.SAME_CONFIG
-        say(f"timing {rows[i].name}{' (new batch sizes only)' if reuse else ''} ...")
-        # the steady rounds would cost each candidate about a single-stage profile's grid again
-        profiles[i] = prof.time(caps[i], reuse=reuse, how=how, grid=TimingGrid.SPARSE, confirm=Confirmation.CURVE,
-                                exposure=ExposureRounds.GRID)
-        plan, why = predict(profiles[i], choice.gbs, rows[i].stage, **limits)
-        rows[i].predicted_s, rows[i].timed = (plan.predicted_iteration_s, True) if plan else (None, True)
-        rows[i].reason = why
-
-    def bound(i: int, best: float) -> None:
-        timed = [j for j in profiles if rows[j].predicted_s is not None] or list(profiles)
-        same = [j for j in timed if rows[j].checkpointing == rows[i].checkpointing]
-        plain = next((j for j in timed if not rows[j].checkpointing), None)
-        checkpointed = next((probes[j] for j in probes if rows[j].checkpointing), None)
-        if same:
-            base = profiles[same[0]]
-        elif rows[i].checkpointing and checkpointed is not None and plain is not None:
-            base = with_probe(profiles[plain], checkpointed)  # recomputation measured at a probe
-        else:
-            base = profiles[timed[0]]
-        if i in probes:
-            base = with_probe(base, probes[i])
-        estimate = estimate_profile(base, rows[i].stage, caps[i].mbs)
-        estimate.shard_weights = list(caps[i].shard_weights) if caps[i].shard_weights else None
-        estimate.offloads = [o.value for o in caps[i].offloads] if caps[i].offloads else None
-        plan, why = predict(estimate, choice.gbs, rows[i].stage, **limits)
-        rows[i].predicted_s, rows[i].reason = (plan.predicted_iteration_s if plan else None), why
-        if plan and plan.predicted_iteration_s >= best * (1 - noise):
-            rows[i].reason = (f"not timed: lower bound {plan.predicted_iteration_s:.4f} s >= best {best:.4f} s"
-                              + (f" - {noise:.0%} noise" if plan.predicted_iteration_s < best else ""))
-
-    fitting = sorted((i for i, r in enumerate(rows) if r.fits), key=lambda i: (rows[i].checkpointing, rows[i].stage))
-    if not fitting:
-        raise _none_fits(prof, choice, rows, say, popts.offload_escalation)
-    # one bar over the fitting candidates: each is timed, or decided by its bound (rank 0)
-    bar = progress_bar(len(fitting), "profiling: candidates", popts.progress and comm.rank == 0)
-    time(fitting[0])
-    bar.update(1)
-    while choice.rule == "fastest":
-        best = min((rows[i].predicted_s for i in profiles if rows[i].predicted_s is not None), default=float("inf"))
-        for i in fitting:
-            if i not in profiles:
-                bound(i, best)
-        hopeful = [i for i in fitting if i not in profiles and rows[i].predicted_s is not None
-                   and rows[i].predicted_s < best * (1 - noise)]
-        if not hopeful:
-            break
-        nxt = min(hopeful, key=lambda i: rows[i].predicted_s)
-        if same_compute(nxt, profiles) is None and same_compute(nxt, probes) is None:
-            # a cheap probe first: one round at the candidate's own mbs, where its plan runs
-            # most; its bound then holds its own speed there, and a full timing keeps it. One
-            # measurement: a disturbed probe raises the bound by the disturbance at most, so it
-            # can only make a candidate within that of the best go untimed
-            say(f"probing {rows[nxt].name} at its mbs ...")
-            probes[nxt] = prof.time(caps[nxt], sizes=[[m] for m in caps[nxt].mbs], confirm=Confirmation.CURVE,
-                                    exposure=ExposureRounds.GRID)
-            continue
-        time(nxt)
-        bar.update(1)
-    bar.update(len(fitting) - len(profiles))  # the rest, decided by their bounds
-    bar.close()
-    pick = choose([r for i, r in enumerate(rows) if i in profiles] or rows, choice.rule)
-    index = rows.index(pick)
-    choice.rows, choice.chosen = rows, caps[index].config
-    profile = profiles[index]
-    if popts.time_past_mbs and caps[index].result is not None:
-        profile = prof.time_past_mbs(caps[index], profile)
-    profile = replace(profile, auto_choice=AutoChoice(choice.rule, [r.to_dict() for r in rows], {
-        k: round(v, 3) for k, v in prof.seconds.items()}, len(profiles), len(probes), prof.rounds, offloaded))
-    say(f"configurations ({choice.rule}; profiling {prof.total_seconds:.1f} s, {_time.perf_counter() - started:.1f} s "
-        f"of wall time with set-up: capacity "
-        f"{prof.seconds['capacity_s']:.1f} s, timing {prof.seconds['timing_s']:.1f} s ({prof.rounds} rounds), "
-        f"collectives {prof.seconds['comm_s']:.1f} s; {len(profiles)} timed, {len(probes)} probed):\n"
-        + format_table(rows))
-    return Profile.from_dict(comm.all_gather_object(profile.to_dict() if comm.rank == 0 else None,
-                                                    tag="auto:profile")[0])
+    predicted_s: float | None
+    reason: str
 
 
-def _none_fits(prof: CandidateProfiler, choice: Choice, rows: list[CandidateRow],
-               say: Callable[[str], None], offload: OffloadEscalation) -> ProfileError:
-    """The error when no allowed configuration fits batch 1 on every rank: each one's reason, and
-    the lowest higher stage that would fit, at even shards or by room (its capacity searched now,
-    every rank together)."""
-    why = "; ".join(f"{r.name}: {r.reason}" for r in rows)
-    higher = tuple(range(max(choice.stages) + 1, 4))
-    caps = prof.capacities(choice.configs(higher)) if higher else []
-    if caps and not any(c.fits for c in caps):
-        caps = fit_by_shards(prof, caps, say)
-    found = [c.config for c in caps if c.fits]
-    would = min(found, key=lambda c: (c.stage, c.checkpointed), default=None)
-    asked = "the stage given" if len(set(choice.stages)) == 1 else "the stages allowed"
-    if would is None:
+class ConfigurationSearch:
+    """The branch and bound over the candidates (module doc); a ``candidate_run.CandidateChoice``.
+    ``noise``: a bound within this fraction of the best cannot win by more than the noise."""
+
+    def __init__(self, choice: Choice, say: Callable[[str], None], limits: PlanLimits, *, noise: float,
+                 progress: bool) -> None:
+        self.choice, self.say, self.limits, self.noise, self.progress = choice, say, limits, noise, progress
+        self.candidates: list[Candidate] = []
+        self.fitting: list[Candidate] = []  # the candidates that fit every rank, checkpointing off first, stages up
+        self.timed: list[Candidate] = []  # in the order they were timed
+        self.probed: list[Candidate] = []  # in the order they were probed
+        self.rows: list[CandidateRow] | None = None
+        self.chosen_config: Configuration | None = None
+        self.bar: Any = None
+
+    # ---- capacity ----
+    def configurations(self, higher: bool = False) -> list[Configuration]:
+        stages = tuple(range(max(self.choice.stages) + 1, 4)) if higher else None
+        return self.choice.configs(stages) if stages != () else []
+
+    def weights_to_fit(self, memory: list[ShardMemory]) -> tuple[float, ...] | None:
+        return weights_to_fit([m.capacity_bytes for m in memory], [m.fixed_bytes for m in memory],
+                              [m.shard_bytes for m in memory])
+
+    def start(self, capacities: list[ConfigCapacity], device_types: list[str]) -> None:
+        """Every candidate's row (why it does not fit, where it does not)."""
+        for i, cap in enumerate(capacities):
+            row = CandidateRow(cap.config.stage, cap.config.checkpointed, cap.fits, mbs_by_type(device_types, cap.mbs))
+            bad = [r for r, m in enumerate(cap.mbs) if m < 1]
+            if bad:
+                row.reason = f"batch 1 does not fit on rank {bad[0]} ({device_types[bad[0]]})" + \
+                    (f" and {len(bad) - 1} more" if len(bad) > 1 else "")
+            self.candidates.append(Candidate(i, cap, row))
+        self.rows = [c.row for c in self.candidates]
+        self.fitting = sorted((c for c in self.candidates if c.row.fits),
+                              key=lambda c: (c.row.checkpointing, c.row.stage))
+        if self.fitting:  # one bar over the fitting candidates: each is timed, or decided by its bound (rank 0)
+            self.bar = progress_bar(len(self.fitting), "profiling: candidates", self.progress)
+
+    def none_fit(self, higher: list[ConfigCapacity], offload: OffloadEscalation) -> ProfileError:
+        """Each candidate's reason, and the lowest higher stage that would fit (at even shards or
+        by room), or what else to try."""
+        why = "; ".join(f"{c.row.name}: {c.row.reason}" for c in self.candidates)
+        would = min((c.config for c in higher if c.fits), key=lambda c: (c.stage, c.checkpointed), default=None)
+        asked = "the stage given" if len(set(self.choice.stages)) == 1 else "the stages allowed"
+        if would is not None:
+            return ProfileError(f"batch 1 does not fit every rank at {asked} ({why}); {would.name} would fit: give "
+                                f'zero_stage={would.stage} ("stage": {would.stage} in a config), or "auto" to let '
+                                "auto mode choose the stage")
         tried = (" (offloading the short ranks' optimizer to host memory did not make it fit either)"
                  if offload is OffloadEscalation.SHORT_RANKS else
                  ", or let the short ranks offload their optimizer to host memory: AutoOptions(offload=\"auto\")")
         return ProfileError(f"batch 1 does not fit every rank at {asked} ({why}), nor at any higher stage: use "
                             "devices with more memory, a smaller model, activation checkpointing or fewer ranks "
                             f"on the small devices{tried}")
-    return ProfileError(f"batch 1 does not fit every rank at {asked} ({why}); {would.name} would fit: give "
-                        f'zero_stage={would.stage} ("stage": {would.stage} in a config), or "auto" to let auto mode '
-                        "choose the stage")
+
+    # ---- timing ----
+    def next_timing(self) -> TimingRequest | None:
+        """The first fit's timing; then, while a candidate's bound could beat the best so far, the
+        most hopeful one's probe (where nothing with its compute was measured) or timing."""
+        if not self.timed:
+            return self._timing_of(self.fitting[0])
+        if self.choice.rule != "fastest":
+            return None
+        best = min((c.row.predicted_s for c in self.timed if c.row.predicted_s is not None), default=float("inf"))
+        for c in self.fitting:
+            if c.profile is None:
+                c.row.predicted_s, c.row.reason = self._bound(c, best)
+        hopeful = [c for c in self.fitting if c.profile is None and c.row.predicted_s is not None
+                   and c.row.predicted_s < best * (1 - self.noise)]
+        if not hopeful:
+            return None
+        nxt = min(hopeful, key=lambda c: c.row.predicted_s)
+        if self._measured_like(nxt, self.timed, False) is None and self._measured_like(nxt, self.probed, True) is None:
+            # a cheap probe first: one round at the candidate's own mbs, where its plan runs
+            # most; its bound then holds its own speed there, and a full timing keeps it. One
+            # measurement: a disturbed probe raises the bound by the disturbance at most, so it
+            # can only make a candidate within that of the best go untimed
+            self.say(f"probing {nxt.row.name} at its mbs ...")
+            return TimingRequest(nxt.index, probe=True)
+        return self._timing_of(nxt)
+
+    def record(self, request: TimingRequest, profile: Profile) -> None:
+        c = self.candidates[request.index]
+        if request.probe:
+            c.probe = profile
+            self.probed.append(c)
+            return
+        c.profile = profile
+        self.timed.append(c)
+        plan, why = self.limits.predict(profile, self.choice.gbs, c.row.stage)
+        c.row.predicted_s, c.row.timed, c.row.reason = (plan.predicted_iteration_s if plan else None), True, why
+        self.bar.update(1)
+
+    def chosen(self) -> tuple[int, Profile]:
+        """The rule's pick among the timed candidates."""
+        self.bar.update(len(self.fitting) - len(self.timed))  # the rest, decided by their bounds
+        self.bar.close()
+        rows = [c.row for c in self.candidates]
+        pick = choose([c.row for c in self.candidates if c.profile is not None] or rows, self.choice.rule)
+        chosen = self.candidates[rows.index(pick)]
+        self.chosen_config = chosen.capacity.config
+        assert chosen.profile is not None
+        return chosen.index, chosen.profile
+
+    def finish(self, profile: Profile, record: ChoiceRecord) -> Profile:
+        """The chosen profile with the choice recorded (``Profile.auto_choice``), and its table (rank 0)."""
+        rows, seconds = [c.row for c in self.candidates], record.seconds
+        chosen = replace(profile, auto_choice=AutoChoice(
+            self.choice.rule, [r.to_dict() for r in rows], {k: round(v, 3) for k, v in seconds.items()},
+            len(self.timed), len(self.probed), record.rounds, record.offload_escalations))
+        self.say(f"configurations ({self.choice.rule}; profiling {sum(seconds.values()):.1f} s, {record.wall_s:.1f} s "
+                 f"of wall time with set-up: capacity {seconds['capacity_s']:.1f} s, timing "
+                 f"{seconds['timing_s']:.1f} s ({record.rounds} rounds), collectives {seconds['comm_s']:.1f} s; "
+                 f"{len(self.timed)} timed, "
+                 f"{len(self.probed)} probed):\n" + format_table(rows))
+        return chosen
+
+    # ---- the bound ----
+    def _timing_of(self, c: Candidate) -> TimingRequest:
+        """``c``'s timing, reusing what was measured with its compute (its own probe first)."""
+        reuse = self._measured_like(c, self.timed, False) or self._measured_like(c, self.probed, True)
+        how = Reuse.SAME_COMPUTE
+        if c.probe is not None:  # its own probe measured its mbs and its costs
+            reuse, how = (with_probe(reuse, c.probe) if reuse else c.probe), Reuse.SAME_CONFIG
+        self.say(f"timing {c.row.name}{' (new batch sizes only)' if reuse else ''} ...")
+        return TimingRequest(c.index, reuse=reuse, how=how)
+
+    @staticmethod
+    def _measured_like(c: Candidate, among: list[Candidate], probe: bool) -> Profile | None:
+        """The first profile (``probe``: probe) in ``among`` whose micro-steps compute as ``c``'s."""
+        found = next((o for o in among if c.computes_as(o)), None)
+        return None if found is None else found.probe if probe else found.profile
+
+    def _bound(self, c: Candidate, best: float) -> Bound:
+        """``c``'s predicted iteration from an estimate of its profile (a lower bound)."""
+        cap = c.capacity
+        estimate = estimate_profile(self._bound_base(c), c.row.stage, cap.mbs)
+        estimate.shard_weights = list(cap.shard_weights) if cap.shard_weights else None
+        estimate.offloads = [o.value for o in cap.offloads] if cap.offloads else None
+        plan, why = self.limits.predict(estimate, self.choice.gbs, c.row.stage)
+        if plan and plan.predicted_iteration_s >= best * (1 - self.noise):
+            why = (f"not timed: lower bound {plan.predicted_iteration_s:.4f} s >= best {best:.4f} s"
+                   + (f" - {self.noise:.0%} noise" if plan.predicted_iteration_s < best else ""))
+        return Bound(plan.predicted_iteration_s if plan else None, why)
+
+    def _bound_base(self, c: Candidate) -> Profile:
+        """The timed profile ``c``'s estimate starts from: one with its checkpointing setting, or
+        the plain one with recomputation measured at a probe, or the first timed; with ``c``'s
+        own probe where it has one."""
+        timed = [o for o in self.timed if o.row.predicted_s is not None] or list(self.timed)
+        same = [o for o in timed if o.row.checkpointing == c.row.checkpointing]
+        plain = next((o for o in timed if not o.row.checkpointing), None)
+        checkpointed = next((o.probe for o in self.probed if o.row.checkpointing), None)
+        if same:
+            base = same[0].profile
+        elif c.row.checkpointing and checkpointed is not None and plain is not None:
+            base = with_probe(plain.profile, checkpointed)  # recomputation measured at a probe
+        else:
+            base = timed[0].profile
+        assert base is not None
+        return with_probe(base, c.probe) if c.probe is not None else base

@@ -28,7 +28,7 @@ import contextlib
 import copy
 import os
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch import nn
@@ -36,18 +36,20 @@ from torch import nn
 from poplar.comm import Communicator
 from poplar.planner import plan as make_plan
 from poplar.planner.planning import batch_using_every_rank, load_profile
-from poplar.auto.choice import Choice, choose_configuration
+from poplar.auto.choice import Choice, ConfigurationSearch, PlanLimits
 from poplar.auto.samples import sample_fn_of
-from poplar.auto.stored import StoreUse, profile_from_store, store_key
+from poplar.auto.stored import StoreUse, store_key
 from poplar.planner.candidates import RULES, CandidateRow
+from poplar.profiler.candidate_run import Candidates
 from poplar.profiler.cuda_device import CudaDevice
 from poplar.profiler.devices import Device
 from poplar.profiler.escalation import OffloadEscalation
-from poplar.profiler.exposure import EXPOSURE_PRECISION
+from poplar.profiler.job import ProfilingPolicy
 from poplar.profiler.phases import observers_of
 from poplar.profiler.precision import agree_precision_support, profile_precision
-from poplar.profiler.profile_run import ProfileJob, ProfileOptions, confirm_plan_memory, profile_rank
+from poplar.profiler.profile_run import OneConfiguration, ProfileJob, ProfileOptions, ProfileRun, confirm_plan_memory
 from poplar.profiler.store import ProfileStore, default_store_dir
+from poplar.profiler.store_reuse import StoreRequest
 from poplar.types.configuration import Configuration, heaviest
 from poplar.types.logs import log
 from poplar.types.plans import Offload, Plan, PlanError
@@ -58,8 +60,10 @@ from poplar.zero.optim import optimizer_like
 
 
 @dataclass
-class AutoOptions:
-    """Knobs of auto mode; the defaults suit most runs."""
+class AutoOptions(ProfilingPolicy):
+    """Knobs of auto mode; the defaults suit most runs. The profiling knobs (``repeats``,
+    ``exposure_precision``, ``max_batch``, ``escalate``, ``progress``) are its
+    ``ProfilingPolicy``, handed to the profiler whole."""
 
     profile_data: Any = None  # what profiling trains on: a map-style dataset or sample_fn(b)
     device: Device | None = None  # this rank's device (default: the model's GPU)
@@ -74,18 +78,9 @@ class AutoOptions:
     offload: str | tuple[Offload, ...] = "none"
     profile: Profile | str | os.PathLike | None = None  # reuse a measured profile instead of profiling
     profile_output: str | os.PathLike | None = None  # save the measured profile here (JSON)
-    repeats: int = 3  # timing measurements per batch size
-    # steady timing rounds go on until the exposed communication is known to this fraction of a
-    # round (poplar.profiler.exposure; 0: the fewest rounds, a quicker and rougher profile)
-    exposure_precision: float = EXPOSURE_PRECISION
-    max_batch: int = 4096  # the capacity search stops here
-    # zero_stage="auto" with choose="first_fit": move up from the lowest stage while batch 1 does
-    # not fit somewhere (a given stage never moves: it is binding)
-    escalate: bool = True
     require_all_ranks: bool = False  # every rank must get at least one sample
     max_micro_steps: int | None = None  # bound on micro-steps per rank per iteration
     collate_fn: Callable[[list], Any] | None = None  # for profile_data given as a dataset
-    progress: bool = True  # profiling progress lines (rank 0)
     # how the configuration (ZeRO stage x activation checkpointing) is chosen where the engine
     # leaves it open (zero_stage="auto", activation_checkpointing=None / "auto"): "fastest"
     # predicted iteration among those that fit every rank, or "first_fit" (the paper: the lowest
@@ -97,15 +92,57 @@ class AutoOptions:
     # none, else ~/.cache/poplar/profiles)
     store: Any = "default"
 
+    @property
+    def limits(self) -> PlanLimits:
+        return PlanLimits(self.require_all_ranks, self.max_micro_steps)
+
 
 @dataclass
 class AutoResult:
+    """What auto mode hands the engine: the plan (its rows carry each rank's shard weight and
+    optimizer placement), the profile it was planned from, this rank's profiler device (None with
+    a loaded profile and no device to emulate), the chosen activation checkpointing, the
+    configurations considered ("fastest" / "first_fit") and how the profile store served it
+    (None: no store used)."""
+
     plan: Plan
     profile: Profile
-    device: Device | None  # this rank's profiler device (None with a loaded profile and no device to emulate)
-    activation_checkpointing: Any = None  # the chosen setting (the engine's runtime uses it)
-    candidates: list[CandidateRow] | None = None  # the configurations considered ("fastest" / "first_fit")
-    store_use: StoreUse | None = None  # how the profile store served this start (None: no store used)
+    device: Device | None
+    activation_checkpointing: Any = None
+    candidates: list[CandidateRow] | None = None
+    store_use: StoreUse | None = None
+
+    @property
+    def offloads(self) -> tuple[Offload, ...]:
+        """Where each rank's optimizer lives in the plan."""
+        return self.plan.offloads
+
+
+@dataclass
+class AutoJob:
+    """What one auto mode start profiles and plans: the job's parts, its settings and the choice."""
+
+    comm: Communicator
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    loss_fn: Callable
+    sample_fn: Any
+    zero: ZeroConfig
+    options: AutoOptions
+    policy: MixedPrecision | None
+    say: Callable[[str], None]
+    choice: Choice
+
+
+class Measurement(NamedTuple):
+    """The profile auto mode plans from, this rank's device, the profiling job, how the store
+    served it, and the configuration search (None: one configuration, or a loaded profile)."""
+
+    profile: Profile
+    device: Device | None
+    job: ProfileJob
+    store_use: StoreUse | None
+    search: ConfigurationSearch | None
 
 
 def store_of(options: AutoOptions) -> ProfileStore | None:
@@ -128,88 +165,89 @@ def clone_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module,
     return optimizer_like(optimizer, [[params[index[id(p)]] for p in g["params"]] for g in optimizer.param_groups])
 
 
-def _measure(comm: Communicator, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable,
-             sample_fn: Any, zero: ZeroConfig, options: AutoOptions, policy: MixedPrecision | None,
-             say: Callable[[str], None], choice: Choice, home: torch.device
-             ) -> tuple[Profile, Device | None, ProfileJob, StoreUse | None]:
-    """The profile (measured, or loaded from ``options.profile``), this rank's device (``home``:
-    where the model lives, moved to the CPU meanwhile) and the profiling job."""
-    snapshot = copy.deepcopy(model)  # on the CPU: the caller moved the model there
+def _profile_job(auto: AutoJob) -> ProfileJob:
+    """The profiling job: fresh copies of the model (from its CPU snapshot: the caller moved the
+    model there), an optimizer like the user's, the options for the choice."""
+    snapshot = copy.deepcopy(auto.model)
     model_fn = lambda: copy.deepcopy(snapshot)  # noqa: E731
-    optimizer_fn = lambda m: clone_optimizer(optimizer, m, model)  # noqa: E731
+    optimizer_fn = lambda m: clone_optimizer(auto.optimizer, m, auto.model)  # noqa: E731
+    choice, options, zero = auto.choice, auto.options, auto.zero
     binding = len(choice.stages) == 1  # a given stage: no escalation, an error naming the stage that fits
-    popts = ProfileOptions(zero_stage=min(choice.stages), escalate=options.escalate and not binding,
-                           max_batch=options.max_batch,
-                           repeats=options.repeats, exposure_precision=options.exposure_precision,
-                           bucket_size_mb=zero.bucket_size_mb, wrap_policy=zero.wrap_policy,
-                           model_name=type(model).__name__, progress=options.progress, mixed_precision=policy,
+    policy = replace(options.policy(), escalate=options.escalate and not binding)
+    popts = ProfileOptions(**vars(policy), zero_stage=min(choice.stages), bucket_size_mb=zero.bucket_size_mb,
+                           wrap_policy=zero.wrap_policy, model_name=type(auto.model).__name__,
+                           mixed_precision=auto.policy,
                            activation_checkpointing=None if choice.active else choice.checkpointing,
                            # "auto": ranks batch 1 fits at no stage may be profiled with their optimizer offloaded
                            offload_escalation=OffloadEscalation.SHORT_RANKS if options.offload == "auto"
                            else OffloadEscalation.NEVER,
                            # a card's speed past its even-shard mbs matters only to shard weights
                            time_past_mbs=options.shards != "even")
-    job = ProfileJob(model_fn, loss_fn, sample_fn, optimizer_fn, popts,
-                     heaviest(choice.configs()) if choice.active else None)
-    profile = _load_profile(comm, options, policy, say, choice.stages) if options.profile is not None else None
-    device = _rank_device(comm, options.device, home, needed=profile is None)
-    if profile is not None:  # a reused profile: the device prepares for it, and must compute at its precision
+    return ProfileJob(model_fn, auto.loss_fn, auto.sample_fn, optimizer_fn, popts,
+                      heaviest(choice.configs()) if choice.active else None)
+
+
+def _load_or_measure(auto: AutoJob, home: torch.device) -> Measurement:
+    """The profile (loaded from ``options.profile``, or measured), this rank's device (``home``:
+    where the model lives, moved to the CPU meanwhile) and the profiling job."""
+    comm, options = auto.comm, auto.options
+    pjob = _profile_job(auto)
+    loaded = _load_profile(comm, options, auto.policy, auto.say, auto.choice.stages) if options.profile is not None \
+        else None
+    device = _rank_device(comm, options.device, home, needed=loaded is None)
+    if loaded is not None:  # a reused profile: the device prepares for it, and must compute at its precision
         for observer in observers_of(device):
-            observer.prepare_profiling(comm, job, profile)
+            observer.prepare_profiling(comm, pjob, loaded)
         if device is not None:
-            agree_precision_support(comm, device, policy, "auto mode precision")
-        return profile, device, job, None
+            agree_precision_support(comm, device, auto.policy, "auto mode precision")
+        return Measurement(loaded, device, pjob, None, None)
     assert device is not None
-    store = store_of(options)
-    use = StoreUse.MEASURED if store is not None else None
+    return _measure(auto, pjob, device)
+
+
+def _measure(auto: AutoJob, pjob: ProfileJob, device: Device) -> Measurement:
+    """The profiling run: from the store, else at the one configuration or the search's choice;
+    rank 0's copy on every rank (the per-rank copies differ only in their own wall-clock notes)."""
+    comm, options, choice, say = auto.comm, auto.options, auto.choice, auto.say
+    store, request = store_of(options), None
     if store is not None:
-        key = store_key(model, optimizer, sample_fn, zero_stage=zero.stage, stages=tuple(choice.stages),
-                        checkpointing=choice.checkpointing, rule=options.choose if choice.active else "single",
-                        bucket_size_mb=zero.bucket_size_mb, policy=policy)
-        profile, use = profile_from_store(comm, store, key, job, device, choice.checkpointing, say)
-        if use is StoreUse.REUSED:
-            agree_precision_support(comm, device, policy, "auto mode precision")
-            return profile, device, job, use
-    if profile is None and choice.active:
-        profile = choose_configuration(comm, job, device, choice, say, require_all_ranks=options.require_all_ranks,
-                                       max_micro_steps=options.max_micro_steps)
-    elif profile is None:
-        say(f"profiling {comm.world_size} ranks at ZeRO-{popts.zero_stage}, {precision_of(policy)} ...")
-        profile = profile_rank(model_fn, loss_fn, sample_fn, device, optimizer_fn=optimizer_fn, options=popts,
-                               log=lambda m: say(m.removeprefix("[poplar profile] ")), process_group=comm.group)
-        # rank 0's copy everywhere: the per-rank copies differ only in their own wall-clock notes
-        profile = Profile.from_dict(comm.all_gather_object(profile.to_dict() if comm.rank == 0 else None,
-                                                           tag="auto:profile")[0])
+        key = store_key(auto.model, auto.optimizer, auto.sample_fn, zero_stage=auto.zero.stage,
+                        stages=tuple(choice.stages), checkpointing=choice.checkpointing,
+                        rule=options.choose if choice.active else "single", bucket_size_mb=auto.zero.bucket_size_mb,
+                        policy=auto.policy)
+        request = StoreRequest(store, key, choice.checkpointing)
+    search = ConfigurationSearch(choice, say, options.limits, noise=pjob.options.tolerance,
+                                 progress=options.progress and comm.rank == 0) if choice.active else None
+    run = ProfileRun(pjob, device, process_group=comm.group, log=lambda m: say(m.removeprefix("[poplar profile] ")),
+                     store=request)
+    announce = f"profiling {comm.world_size} ranks at ZeRO-{pjob.options.zero_stage}, {precision_of(auto.policy)} ..."
+    measured = run.measure(Candidates(search) if search is not None else OneConfiguration(announce))
+    profile = measured.profile
+    if measured.store_use is StoreUse.REUSED:
+        agree_precision_support(comm, device, auto.policy, "auto mode precision")
+        return Measurement(profile, device, pjob, measured.store_use, search)
+    profile = Profile.from_dict(comm.all_gather_object(profile.to_dict() if comm.rank == 0 else None,
+                                                       tag="auto:profile")[0])
     if options.profile_output is not None and comm.rank == 0:
         profile.save(options.profile_output)
-    uneven = profile.shard_weights is not None and len(set(profile.shard_weights)) > 1
-    if store is not None and comm.rank == 0 and (uneven or profile.offloads is not None):  # this mix's own mbs
-        say("profile store: not kept: it was measured at uneven shard weights or with ranks offloaded, which hold "
-            "for this mix of ranks only")
-    elif store is not None and comm.rank == 0:
-        new = set(profile.store.profiled if profile.store is not None else profile.device_types())
-        kept = store.save(profile, key, profile.activation_checkpointing, only=new)
-        for warning in store.take_warnings():  # a store that cannot be written is a cache miss, not a failure
-            say(warning)
-        if kept:
-            say(f"profile store: kept {', '.join(sorted(p.stem for p in kept))} in {store.directory}")
-    return profile, device, job, use
+    return Measurement(profile, device, pjob, measured.store_use, search)
 
 
-def _plan(comm: Communicator, profile: Profile, global_batch_size: int, options: AutoOptions, job: ProfileJob,
-          device: Device | None, checkpointing: Any, say: Callable[[str], None]) -> Plan:
+def _plan(auto: AutoJob, measured: Measurement, checkpointing: Any) -> Plan:
     """The plan; one whose shards are not even, or whose ranks offload, is first confirmed by one
     real step of every rank's largest micro-batch at its weights and placement (while the model
     is off the device), and replaced by the even-shard plan where that does not fit. A profile measured at uneven weights (the
     model fitted no even shards) plans at them unless ``options.shards`` chooses, and falls back
     to them."""
+    comm, options, say, global_batch_size = auto.comm, auto.options, auto.say, auto.choice.gbs
+    profile, device, job = measured.profile, measured.device, measured.job
     limits = {"require_all_ranks": options.require_all_ranks, "max_micro_steps": options.max_micro_steps}
     shards, fallback = options.shards, "even"
-    measured = profile.shard_weights
-    if measured is not None and len(set(measured)) > 1:  # the searches found no fit at even shards
-        fallback = tuple(measured)
+    weights = profile.shard_weights
+    if weights is not None and len(set(weights)) > 1:  # the searches found no fit at even shards
+        fallback = tuple(weights)
         if shards == "even":
-            say(f"the model fits every rank only with uneven shards: planning at the measured weights {measured}")
+            say(f"the model fits every rank only with uneven shards: planning at the measured weights {weights}")
             shards = fallback
     try:
         plan = make_plan(profile, global_batch_size, profile.zero_stage, options.strategy, shards=shards,
@@ -328,22 +366,14 @@ def _check_inputs(global_batch_size: Any, loss_fn: Callable | None, options: Aut
         return str(e), policy, None
 
 
-def auto_plan(comm: Communicator, model: nn.Module, optimizer: torch.optim.Optimizer, *, global_batch_size: int,
-              zero_stage: int | str | ZeroConfig, loss_fn: Callable | None, options: AutoOptions | None = None,
-              mixed_precision: Any = None, activation_checkpointing: Any = None) -> AutoResult:
-    """Profile (or load a profile), plan, and log the plan: the engine's auto mode.
-    ``zero_stage``: the stage to run at (binding: a stage where batch 1 does not fit some rank is
-    an error naming the lowest stage that would), or "auto" to choose among ``options.stages``
-    (with the runtime settings profiling uses, as a ``ZeroConfig``); ``activation_checkpointing``
-    likewise: a value is binding, None or "auto" lets auto mode choose. ``mixed_precision`` is
-    the run's precision (the engine's argument: None, "fp32", "bf16", "fp16" or a
-    ``MixedPrecision``); profiling runs under it."""
-    options = options or AutoOptions()
+def _auto_job(comm: Communicator, model: nn.Module, optimizer: torch.optim.Optimizer, global_batch_size: int,
+              zero_stage: int | str | ZeroConfig, loss_fn: Callable | None, options: AutoOptions,
+              mixed_precision: Any, activation_checkpointing: Any) -> AutoJob:
+    """Auto mode's inputs checked (one agreement: the same error on every rank) and its choice."""
     zero = ZeroConfig.of(zero_stage)
     error, policy, sample_fn = _check_inputs(global_batch_size, loss_fn, options, mixed_precision)
     stages, stage_error = allowed_stages(zero.stage, options.stages)
     comm.agree(error or stage_error, "auto mode set-up", error_type=ProfileError)
-
     say = (lambda m: log.info(m)) if options.progress and comm.rank == 0 else (lambda m: None)
     if options.choose not in RULES:
         raise ValueError(f"AutoOptions.choose must be one of {RULES}, got {options.choose!r}")
@@ -351,24 +381,59 @@ def auto_plan(comm: Communicator, model: nn.Module, optimizer: torch.optim.Optim
         activation_checkpointing = None
     choice = Choice(global_batch_size, options.choose, activation_checkpointing, stages,
                     active=options.choose == "fastest" and options.profile is None)
+    return AutoJob(comm, model, optimizer, loss_fn, sample_fn, zero, options, policy, say, choice)
+
+
+def _chosen_checkpointing(auto: AutoJob, measured: Measurement) -> Any:
+    """The activation checkpointing to run with: the search's choice, the one given, or the
+    reused profile's; and a line on the configuration chosen."""
+    choice, profile, say, stages = auto.choice, measured.profile, auto.say, auto.choice.stages
+    config = measured.search.chosen_config if measured.search is not None else None
+    chosen = config.checkpointing if config is not None else choice.checkpointing
+    if chosen is None and profile.activation_checkpointing:
+        chosen = True  # a reused profile measured with checkpointing: train as it was measured
+    if config is not None and len(choice.configs()) > 1:
+        ckpt = " with activation checkpointing" if config.checkpointed else ""
+        say(f"running at ZeRO-{profile.zero_stage}{ckpt}: the fastest configuration that fits (table above)")
+    elif profile.zero_stage != min(stages) and measured.store_use in (StoreUse.REUSED, StoreUse.PARTIAL):
+        say(f"running at ZeRO-{profile.zero_stage}: the configuration chosen when the stored profiles were measured")
+    elif profile.zero_stage != min(stages):
+        say(f"ZeRO-{min(stages)} does not fit batch 1 on every rank: running at ZeRO-{profile.zero_stage}, the "
+            "lowest stage that fits")
+    return chosen
+
+
+def _with_record(plan: Plan, measured: Measurement) -> Plan:
+    """The plan, saying how its configuration was chosen and how the store served the profile."""
+    recorded = measured.profile.auto_choice
+    if recorded:  # chosen now, or when the reused profile was measured: the plan says how
+        plan.choice = replace(plan.choice, candidates=recorded.candidates, choice_rule=recorded.rule,
+                              profiling_s=recorded.profiling_s)
+    if measured.store_use is not None:
+        plan.choice = replace(plan.choice, profile_store=measured.store_use.value)
+    return plan
+
+
+def auto_plan(comm: Communicator, model: nn.Module, optimizer: torch.optim.Optimizer, *, global_batch_size: int,
+              zero_stage: int | str | ZeroConfig, loss_fn: Callable | None, options: AutoOptions | None = None,
+              mixed_precision: Any = None, activation_checkpointing: Any = None) -> AutoResult:
+    """Load or measure the profile, choose the configuration, plan, and log the plan: the
+    engine's auto mode. ``zero_stage``: the stage to run at (binding: a stage where batch 1 does
+    not fit some rank is an error naming the lowest stage that would), or "auto" to choose among
+    ``options.stages`` (with the runtime settings profiling uses, as a ``ZeroConfig``);
+    ``activation_checkpointing`` likewise: a value is binding, None or "auto" lets auto mode
+    choose. ``mixed_precision`` is the run's precision (the engine's argument: None, "fp32",
+    "bf16", "fp16" or a ``MixedPrecision``); profiling runs under it. The result's plan carries
+    every rank's shard weight and optimizer placement."""
+    auto = _auto_job(comm, model, optimizer, global_batch_size, zero_stage, loss_fn, options or AutoOptions(),
+                     mixed_precision, activation_checkpointing)
     home = next(model.parameters()).device
     if home.type != "cpu":
         model.to("cpu")  # profiling gets the whole GPU (the copies it trains live there); moved back below
     try:
-        profile, device, job, use = _measure(comm, model, optimizer, loss_fn, sample_fn, zero, options, policy, say,
-                                        choice, home)
-        chosen = choice.chosen.checkpointing if choice.chosen is not None else activation_checkpointing
-        if chosen is None and profile.activation_checkpointing:
-            chosen = True  # a reused profile measured with checkpointing: train as it was measured
-        if choice.chosen is not None and len(choice.configs()) > 1:
-            ckpt = " with activation checkpointing" if choice.chosen.checkpointed else ""
-            say(f"running at ZeRO-{profile.zero_stage}{ckpt}: the fastest configuration that fits (table above)")
-        elif profile.zero_stage != min(stages) and use in (StoreUse.REUSED, StoreUse.PARTIAL):
-            say(f"running at ZeRO-{profile.zero_stage}: the configuration chosen when the stored profiles were measured")
-        elif profile.zero_stage != min(stages):
-            say(f"ZeRO-{min(stages)} does not fit batch 1 on every rank: running at ZeRO-{profile.zero_stage}, the "
-                "lowest stage that fits")
-        plan = _plan(comm, profile, global_batch_size, options, job, device, chosen, say)
+        measured = _load_or_measure(auto, home)
+        chosen = _chosen_checkpointing(auto, measured)
+        plan = _plan(auto, measured, chosen)
     except BaseException:
         if home.type != "cpu":
             # the failed profiling's frames still hold its device memory until this error is
@@ -378,12 +443,8 @@ def auto_plan(comm: Communicator, model: nn.Module, optimizer: torch.optim.Optim
         raise
     if home.type != "cpu":
         model.to(home)
-    say(f"plan ({plan.strategy}, ZeRO-{plan.zero_stage}, predicted "
-        f"{plan.predicted_samples_per_s or 0:.1f} samples/s):\n{plan.table()}")
-    recorded = profile.auto_choice
-    if recorded:  # chosen now, or when the reused profile was measured: the plan says how
-        plan.choice = replace(plan.choice, candidates=recorded.candidates, choice_rule=recorded.rule,
-                              profiling_s=recorded.profiling_s)
-    if use is not None:
-        plan.choice = replace(plan.choice, profile_store=use.value)
-    return AutoResult(plan, profile, device, chosen, choice.rows, use)
+    auto.say(f"plan ({plan.strategy}, ZeRO-{plan.zero_stage}, predicted "
+             f"{plan.predicted_samples_per_s or 0:.1f} samples/s):\n{plan.table()}")
+    rows = measured.search.rows if measured.search is not None else None
+    return AutoResult(_with_record(plan, measured), measured.profile, measured.device, chosen, rows,
+                      measured.store_use)

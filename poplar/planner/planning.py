@@ -163,15 +163,18 @@ def make_problem(profile: Profile | Mapping[str, Any] | str | os.PathLike, globa
                    plan_tie=max(PLAN_TIE, TIE_ERRORS * (prof.comm.exposure.error or 0.0)))
 
 
-def plan_problem(problem: Problem, strategy: str = "poplar") -> Plan:
+def plan_problem(problem: Problem, strategy: str = "poplar", shard_weights: Sequence[float] | None = None) -> Plan:
     """Run one strategy on a prepared problem and price the result with the cost model (the one
-    place a strategy name is checked: ``plan`` and ``simulate`` both come through here)."""
+    place a strategy name is checked: ``plan`` and ``simulate`` both come through here).
+    ``shard_weights``: each rank's weight in the plan's rows (None: even shards); the problem was
+    made from a profile reshaped to them."""
     if strategy not in STRATEGY_ROWS:
         raise PlanError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
     rows, info = STRATEGY_ROWS[strategy](problem)
     flat = problem.flatten(rows)
     ev = evaluate_rows(flat, problem.curves, problem.stage, problem.comm)
-    ranks = [RankPlan(b, gas, lbs, c, dtype) for (dtype, b, gas, lbs), c in zip(flat, ev.compute_s)]
+    weights = [1.0] * len(flat) if shard_weights is None else [float(w) for w in shard_weights]
+    ranks = [RankPlan(b, gas, lbs, c, dtype, w) for (dtype, b, gas, lbs), c, w in zip(flat, ev.compute_s, weights)]
     total = sum(r.num_samples for r in ranks)
     if total != problem.gbs:
         raise PlanError(f"strategy {strategy!r} produced {total} samples, not {problem.gbs}; this is a bug")
@@ -221,9 +224,7 @@ def plan(profile: Profile | Mapping[str, Any] | str | os.PathLike, global_batch_
             return None
         problem = make_problem(source, global_batch_size, zero_stage, require_all_ranks=require_all_ranks,
                                max_micro_steps=max_micro_steps)
-        out = plan_problem(problem, strategy)
-        for row, w in zip(out.ranks, weights):
-            row.shard_weight = float(w)
+        out = plan_problem(problem, strategy, weights)
         out.choice = replace(out.choice, plan_tie=problem.plan_tie)
         return out
 

@@ -2,7 +2,7 @@
 it runs (docs/design.md §4).
 
 Public names: ``profile`` (the API), ``ProfileOptions``, ``ProfileJob`` and ``ProfileRun`` (the
-run object and its phases), ``Device`` / ``CudaDevice`` (devices), ``ProfilePhase`` /
+profiling sequence: ``ProfileRun(job, device).measure()``), ``Device`` / ``CudaDevice`` (devices), ``ProfilePhase`` /
 ``ProfileObserver`` (what hears of a run's phases), ``search_mbs`` / ``trial_budget`` (the
 capacity search), ``timing_batches``.
 """

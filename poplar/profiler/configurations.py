@@ -1,13 +1,14 @@
 """Profiling several configurations (ZeRO stage x activation checkpointing) in one run, for auto
 mode's choice (docs/design.md §7.1).
 
-``CandidateProfiler`` runs the phases of one ``ProfileRun`` in the shape of ``profile_run``
-(docs/design.md §4.1): the capacity
-search of every configuration runs on each rank without any collective, and one agreement then
-hands every rank every configuration's mbs per rank; timing rounds (collective, lock-step) run
-only for the configurations the caller asks for, one at a time, each ending in a ``Profile``
-that is the same on every rank. The collectives' bandwidth is measured once and shared. The
-caller (auto mode) must make the same calls on every rank, deciding only from agreed data.
+``CandidateProfiler`` runs the phases of one ``RankPhases`` in the shape of a single
+configuration's profile (docs/design.md §4.1): the capacity search of every configuration runs
+on each rank without any collective, and one agreement then hands every rank every
+configuration's mbs per rank; timing rounds (collective, lock-step) run only for the
+configurations the caller asks for, one at a time, each ending in a ``Profile`` that is the same
+on every rank. The collectives' bandwidth is measured once and shared. The caller
+(``candidate_run.Candidates``, a step of ``ProfileRun``) must make the same calls on every rank,
+deciding only from agreed data.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from poplar.profiler.devices import Device
 from poplar.profiler.escalation import StageCapacity
 from poplar.profiler.exposure import ExposureRounds
 from poplar.profiler.phases import ProfilePhase
-from poplar.profiler.profile_run import ProfileJob, ProfileRun
-from poplar.profiler.shard_room import time_past_mbs
+from poplar.profiler.job import ProfileJob
+from poplar.profiler.rank_phases import RankPhases
 from poplar.profiler.timing import Confirmation, TimingGrid, timing_batches
 from poplar.types.configuration import Configuration
 from poplar.types.plans import Offload
@@ -87,6 +88,18 @@ class ConfigCapacity:
     def fits(self) -> bool:
         return all(m >= 1 for m in self.mbs)
 
+    def placed(self, job: ProfileJob) -> ProfileJob:
+        """``job`` at this configuration, with its searches' shard weights and placements."""
+        return job.at(self.config).placed(self.shard_weights, self.offloads)
+
+    def stage_capacity(self) -> StageCapacity:
+        """This configuration's capacity as the timing rounds take it (placements only where
+        some rank offloads)."""
+        assert self.result is not None
+        offloading = self.offloads is not None and Offload.OPTIMIZER in self.offloads
+        return StageCapacity(self.config.stage, self.result, list(self.mbs),
+                             offloads=self.offloads if offloading else None)
+
 
 def uncovered(grid: list[int], have: set[int], mbs: int) -> set[int]:
     """The batches of ``grid`` (sorted, up to ``mbs``) that no batch in ``have`` stands in for:
@@ -99,8 +112,9 @@ class CandidateProfiler:
     """Capacity of every configuration, then timing of chosen ones, on every rank together."""
 
     def __init__(self, job: ProfileJob, device: Device, *, log: Callable[[str], None] | None = None,
-                 process_group: Any = None) -> None:
-        self.run = ProfileRun(job, device, process_group=process_group, log=log)
+                 process_group: Any = None, phases: RankPhases | None = None) -> None:
+        """Over ``phases`` (a run set up already), else a new run of ``job`` on ``device``."""
+        self.run = phases or RankPhases(job, device, process_group=process_group, log=log)
         self.seconds = {"capacity_s": 0.0, "timing_s": 0.0, "comm_s": 0.0}
         self.rounds = 0  # lock-step timing rounds run
         self.trial_steps = 0  # this rank's capacity trial steps
@@ -119,7 +133,7 @@ class CandidateProfiler:
         references: dict[bool, CapacityResult] = {}  # per checkpointing setting: its first search
         for c in configs:
             # the search's own stage is c.stage
-            run.job = _placed(base.at(replace(c, stage=base.options.zero_stage)), shard_weights, places[len(mine)])
+            run.job = base.at(replace(c, stage=base.options.zero_stage)).placed(shard_weights, places[len(mine)])
             try:
                 result = run.search_capacity(c.stage, guided=True, reference=references.get(c.checkpointed))
                 if result.mbs >= 1:
@@ -166,10 +180,10 @@ class CandidateProfiler:
             per_rank = [sorted(uncovered(bs, h, m) | a) for bs, h, a, m in zip(per_rank, have, again, capacity.mbs)]
             per_rank = [bs or [1] for bs in per_rank]  # a rank with every point still runs each round: its cheapest
         run, base = self.run, self.run.job
-        run.job = _placed(base.at(capacity.config), capacity.shard_weights, capacity.offloads)
+        run.job = capacity.placed(base)
         try:
             t0 = time.perf_counter()
-            fit = _stage_capacity(capacity)
+            fit = capacity.stage_capacity()
             # with CURVE a first round still slow enough to matter breaks the curve's shape and
             # is measured again, so only a first REPEAT timing has a warm-up round
             warmup = self.rounds == 0 and confirm is Confirmation.REPEAT
@@ -190,32 +204,6 @@ class CandidateProfiler:
         finally:
             run.job = base
 
-    def time_past_mbs(self, capacity: ConfigCapacity, profile: Profile) -> Profile:
-        """``profile`` (this configuration's timing) with each rank timed past its mbs at shard
-        weights that give it the room (``shard_room.time_past_mbs``), every rank together."""
-        run, base = self.run, self.run.job
-        run.job = _placed(base.at(capacity.config), capacity.shard_weights, capacity.offloads)
-        t0 = time.perf_counter()
-        try:
-            return time_past_mbs(run, _stage_capacity(capacity), profile)
-        finally:
-            run.job = base
-            self.seconds["timing_s"] += time.perf_counter() - t0
-
     @property
     def total_seconds(self) -> float:
         return sum(self.seconds.values())
-
-
-def _stage_capacity(capacity: ConfigCapacity) -> StageCapacity:
-    """A fitting configuration's capacity as the timing rounds take it (placements only where
-    some rank offloads)."""
-    offloading = capacity.offloads is not None and Offload.OPTIMIZER in capacity.offloads
-    return StageCapacity(capacity.config.stage, capacity.result, list(capacity.mbs),
-                         offloads=capacity.offloads if offloading else None)
-
-
-def _placed(job: ProfileJob, shard_weights: tuple[float, ...] | None,
-            offloads: tuple[Offload, ...] | None) -> ProfileJob:
-    """``job`` with its searches and rounds at these shard weights and optimizer placements."""
-    return replace(job, options=replace(job.options, shard_weights=shard_weights, offloads=offloads))

@@ -6,7 +6,7 @@ communication a step leaves exposed. The ``TIMING`` phase is entered around all 
 observer records memory overflows instead of raising inside a collective; every rank learns of
 any after the rounds.
 
-``time_rounds`` takes the profiling run (``profile_run.ProfileRun``) as a ``TimedRun``: the
+``time_rounds`` takes the profiling run (``rank_phases.RankPhases``) as a ``TimedRun``: the
 attributes it reads, and nothing more.
 """
 

@@ -1,7 +1,7 @@
 """The phases of a profiling run, and the observers that hear of them.
 
-A profiling run (``profile_run.ProfileRun``) goes through three kinds of work, each with its own
-rule about failure and time:
+A profiling run (``profile_run.ProfileRun``, its phases on a ``rank_phases.RankPhases``) goes
+through three kinds of work, each with its own rule about failure and time:
 
 - ``CAPACITY``: capacity-search trial steps, one rank alone on a ``LocalCommunicator`` runtime.
   Running out of memory is expected there and recovered from; the steps are not timed.

@@ -1,399 +1,238 @@
-"""The profiler's run, on every rank: capacity search, stage escalation, lock-step timing, and the
-collectives' bandwidth; the result is one ``Profile``, the same on every rank.
+"""The profiling run: the one owner of the sequence from a job to its ``Profile``
+(docs/design.md §4).
 
-``ProfileRun`` is the run object: what it trains (a ``ProfileJob``), this rank's device, its
-communicator, its logs and the clock of its phases. Its methods are the phases, which
-``profile_rank`` runs in order for one configuration and auto mode's ``CandidateProfiler`` runs
-for several (docs/design.md §4, "deadlock trap"):
+``ProfileRun(job, device, ...).measure(target)`` is the entry point; every rank of the process
+group calls it together, with the same job and its own device, and gets the same profile. Its
+steps, in order, each called from one place:
 
-1. Set-up (``ProfileRun(...)``): the profiling observers among the devices prepare for the job
-   (``phases``), then the model's size, what offloading the optimizer would cost this rank
-   (``offload_cost``), and that every rank's device computes in the options'
-   precision (``mixed_precision``: bf16 on a V100 / T4 is one clear error everywhere), agreed on
-   by every rank.
-2. Capacity search and stage escalation (``escalation.find_fitting_stage``): per rank, with no
-   collective at all (a ``ZeroRuntime`` over a LocalCommunicator has the real runtime's memory at
-   world size N), then one agreement outside any training step, after which every rank takes
-   the same decision: escalate to the next ZeRO stage (past ZeRO-3, where the options allow it,
-   to the short ranks' optimizers offloaded: ``ProfileOptions.offload_escalation``), fail with
-   the same error everywhere, or go on.
-3. Timing in lock-step rounds at sizes known to fit (``ProfileRun.time``), with the real runtime
-   and its instrumented collectives, in the ``TIMING`` phase (an observer records memory
-   overflows there instead of raising mid-collective); the records are agreed on afterwards.
-4. Collective bandwidth (``ProfileRun.measure_comm``), then the profile is assembled from every
-   rank's part (``ProfileRun.assemble``).
+1. Store reuse (``_look_up``, with a ``StoreRequest``): where the profile store holds every
+   device type of the job, the profile is assembled from it and nothing is measured; where it
+   holds some, the target becomes the new types (``store_reuse.NewTypes``), with everything as
+   the fallback when a new type does not fit batch 1 at the stored configuration.
+2. Set-up (``RankPhases``): the observers among the devices prepare for the job, the model's
+   size and offload cost, the precision agreed on by every rank.
+3. Capacity (``target.capacity``): per rank, with no collective, then one agreement; stage
+   escalation and offload escalation for one configuration (``OneConfiguration``:
+   ``escalation.find_fitting_stage``), shard weights by room and offload escalation for several
+   (``candidate_run.Candidates``).
+4. Timing (``target.timing``): lock-step rounds at sizes known to fit, the collectives'
+   bandwidth and the assembly of every rank's part; for several configurations, the timings
+   the choice asks for (auto mode's ``ConfigurationSearch``), until it has chosen.
+5. Timing past mbs (``_past_mbs``, ``shard_room``): each rank timed past its mbs at shard
+   weights that give it the room, where the options ask for it.
+6. The target's record (``target.finish``), and the store's write-back (``_keep``).
 
-Every runtime built here runs under the options' precision policy, so memory (the mbs) and speed
-are those of training at that precision; the profile records it (``Profile.precision``).
+The steps run their phases on a ``RankPhases`` (``rank_phases``): the set-up and the capacity
+search, timing rounds, collectives and assembly of one rank (docs/design.md §4, "deadlock
+trap": every collective step is taken by every rank, decided from agreed data only).
 """
 
 from __future__ import annotations
 
-import contextlib
-import sys
 import time
-from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
 
-import torch
 from torch import nn
 
 from poplar.comm import Communicator
-from poplar.profiler.assemble import assemble_profile
-from poplar.profiler.capacity import DEFAULT_MAX_BATCH, CapacityResult, CapacitySearch, NoRoomToBuild, oom_message
 from poplar.profiler.devices import Device
-from poplar.profiler.escalation import OffloadEscalation, Placements, StageCapacity, find_fitting_stage, format_bytes
-from poplar.profiler.exposure import EXPOSURE_PRECISION, ExposureRounds
-from poplar.profiler.local_comm import local_engine
-from poplar.profiler.offload_cost import measure_offload_cost
-from poplar.profiler.lock_step import LockStepTiming, time_rounds, young_garbage_only
-from poplar.profiler.phases import ProfileObserver, ProfilePhase, in_phase, observers_of
-from poplar.profiler.precision import agree_precision_support, precision_meta
-from poplar.profiler.progress import PhaseProgress
+from poplar.profiler.escalation import Placements, StageCapacity, find_fitting_stage
+from poplar.profiler.job import ProfileJob, ProfileOptions, ProfilingPolicy, default_optimizer, model_size
+from poplar.profiler.phases import ProfilePhase, observers_of
+from poplar.profiler.rank_phases import RankPhases, Timed, Trial, confirm_plan_memory, search_capacity, trial_fits
 from poplar.profiler.shard_room import time_past_mbs
-from poplar.profiler.timing import Confirmation, measure_comm
-from poplar.types.configuration import Configuration
-from poplar.types.plans import Offload
-from poplar.types.precision import MixedPrecision, resolve_precision
-from poplar.types.profiles import CommProfile, Emulated, OffloadCost, Profile, ProfileError
-from poplar.zero.config import ZeroConfig
-from poplar.zero.failures import is_oom
-from poplar.zero.nonfinite import SkipReport
-from poplar.zero.runtime import ZeroRuntime
+from poplar.profiler.store_reuse import NewTypes, StoreLookup, StoreRequest, StoreUse, look_up
+from poplar.profiler.capacity import CapacityResult
+from poplar.types.profiles import Profile
+
+__all__ = ["Measured", "OneConfiguration", "ProfileJob", "ProfileOptions", "ProfileRun", "ProfilingPolicy",
+           "RankPhases", "StoreRequest", "Target", "Trial", "confirm_plan_memory", "default_optimizer", "model_size",
+           "profile_rank", "search_capacity", "trial_fits"]
 
 
-def default_optimizer(model: nn.Module) -> torch.optim.Optimizer:
-    """fp32 AdamW: 8 bytes of state per parameter, the K of docs/design.md §3."""
-    return torch.optim.AdamW(model.parameters(), lr=1e-4)
+class Target(Protocol):
+    """What a run measures: one configuration, several to choose among, or a store's new types."""
 
+    def job_for(self, job: ProfileJob) -> ProfileJob:
+        """The job the run is set up with."""
 
-@dataclass
-class ProfileOptions:
-    zero_stage: int = 0
-    escalate: bool = True  # move to the next ZeRO stage when batch 1 does not fit on some rank
-    max_batch: int = DEFAULT_MAX_BATCH  # the search stops here even if more would fit
-    repeats: int = 3  # measurements per timed batch size (the smallest is kept)
-    max_extra_passes: int = 3  # re-measure points whose minimum no second measurement confirms
-    tolerance: float = 0.02  # ... within this relative difference
-    bucket_size_mb: float = 25.0
-    wrap_policy: Any = None
-    measure_comm: bool = True
-    model_name: str = ""
-    progress: bool = True  # a progress bar of the timing rounds on rank 0 (on a terminal)
-    emulated: Emulated | None = None  # the emulator's scales and calibration (``Provenance.emulated``)
-    # the precision policy training will run (None: fp32); "bf16" / "fp16" are resolved to one
-    mixed_precision: MixedPrecision | str | None = None
-    # the runtime's activation_checkpointing (None / False off, True, or a module policy)
-    activation_checkpointing: Any = None
-    # steady rounds go on until the exposure is known to this fraction of a round (0: the least)
-    exposure_precision: float = EXPOSURE_PRECISION
-    # each rank's shard weight in the capacity searches and timing rounds (None: even shards)
-    shard_weights: tuple[float, ...] | None = None
-    # where each rank's optimizer lives in the capacity searches and timing rounds (None: on every device)
-    offloads: tuple[Offload, ...] | None = None
-    # whether ranks that fit batch 1 at no stage may search ZeRO-3 again with their optimizer offloaded
-    offload_escalation: OffloadEscalation = OffloadEscalation.NEVER
-    # time each rank past its mbs at shard weights that give it the room (``shard_room``), for
-    # planning shard weights; off: the curve past mbs is extended at constant speed
-    time_past_mbs: bool = True
+    def prepare(self, run: ProfileRun, job: ProfileJob) -> None:
+        """Before the set-up, every rank together."""
 
-    def __post_init__(self) -> None:
-        self.mixed_precision = resolve_precision(self.mixed_precision)
-        try:
-            self.offload_escalation = OffloadEscalation(self.offload_escalation)
-            self.offloads = None if self.offloads is None else tuple(Offload(o) for o in self.offloads)
-        except (TypeError, ValueError):
-            raise ValueError(f"offloads must be one Offload per rank (\"none\" / \"optimizer\") and offload_escalation "
-                             f"one of {[e.value for e in OffloadEscalation]}, got {self.offloads!r} and "
-                             f"{self.offload_escalation!r}") from None
-        if not self.exposure_precision >= 0:
-            raise ValueError(f"exposure_precision must be >= 0 (a fraction of a round's time; 0: the fewest "
-                             f"steady rounds), got {self.exposure_precision}")
+    def capacity(self, phases: RankPhases) -> Any:
+        """The capacity step (None: the target cannot be measured; the run falls back)."""
 
-    def zero_config(self, stage: int, process_group: Any = None) -> ZeroConfig:
-        """The runtime settings the profiled runtimes use at ``stage``: a trial step skipped for an
-        fp16 overflow is counted (``overflowing_trials`` in the profile's notes), not logged as a
-        skipped optimizer step (the loss scaler backs off as in training)."""
-        return ZeroConfig(stage, self.bucket_size_mb, self.wrap_policy, process_group, skip_report=SkipReport.COUNT)
+    def timing(self, phases: RankPhases, capacity: Any) -> Timed:
+        """The timing step, with the collectives' bandwidth and the assembly."""
 
-
-def _log_to_stderr(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
-def model_size(model: nn.Module) -> tuple[int, int]:
-    """(parameter count, bytes of one copy of the parameters), tied weights once."""
-    params = list(model.parameters())  # unique objects
-    return sum(p.numel() for p in params), sum(p.numel() * p.element_size() for p in params)
-
-
-@dataclass
-class ProfileJob:
-    """What a profiling run trains: the model (``model_fn()`` builds a fresh copy, the same on
-    every call), its loss, batches of any size (``sample_fn(b)``), an optimizer for a model
-    (``optimizer_fn(model)``: its state is part of memory), and the options.
-
-    ``heaviest``: the heaviest configuration the run may time beyond the options' own (auto
-    mode's candidates), for an observer whose set-up must cover it (an emulated device's scales)."""
-
-    model_fn: Callable[[], nn.Module]
-    loss_fn: Callable
-    sample_fn: Callable[[int], Any]
-    optimizer_fn: Callable[[nn.Module], torch.optim.Optimizer] = field(default=None)  # type: ignore[assignment]
-    options: ProfileOptions = field(default_factory=ProfileOptions)
-    heaviest: Configuration | None = None
-
-    def __post_init__(self) -> None:
-        if self.optimizer_fn is None:
-            self.optimizer_fn = default_optimizer
-
-    def at(self, configuration: Configuration) -> "ProfileJob":
-        """The same job profiled at ``configuration``."""
-        return replace(self, options=replace(self.options, zero_stage=configuration.stage,
-                                             activation_checkpointing=configuration.checkpointing))
+    def finish(self, phases: RankPhases, profile: Profile, past_mbs_s: float) -> Profile:
+        """The target's record in the profile, after its timing past mbs."""
 
 
 @dataclass(frozen=True)
-class Trial:
-    """One step of ``batch`` samples with these shard weights and optimizer placements (None:
-    on the device), instead of a capacity search."""
+class OneConfiguration:
+    """The options' configuration, escalated to the next stage (or, at ZeRO-3 where the options
+    allow it, to the short ranks' optimizers offloaded) while batch 1 does not fit some rank.
+    ``announce``: a line the run logs before its set-up."""
 
-    batch: int
-    shard_weights: tuple[float, ...] | None = None
-    offloads: tuple[Offload, ...] | None = None
+    announce: str = ""
+
+    def job_for(self, job: ProfileJob) -> ProfileJob:
+        return job
+
+    def prepare(self, run: ProfileRun, job: ProfileJob) -> None:
+        if self.announce and run.log is not None:
+            run.log(self.announce)
+
+    def capacity(self, phases: RankPhases) -> StageCapacity:
+        """Stage escalation and offload escalation (``escalation.find_fitting_stage``)."""
+        options, base = phases.options, phases.job
+        phases.progress.expect(ProfilePhase.COMM, int(options.measure_comm))
+        phases.progress.expect(ProfilePhase.CAPACITY, 1)  # one stage; each escalation adds one
+
+        def search(stage: int, offloads: Placements) -> CapacityResult:
+            phases.job = base.placed(options.shard_weights, offloads)
+            try:
+                return phases.search_capacity(stage)
+            finally:
+                phases.job = base
+
+        fit = find_fitting_stage(search, phases.comm, phases.device, stage=options.zero_stage,
+                                 escalate=options.escalate, model_size=(phases.param_count, phases.param_bytes),
+                                 lead=phases.lead, mine=phases.mine, offloads=options.offloads,
+                                 offload_escalation=options.offload_escalation)
+        phases.progress.close(ProfilePhase.CAPACITY)
+        phases.end_phase("capacity_s")
+        phases.lead(f"ZeRO-{fit.stage}: mbs per rank {fit.mbs}")
+        return fit
+
+    def timing(self, phases: RankPhases, fit: StageCapacity) -> Timed:
+        """Every rank's timing batches, then the collectives' bandwidth."""
+        timing = phases.time(fit)
+        phases.end_phase("timing_s")
+        comm_profile = phases.measure_comm()
+        phases.end_phase("comm_s")
+        return Timed(phases.job, fit, phases.assemble(fit, timing, comm_profile))
+
+    def finish(self, phases: RankPhases, profile: Profile, past_mbs_s: float) -> Profile:
+        phases.lead(f"done in {profile.measurement.seconds:.1f} s (in the ranks, from their set-up)")
+        return profile
 
 
-def confirm_plan_memory(job: ProfileJob, device: Device, comm: Any, plan: Any) -> list[int]:
-    """The ranks on which one step of their row's largest micro-batch, at ``plan``'s stage, shard
-    weights and optimizer placements, does not fit (every rank together; [] when it fits everywhere): the trial that
-    confirms the planner's memory model at the point it chose."""
-    row = plan.ranks[comm.rank]
-    batch = max(row.micro_batch_size if row.accum_steps else 0, row.last_batch_size)
-    fits = trial_fits(job, device, comm, plan.zero_stage, Trial(batch, plan.shard_weights, plan.offloads))
-    return [r for r, ok in enumerate(fits) if not ok]
+@dataclass(frozen=True)
+class Measured:
+    """A run's profile (this rank's copy) and how the store served it (None: no store)."""
 
-
-def trial_fits(job: ProfileJob, device: Device, comm: Any, stage: int, trial: Trial,
-               observers: list[ProfileObserver] | None = None) -> list[bool]:
-    """Per rank, whether one local step of its ``trial`` (its own batch, at the trial's shard
-    weights and optimizer placements) fits at ``stage``, every rank together."""
-    result = search_capacity(job, device, world_size=comm.world_size, rank=comm.rank, stage=stage, trial=trial,
-                             observers=observers)
-    return comm.all_gather_object(result.mbs == trial.batch, tag="profile:trial")
-
-
-def search_capacity(job: ProfileJob, device: Device, *, world_size: int, rank: int, stage: int,
-                    guided: bool = False, reference: CapacityResult | None = None,
-                    log: Callable[[str], None] | None = None, trial: Trial | None = None,
-                    observers: list[ProfileObserver] | None = None) -> CapacityResult:
-    """This rank's capacity search at ``stage``, without collectives (the ``CAPACITY`` phase:
-    trial steps are not timed). ``guided``: the model-guided search (``CapacitySearch.run_guided``,
-    from ``reference`` if given), else Algorithm 1. ``trial``: instead of a search, one step of
-    its batch at its shard weights (``mbs`` = the batch if it fitted, else 0)."""
-    options = job.options
-    weights = trial.shard_weights if trial is not None else options.shard_weights
-    offloads = trial.offloads if trial is not None else options.offloads
-    attached = contextlib.ExitStack()
-    current: list[ZeroRuntime] = []  # the runtime of the trials now, whose skipped steps are counted
-    overflows = 0
-
-    def build() -> ZeroRuntime:
-        nonlocal overflows
-        overflows += sum(r.skipped_steps for r in current)
-        current.clear()
-        attached.close()  # detach from the previous runtime, if any
-        device.release()
-        try:
-            model = job.model_fn().to(device.torch_device)
-            runtime = local_engine(model, job.optimizer_fn(model), world_size=world_size, rank=rank,
-                                   zero_stage=options.zero_config(stage), device=device.torch_device,
-                                   mixed_precision=options.mixed_precision,
-                                   activation_checkpointing=options.activation_checkpointing, shard_weights=weights,
-                                   offloads=offloads)
-        except Exception as e:  # noqa: BLE001 - only an OOM is an answer; anything else is re-raised
-            if not is_oom(e):
-                raise
-            raise NoRoomToBuild(oom_message(e)) from None
-        attached.enter_context(device.attach(runtime))
-        current.append(runtime)
-        return runtime
-
-    observers = observers_of(device) if observers is None else observers
-    with in_phase(observers, ProfilePhase.CAPACITY, None), young_garbage_only():
-        search: CapacitySearch | None = None
-        try:
-            search = CapacitySearch(build(), device, job.sample_fn, job.loss_fn, stage, options.max_batch,
-                                    log or (lambda m: None), rebuild=build)
-            if trial is not None:
-                result = search.result
-                result.mbs = trial.batch if trial.batch == 0 or search.steady_fits(trial.batch) else 0
-            else:
-                result = search.run_guided(reference) if guided else search.run()
-            state_bytes = device.static_bytes()
-            if state_bytes is not None:
-                result.state_bytes = state_bytes
-            result.overflowing_trials = overflows + sum(r.skipped_steps for r in current)
-            return result
-        except NoRoomToBuild as e:
-            # [Note: no room to build] The model goes to the device whole and is then cut into
-            # shards, so a card can run out before any step, or when the runtime is built again
-            # after a failed trial (beside what the trials left for good: cuBLAS's workspaces):
-            # then no batch fits at these weights, as when batch 1 does not, and other weights
-            # may still fit
-            result = search.result if search is not None else CapacityResult(stage, device.capacity_bytes, 0, 0)
-            result.mbs, result.capped = 0, False
-            result.reason = f"out of memory while the model was placed and sharded ({e})"
-            return result
-        finally:
-            current.clear()
-            # drop the runtime before collecting: held here, it would outlive the release below as
-            # reference cycles that keep its GPU memory until some later collection
-            search = None
-            attached.close()
-            device.release()
+    profile: Profile
+    store_use: StoreUse | None = None
 
 
 class ProfileRun:
-    """One rank's profiling run (every rank of the process group builds it together, with the
-    same job and its own device): set-up at construction, then its phases as methods."""
+    """One profiling run, every rank together (the module doc): ``measure(target)``."""
 
     def __init__(self, job: ProfileJob, device: Device, *, process_group: Any = None,
-                 log: Callable[[str], None] | None = None) -> None:
-        self.job, self.device = job, device
-        self.log = log or _log_to_stderr
-        self.process_group = process_group
+                 log: Callable[[str], None] | None = None, store: StoreRequest | None = None) -> None:
+        self.job, self.device, self.process_group, self.store = job, device, process_group, store
+        self.log = log
         self.comm = Communicator(process_group, device.torch_device)
-        # a bar per phase on rank 0 (poplar.profiler.progress), heard as the device's observers are
-        self.progress = PhaseProgress(job.options.progress and self.comm.rank == 0,
-                                      lambda m: self.log(f"[poplar profile] {m}"))
-        self.observers: list[ProfileObserver] = observers_of(device) + [self.progress]
-        self.param_count = self.param_bytes = 0
-        self.offload_cost: OffloadCost | None = None
-        self.started = time.perf_counter()
-        self.phase_seconds: dict[str, float] = {}
-        self._set_up()
 
-    def _set_up(self) -> None:
-        """Observers prepare for the job; every rank agrees that ``model_fn`` works and that its
-        device computes in the options' precision."""
-        options, comm = self.options, self.comm
-        if options.zero_stage not in (0, 1, 2, 3):
-            raise ProfileError(f"zero_stage must be 0, 1, 2 or 3, got {options.zero_stage!r}")
-        if options.offloads is not None and len(options.offloads) != comm.world_size:
-            raise ProfileError(f"{len(options.offloads)} offload placements for {comm.world_size} ranks; give one per rank")
-        if options.offloads is not None and Offload.OPTIMIZER in options.offloads and options.zero_stage == 0:
-            raise ProfileError("ZeRO-0 replicates the optimizer state and has no shard to offload; profile at "
-                               "ZeRO-1, 2 or 3, or without offloads")
-        for observer in self.observers:
-            observer.prepare_profiling(comm, self.job, None)
-        error, model = None, None
-        try:
-            model = self.job.model_fn()
-            self.param_count, self.param_bytes = model_size(model)
-        except Exception as e:  # noqa: BLE001 - every rank must reach the agreement
-            error = f"model_fn() failed: {type(e).__name__}: {e}"
-        try:  # what offloading would cost this rank; an optimizer it cannot twin leaves it unknown
-            self.offload_cost = None if model is None else measure_offload_cost(
-                self.device, self.job.optimizer_fn(model), options.mixed_precision is not None)
-        except Exception:  # noqa: BLE001 - the planner then offers no offload
-            self.offload_cost = None
-        comm.agree(error, "profile set-up", error_type=ProfileError)
-        policy = agree_precision_support(comm, self.device, options.mixed_precision, "profile precision")
-        self.lead(f"{comm.world_size} ranks, model {options.model_name or 'model'} with {self.param_count:,} "
-                  f"parameters ({format_bytes(self.param_bytes)}), ZeRO-{options.zero_stage}, "
-                  f"{precision_meta(policy)['precision']}")
+    def measure(self, target: Target | None = None) -> Measured:
+        """The profile of ``target`` (default: the options' configuration), from the store where
+        it holds every device type, else measured (the new types first where it holds some)."""
+        target = target or OneConfiguration()
+        lookup = self._look_up()
+        if lookup is not None and lookup.configuration is not None and not lookup.new_types:
+            return Measured(self._reuse_all(lookup), StoreUse.REUSED)
+        attempts: list[Target] = [target]
+        if lookup is not None and lookup.configuration is not None and self.store is not None:
+            attempts.insert(0, NewTypes(lookup, lookup.stored_configuration(self.store.checkpointing)))
+        profile = None
+        for attempt in attempts:  # the new types, where the store has some; else (or then) everything
+            profile = self._measure(attempt)
+            if profile is not None:
+                break
+        assert profile is not None
+        use = None if self.store is None else StoreUse.PARTIAL if attempt is not target else StoreUse.MEASURED
+        self._keep(profile)
+        return Measured(profile, use)
 
-    @property
-    def options(self) -> ProfileOptions:
-        return self.job.options
-
-    # ---- logs and the clock ----
-    def lead(self, message: str) -> None:
-        """A line about the whole cluster (rank 0 says it)."""
-        if self.comm.rank == 0:
-            self.log(f"[poplar profile] {message}")
-
-    def mine(self, message: str) -> None:
-        """A line about this rank."""
-        self.log(f"[poplar profile] rank {self.comm.rank} ({self.device.name}): {message}")
-
-    def end_phase(self, name: str) -> None:
-        """Close the phase that ran since the previous one ended: its seconds go under ``name``."""
-        self.phase_seconds[name] = time.perf_counter() - self.started - sum(self.phase_seconds.values())
-
-    # ---- the phases ----
-    def search_capacity(self, stage: int, guided: bool = False,
-                        reference: CapacityResult | None = None) -> CapacityResult:
-        """This rank's capacity search at ``stage`` (no collectives); see ``search_capacity``."""
-        return search_capacity(self.job, self.device, world_size=self.comm.world_size, rank=self.comm.rank,
-                               stage=stage, guided=guided, reference=reference, observers=self.observers)
-
-    def find_fitting_stage(self) -> StageCapacity:
-        """The options' stage, or the next ones while batch 1 does not fit on some rank (then, if the
-        options allow it, ZeRO-3 with the short ranks' optimizers offloaded)."""
-        options, base = self.options, self.job
-
-        def search(stage: int, offloads: Placements) -> CapacityResult:
-            self.job = replace(base, options=replace(options, offloads=offloads))
-            try:
-                return self.search_capacity(stage)
-            finally:
-                self.job = base
-
-        return find_fitting_stage(search, self.comm, self.device, stage=options.zero_stage,
-                                  escalate=options.escalate, model_size=(self.param_count, self.param_bytes),
-                                  lead=self.lead, mine=self.mine, offloads=options.offloads,
-                                  offload_escalation=options.offload_escalation)
-
-    def time(self, fit: StageCapacity, per_rank: list[list[int]] | None = None, warmup: bool = True,
-             confirm: Confirmation = Confirmation.REPEAT,
-             exposure: ExposureRounds = ExposureRounds.STEADY) -> LockStepTiming:
-        """Lock-step timing rounds at every rank's timing batches (``per_rank``: these instead),
-        with the real runtime and its collectives; a memory overflow in any round fails the run
-        on every rank. ``warmup``: an unmeasured first round; ``confirm``: when a measurement is
-        trusted (``run_rounds``); ``exposure``: which rounds measure the exposed communication.
-        The garbage collections in it, the device's ``release`` at the end among them, skip what
-        existed before it."""
-        return time_rounds(self, fit, per_rank, warmup, confirm, exposure)
-
-    def trial_fits(self, stage: int, batch: int, shard_weights: tuple[float, ...],
-                   offloads: Placements) -> list[bool]:
-        """Per rank, whether one local step of its ``batch`` fits at these shard weights and
-        optimizer placements (every rank together, its own batch)."""
-        return trial_fits(self.job, self.device, self.comm, stage, Trial(batch, shard_weights, offloads),
-                          self.observers)
-
-    def measure_comm(self) -> CommProfile | None:
-        """The collectives' bandwidth fit (the ``COMM`` phase), if the options ask for it."""
-        if not self.options.measure_comm:
+    def _measure(self, target: Target) -> Profile | None:
+        """Set-up, capacity, timing, timing past mbs and the target's record."""
+        job = target.job_for(self.job)
+        target.prepare(self, job)
+        phases = RankPhases(job, self.device, process_group=self.process_group, log=self.log)
+        capacity = target.capacity(phases)
+        if capacity is None:
             return None
-        with in_phase(self.observers, ProfilePhase.COMM, self.comm):
-            return measure_comm(self.comm)
+        timed = target.timing(phases, capacity)
+        started = time.perf_counter()
+        profile = self._past_mbs(phases, timed) if job.options.time_past_mbs else timed.profile
+        return target.finish(phases, profile, time.perf_counter() - started)
 
-    def assemble(self, fit: StageCapacity, timing: LockStepTiming, comm_profile: CommProfile | None) -> Profile:
-        """Every rank's part, gathered: the same ``Profile`` on every rank."""
-        return assemble_profile(self, fit, timing, comm_profile)
+    def _past_mbs(self, phases: RankPhases, timed: Timed) -> Profile:
+        """``timed``'s profile with every rank timed past its mbs (``shard_room.time_past_mbs``)."""
+        base = phases.job
+        phases.job = timed.job
+        try:
+            return time_past_mbs(phases, timed.fit, timed.profile)
+        finally:
+            phases.job = base
+
+    def _look_up(self) -> StoreLookup | None:
+        """The store's entries for this job (None: no store), and what the run does with them."""
+        if self.store is None:
+            return None
+        say = self.log or (lambda m: None)
+        lookup = look_up(self.comm, self.store.store, self.store.key, self.device)
+        for warning in lookup.warnings:
+            say(warning)
+        directory = self.store.store.directory
+        if not lookup.entries:
+            say(f"profile store {directory}: nothing stored for this model and settings; profiling")
+        elif lookup.configuration is None:
+            say("profile store: the stored device types were chosen at different configurations; profiling again")
+        elif not lookup.new_types:
+            stage, checkpointed = lookup.configuration
+            say(f"profile store {directory}: reusing the profiles of {', '.join(sorted(lookup.entries))} "
+                f"(ZeRO-{stage}{' +ckpt' if checkpointed else ''}); nothing to profile")
+        else:
+            say(f"profile store {directory}: reusing the profiles of {', '.join(sorted(lookup.entries))}; "
+                f"profiling only {', '.join(lookup.new_types)} at "
+                f"{lookup.stored_configuration(self.store.checkpointing).name} (the stored configuration)")
+        return lookup
+
+    def _reuse_all(self, lookup: StoreLookup) -> Profile:
+        """The job's profile from the store alone; devices that observe profiling prepare for it."""
+        profile = lookup.assembled()
+        for observer in observers_of(self.device):
+            observer.prepare_profiling(self.comm, self.job, profile)
+        return profile
+
+    def _keep(self, profile: Profile) -> None:
+        """Rank 0 writes what was measured back to the store, one entry per device type."""
+        if self.store is None or self.comm.rank != 0:
+            return
+        say = self.log or (lambda m: None)
+        uneven = profile.shard_weights is not None and len(set(profile.shard_weights)) > 1
+        if uneven or profile.offloads is not None:  # this mix's own mbs
+            say("profile store: not kept: it was measured at uneven shard weights or with ranks offloaded, which "
+                "hold for this mix of ranks only")
+            return
+        new = set(profile.store.profiled if profile.store is not None else profile.device_types())
+        store = self.store.store
+        kept = store.save(profile, self.store.key, profile.activation_checkpointing, only=new)
+        for warning in store.take_warnings():  # a store that cannot be written is a cache miss, not a failure
+            say(warning)
+        if kept:
+            say(f"profile store: kept {', '.join(sorted(p.stem for p in kept))} in {store.directory}")
 
 
 def profile_rank(model_fn: Callable[[], nn.Module], loss_fn: Callable, sample_fn: Callable[[int], Any],
                  device: Device, *, optimizer_fn: Callable | None = None, options: ProfileOptions | None = None,
                  log: Callable[[str], None] | None = None, process_group: Any = None) -> Profile:
-    """Profile this rank; every rank of the process group must call it with the same arguments
-    (but its own ``device``). Returns the whole cluster's profile, the same on every rank."""
+    """Profile this rank at the options' configuration; every rank of the process group must call
+    it with the same arguments (but its own ``device``). Returns the whole cluster's profile, the
+    same on every rank."""
     job = ProfileJob(model_fn, loss_fn, sample_fn, optimizer_fn or default_optimizer, options or ProfileOptions())
-    run = ProfileRun(job, device, process_group=process_group, log=log)
-    run.progress.expect(ProfilePhase.COMM, int(job.options.measure_comm))
-    run.progress.expect(ProfilePhase.CAPACITY, 1)  # one stage; each escalation adds one
-    fit = run.find_fitting_stage()
-    run.progress.close(ProfilePhase.CAPACITY)
-    run.end_phase("capacity_s")
-    run.lead(f"ZeRO-{fit.stage}: mbs per rank {fit.mbs}")
-    timing = run.time(fit)
-    run.end_phase("timing_s")
-    comm_profile = run.measure_comm()
-    run.end_phase("comm_s")
-    profile = run.assemble(fit, timing, comm_profile)
-    if job.options.time_past_mbs:
-        profile = time_past_mbs(run, fit, profile)
-    run.lead(f"done in {profile.measurement.seconds:.1f} s (in the ranks, from their set-up)")
-    return profile
+    return ProfileRun(job, device, process_group=process_group, log=log).measure().profile

@@ -53,7 +53,7 @@ def offload_fit_rank(rank: int, world: int, offload: str, stage: int | str = "au
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("stage,choose", [("auto", "fastest"), (3, "first_fit")])
 def test_a_model_that_fits_only_with_offload_trains(stage: int | str, choose: str) -> None:
-    # "fastest": the configuration choice searches again (auto.choice.fit_by_offload); "first_fit"
+    # "fastest": the configuration choice searches again (profiler.candidate_run: offload escalation); "first_fit"
     # at a given stage: the profiler's own escalation (profiler.escalation)
     r0, r1 = spawn(offload_fit_rank, 2, ("auto", stage, choose), timeout_s=300, collective_timeout_s=120)
     assert r0["plan"] == r1["plan"] and r0["stage"] == 3

@@ -147,7 +147,9 @@ def run(cfg: TrainConfig, failures: "FailureReporting | None" = None, plan_only:
     stop once the plan is made (``poplar profile --config``: the profile store is then filled)."""
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a worker whose launcher is gone stops by itself
         from poplar.comm.launcher_watch import LauncherWatch
+        from poplar.comm.sigterm_watch import SigtermWatch
         LauncherWatch(cfg.collective_timeout_s).start()
+        SigtermWatch("poplar train").start()  # blocked in a collective, it still answers SIGTERM
     device = init_distributed(cfg.collective_timeout_s)
     if failures is not None:
         failures.join()

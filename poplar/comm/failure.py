@@ -89,6 +89,14 @@ class FailureBoard:
                 return dead, [r for r in missing if r not in dead]
             time.sleep(0.05)
 
+    def beat(self) -> None:
+        """After a SIGTERM: this rank is working, not blocked (``poplar.comm.sigterm_watch``)."""
+        self.store.add("beats", 1)
+
+    def beats(self) -> int:
+        """How many beats every rank has given so far."""
+        return int(self.store.add("beats", 0))
+
     def finish(self) -> None:
         """Say that this rank ended normally (done, or stopped by a signal): never named as dead."""
         self.store.set(f"done{self.rank}", "1")

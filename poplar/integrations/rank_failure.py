@@ -10,7 +10,8 @@ one line naming the ranks that died or never reported, and every failing rank le
 status 1. Under torchrun it leaves at once (``os._exit``), as ``poplar train`` does: the
 framework's objects still hold the group's gloo resources, and freeing them at interpreter
 shutdown waits seconds on the hung peer (and can abort the process, [Note: gloo at interpreter
-exit]); elsewhere it raises ``SystemExit(1)``. Any other exception (a bug in the user's script, raised before or after the
+exit]); elsewhere it raises ``SystemExit(1)``. While it runs, a SIGTERM reaches a rank blocked in a collective
+(``poplar.comm.sigterm_watch``). Any other exception (a bug in the user's script, raised before or after the
 collectives) goes on as raised.
 """
 
@@ -24,6 +25,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from poplar.comm.failure import FailureReporting
+from poplar.comm.sigterm_watch import SigtermWatch
 from poplar.types.errors import DistributedError
 
 # what the message of a bare backend error from torch.distributed starts or contains (gloo's
@@ -49,12 +51,15 @@ def run_as_one_job(door: str, fn: Callable[..., Any], *args: Any, **kwargs: Any)
     except Exception:  # noqa: BLE001 - no store: every rank reports for itself
         pass
     text = None
+    watch = SigtermWatch(door).start()  # blocked in a collective, the rank still answers SIGTERM
     try:
         result = fn(*args, **kwargs)
     except BaseException as e:  # noqa: BLE001 - only collective failures are handled
         if not is_collective_failure(e):
             raise
         text = str(e)  # only the text: the exception's frames hold the engine and its group
+    finally:
+        watch.stop()
     if text is None:
         reporting.finished()
         return result

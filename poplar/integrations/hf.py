@@ -31,7 +31,7 @@ How the Trainer's pieces map onto Poplar's:
 A rank that dies or hangs ends the job as ``poplar train`` ends it: the others' collectives fail
 (a hung rank's after the collective timeout: ``collective_timeout_s``, else a ``ddp_timeout`` the
 user set, else 300 s as on the command line), the first of them prints one line naming the rank,
-and every survivor leaves ``train()`` with ``SystemExit(1)`` (``poplar.integrations.rank_failure``).
+and every survivor exits with status 1 (``poplar.integrations.rank_failure``).
 
 Why an ``Accelerator`` subclass. The Trainer hands placement, DDP wrapping, data sharding and
 gradient clipping to Accelerate, so that is the seam: ``PoplarAccelerator`` prepares the model

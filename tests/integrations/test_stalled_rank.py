@@ -80,3 +80,23 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout_with_one_line(tmp_path: 
     # no worker's traceback: the one left is torchrun's own, raising its summary
     frames = re.findall(r"Traceback \(most recent call last\):\n(.*)\n", text)
     assert all("torchrun" in first for first in frames), text[-3000:]
+
+
+def test_the_doors_default_timeout_is_the_command_lines(tmp_path: Path) -> None:
+    from poplar.comm.timeouts import COLLECTIVE_TIMEOUT_S
+    from poplar.train.config import TrainConfig
+
+    assert TrainConfig.collective_timeout_s == COLLECTIVE_TIMEOUT_S == 300.0
+    if importlib.util.find_spec("lightning") is not None:
+        from poplar.integrations.lightning import PoplarStrategy
+        from tests import toy
+
+        assert PoplarStrategy(plan=toy.plan_of((1, 1, 1))).timeout_s == COLLECTIVE_TIMEOUT_S
+    if importlib.util.find_spec("transformers") is not None:
+        from transformers import TrainingArguments
+
+        from poplar.integrations.hf import collective_timeout_of
+
+        # Hugging Face's own default (1800 s) gives way to Poplar's; a ddp_timeout the user set is kept
+        assert collective_timeout_of(TrainingArguments(str(tmp_path), use_cpu=True)) == COLLECTIVE_TIMEOUT_S
+        assert collective_timeout_of(TrainingArguments(str(tmp_path), use_cpu=True, ddp_timeout=42)) == 42.0

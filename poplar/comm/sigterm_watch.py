@@ -85,9 +85,12 @@ class SigtermWatch:
         return self
 
     def stop(self) -> None:
+        """Give the wakeup fd back; the watching thread ends (its socket closes)."""
+        self._stopped.set()
         if self._writer is not None and threading.current_thread() is threading.main_thread():
             signal.set_wakeup_fd(-1)
-        self._stopped.set()
+            self._writer.close()  # the reader sees the end and the thread returns
+            self._writer = None
 
     def _close(self) -> None:
         for s in (self._reader, self._writer):
@@ -96,17 +99,20 @@ class SigtermWatch:
         self._reader = self._writer = None
 
     def _watch(self) -> None:
-        assert self._reader is not None
-        while not self._stopped.is_set():
-            try:
-                data = self._reader.recv(64)
-            except OSError:
-                return
-            if not data:
-                return
-            if signal.SIGTERM in data:
-                self._after_sigterm()
-                return
+        reader = self._reader
+        assert reader is not None
+        try:
+            while not self._stopped.is_set():
+                data = reader.recv(64)
+                if not data:  # stopped
+                    return
+                if signal.SIGTERM in data:
+                    self._after_sigterm()
+                    return
+        except OSError:
+            return
+        finally:
+            reader.close()
 
     def _after_sigterm(self) -> None:
         from poplar.comm.failure import FailureBoard

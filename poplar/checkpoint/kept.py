@@ -82,6 +82,15 @@ class NoCompleteCheckpoint(CheckpointError):
         return NoCompleteCheckpoint, (self.problem, self.start_over)
 
 
+def nothing_loads(directory: str | os.PathLike, tried: list[str], start_over: str) -> NoCompleteCheckpoint:
+    """The error when every checkpoint kept in ``directory`` failed to load: what each one tried
+    (newest first) said, and what to do."""
+    lines = "\n".join("  " + problem.replace("\n", "\n  ") for problem in tried)
+    return NoCompleteCheckpoint(f"{directory} holds no checkpoint that loads; tried, newest first:\n{lines}\nRemove "
+                                "the damaged step directories (or the whole directory), or resume from a checkpoint "
+                                "elsewhere", start_over)
+
+
 @dataclass(frozen=True)
 class Latest:
     """The checkpoint to resume from, and why the newer or pointed-to ones were not used."""

@@ -2,6 +2,12 @@
 
 Each module listed in ``COMMAND_MODULES`` defines ``register(subparsers)``, which adds its
 subcommands and sets ``func`` (taking the parsed args, returning an exit code) on each.
+
+Under torchrun (only there), the entry point runs inside torchrun's ``record``
+(``torch.distributed.elastic.multiprocessing.errors``): an error that escapes a command is written
+to the worker's error file, and ``poplar train``'s one failure line is written there too
+(``poplar.comm.failure``), so torchrun's failure summary shows the real error rather than
+``error_file: <N/A>``.
 """
 
 from __future__ import annotations
@@ -29,6 +35,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if "TORCHELASTIC_RUN_ID" not in os.environ:  # no launcher to tell (record would also take over faulthandler)
+        return _main(argv)
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    return record(_main)(argv)
+
+
+def _main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

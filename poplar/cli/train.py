@@ -18,7 +18,6 @@ iteration, which is checkpointed and reported; rank 0 prints one line and every 
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import signal
 import sys
@@ -27,13 +26,11 @@ from typing import Any
 
 import torch
 
+from poplar.comm.failure import FailureReporting
 from poplar.types.logs import log
 from poplar.types.precision import MixedPrecision
 from poplar.train.config import ConfigError, TrainConfig
 from poplar.train.preemption import Preempted
-
-FAILURE_GRACE_S = 10.0  # how long the reporting rank waits for failing ranks not known dead to check in
-LOCAL_GRACE_S = 2.0  # after a peer died: how long for ranks alive on this machine (blocked on a rank still here)
 
 
 def init_distributed(timeout_s: float) -> torch.device:
@@ -110,7 +107,9 @@ def run(cfg: TrainConfig, failures: "FailureReporting | None" = None, plan_only:
     stop once the plan is made (``poplar profile --config``: the profile store is then filled)."""
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a worker whose launcher is gone stops by itself
         from poplar.comm.launcher_watch import LauncherWatch
+        from poplar.comm.sigterm_watch import SigtermWatch
         LauncherWatch(cfg.collective_timeout_s).start()
+        SigtermWatch("poplar train").start()  # blocked in a collective, it still answers SIGTERM
     init_distributed(cfg.collective_timeout_s)
     if failures is not None:
         failures.join()
@@ -205,13 +204,7 @@ def _main(args: argparse.Namespace) -> int:
     try:
         if failure is not None:
             code = 1
-            text, peer = failure
-            # check in before the group goes: destroying a gloo group whose peer died can abort
-            # this process (SIGABRT), and a rank gone without checking in would be named as dead
-            reporter = failures.check_in()
-            gc.collect()  # the failed run's engine, and with it the group's last references
-            _destroy_group()  # then: peers blocked in a collective with this rank fail now, not at a timeout
-            failures.report(text, reporter, wait=reporter or not peer, peer=peer)
+            failures.end(*failure)
     finally:
         _tear_down()
     if "TORCHELASTIC_RUN_ID" in os.environ:
@@ -220,72 +213,6 @@ def _main(args: argparse.Namespace) -> int:
         # into exit status 1. Everything is torn down and flushed by now, so leave at once.
         os._exit(code)
     return code
-
-
-class FailureReporting:
-    """This process's part in the job's one failure line (``poplar.comm.failure``): the board it
-    joins once the job has started (or when it fails, if that is earlier), its check-in when it
-    fails, and the line the first failing rank prints."""
-
-    def __init__(self) -> None:
-        self.board: Any = None  # a FailureBoard, once joined (None outside torchrun)
-        self.joined = False
-
-    def join(self) -> None:
-        from poplar.comm.failure import FailureBoard
-
-        if self.joined:
-            return
-        self.joined = True
-        board = FailureBoard.from_env(int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
-        if board is not None:
-            board.register()
-            self.board = board
-
-    def finished(self) -> None:
-        """Say on the board that this rank ended normally (it is not to be named as dead)."""
-        if self.board is not None:
-            try:
-                self.board.finish()
-            except Exception:  # noqa: BLE001 - the store is gone: nobody is left to ask
-                pass
-
-    def check_in(self) -> bool:
-        """Say on the board that this rank failed; True if this rank is the one to print the
-        job's failure line (the first to check in, or any rank without a board). Ignores SIGTERM
-        from here on: torchrun SIGTERMs the survivors once it sees a rank die (it waits 30 s
-        before it kills), and the line must come out first."""
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        try:
-            self.join()  # a failure before the job started (a bad config) checks in too
-        except Exception:  # noqa: BLE001 - no store: report for this rank alone
-            self.board = None
-        if self.board is None:
-            return True
-        try:
-            return self.board.check_in()
-        except Exception:  # noqa: BLE001 - the store is gone too: report for this rank alone
-            self.board = None
-            return True
-
-    def report(self, error: BaseException | str, reporter: bool, wait: bool, peer: bool = False) -> None:
-        """The reporter prints the failure once for the whole job, led by the ranks that died or
-        never checked in; it waits (up to the grace) for the others to check in or be known dead
-        first. ``wait`` on a rank that does not report: the same wait, for an input error that
-        every rank meets while starting, so that none is still exposed to torchrun's SIGTERM
-        (which would end it with 143) when the first of them exits. After a peer died a
-        non-reporter leaves at once: its exit is what frees ranks still blocked on it."""
-        from poplar.comm.failure import failure_line
-
-        dead: list[int] = []
-        silent: list[int] = []
-        try:
-            if self.board is not None and (reporter or wait):
-                dead, silent = self.board.absent(FAILURE_GRACE_S, LOCAL_GRACE_S if peer else None)
-        except Exception:  # noqa: BLE001 - the store is gone too: report for this rank alone
-            pass
-        if reporter:
-            print(f"poplar train: {failure_line(str(error), dead, silent)}", file=sys.stderr, flush=True)
 
 
 def _destroy_group() -> None:

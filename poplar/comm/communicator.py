@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from poplar.comm import uneven
 from poplar.comm.ledger import CommLedger
+from poplar.comm.sigterm_watch import BLOCKED
 from poplar.comm.uneven import all_gather_tensor, reduce_scatter_tensor
 from poplar.types.errors import DistributedError
 
@@ -134,7 +135,9 @@ class Communicator:
         return None
 
     def guard(self, op: str, tag: str, fn: Any) -> Any:
-        """Run a collective; a peer that died or timed out becomes a clear error on this rank."""
+        """Run a collective; a peer that died or timed out becomes a clear error on this rank.
+        While it runs, ``BLOCKED`` says so (``poplar.comm.sigterm_watch``)."""
+        BLOCKED.enter(f"{op} ({tag or 'untagged'})")
         try:
             return fn()
         except (RuntimeError, dist.DistBackendError) as e:
@@ -144,6 +147,8 @@ class Communicator:
                 f"rank {self.rank}: collective {op} ({tag or 'untagged'}) failed — another rank probably died, "
                 f"raised outside a collective, or timed out ({type(e).__name__}: {str(e).splitlines()[0][:300]})"
             ) from e
+        finally:
+            BLOCKED.leave()
 
     def all_reduce(self, tensor: torch.Tensor, tag: str = "", async_op: bool = False) -> PendingCollective | None:
         """Sum ``tensor`` over ranks, in place."""

@@ -10,18 +10,32 @@ at start, so the reporter knows a rank on its machine whose process has ended to
 it waits a short grace for the others and names those that never checked in as not reporting. A failure every rank raised together (a bad batch, a
 corrupt checkpoint) has every rank check in, so the line is the error alone, printed once.
 Without a reachable store each rank prints its own line, as before.
+
+``FailureReporting`` is one rank's part in it, shared by every door (``poplar train``,
+``PoplarStrategy``, ``PoplarTrainer``): join the board when the job starts, check in on failure,
+let the group go (so peers blocked on this rank fail now, not at a timeout), and print the line
+if this rank reports. Under torchrun each failing rank also writes its line to torchrun's error
+file (``TORCHELASTIC_ERROR_FILE``, the file ``torch.distributed.elastic``'s ``record`` writes),
+so the launcher's summary shows the error instead of ``error_file: <N/A>``.
 """
 
 from __future__ import annotations
 
+import gc
+import json
 import os
+import signal
 import socket
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+
+FAILURE_GRACE_S = 10.0  # how long the reporting rank waits for failing ranks not known dead to check in
+LOCAL_GRACE_S = 2.0  # after a peer died: how long for ranks alive on this machine (blocked on a rank still here)
 
 
 class FailureBoard:
@@ -75,6 +89,14 @@ class FailureBoard:
                 return dead, [r for r in missing if r not in dead]
             time.sleep(0.05)
 
+    def beat(self) -> None:
+        """After a SIGTERM: this rank is working, not blocked (``poplar.comm.sigterm_watch``)."""
+        self.store.add("beats", 1)
+
+    def beats(self) -> int:
+        """How many beats every rank has given so far."""
+        return int(self.store.add("beats", 0))
+
     def finish(self) -> None:
         """Say that this rank ended normally (done, or stopped by a signal): never named as dead."""
         self.store.set(f"done{self.rank}", "1")
@@ -118,3 +140,102 @@ def failure_line(message: str, dead: list[int], silent: list[int]) -> str:
     if silent:
         lead.append(f"{ranks(silent)} did not report (died on another machine, or still blocked)")
     return "; ".join(lead + [message])
+
+
+class FailureReporting:
+    """This process's part in the job's one failure line: the board it joins once the job has
+    started (or when it fails, if that is earlier), its check-in when it fails, and the line the
+    first failing rank prints, led by ``door`` (``"poplar train"``, ``"PoplarStrategy"``)."""
+
+    def __init__(self, door: str = "poplar train") -> None:
+        self.door = door
+        self.board: Any = None  # a FailureBoard, once joined (None outside torchrun)
+        self.joined = False
+        self.failed_at = 0  # when this rank checked in (seconds since the epoch): torchrun's error-file stamp
+
+    def join(self) -> None:
+        if self.joined:
+            return
+        self.joined = True
+        board = FailureBoard.from_env(int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
+        if board is not None:
+            board.register()
+            self.board = board
+
+    def finished(self) -> None:
+        """Say on the board that this rank ended normally (it is not to be named as dead)."""
+        if self.board is not None:
+            try:
+                self.board.finish()
+            except Exception:  # noqa: BLE001 - the store is gone: nobody is left to ask
+                pass
+
+    def check_in(self) -> bool:
+        """Say on the board that this rank failed; True if this rank is the one to print the
+        job's failure line (the first to check in, or any rank without a board). Ignores SIGTERM
+        from here on: torchrun SIGTERMs the survivors once it sees a rank die (it waits 30 s
+        before it kills), and the line must come out first."""
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        self.failed_at = int(time.time())
+        try:
+            self.join()  # a failure before the job started (a bad config) checks in too
+        except Exception:  # noqa: BLE001 - no store: report for this rank alone
+            self.board = None
+        if self.board is None:
+            return True
+        try:
+            return self.board.check_in()
+        except Exception:  # noqa: BLE001 - the store is gone too: report for this rank alone
+            self.board = None
+            return True
+
+    def report(self, error: BaseException | str, reporter: bool, wait: bool, peer: bool = False) -> None:
+        """The reporter prints the failure once for the whole job, led by the ranks that died or
+        never checked in; it waits (up to the grace) for the others to check in or be known dead
+        first. ``wait`` on a rank that does not report: the same wait, for an input error that
+        every rank meets while starting, so that none is still exposed to torchrun's SIGTERM
+        (which would end it with 143) when the first of them exits. After a peer died a
+        non-reporter leaves at once: its exit is what frees ranks still blocked on it. Every
+        rank writes what it knows to torchrun's error file."""
+        dead: list[int] = []
+        silent: list[int] = []
+        try:
+            if self.board is not None and (reporter or wait):
+                dead, silent = self.board.absent(FAILURE_GRACE_S, LOCAL_GRACE_S if peer else None)
+        except Exception:  # noqa: BLE001 - the store is gone too: report for this rank alone
+            pass
+        line = f"{self.door}: {failure_line(str(error), dead, silent)}"
+        if reporter:
+            print(line, file=sys.stderr, flush=True)
+        write_error_file(line, self.failed_at or int(time.time()))
+
+    def end(self, error: BaseException | str, peer: bool) -> None:
+        """This rank failed (``peer``: because a peer did): check in, let the process group go,
+        and report. Only the text of the error is kept: an exception's frames hold the engine
+        and, through it, the group, whose connections must close for peers blocked on this rank
+        to go on."""
+        # check in before the group goes: destroying a gloo group whose peer died can abort
+        # this process (SIGABRT), and a rank gone without checking in would be named as dead
+        reporter = self.check_in()
+        gc.collect()  # the failed run's engine, and with it the group's last references
+        if dist.is_available() and dist.is_initialized():
+            try:  # then: peers blocked in a collective with this rank fail now, not at a timeout
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - peers may be gone
+                pass
+        self.report(error, reporter, wait=reporter or not peer, peer=peer)
+
+
+def write_error_file(line: str, timestamp: int) -> None:
+    """Write ``line`` to torchrun's error file for this worker (``TORCHELASTIC_ERROR_FILE``, in
+    the format ``torch.distributed.elastic.multiprocessing.errors.ErrorHandler`` writes), so the
+    launcher's failure summary carries it; nothing outside torchrun."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(timestamp)}}}
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:  # the summary then says <N/A>, as without it; the line is on stderr already
+        pass

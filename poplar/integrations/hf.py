@@ -28,6 +28,11 @@ How the Trainer's pieces map onto Poplar's:
   checkpoint (sharded optimizer state, iteration, RNG); ``train(resume_from_checkpoint=...)``
   loads it, so the run continues exactly, on any world size, stage or plan.
 
+A rank that dies or hangs ends the job as ``poplar train`` ends it: the others' collectives fail
+(a hung rank's after the collective timeout: ``collective_timeout_s``, else a ``ddp_timeout`` the
+user set, else 300 s as on the command line), the first of them prints one line naming the rank,
+and every survivor exits with status 1 (``poplar.integrations.rank_failure``).
+
 Why an ``Accelerator`` subclass. The Trainer hands placement, DDP wrapping, data sharding and
 gradient clipping to Accelerate, so that is the seam: ``PoplarAccelerator`` prepares the model
 without DDP, the data as one process would, the optimizer by building the ``PoplarEngine``, and
@@ -54,7 +59,9 @@ from transformers import Trainer, TrainerCallback
 import poplar.checkpoint as checkpoint
 from poplar.auto import AutoOptions
 from poplar.comm.group_exit import end_process_group_at_exit
+from poplar.comm.timeouts import COLLECTIVE_TIMEOUT_S, set_collective_timeout
 from poplar.engine import PoplarEngine
+from poplar.integrations.rank_failure import run_as_one_job
 from poplar.types.batches import batch_size_of, slice_batch
 from poplar.types.logs import log
 from poplar.types.plans import Plan
@@ -188,14 +195,20 @@ class PoplarTrainer(Trainer):
             x world size x ``gradient_accumulation_steps``, the Trainer's total batch).
         auto: ``poplar.AutoOptions`` (profile data; the device: a GPU, or one emulated on CPU).
         activation_checkpointing: as ``PoplarEngine``'s.
+        collective_timeout_s: how long a rank waits for a hung peer before the job ends; None: the
+            ``TrainingArguments``' ``ddp_timeout`` where it was changed from its default, else
+            ``poplar train``'s default (300 s).
     """
 
     def __init__(self, *args: Any, plan: Plan | None = None, zero_stage: int | ZeroConfig = 0,
                  global_batch_size: int | None = None, auto: AutoOptions | None = None,
-                 activation_checkpointing: Any = None, **kwargs: Any) -> None:
+                 activation_checkpointing: Any = None, collective_timeout_s: float | None = None,
+                 **kwargs: Any) -> None:
         targs = kwargs.get("args")
         if targs is None:
             raise ValueError("PoplarTrainer needs args=TrainingArguments(...)")
+        self.collective_timeout_s = collective_timeout_s if collective_timeout_s is not None else \
+            collective_timeout_of(targs)
         gbs = plan.global_batch_size if plan is not None else global_batch_size
         if gbs is None:
             gbs = targs.per_device_train_batch_size * targs.world_size * targs.gradient_accumulation_steps
@@ -244,7 +257,8 @@ class PoplarTrainer(Trainer):
         if resume_from_checkpoint is True:
             from transformers.trainer_utils import get_last_checkpoint
             self._resume_from = get_last_checkpoint(self.args.output_dir)
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        set_collective_timeout(self.collective_timeout_s)  # the group TrainingArguments started
+        return run_as_one_job("PoplarTrainer", super().train, resume_from_checkpoint, *args, **kwargs)
 
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any],
                       num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
@@ -295,3 +309,11 @@ class PoplarTrainer(Trainer):
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
             torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+
+
+def collective_timeout_of(args: Any) -> float:
+    """The ``ddp_timeout`` of ``args`` where the user changed it from the ``TrainingArguments``
+    default, else ``poplar train``'s collective timeout."""
+    default = next((f.default for f in dataclasses.fields(args) if f.name == "ddp_timeout"), None)
+    timeout = getattr(args, "ddp_timeout", default)
+    return float(timeout) if timeout is not None and timeout != default else COLLECTIVE_TIMEOUT_S

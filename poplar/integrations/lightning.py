@@ -35,6 +35,10 @@ How Lightning's pieces map onto Poplar's:
   ``poplar/compute_s/rank{r}`` and ``poplar/idle_s/rank{r}``; the plan is logged when training starts.
 
 Processes: launch with ``torchrun`` (or SLURM), or initialize ``torch.distributed`` before ``fit``.
+A rank that dies or hangs ends the job as ``poplar train`` ends it: the others' collectives fail
+(a hung rank's after ``timeout_s``, 300 s by default, as the command line's), the first of them
+prints one line naming the rank, and every survivor leaves with exit status 1
+(``poplar.integrations.rank_failure``).
 ``register()`` adds the name ``"poplar"`` to Lightning's strategy registry (default arguments).
 """
 
@@ -53,13 +57,16 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.plugins.precision import MixedPrecision as LightningMixedPrecision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
+from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 
 import poplar.checkpoint as checkpoint
 from poplar.auto import AutoOptions
 from poplar.comm.group_exit import end_process_group_at_exit
+from poplar.comm.timeouts import COLLECTIVE_TIMEOUT_S, set_collective_timeout
 from poplar.engine import PoplarEngine
 from poplar.integrations.global_batches import RankDataLoader, rank_dataloader
+from poplar.integrations.rank_failure import run_as_one_job
 from poplar.types.logs import log
 from poplar.types.plans import Plan
 from poplar.zero.config import ZeroConfig
@@ -79,14 +86,15 @@ class PoplarStrategy(ParallelStrategy):
         auto: ``poplar.AutoOptions`` for auto mode (profile data, the device: a GPU, or an
             emulated one on CPU).
         activation_checkpointing: as ``PoplarEngine``'s.
-        timeout_s: the process group's collective timeout, when the strategy creates it.
+        timeout_s: the collective timeout: how long a rank waits for a hung peer before the job
+            ends (the process group's, whether the strategy creates it or finds it).
     """
 
     strategy_name = "poplar"
 
     def __init__(self, zero_stage: int | ZeroConfig = 0, plan: Plan | None = None,
                  global_batch_size: int | None = None, *, auto: AutoOptions | None = None,
-                 activation_checkpointing: Any = None, timeout_s: float = 1800.0) -> None:
+                 activation_checkpointing: Any = None, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> None:
         super().__init__()
         if plan is None and global_batch_size is None:
             raise ValueError("PoplarStrategy needs a plan, or global_batch_size (and auto=AutoOptions(profile_data=...)) "
@@ -141,7 +149,12 @@ class PoplarStrategy(ParallelStrategy):
             dist.init_process_group(backend, rank=env.global_rank(), world_size=env.world_size(),
                                     timeout=timedelta(seconds=self.timeout_s))
             end_process_group_at_exit()  # the group this strategy started ends with the script
+        else:
+            set_collective_timeout(self.timeout_s)
         pl.utilities.rank_zero_only.rank = self.global_rank
+
+    def _configure_launcher(self) -> None:
+        self._launcher = OneJobLauncher()
 
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         """All-reduce a tensor (Lightning's metric sync): "mean"/"avg", "sum", "max" or "min", or a ``ReduceOp``."""
@@ -332,6 +345,21 @@ class PoplarStrategy(ParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
+
+
+class OneJobLauncher(_Launcher):
+    """Starts no processes (torchrun or SLURM did): runs the Trainer's entry point so that a
+    failed collective ends this rank as ``poplar train`` ends it (``run_as_one_job``)."""
+
+    @property
+    def is_interactive_compatible(self) -> bool:
+        return True
+
+    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        return run_as_one_job("PoplarStrategy", function, *args, **kwargs)
+
+    def kill(self, signum: Any) -> None:
+        return None  # no processes of its own to stop
 
 
 class NamedBlocks:

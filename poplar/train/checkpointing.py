@@ -88,8 +88,9 @@ class Checkpointer:
                 break
             except checkpoint.DamagedCheckpoint as e:
                 older = kept.agree_on_latest(engine.comm, directory, below=latest.iteration)
-                if older is None:
-                    raise
+                if older is None:  # every kept one is damaged: say what each said, and what to do
+                    raise kept.nothing_loads(directory, passed_over + [str(e)],
+                                             "pass CheckpointOptions(resume=False)") from None
                 passed_over.append(str(e))
                 latest = older
         data_state = loaded.extra.get("data")

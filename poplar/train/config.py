@@ -82,6 +82,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from poplar.comm.timeouts import COLLECTIVE_TIMEOUT_S
 from poplar.train.deepspeed_hints import NOT_YET, TOP_HINTS, ZERO_HINTS, did_you_mean
 from poplar.train.placement_config import OffloadSetting, read_offload, read_shards
 from poplar.train.schedule import LRSchedule
@@ -149,7 +150,7 @@ class TrainConfig:
     checkpoint_keep: int = 2  # the newest checkpoints kept in checkpoint_dir
     resume: bool = True
     report_dir: str | None = None
-    collective_timeout_s: float = 300.0
+    collective_timeout_s: float = COLLECTIVE_TIMEOUT_S
     mixed_precision: MixedPrecision | None = None  # "bf16" / "fp16" sections; None: fp32
     deepspeed_hints: dict[str, str] = field(default_factory=dict)  # DeepSpeed hint keys met -> what Poplar does
 

@@ -69,6 +69,11 @@ def _split_range(n: int, split: str | None, val_fraction: float) -> range:
     return range(n - n_val) if split == "train" else range(n - n_val, n)
 
 
+def token_count(n: int) -> str:
+    """``n`` tokens, in words: "0 tokens", "1 token", "5 tokens"."""
+    return f"{n} token{'' if n == 1 else 's'}"
+
+
 class TextBlocks(Dataset):
     """Next-token-prediction samples: fixed blocks of ``seq_len + 1`` byte tokens.
 
@@ -87,7 +92,7 @@ class TextBlocks(Dataset):
         self.tokens = ByteTokenizer().encode(load_text(path) if text is None else text)
         n = (len(self.tokens) - 1) // seq_len
         if n < 1:
-            raise ValueError(f"the text has {len(self.tokens)} tokens, fewer than one block of {seq_len + 1}")
+            raise ValueError(f"the text has {token_count(len(self.tokens))}, fewer than one block of {seq_len + 1}")
         self.blocks = _split_range(n, split, val_fraction)
 
     def __len__(self) -> int:
@@ -118,7 +123,7 @@ class MaskedTextBlocks(Dataset):
         self.tokens = ByteTokenizer().encode(load_text(path) if text is None else text)
         n = len(self.tokens) // seq_len
         if n < 1:
-            raise ValueError(f"the text has {len(self.tokens)} tokens, fewer than one block of {seq_len}")
+            raise ValueError(f"the text has {token_count(len(self.tokens))}, fewer than one block of {seq_len}")
         self.blocks = _split_range(n, split, val_fraction)
 
     def __len__(self) -> int:

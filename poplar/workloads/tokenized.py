@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from poplar.workloads.text import ByteTokenizer, default_corpus_path
+from poplar.workloads.text import ByteTokenizer, default_corpus_path, token_count
 
 IGNORE_INDEX = -100
 
@@ -145,11 +145,17 @@ class TokenizedText(Dataset):
         self.tokenizer = tokenizer or TextTokenizer()
         docs = load_token_documents(path, self.tokenizer, text_key)
         eos, pad = self.tokenizer.eos_id, self.tokenizer.pad_id
+        tokens = sum(len(d) for d in docs)  # the text's own, without the end-of-text tokens packing adds
+        if tokens == 0:
+            raise ValueError(f"the data ({path if path is not None else 'the shipped corpus'}) holds no text: "
+                             f"{len(docs)} document{'s' if len(docs) != 1 else ''}, 0 tokens; give a file with text")
         if packing:
             stream = torch.tensor([t for d in docs for t in (*d, eos)], dtype=torch.long)
             n = len(stream) // seq_len
             if n < 1:
-                raise ValueError(f"the data has {len(stream)} tokens, fewer than one block of {seq_len}")
+                raise ValueError(f"the data has {token_count(tokens)} ({len(stream)} with an "
+                                 f"end-of-text token after each document), fewer than one block of {seq_len}; give "
+                                 "more text or a shorter seq_len")
             self.ids = stream[:n * seq_len].view(n, seq_len)
             self.mask = torch.ones_like(self.ids)
         else:

@@ -141,6 +141,9 @@ class IterationStatus:
     sum_ranks: int  # ranks whose micro-steps returned (loss_sum, count) pairs
     rank_compute_s: tuple[float, ...] = ()  # each rank's forward+backward seconds, collectives taken out
     rank_samples: tuple[int, ...] = ()  # each rank's samples this iteration
+    # the ranks whose own loss sum was not finite: exact, a loss is local (a gradient shard after a
+    # reduce-scatter carries any rank's inf or NaN, so nonfinite_ranks cannot say where it arose)
+    loss_nonfinite_ranks: tuple[int, ...] = ()
 
     @property
     def kind(self) -> LossKind:
@@ -167,9 +170,10 @@ def reduce_status(comm: Communicator, losses: LossAccumulator, failed: bool, non
     head = torch.tensor([float(losses.samples), 1.0 if failed else 0.0], dtype=torch.float64, device=dev)
     tail = torch.tensor([1.0 if kind is LossKind.MEAN else 0.0, 1.0 if kind is LossKind.SUM else 0.0],
                         dtype=torch.float64, device=dev)
-    slots = torch.zeros(2 * world, dtype=torch.float64, device=dev)
-    slots[2 * rank] = compute_s
-    slots[2 * rank + 1] = float(losses.samples)
+    slots = torch.zeros(3 * world, dtype=torch.float64, device=dev)
+    slots[3 * rank] = compute_s
+    slots[3 * rank + 1] = float(losses.samples)
+    slots[3 * rank + 2] = (~torch.isfinite(losses.loss_sum.detach())).to(torch.float64).reshape(())
     status = torch.cat([losses.loss_sum.reshape(1), head, nonfinite.reshape(1).to(torch.float64),
                         losses.count.reshape(1), tail, slots])
     comm.all_reduce(status, tag="status")
@@ -177,8 +181,9 @@ def reduce_status(comm: Communicator, losses: LossAccumulator, failed: bool, non
     loss_sum, samples, failed_ranks, nonfinite_ranks, count, mean_ranks, sum_ranks = values[:7]
     per_rank = values[7:]
     return IterationStatus(loss_sum, round(samples), round(failed_ranks), round(nonfinite_ranks), count,
-                           round(mean_ranks), round(sum_ranks), tuple(per_rank[0::2]),
-                           tuple(round(x) for x in per_rank[1::2]))
+                           round(mean_ranks), round(sum_ranks), tuple(per_rank[0::3]),
+                           tuple(round(x) for x in per_rank[1::3]),
+                           tuple(r for r, x in enumerate(per_rank[2::3]) if x > 0))
 
 
 def status_error(status: IterationStatus, iteration: int, global_batch_size: int, world_size: int) -> str | None:

@@ -95,11 +95,12 @@ class NonFiniteGuard:
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.skipped_steps, self.consecutive = int(state["skipped_steps"]), int(state["consecutive"])
 
-    def warning(self, iteration: int, ranks: int, world_size: int, scales: tuple[float, float] | None) -> str:
-        """Rank 0's log line for a skipped step; ``scales``: the loss scale before and after."""
+    def warning(self, iteration: int, where: str, scales: tuple[float, float] | None) -> str:
+        """Rank 0's log line for a skipped step; ``where``: ``where_nonfinite``'s words;
+        ``scales``: the loss scale before and after."""
         scale = "" if scales is None else f"; loss scale {scales[0]:g} -> {scales[1]:g}"
-        return (f"iteration {iteration}: non-finite loss or gradients on {ranks} of {world_size} ranks; the "
-                f"optimizer step was skipped on every rank ({self.skipped_steps} skipped so far{scale})")
+        return (f"iteration {iteration}: {where}; the optimizer step was skipped on every rank "
+                f"({self.skipped_steps} skipped so far{scale})")
 
     def message(self, verdict: Verdict, iteration: int, details: list[str | None]) -> str:
         """The error every rank raises; ``details[r]`` says what rank r saw (None: nothing)."""
@@ -111,6 +112,20 @@ class NonFiniteGuard:
                 f"(max_consecutive_skips={self.max_consecutive_skips}); no optimizer step was taken in them. Check "
                 "the learning rate, the data (inf or NaN inputs) and the loss function; under fp16 the minimum loss "
                 f"scale, or train in bf16. Last step:\n{lines}")
+
+
+def where_nonfinite(loss_ranks: tuple[int, ...], flagged: int, world_size: int, reduced: bool) -> str:
+    """Where an iteration's inf or NaN was, in words that are true: the ranks whose own loss was
+    not finite (a loss is local), else how many ranks held non-finite gradients. ``reduced``: the
+    gradients checked are shards after a reduce-scatter (stages 2/3), which carries one rank's inf
+    or NaN into every rank's shard, so their count does not say on how many ranks it arose."""
+    if loss_ranks:
+        names = f"rank {loss_ranks[0]}" if len(loss_ranks) == 1 else "ranks " + ", ".join(map(str, loss_ranks))
+        return f"non-finite loss on {names} ({len(loss_ranks)} of {world_size} ranks)"
+    if reduced:
+        return (f"non-finite gradients in the reduced gradient shards of {flagged} of {world_size} ranks (one rank's "
+                "inf or NaN reaches every shard it is summed into)")
+    return f"non-finite gradients on {flagged} of {world_size} ranks"
 
 
 def local_detail(grads: list[torch.Tensor], loss_sum: torch.Tensor, limit: float | None = None) -> str | None:

@@ -34,7 +34,7 @@ from poplar.zero.failures import IterationFailed, failure_kind, release_frames
 from poplar.zero.iteration_status import (IterationStatus, LossAccumulator, check_batch, failure_message,
                                           reduce_status, skip_empty_step, status_error)
 from poplar.zero.loss_scaler import LossScaler
-from poplar.zero.nonfinite import NonFiniteGuard, SkipReport, Verdict, local_detail, nonfinite_flag
+from poplar.zero.nonfinite import NonFiniteGuard, SkipReport, Verdict, local_detail, nonfinite_flag, where_nonfinite
 from poplar.zero.observers import IterationStats, MicroStep, ObserverHandle, Observers, StepObserver
 from poplar.zero.precision import StagePrecision
 from poplar.zero.setup import agree_setup, build_stage, check_arguments, check_policies, plan_problem
@@ -292,7 +292,7 @@ class ZeroRuntime:
             self.stage.close_micro_steps()
             status = self._agree_status(error, cause)
             if status.nonfinite_ranks:
-                self._skip_step(status.nonfinite_ranks)
+                self._skip_step(status)
             elif status.empty:
                 self._skip_empty_step()
             else:
@@ -338,7 +338,7 @@ class ZeroRuntime:
         if self.loss_scaler is not None:
             self.loss_scaler.on_good_step()
 
-    def _skip_step(self, nonfinite_ranks: int) -> None:
+    def _skip_step(self, status: IterationStatus) -> None:
         """Some rank saw an inf or NaN: every rank drops the gradients and takes no step, and the
         loss scale backs off; the policy may raise instead, on every rank alike."""
         scaler, old_scale = self.loss_scaler, self.loss_scale
@@ -355,7 +355,9 @@ class ZeroRuntime:
             self._reset_iteration()
             raise DistributedError(message)
         if self.rank == 0 and self.skip_report is SkipReport.LOG:
-            log.warning(self.nonfinite.warning(self.iteration, nonfinite_ranks, self.world_size,
+            where = where_nonfinite(status.loss_nonfinite_ranks, status.nonfinite_ranks, self.world_size,
+                                    self.stage.grads_sharded)
+            log.warning(self.nonfinite.warning(self.iteration, where,
                                                (old_scale, self.loss_scale) if scaler is not None else None))
 
     def _skip_empty_step(self) -> None:

@@ -155,9 +155,10 @@ def test_fp32_nonfinite_loss_skips_the_step_on_every_rank(stage: int, kind: str)
         assert not torch.isfinite(torch.tensor(losses[2])) and torch.isfinite(torch.tensor(losses[:2] + losses[3:])).all()
         assert losses[4] < losses[0]  # training went on
         if rank == 0:  # one line per skip, on rank 0 only
-            # at stage 3 both ranks flag: rank 1's NaN reached rank 0's shards through the reduce-scatter
-            ranks = 1 if stage == 0 else 2
-            assert len(warnings) == 1 and f"iteration 2: non-finite loss or gradients on {ranks} of 2" in warnings[0]
+            # at stage 3 both ranks' shards hold rank 1's inf or NaN (the reduce-scatter spread it), yet
+            # the line names where it arose: rank 1's own loss
+            assert len(warnings) == 1 and "iteration 2: non-finite loss on rank 1 (1 of 2 ranks)" in warnings[0], \
+                warnings
         else:
             assert not warnings
 
@@ -251,3 +252,15 @@ def test_fp16_matmul_runs_on_cpu() -> None:
     loss = loss_fn(model, global_batch(0, 4))
     loss.backward()
     assert loss.dtype == torch.float16 and model.embed.weight.grad.dtype == torch.float16
+
+
+def test_the_skip_line_says_where_the_inf_or_nan_arose_and_no_more() -> None:
+    from poplar.zero.nonfinite import where_nonfinite
+
+    # a loss is local: the ranks are named, however many shards the reduce-scatter spread it to
+    assert where_nonfinite((1,), 4, 4, reduced=True) == "non-finite loss on rank 1 (1 of 4 ranks)"
+    assert where_nonfinite((0, 2), 2, 4, reduced=False) == "non-finite loss on ranks 0, 2 (2 of 4 ranks)"
+    # local gradients (stages 0/1): the count is where it arose; reduced shards: only where it ended up
+    assert where_nonfinite((), 1, 4, reduced=False) == "non-finite gradients on 1 of 4 ranks"
+    assert where_nonfinite((), 4, 4, reduced=True).startswith(
+        "non-finite gradients in the reduced gradient shards of 4 of 4 ranks")

@@ -1,0 +1,35 @@
+"""An error under torchrun is in torchrun's own failure summary (its "Root Cause" section), not
+only in the one line on stderr: a bad config under ``torchrun -m poplar train`` on 2 ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed beside this Python")
+@pytest.mark.multiprocess
+def test_a_bad_config_under_torchrun_is_the_root_cause_in_torchruns_summary(tmp_path: Path) -> None:
+    cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 1, "train_batch_sise": 8,
+           "poplar": {"iterations": 2, "model": {"name": "llama-tiny", "n_layers": 1}, "data": {"seq_len": 8},
+                      "collective_timeout_s": 60}}
+    (tmp_path / "run.json").write_text(json.dumps(cfg))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
+    run = subprocess.run([str(TORCHRUN), "--standalone", "--nproc_per_node", "2", "-m", "poplar", "train", "--config",
+                          "run.json"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert run.returncode == 1, run.stderr[-3000:]
+    # the one line, printed once
+    assert len([line for line in run.stderr.splitlines() if line.startswith("poplar train: ")]) == 1, run.stderr
+    root = run.stderr.split("Root Cause (first observed failure):", 1)
+    assert len(root) == 2, run.stderr[-3000:]
+    assert "<N/A>" not in root[1] and re.search(r"traceback : poplar train: error: .*'train_batch_sise'", root[1]), \
+        run.stderr[-3000:]

@@ -45,20 +45,29 @@ def _torchrun(tmp: Path, *args: str, nproc: int = 2) -> subprocess.CompletedProc
 
 @pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed beside this Python")
 @pytest.mark.multiprocess
-def test_torchrun_trains_checkpoints_and_resumes(tmp_path: Path) -> None:
-    _config(tmp_path)
+def test_torchrun_trains_checkpoints_and_resumes_in_another_precision(tmp_path: Path) -> None:
+    """DeepSpeed's precision keys under torchrun: a bf16 run checkpoints and reports; its
+    checkpoint resumes under fp16 (one job pair for both: resuming is the same in any precision)."""
+    path = _config(tmp_path)
+    cfg = json.loads(path.read_text())
+    path.write_text(json.dumps({**cfg, "bf16": {"enabled": True}}))
     run = _torchrun(tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "iteration 4/4" in run.stderr and "plan (even, ZeRO-2)" in run.stderr
+    assert "iteration 4/4" in run.stderr and "plan (even, ZeRO-2)" in run.stderr and "bf16" in run.stderr
     assert json.loads((tmp_path / "ckpt" / "index.json").read_text())["iteration"] == 4
+    index = json.loads((tmp_path / "ckpt" / "step-00000004" / "index.json").read_text())
+    assert index["precision"]["policy"]["param_dtype"] == "bf16"
     metrics = json.loads((tmp_path / "report" / "metrics.json").read_text())
     assert metrics["end_iteration"] == 4 and [r["samples"] for r in metrics["ranks"]] == [6, 6]
     assert (tmp_path / "report" / "trace.json").is_file()
 
+    path.write_text(json.dumps({**cfg, "fp16": {"enabled": True, "initial_scale_power": 8}}))
     again = _torchrun(tmp_path, "--iterations", "6")
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "resumed from ckpt at iteration 4" in again.stderr
+    assert "resumed from ckpt at iteration 4" in again.stderr and "iteration 6/6" in again.stderr
     assert json.loads((tmp_path / "ckpt" / "index.json").read_text())["iteration"] == 6
+    metrics = json.loads((tmp_path / "report" / "metrics.json").read_text())
+    assert all(math.isfinite(x) for x in metrics["losses"]) and len(metrics["losses"]) == 6, metrics["losses"]
 
 
 @pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed beside this Python")
@@ -91,27 +100,6 @@ def test_bad_config_exits_1_naming_the_key(tmp_path: Path) -> None:
     run = subprocess.run([sys.executable, "-m", "poplar", "train", "--config", "run.json"], cwd=tmp_path,
                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
     assert run.returncode == 1 and "['train_batch_sise']" in run.stderr, run.stderr[-2000:]
-
-
-@pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed beside this Python")
-@pytest.mark.multiprocess
-def test_torchrun_trains_in_bf16_then_resumes_in_fp16(tmp_path: Path) -> None:
-    """DeepSpeed's precision keys under torchrun; the bf16 checkpoint resumes under fp16."""
-    path = _config(tmp_path, iterations=2)
-    cfg = json.loads(path.read_text())
-    path.write_text(json.dumps({**cfg, "bf16": {"enabled": True}}))
-    run = _torchrun(tmp_path)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert "iteration 2/2" in run.stderr and "bf16" in run.stderr, run.stderr[-3000:]
-    index = json.loads((tmp_path / "ckpt" / "step-00000002" / "index.json").read_text())
-    assert index["precision"]["policy"]["param_dtype"] == "bf16"
-
-    path.write_text(json.dumps({**cfg, "fp16": {"enabled": True, "initial_scale_power": 8}}))
-    again = _torchrun(tmp_path, "--iterations", "4")
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert "resumed from ckpt at iteration 2" in again.stderr and "iteration 4/4" in again.stderr
-    metrics = json.loads((tmp_path / "report" / "metrics.json").read_text())
-    assert all(math.isfinite(x) for x in metrics["losses"]) and len(metrics["losses"]) == 4, metrics["losses"]
 
 
 def test_more_local_ranks_than_gpus_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:

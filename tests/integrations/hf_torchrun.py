@@ -1,5 +1,6 @@
 """One rank of ``PoplarTrainer`` under torchrun: 3 steps of the tiny GPT-2 job at the ZeRO stage in
-argv[1], saved under argv[2]; rank 0 writes what ``from_pretrained`` loaded back to argv[3]."""
+argv[1], saved under argv[2]; rank 0 writes what ``from_pretrained`` loaded back and the eval loss
+to argv[3]."""
 
 import os
 import sys
@@ -12,4 +13,4 @@ if __name__ == "__main__":
     out = jobs.train_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["MASTER_PORT"]),
                           int(sys.argv[1]), sys.argv[2], 3)
     if out is not None:
-        torch.save(out["state"], sys.argv[3])
+        torch.save({"state": out["state"], "eval_loss": out["eval_loss"]}, sys.argv[3])

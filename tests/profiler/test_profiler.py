@@ -89,18 +89,41 @@ def profile_and_train(rank: int, world: int, devices_by_stage: dict[int, list[Vi
     return out
 
 
-@pytest.fixture(scope="module")
-def truth() -> dict[int, list[int]]:
-    return {s: [true_mbs(d, r, s) for r, d in enumerate(make_devices())] for s in range(4)}
-
-
-@pytest.fixture(scope="module")
-def cluster_run(truth: dict[int, list[int]]) -> list[dict]:
-    """One 3-rank run that profiles (and then trains at) every stage 0-3."""
+def cluster_worker(rank: int, world: int, scenarios: list[tuple[list[VirtualDevice], int]]) -> dict:
+    """One 3-rank run for every test here: this rank's true mbs at every stage (a scan on local
+    engines, each rank its own, side by side), then the profile and training at every stage 0-3,
+    then the scenarios (``scenario_worker``)."""
+    truth = {s: true_mbs(make_devices()[rank], rank, s) for s in range(4)}
     devices = {s: make_devices() for s in range(4)}
-    # stage 3: an OOM in the middle of a forward (at the 2nd gather) on rank 1, at a batch that does not fit
-    devices[3][1].inject_oom(min_batch=truth[3][1] + 1, after_checks=3, where="gather")
-    return spawn(profile_and_train, WORLD, (devices,), timeout_s=400, collective_timeout_s=200)
+    if rank == 1:  # stage 3: an OOM in the middle of a forward (at the 2nd gather), at a batch that does not fit
+        devices[3][1].inject_oom(min_batch=truth[3] + 1, after_checks=3, where="gather")
+    return {"truth": truth, "stages": profile_and_train(rank, world, devices),
+            "scenarios": scenario_worker(rank, world, scenarios)}
+
+
+@pytest.fixture(scope="module")
+def cluster() -> tuple[dict[int, int], list[dict]]:
+    """The one cluster run of this module, and the batch-1 peaks its scenarios are built from: a
+    rank that fits batch 1 only from ZeRO-2 on (asked: ZeRO-0), and a rank that fits nothing even
+    at ZeRO-3 (asked: ZeRO-1)."""
+    peaks = {s: batch1_peak(2, s) for s in range(4)}
+    escalating = make_devices()
+    escalating[2] = VirtualDevice("tiny", (peaks[1] + peaks[2]) // 2, time_fn=CURVES[2])
+    hopeless = make_devices()
+    hopeless[1] = VirtualDevice("crumb", 50 * KB, time_fn=CURVES[1])
+    return peaks, spawn(cluster_worker, WORLD, ([(escalating, 0), (hopeless, 1)],), timeout_s=600,
+                        collective_timeout_s=200)
+
+
+@pytest.fixture(scope="module")
+def truth(cluster: tuple[dict[int, int], list[dict]]) -> dict[int, list[int]]:
+    return {s: [r["truth"][s] for r in cluster[1]] for s in range(4)}
+
+
+@pytest.fixture(scope="module")
+def cluster_run(cluster: tuple[dict[int, int], list[dict]]) -> list[dict]:
+    """Per rank, what it profiled (and then trained at) at every stage 0-3."""
+    return [r["stages"] for r in cluster[1]]
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -183,15 +206,10 @@ def batch1_peak(rank: int, stage: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def scenarios_run() -> tuple[dict[int, int], list[dict]]:
-    """One 3-rank run of two profiles: a rank that fits batch 1 only from ZeRO-2 on (asked: ZeRO-0),
-    and a rank that fits nothing even at ZeRO-3 (asked: ZeRO-1)."""
-    peaks = {s: batch1_peak(2, s) for s in range(4)}
-    escalating = make_devices()
-    escalating[2] = VirtualDevice("tiny", (peaks[1] + peaks[2]) // 2, time_fn=CURVES[2])
-    hopeless = make_devices()
-    hopeless[1] = VirtualDevice("crumb", 50 * KB, time_fn=CURVES[1])
-    return peaks, spawn(scenario_worker, WORLD, ([(escalating, 0), (hopeless, 1)],), timeout_s=300)
+def scenarios_run(cluster: tuple[dict[int, int], list[dict]]) -> tuple[dict[int, int], list[dict]]:
+    """The two profiles of ``cluster``'s scenarios: one escalating from ZeRO-0, one hopeless."""
+    peaks, results = cluster
+    return peaks, [r["scenarios"] for r in results]
 
 
 @pytest.mark.multiprocess

@@ -101,6 +101,7 @@ class FitMonitor:
             for rec in records:
                 k = rec["iteration"] + 1  # the iteration count after the step, as eval and the log use
                 self.board.add("train/loss", rec["loss"], k)
+                self.board.add("train/grad_norm", rec.get("grad_norm"), k)
                 self.board.add("train/lr", rec.get("lr"), k)
                 for r, rank in enumerate(rec["ranks"]):
                     self.board.add(f"memory/peak_bytes/rank{r}", rank.get("peak_bytes"), k)

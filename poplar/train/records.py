@@ -4,7 +4,8 @@ per-iteration records built from every rank's rows, the log window rank 0 prints
 
 Per iteration each rank records a ``StepRow``; every ``log_every`` iterations the ranks exchange
 them (one small object all-gather, at the same iteration on every rank) and every rank turns them
-into records: the iteration's loss and lr, its wall time (the slowest rank's) and, per rank, its
+into records: the iteration's loss, global gradient norm (before clipping; the same on every
+rank) and lr, its wall time (the slowest rank's) and, per rank, its
 samples, tokens, peak memory, compute seconds (collective time taken out), blocked communication
 time (waiting for slower ranks included) and idle time, the rest of its step (optimizer step,
 bookkeeping). Compute + comm + idle is the rank's step wall time, all three measured around the
@@ -31,6 +32,7 @@ class StepRow(NamedTuple):
     tokens: int
     peak_bytes: int
     lr: float  # the learning rate the iteration ran at
+    grad_norm: float | None = None  # the global gradient norm before clipping (None: the step was skipped)
 
 
 @dataclass
@@ -82,7 +84,7 @@ def iteration_records(rows: list[list[StepRow]], first: int) -> list[dict[str, A
     records = []
     for k in range(min(len(r) for r in rows)):
         at = [rank_rows[k] for rank_rows in rows]
-        records.append({"iteration": first + k, "loss": at[0].loss, "lr": at[0].lr,
+        records.append({"iteration": first + k, "loss": at[0].loss, "grad_norm": at[0].grad_norm, "lr": at[0].lr,
                         "wall_s": max(row.wall_s for row in at),
                         # per rank: compute + comm + idle = its wall (idle: neither forward/backward nor in a
                         # collective: the optimizer step, bookkeeping)
@@ -94,13 +96,16 @@ def iteration_records(rows: list[list[StepRow]], first: int) -> list[dict[str, A
 
 
 def window_message(engine: Any, records: list[dict[str, Any]], total: int, rates: str) -> str:
-    """Rank 0's log of a window of records: the median iteration against the plan's prediction,
-    the throughput ``rates`` and each rank's medians."""
+    """Rank 0's log of a window of records: the last iteration's loss and gradient norm, the
+    median iteration against the plan's prediction, the throughput ``rates`` and each rank's
+    medians."""
     wall = statistics.median(r["wall_s"] for r in records)
     pred = engine.plan.predicted_iteration_s
     vs = f" (predicted {pred:.4f} s, {(wall - pred) / pred:+.1%})" if pred else ""
+    norm = records[-1].get("grad_norm")
     return (f"iteration {engine.iteration}/{total}: loss {records[-1]['loss']:.4f}, "
-            f"{engine.global_batch_size / wall:.1f} samples/s, iteration {wall:.4f} s{vs}\n"
+            + (f"grad norm {norm:.3g}, " if norm is not None else "")
+            +             f"{engine.global_batch_size / wall:.1f} samples/s, iteration {wall:.4f} s{vs}\n"
             + (f"  {rates}\n" if rates else "") + _window_table(engine, records))
 
 

@@ -2,7 +2,7 @@
 
 ``ScalarLog.open(log_dir)`` returns a writer of scalars when the ``tensorboard`` package is
 installed and None otherwise; the import is lazy, so Poplar never needs it. Only rank 0 writes.
-Tags: ``train/loss``, ``train/lr``, ``eval/loss``, ``eval/perplexity``,
+Tags: ``train/loss``, ``train/grad_norm`` (the global gradient norm before clipping), ``train/lr``, ``eval/loss``, ``eval/perplexity``,
 ``throughput/tokens_per_s``, ``throughput/samples_per_s``, ``throughput/mfu``,
 ``memory/peak_bytes/rank{r}``, and each rank's ``time/compute_s/rank{r}``, ``time/comm_s/rank{r}``
 and ``time/idle_s/rank{r}`` (the log table's: compute with collectives taken out, time in

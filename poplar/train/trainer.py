@@ -164,7 +164,7 @@ class Trainer:
         run.losses.append(loss)
         run.rows.append(StepRow(loss=loss, wall_s=wall_s, compute_s=stats.compute_s, comm_s=comm_s,
                                 samples=stats.samples, tokens=tokens, peak_bytes=peak_bytes,
-                                lr=monitor.lr(engine.iteration - 1)))
+                                lr=monitor.lr(engine.iteration - 1), grad_norm=engine.last_grad_norm))
         run.bar.update(1)
         run.bar.set_postfix(loss=f"{loss:.4f}")
 

@@ -96,7 +96,7 @@ class ZeroRuntime:
         self.loss_fn = loss_fn
         self.max_grad_norm = max_grad_norm
         self.iteration = 0
-        self.last_grad_norm: float | None = None
+        self.last_grad_norm: float | None = None  # the last step's global norm before clipping (None: skipped)
         self.last_loss_count: float | None = None
         self.last_stats: IterationStats | None = None
         self.observers = Observers()
@@ -291,6 +291,7 @@ class ZeroRuntime:
         with self.comm_ledger.scope(Phase.STEP, micro_step=-1):
             self.stage.close_micro_steps()
             status = self._agree_status(error, cause)
+            self.last_grad_norm = None  # a skipped step has none
             if status.nonfinite_ranks:
                 self._skip_step(status)
             elif status.empty:
@@ -331,7 +332,7 @@ class ZeroRuntime:
         self.stage.reduce_gradients()
         norm = clip_and_unscale(self.stage.grad_tensors(), self.comm, self.stage.grads_sharded, self.max_grad_norm,
                                 self.loss_scale * divisor)
-        self.last_grad_norm = norm if self.max_grad_norm is not None else self.last_grad_norm
+        self.last_grad_norm = norm
         self.stage.optimizer_step()
         self.stage.zero_grad()
         self.nonfinite.on_step()
@@ -413,20 +414,18 @@ class ZeroRuntime:
 
 
 def clip_and_unscale(grads: list[torch.Tensor], comm: Communicator, sharded: bool, max_norm: float | None,
-                     divisor: float = 1.0) -> float | None:
+                     divisor: float = 1.0) -> float:
     """Divide ``grads`` by ``divisor`` and clip them to ``max_norm`` (None: no clipping), in place.
-    Returns the global norm of the divided gradients before clipping (None without clipping).
+    Returns the global norm of the divided gradients before clipping.
 
     The gradients a rank holds after ``reduce_gradients`` are the full reduced gradients (stage 0)
     or its shards (stages 1-3, whose squared norms are summed over ranks in one all-reduce). They
     are ``divisor`` times the true gradients: the fp16 loss scale, times the global count when the
     losses were (loss_sum, count) pairs (docs/design.md §2). The norm is divided by the divisor, and
-    the division and the clipping coefficient become one multiply of each buffer."""
-    if max_norm is None:
-        if divisor != 1.0:
-            for g in grads:
-                g.mul_(1.0 / divisor)
-        return None
+    the division and the clipping coefficient become one multiply of each buffer. The norm is
+    measured with clipping off too (the run's records report it beside the loss): at stages 1-3
+    that is the same one-scalar all-reduce; the status reduction cannot carry it, as it precedes
+    the gradient reduction whose result the norm is of."""
     sq = torch.zeros((), dtype=torch.float64, device=comm.device)
     for g in grads:
         sq += g.detach().double().pow(2).sum()
@@ -434,7 +433,7 @@ def clip_and_unscale(grads: list[torch.Tensor], comm: Communicator, sharded: boo
         sq = sq.reshape(1)
         comm.all_reduce(sq, tag="grad_norm")
     norm = float(sq.sum().sqrt()) / divisor
-    coef = max_norm / (norm + 1e-6)
+    coef = 1.0 if max_norm is None else max_norm / (norm + 1e-6)
     factor = min(coef, 1.0) / divisor
     if factor != 1.0:
         for g in grads:

@@ -67,3 +67,36 @@ def test_resumed_fit_equals_uninterrupted_bitwise(tmp_path: Path) -> None:
     names = {e["name"] for e in trace["traceEvents"]}
     assert {"micro-step 0", "micro-step 2", "reduce_scatter"} <= names
     assert json.loads((tmp_path / "report" / "plan.json").read_text())["global_batch_size"] == 9
+
+
+def grad_norm_rank(rank: int, world: int, tmp: str) -> None:
+    model = create_model("llama-tiny", seed=3, max_seq_len=16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    engine = PoplarEngine(model, opt, zero_stage=2, plan=PLAN, loss_fn=llama_loss_fn)  # no clipping
+    fit(engine, TextBlocks(seq_len=16), 4, report=ReportOptions(tmp, log_every=2, progress=False),
+        config=FitConfig(loader=LoaderOptions(seed=7)))
+
+
+@pytest.mark.multiprocess
+def test_metrics_hold_the_global_grad_norm_of_one_process(tmp_path: Path) -> None:
+    """The gradient norm recorded per iteration, measured with clipping off, is the total norm
+    one process gets on the whole global batch (2 uneven ranks, ZeRO-2: sharded gradients)."""
+    from torch.utils.data import default_collate
+
+    from poplar.train.data import GlobalBatchSampler
+
+    spawn(grad_norm_rank, 2, (str(tmp_path),), timeout_s=120, collective_timeout_s=60)
+    records = json.loads((tmp_path / "metrics.json").read_text())["iterations"]
+    data = TextBlocks(seq_len=16)
+    model = create_model("llama-tiny", seed=3, max_seq_len=16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    sampler = GlobalBatchSampler(len(data), PLAN.global_batch_size, seed=7)
+    norms = []
+    for k in range(4):
+        opt.zero_grad()
+        llama_loss_fn(model, default_collate([data[i] for i in sampler.indices(k)])).backward()
+        norms.append(float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))))
+        opt.step()
+    assert [r["iteration"] for r in records] == [0, 1, 2, 3]
+    assert [r["grad_norm"] for r in records] == pytest.approx(norms, rel=1e-5, abs=1e-5)
+    assert len(set(round(n, 3) for n in norms)) == 4  # four different steps, not one value repeated

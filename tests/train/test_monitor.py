@@ -113,4 +113,7 @@ def test_fit_evaluates_schedules_measures_and_resumes(tmp_path: Path) -> None:
     assert r["tps"] == pytest.approx(sum(6 * (SEQ + 1) for _ in last_run) / sum(it["wall_s"] for it in last_run))
     assert all(rank["peak_bytes"] > 0 for it in its for rank in it["ranks"])
     assert metrics["throughput"]["formula"].startswith("MFU = flops_per_token")
-    assert any((tmp_path / "report" / "tensorboard").glob("events.out.tfevents.*"))
+    events = list((tmp_path / "report" / "tensorboard").glob("events.out.tfevents.*"))
+    assert events
+    assert b"train/grad_norm" in b"".join(e.read_bytes() for e in events)  # beside train/loss
+    assert all(it["grad_norm"] > 0 for it in its)

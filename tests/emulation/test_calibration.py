@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from poplar.zero.config import ZeroConfig
 from poplar.emulation import SaturatingCurve, VirtualDevice
 from poplar.emulation.calibration import (TimingJob, batches_to_time, combine, interpolate, time_scale_needed,
                                          time_trials)
@@ -71,7 +72,7 @@ def test_time_trials_measure_every_batch_and_pass_every_barrier() -> None:
 
 def _steps(device: VirtualDevice, n: int) -> None:
     model = WORKLOAD.model_fn()
-    engine = local_engine(model, default_optimizer(model), world_size=1, rank=0, zero_stage=0,
+    engine = local_engine(model, default_optimizer(model), world_size=1, rank=0, zero_stage=ZeroConfig(0),
                           device=torch.device("cpu"))
     with device.attach(engine):
         for _ in range(n):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from poplar.zero.config import ZeroConfig
 from poplar.emulation.emulate import cluster_devices
 from poplar.emulation.faults import FaultSchedule
 from poplar.profiler.local_comm import local_engine
@@ -34,7 +35,7 @@ def test_virtual_device_follows_the_runtime_iteration() -> None:
                                                                           memory_factor=0.5, memory_from=2)})[0]
     base_time, base_cap = device.time_s(4), device.capacity_bytes
     model = make_model()
-    runtime = local_engine(model, make_optimizer(model, "sgd"), world_size=1, rank=0, zero_stage=0,
+    runtime = local_engine(model, make_optimizer(model, "sgd"), world_size=1, rank=0, zero_stage=ZeroConfig(0),
                            device=torch.device("cpu"))
     with device.attach(runtime), device.unpadded():
         assert device.time_s(4) == base_time and device.capacity_bytes == base_cap  # iteration 0
@@ -47,7 +48,7 @@ def test_virtual_device_follows_the_runtime_iteration() -> None:
 
 def test_memory_fault_raises_out_of_memory_at_its_iteration() -> None:
     model = make_model()
-    runtime = local_engine(model, make_optimizer(model, "sgd"), world_size=1, rank=0, zero_stage=0,
+    runtime = local_engine(model, make_optimizer(model, "sgd"), world_size=1, rank=0, zero_stage=ZeroConfig(0),
                            device=torch.device("cpu"))
     device = VirtualDevice("v", 40_000)
     device.faults = FaultSchedule(memory_factor=0.25, memory_from=1)

@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 
+from poplar.zero.config import ZeroConfig
 from poplar.comm import Communicator
 from poplar.emulation import VirtualDevice
 from poplar.profiler.local_comm import local_engine
@@ -31,7 +32,7 @@ def _runtime(offload: Offload):
     torch.manual_seed(0)
     model = make_model()
     runtime = local_engine(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), world_size=2, rank=0,
-                           zero_stage=2, device=torch.device("cpu"))
+                           zero_stage=ZeroConfig(2), device=torch.device("cpu"))
     runtime.set_plan(Plan([RankPlan(2, 1, 0, offload=offload), RankPlan(0, 0, 0)]))  # the others: none
     return runtime
 

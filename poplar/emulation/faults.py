@@ -1,5 +1,5 @@
 """Injected drift for tests and benches: a virtual device that slows down, recovers, or loses
-memory while training (docs/design.md §11).
+memory while training (docs/design.md §10).
 
 A ``FaultSchedule`` is plain data set on a ``VirtualDevice`` (``device.faults``, or
 ``EmulatedCluster(..., faults={rank: schedule})``). Its clock is the iteration of the runtime

@@ -1,4 +1,4 @@
-"""Which ranks keep their optimizer in host memory, priced with the batches (docs/design.md §12).
+"""Which ranks keep their optimizer in host memory, priced with the batches (docs/design.md §11).
 
 What a rank gains. An offloading rank (``Offload.OPTIMIZER``) keeps its shard of the optimizer
 state, and under mixed precision its fp32 master shard, in host memory: per element of its

@@ -1,4 +1,4 @@
-"""The choice of where each rank's optimizer lives, with its shard weights (docs/design.md §12):
+"""The choice of where each rank's optimizer lives, with its shard weights (docs/design.md §11):
 every (shard weights, offload placement) candidate is planned on the profile as that pair would
 have measured it (``offload_pricing.reshaped``) and priced with its offload seconds; the fastest
 wins, but a plan without offload is kept when it is predicted within the plan's tie (even shards

@@ -1,5 +1,5 @@
 """Re-planning while training: when a rank's speed or memory drifts, correct its curve from live
-measurements, plan again and switch plans between iterations (docs/design.md §11).
+measurements, plan again and switch plans between iterations (docs/design.md §10).
 
 ``fit(..., replan=...)`` drives a ``Replanner`` instead of calling ``engine.train_step`` itself:
 

@@ -1,6 +1,6 @@
 """A failed iteration as data: which ranks failed and how, so a caller can recover from the
 failures it knows (an out-of-memory error at a rank's micro-batch: re-plan and retry,
-docs/design.md §11) and re-raise the rest.
+docs/design.md §10) and re-raise the rest.
 
 ``IterationFailed`` is the ``DistributedError`` the status reduction raises on every rank when
 some rank failed (docs/design.md §3.4); every rank gets the same ``failures``.

@@ -64,7 +64,7 @@ def train(raw: dict, micro_batch: int) -> tuple[list[float], list[float], float]
     import torch
     from torch.utils.data import default_collate
 
-    from poplar.cli.run_parts import build_parts
+    from poplar.train.run_parts import build_parts
     from poplar.train.config import TrainConfig
     from poplar.train.data import GlobalBatchSampler
     from poplar.train.schedule import apply_lr

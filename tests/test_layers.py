@@ -16,25 +16,29 @@ import pytest
 
 # each layer and the layers it may import (itself always); the package root is the public facade
 LAYERS: dict[str, set[str]] = {
-    "types": set(),
-    "planner": {"types"},
-    "workloads": {"types"},
-    "comm": {"types"},
-    "zero": {"types", "comm"},
-    "profiler": {"types", "comm", "zero"},
-    "auto": {"types", "comm", "zero", "profiler", "planner"},
-    "engine": {"types", "comm", "zero", "profiler", "planner", "auto"},
-    "checkpoint": {"types", "comm", "zero"},
+    # Poplar's logger and progress bar: every layer may report
+    "logs": set(),
+    "types": {"logs"},
+    "planner": {"logs", "types"},
+    "workloads": {"logs", "types"},
+    "comm": {"logs", "types"},
+    "zero": {"logs", "types", "comm"},
+    # the planner is pure (types only): the profiler uses its shard memory and lead terms
+    "profiler": {"logs", "types", "comm", "zero", "planner"},
+    "auto": {"logs", "types", "comm", "zero", "profiler", "planner"},
+    "engine": {"logs", "types", "comm", "zero", "profiler", "planner", "auto"},
+    "checkpoint": {"logs", "types", "comm", "zero"},
     # the loop, and a run built from a config: its built-in models and data (workloads) too
-    "train": {"types", "comm", "zero", "profiler", "planner", "auto", "engine", "checkpoint", "workloads"},
+    "train": {"logs", "types", "comm", "zero", "profiler", "planner", "auto", "engine", "checkpoint", "workloads"},
     # above the training loop: the doors of other frameworks' loops (optional dependencies)
-    "integrations": {"types", "comm", "zero", "profiler", "planner", "auto", "engine", "checkpoint", "train",
+    "integrations": {"logs", "types", "comm", "zero", "profiler", "planner", "auto", "engine", "checkpoint", "train",
                      "workloads"},
-    "cli": {"types", "comm", "zero", "profiler", "planner", "auto", "engine", "checkpoint", "train", "workloads",
-            "facade", "emulation", "integrations"},
-    "facade": {"types", "comm", "zero", "profiler", "planner", "auto", "engine", "checkpoint", "train", "workloads"},
+    "cli": {"logs", "types", "comm", "zero", "profiler", "planner", "auto", "engine", "checkpoint", "train",
+            "workloads", "facade", "emulation", "integrations"},
+    "facade": {"logs", "types", "comm", "zero", "profiler", "planner", "auto", "engine", "checkpoint", "train",
+               "workloads"},
     # beside the product: it may use any product layer; only the command line (and tests, benches) use it
-    "emulation": {"types", "comm", "zero", "profiler", "planner", "auto", "engine", "checkpoint", "train",
+    "emulation": {"logs", "types", "comm", "zero", "profiler", "planner", "auto", "engine", "checkpoint", "train",
                   "workloads"},
 }
 PRODUCT = set(LAYERS) - {"cli", "emulation"}

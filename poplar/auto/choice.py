@@ -21,7 +21,7 @@ from poplar.profiler.candidate_run import ChoiceRecord, TimingRequest
 from poplar.profiler.configurations import ConfigCapacity, Reuse, ShardMemory
 from poplar.profiler.escalation import OffloadEscalation
 from poplar.types.configuration import Configuration
-from poplar.types.logs import progress_bar
+from poplar.logs import progress_bar
 from poplar.types.profiles import AutoChoice, Profile, ProfileError
 
 

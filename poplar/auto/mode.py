@@ -51,7 +51,7 @@ from poplar.profiler.profile_run import OneConfiguration, ProfileJob, ProfileOpt
 from poplar.profiler.store import ProfileStore, default_store_dir
 from poplar.profiler.store_reuse import StoreRequest
 from poplar.types.configuration import Configuration, heaviest
-from poplar.types.logs import log
+from poplar.logs import log
 from poplar.types.plans import Offload, Plan, PlanError
 from poplar.types.precision import MixedPrecision, precision_of, resolve_precision
 from poplar.types.profiles import Profile, ProfileError

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from poplar.comm.failure import FailureReporting
-from poplar.types.logs import log
+from poplar.logs import log
 from poplar.types.precision import MixedPrecision
 from poplar.train.config import ConfigError, TrainConfig
 from poplar.train.preemption import Preempted

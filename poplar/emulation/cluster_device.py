@@ -29,7 +29,7 @@ from poplar.emulation.faults import FaultSchedule
 from poplar.emulation.presets import get_preset
 from poplar.emulation.speed_curves import PresetCurve
 from poplar.emulation.virtual_device import VirtualDevice
-from poplar.types.logs import log
+from poplar.logs import log
 from poplar.types.precision import Precision, precision_of
 from poplar.types.profiles import Profile, ProfileError
 

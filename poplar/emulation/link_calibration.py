@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from poplar.emulation.virtual_link import LinkSpec, VirtualLink
-from poplar.types.profiles import bus_bytes
+from poplar.planner.cost_model import bus_bytes
 
 LINK_QUANTILE = 0.9
 LINK_MARGIN = 0.8  # the real collectives' quantile at most this share of the link's time

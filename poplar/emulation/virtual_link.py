@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from poplar.types.profiles import bus_bytes
+from poplar.planner.cost_model import bus_bytes
 
 
 SLOTS = 1 << 14  # rows of the board: far more than the collectives a rank can issue ahead of another

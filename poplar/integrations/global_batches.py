@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 from torch.utils.data import DataLoader, Sampler, default_collate
 
-from poplar.types.batches import slice_batch
+from poplar.zero.batches import slice_batch
 from poplar.types.plans import Plan
 
 

@@ -62,8 +62,8 @@ from poplar.comm.group_exit import end_process_group_at_exit
 from poplar.comm.timeouts import COLLECTIVE_TIMEOUT_S, set_collective_timeout
 from poplar.engine import PoplarEngine
 from poplar.integrations.rank_failure import run_as_one_job
-from poplar.types.batches import batch_size_of, slice_batch
-from poplar.types.logs import log
+from poplar.zero.batches import batch_size_of, slice_batch
+from poplar.logs import log
 from poplar.types.plans import Plan
 from poplar.zero.config import ZeroConfig
 

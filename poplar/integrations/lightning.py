@@ -67,7 +67,7 @@ from poplar.comm.timeouts import COLLECTIVE_TIMEOUT_S, set_collective_timeout
 from poplar.engine import PoplarEngine
 from poplar.integrations.global_batches import RankDataLoader, rank_dataloader
 from poplar.integrations.rank_failure import run_as_one_job
-from poplar.types.logs import log
+from poplar.logs import log
 from poplar.types.plans import Plan
 from poplar.zero.config import ZeroConfig
 from poplar.zero.wrap import default_blocks

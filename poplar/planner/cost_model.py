@@ -55,7 +55,14 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from poplar.planner.curves import SpeedCurve
-from poplar.types.profiles import bus_bytes, lead_change
+from poplar.planner.lead import lead_change
+
+
+def bus_bytes(op: str, nbytes: float, world_size: int) -> float:
+    """Bytes a ring moves for one collective of a ``nbytes`` buffer (the full, unsharded size):
+    2 (N-1)/N of it for an all-reduce, (N-1)/N for a reduce-scatter or an all-gather."""
+    n = world_size
+    return (2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n) * nbytes
 
 
 Ops = tuple[tuple[str, float], ...]  # (op, bytes of the full buffer) per collective

@@ -34,7 +34,7 @@ from typing import Sequence
 
 from poplar.types.plans import shares_of
 from poplar.types.profiles import Profile
-from poplar.types.shard_memory import (activation_bytes, blended, emptied_blend, knows_shard_memory, mbs_at,
+from poplar.planner.shard_memory import (activation_bytes, blended, emptied_blend, knows_shard_memory, mbs_at,
                                        measured_shares, memory_weights, proportional_weights, sharded_bytes)
 
 BLENDS = (0.25, 0.5, 0.75, 1.0)  # steps from even (0) to memory-proportional (1) shares

@@ -30,7 +30,7 @@ from typing import Any, Iterator
 
 import torch
 
-from poplar.types.batches import move_to_device
+from poplar.zero.batches import move_to_device
 from poplar.zero.observers import MicroStep, StepObserver
 from poplar.zero.runtime import ZeroRuntime
 

@@ -66,7 +66,8 @@ from typing import NamedTuple
 import numpy as np
 
 from poplar.profiler.timing import RoundFacts
-from poplar.types.profiles import LEAD_SCALE, LED_ROUNDS_LEAD, SMALL_LEAD, Exposure, LedExposure, lead_change
+from poplar.types.profiles import Exposure, LedExposure
+from poplar.planner.lead import LEAD_SCALE, LED_ROUNDS_LEAD, SMALL_LEAD, lead_change
 
 # Round counts and thresholds. Each was chosen on the CPU emulator (emulated clusters on a 2-core
 # machine; docs/experiments.md), not on GPUs; where the profiler measures the quantity instead,

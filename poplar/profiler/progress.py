@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator
 
 from poplar.comm import Communicator
 from poplar.profiler.phases import PhaseRecord, ProfilePhase
-from poplar.types.logs import progress_bar
+from poplar.logs import progress_bar
 from poplar.types.profiles import Profile
 
 WHAT = {ProfilePhase.CAPACITY: "capacity search", ProfilePhase.TIMING: "timing", ProfilePhase.COMM: "collectives"}

@@ -26,7 +26,7 @@ from typing import Any
 from poplar.profiler.exposure import ExposureRounds
 from poplar.profiler.timing import Confirmation, TimingGrid, timing_batches
 from poplar.types.profiles import PastMbs, Profile, ProfileError
-from poplar.types.shard_memory import blended, emptied_blend, knows_shard_memory, mbs_at, proportional_weights
+from poplar.planner.shard_memory import blended, emptied_blend, knows_shard_memory, mbs_at, proportional_weights
 
 
 def sizes_past_mbs(profile: Profile, max_batch: int) -> tuple[tuple[float, ...], list[list[int]]] | None:

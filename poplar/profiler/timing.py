@@ -31,10 +31,11 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 import torch
 
-from poplar.types.logs import progress_bar
+from poplar.logs import progress_bar
 from poplar.profiler.devices import Device
 from poplar.profiler.local_comm import round_plan
-from poplar.types.profiles import CommProfile, Links, ProfilePoint, bus_bytes
+from poplar.types.profiles import CommProfile, Links, ProfilePoint
+from poplar.planner.cost_model import bus_bytes
 from poplar.comm import Communicator
 from poplar.zero.observers import MicroStep, StepObserver
 from poplar.zero.runtime import PlanCheck, ZeroRuntime

@@ -22,7 +22,7 @@ import poplar.checkpoint as checkpoint
 from poplar.checkpoint import kept, lock
 from poplar.train.data import PlanLoader
 from poplar.train.options import CheckpointOptions
-from poplar.types.logs import log
+from poplar.logs import log
 
 
 def claim(comm: Any, directory: str | Path) -> None:

@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils.data import Dataset, default_collate
 
-from poplar.types.batches import move_to_device, slice_batch
+from poplar.zero.batches import move_to_device, slice_batch
 from poplar.types.plans import Plan, PlanError
 
 __all__ = ["GlobalBatchSampler", "LoaderOptions", "PlanLoader", "move_to_device"]

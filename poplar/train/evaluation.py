@@ -31,7 +31,7 @@ import torch
 from torch.utils.data import default_collate
 
 from poplar.comm import Phase
-from poplar.types.batches import batch_size_of, move_to_device
+from poplar.zero.batches import batch_size_of, move_to_device
 from poplar.types.plans import Plan
 
 

@@ -32,7 +32,7 @@ import torch
 from poplar.train.config import ConfigError, TrainConfig
 from poplar.train.placement_config import offload_rows
 from poplar.train.run_parts import RunParts
-from poplar.types.logs import log
+from poplar.logs import log
 from poplar.types.plans import Offload, Plan, shares_of
 
 if TYPE_CHECKING:

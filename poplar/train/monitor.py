@@ -25,7 +25,7 @@ from poplar.train.schedule import LRSchedule, apply_lr
 from poplar.train.tensorboard import ScalarLog
 from poplar.train.throughput import (RankDevice, count_tokens, describe, model_flops_per_token, peak_memory_bytes,
                                      rank_device, throughput)
-from poplar.types.logs import log
+from poplar.logs import log
 
 
 class FitMonitor:

@@ -38,7 +38,7 @@ from typing import Any
 from poplar.planner import make_problem, plan as make_plan
 from poplar.planner.cost_model import evaluate_rows
 from poplar.train.data import PlanLoader
-from poplar.types.logs import log
+from poplar.logs import log
 from poplar.types.plans import Plan, PlanError
 from poplar.types.profiles import Profile, ProfilePoint, RankProfile
 from poplar.zero.failures import IterationFailed

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from poplar.train.pictures import cluster_name, write_curves_png, write_loss_png
-from poplar.types.logs import log
+from poplar.logs import log
 from poplar.types.plans import write_text_atomic
 
 if TYPE_CHECKING:

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from poplar.train.config import ConfigError, TrainConfig
-from poplar.types.logs import log
+from poplar.logs import log
 
 
 @dataclass

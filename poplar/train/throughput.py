@@ -11,7 +11,7 @@ Rates, over the measured iterations (warm-up excluded), with W_k the wall time o
     tokens/s  = Σ_k tokens_k / Σ_k W_k          samples/s = Σ_k gbs / Σ_k W_k
 
 MFU, for ranks with peaks P_r (FLOP/s of rank r's device at the run's compute precision,
-``poplar.types.peak_flops``: the emulated card's for a virtual device, the GPU's own on CUDA):
+``poplar.train.peak_flops``: the emulated card's for a virtual device, the GPU's own on CUDA):
 
     MFU = F · tokens/s / Σ_r P_r
 
@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from poplar.types.peak_flops import peak_flops
+from poplar.train.peak_flops import peak_flops
 
 
 def count_tokens(batch: Any) -> int:

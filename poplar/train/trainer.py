@@ -40,7 +40,7 @@ from poplar.train.preemption import Preempted, StopSignals
 from poplar.train.records import FitResult, RunClock, StepRow, iteration_records, summarize, window_message
 from poplar.train.replan import Replanner, ReplanOptions, make_replanner
 from poplar.train.report import Reports
-from poplar.types.logs import log, progress_bar
+from poplar.logs import log, progress_bar
 
 if TYPE_CHECKING:
     import os

@@ -31,8 +31,8 @@ from typing import Any, Callable
 import torch
 
 from poplar.comm import Communicator
-from poplar.types.batches import batch_size_of
-from poplar.types.logs import log
+from poplar.zero.batches import batch_size_of
+from poplar.logs import log
 from poplar.types.plans import RankPlan
 from poplar.zero.nonfinite import NonFiniteGuard, Verdict
 

@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from poplar.comm import CommLedger, Communicator, DistributedError, Phase
-from poplar.types.batches import batch_size_of, slice_batch
-from poplar.types.logs import log
+from poplar.zero.batches import batch_size_of, slice_batch
+from poplar.logs import log
 from poplar.types.plans import Plan, PlanError
 from poplar.types.precision import MixedPrecision
 from poplar.zero import activation_checkpointing as checkpointing

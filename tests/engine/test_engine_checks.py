@@ -89,7 +89,7 @@ def test_bad_batch_on_one_rank(stage: int) -> None:
 
 
 def test_batch_structure_errors() -> None:
-    from poplar.types.batches import batch_size_of, slice_batch
+    from poplar.zero.batches import batch_size_of, slice_batch
     assert batch_size_of({"x": torch.zeros(4, 2), "y": (torch.zeros(4), "meta")}) == 4
     with pytest.raises(ValueError, match="disagree"):
         batch_size_of((torch.zeros(4), torch.zeros(3)))

@@ -9,9 +9,8 @@ import pytest
 
 from poplar.planner.cost_model import CommModel, evaluate_rows
 from poplar.planner.curves import SpeedCurve
-from poplar.types.profiles import (LED_ROUNDS_LEAD, CommProfile, Exposure, LedExposure, Links, Profile, ProfileError,
-                                   ProfilePoint, RankProfile,
-                                   lead_change)
+from poplar.types.profiles import CommProfile, Exposure, LedExposure, Links, Profile, ProfileError, ProfilePoint, RankProfile
+from poplar.planner.lead import LED_ROUNDS_LEAD, lead_change
 
 
 def test_the_change_is_a_straight_line_without_a_small_lead():

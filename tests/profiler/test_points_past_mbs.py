@@ -18,7 +18,7 @@ from poplar.planner.planning import plan
 from poplar.profiler.profile_run import ProfileOptions, profile_rank
 from poplar.profiler.shard_room import sizes_past_mbs
 from poplar.types.profiles import Profile, ProfileError, ProfilePoint
-from poplar.types.shard_memory import blended, emptied_blend, proportional_weights
+from poplar.planner.shard_memory import blended, emptied_blend, proportional_weights
 from tests.timing_reference import latest_wake_up
 from tests.toy import SEQ, VOCAB, loss_fn, make_model
 

@@ -17,7 +17,7 @@ from poplar.train import EvalOptions, FitConfig, ReportOptions, fit
 from poplar.train.config import TrainConfig
 from poplar.train.schedule import LRSchedule
 from poplar.train.throughput import RankDevice, count_tokens, throughput
-from poplar.types.peak_flops import DEVICE_TYPE_PEAK_TFLOPS, peak_flops
+from poplar.train.peak_flops import DEVICE_TYPE_PEAK_TFLOPS, peak_flops
 from poplar.emulation.presets import PRESETS
 from tests.toy import SEQ, global_batch, loss_fn, make_model, plan_of
 

@@ -8,7 +8,7 @@ import pickle
 import pytest
 import torch
 
-from poplar.types.batches import batch_size_of, slice_batch
+from poplar.zero.batches import batch_size_of, slice_batch
 from poplar.workloads.models import BertModel, LlamaModel, count_params
 from poplar.workloads.text import IGNORE_INDEX, VOCAB_SIZE
 from poplar.workloads import DEFAULT_WORKLOAD, WORKLOADS, TokenMLP, get_workload

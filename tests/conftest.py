@@ -5,8 +5,6 @@ import os
 import pytest
 import torch
 
-from poplar.comm import launch
-
 
 @pytest.fixture(autouse=True, scope="session")
 def one_thread():
@@ -20,12 +18,6 @@ def one_thread():
 # Tests are hermetic: auto mode keeps no profiles in the user's cache unless a test gives a
 # store (AutoOptions(store=...)); spawned ranks inherit the setting.
 os.environ.setdefault("POPLAR_PROFILE_STORE", "off")
-
-# Ranks the tests start (``poplar.comm.launch.spawn``) fork from a server that imported
-# ``launch.PRELOAD`` once. Every rank builds an optimizer, and torch imports ``torch._dynamo`` at
-# the first one (about 1 s of CPU): imported in the server instead, no rank pays for it again.
-if "torch._dynamo" not in launch.PRELOAD:
-    launch.PRELOAD.append("torch._dynamo")
 
 
 # The files that take longest, longest first (their share of `make test`'s test time on this

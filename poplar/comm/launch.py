@@ -58,7 +58,9 @@ def _loads(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
-PRELOAD = ["torch", "torch.distributed", "poplar"]  # what the fork server imports once for every rank
+# what the fork server imports once for every rank; torch imports ``torch._dynamo`` at a rank's
+# first optimizer (about 1 s of CPU), so it is imported once here rather than in every rank
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "poplar"]
 
 
 def _context() -> Any:

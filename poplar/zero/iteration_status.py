@@ -12,9 +12,10 @@ A micro-step's loss comes in one of two kinds, and a rank's ``LossAccumulator`` 
   power of two w near 1 / (the previous iteration's global count; gbs at first) and the divisor is
   count x w: multiplying by a power of two is exact, so the result is bitwise the same for any w.
 
-The iteration ends with the status reduction: one all-reduce of 7 + 2 x world float64 numbers
+The iteration ends with the status reduction: one all-reduce of 7 + 3 x world float64 numbers
 (loss sum, samples, failed flag, non-finite flag, count, and whether it used mean or sum
-losses, then one slot pair per rank that only that rank fills: its compute seconds and samples,
+losses, then three slots per rank that only that rank fills: its compute seconds, its samples
+and whether its own loss was non-finite (so a message can name the ranks),
 so the sum hands every rank every rank's measured compute with no collective of its own, which
 drift detection reads), so every rank reaches the same verdict: a failure, a sample total other than gbs, loss
 kinds mixed across ranks or an invalid count is an error on every rank; otherwise the step's

@@ -170,7 +170,7 @@ def test_profile_finds_true_mbs_and_curve(stage: int, truth: dict[int, list[int]
     ops = {op for op, _ in c.micro_step}
     assert c.collectives_stage == stage and ops == {0: set(), 1: set(), 2: {"reduce_scatter"},
                                                     3: {"all_gather", "reduce_scatter"}}[stage]
-    assert ("all_reduce", 8 * (7 + 2 * WORLD)) in [tuple(x) for x in c.iteration]  # the status all-reduce (7 + 2N float64)
+    assert ("all_reduce", 8 * (7 + 3 * WORLD)) in [tuple(x) for x in c.iteration]  # the status all-reduce (7 + 3N float64)
     x = c.exposure
     assert x.micro_step_s >= 0 and x.iteration_s > 0 and x.overhead_s >= 0
     assert (x.micro_step_s > 0) == (stage >= 2)

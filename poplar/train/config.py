@@ -17,7 +17,8 @@ directory, as DeepSpeed's are.
       "bf16": {"enabled": true},                   or "fp16": {"enabled": true, "loss_scale": 0, ...}
       "poplar": {
         "iterations": 100,                          train until this iteration
-        "model": "llama-small",                     or {"name": "llama-small", "max_seq_len": 64, ...},
+        "model": "llama-small",                     required (there is no default model): a built-in name,
+                                                    {"name": "llama-small", "max_seq_len": 64, ...},
                                                     {"hf_config": "gpt2/config.json", "n_layer": 2} (a Hugging
                                                     Face config, randomly initialised), {"hf_pretrained": "dir"}
                                                     (fine-tune: from_pretrained weights, the dir's
@@ -105,6 +106,12 @@ POPLAR_KEYS = {"iterations", "model", "data", "cluster", "strategy", "shards", "
                "activation_checkpointing"}
 
 
+NO_MODEL = ('the config names no model: add a "poplar" section with "model": a built-in name ("llama-small", '
+            '"llama-tiny", "bert-tiny", ...), {"hf_config": "config.json"} (a Hugging Face config, randomly '
+            'initialised), {"hf_pretrained": "dir"} (a save_pretrained directory, fine-tuned) or '
+            '"package.module:function" (your own factory), e.g. "poplar": {"model": "llama-small", "iterations": 100}')
+
+
 class ConfigError(ValueError):
     """A config that cannot be run; the message names the key and the fix."""
 
@@ -124,7 +131,7 @@ class TrainConfig:
     scheduler: str | None = None
     scheduler_params: dict[str, Any] = field(default_factory=dict)
     iterations: int = 100
-    model: str = "llama-small"
+    model: str | None = None  # a built-in name; None with no other kind: the config names no model (an error)
     model_overrides: dict[str, Any] = field(default_factory=dict)
     model_hf_config: str | None = None  # a Hugging Face config.json (then ``model`` is unused)
     model_hf_pretrained: str | None = None  # a save_pretrained directory: its weights and tokenizer
@@ -157,7 +164,10 @@ class TrainConfig:
     # ------------------------------------------------------------------ reading
     @classmethod
     def load(cls, path: str | os.PathLike) -> "TrainConfig":
-        return cls.from_dict(read_json(path, "config file", ConfigError))
+        """The config file of a run: read, and checked to name a model before any rank starts."""
+        cfg = cls.from_dict(read_json(path, "config file", ConfigError))
+        cfg.check_model()
+        return cfg
 
     @classmethod
     def from_dict(cls, raw: Any) -> "TrainConfig":
@@ -190,6 +200,13 @@ class TrainConfig:
         _read_poplar(cfg, _get(raw, "poplar", dict, {}))
         cfg.offload = read_offload(zero, _get(raw, "poplar", dict, {}), ConfigError)
         return cfg
+
+    def check_model(self) -> None:
+        """A run needs a model the config names: there is no default, since a DeepSpeed config
+        without a ``poplar`` section would otherwise train some model the user never chose."""
+        if self.model is None and self.model_hf_config is None and self.model_hf_pretrained is None \
+                and self.model_factory is None:
+            raise ConfigError(NO_MODEL)
 
     # ------------------------------------------------------------------ derived
     def global_batch_size(self, world_size: int) -> int:
@@ -315,7 +332,8 @@ def _read_optimizer(cfg: TrainConfig, raw: dict) -> None:
 def _read_poplar(cfg: TrainConfig, p: dict) -> None:
     _no_unknown(p, POPLAR_KEYS, '"poplar"')
     cfg.iterations = _int(p, "iterations", cfg.iterations, minimum=0, where='"poplar"')
-    _read_model(cfg, p.get("model", cfg.model))
+    if "model" in p:
+        _read_model(cfg, p["model"])
     _read_data(cfg, _get(p, "data", dict, {}) or {})
     cfg.eval_every = _int(p, "eval_every", None, where='"poplar"')
     cfg.tensorboard = p.get("tensorboard")

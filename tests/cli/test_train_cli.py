@@ -102,6 +102,17 @@ def test_bad_config_exits_1_naming_the_key(tmp_path: Path) -> None:
     assert run.returncode == 1 and "['train_batch_sise']" in run.stderr, run.stderr[-2000:]
 
 
+@pytest.mark.multiprocess
+def test_a_deepspeed_config_without_a_model_exits_1_before_training(tmp_path: Path) -> None:
+    cfg = json.loads(_config(tmp_path).read_text())
+    del cfg["poplar"]
+    (tmp_path / "run.json").write_text(json.dumps(cfg))
+    run = subprocess.run([sys.executable, "-m", "poplar", "train", "--config", "run.json"], cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1 and 'names no model' in run.stderr and '"poplar"' in run.stderr, run.stderr[-2000:]
+    assert "data:" not in run.stdout + run.stderr and not (tmp_path / "ckpt").exists()  # nothing built
+
+
 def test_more_local_ranks_than_gpus_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
     """On CUDA, local rank 1 of a one-GPU machine is refused by name before CUDA fails on it."""
     import torch

@@ -68,6 +68,12 @@ DeepSpeed keys that only tune DeepSpeed's own runtime (``overlap_comm``,
 ``poplar.train.deepspeed_hints``) are accepted and logged once, saying what Poplar does
 instead. Any other unknown key is an error that names the closest known key.
 
+``"auto"``, as the Hugging Face integration writes it (batch sizes and accumulation, clipping, the
+optimizer's and scheduler's parameters, ``fp16`` / ``bf16`` ``enabled``, ``reduce_bucket_size``),
+is read here: each rank's batches from the plan, the global batch from the other batch keys (else
+8 per rank, the Trainer's default), the rest from Poplar's defaults; the run logs once what each
+became (``poplar.train.deepspeed_auto``).
+
 Precision (DeepSpeed's keys, DeepSpeed's meaning): ``"bf16": {"enabled": true}`` computes in
 bf16; ``"fp16": {"enabled": true, ...}`` in fp16 with loss scaling: ``loss_scale`` 0 (default)
 is dynamic, starting at 2 ** ``initial_scale_power`` (16), doubling after ``loss_scale_window``
@@ -84,6 +90,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from poplar.comm.timeouts import COLLECTIVE_TIMEOUT_S
+from poplar.train.deepspeed_auto import GLOBAL_BATCH, TOTAL_STEPS, auto_global_batch, replace_autos
 from poplar.train.deepspeed_hints import NOT_YET, TOP_HINTS, ZERO_HINTS, did_you_mean
 from poplar.train.placement_config import OffloadSetting, read_offload, read_shards
 from poplar.train.schedule import LRSchedule
@@ -160,6 +167,7 @@ class TrainConfig:
     collective_timeout_s: float = COLLECTIVE_TIMEOUT_S
     mixed_precision: MixedPrecision | None = None  # "bf16" / "fp16" sections; None: fp32
     deepspeed_hints: dict[str, str] = field(default_factory=dict)  # DeepSpeed hint keys met -> what Poplar does
+    auto_notes: dict[str, str] = field(default_factory=dict)  # keys given "auto" -> what each became (deepspeed_auto)
 
     # ------------------------------------------------------------------ reading
     @classmethod
@@ -174,6 +182,7 @@ class TrainConfig:
         if not isinstance(raw, dict):
             raise ConfigError(f"the config must be a JSON object, got {type(raw).__name__}")
         cfg = cls()
+        raw, cfg.auto_notes = replace_autos(raw)
         cfg.deepspeed_hints.update(_no_unknown(raw, TOP_KEYS, "the config", TOP_HINTS))
         cfg.mixed_precision = read_precision(raw)
         cfg.train_batch_size = _int(raw, "train_batch_size", None)
@@ -210,9 +219,12 @@ class TrainConfig:
 
     # ------------------------------------------------------------------ derived
     def global_batch_size(self, world_size: int) -> int:
-        """``train_batch_size``, or DeepSpeed's micro x accumulation x world when only those are given;
-        DeepSpeed's identity is checked when all three are given and the plan is even."""
+        """``train_batch_size``, or DeepSpeed's micro x accumulation x world when only those are given
+        (``"auto"``: ``deepspeed_auto``); DeepSpeed's identity is checked when all three are given
+        and the plan is even."""
         tbs, mbs, gas = self.train_batch_size, self.micro_batch_size, self.accum_steps
+        if tbs is None and GLOBAL_BATCH in self.auto_notes:
+            return auto_global_batch(mbs, gas, world_size)
         if tbs is None:
             if mbs is None:
                 raise ConfigError('give "train_batch_size" (the global batch: samples per optimizer step)')
@@ -224,7 +236,10 @@ class TrainConfig:
         scales the optimizer's lr, as DeepSpeed's does."""
         if self.scheduler is None:
             return None
-        return LRSchedule.from_deepspeed(self.scheduler, self.scheduler_params, self.optimizer_params.get("lr"))
+        params = dict(self.scheduler_params)
+        if TOTAL_STEPS in self.auto_notes:  # "auto": the run's iterations, --iterations included
+            params["total_num_steps"] = self.iterations
+        return LRSchedule.from_deepspeed(self.scheduler, params, self.optimizer_params.get("lr"))
 
     def lr_at(self, iteration: int) -> float | None:
         """The scheduler's learning rate for ``iteration`` (None without a scheduler)."""
@@ -325,7 +340,8 @@ def _read_optimizer(cfg: TrainConfig, raw: dict) -> None:
         _no_unknown(cfg.scheduler_params, SCHEDULER_KEYS, '"scheduler.params"')
         if cfg.scheduler_params.get("warmup_type", "log") not in ("log", "linear"):
             raise ConfigError('"scheduler.params.warmup_type" must be "log" or "linear"')
-        if cfg.scheduler in ("WarmupDecayLR", "WarmupCosineLR") and "total_num_steps" not in cfg.scheduler_params:
+        if cfg.scheduler in ("WarmupDecayLR", "WarmupCosineLR") and "total_num_steps" not in cfg.scheduler_params \
+                and TOTAL_STEPS not in cfg.auto_notes:
             raise ConfigError(f'"{cfg.scheduler}" needs "scheduler.params.total_num_steps"')
 
 

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from poplar.train.config import ConfigError, TrainConfig
+from poplar.train.deepspeed_auto import auto_line, global_batch_source
 from poplar.train.placement_config import offload_rows
 from poplar.train.run_parts import RunParts
 from poplar.types.logs import log
@@ -62,8 +63,11 @@ def choose_plan(cfg: TrainConfig, world: int, device: torch.device, auto_device:
                           '(poplar train) builds; from Python, give auto mode its device: '
                           'Trainer.from_config(cfg, auto_device=poplar.emulation.cluster_device(...))')
     if cfg.micro_batch_size is None:
+        auto = ' ("auto" is auto mode\'s choice, and here there is no auto mode)' \
+            if "train_micro_batch_size_per_gpu" in cfg.auto_notes else ""
         raise ConfigError('on a CPU without a GPU to profile, give "poplar.cluster" (emulate a cluster of GPUs), '
-                          '"poplar.plan" (a plan file) or "train_micro_batch_size_per_gpu" (an even plan)')
+                          '"poplar.plan" (a plan file) or "train_micro_batch_size_per_gpu" (an even plan) as a '
+                          f'number{auto}')
     return Plan.even(world, global_batch(cfg, None, world), cfg.micro_batch_size), False
 
 
@@ -213,6 +217,10 @@ def build_engine(cfg: TrainConfig, parts: RunParts, auto_device: Device | None =
     engine = PoplarEngine(parts.model, parts.optimizer, **kwargs)
     if fingerprint is not None:
         run_parts.save_profile(cfg, engine.profile, fingerprint, rank)
+    if rank == 0 and cfg.auto_notes:
+        gbs = plan.global_batch_size if plan is not None else kwargs["global_batch_size"]
+        log.info(auto_line(cfg.auto_notes, gbs, global_batch_source(cfg.micro_batch_size, world, cfg.plan),
+                           cfg.iterations))
     if rank == 0 and plan is not None:
         log.info(f"plan ({plan.strategy or 'from file'}, ZeRO-{engine.zero_stage}):\n{plan.table()}")
     return engine

@@ -72,7 +72,8 @@ instead. Any other unknown key is an error that names the closest known key.
 optimizer's and scheduler's parameters, ``fp16`` / ``bf16`` ``enabled``, ``reduce_bucket_size``),
 is read here: each rank's batches from the plan, the global batch from the other batch keys (else
 8 per rank, the Trainer's default), the rest from Poplar's defaults; the run logs once what each
-became (``poplar.train.deepspeed_auto``).
+became (``poplar.train.deepspeed_auto``). ``offload_param`` (parameters in host memory) is refused
+with what Poplar offers instead (``offload_optimizer``); ``{"device": "none"}`` is accepted.
 
 Precision (DeepSpeed's keys, DeepSpeed's meaning): ``"bf16": {"enabled": true}`` computes in
 bf16; ``"fp16": {"enabled": true, ...}`` in fp16 with loss scaling: ``loss_scale`` 0 (default)
@@ -194,7 +195,9 @@ class TrainConfig:
         cfg.gradient_clipping = float(clip) if clip else None  # DeepSpeed: 0 means off
         cfg.log_every = _int(raw, "steps_per_print", 10, minimum=0)
         cfg.seed = _int(raw, "seed", 0, minimum=0)
-        zero = _get(raw, "zero_optimization", dict, {})
+        zero = dict(_get(raw, "zero_optimization", dict, {}))
+        if _offloads_nothing(zero.get("offload_param")):  # DeepSpeed's way of saying no parameter offload
+            del zero["offload_param"]
         for key in sorted(set(zero) & set(NOT_YET)):
             raise ConfigError(f'"zero_optimization.{key}": {NOT_YET[key]}')
         cfg.deepspeed_hints.update(_no_unknown(zero, ZERO_KEYS, '"zero_optimization"', ZERO_HINTS))
@@ -256,6 +259,11 @@ def _no_unknown(d: dict, known: set[str], where: str, hints: dict[str, str] | No
         raise ConfigError(f"{where} has keys Poplar does not know: {unknown}{did_you_mean(unknown, known | set(hints))}"
                           f"; known keys: {sorted(known)}")
     return {key: hints[key] for key in d if key in hints}
+
+
+def _offloads_nothing(section: Any) -> bool:
+    """An ``offload_param`` section that moves nothing: ``{"device": "none"}``."""
+    return isinstance(section, dict) and section.get("device") == "none"
 
 
 def _get(d: dict, key: str, kind: type, default: Any) -> Any:

@@ -87,3 +87,15 @@ def test_auto_where_nothing_fills_it_is_an_error_naming_the_key(patch: dict, nee
         TrainConfig.from_dict({**HF_ZERO2, **patch, "poplar": MODEL})
     assert needle in str(e.value)
 
+
+def test_parameter_offload_is_refused_with_the_reason_and_what_poplar_offers() -> None:
+    """The Hugging Face ZeRO-3 example offloads parameters too; Poplar keeps them on the GPU."""
+    zero3 = {**HF_ZERO3_SECTION, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+             "offload_param": {"device": "cpu", "pin_memory": True}}
+    with pytest.raises(ConfigError) as e:
+        TrainConfig.from_dict({**HF_ZERO2, "zero_optimization": zero3, "poplar": MODEL})
+    text = str(e.value)
+    assert text.startswith('"zero_optimization.offload_param": Poplar keeps every rank\'s parameters on its GPU')
+    assert '"offload_optimizer": {"device": "cpu"}' in text and '"poplar": {"offload": [ranks]}' in text
+    zero3["offload_param"] = {"device": "none"}  # moves nothing: read as DeepSpeed reads it
+    assert TrainConfig.from_dict({**HF_ZERO2, "zero_optimization": zero3, "poplar": MODEL}).offload == "all"

@@ -416,6 +416,7 @@ def _read_model(cfg: TrainConfig, model: Any) -> None:
     cfg.model_overrides = model
     cfg.model_hf_config, cfg.model_hf_pretrained, cfg.model_factory = None, None, None
     if kinds[0] == "name":
+        _check_builtin(value)
         cfg.model = value
     elif kinds[0] == "hf_config":
         cfg.model_hf_config = value
@@ -423,6 +424,22 @@ def _read_model(cfg: TrainConfig, model: Any) -> None:
         cfg.model_hf_pretrained = value
     else:
         cfg.model_factory = value
+
+
+def _check_builtin(name: str) -> None:
+    """A ``poplar.model`` name is a built-in model; any other name (a Hugging Face hub name such as
+    "gpt2") gets the way to a Hugging Face model: a local directory, since a run never downloads."""
+    from poplar.workloads.configs import BERT_SIZES, LLAMA_SIZES
+
+    builtin = [f"llama-{s}" for s in LLAMA_SIZES] + [f"bert-{s}" for s in BERT_SIZES]
+    if name in builtin:
+        return
+    local = name.rstrip("/").split("/")[-1] or "model"
+    raise ConfigError(f'"poplar.model" {name!r} is not a built-in model ({", ".join(builtin)}). If it names a Hugging '
+                      f"Face hub model: a run reads local files only, so where the hub can be reached, save it "
+                      f'with from_pretrained({name!r}) and save_pretrained("{local}") (model and tokenizer), then give '
+                      f'"model": {{"hf_pretrained": "{local}"}} to fine-tune its weights, or {{"hf_config": '
+                      f'"{local}/config.json"}} for its architecture, randomly initialised')
 
 
 def _read_data(cfg: TrainConfig, data: dict) -> None:

@@ -99,3 +99,13 @@ def test_parameter_offload_is_refused_with_the_reason_and_what_poplar_offers() -
     assert '"offload_optimizer": {"device": "cpu"}' in text and '"poplar": {"offload": [ranks]}' in text
     zero3["offload_param"] = {"device": "none"}  # moves nothing: read as DeepSpeed reads it
     assert TrainConfig.from_dict({**HF_ZERO2, "zero_optimization": zero3, "poplar": MODEL}).offload == "all"
+
+
+@pytest.mark.parametrize("name, local", [("gpt2", "gpt2"), ("meta-llama/Llama-3.2-1B", "Llama-3.2-1B")])
+def test_a_hub_name_gets_the_way_to_a_local_hugging_face_model(name: str, local: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        TrainConfig.from_dict({"poplar": {"model": name}})
+    text = str(e.value)
+    assert f'"poplar.model" {name!r} is not a built-in model (llama-tiny, llama-small' in text
+    assert f'{{"hf_pretrained": "{local}"}}' in text and f'save_pretrained("{local}")' in text
+    assert TrainConfig.from_dict({"poplar": {"model": {"name": "llama-small", "n_layers": 2}}}).model == "llama-small"

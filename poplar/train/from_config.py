@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from poplar.train.config import ConfigError, TrainConfig
+from poplar.train.config_terms import even_plan
 from poplar.train.deepspeed_auto import auto_line, global_batch_source
 from poplar.train.placement_config import offload_rows
 from poplar.train.run_parts import RunParts
@@ -68,7 +69,7 @@ def choose_plan(cfg: TrainConfig, world: int, device: torch.device, auto_device:
         raise ConfigError('on a CPU without a GPU to profile, give "poplar.cluster" (emulate a cluster of GPUs), '
                           '"poplar.plan" (a plan file) or "train_micro_batch_size_per_gpu" (an even plan) as a '
                           f'number{auto}')
-    return Plan.even(world, global_batch(cfg, None, world), cfg.micro_batch_size), False
+    return even_plan(world, global_batch(cfg, None, world), cfg.micro_batch_size, ConfigError), False
 
 
 def global_batch(cfg: TrainConfig, plan: Plan | None, world: int) -> int:

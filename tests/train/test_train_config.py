@@ -135,3 +135,13 @@ def test_plan_choice_on_cpu() -> None:
         choose_plan(bad, 4, cpu)
     ds = TrainConfig.from_dict({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3})
     assert ds.global_batch_size(4) == 24  # DeepSpeed: micro x accumulation x world
+
+
+@pytest.mark.parametrize("gbs, world, near", [(15, 2, "14 or 16"), (3, 4, "4")])
+def test_an_even_plan_batch_error_names_the_config_keys(gbs: int, world: int, near: str) -> None:
+    cfg = TrainConfig.from_dict({**BASE, "train_batch_size": gbs, "train_micro_batch_size_per_gpu": 2})
+    with pytest.raises(ConfigError) as e:
+        choose_plan(cfg, world, torch.device("cpu"))
+    text = str(e.value)
+    assert text.startswith(f'"train_batch_size" {gbs} does not divide among {world} ranks') and f"(e.g. {near})" in text
+    assert '"train_micro_batch_size_per_gpu" 2' in text and "global_batch_size" not in text and "world_size" not in text

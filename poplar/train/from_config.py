@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from poplar.train.config import ConfigError, TrainConfig
-from poplar.train.config_terms import even_plan
+from poplar.train.config_terms import even_plan, in_config_terms
 from poplar.train.deepspeed_auto import auto_line, global_batch_source
 from poplar.train.placement_config import offload_rows
 from poplar.train.run_parts import RunParts
@@ -215,7 +215,8 @@ def build_engine(cfg: TrainConfig, parts: RunParts, auto_device: Device | None =
         kwargs["auto"], fingerprint = _auto_options(cfg, parts, world, auto_device)
     else:
         kwargs["plan"] = plan = placed(cfg, plan, world)
-    engine = PoplarEngine(parts.model, parts.optimizer, **kwargs)
+    with in_config_terms():  # auto mode's warnings name the config's keys, not AutoOptions
+        engine = PoplarEngine(parts.model, parts.optimizer, **kwargs)
     if fingerprint is not None:
         run_parts.save_profile(cfg, engine.profile, fingerprint, rank)
     if rank == 0 and cfg.auto_notes:

@@ -195,7 +195,7 @@ class TrainConfig:
         cfg.gradient_clipping = float(clip) if clip else None  # DeepSpeed: 0 means off
         cfg.log_every = _int(raw, "steps_per_print", 10, minimum=0)
         cfg.seed = _int(raw, "seed", 0, minimum=0)
-        zero = dict(_get(raw, "zero_optimization", dict, {}))
+        zero = dict(_get(raw, "zero_optimization", dict, {}) or {})
         if _offloads_nothing(zero.get("offload_param")):  # DeepSpeed's way of saying no parameter offload
             del zero["offload_param"]
         for key in sorted(set(zero) & set(NOT_YET)):

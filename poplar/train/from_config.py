@@ -215,14 +215,14 @@ def build_engine(cfg: TrainConfig, parts: RunParts, auto_device: Device | None =
         kwargs["auto"], fingerprint = _auto_options(cfg, parts, world, auto_device)
     else:
         kwargs["plan"] = plan = placed(cfg, plan, world)
+    if rank == 0 and cfg.auto_notes:  # before profiling: every value is known by now
+        gbs = plan.global_batch_size if plan is not None else kwargs["global_batch_size"]
+        log.info(auto_line(cfg.auto_notes, gbs, global_batch_source(cfg.micro_batch_size, world, cfg.plan),
+                           cfg.iterations))
     with in_config_terms():  # auto mode's warnings name the config's keys, not AutoOptions
         engine = PoplarEngine(parts.model, parts.optimizer, **kwargs)
     if fingerprint is not None:
         run_parts.save_profile(cfg, engine.profile, fingerprint, rank)
-    if rank == 0 and cfg.auto_notes:
-        gbs = plan.global_batch_size if plan is not None else kwargs["global_batch_size"]
-        log.info(auto_line(cfg.auto_notes, gbs, global_batch_source(cfg.micro_batch_size, world, cfg.plan),
-                           cfg.iterations))
     if rank == 0 and plan is not None:
         log.info(f"plan ({plan.strategy or 'from file'}, ZeRO-{engine.zero_stage}):\n{plan.table()}")
     return engine

@@ -17,7 +17,8 @@ directory, as DeepSpeed's are.
       "bf16": {"enabled": true},                   or "fp16": {"enabled": true, "loss_scale": 0, ...}
       "poplar": {
         "iterations": 100,                          train until this iteration
-        "model": "llama-small",                     or {"name": "llama-small", "max_seq_len": 64, ...},
+        "model": "llama-small",                     required (there is no default model): a built-in name,
+                                                    {"name": "llama-small", "max_seq_len": 64, ...},
                                                     {"hf_config": "gpt2/config.json", "n_layer": 2} (a Hugging
                                                     Face config, randomly initialised), {"hf_pretrained": "dir"}
                                                     (fine-tune: from_pretrained weights, the dir's
@@ -67,6 +68,13 @@ DeepSpeed keys that only tune DeepSpeed's own runtime (``overlap_comm``,
 ``poplar.train.deepspeed_hints``) are accepted and logged once, saying what Poplar does
 instead. Any other unknown key is an error that names the closest known key.
 
+``"auto"``, as the Hugging Face integration writes it (batch sizes and accumulation, clipping, the
+optimizer's and scheduler's parameters, ``fp16`` / ``bf16`` ``enabled``, ``reduce_bucket_size``),
+is read here: each rank's batches from the plan, the global batch from the other batch keys (else
+8 per rank, the Trainer's default), the rest from Poplar's defaults; the run logs once what each
+became (``poplar.train.deepspeed_auto``). ``offload_param`` (parameters in host memory) is refused
+with what Poplar offers instead (``offload_optimizer``); ``{"device": "none"}`` is accepted.
+
 Precision (DeepSpeed's keys, DeepSpeed's meaning): ``"bf16": {"enabled": true}`` computes in
 bf16; ``"fp16": {"enabled": true, ...}`` in fp16 with loss scaling: ``loss_scale`` 0 (default)
 is dynamic, starting at 2 ** ``initial_scale_power`` (16), doubling after ``loss_scale_window``
@@ -83,6 +91,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from poplar.comm.timeouts import COLLECTIVE_TIMEOUT_S
+from poplar.train.deepspeed_auto import GLOBAL_BATCH, TOTAL_STEPS, auto_global_batch, replace_autos
 from poplar.train.deepspeed_hints import NOT_YET, TOP_HINTS, ZERO_HINTS, did_you_mean
 from poplar.train.placement_config import OffloadSetting, read_offload, read_shards
 from poplar.train.schedule import LRSchedule
@@ -105,6 +114,12 @@ POPLAR_KEYS = {"iterations", "model", "data", "cluster", "strategy", "shards", "
                "activation_checkpointing"}
 
 
+NO_MODEL = ('the config names no model: add a "poplar" section with "model": a built-in name ("llama-small", '
+            '"llama-tiny", "bert-tiny", ...), {"hf_config": "config.json"} (a Hugging Face config, randomly '
+            'initialised), {"hf_pretrained": "dir"} (a save_pretrained directory, fine-tuned) or '
+            '"package.module:function" (your own factory), e.g. "poplar": {"model": "llama-small", "iterations": 100}')
+
+
 class ConfigError(ValueError):
     """A config that cannot be run; the message names the key and the fix."""
 
@@ -124,7 +139,7 @@ class TrainConfig:
     scheduler: str | None = None
     scheduler_params: dict[str, Any] = field(default_factory=dict)
     iterations: int = 100
-    model: str = "llama-small"
+    model: str | None = None  # a built-in name; None with no other kind: the config names no model (an error)
     model_overrides: dict[str, Any] = field(default_factory=dict)
     model_hf_config: str | None = None  # a Hugging Face config.json (then ``model`` is unused)
     model_hf_pretrained: str | None = None  # a save_pretrained directory: its weights and tokenizer
@@ -153,17 +168,22 @@ class TrainConfig:
     collective_timeout_s: float = COLLECTIVE_TIMEOUT_S
     mixed_precision: MixedPrecision | None = None  # "bf16" / "fp16" sections; None: fp32
     deepspeed_hints: dict[str, str] = field(default_factory=dict)  # DeepSpeed hint keys met -> what Poplar does
+    auto_notes: dict[str, str] = field(default_factory=dict)  # keys given "auto" -> what each became (deepspeed_auto)
 
     # ------------------------------------------------------------------ reading
     @classmethod
     def load(cls, path: str | os.PathLike) -> "TrainConfig":
-        return cls.from_dict(read_json(path, "config file", ConfigError))
+        """The config file of a run: read, and checked to name a model before any rank starts."""
+        cfg = cls.from_dict(read_json(path, "config file", ConfigError))
+        cfg.check_model()
+        return cfg
 
     @classmethod
     def from_dict(cls, raw: Any) -> "TrainConfig":
         if not isinstance(raw, dict):
             raise ConfigError(f"the config must be a JSON object, got {type(raw).__name__}")
         cfg = cls()
+        raw, cfg.auto_notes = replace_autos(raw)
         cfg.deepspeed_hints.update(_no_unknown(raw, TOP_KEYS, "the config", TOP_HINTS))
         cfg.mixed_precision = read_precision(raw)
         cfg.train_batch_size = _int(raw, "train_batch_size", None)
@@ -175,7 +195,9 @@ class TrainConfig:
         cfg.gradient_clipping = float(clip) if clip else None  # DeepSpeed: 0 means off
         cfg.log_every = _int(raw, "steps_per_print", 10, minimum=0)
         cfg.seed = _int(raw, "seed", 0, minimum=0)
-        zero = _get(raw, "zero_optimization", dict, {})
+        zero = dict(_get(raw, "zero_optimization", dict, {}) or {})
+        if _offloads_nothing(zero.get("offload_param")):  # DeepSpeed's way of saying no parameter offload
+            del zero["offload_param"]
         for key in sorted(set(zero) & set(NOT_YET)):
             raise ConfigError(f'"zero_optimization.{key}": {NOT_YET[key]}')
         cfg.deepspeed_hints.update(_no_unknown(zero, ZERO_KEYS, '"zero_optimization"', ZERO_HINTS))
@@ -191,11 +213,21 @@ class TrainConfig:
         cfg.offload = read_offload(zero, _get(raw, "poplar", dict, {}), ConfigError)
         return cfg
 
+    def check_model(self) -> None:
+        """A run needs a model the config names: there is no default, since a DeepSpeed config
+        without a ``poplar`` section would otherwise train some model the user never chose."""
+        if self.model is None and self.model_hf_config is None and self.model_hf_pretrained is None \
+                and self.model_factory is None:
+            raise ConfigError(NO_MODEL)
+
     # ------------------------------------------------------------------ derived
     def global_batch_size(self, world_size: int) -> int:
-        """``train_batch_size``, or DeepSpeed's micro x accumulation x world when only those are given;
-        DeepSpeed's identity is checked when all three are given and the plan is even."""
+        """``train_batch_size``, or DeepSpeed's micro x accumulation x world when only those are given
+        (``"auto"``: ``deepspeed_auto``); DeepSpeed's identity is checked when all three are given
+        and the plan is even."""
         tbs, mbs, gas = self.train_batch_size, self.micro_batch_size, self.accum_steps
+        if tbs is None and GLOBAL_BATCH in self.auto_notes:
+            return auto_global_batch(mbs, gas, world_size)
         if tbs is None:
             if mbs is None:
                 raise ConfigError('give "train_batch_size" (the global batch: samples per optimizer step)')
@@ -207,7 +239,10 @@ class TrainConfig:
         scales the optimizer's lr, as DeepSpeed's does."""
         if self.scheduler is None:
             return None
-        return LRSchedule.from_deepspeed(self.scheduler, self.scheduler_params, self.optimizer_params.get("lr"))
+        params = dict(self.scheduler_params)
+        if TOTAL_STEPS in self.auto_notes:  # "auto": the run's iterations, --iterations included
+            params["total_num_steps"] = self.iterations
+        return LRSchedule.from_deepspeed(self.scheduler, params, self.optimizer_params.get("lr"))
 
     def lr_at(self, iteration: int) -> float | None:
         """The scheduler's learning rate for ``iteration`` (None without a scheduler)."""
@@ -224,6 +259,11 @@ def _no_unknown(d: dict, known: set[str], where: str, hints: dict[str, str] | No
         raise ConfigError(f"{where} has keys Poplar does not know: {unknown}{did_you_mean(unknown, known | set(hints))}"
                           f"; known keys: {sorted(known)}")
     return {key: hints[key] for key in d if key in hints}
+
+
+def _offloads_nothing(section: Any) -> bool:
+    """An ``offload_param`` section that moves nothing: ``{"device": "none"}``."""
+    return isinstance(section, dict) and section.get("device") == "none"
 
 
 def _get(d: dict, key: str, kind: type, default: Any) -> Any:
@@ -308,14 +348,16 @@ def _read_optimizer(cfg: TrainConfig, raw: dict) -> None:
         _no_unknown(cfg.scheduler_params, SCHEDULER_KEYS, '"scheduler.params"')
         if cfg.scheduler_params.get("warmup_type", "log") not in ("log", "linear"):
             raise ConfigError('"scheduler.params.warmup_type" must be "log" or "linear"')
-        if cfg.scheduler in ("WarmupDecayLR", "WarmupCosineLR") and "total_num_steps" not in cfg.scheduler_params:
+        if cfg.scheduler in ("WarmupDecayLR", "WarmupCosineLR") and "total_num_steps" not in cfg.scheduler_params \
+                and TOTAL_STEPS not in cfg.auto_notes:
             raise ConfigError(f'"{cfg.scheduler}" needs "scheduler.params.total_num_steps"')
 
 
 def _read_poplar(cfg: TrainConfig, p: dict) -> None:
     _no_unknown(p, POPLAR_KEYS, '"poplar"')
     cfg.iterations = _int(p, "iterations", cfg.iterations, minimum=0, where='"poplar"')
-    _read_model(cfg, p.get("model", cfg.model))
+    if "model" in p:
+        _read_model(cfg, p["model"])
     _read_data(cfg, _get(p, "data", dict, {}) or {})
     cfg.eval_every = _int(p, "eval_every", None, where='"poplar"')
     cfg.tensorboard = p.get("tensorboard")
@@ -374,6 +416,7 @@ def _read_model(cfg: TrainConfig, model: Any) -> None:
     cfg.model_overrides = model
     cfg.model_hf_config, cfg.model_hf_pretrained, cfg.model_factory = None, None, None
     if kinds[0] == "name":
+        _check_builtin(value)
         cfg.model = value
     elif kinds[0] == "hf_config":
         cfg.model_hf_config = value
@@ -381,6 +424,22 @@ def _read_model(cfg: TrainConfig, model: Any) -> None:
         cfg.model_hf_pretrained = value
     else:
         cfg.model_factory = value
+
+
+def _check_builtin(name: str) -> None:
+    """A ``poplar.model`` name is a built-in model; any other name (a Hugging Face hub name such as
+    "gpt2") gets the way to a Hugging Face model: a local directory, since a run never downloads."""
+    from poplar.workloads.configs import BERT_SIZES, LLAMA_SIZES
+
+    builtin = [f"llama-{s}" for s in LLAMA_SIZES] + [f"bert-{s}" for s in BERT_SIZES]
+    if name in builtin:
+        return
+    local = name.rstrip("/").split("/")[-1] or "model"
+    raise ConfigError(f'"poplar.model" {name!r} is not a built-in model ({", ".join(builtin)}). If it names a Hugging '
+                      f"Face hub model: a run reads local files only, so where the hub can be reached, save it "
+                      f'with from_pretrained({name!r}) and save_pretrained("{local}") (model and tokenizer), then give '
+                      f'"model": {{"hf_pretrained": "{local}"}} to fine-tune its weights, or {{"hf_config": '
+                      f'"{local}/config.json"}} for its architecture, randomly initialised')
 
 
 def _read_data(cfg: TrainConfig, data: dict) -> None:

@@ -30,11 +30,17 @@ ZERO_HINTS = {
     "ignore_unused_parameters": "unused parameters get zero gradients",
     "use_multi_rank_bucket_allreduce": "ignored",
     "memory_efficient_linear": "ignored",
+    "stage3_gather_16bit_weights_on_model_save": "a checkpoint always holds the whole model (model.safetensors, "
+                                                 "fp32 master weights), gathered from the shards at every stage",
 }
 
 # "zero_optimization" keys that move state off the GPU in ways Poplar does not: an error says so
 NOT_YET = {
-    "offload_param": "Poplar does not offload parameters to the CPU or NVMe yet: remove the key",
+    "offload_param": "Poplar keeps every rank's parameters on its GPU (at ZeRO-3 its shard and the block being "
+                     "computed); it moves the optimizer state and fp32 master weights to host memory instead, "
+                     "which at ZeRO-3 are most of a rank's model state: write \"offload_optimizer\": {\"device\": "
+                     "\"cpu\"} (every rank) or \"poplar\": {\"offload\": [ranks]} / \"auto\" (the ranks that "
+                     "need it), and drop \"offload_param\" (or give it \"device\": \"none\")",
     "cpu_offload": "the key of older DeepSpeed versions: write \"offload_optimizer\": {\"device\": \"cpu\"}",
 }
 

@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from poplar.train.config import ConfigError, TrainConfig
+from poplar.train.config_terms import even_plan, in_config_terms
+from poplar.train.deepspeed_auto import auto_line, global_batch_source
 from poplar.train.placement_config import offload_rows
 from poplar.train.run_parts import RunParts
 from poplar.logs import log
@@ -62,9 +64,12 @@ def choose_plan(cfg: TrainConfig, world: int, device: torch.device, auto_device:
                           '(poplar train) builds; from Python, give auto mode its device: '
                           'Trainer.from_config(cfg, auto_device=poplar.emulation.cluster_device(...))')
     if cfg.micro_batch_size is None:
+        auto = ' ("auto" is auto mode\'s choice, and here there is no auto mode)' \
+            if "train_micro_batch_size_per_gpu" in cfg.auto_notes else ""
         raise ConfigError('on a CPU without a GPU to profile, give "poplar.cluster" (emulate a cluster of GPUs), '
-                          '"poplar.plan" (a plan file) or "train_micro_batch_size_per_gpu" (an even plan)')
-    return Plan.even(world, global_batch(cfg, None, world), cfg.micro_batch_size), False
+                          '"poplar.plan" (a plan file) or "train_micro_batch_size_per_gpu" (an even plan) as a '
+                          f'number{auto}')
+    return even_plan(world, global_batch(cfg, None, world), cfg.micro_batch_size, ConfigError), False
 
 
 def global_batch(cfg: TrainConfig, plan: Plan | None, world: int) -> int:
@@ -210,7 +215,12 @@ def build_engine(cfg: TrainConfig, parts: RunParts, auto_device: Device | None =
         kwargs["auto"], fingerprint = _auto_options(cfg, parts, world, auto_device)
     else:
         kwargs["plan"] = plan = placed(cfg, plan, world)
-    engine = PoplarEngine(parts.model, parts.optimizer, **kwargs)
+    if rank == 0 and cfg.auto_notes:  # before profiling: every value is known by now
+        gbs = plan.global_batch_size if plan is not None else kwargs["global_batch_size"]
+        log.info(auto_line(cfg.auto_notes, gbs, global_batch_source(cfg.micro_batch_size, world, cfg.plan),
+                           cfg.iterations))
+    with in_config_terms():  # auto mode's warnings name the config's keys, not AutoOptions
+        engine = PoplarEngine(parts.model, parts.optimizer, **kwargs)
     if fingerprint is not None:
         run_parts.save_profile(cfg, engine.profile, fingerprint, rank)
     if rank == 0 and plan is not None:

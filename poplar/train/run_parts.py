@@ -123,8 +123,9 @@ def build_parts(cfg: TrainConfig, device: torch.device) -> RunParts:
     from poplar.workloads.text import MaskedTextBlocks
     from poplar.workloads.tokenized import TextTokenizer, TokenizedText, describe
 
+    cfg.check_model()
     if cfg.model_hf_config is None and cfg.model_hf_pretrained is None and cfg.model_factory is None and \
-            cfg.model.startswith("bert"):
+            str(cfg.model).startswith("bert"):
         overrides = {"max_seq_len": max(cfg.seq_len, 8), **cfg.model_overrides}
         model = create_model(cfg.model, seed=cfg.seed, **overrides)
         train = MaskedTextBlocks(cfg.data_path, seq_len=cfg.seq_len, split="train")

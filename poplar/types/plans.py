@@ -274,19 +274,18 @@ class Plan:
         return cls.from_dict(read_json(path, "plan file", PlanError))
 
     def table(self) -> str:
-        """A readable table of the rows."""
+        """A readable table of the rows. Every table has the offload column (each rank's optimizer
+        placement, as plan.json records it), so a table always says where the optimizer lives."""
         shares = None if self.even_shards else self.shard_shares()  # the column only for uneven shards
         head = f"{'rank':>4} {'device':>12} {'b':>5} {'gas':>5} {'lbs':>5} {'n':>6} {'pred s':>9}"
-        head += "" if shares is None else f" {'shard':>6}"
-        offloading = any(r.offload is not Offload.NONE for r in self.ranks)  # the column only where some rank offloads
-        head += f" {'offload':>9}" if offloading else ""
+        head += ("" if shares is None else f" {'shard':>6}") + f" {'offload':>9}"
         lines = [head, "-" * len(head)]
         for i, r in enumerate(self.ranks):
             pred = "" if r.predicted_compute_s is None else f"{r.predicted_compute_s:.4f}"
             lines.append(f"{i:>4} {str(r.device_type or '-'):>12} {r.micro_batch_size:>5} "
                          f"{r.accum_steps:>5} {r.last_batch_size:>5} {r.num_samples:>6} {pred:>9}"
                          + ("" if shares is None else f" {100 * shares[i]:>5.1f}%")
-                         + (f" {r.offload.value:>9}" if offloading else ""))
+                         + f" {r.offload.value:>9}")
         tail = f"global batch {self.global_batch_size}"
         if self.predicted_iteration_s is not None:
             tail += f", predicted iteration {self.predicted_iteration_s:.4f} s"

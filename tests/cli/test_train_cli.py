@@ -102,6 +102,17 @@ def test_bad_config_exits_1_naming_the_key(tmp_path: Path) -> None:
     assert run.returncode == 1 and "['train_batch_sise']" in run.stderr, run.stderr[-2000:]
 
 
+@pytest.mark.multiprocess
+def test_a_deepspeed_config_without_a_model_exits_1_before_training(tmp_path: Path) -> None:
+    cfg = json.loads(_config(tmp_path).read_text())
+    del cfg["poplar"]
+    (tmp_path / "run.json").write_text(json.dumps(cfg))
+    run = subprocess.run([sys.executable, "-m", "poplar", "train", "--config", "run.json"], cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1 and 'names no model' in run.stderr and '"poplar"' in run.stderr, run.stderr[-2000:]
+    assert "data:" not in run.stdout + run.stderr and not (tmp_path / "ckpt").exists()  # nothing built
+
+
 def test_more_local_ranks_than_gpus_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
     """On CUDA, local rank 1 of a one-GPU machine is refused by name before CUDA fails on it."""
     import torch
@@ -116,3 +127,25 @@ def test_more_local_ranks_than_gpus_is_a_config_error(monkeypatch: pytest.Monkey
     monkeypatch.setenv("LOCAL_RANK", "1")
     with pytest.raises(ConfigError, match="local rank 1 has no GPU: 1 visible"):
         init_distributed(60.0)
+
+
+@pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed beside this Python")
+@pytest.mark.multiprocess
+def test_a_hugging_face_deepspeed_config_with_auto_values_runs_and_says_what_each_became(tmp_path: Path) -> None:
+    from tests.train.test_deepspeed_config_auto import HF_ZERO2
+
+    (tmp_path / "pair.json").write_text(json.dumps(
+        {"name": "pair", "devices": [{"type": "V100-16G", "count": 1}, {"type": "T4-16G", "count": 1}]}))
+    cfg = {**HF_ZERO2, "zero_optimization": {k: v for k, v in HF_ZERO2["zero_optimization"].items()
+                                             if k != "offload_optimizer"},
+           "poplar": {"iterations": 2, "model": {"name": "llama-tiny", "n_layers": 2}, "data": {"seq_len": 16},
+                      "cluster": "pair.json", "report_dir": "report", "collective_timeout_s": 60}}
+    (tmp_path / "run.json").write_text(json.dumps(cfg))
+    run = _torchrun(tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    said = [line for line in run.stderr.splitlines() if 'config: "auto" values became' in line]
+    assert len(said) == 1, run.stderr[-3000:]
+    assert "train_batch_size 16 (8 per rank x 2 ranks" in said[0] and "optimizer.params.lr 0.001" in said[0]
+    assert "scheduler.params.total_num_steps 2 (the run's iterations)" in said[0]
+    assert json.loads((tmp_path / "report" / "plan.json").read_text())["global_batch_size"] == 16
+    assert "iteration 2/2" in run.stderr

@@ -67,3 +67,24 @@ def test_stage_and_checkpointing_given_or_auto() -> None:
     assert off.activation_checkpointing is False  # binding: passed to the engine as off
     with pytest.raises(ConfigError, match='"auto"'):
         TrainConfig.from_dict({"train_batch_size": 8, "zero_optimization": {"stage": "fast"}})
+
+
+def test_a_config_without_a_model_is_an_error_naming_poplar_model(tmp_path) -> None:
+    """DeepSpeed's own config has no "poplar" section: there is no default model to train."""
+    import json
+
+    import torch
+
+    from poplar.train.run_parts import build_parts
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(DEEPSPEED_ZERO2))
+    with pytest.raises(ConfigError) as e:
+        TrainConfig.load(path)
+    for form in ('"poplar"', '"model"', '"llama-small"', '"hf_config"', '"hf_pretrained"', '"package.module:function"'):
+        assert form in str(e.value)
+    with pytest.raises(ConfigError, match="names no model"):  # the Python road too
+        build_parts(TrainConfig.from_dict({**DEEPSPEED_ZERO2, "poplar": {"iterations": 3}}), torch.device("cpu"))
+    named = TrainConfig.from_dict({**DEEPSPEED_ZERO2, "poplar": {"model": "llama-tiny"}})
+    named.check_model()
+    assert named.model == "llama-tiny"

@@ -135,3 +135,44 @@ def test_plan_choice_on_cpu() -> None:
         choose_plan(bad, 4, cpu)
     ds = TrainConfig.from_dict({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3})
     assert ds.global_batch_size(4) == 24  # DeepSpeed: micro x accumulation x world
+
+
+@pytest.mark.parametrize("gbs, world, near", [(15, 2, "14 or 16"), (3, 4, "4")])
+def test_an_even_plan_batch_error_names_the_config_keys(gbs: int, world: int, near: str) -> None:
+    cfg = TrainConfig.from_dict({**BASE, "train_batch_size": gbs, "train_micro_batch_size_per_gpu": 2})
+    with pytest.raises(ConfigError) as e:
+        choose_plan(cfg, world, torch.device("cpu"))
+    text = str(e.value)
+    assert text.startswith(f'"train_batch_size" {gbs} does not divide among {world} ranks') and f"(e.g. {near})" in text
+    assert '"train_micro_batch_size_per_gpu" 2' in text and "global_batch_size" not in text and "world_size" not in text
+
+
+def test_the_idle_ranks_warning_speaks_of_the_config() -> None:
+    """Auto mode's warning names AutoOptions(require_all_ranks=True), which a config cannot set;
+    built from a config, it names the train_batch_size that gives every rank samples."""
+    import logging
+
+    from poplar.auto import AutoOptions
+    from poplar.auto.mode import idle_ranks_line
+    from poplar.planner import plan as make_plan
+    from poplar.planner.planning import batch_using_every_rank
+    from poplar.train.config_terms import in_config_terms
+    from poplar.types.logs import log
+    from tests.planner.test_idle_ranks import PROFILE
+
+    plan = make_plan(PROFILE, 16, 2)
+    line = idle_ranks_line(PROFILE, plan, [2, 3], AutoOptions())
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("poplar").addHandler(handler)
+    try:
+        with in_config_terms():
+            log.warning(line)
+        log.warning(line)  # outside a config's run: as auto mode wrote it
+    finally:
+        logging.getLogger("poplar").removeHandler(handler)
+    found = batch_using_every_rank(PROFILE, 16, 2)
+    assert "get 0 samples at global batch 16" in said[0] and f'"train_batch_size": {found} would give' in said[0]
+    assert "AutoOptions" not in said[0] and "require_all_ranks" not in said[0], said[0]
+    assert said[1] == line and "require_all_ranks=True" in said[1]

@@ -57,3 +57,17 @@ def test_bad_json(tmp_path) -> None:
     path.write_text("{not json")
     with pytest.raises(PlanError, match="not valid JSON"):
         Plan.load(path)
+
+
+def test_every_table_has_the_offload_column_as_plan_json_records_it() -> None:
+    from poplar.types.plans import Offload
+
+    plans = [Plan.even(2, 16, 2),  # nothing offloads: the column still says where each optimizer lives
+             Plan([RankPlan(3, 2, 1, offload=Offload.OPTIMIZER), RankPlan(5, 1, 0, offload=Offload.OPTIMIZER)]),
+             Plan([RankPlan(3, 2, 1, shard_weight=2.0), RankPlan(5, 1, 0, offload=Offload.OPTIMIZER)])]
+    for plan in plans:
+        lines = plan.table().splitlines()
+        assert lines[0].split()[-1] == "offload", lines
+        recorded = [row["offload"] for row in plan.to_dict()["ranks"]]
+        assert [line.split()[-1] for line in lines[2:2 + len(plan.ranks)]] == recorded, (lines, recorded)
+    assert "shard" in plans[2].table().splitlines()[0]

@@ -59,6 +59,16 @@ from poplar.zero.config import ZeroConfig
 from poplar.zero.optim import optimizer_like
 
 
+@dataclass(frozen=True)
+class Remedies:
+    """How auto mode's messages name their fixes: in the Python API's terms by default; a door
+    with terms of its own (the JSON config's keys) gives its own. ``require_all_ranks`` None: the
+    door cannot set it, and the message leaves it out."""
+
+    global_batch: str = "a global batch of {batch}"
+    require_all_ranks: str | None = "AutoOptions(require_all_ranks=True)"
+
+
 @dataclass
 class AutoOptions(ProfilingPolicy):
     """Knobs of auto mode; the defaults suit most runs. The profiling knobs (``repeats``,
@@ -91,6 +101,7 @@ class AutoOptions(ProfilingPolicy):
     # directory, a ProfileStore, None (no store) or "default" ($POPLAR_PROFILE_STORE, "off" for
     # none, else ~/.cache/poplar/profiles)
     store: Any = "default"
+    remedies: Remedies = Remedies()  # the words its messages use for their fixes
 
     @property
     def limits(self) -> PlanLimits:
@@ -281,11 +292,13 @@ def idle_ranks_line(profile: Profile, plan: Plan, idle: list[int], options: Auto
     names = ", ".join(f"{r} ({profile.ranks[r].device_type})" for r in idle)
     using = batch_using_every_rank(profile, plan.global_batch_size, plan.zero_stage, options.strategy,
                                    max_micro_steps=options.max_micro_steps)
-    remedy = (f"a global batch of {using} would give every rank samples" if using is not None
+    words = options.remedies
+    remedy = (f"{words.global_batch.format(batch=using)} would give every rank samples" if using is not None
               else "no larger global batch would give every rank samples either")
+    also = f", or {words.require_all_ranks} gives each at least one" if words.require_all_ranks else ""
     return (f"ranks {names} get 0 samples at global batch {plan.global_batch_size} (the plan is predicted faster "
-            f"without their compute; they hold their shard of the state and join every collective): {remedy}, "
-            "or AutoOptions(require_all_ranks=True) gives each at least one")
+            f"without their compute; they hold their shard of the state and join every collective): {remedy}"
+            + also)
 
 
 def _load_profile(comm: Communicator, options: AutoOptions, policy: MixedPrecision | None,

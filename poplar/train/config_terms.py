@@ -6,25 +6,17 @@ the fix must be said with those.
 
 - ``even_plan``: DeepSpeed's even plan, its batch errors naming ``train_batch_size`` and
   ``train_micro_batch_size_per_gpu``;
-- ``in_config_terms``: while the engine is built, auto mode's warning about ranks the plan gives
-  no samples names the ``train_batch_size`` that gives every rank samples, and drops the
-  Python-only option (a config cannot set it).
+- ``CONFIG_REMEDIES``: auto mode's fixes in a config's terms: the ``train_batch_size`` that gives
+  every rank samples, and no Python-only option (a config cannot set it).
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
-import re
-from typing import Iterator
-
+from poplar.auto import Remedies
 from poplar.types.plans import Plan
 
-# auto mode's idle-ranks warning (poplar.auto.mode.idle_ranks_line): its Python remedies -> a config's
-IDLE_RANKS = "would give every rank samples"
-_REWRITES = ((re.compile(r"a global batch of (\d+) would give every rank samples"),
-              r'"train_batch_size": \1 would give every rank samples'),
-             (re.compile(r", or AutoOptions\(require_all_ranks=True\) gives each at least one"), ""))
+# auto mode's messages, in a config's terms (``AutoOptions.remedies``)
+CONFIG_REMEDIES = Remedies(global_batch='"train_batch_size": {batch}', require_all_ranks=None)
 
 
 def even_plan(world: int, global_batch: int, micro_batch: int, error: type[Exception]) -> Plan:
@@ -38,22 +30,3 @@ def even_plan(world: int, global_batch: int, micro_batch: int, error: type[Excep
                     f'"train_batch_size" divisible by {world} (e.g. {near}), or let auto mode plan unequal shares '
                     '("poplar.cluster", or a GPU per rank)')
     return Plan.even(world, global_batch, micro_batch)
-
-
-class _ConfigTerms(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        if isinstance(record.msg, str) and IDLE_RANKS in record.msg:
-            for pattern, replacement in _REWRITES:
-                record.msg = pattern.sub(replacement, record.msg)
-        return True
-
-
-@contextlib.contextmanager
-def in_config_terms() -> Iterator[None]:
-    """Within: Poplar's log says auto mode's remedies in the config's terms."""
-    logger, terms = logging.getLogger("poplar"), _ConfigTerms()
-    logger.addFilter(terms)
-    try:
-        yield
-    finally:
-        logger.removeFilter(terms)

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from poplar.train.config import ConfigError, TrainConfig
-from poplar.train.config_terms import even_plan, in_config_terms
+from poplar.train.config_terms import CONFIG_REMEDIES, even_plan
 from poplar.train.deepspeed_auto import auto_line, global_batch_source
 from poplar.train.placement_config import offload_rows
 from poplar.train.run_parts import RunParts
@@ -187,7 +187,8 @@ def _auto_options(cfg: TrainConfig, parts: RunParts, world: int, auto_device: De
     options = AutoOptions(profile_data=parts.train_data, device=auto_device, strategy=cfg.strategy,
                           shards=shard_setting(cfg, world), profile=profile, store=profile_store_dir(cfg),
                           offload=offloads if offloads is not None else "auto" if cfg.offload == "auto" else "none",
-                          profile_output=os.path.join(cfg.report_dir, "profile.json") if cfg.report_dir else None)
+                          profile_output=os.path.join(cfg.report_dir, "profile.json") if cfg.report_dir else None,
+                          remedies=CONFIG_REMEDIES)
     return options, fingerprint
 
 
@@ -219,8 +220,7 @@ def build_engine(cfg: TrainConfig, parts: RunParts, auto_device: Device | None =
         gbs = plan.global_batch_size if plan is not None else kwargs["global_batch_size"]
         log.info(auto_line(cfg.auto_notes, gbs, global_batch_source(cfg.micro_batch_size, world, cfg.plan),
                            cfg.iterations))
-    with in_config_terms():  # auto mode's warnings name the config's keys, not AutoOptions
-        engine = PoplarEngine(parts.model, parts.optimizer, **kwargs)
+    engine = PoplarEngine(parts.model, parts.optimizer, **kwargs)
     if fingerprint is not None:
         run_parts.save_profile(cfg, engine.profile, fingerprint, rank)
     if rank == 0 and plan is not None:

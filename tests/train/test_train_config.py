@@ -149,30 +149,19 @@ def test_an_even_plan_batch_error_names_the_config_keys(gbs: int, world: int, ne
 
 def test_the_idle_ranks_warning_speaks_of_the_config() -> None:
     """Auto mode's warning names AutoOptions(require_all_ranks=True), which a config cannot set;
-    built from a config, it names the train_batch_size that gives every rank samples."""
-    import logging
-
+    built from a config (``CONFIG_REMEDIES``), it names the train_batch_size that gives every rank
+    samples."""
     from poplar.auto import AutoOptions
     from poplar.auto.mode import idle_ranks_line
     from poplar.planner import plan as make_plan
     from poplar.planner.planning import batch_using_every_rank
-    from poplar.train.config_terms import in_config_terms
-    from poplar.types.logs import log
+    from poplar.train.config_terms import CONFIG_REMEDIES
     from tests.planner.test_idle_ranks import PROFILE
 
     plan = make_plan(PROFILE, 16, 2)
-    line = idle_ranks_line(PROFILE, plan, [2, 3], AutoOptions())
-    said: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("poplar").addHandler(handler)
-    try:
-        with in_config_terms():
-            log.warning(line)
-        log.warning(line)  # outside a config's run: as auto mode wrote it
-    finally:
-        logging.getLogger("poplar").removeHandler(handler)
+    config = idle_ranks_line(PROFILE, plan, [2, 3], AutoOptions(remedies=CONFIG_REMEDIES))
+    python = idle_ranks_line(PROFILE, plan, [2, 3], AutoOptions())
     found = batch_using_every_rank(PROFILE, 16, 2)
-    assert "get 0 samples at global batch 16" in said[0] and f'"train_batch_size": {found} would give' in said[0]
-    assert "AutoOptions" not in said[0] and "require_all_ranks" not in said[0], said[0]
-    assert said[1] == line and "require_all_ranks=True" in said[1]
+    assert "get 0 samples at global batch 16" in config and f'"train_batch_size": {found} would give' in config
+    assert "AutoOptions" not in config and "require_all_ranks" not in config, config
+    assert f"a global batch of {found} would give" in python and "AutoOptions(require_all_ranks=True)" in python

@@ -216,9 +216,10 @@ def _load_or_measure(auto: AutoJob, home: torch.device) -> Measurement:
     return _measure(auto, pjob, device)
 
 
-def _measure(auto: AutoJob, pjob: ProfileJob, device: Device) -> Measurement:
-    """The profiling run: from the store, else at the one configuration or the search's choice;
-    rank 0's copy on every rank (the per-rank copies differ only in their own wall-clock notes)."""
+def _measure(auto: AutoJob, pjob: ProfileJob, device: Device, refresh: frozenset[str] = frozenset()) -> Measurement:
+    """The profiling run: from the store (but for the device types of ``refresh``, measured again),
+    else at the one configuration or the search's choice; rank 0's copy on every rank (the
+    per-rank copies differ only in their own wall-clock notes)."""
     comm, options, choice, say = auto.comm, auto.options, auto.choice, auto.say
     store, request = store_of(options), None
     if store is not None:
@@ -226,7 +227,7 @@ def _measure(auto: AutoJob, pjob: ProfileJob, device: Device) -> Measurement:
                         stages=tuple(choice.stages), checkpointing=choice.checkpointing,
                         rule=options.choose if choice.active else "single", bucket_size_mb=auto.zero.bucket_size_mb,
                         policy=auto.policy)
-        request = StoreRequest(store, key, choice.checkpointing)
+        request = StoreRequest(store, key, choice.checkpointing, refresh)
     search = ConfigurationSearch(choice, say, options.limits, noise=pjob.options.tolerance,
                                  progress=options.progress and comm.rank == 0) if choice.active else None
     run = ProfileRun(pjob, device, process_group=comm.group, log=lambda m: say(m.removeprefix("[poplar profile] ")),
@@ -244,12 +245,22 @@ def _measure(auto: AutoJob, pjob: ProfileJob, device: Device) -> Measurement:
     return Measurement(profile, device, pjob, measured.store_use, search)
 
 
+class StaleProfiles(Exception):
+    """A plan from stored profiles failed its check step on ``ranks`` (stored ranks): the stored
+    profiles of their device types no longer describe the job."""
+
+    def __init__(self, ranks: list[int]) -> None:
+        super().__init__(f"ranks {ranks}")
+        self.ranks = ranks
+
+
 def _plan(auto: AutoJob, measured: Measurement, checkpointing: Any) -> Plan:
-    """The plan; one whose shards are not even, or whose ranks offload, is first confirmed by one
-    real step of every rank's largest micro-batch at its weights and placement (while the model
-    is off the device), and replaced by the even-shard plan where that does not fit. A profile measured at uneven weights (the
-    model fitted no even shards) plans at them unless ``options.shards`` chooses, and falls back
-    to them."""
+    """The plan; one whose shards are not even, or whose ranks offload, or whose profile came
+    (in part) from the store, is first confirmed by one real step of every rank's largest
+    micro-batch at its weights and placement (while the model is off the device). Where that
+    does not fit a rank whose profile was stored: ``StaleProfiles``; elsewhere the plan is
+    replaced by the even-shard plan. A profile measured at uneven weights (the model fitted no
+    even shards) plans at them unless ``options.shards`` chooses, and falls back to them."""
     comm, options, say, global_batch_size = auto.comm, auto.options, auto.say, auto.choice.gbs
     profile, device, job = measured.profile, measured.device, measured.job
     limits = {"require_all_ranks": options.require_all_ranks, "max_micro_steps": options.max_micro_steps}
@@ -264,9 +275,13 @@ def _plan(auto: AutoJob, measured: Measurement, checkpointing: Any) -> Plan:
         plan = make_plan(profile, global_batch_size, profile.zero_stage, options.strategy, shards=shards,
                          offload=options.offload, **limits)
         offloads = any(o is not Offload.NONE for o in plan.offloads)
-        if (not plan.even_shards or offloads) and device is not None and job.sample_fn is not None:
+        stored = profile.store.reused if profile.store is not None and \
+            measured.store_use in (StoreUse.REUSED, StoreUse.PARTIAL) else []
+        if (not plan.even_shards or offloads or stored) and device is not None and job.sample_fn is not None:
             configured = job.at(Configuration(profile.zero_stage, checkpointing))
             failed = confirm_plan_memory(configured, device, comm, plan)
+            if any(profile.ranks[r].device_type in stored for r in failed):
+                raise StaleProfiles([r for r in failed if profile.ranks[r].device_type in stored])
             if failed and fallback != "even" and plan.shard_weights == fallback:
                 raise PlanError(f"one step of the planned micro-batches does not fit on ranks {failed} even at the "
                                 f"shard weights the capacity searches found ({list(fallback)}); use a smaller model, "
@@ -284,6 +299,28 @@ def _plan(auto: AutoJob, measured: Measurement, checkpointing: Any) -> Plan:
     if idle and comm.rank == 0:
         log.warning(idle_ranks_line(profile, plan, idle, options))
     return plan
+
+
+def _planned(auto: AutoJob, measured: Measurement) -> tuple[Measurement, Any, Plan]:
+    """The measurement, the activation checkpointing and the plan. Where a plan from stored
+    profiles fails its check step (``StaleProfiles``), the device types of the ranks it failed on
+    are profiled again, then, if the next plan fails too, every type; the fresh profiles replace
+    the stored ones."""
+    refresh: frozenset[str] = frozenset()
+    while True:  # at most twice more: the last profile is measured whole, with nothing to check against the store
+        chosen = _chosen_checkpointing(auto, measured)
+        try:
+            return measured, chosen, _plan(auto, measured, chosen)
+        except StaleProfiles as stale:
+            profile, device = measured.profile, measured.device
+            assert device is not None
+            types = sorted({profile.ranks[r].device_type for r in stale.ranks})
+            refresh = frozenset(profile.device_types()) if refresh else frozenset(types)
+            if auto.comm.rank == 0:
+                log.warning(f"profile store: one step of the plan's largest micro-batch does not fit on ranks "
+                            f"{stale.ranks} ({', '.join(types)}): their stored profiles do not describe this job; "
+                            f"profiling {', '.join(sorted(refresh))} again")
+            measured = _measure(auto, measured.job, device, refresh)
 
 
 def idle_ranks_line(profile: Profile, plan: Plan, idle: list[int], options: AutoOptions) -> str:
@@ -444,9 +481,7 @@ def auto_plan(comm: Communicator, model: nn.Module, optimizer: torch.optim.Optim
     if home.type != "cpu":
         model.to("cpu")  # profiling gets the whole GPU (the copies it trains live there); moved back below
     try:
-        measured = _load_or_measure(auto, home)
-        chosen = _chosen_checkpointing(auto, measured)
-        plan = _plan(auto, measured, chosen)
+        measured, chosen, plan = _planned(auto, _load_or_measure(auto, home))
     except BaseException:
         if home.type != "cpu":
             # the failed profiling's frames still hold its device memory until this error is

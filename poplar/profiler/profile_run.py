@@ -184,7 +184,7 @@ class ProfileRun:
         if self.store is None:
             return None
         say = self.log or (lambda m: None)
-        lookup = look_up(self.comm, self.store.store, self.store.key, self.device)
+        lookup = look_up(self.comm, self.store.store, self.store.key, self.device, self.store.refresh)
         for warning in lookup.warnings:
             say(warning)
         directory = self.store.store.directory

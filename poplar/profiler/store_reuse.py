@@ -13,7 +13,9 @@ Every rank takes the same path, decided from rank 0's reading of the store (one 
 - none stored, or the entries disagree on the configuration: the full profile, as without a
   store (``StoreUse.MEASURED``).
 
-Whatever was measured is written back (rank 0), one entry per device type.
+Whatever was measured is written back (rank 0), one entry per device type. Types named in
+``StoreRequest.refresh`` (auto mode's: a plan from their entries failed its check step) are
+looked up as if not stored, so they are measured again and their entries replaced.
 """
 
 from __future__ import annotations
@@ -52,6 +54,9 @@ class StoreRequest:
     store: ProfileStore
     key: StoreKey
     checkpointing: Any = None
+    # device types whose entries are set aside and measured again (a plan from them failed its
+    # check step); what is measured replaces them
+    refresh: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -84,13 +89,15 @@ class StoreLookup:
         return assemble(self.entries, cluster)
 
 
-def look_up(comm: Communicator, store: ProfileStore, key: StoreKey, device: Device) -> StoreLookup:
-    """Every rank: the job's device types and rank 0's fresh entries for them."""
+def look_up(comm: Communicator, store: ProfileStore, key: StoreKey, device: Device,
+            refresh: frozenset[str] = frozenset()) -> StoreLookup:
+    """Every rank: the job's device types and rank 0's fresh entries for them (not those of ``refresh``)."""
     devices = comm.all_gather_object((device.device_type, device.identity()), tag="auto:store types")
     cluster = [t for t, _ in devices]
     found: tuple[dict[str, Entry], list[str]] = ({}, [])
     if comm.rank == 0:
-        found = (store.lookup(key, cluster, dict(reversed(devices))), store.take_warnings())
+        fresh = store.lookup(key, [t for t in cluster if t not in refresh], dict(reversed(devices)))
+        found = (fresh, store.take_warnings())
     entries, warnings = comm.all_gather_object(found, tag="auto:store entries")[0]
     return StoreLookup(cluster, entries, warnings)
 

@@ -22,6 +22,12 @@ collective, so the fixed list of collectives (``poplar.zero.prefetch``) is the s
 with or without checkpointing. Hooks of the stage recognise a recomputation (``recomputing()``)
 and neither gather nor release anything.
 
+Key/value caches. A model with a Hugging Face style ``config.use_cache`` keeps each attention
+layer's keys and values in a cache during forward; the recomputation would append the same keys
+a second time (twice the sequence length, and a shape error in eager attention). Training never
+reads the cache, so where modules are checkpointed every ``config.use_cache`` found on the
+model's modules is set to False (as Hugging Face's own gradient checkpointing does).
+
 Observing recomputation. ``add_recompute_context(factory)`` enters ``factory()`` around every
 recomputation (the profiler's virtual devices count the recomputed activations with it).
 """
@@ -165,6 +171,16 @@ class ActivationCheckpointing:
         return f"on: {shown}"
 
 
+def disable_kv_cache(model: nn.Module) -> int:
+    """Set every ``config.use_cache`` found on ``model``'s modules to False (the module doc:
+    a recomputed attention layer would add its keys to the cache again); how many were on."""
+    configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None
+               and getattr(c, "use_cache", None) is True}
+    for config in configs.values():
+        config.use_cache = False
+    return len(configs)
+
+
 def setup(comm: Communicator, model: nn.Module, setting: Any, wrap_policy: Any,
           stage3_blocks: list[str] | None) -> ActivationCheckpointing:
     """Choose the modules, check them against the ZeRO-3 blocks (``stage3_blocks``: their names,
@@ -179,4 +195,6 @@ def setup(comm: Communicator, model: nn.Module, setting: Any, wrap_policy: Any,
     comm.agree(error, "activation checkpointing", signature,
                mismatch="ranks chose different modules to checkpoint; pass the same activation_checkpointing "
                         "to every rank")
+    if chosen:
+        disable_kv_cache(model)
     return ActivationCheckpointing(chosen)

@@ -165,3 +165,30 @@ def test_host_out_of_memory_names_the_model_and_what_to_change() -> None:
         assert "ran out of memory while calibrating the emulated cluster on the model HostHungry (" in message
         assert " parameters)" in message and "smaller model" in message and "fewer GPUs" in message
         assert "can't allocate memory" in message  # the allocator's own words, last
+
+
+def test_a_checkpointed_hugging_face_model_with_eager_attention_calibrates() -> None:
+    """A GPT-2 with eager attention and its key/value cache on (``config.use_cache``, as built):
+    under activation checkpointing the recomputation must not append each layer's keys to the
+    cache again (it did: "The size of tensor a (256) must match the size of tensor b (128)" in
+    the calibration of the heaviest configuration, ZeRO-3 with checkpointing)."""
+    from poplar.emulation.calibration import measure_pass
+    from poplar.workloads.hf import causal_lm_loss_fn
+
+    transformers = pytest.importorskip("transformers")
+
+    def gpt2() -> torch.nn.Module:
+        torch.manual_seed(0)
+        config = transformers.GPT2Config(vocab_size=64, n_positions=128, n_embd=64, n_layer=2, n_head=32,
+                                         attn_implementation="eager")
+        return transformers.GPT2LMHeadModel(config)
+
+    model = gpt2()
+    assert model.config.use_cache and model.config._attn_implementation == "eager"
+    job = TimingJob(gpt2, causal_lm_loss_fn, lambda b: {"input_ids": torch.randint(0, 64, (b, 128))},
+                    default_optimizer, 2, 3, [None], [], repeats=1, options={"activation_checkpointing": True})
+    measured = measure_pass(job, None)
+    assert measured.peaks[8] > measured.peaks[1] > measured.state_bytes > 0
+    runtime = local_engine(model, default_optimizer(model), world_size=2, rank=0, zero_stage=ZeroConfig(3),
+                           device=torch.device("cpu"), activation_checkpointing=True)
+    assert runtime.activation_checkpointing.enabled and not model.config.use_cache  # turned off where checkpointed

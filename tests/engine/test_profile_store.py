@@ -331,3 +331,67 @@ def test_the_store_is_a_cache_the_job_goes_on_without(tmp_path: Path) -> None:
     assert len(why) == 1 and why[0].startswith(f"stored profile {tmp_path / 'store'}") and why[0].endswith(
         f"is of profile schema {PROFILE_SCHEMA - 1}, this Poplar's is {PROFILE_SCHEMA}: profiling roomy again"), stale
     assert all(r["loss"] == r["loss"] for r in r0.values())  # every job trained
+
+
+# ---------------------------------------------------------------- a reused profile is checked by one real step
+
+def check_rank(rank: int, world: int, root: str) -> dict:
+    """Auto mode on a roomy and a short card (the toy model at ZeRO-3, even shards): the store
+    filled, reused as it is, then reused after the roomy card's entry was made to claim four
+    times its mbs."""
+    import logging
+
+    from poplar.emulation import VirtualDevice
+    from tests.log_lines import Lines
+    from tests.toy import SEQ, VOCAB, loss_fn, make_model
+
+    torch.set_num_threads(1)
+    lines, logger = Lines(), logging.getLogger("poplar")
+    logger.addHandler(lines)
+    level, logger.level = logger.level, logging.INFO
+    types, out = ("roomy", "short"), {}
+    try:
+        for run in ("first", "right", "lying"):
+            if run == "lying" and rank == 0:  # the roomy card's entry says it holds four times what it does
+                path = next(Path(root).glob("*/roomy.json"))
+                entry = json.loads(path.read_text())
+                entry["rank"]["mbs"] *= 4
+                path.write_text(json.dumps(entry))
+            device = VirtualDevice(types[rank], CAPACITY[types[rank]], time_fn=lambda b: 0.02 + 0.001 * b)
+            model = make_model()
+            del lines.lines[:]
+            engine = PoplarEngine(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), zero_stage=3,
+                                  global_batch_size=64, loss_fn=loss_fn, activation_checkpointing=False,
+                                  auto=AutoOptions(profile_data=lambda b: torch.randint(0, VOCAB, (b, SEQ + 1)),
+                                                   device=device, repeats=1, max_batch=32, exposure_precision=0,
+                                                   shards="even", store=root, progress=True))
+            row = engine.plan.ranks[rank]
+            loss = engine.train_step(torch.randint(0, VOCAB, (row.num_samples, SEQ + 1)))
+            out[run] = {"use": engine.auto_result.store_use, "lines": list(lines.lines), "loss": float(loss),
+                        "mbs": [r.mbs for r in engine.profile.ranks], "b": [r.micro_batch_size for r in engine.plan.ranks],
+                        "trial_steps": engine.profile.ranks[rank].trial_steps}
+            engine.close()
+    finally:
+        logger.removeHandler(lines)
+        logger.level = level
+    out["stored_mbs"] = json.loads(next(Path(root).glob("*/roomy.json")).read_text())["rank"]["mbs"]
+    return out
+
+
+@pytest.mark.multiprocess
+def test_a_reused_profile_that_does_not_fit_a_step_is_measured_again(tmp_path: Path) -> None:
+    r0, r1 = spawn(check_rank, 2, (str(tmp_path),), timeout_s=300, collective_timeout_s=150)
+    first, right, lying = r0["first"], r0["right"], r0["lying"]
+    assert first["use"] is StoreUse.MEASURED and right["use"] is StoreUse.REUSED
+    roomy_mbs = first["mbs"][0]
+    assert right["mbs"] == first["mbs"] and right["b"] == first["b"]
+    assert not any("does not fit" in x for x in right["lines"]) and right["trial_steps"] == first["trial_steps"]
+    # the lie: planned past what the roomy card holds, caught by the check step, that type profiled again
+    said = [x for x in lying["lines"] if x.startswith("profile store: one step of the plan's largest micro-batch")]
+    assert said == ["profile store: one step of the plan's largest micro-batch does not fit on ranks [0] (roomy): "
+                    "their stored profiles do not describe this job; profiling roomy again"], lying["lines"]
+    assert lying["use"] is StoreUse.PARTIAL and lying["mbs"] == first["mbs"] and lying["b"][0] <= roomy_mbs
+    assert r0["lying"]["trial_steps"] > 0 and r1["lying"]["trial_steps"] == 0  # the short card kept its entry
+    assert r0["stored_mbs"] == roomy_mbs  # the fresh entry replaced the lie
+    for r in (r0, r1):
+        assert all(r[run]["loss"] == r[run]["loss"] for run in ("first", "right", "lying"))  # trained: a finite loss

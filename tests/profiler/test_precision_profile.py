@@ -196,6 +196,7 @@ def test_fp16_fits_larger_micro_batches_on_cluster_b(stage: int) -> None:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.timing  # bounds measured compute by the curve: run alone, not beside another worker
 def test_profile_records_its_precision_and_measures_the_fp16_curve() -> None:
     late = latest_wake_up(0.01)  # bare sleeps in this process before and after the profile: the reference
     prof = profile_cluster(WORKLOAD.model_fn, WORKLOAD.loss_fn, WORKLOAD.sample_fn, cluster=PAIR,

@@ -82,7 +82,7 @@ def save_checkpoint(engine: Any, directory: str | os.PathLike, *, extra: dict | 
         error = None
         if rank == 0:
             try:
-                model_entry = write_model(tmp_dir, _unshared_cpu(full), engine.module, shard_limit)
+                model_entry = write_model(tmp_dir, unshared_cpu(full), engine.module, shard_limit)
                 index = _index(engine, full, model_entry, infos, extra)
                 write_json(tmp_dir / INDEX_FILE, sealed(index))
                 publish(tmp_dir, directory)
@@ -169,7 +169,7 @@ def _is_per_element(key: str, value: Any, param: torch.Tensor) -> bool:
     return value.dim() > 0 or key != "step"  # a 0-d parameter's 0-d "step" is a counter
 
 
-def _unshared_cpu(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def unshared_cpu(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """safetensors refuses tensors that share storage (tied weights, views of a flat buffer)."""
     out, seen = {}, set()
     for k, v in state.items():

@@ -151,6 +151,7 @@ def emulated_device(cfg: TrainConfig) -> Any:
 
 def _train(cfg: TrainConfig, plan_only: bool = False) -> int:
     from poplar.train import Trainer
+    from poplar.train.hf_output import output_dir, save_hf_folder
 
     if plan_only:  # the plan is made (and the profile store filled) by building the engine
         from poplar.train.from_config import build_engine
@@ -170,6 +171,9 @@ def _train(cfg: TrainConfig, plan_only: bool = False) -> int:
         # and the failure line (a second SIGTERM during fit then no longer kills at once)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         trainer.fit(cfg.iterations)
+        out = output_dir(cfg)
+        if out is not None:
+            save_hf_folder(trainer.engine, cfg, out)
     finally:
         trainer.close()
     return 0

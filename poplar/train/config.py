@@ -43,6 +43,7 @@ directory, as DeepSpeed's are.
         "profile": null,                            a profile JSON: plan from it, no profiling
         "checkpoint": {"dir": "runs/x/ckpt", "every": 50, "resume": true, "keep": 2},
         "report_dir": "runs/x",
+        "output_dir": null,                         HF models: the finished run's from_pretrained folder (null: report_dir/model)
         "collective_timeout_s": 300
       }
     }
@@ -111,7 +112,7 @@ BF16_KEYS = {"enabled"}
 FP16_KEYS = {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"}
 POPLAR_KEYS = {"iterations", "model", "data", "cluster", "strategy", "shards", "plan", "profile", "checkpoint",
                "report_dir", "offload", "collective_timeout_s", "log_every", "eval_every", "tensorboard",
-               "activation_checkpointing"}
+               "activation_checkpointing", "output_dir"}
 
 
 NO_MODEL = ('the config names no model: add a "poplar" section with "model": a built-in name ("llama-small", '
@@ -165,6 +166,7 @@ class TrainConfig:
     checkpoint_keep: int = 2  # the newest checkpoints kept in checkpoint_dir
     resume: bool = True
     report_dir: str | None = None
+    output_dir: str | None = None  # the finished run's Hugging Face folder (None: <report_dir>/model)
     collective_timeout_s: float = COLLECTIVE_TIMEOUT_S
     mixed_precision: MixedPrecision | None = None  # "bf16" / "fp16" sections; None: fp32
     deepspeed_hints: dict[str, str] = field(default_factory=dict)  # DeepSpeed hint keys met -> what Poplar does
@@ -370,7 +372,7 @@ def _read_poplar(cfg: TrainConfig, p: dict) -> None:
     if ac == "auto":
         ac = None
     cfg.activation_checkpointing = set(ac) if isinstance(ac, list) else ({ac} if isinstance(ac, str) else ac)
-    for key in ("cluster", "plan", "profile", "report_dir"):
+    for key in ("cluster", "plan", "profile", "report_dir", "output_dir"):
         value = p.get(key)
         if value is not None and not isinstance(value, str):
             raise ConfigError(f'"poplar.{key}" must be a string (a name or a path), got {value!r}')

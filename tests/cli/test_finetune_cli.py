@@ -59,6 +59,7 @@ def reference_loss(tmp: Path, cfg: dict) -> float:
 def test_a_pretrained_gpt2_fine_tunes_from_poplar_train(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     save_tiny_gpt2(tmp_path / "pretrained")
     cfg = _config(tmp_path)
+    cfg["poplar"]["checkpoint"] = {"dir": "ckpt"}
     (tmp_path / "run.json").write_text(json.dumps(cfg))
     monkeypatch.chdir(tmp_path)  # the config's paths are relative to the run's directory
     expected = reference_loss(tmp_path, cfg)
@@ -68,6 +69,28 @@ def test_a_pretrained_gpt2_fine_tunes_from_poplar_train(tmp_path: Path, monkeypa
     assert len(losses) == 2 and losses[0] == pytest.approx(expected, rel=1e-5), (losses, expected)
     assert losses[1] < losses[0] and math.isfinite(losses[1])
     assert "tokenizer pretrained/tokenizer.json" in run.stderr, run.stderr[-3000:]
+    _check_model_folder(tmp_path)
+
+
+def _check_model_folder(tmp: Path) -> None:
+    """The finished run's folder (report/model by default) loads with from_pretrained and no step
+    path: the engine's final weights (as its last checkpoint holds them) and the run's tokenizer."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    out = tmp / "report" / "model"
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    final = load_file(tmp / "ckpt" / "step-00000002" / "model.safetensors")
+    before = transformers.AutoModelForCausalLM.from_pretrained(tmp / "pretrained").state_dict()
+    state = model.state_dict()
+    assert type(model).__name__ == "GPT2LMHeadModel" and set(final) <= set(state)
+    for key, value in final.items():
+        assert torch.equal(state[key], value), key
+    assert not torch.equal(state["transformer.h.0.mlp.c_fc.weight"], before["transformer.h.0.mlp.c_fc.weight"])
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    saved = transformers.AutoTokenizer.from_pretrained(tmp / "pretrained")
+    assert tokenizer(DOCS[3])["input_ids"] == saved(DOCS[3])["input_ids"]
+    assert tokenizer.eos_token == "<|endoftext|>"
 
 
 def test_hf_pretrained_needs_a_directory_with_a_tokenizer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -81,3 +104,47 @@ def test_hf_pretrained_needs_a_directory_with_a_tokenizer(tmp_path: Path, monkey
         build_parts(TrainConfig.from_dict(cfg), torch.device("cpu"))
     with pytest.raises(ConfigError, match="exactly one"):
         TrainConfig.from_dict({"poplar": {"model": {"hf_pretrained": "a", "hf_config": "b"}}})
+
+
+@pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed beside this Python")
+@pytest.mark.multiprocess
+def test_an_hf_config_run_with_a_tokenizer_json_writes_its_output_dir(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """``hf_config`` with ``poplar.data.tokenizer`` and ``poplar.output_dir`` (no report dir): the
+    folder holds the final weights (ZeRO-3, gathered) and the run's tokenizer.json as a fast tokenizer."""
+    tokenizers = pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers")
+    save_tiny_gpt2(tmp_path / "pretrained")
+    config = json.loads((tmp_path / "pretrained" / "config.json").read_text())
+    (tmp_path / "gpt2-config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "architectures"}))
+    cfg = _config(tmp_path)
+    cfg["zero_optimization"] = {"stage": 3}
+    del cfg["poplar"]["report_dir"]
+    cfg["poplar"].update({"model": {"hf_config": "gpt2-config.json"}, "checkpoint": {"dir": "ckpt"},
+                          "output_dir": "out"})
+    cfg["poplar"]["data"]["tokenizer"] = "pretrained/tokenizer.json"
+    (tmp_path / "run.json").write_text(json.dumps(cfg))
+    monkeypatch.chdir(tmp_path)
+    run = _torchrun(tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    from safetensors.torch import load_file
+
+    state = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").state_dict()
+    final = load_file(tmp_path / "ckpt" / "step-00000002" / "model.safetensors")
+    assert final and all(torch.equal(state[k], v) for k, v in final.items())
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    own = tokenizers.Tokenizer.from_file(str(tmp_path / "pretrained" / "tokenizer.json"))
+    assert tokenizer(DOCS[5], add_special_tokens=False)["input_ids"] == own.encode(DOCS[5], add_special_tokens=False).ids
+
+
+def test_the_output_folder_is_for_hugging_face_models_and_defaults_to_the_report_dir() -> None:
+    from poplar.train.hf_output import output_dir
+
+    base = {"poplar": {"model": {"hf_config": "c.json"}, "report_dir": "runs/x"}}
+    assert output_dir(TrainConfig.from_dict(base)) == Path("runs/x/model")
+    base["poplar"]["output_dir"] = "final"
+    assert output_dir(TrainConfig.from_dict(base)) == Path("final")
+    assert output_dir(TrainConfig.from_dict({"poplar": {"model": "llama-tiny", "report_dir": "r"}})) is None
+    assert output_dir(TrainConfig.from_dict({"poplar": {"model": {"hf_config": "c.json"}}})) is None
+    with pytest.raises(ConfigError, match="output_dir"):
+        TrainConfig.from_dict({"poplar": {"model": "llama-tiny", "output_dir": 3}})

@@ -1,0 +1,67 @@
+"""The finished run's Hugging Face folder: weights, ``config.json`` and the tokenizer in one
+directory that ``from_pretrained(dir)`` and ``AutoTokenizer.from_pretrained(dir)`` load with no
+step path.
+
+Written for ``hf_config`` and ``hf_pretrained`` models into ``poplar.output_dir``, by default
+``<report_dir>/model`` (the run's outputs already live in the report directory; the checkpoint
+directory keeps only ``step-N`` checkpoints, which pruning and resuming read). The weights go
+through the checkpoints' own Hugging Face writer (``checkpoint.hf_layout``), so the two never
+differ in layout. The tokenizer is the run's: the ``hf_pretrained`` directory's (all its files,
+as ``AutoTokenizer`` reads them) or ``poplar.data.tokenizer``'s ``tokenizer.json``; a byte-level
+run has no Hugging Face tokenizer to save.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from poplar.checkpoint.hf_layout import shard_bytes, write_model
+from poplar.checkpoint.save import unshared_cpu
+from poplar.logs import log
+from poplar.train.config import TrainConfig
+
+
+def output_dir(cfg: TrainConfig) -> Path | None:
+    """Where the run's Hugging Face folder goes: ``poplar.output_dir``, else ``<report_dir>/model``;
+    None for a model that is not a Hugging Face one or a run with neither directory."""
+    if cfg.model_hf_config is None and cfg.model_hf_pretrained is None:
+        return None
+    if cfg.output_dir is not None:
+        return Path(cfg.output_dir)
+    return None if cfg.report_dir is None else Path(cfg.report_dir) / "model"
+
+
+def save_hf_folder(engine: Any, cfg: TrainConfig, directory: Path) -> None:
+    """Every rank (the full weights are a collective at ZeRO-3); rank 0 writes ``directory``
+    whole: into a temporary sibling, then renamed over any older folder."""
+    full = engine.full_state_dict()
+    if engine.rank != 0:
+        return
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
+    try:
+        write_model(tmp, unshared_cpu(full), engine.module, shard_bytes(None))
+        saved = _save_tokenizer(cfg, tmp)
+        if directory.exists():
+            shutil.rmtree(directory)
+        tmp.rename(directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info(f"model folder {directory} (from_pretrained loads it; tokenizer {saved or 'none: byte-level'})")
+
+
+def _save_tokenizer(cfg: TrainConfig, directory: Path) -> str | None:
+    """The run's tokenizer, saved with ``save_pretrained``; returns where it came from."""
+    import transformers
+
+    if cfg.model_hf_pretrained is not None and cfg.tokenizer is None:
+        transformers.AutoTokenizer.from_pretrained(cfg.model_hf_pretrained).save_pretrained(str(directory))
+        return cfg.model_hf_pretrained
+    if cfg.tokenizer is None or cfg.tokenizer == "bytes":
+        return None
+    transformers.PreTrainedTokenizerFast(tokenizer_file=cfg.tokenizer).save_pretrained(str(directory))
+    return cfg.tokenizer

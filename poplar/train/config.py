@@ -92,14 +92,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from poplar.comm.timeouts import COLLECTIVE_TIMEOUT_S
-from poplar.train.deepspeed_auto import GLOBAL_BATCH, TOTAL_STEPS, auto_global_batch, replace_autos
+from poplar.train.deepspeed_auto import GLOBAL_BATCH, OPTIMIZERS, TOTAL_STEPS, auto_global_batch, replace_autos
 from poplar.train.deepspeed_hints import NOT_YET, TOP_HINTS, ZERO_HINTS, did_you_mean
 from poplar.train.placement_config import OffloadSetting, read_offload, read_shards
 from poplar.train.schedule import LRSchedule
 from poplar.types.plans import read_json
 from poplar.types.precision import LossScaleConfig, MixedPrecision, Precision
 
-OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD", "adagrad": "Adagrad", "rmsprop": "RMSprop"}
 SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
 SCHEDULER_KEYS = {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "total_num_steps",
                   "warmup_min_ratio", "cos_min_ratio"}

@@ -30,6 +30,8 @@ import inspect
 from typing import Any
 
 AUTO = "auto"
+# DeepSpeed's optimizer names (matched lower-case) -> torch.optim's classes
+OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD", "adagrad": "Adagrad", "rmsprop": "RMSprop"}
 DEFAULT_LR = 1e-3  # TrainConfig's optimizer lr
 HF_PER_DEVICE_BATCH = 8  # transformers' TrainingArguments.per_device_train_batch_size default
 DEFAULT_BUCKET_ELEMENTS = 25 * 2 ** 20 // 4  # TrainConfig.bucket_size_mb (25 MB) of fp32 gradients
@@ -88,8 +90,6 @@ def _optimizer_autos(out: dict, notes: dict[str, str]) -> Any:
 def _torch_defaults(name: str) -> dict[str, Any]:
     """The keyword defaults of ``torch.optim.<name>`` (matched as the config matches it), or {}."""
     import torch
-
-    from poplar.train.config import OPTIMIZERS
 
     cls = getattr(torch.optim, OPTIMIZERS.get(name.lower(), ""), None)
     if cls is None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from poplar.emulation import cluster_device
 from poplar.emulation.cluster import ClusterSpec
 from poplar.engine import PoplarEngine
 from poplar.planner import plan as make_plan
-from poplar.profiler.store import ProfileStore, StoreKey, assemble, entries_of
+from poplar.profiler.store import ProfileStore, StoreKey, assemble
 from poplar.types.profiles import (PROFILE_SCHEMA, CommProfile, Emulated, Exposure, LedExposure, Links, Profile,
                                    ProfilePoint, Provenance, RankProfile, StoreRecord)
 from poplar.workloads.models import create_model, llama_loss_fn
@@ -283,7 +284,7 @@ def cache_rank(rank: int, world: int, root: str) -> dict:
 
     from poplar.emulation import VirtualDevice
     from tests.log_lines import Lines
-    from tests.toy import SEQ, VOCAB, loss_fn, make_model
+    from tests.toy import SEQ, VOCAB, make_model
 
     torch.set_num_threads(1)
     lines, logger = Lines(), logging.getLogger("poplar")
@@ -301,11 +302,7 @@ def cache_rank(rank: int, world: int, root: str) -> dict:
             device = VirtualDevice("roomy", CAPACITY["roomy"], time_fn=lambda b: 0.02 + 0.001 * b)
             model = make_model()
             del lines.lines[:]
-            engine = PoplarEngine(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), zero_stage=3,
-                                  global_batch_size=8, loss_fn=loss_fn, activation_checkpointing=False,
-                                  auto=AutoOptions(profile_data=lambda b: torch.randint(0, VOCAB, (b, SEQ + 1)),
-                                                   device=device, repeats=1, max_batch=8, exposure_precision=0,
-                                                   store=str(store), progress=True))
+            engine = _toy_auto_engine(model, device, 8, AutoOptions(max_batch=8, store=str(store)))
             loss = engine.train_step(torch.randint(0, VOCAB, (engine.plan.ranks[rank].num_samples, SEQ + 1)))
             out[run] = {"use": engine.auto_result.store_use, "lines": list(lines.lines), "loss": float(loss)}
             engine.close()
@@ -333,6 +330,17 @@ def test_the_store_is_a_cache_the_job_goes_on_without(tmp_path: Path) -> None:
     assert all(r["loss"] == r["loss"] for r in r0.values())  # every job trained
 
 
+def _toy_auto_engine(model: torch.nn.Module, device: Any, global_batch_size: int, options: AutoOptions) -> PoplarEngine:
+    """The toy model at ZeRO-3 in auto mode on ``device``, with ``options``' store, batch bound and
+    shards, profiled at the least cost (one repeat, no steady rounds)."""
+    from tests.toy import SEQ, VOCAB, loss_fn
+
+    auto = replace(options, profile_data=lambda b: torch.randint(0, VOCAB, (b, SEQ + 1)), device=device, repeats=1,
+                   exposure_precision=0, progress=True)
+    return PoplarEngine(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), zero_stage=3,
+                        global_batch_size=global_batch_size, loss_fn=loss_fn, activation_checkpointing=False, auto=auto)
+
+
 # ---------------------------------------------------------------- a reused profile is checked by one real step
 
 def check_rank(rank: int, world: int, root: str) -> dict:
@@ -343,7 +351,7 @@ def check_rank(rank: int, world: int, root: str) -> dict:
 
     from poplar.emulation import VirtualDevice
     from tests.log_lines import Lines
-    from tests.toy import SEQ, VOCAB, loss_fn, make_model
+    from tests.toy import SEQ, VOCAB, make_model
 
     torch.set_num_threads(1)
     lines, logger = Lines(), logging.getLogger("poplar")
@@ -360,11 +368,7 @@ def check_rank(rank: int, world: int, root: str) -> dict:
             device = VirtualDevice(types[rank], CAPACITY[types[rank]], time_fn=lambda b: 0.02 + 0.001 * b)
             model = make_model()
             del lines.lines[:]
-            engine = PoplarEngine(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), zero_stage=3,
-                                  global_batch_size=64, loss_fn=loss_fn, activation_checkpointing=False,
-                                  auto=AutoOptions(profile_data=lambda b: torch.randint(0, VOCAB, (b, SEQ + 1)),
-                                                   device=device, repeats=1, max_batch=32, exposure_precision=0,
-                                                   shards="even", store=root, progress=True))
+            engine = _toy_auto_engine(model, device, 64, AutoOptions(max_batch=32, shards="even", store=root))
             row = engine.plan.ranks[rank]
             loss = engine.train_step(torch.randint(0, VOCAB, (row.num_samples, SEQ + 1)))
             out[run] = {"use": engine.auto_result.store_use, "lines": list(lines.lines), "loss": float(loss),

@@ -32,14 +32,18 @@ from poplar.comm.ledger import CommLedger
 from poplar.comm.sigterm_watch import BLOCKED
 from poplar.comm.uneven import all_gather_tensor, reduce_scatter_tensor
 from poplar.types.errors import DistributedError
+from poplar.types.topology import Wire
 
 
 class CollectiveObserver(Protocol):
     """What an observer of the tensor collectives implements (the same calls, in the same order,
-    on every rank): ``issued`` before a collective starts, returning a ticket, and ``done`` with
-    that ticket once the collective is complete on this rank."""
+    on every rank of ``wire.ranks``): ``issued`` before a collective starts, returning a ticket,
+    and ``done`` with that ticket once the collective is complete on this rank. ``nbytes`` is
+    the same on every rank taking part: the full buffer of a collective, and for a cross-node
+    exchange (op ``"exchange"``) the bytes that cross between nodes, every node's summed.
+    ``wire`` says which link it runs on and which global ranks take part."""
 
-    def issued(self, op: str, nbytes: int) -> Any:
+    def issued(self, op: str, nbytes: int, wire: Wire) -> Any:
         ...
 
     def done(self, ticket: Any) -> None:
@@ -122,7 +126,7 @@ class Communicator:
              finish: Callable[[], None] | None = None) -> PendingCollective | None:
         t0 = self.start_timer()
         observer = self.observer if self.world_size > 1 else None
-        ticket = observer.issued(op, nbytes) if observer is not None else None
+        ticket = observer.issued(op, nbytes, Wire.world(self.world_size)) if observer is not None else None
         work = self.guard(op, tag, lambda: fn(async_op)) if self.world_size > 1 else None
         if async_op:
             issue = time.perf_counter() - t0

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Iterator
 
+from poplar.types.topology import Link
+
 
 class Phase(str, Enum):
     """Where in a training step a collective was issued (compares equal to its value string)."""
@@ -40,6 +42,7 @@ class CommRecord:
     seconds: float
     tag: str = ""
     start: float = 0.0  # wall clock (time.time()) when the rank entered the collective
+    link: Link = Link.FLAT  # the link it used (``poplar.types.topology``)
 
 
 @dataclass(frozen=True)
@@ -109,7 +112,7 @@ class CommLedger:
         """The runtime begins ``iteration``: collectives from now on carry its number."""
         self._position = LedgerPosition(self._position.phase, 0, iteration)
 
-    def add(self, op: str, nbytes: int, seconds: float, tag: str = "") -> None:
+    def add(self, op: str, nbytes: int, seconds: float, tag: str = "", link: Link = Link.FLAT) -> None:
         p = self._position
         self.total_seconds += seconds
         if p.iteration not in self._per_iteration:
@@ -118,7 +121,7 @@ class CommLedger:
                 self._per_iteration.popitem(last=False)
         self._per_iteration[p.iteration] += seconds
         self.records.append(CommRecord(op, nbytes, p.phase.value, p.iteration, p.micro_step, seconds, tag,
-                                       time.time() - seconds))
+                                       time.time() - seconds, link))
 
     def clear(self) -> None:
         self.records.clear()

@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from poplar.planner.cost_model import bus_bytes
+from poplar.types.topology import Wire
 
 
 SLOTS = 1 << 14  # rows of the board: far more than the collectives a rank can issue ahead of another
@@ -130,7 +131,7 @@ class VirtualLink:
                                     shape=(SLOTS, self.spec.world_size, 2))
         return self._board
 
-    def issued(self, op: str, nbytes: int) -> _Ticket:
+    def issued(self, op: str, nbytes: int, wire: Wire) -> _Ticket:
         ticket = _Ticket(self.issued_count, self.spec.seconds(op, nbytes))
         self.board()[ticket.index % SLOTS, self.rank] = (ticket.index + 1, time.perf_counter())
         self.issued_count += 1

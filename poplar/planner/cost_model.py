@@ -124,7 +124,8 @@ class CommModel:
         stage = self.measured_stage
         if stage is None or collectives is self.measured_collectives:
             return priced
-        return replace(priced, micro_scale=ratio(priced._serial_micro_step_s(stage), measured._serial_micro_step_s(stage)),
+        return replace(priced,
+                       micro_scale=ratio(priced._serial_micro_step_s(stage), measured._serial_micro_step_s(stage)),
                        iteration_scale=ratio(priced._serial_iteration_s(stage), measured._serial_iteration_s(stage)))
 
     def _serial_micro_step_s(self, stage: int) -> float:

@@ -148,7 +148,8 @@ class Links:
         cross = d.pop("cross", None)
         _require(isinstance(intra, (list, tuple)), "comm.links.intra", intra, "a list of links")
         try:
-            return cls(**d, topology=None if topology is None else Topology.from_json(_mapping(topology, "comm.links.topology")),
+            nodes = None if topology is None else Topology.from_json(_mapping(topology, "comm.links.topology"))
+            return cls(**d, topology=nodes,
                        intra=tuple(LinkSpeed(**_mapping(x, f"comm.links.intra[{i}]")) for i, x in enumerate(intra)),
                        cross=None if cross is None else LinkSpeed(**_mapping(cross, "comm.links.cross")))
         except TopologyError as e:

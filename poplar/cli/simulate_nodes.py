@@ -41,8 +41,10 @@ def add_node_args(s: argparse.ArgumentParser) -> None:
     g.add_argument("--inter-gbps", default=None, metavar="BW",
                    help="the link between nodes, GB/s, or Gbit/s with a gbit suffix (100gbit = 12.5 GB/s); "
                         "required with --nodes of more than one node")
-    g.add_argument("--intra-latency-us", type=float, default=None, help="each node's link latency (default: the cluster's)")
-    g.add_argument("--inter-latency-us", type=float, default=None, help="the cross-node latency (default: the cluster's)")
+    g.add_argument("--intra-latency-us", type=float, default=None, metavar="US",
+                   help="each node's link latency (default: the cluster's latency_us)")
+    g.add_argument("--inter-latency-us", type=float, default=None, metavar="US",
+                   help="the cross-node latency (default: the cluster's latency_us)")
 
 
 def bandwidth(text: str, flag: str) -> float:

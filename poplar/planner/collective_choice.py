@@ -77,6 +77,18 @@ def with_secondary_shards(profile: Profile) -> Profile | None:
     return with_mbs(profile, weights, mbs)
 
 
+def profile_as(profile: Profile, way: Collectives) -> Profile:
+    """The profile a plan with its collectives run ``way`` is planned on: with secondary shards,
+    on the micro-batches their memory leaves (a ``PlanError`` where none is left)."""
+    if not way.secondary_shards:
+        return profile
+    found = with_secondary_shards(profile)
+    if found is None:
+        raise PlanError("secondary shards leave some rank no room for a sample, or the profile does not say what a "
+                        "sample's activations cost (bytes_per_sample); plan with flat or hierarchical collectives")
+    return found
+
+
 def fastest(candidates: Sequence[Collectives], planned: Callable[[Collectives], Plan]) -> Plan:
     """Each way's plan (``planned``), the fastest predicted kept, earlier ways first within the
     tie; the plan records its way and the table of ways."""

@@ -253,12 +253,8 @@ def _plan_as(prof: Profile, request: PlanRequest, collectives: Collectives) -> P
                             "or those placements at the profile's stage")
 
     def planned(weights: Sequence[float], source: Profile | None) -> Plan | None:
-        if source is not None and collectives.secondary_shards:
-            source = collective_choice.with_secondary_shards(source)
-            if source is None:
-                raise PlanError("secondary shards leave some rank no room for a sample, or the profile does not say "
-                                "what a sample's activations cost (bytes_per_sample); plan with flat or "
-                                "hierarchical collectives")
+        if source is not None:
+            source = collective_choice.profile_as(source, collectives)
         if source is None:
             return None
         problem = make_problem(source, global_batch_size, zero_stage, require_all_ranks=require_all_ranks,

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import pytest
 
-from poplar.planner import plan
+from poplar.planner import plan, simulate
 from poplar.planner.collective_choice import with_secondary_shards
 from poplar.planner.cost_model import CommModel
 from poplar.planner.link_pricing import Collectives, LinkPricing, ring_s
@@ -179,3 +179,14 @@ def test_one_node_has_one_way_and_a_way_that_does_not_apply_is_an_error() -> Non
         plan(profile(two_nodes(), stage=2), 256, 2, collectives="secondary_shards")
     with pytest.raises(PlanError, match="collectives must be 'auto' or one of flat, hierarchical"):
         plan(one, 256, 3, collectives="tree")
+
+
+def test_the_simulator_plans_each_strategy_with_its_fastest_way() -> None:
+    sim = simulate(profile(two_nodes()), 1000, 3)
+    for name in ("poplar", "even"):
+        got = sim.result(name).plan
+        assert got.secondary_shards and got.predicted_iteration_s == min(
+            r["predicted_s"] for r in got.choice.collective_candidates if r["predicted_s"] is not None)
+    assert "secondary shards" in sim.table().splitlines()[2]
+    one = simulate(profile(Links(100 * GB, 10e-6)), 1000, 3)
+    assert not one.result("poplar").plan.hierarchical and one.result("poplar").plan.choice.collective_candidates is None

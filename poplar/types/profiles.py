@@ -122,6 +122,19 @@ class Links:
     def flat(self) -> LinkSpeed:
         return LinkSpeed(self.bandwidth_bytes_per_s, self.latency_s)
 
+    def describe(self) -> list[str]:
+        """One line per link: the flat ring, and on a job that spans nodes each node's and the cross-node one."""
+        def line(name: str, x: LinkSpeed) -> str:
+            return f"{name}: bus bandwidth {x.bandwidth_bytes_per_s / 1e9:.3f} GB/s, latency {x.latency_s * 1e6:.0f} us"
+
+        lines = [line(f"collectives ({self.backend})", self.flat)]
+        if self.topology is not None and self.spans_nodes:
+            lines += [line(f"  node {k} (ranks {node[0]}-{node[-1]})", x) if len(node) > 1 else
+                      f"  node {k} (rank {node[0]}): no link inside"
+                      for k, (node, x) in enumerate(zip(self.topology.nodes, self.intra))]
+            lines.append(line("  between nodes", self.cross))  # type: ignore[arg-type]
+        return lines
+
     @classmethod
     def tiered(cls, topology: Topology, intra: Sequence[LinkSpeed], cross: LinkSpeed | None, backend: str = "",
                flat: LinkSpeed | None = None) -> "Links":

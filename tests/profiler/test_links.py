@@ -54,3 +54,12 @@ def test_nodes_of_2_and_2_measure_two_intra_links_and_a_cross_link() -> None:
     ranks = [RankProfile(i, "cpu", 1, [ProfilePoint(1, 0.01)]) for i in range(4)]
     prof = Profile(1, 4, 10, 40, ranks, CommProfile(two))
     assert Profile.from_dict(prof.to_dict()).comm.links == two
+
+
+def test_the_links_are_described_per_tier() -> None:
+    assert Links(2e9, 25e-6, "gloo").describe() == ["collectives (gloo): bus bandwidth 2.000 GB/s, latency 25 us"]
+    tiers = Links.tiered(Topology.of_sizes([2, 1]), (LinkSpeed(8e9, 5e-6), NO_LINK), LinkSpeed(1e9, 40e-6), "nccl")
+    assert tiers.describe() == ["collectives (nccl): bus bandwidth 1.000 GB/s, latency 40 us",
+                                "  node 0 (ranks 0-1): bus bandwidth 8.000 GB/s, latency 5 us",
+                                "  node 1 (rank 2): no link inside",
+                                "  between nodes: bus bandwidth 1.000 GB/s, latency 40 us"]

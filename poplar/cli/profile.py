@@ -103,7 +103,5 @@ def summary(profile: Profile) -> str:
         lines.append(f"{r.rank:>4} {r.device_type:>12} {(r.capacity_bytes or 0) / 1e6:>11.3f} "
                      f"{(r.bytes_per_sample or 0) / 1e6:>9.4f} {r.mbs:>5} {r.trial_steps:>6} "
                      f"{pts.get(1, float('nan')) * 1e3:>8.2f} {pts.get(r.mbs, float('nan')) * 1e3:>9.2f} {peak:>14.1f}")
-    link = profile.comm.links
-    lines.append(f"collectives ({link.backend}): bus bandwidth {link.bandwidth_bytes_per_s / 1e9:.3f} GB/s, "
-                 f"latency {link.latency_s * 1e6:.0f} us")
+    lines += profile.comm.links.describe()
     return "\n".join(lines)

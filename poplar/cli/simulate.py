@@ -5,6 +5,7 @@
     poplar simulate --cluster A --gbs 256 --stage auto --model llama-1.1b
     poplar simulate --cluster my_cluster.json --gbs 256 --stage 0 --model path/to/config.json
     poplar simulate --profile profile.json --gbs 256 [--stage auto]
+    poplar simulate --cluster C8.json --gbs 256 --stage 3 --nodes 4,4 --intra-gbps 16 --inter-gbps 100gbit
 
 A cluster (built-in name or JSON) is priced from its devices' presets (``poplar.emulation.presets``)
 for a model (``--model``: the presets' reference workload by default, a built-in model name or a
@@ -12,7 +13,9 @@ Hugging Face config.json, ``poplar.cli.model_specs``). ``--add TYPE:N[,TYPE:N]``
 cluster with N more devices of each TYPE beside the cluster as it is. ``--stage auto`` shows the
 candidate table (ZeRO stage x activation checkpointing: fits, mbs per device type, predicted
 iteration, why rejected) and simulates the fastest; from a profile it shows the table auto mode
-saved with it.
+saved with it. ``--nodes`` groups the cluster's ranks into nodes with their own links and a
+link between them, and asks whether the last node is worth adding (``poplar.cli.simulate_nodes``):
+flat against hierarchical collectives, with and without it.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Any
 
 from poplar.cli.model_specs import PlanningModel, resolve_model
 from poplar.cli.plan import add_limits, stage_arg
+from poplar.cli.simulate_nodes import add_node_args, rows_json, simulate_nodes
 from poplar.emulation.cluster import BUILTIN_CLUSTERS, ClusterSpec
 from poplar.emulation.presets import get_preset
 from poplar.emulation.what_if import preset_candidates, simulate
@@ -37,7 +41,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s = subparsers.add_parser("simulate", help="what-if: strategies, configurations and added devices, predicted",
                               description="Predicted throughput of poplar / even / flops on a cluster or a profile; "
                                           "with --add, beside the cluster grown by some devices; with --stage auto, "
-                                          "every ZeRO stage x activation checkpointing candidate.")
+                                          "every ZeRO stage x activation checkpointing candidate; with --nodes, the "
+                                          "cluster as nodes with their links, flat against hierarchical "
+                                          "collectives, with and without its last node (is adding that node worth "
+                                          "it?). Bandwidths are in GB/s, or Gbit/s with a gbit suffix.")
     src = s.add_mutually_exclusive_group(required=True)
     src.add_argument("--cluster", help=f"built-in cluster ({', '.join(BUILTIN_CLUSTERS)}) or a cluster JSON file")
     src.add_argument("--profile", help="a measured profile JSON instead of device presets")
@@ -54,6 +61,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated (default: all)")
     s.add_argument("--json", default=None, help="write the comparison (with every plan) as JSON here")
     add_limits(s)
+    add_node_args(s)
     s.set_defaults(func=_simulate)
 
 
@@ -136,6 +144,9 @@ def _simulate(args: argparse.Namespace) -> int:
     strategies = _strategies(args.strategies)
     limits = {"require_all_ranks": args.require_all_ranks, "max_micro_steps": args.max_micro_steps}
     if args.profile:
+        if args.nodes or args.intra_gbps or args.inter_gbps:
+            raise ValueError("--nodes, --intra-gbps and --inter-gbps describe a cluster of presets: use them with "
+                             "--cluster (a profile that spans nodes holds its measured links and is planned on them)")
         if args.add or args.model or args.seq:
             raise ValueError("--add, --model and --seq price devices from their presets: use them with --cluster, "
                              "not --profile (a profile holds measured curves of one cluster and model)")
@@ -144,6 +155,10 @@ def _simulate(args: argparse.Namespace) -> int:
         raise ValueError("simulating a cluster needs --stage (0-3, or auto for the candidate table)")
     model = resolve_model(args.model, args.seq)
     spec = ClusterSpec.resolve(args.cluster)
+    if args.nodes:
+        return _simulate_nodes(args, spec, model, limits)
+    if args.intra_gbps or args.inter_gbps:
+        raise ValueError("--intra-gbps and --inter-gbps are the links of --nodes: give the ranks per node too")
     cases = [_cluster_case(spec, args, model, strategies, limits)]
     if args.add:
         cases.append(_cluster_case(grown(spec, args.add), args, model, strategies, limits))
@@ -163,6 +178,19 @@ def _simulate(args: argparse.Namespace) -> int:
                for c in cases]
         write_text_atomic(args.json, json.dumps(out[0] if len(out) == 1 else {"current": out[0], "with_add": out[1]},
                                                 indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _simulate_nodes(args: argparse.Namespace, spec: ClusterSpec, model: PlanningModel, limits: dict[str, Any]) -> int:
+    if args.add:
+        raise ValueError("--nodes asks about the cluster's last node; describe the grown cluster in the cluster file "
+                         "instead of --add")
+    text, rows = simulate_nodes(args, spec, model.plain, limits)
+    print(f"model {model.description}; global batch {args.gbs}")
+    print(text)
+    if args.json:
+        write_text_atomic(args.json, json.dumps(rows_json(rows), indent=2) + "\n")
         print(f"wrote {args.json}")
     return 0
 

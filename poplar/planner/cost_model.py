@@ -49,13 +49,14 @@ its shortlist, with led last steps, by ``evaluate_rows``. Idle time of rank i is
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from poplar.planner.curves import SpeedCurve
 from poplar.planner.lead import lead_change
+from poplar.planner.link_pricing import Collectives, LinkPricing
 
 
 def bus_bytes(op: str, nbytes: float, world_size: int) -> float:
@@ -87,9 +88,58 @@ class CommModel:
     small_lead: Led | None = None  # per leading device type, the lead of its small led rounds
     exposed_small_lead_s: Led | None = None  # a micro-step's exposure there
     exposed_end_small_lead_s: Led | None = None  # the iteration's end's (closing + fixed overhead)
+    # Links per tier (None: the flat link above alone) and how this model prices the collectives;
+    # the measured exposures above are of ``measured_collectives``, and another way of running
+    # them scales what they expose by its serial seconds over theirs (``priced_as``)
+    pricing: LinkPricing | None = None
+    collectives: Collectives = Collectives.FLAT
+    measured_collectives: Collectives = Collectives.FLAT
+    overhead_s: float = 0.0  # of the measured iteration's end, the fixed overhead (no collective)
+    micro_scale: float = 1.0
+    iteration_scale: float = 1.0
 
     @classmethod
-    def from_profile(cls, profile: Any) -> "CommModel":
+    def from_profile(cls, profile: Any, collectives: Collectives = Collectives.FLAT) -> "CommModel":
+        """The model of a profile's links and exposures, pricing the collectives as ``collectives``."""
+        model = cls._measured_model(profile)
+        links = profile.comm.links
+        if not links.spans_nodes:
+            return model
+        pricing = LinkPricing.of(links, profile.world_size, profile.shard_weights)
+        measured = Collectives.of(profile.comm.hierarchical, profile.comm.secondary_shards)
+        return replace(model, pricing=pricing, collectives=measured, measured_collectives=measured,
+                       overhead_s=float(profile.comm.exposure.overhead_s or 0.0)).priced_as(collectives)
+
+    def priced_as(self, collectives: Collectives) -> "CommModel":
+        """This model with the collectives run as ``collectives``: the formulas price them on
+        their links, and a measured exposure is scaled by the serial seconds of one micro-step's
+        (and of the iteration's closing) collectives run so over those it measured: compute hid
+        the same fraction of them."""
+        measured = replace(self, collectives=self.measured_collectives, micro_scale=1.0, iteration_scale=1.0)
+        priced = replace(measured, collectives=collectives)
+
+        def ratio(new: float, old: float) -> float:
+            return new / old if old > 0 else 1.0
+
+        stage = self.measured_stage
+        if stage is None or collectives is self.measured_collectives:
+            return priced
+        return replace(priced,
+                       micro_scale=ratio(priced._serial_micro_step_s(stage), measured._serial_micro_step_s(stage)),
+                       iteration_scale=ratio(priced._serial_iteration_s(stage), measured._serial_iteration_s(stage)))
+
+    def _serial_micro_step_s(self, stage: int) -> float:
+        if self.micro_step_ops:
+            return self._ops_s(self.micro_step_ops, stage)
+        return self._table_micro_step_s(stage)
+
+    def _serial_iteration_s(self, stage: int) -> float:
+        if self.iteration_ops:
+            return self._ops_s(self.iteration_ops, stage)
+        return self._table_iteration_s(stage)
+
+    @classmethod
+    def _measured_model(cls, profile: Any) -> "CommModel":
         c, x = profile.comm, profile.comm.exposure
         end = None
         overhead = x.overhead_s or 0.0
@@ -110,18 +160,31 @@ class CommModel:
                    per_type("small_lead"), per_type("micro_step_small_lead_s"),
                    per_type("iteration_small_lead_s", overhead))
 
-    def call_s(self, op: str, nbytes: float) -> float:
-        """One collective of a ``nbytes`` buffer (the full, unsharded size)."""
+    def call_s(self, op: str, nbytes: float, backward_gather: bool = False) -> float:
+        """One collective of a ``nbytes`` buffer (the full, unsharded size); ``backward_gather``:
+        a ZeRO-3 all-gather before backward."""
+        if self.pricing is not None and self.collectives is not Collectives.FLAT:
+            return self.pricing.call_s(op, nbytes, self.collectives, backward_gather)
         n = self.world_size
         if n <= 1:
             return 0.0
         return bus_bytes(op, nbytes, n) / self.bandwidth_bytes_per_s + self.latency_s
 
+    def _ops_s(self, ops: Ops, stage: int) -> float:
+        """The recorded collectives one by one, serially. At ZeRO-3 every block is gathered before
+        forward and again before backward, the same bytes: half the all-gathers are backward's."""
+        if stage != 3 or not self.collectives.secondary_shards:
+            return sum(self.call_s(op, n) for op, n in ops)
+        return sum((self.call_s(op, n) + self.call_s(op, n, backward_gather=True)) / 2 if op == "all_gather"
+                   else self.call_s(op, n) for op, n in ops)
+
     def _measured(self, stage: int) -> bool:
         return self.measured_stage == stage and bool(self.micro_step_ops or self.iteration_ops)
 
-    def collective_s(self) -> float:
+    def collective_s(self, backward_gather: bool = False) -> float:
         """One reduce-scatter or all-gather of the full parameter size."""
+        if self.pricing is not None and self.collectives is not Collectives.FLAT:
+            return self.call_s("all_gather", self.param_bytes, backward_gather)
         n = self.world_size
         if n <= 1:
             return 0.0
@@ -135,9 +198,14 @@ class CommModel:
 
     def per_micro_step_s(self, stage: int) -> float:
         if self.measured_stage == stage and self.exposed_micro_step_s is not None:
-            return self.exposed_micro_step_s if stage in (2, 3) else 0.0
+            return self.exposed_micro_step_s * self.micro_scale if stage in (2, 3) else 0.0
         if self._measured(stage):
-            return sum(self.call_s(op, n) for op, n in self.micro_step_ops)
+            return self._ops_s(self.micro_step_ops, stage)
+        return self._table_micro_step_s(stage)
+
+    def _table_micro_step_s(self, stage: int) -> float:
+        if stage == 3 and self.collectives.secondary_shards:
+            return 2 * self.collective_s() + self.collective_s(backward_gather=True)
         return {0: 0.0, 1: 0.0, 2: self.collective_s(), 3: 3 * self.collective_s()}[stage]
 
     def led_micro_step_s(self, stage: int, lead: Any, compute: Any = None, leader: Any = None) -> Any:
@@ -146,17 +214,18 @@ class CommModel:
         of type names): measured, the balanced exposure (interpolated in the compute between the
         measured levels, constant beyond them) plus the ``lead_change`` the leader's led rounds
         measured; otherwise ``per_micro_step_s``."""
-        balanced = self.per_micro_step_s(stage)
         lead = np.asarray(lead, dtype=float)
         if self.measured_stage != stage or stage not in (2, 3) or self.exposed_micro_step_s is None:
-            return balanced + 0.0 * lead
+            return self.per_micro_step_s(stage) + 0.0 * lead
+        balanced = self.exposed_micro_step_s  # as measured; scaled below when priced another way
         base = balanced + 0.0 * lead
         if compute is not None and self.exposed_steps is not None:
             base = np.interp(compute, *self.exposed_steps) + 0.0 * lead
         if self.exposed_lead_s is None or leader is None:
-            return base
+            return base * self.micro_scale
         change = _per_leader(self.exposed_lead_s, leader, balanced) - balanced
-        return np.maximum(0.0, base + self._lead_change(lead, change, self.exposed_small_lead_s, leader, balanced))
+        led = np.maximum(0.0, base + self._lead_change(lead, change, self.exposed_small_lead_s, leader, balanced))
+        return led * self.micro_scale
 
     def _lead_change(self, lead: Any, change: Any, small: Led | None, leader: Any, balanced: float) -> Any:
         """``lead_change`` with the leader's small led rounds (``small``: their exposure), if measured."""
@@ -195,18 +264,29 @@ class CommModel:
     def led_iteration_s(self, stage: int, lead: float, leader: str | None) -> float:
         """c_s of an iteration whose slowest device type ``leader`` leads the next by ``lead`` at
         its end: measured, the balanced end plus the ``lead_change`` the leader's led rounds measured."""
-        balanced = self.per_iteration_s(stage)
         if (self.measured_stage != stage or self.exposed_iteration_s is None or self.exposed_end_lead_s is None
                 or leader is None):
-            return balanced
+            return self.per_iteration_s(stage)
+        balanced = self.exposed_iteration_s  # as measured; scaled below when priced another way
         change = float(_per_leader(self.exposed_end_lead_s, leader, balanced)) - balanced
-        return balanced + float(self._lead_change(lead, change, self.exposed_end_small_lead_s, leader, balanced))
+        return self._scaled_end(balanced + float(self._lead_change(lead, change, self.exposed_end_small_lead_s,
+                                                                   leader, balanced)))
+
+    def _scaled_end(self, measured: float) -> float:
+        """A measured iteration's end with its collectives priced as this model's: the fixed
+        overhead as it is, the rest scaled."""
+        if self.iteration_scale == 1.0:
+            return measured
+        return self.overhead_s + (measured - self.overhead_s) * self.iteration_scale
 
     def per_iteration_s(self, stage: int) -> float:
         if self.measured_stage == stage and self.exposed_iteration_s is not None:
-            return self.exposed_iteration_s
+            return self._scaled_end(self.exposed_iteration_s)
         if self._measured(stage):
-            return sum(self.call_s(op, n) for op, n in self.iteration_ops)
+            return self._ops_s(self.iteration_ops, stage)
+        return self._table_iteration_s(stage)
+
+    def _table_iteration_s(self, stage: int) -> float:
         small = (2 if stage == 3 else 1) * (self.latency_s if self.world_size > 1 else 0.0)
         return small + {0: self.all_reduce_s(), 1: 2 * self.collective_s(), 2: self.collective_s(), 3: 0.0}[stage]
 

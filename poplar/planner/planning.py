@@ -25,7 +25,8 @@ from typing import Any, Callable, Mapping, Sequence
 from poplar.types.plans import Offload, OffloadPricing, Plan, PlanError, RankPlan
 from poplar.planner.baselines import even_rows, flops_rows
 from poplar.planner.cost_model import CommModel, Evaluation, evaluate_rows
-from poplar.planner import offload_pricing
+from poplar.planner import collective_choice, offload_pricing
+from poplar.planner.link_pricing import Collectives
 from poplar.planner.placement_choice import fastest_placement, offload_setting
 from poplar.planner import shards as shard_choice
 from poplar.planner.groups import DeviceGroup, group_profile
@@ -127,8 +128,9 @@ def load_profile(profile: Profile | Mapping[str, Any] | str | os.PathLike) -> Pr
 
 def make_problem(profile: Profile | Mapping[str, Any] | str | os.PathLike, global_batch_size: int,
                  zero_stage: int | None = None, *, require_all_ranks: bool = False,
-                 max_micro_steps: int | None = None) -> Problem:
-    """Validate the inputs and build the per-type view the strategies work on."""
+                 max_micro_steps: int | None = None, collectives: Collectives = Collectives.FLAT) -> Problem:
+    """Validate the inputs and build the per-type view the strategies work on, its collectives
+    priced as ``collectives`` (on a job that spans nodes: ``planner.link_pricing``)."""
     prof = load_profile(profile)
     stage = prof.zero_stage if zero_stage is None else zero_stage
     if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
@@ -158,7 +160,7 @@ def make_problem(profile: Profile | Mapping[str, Any] | str | os.PathLike, globa
                 f"global batch {gbs} cannot be met within memory: at most {max_micro_steps} micro-steps "
                 f"x sum of mbs = {most} samples per iteration. Lower the global batch, raise "
                 "max_micro_steps, or use a higher ZeRO stage (larger micro-batches)")
-    comm = CommModel.from_profile(prof)
+    comm = CommModel.from_profile(prof, collectives)
     return Problem(groups, comm, stage, gbs, require_all_ranks, max_micro_steps,
                    plan_tie=max(PLAN_TIE, TIE_ERRORS * (prof.comm.exposure.error or 0.0)))
 
@@ -195,7 +197,7 @@ def plan_problem(problem: Problem, strategy: str = "poplar", shard_weights: Sequ
 def plan(profile: Profile | Mapping[str, Any] | str | os.PathLike, global_batch_size: int,
          zero_stage: int | None = None, strategy: str = "poplar", *, require_all_ranks: bool = False,
          max_micro_steps: int | None = None, shards: str | Sequence[float] = "even",
-         offload: str | Sequence[Offload] = "none") -> Plan:
+         offload: str | Sequence[Offload] = "none", collectives: str | Collectives = "auto") -> Plan:
     """Plan one iteration: per-rank micro-batch, accumulation steps and last batch.
 
     ``profile`` is a ``Profile``, its dict, or a path to its JSON; ``zero_stage`` defaults to
@@ -203,10 +205,41 @@ def plan(profile: Profile | Mapping[str, Any] | str | os.PathLike, global_batch_
     ``"even"`` (default), ``"auto"`` (shard weights chosen with the batches, ``planner.shards``)
     or one weight per rank. ``offload``: ``"none"`` (default), ``"auto"`` (ranks offload their
     optimizer where that lets the model fit or is predicted faster, ``planner.offload_pricing``)
-    or one ``Offload`` per rank. The plan carries per-rank predicted compute seconds and the
-    predicted iteration (compute + communication + offload copies and host step).
+    or one ``Offload`` per rank. ``collectives``: on a job whose links span nodes, ``"auto"``
+    (default: flat, hierarchical or, at ZeRO-3, hierarchical with secondary shards, whichever is
+    predicted fastest, ``planner.collective_choice``) or one of them; on one node they are flat.
+    The plan carries per-rank predicted compute seconds and the predicted iteration (compute +
+    communication + offload copies and host step), and the collectives it chose.
     """
     prof = load_profile(profile)
+    stage = prof.zero_stage if zero_stage is None else zero_stage
+    setting = collective_choice.collectives_setting(collectives)
+    request = PlanRequest(global_batch_size, zero_stage, strategy, require_all_ranks, max_micro_steps, shards, offload)
+    ways = collective_choice.ways(prof, stage, setting)
+    if ways == [Collectives.FLAT]:
+        return _plan_as(prof, request, Collectives.FLAT)
+    return collective_choice.fastest(ways, lambda way: _plan_as(prof, request, way))
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What ``plan`` was asked, but for the profile and the collectives."""
+
+    global_batch_size: int
+    zero_stage: int | None
+    strategy: str
+    require_all_ranks: bool
+    max_micro_steps: int | None
+    shards: str | Sequence[float]
+    offload: str | Sequence[Offload]
+
+
+def _plan_as(prof: Profile, request: PlanRequest, collectives: Collectives) -> Plan:
+    """``plan`` with the collectives run as ``collectives`` (secondary shards: on the micro-batches
+    their memory leaves)."""
+    global_batch_size, zero_stage, strategy = request.global_batch_size, request.zero_stage, request.strategy
+    require_all_ranks, max_micro_steps = request.require_all_ranks, request.max_micro_steps
+    shards, offload = request.shards, request.offload
     stage = prof.zero_stage if zero_stage is None else zero_stage
     placement = offload_setting(offload, prof.world_size)
     if not isinstance(placement, str) and stage == 0:
@@ -220,10 +253,12 @@ def plan(profile: Profile | Mapping[str, Any] | str | os.PathLike, global_batch_
                             "or those placements at the profile's stage")
 
     def planned(weights: Sequence[float], source: Profile | None) -> Plan | None:
+        if source is not None:
+            source = collective_choice.profile_as(source, collectives)
         if source is None:
             return None
         problem = make_problem(source, global_batch_size, zero_stage, require_all_ranks=require_all_ranks,
-                               max_micro_steps=max_micro_steps)
+                               max_micro_steps=max_micro_steps, collectives=collectives)
         out = plan_problem(problem, strategy, weights)
         out.choice = replace(out.choice, plan_tie=problem.plan_tie)
         return out

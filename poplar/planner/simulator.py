@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from poplar.types.plans import Plan, PlanError, write_text_atomic
+from poplar.planner import collective_choice
+from poplar.planner.link_pricing import Collectives
 from poplar.planner.planning import STRATEGIES, make_problem, plan_problem
 from poplar.types.profiles import Profile
 
@@ -77,8 +79,9 @@ class Simulation:
                 lines.append(f"{r.strategy:<8} {'-':>10}  ({r.error})")
                 continue
             vs = f"{r.samples_per_s / base.samples_per_s:.3f}x" if base else "-"
+            way = " secondary shards" if r.plan.secondary_shards else " hierarchical" if r.plan.hierarchical else ""
             lines.append(f"{r.strategy:<8} {r.samples_per_s:>10.2f} {r.iteration_s:>12.4f} "
-                         f"{r.plan.predicted_comm_s:>8.4f} {r.plan.max_micro_steps:>11} {vs:>8}")
+                         f"{r.plan.predicted_comm_s:>8.4f} {r.plan.max_micro_steps:>11} {vs:>8}{way}")
         planned = [r for r in self.results if r.plan]
         if planned:
             lines.append("")
@@ -108,8 +111,21 @@ def simulate(profile: Profile | str | os.PathLike | Mapping[str, Any], global_ba
                            max_micro_steps=max_micro_steps)
     label = source or f"profile ({profile.model_name or 'model'}, {profile.world_size} ranks)"
     sim = Simulation(label, problem.stage, global_batch_size)
+    ways = collective_choice.ways(profile, problem.stage, None)
+
+    def planned(way: Collectives, name: str) -> Plan:
+        """``name``'s plan with the collectives run ``way`` (a job that spans nodes)."""
+        at = make_problem(collective_choice.profile_as(profile, way), global_batch_size, zero_stage,
+                          require_all_ranks=require_all_ranks, max_micro_steps=max_micro_steps, collectives=way)
+        found = plan_problem(at, name)
+        found.choice = replace(found.choice, plan_tie=at.plan_tie)
+        return found
+
     for name in strategies:
         try:
+            if len(ways) > 1:  # each strategy with its fastest way (``planner.collective_choice``)
+                sim.results.append(StrategyResult(name, collective_choice.fastest(ways, lambda w: planned(w, name))))
+                continue
             sim.results.append(StrategyResult(name, plan_problem(problem, name)))
         except PlanError as e:  # a baseline that cannot apply is reported, not fatal
             if name not in STRATEGIES:

@@ -23,6 +23,7 @@ from poplar.types.configuration import Configuration
 from poplar.types.plans import Offload
 from poplar.types.profiles import Emulated
 from poplar.types.precision import MixedPrecision, resolve_precision
+from poplar.types.topology import Topology
 from poplar.zero.config import ZeroConfig
 from poplar.zero.nonfinite import SkipReport
 
@@ -80,6 +81,9 @@ class ProfileOptions(ProfilingPolicy):
     # time each rank past its mbs at shard weights that give it the room (``shard_room``), for
     # planning shard weights; off: the curve past mbs is extended at constant speed
     time_past_mbs: bool = True
+    # the job's nodes (None: one node): on a topology that spans nodes the links are measured per
+    # node and across nodes as well (``poplar.profiler.links``)
+    topology: Topology | None = None
 
     def __post_init__(self) -> None:
         self.mixed_precision = resolve_precision(self.mixed_precision)

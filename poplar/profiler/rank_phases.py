@@ -257,7 +257,7 @@ class RankPhases:
         if not self.options.measure_comm:
             return None
         with in_phase(self.observers, ProfilePhase.COMM, self.comm):
-            return measure_comm(self.comm)
+            return measure_comm(self.comm, topology=self.options.topology)
 
     def assemble(self, fit: StageCapacity, timing: LockStepTiming, comm_profile: CommProfile | None) -> Profile:
         """Every rank's part, gathered: the same ``Profile`` on every rank."""

@@ -28,14 +28,14 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Callable, NamedTuple
 
-import numpy as np
 import torch
 
 from poplar.logs import progress_bar
 from poplar.profiler.devices import Device
 from poplar.profiler.local_comm import round_plan
-from poplar.types.profiles import CommProfile, Links, ProfilePoint
-from poplar.planner.cost_model import bus_bytes
+from poplar.profiler.links import DEFAULT_COMM_SIZES, measure_links
+from poplar.types.profiles import CommProfile, ProfilePoint
+from poplar.types.topology import Topology
 from poplar.comm import Communicator
 from poplar.zero.observers import MicroStep, StepObserver
 from poplar.zero.runtime import PlanCheck, ZeroRuntime
@@ -254,48 +254,9 @@ def summarize(measured: dict[int, list[StepTime]]) -> list[ProfilePoint]:
 
 
 # ---------------------------------------------------------------------- collective bandwidth
-DEFAULT_COMM_SIZES = (2 ** 14, 2 ** 17, 2 ** 20, 2 ** 22)  # bytes of the full (unsharded) buffer
-
-
-def measure_comm(comm: Communicator, sizes: tuple[int, ...] = DEFAULT_COMM_SIZES, reps: int = 3) -> CommProfile:
-    """Time all-reduce, reduce-scatter and all-gather of a few sizes in lock-step and fit
-    seconds = latency + volume / bandwidth, where volume is the ring's bus volume of the
-    planner's cost model: 2 (N-1)/N V for an all-reduce, (N-1)/N V for the others (V = bytes
-    of the full buffer). Every rank runs the same calls in the same order."""
-    n, dev = comm.world_size, comm.device
-    if n <= 1:
-        return CommProfile(Links(bandwidth_bytes_per_s=1e15, latency_s=0.0, backend=comm.backend))
-    xs: list[float] = []
-    ys: list[float] = []
-    barrier = torch.zeros(1, device=dev)
-    for size in sizes:
-        numel = max(n, (size // 4 + n - 1) // n * n)
-        full = torch.zeros(numel, device=dev)
-        shard = torch.zeros(numel // n, device=dev)
-        nbytes = numel * 4
-        ops = {"all_reduce": lambda: comm.all_reduce(full),
-               "reduce_scatter": lambda: comm.reduce_scatter(shard, full),
-               "all_gather": lambda: comm.all_gather(full, shard)}
-        for op, call in ops.items():
-            times = []
-            for rep in range(reps + 1):
-                comm.all_reduce(barrier)
-                t0 = time.perf_counter()
-                call()
-                if dev.type == "cuda":
-                    torch.cuda.synchronize(dev)
-                if rep > 0:  # the first call of each shape warms up
-                    times.append(time.perf_counter() - t0)
-            xs.append(bus_bytes(op, nbytes, n))
-            ys.append(statistics.median(times))
-    # every rank must report the same link: use rank-averaged times
-    t = torch.tensor(ys, dtype=torch.float64, device=dev)
-    comm.all_reduce(t)
-    ys = (t / n).tolist()
-    slope, intercept = np.polyfit(np.array(xs), np.array(ys), 1)
-    if slope <= 0:  # latency-bound everywhere: take the best throughput seen
-        bandwidth = max(x / y for x, y in zip(xs, ys))
-        latency = 0.0
-    else:
-        bandwidth, latency = 1.0 / slope, max(float(intercept), 0.0)
-    return CommProfile(Links(bandwidth_bytes_per_s=float(bandwidth), latency_s=latency, backend=comm.backend))
+def measure_comm(comm: Communicator, sizes: tuple[int, ...] = DEFAULT_COMM_SIZES, reps: int = 3,
+                 topology: Topology | None = None) -> CommProfile:
+    """The job's fitted links (``poplar.profiler.links.measure_links``: the ring over every rank,
+    and on a topology that spans nodes each node's link and the cross-node one) as a
+    ``CommProfile``. Every rank runs the same calls in the same order."""
+    return CommProfile(measure_links(comm, topology, sizes, reps))

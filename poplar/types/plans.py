@@ -121,6 +121,8 @@ class PlanChoice:
     profiling_s: dict[str, float] | None = None
     profile_store: str | None = None
     shard_trial_failed_on: list[int] | None = None  # ranks where the planned shard weights did not fit a step
+    # on a job that spans nodes: each way of running the collectives planned (collectives, predicted_s)
+    collective_candidates: list[dict[str, Any]] | None = None
 
     def __post_init__(self) -> None:
         if self.offload_pricing is not None:
@@ -139,6 +141,8 @@ class Plan:
     predicted_comm_s: float | None = None
     meta: dict[str, Any] = field(default_factory=dict)
     choice: PlanChoice = field(default_factory=PlanChoice)
+    hierarchical: bool = False
+    secondary_shards: bool = False
 
     def __post_init__(self) -> None:
         self.ranks = [r if isinstance(r, RankPlan) else RankPlan(**r) for r in self.ranks]

@@ -15,11 +15,12 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
 from poplar.types.plans import read_json, shard_weights_problem, write_text_atomic
+from poplar.types.topology import Topology, TopologyError
 
 
 class ProfileError(ValueError):
@@ -80,17 +81,92 @@ class RankProfile:
 # or the profiler's measurement changes, so that a stored profile measured by another profiler is
 # measured again rather than reused. 1: the format before typed records (no ``schema_version``
 # on disk: flat ``exposed_*`` fields and a ``meta`` dict), which ``from_schema_1`` converts.
-PROFILE_SCHEMA = 2
+# 2: one flat link (``Links`` without tiers), read as it is: a job on one node. 3: links per tier
+# where the job spans nodes (``Links.topology``, ``intra``, ``cross``).
+PROFILE_SCHEMA = 3
+READABLE_SCHEMAS = (1, 2, PROFILE_SCHEMA)
+
+
+@dataclass(frozen=True)
+class LinkSpeed:
+    """One fitted link: seconds ~= ``latency_s`` + bus bytes / ``bandwidth_bytes_per_s``."""
+
+    bandwidth_bytes_per_s: float
+    latency_s: float = 0.0
 
 
 @dataclass(frozen=True)
 class Links:
-    """The fitted collective link: seconds ~= ``latency_s`` + bus bytes / ``bandwidth_bytes_per_s``
-    (``bus_bytes``), on ``backend``. One link for the whole job."""
+    """The fitted collective links, on ``backend``.
+
+    ``bandwidth_bytes_per_s`` and ``latency_s`` are the flat link: a collective over every rank
+    of the job as one ring (``bus_bytes``). A job on one node has that link alone (``topology``
+    None, no tiers). A job whose ``topology`` spans nodes has tiers as well: ``intra``, one link
+    per node (its ranks' collectives, in node order; a node of one rank has a link that is never
+    used), and ``cross``, the link between nodes (collectives among one rank per node). There the
+    flat link is the ring over every rank as measured, or, where it was not measured, the slowest
+    of the tiers (``Links.tiered``): a flat ring runs at the pace of the slowest hop it crosses."""
 
     bandwidth_bytes_per_s: float
     latency_s: float = 0.0
     backend: str = ""
+    topology: Topology | None = None  # None: one node
+    intra: tuple[LinkSpeed, ...] = ()  # one per node of ``topology``
+    cross: LinkSpeed | None = None
+
+    @property
+    def spans_nodes(self) -> bool:
+        return self.topology is not None and self.topology.spans_nodes
+
+    @property
+    def flat(self) -> LinkSpeed:
+        return LinkSpeed(self.bandwidth_bytes_per_s, self.latency_s)
+
+    def describe(self) -> list[str]:
+        """One line per link: the flat ring, and on a job that spans nodes each node's and the cross-node one."""
+        def line(name: str, x: LinkSpeed) -> str:
+            return f"{name}: bus bandwidth {x.bandwidth_bytes_per_s / 1e9:.3f} GB/s, latency {x.latency_s * 1e6:.0f} us"
+
+        lines = [line(f"collectives ({self.backend})", self.flat)]
+        if self.topology is not None and self.spans_nodes:
+            lines += [line(f"  node {k} (ranks {node[0]}-{node[-1]})", x) if len(node) > 1 else
+                      f"  node {k} (rank {node[0]}): no link inside"
+                      for k, (node, x) in enumerate(zip(self.topology.nodes, self.intra))]
+            lines.append(line("  between nodes", self.cross))  # type: ignore[arg-type]
+        return lines
+
+    @classmethod
+    def tiered(cls, topology: Topology, intra: Sequence[LinkSpeed], cross: LinkSpeed | None, backend: str = "",
+               flat: LinkSpeed | None = None) -> "Links":
+        """The links of a job on ``topology``; ``flat``: the ring over every rank, as measured (None:
+        the slowest tier's bandwidth with the largest tier latency). One node: that node's link."""
+        intra = tuple(intra)
+        if len(intra) != topology.node_count:
+            raise ProfileError(f"links: {len(intra)} intra-node links for {topology.describe()}; give one per node")
+        if not topology.spans_nodes:
+            return cls(intra[0].bandwidth_bytes_per_s, intra[0].latency_s, backend)
+        if cross is None:
+            raise ProfileError(f"links: {topology.describe()} spans nodes and needs a cross-node link")
+        if flat is None:
+            used = [x for x, n in zip(intra, topology.sizes) if n > 1] + [cross]
+            flat = LinkSpeed(min(x.bandwidth_bytes_per_s for x in used), max(x.latency_s for x in used))
+        return cls(flat.bandwidth_bytes_per_s, flat.latency_s, backend, topology, intra, cross)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "Links":
+        """The links of a JSON object (``asdict``'s); a flat link alone (schemas 1 and 2) is one node."""
+        d = dict(_mapping(d, "comm.links"))
+        topology = d.pop("topology", None)
+        intra = d.pop("intra", [])
+        cross = d.pop("cross", None)
+        _require(isinstance(intra, (list, tuple)), "comm.links.intra", intra, "a list of links")
+        try:
+            nodes = None if topology is None else Topology.from_json(_mapping(topology, "comm.links.topology"))
+            return cls(**d, topology=nodes,
+                       intra=tuple(LinkSpeed(**_mapping(x, f"comm.links.intra[{i}]")) for i, x in enumerate(intra)),
+                       cross=None if cross is None else LinkSpeed(**_mapping(cross, "comm.links.cross")))
+        except TopologyError as e:
+            raise ProfileError(f"profile field comm.links.topology: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -140,7 +216,8 @@ class CommProfile:
     """Measured collective performance: the fitted link (``links``); which collectives the engine
     issued at ``collectives_stage`` while it was timed, as ``[op, bytes]`` pairs: those of one
     micro-step (``micro_step``) and those of the iteration's end (``iteration``); and what of them
-    compute did not hide (``exposure``), with the iteration's fixed overhead. The cost model uses
+    compute did not hide (``exposure``), with the iteration's fixed overhead, as the collectives
+    ran then (flat, or ``hierarchical`` with or without ``secondary_shards``). The cost model uses
     these when it plans at that stage."""
 
     links: Links
@@ -148,10 +225,14 @@ class CommProfile:
     micro_step: list[list] = field(default_factory=list)
     iteration: list[list] = field(default_factory=list)
     exposure: Exposure = field(default_factory=Exposure)
+    # how the collectives ran while the exposure was measured (``Plan.hierarchical`` /
+    # ``Plan.secondary_shards``): the planner prices other ways from these
+    hierarchical: bool = False
+    secondary_shards: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.links, dict):
-            self.links = Links(**self.links)
+            self.links = Links.from_json(self.links)
         _require(isinstance(self.links, Links), "comm.links", self.links, "an object")
         if isinstance(self.exposure, dict):
             d = dict(self.exposure)
@@ -375,6 +456,7 @@ class Profile:
                                f"got {self.offloads!r}; re-run the profiler")
         if not self.comm.links.bandwidth_bytes_per_s > 0:
             raise ProfileError(f"comm bandwidth must be > 0, got {self.comm.links.bandwidth_bytes_per_s}")
+        self._validate_tiers()
         error = self.comm.exposure.error
         if error is not None and not 0 <= error < 1:
             raise ProfileError(f"comm.exposure.error must be a fraction in [0, 1), got {error}; re-run the profiler")
@@ -382,6 +464,23 @@ class Profile:
             if led.small_lead is not None and not 0 <= led.small_lead < 1:
                 raise ProfileError(f"comm.exposure small_lead of {led.device_type!r} must be a fraction in [0, 1), "
                                    f"got {led.small_lead}; re-run the profiler")
+
+    def _validate_tiers(self) -> None:
+        links = self.comm.links
+        if links.topology is None:
+            if links.intra or links.cross is not None:
+                raise ProfileError("comm.links has intra-node or cross-node links but no topology; re-run the profiler")
+            return
+        problem = links.topology.problem(self.world_size)
+        if problem is not None:
+            raise ProfileError(f"comm.links.topology: {problem}; re-run the profiler")
+        if len(links.intra) != links.topology.node_count or (links.topology.spans_nodes and links.cross is None):
+            raise ProfileError(f"comm.links needs one intra-node link per node of {links.topology.describe()} "
+                               "and a cross-node link; re-run the profiler")
+        for where, x in [(f"intra[{k}]", x) for k, x in enumerate(links.intra)] + [("cross", links.cross)]:
+            if x is not None and not (x.bandwidth_bytes_per_s > 0 and x.latency_s >= 0):
+                raise ProfileError(f"comm.links.{where} must have bandwidth > 0 and latency >= 0, got {x}; "
+                                   "re-run the profiler")
 
     def device_types(self) -> list[str]:
         """Distinct device types, in order of first appearance."""
@@ -398,9 +497,9 @@ class Profile:
             raise ProfileError(f"{source} must be a JSON object, got {type(d).__name__}")
         version = d.get("schema_version", 1)
         again = "profile the cluster again (`poplar profile`, or auto mode)"
-        if version not in (1, PROFILE_SCHEMA):
-            raise ProfileError(f"{source} has profile schema {version}, this Poplar reads schemas 1 and "
-                               f"{PROFILE_SCHEMA}; {again}")
+        if version not in READABLE_SCHEMAS:
+            raise ProfileError(f"{source} has profile schema {version}, this Poplar reads schemas "
+                               f"{', '.join(map(str, READABLE_SCHEMAS))}; {again}")
         try:
             if version == 1:
                 d = from_schema_1(d)

@@ -120,3 +120,48 @@ def test_plan_stage_auto_reads_the_candidates_auto_mode_saved(capsys: pytest.Cap
     synthetic_profile("B", 1).save(plain)
     code, _, err = _run(capsys, "plan", "--profile", str(plain), "--gbs", "128", "--stage", "auto")
     assert code == 2 and "profile_output" in err and "poplar simulate" in err
+
+
+def _c8(tmp_path: Path) -> str:
+    path = tmp_path / "C8.json"
+    path.write_text(json.dumps({"name": "C8", "devices": [{"type": "A800-80G", "count": 4},
+                                                          {"type": "V100S-32G", "count": 4}],
+                                "bandwidth_gbps": 10.0, "latency_us": 30.0}))
+    return str(path)
+
+
+def test_nodes_ask_whether_the_last_node_is_worth_adding(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    cluster, out_json = _c8(tmp_path), tmp_path / "nodes.json"
+    answers = {}
+    for inter in ("10gbit", "12.5"):
+        code, out, _ = _run(capsys, "simulate", "--cluster", cluster, "--gbs", "256", "--stage", "3", "--nodes", "4,4",
+                            "--intra-gbps", "16", "--inter-gbps", inter, "--json", str(out_json))
+        assert code == 0 and "as 2 nodes: [0-3] [4-7]" in out and "between nodes 1" in out
+        rows = json.loads(out_json.read_text())
+        assert [r["cluster"] for r in rows] == ["all nodes", "without the last node"] and rows[1]["ranks"] == 4
+        whole = rows[0]
+        # the chosen way is the fastest of the three, and the one planned with its fields set
+        best = min(("flat", "hierarchical", "secondary_shards"), key=lambda w: whole[w]["iteration_s"])
+        assert whole["chosen"] == best
+        plan = whole[best]["plan"]
+        assert (plan["hierarchical"], plan["secondary_shards"]) == (best != "flat", best == "secondary_shards")
+        assert rows[1]["hierarchical"] is None and rows[1]["chosen"] == "flat"  # one node: flat alone
+        answers[inter] = whole["chosen_samples_per_s"] / rows[1]["chosen_samples_per_s"]
+        assert f"adding the last node: {answers[inter]:.2f}x" in out
+    # 10 Gbit/s between nodes: the V100S node costs more in communication than it brings; 100 Gbit/s: worth it
+    assert answers["10gbit"] < 1 < answers["12.5"]
+    assert "not worth it" in _run(capsys, "simulate", "--cluster", cluster, "--gbs", "256", "--stage", "3",
+                                  "--nodes", "4,4", "--inter-gbps", "10gbit")[1]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--nodes", "4,3", "--inter-gbps", "1"], "adding up to the cluster's 8 ranks"),
+    (["--nodes", "4,4"], "needs the link between them: --inter-gbps"),
+    (["--nodes", "4,4", "--inter-gbps", "fast"], "--inter-gbps 'fast': give a bandwidth > 0"),
+    (["--nodes", "2,2,4", "--intra-gbps", "1,2", "--inter-gbps", "1"], "one bandwidth for every node or one per node"),
+    (["--inter-gbps", "1"], "give the ranks per node too"),
+])
+def test_bad_nodes_and_links_are_named(capsys: pytest.CaptureFixture, tmp_path: Path, argv: list[str],
+                                       message: str) -> None:
+    code, _, err = _run(capsys, "simulate", "--cluster", _c8(tmp_path), "--gbs", "256", "--stage", "3", *argv)
+    assert code != 0 and message in err, err

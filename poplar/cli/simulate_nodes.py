@@ -1,0 +1,184 @@
+"""``poplar simulate --nodes``: a cluster as nodes with their links, and whether its last node is
+worth adding.
+
+    poplar simulate --cluster C8.json --gbs 256 --stage 3 --nodes 4,4 --intra-gbps 16 --inter-gbps 100gbit
+
+The cluster's ranks (in its file's order) are grouped into nodes of the sizes given; each node
+has its own link (``--intra-gbps``: one value for every node, or one per node) and the nodes share
+the cross-node link (``--inter-gbps``). Bandwidths are in GB/s, as the cluster files'
+``bandwidth_gbps``; a value ending in ``gbit`` is in Gbit/s (100 Gbit/s InfiniBand: ``100gbit``,
+12.5 GB/s). The planner prices each collective on the links it crosses (``planner.link_pricing``)
+and the table compares, for the whole cluster and for it without its last node, the predicted
+iteration and throughput with flat collectives, hierarchical ones and, at ZeRO-3, hierarchical
+ones with node-local secondary shards, and the way the planner chooses.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, replace
+from typing import Any
+
+from poplar.emulation.cluster import ClusterSpec
+from poplar.emulation.synthetic import ModelSpec, synthetic_profile
+from poplar.planner.collective_choice import ORDER
+from poplar.planner.link_pricing import Collectives
+from poplar.planner.planning import plan
+from poplar.types.plans import Plan, PlanError
+from poplar.types.profiles import Links, LinkSpeed, Profile
+from poplar.types.topology import Topology
+
+GBIT = "gbit"
+
+
+def add_node_args(s: argparse.ArgumentParser) -> None:
+    g = s.add_argument_group("nodes and links (with --cluster and a stage 0-3): is the last node worth adding?")
+    g.add_argument("--nodes", default=None, metavar="L0,L1,...",
+                   help="ranks per node, in the cluster's rank order (e.g. 4,4); the last node is the one asked about")
+    g.add_argument("--intra-gbps", default=None, metavar="BW[,BW...]",
+                   help="each node's link, GB/s (or e.g. 600gbit): one for every node or one per node "
+                        "(default: the cluster's bandwidth_gbps)")
+    g.add_argument("--inter-gbps", default=None, metavar="BW",
+                   help="the link between nodes, GB/s, or Gbit/s with a gbit suffix (100gbit = 12.5 GB/s); "
+                        "required with --nodes of more than one node")
+    g.add_argument("--intra-latency-us", type=float, default=None, metavar="US",
+                   help="each node's link latency (default: the cluster's latency_us)")
+    g.add_argument("--inter-latency-us", type=float, default=None, metavar="US",
+                   help="the cross-node latency (default: the cluster's latency_us)")
+
+
+def bandwidth(text: str, flag: str) -> float:
+    """Bytes per second of a ``--*-gbps`` value: GB/s, or Gbit/s with the ``gbit`` suffix."""
+    value = text.strip().lower()
+    scale = 1e9 / 8 if value.endswith(GBIT) else 1e9
+    try:
+        out = float(value[:-len(GBIT)] if value.endswith(GBIT) else value) * scale
+    except ValueError:
+        out = -1.0
+    if not out > 0:
+        raise ValueError(f"{flag} {text!r}: give a bandwidth > 0 in GB/s (12.5) or Gbit/s (100gbit)")
+    return out
+
+
+@dataclass(frozen=True)
+class NodeLinks:
+    """The nodes and links a user declared for a cluster."""
+
+    topology: Topology
+    intra: tuple[LinkSpeed, ...]
+    cross: LinkSpeed | None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, spec: ClusterSpec) -> "NodeLinks":
+        try:
+            sizes = [int(x) for x in args.nodes.split(",") if x.strip()]
+        except ValueError:
+            sizes = []
+        if not sizes or min(sizes) < 1 or sum(sizes) != spec.world_size:
+            raise ValueError(f"--nodes {args.nodes!r}: give the ranks of each node, e.g. 4,4, adding up to the "
+                             f"cluster's {spec.world_size} ranks ({spec.describe()})")
+        intra_latency = (spec.latency_us if args.intra_latency_us is None else args.intra_latency_us) * 1e-6
+        inter_latency = (spec.latency_us if args.inter_latency_us is None else args.inter_latency_us) * 1e-6
+        given = [bandwidth(x, "--intra-gbps") for x in (args.intra_gbps or str(spec.bandwidth_gbps)).split(",")]
+        if len(given) not in (1, len(sizes)):
+            raise ValueError(f"--intra-gbps {args.intra_gbps!r}: give one bandwidth for every node or one per node "
+                             f"({len(sizes)})")
+        intra = tuple(LinkSpeed(bw, intra_latency) for bw in (given * len(sizes) if len(given) == 1 else given))
+        if len(sizes) > 1 and args.inter_gbps is None:
+            raise ValueError("--nodes of more than one node needs the link between them: --inter-gbps, e.g. 12.5 "
+                             "(GB/s) or 100gbit")
+        cross = None if len(sizes) == 1 else LinkSpeed(bandwidth(args.inter_gbps, "--inter-gbps"), inter_latency)
+        return cls(Topology.of_sizes(sizes), intra, cross)
+
+    def without_last(self) -> "NodeLinks":
+        sizes = self.topology.sizes[:-1]
+        return NodeLinks(Topology.of_sizes(sizes), self.intra[:-1], self.cross if len(sizes) > 1 else None)
+
+    def links(self) -> Links:
+        return Links.tiered(self.topology, self.intra, self.cross, "simulated")
+
+
+def first_ranks(spec: ClusterSpec, count: int) -> ClusterSpec:
+    """The cluster of its first ``count`` ranks."""
+    devices: list[dict[str, Any]] = []
+    for dtype in spec.rank_types()[:count]:
+        if devices and devices[-1]["type"] == dtype:
+            devices[-1]["count"] += 1
+        else:
+            devices.append({"type": dtype, "count": 1})
+    return ClusterSpec.from_dict({**spec.to_dict(), "name": f"{spec.name}[:{count}]", "devices": devices})
+
+
+def on_nodes(spec: ClusterSpec, nodes: NodeLinks, stage: int, model: ModelSpec) -> Profile:
+    """The synthetic profile of ``spec``'s first ranks on these nodes and links."""
+    prof = synthetic_profile(first_ranks(spec, nodes.topology.world_size), stage, model)
+    return replace(prof, comm=replace(prof.comm, links=nodes.links()))
+
+
+def ways_row(label: str, prof: Profile, gbs: int, stage: int, limits: dict[str, Any]) -> dict[str, Any]:
+    """Each way's predicted plan on ``prof`` (None where it does not apply or fits no plan) and the choice."""
+    row: dict[str, Any] = {"cluster": label, "ranks": prof.world_size,
+                           "nodes": prof.comm.links.topology.describe() if prof.comm.links.topology else "1 node"}
+    for way in ORDER:
+        applies = way.applies(stage) and (way is Collectives.FLAT or prof.comm.links.spans_nodes)
+        try:
+            row[way.value] = plan(prof, gbs, stage, collectives=way, **limits) if applies else None
+        except PlanError as e:
+            row[way.value] = str(e)
+    chosen: Plan = plan(prof, gbs, stage, **limits)
+    row["chosen"] = chosen
+    return row
+
+
+def _cell(found: Plan | str | None) -> str:
+    if found is None:
+        return "-"
+    if isinstance(found, str):
+        return "no plan"
+    return f"{found.predicted_iteration_s:.4f} s {found.predicted_samples_per_s:8.2f}/s"
+
+
+def _way(found: Plan) -> str:
+    return Collectives.of(found.hierarchical, found.secondary_shards).value
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    heads = ["", "ranks", "nodes"] + [f"{w.value} (s/iter, samples/s)" for w in ORDER] + ["chosen", "samples/s"]
+    lines = [[r["cluster"], str(r["ranks"]), r["nodes"]] + [_cell(r[w.value]) for w in ORDER]
+             + [_way(r["chosen"]), f"{r['chosen'].predicted_samples_per_s:.2f}"] for r in rows]
+    widths = [max(len(x) for x in col) for col in zip(heads, *lines)]
+    out = "\n".join("  ".join(x.ljust(w) for x, w in zip(row, widths)).rstrip() for row in [heads, *lines])
+    if len(rows) > 1:
+        gain = rows[0]["chosen"].predicted_samples_per_s / rows[1]["chosen"].predicted_samples_per_s
+        out += (f"\nadding the last node: {gain:.2f}x the throughput, each cluster with its chosen collectives "
+                f"({'worth it' if gain > 1 else 'not worth it'} at this link and batch)")
+    return out
+
+
+def simulate_nodes(args: argparse.Namespace, spec: ClusterSpec, model: ModelSpec,
+                   limits: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
+    """The table of the whole cluster and of it without its last node, and its rows."""
+    if not isinstance(args.stage, int):
+        raise ValueError("--nodes compares ways of running the collectives at one stage: give --stage 0-3")
+    nodes = NodeLinks.from_args(args, spec)
+    cases = [("all nodes", nodes)]
+    if nodes.topology.node_count > 1:
+        cases.append(("without the last node", nodes.without_last()))
+    rows = [ways_row(label, on_nodes(spec, n, args.stage, model), args.gbs, args.stage, limits) for label, n in cases]
+    links = nodes.links()
+    head = (f"{spec.describe()} as {nodes.topology.describe()}; node links "
+            + ", ".join(f"{x.bandwidth_bytes_per_s / 1e9:g}" for x in nodes.intra) + " GB/s"
+            + (f", between nodes {links.cross.bandwidth_bytes_per_s / 1e9:g} GB/s" if links.cross else "")
+            + f"; ZeRO-{args.stage}, global batch {args.gbs}")
+    return head + "\n" + table(rows), rows
+
+
+def rows_json(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def one(found: Plan | str | None) -> Any:
+        if found is None or isinstance(found, str):
+            return {"error": found} if found else None
+        return {"iteration_s": found.predicted_iteration_s, "samples_per_s": found.predicted_samples_per_s,
+                "plan": found.to_dict()}
+    return [{"cluster": r["cluster"], "ranks": r["ranks"], "nodes": r["nodes"],
+             **{w.value: one(r[w.value]) for w in ORDER}, "chosen": _way(r["chosen"]),
+             "chosen_samples_per_s": r["chosen"].predicted_samples_per_s} for r in rows]

@@ -1,0 +1,151 @@
+"""Link pricing: the seconds of one collective on the links it crosses, for a job whose ranks
+span nodes (docs/design.md §5.2).
+
+A flat ring over the ranks of several nodes moves (N-1)/N of the buffer over every hop, the
+node-boundary hops included, so it runs at the pace of the slowest link it crosses: the profile's
+flat link (``Links.bandwidth_bytes_per_s``, measured over every rank, or the slowest tier). A
+hierarchical reduce-scatter or all-gather of a buffer of B bytes runs in two steps:
+
+- inside each node k of L_k ranks, a collective of the whole buffer over the node's ranks:
+  (L_k-1)/L_k B bus bytes on node k's own link; the nodes run at once, so the step lasts as long
+  as its slowest node;
+- across nodes, each element once: node k, holding the share s_k of the buffer, sends
+  (1 - s_k) B and receives (K-1) s_k B over the cross-node link; the step lasts as long as the
+  node with the most bytes either way (even shares: (K-1)/K B, the cross link's bus bytes).
+
+With node-local secondary shards at ZeRO-3, the backward re-gather is the intra-node step alone.
+All-reduces (ZeRO-0's gradients, the small status reductions) stay flat.
+
+Everything is priced from node sizes and shares, not from the world: a plan that leaves a rank
+or a node out is priced by the ``LinkPricing`` of the nodes that take part (``with_nodes``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Sequence
+
+from poplar.types.plans import PlanError
+from poplar.types.profiles import Links, LinkSpeed
+
+
+class Collectives(str, Enum):
+    """How a plan's reduce-scatters and all-gathers cross nodes (compares equal to its value)."""
+
+    FLAT = "flat"  # one ring over every rank
+    HIERARCHICAL = "hierarchical"  # a step inside each node, one across nodes
+    SECONDARY_SHARDS = "secondary_shards"  # hierarchical; ZeRO-3's backward re-gather stays inside each node
+
+    @property
+    def hierarchical(self) -> bool:
+        return self is not Collectives.FLAT
+
+    @property
+    def secondary_shards(self) -> bool:
+        return self is Collectives.SECONDARY_SHARDS
+
+    @classmethod
+    def of(cls, hierarchical: bool, secondary_shards: bool) -> "Collectives":
+        if secondary_shards and not hierarchical:
+            raise PlanError("secondary shards need hierarchical collectives (hierarchical=True)")
+        return cls.SECONDARY_SHARDS if secondary_shards else cls.HIERARCHICAL if hierarchical else cls.FLAT
+
+    def applies(self, stage: int) -> bool:
+        """Whether the collectives of ``stage`` can run so: hierarchical from ZeRO-1 (ZeRO-0's
+        all-reduce stays flat), secondary shards at ZeRO-3 only."""
+        return self is Collectives.FLAT or (stage >= 1 and (not self.secondary_shards or stage == 3))
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def ring_s(link: LinkSpeed, op: str, nbytes: float, ranks: int) -> float:
+    """One ring collective of a ``nbytes`` buffer over ``ranks`` ranks on ``link`` (0 for one rank):
+    2 (N-1)/N of it for an all-reduce, (N-1)/N for a reduce-scatter or an all-gather."""
+    if ranks <= 1:
+        return 0.0
+    factor = 2 * (ranks - 1) / ranks if op == "all_reduce" else (ranks - 1) / ranks
+    return factor * nbytes / link.bandwidth_bytes_per_s + link.latency_s
+
+
+@dataclass(frozen=True)
+class LinkPricing:
+    """The links of the nodes that take part in a plan: ``sizes[k]`` ranks on node k, its link
+    ``intra[k]``, its share ``shares[k]`` of a sharded buffer (sum 1), the ``cross`` link between
+    nodes and the ``flat`` link a ring over all of them runs at."""
+
+    flat: LinkSpeed
+    sizes: tuple[int, ...]
+    intra: tuple[LinkSpeed, ...]
+    shares: tuple[float, ...]
+    cross: LinkSpeed | None = None
+
+    @classmethod
+    def of(cls, links: Links, world_size: int, shard_weights: Sequence[float] | None = None) -> "LinkPricing":
+        """The pricing of ``links`` for every rank, each node's share the sum of its ranks' shard
+        weights (None: even). A job on one node is one node on the flat link."""
+        weights = [1.0] * world_size if shard_weights is None else [float(w) for w in shard_weights]
+        if links.topology is None or not links.topology.spans_nodes:
+            return cls(links.flat, (world_size,), (links.flat,), (1.0,))
+        nodes = links.topology.nodes
+        total = sum(weights)
+        shares = tuple(sum(weights[r] for r in node) / total for node in nodes)
+        return cls(links.flat, tuple(len(n) for n in nodes), links.intra, shares, links.cross)
+
+    @property
+    def world_size(self) -> int:
+        return sum(self.sizes)
+
+    @property
+    def spans_nodes(self) -> bool:
+        return len(self.sizes) > 1
+
+    def with_nodes(self, keep: Sequence[int]) -> "LinkPricing":
+        """The pricing of the nodes ``keep`` alone (their shares scaled to sum 1; one node left:
+        its own link is the flat one)."""
+        keep = list(keep)
+        total = sum(self.shares[k] for k in keep)
+        if not keep or total <= 0:
+            raise PlanError(f"nodes {keep} hold no share of the sharded state; keep a node that holds some")
+        sizes, intra = tuple(self.sizes[k] for k in keep), tuple(self.intra[k] for k in keep)
+        shares = tuple(self.shares[k] / total for k in keep)
+        if len(keep) == 1:
+            return LinkPricing(intra[0], sizes, intra, shares)
+        used = [x for x, n in zip(intra, sizes) if n > 1] + [self.cross]
+        flat = LinkSpeed(min(x.bandwidth_bytes_per_s for x in used), max(x.latency_s for x in used))
+        return LinkPricing(flat, sizes, intra, shares, self.cross)
+
+    def flat_s(self, op: str, nbytes: float) -> float:
+        """A ring over every rank, on the flat link."""
+        return ring_s(self.flat, op, nbytes, self.world_size)
+
+    def intra_s(self, op: str, nbytes: float) -> float:
+        """The step inside each node (the whole buffer over the node's ranks), nodes at once."""
+        return max(ring_s(link, op, nbytes, n) for link, n in zip(self.intra, self.sizes))
+
+    def cross_s(self, nbytes: float) -> float:
+        """The step across nodes: each element once; node k sends (1 - s_k) B and receives
+        (K-1) s_k B, and the step lasts as long as the busiest node."""
+        k = len(self.sizes)
+        if k <= 1 or self.cross is None:
+            return 0.0
+        busiest = max(max(1.0 - s, (k - 1) * s) for s in self.shares)
+        return busiest * nbytes / self.cross.bandwidth_bytes_per_s + self.cross.latency_s
+
+    def call_s(self, op: str, nbytes: float, collectives: Collectives, backward_gather: bool = False) -> float:
+        """One collective of a ``nbytes`` buffer run as ``collectives``; ``backward_gather``: a
+        ZeRO-3 all-gather before backward (inside each node with secondary shards)."""
+        if self.world_size <= 1:
+            return 0.0
+        if not self.spans_nodes or collectives is Collectives.FLAT or op == "all_reduce":
+            return self.flat_s(op, nbytes)
+        if backward_gather and collectives.secondary_shards and op == "all_gather":
+            return self.intra_s(op, nbytes)
+        return self.intra_s(op, nbytes) + self.cross_s(nbytes)
+
+
+def secondary_shard_bytes(param_count: int, compute_itemsize: int, node_size: int) -> float:
+    """What node-local secondary shards cost a rank on a node of ``node_size`` ranks, at worst:
+    its 1/L part of every block's parameters in the compute dtype, held from forward to backward."""
+    return param_count * compute_itemsize / node_size

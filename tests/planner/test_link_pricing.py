@@ -1,0 +1,192 @@
+"""Links per tier, and a planner that prices each collective on the links it crosses: flat rings at
+the slowest link's pace, hierarchical collectives as a step inside each node and one across
+nodes that moves each element once, secondary shards' backward re-gather inside the node and
+their memory; the fastest way is chosen, flat first within the tie; a job on one node is
+planned as before."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from poplar.planner import plan, simulate
+from poplar.planner.collective_choice import with_secondary_shards
+from poplar.planner.cost_model import CommModel
+from poplar.planner.link_pricing import Collectives, LinkPricing, ring_s
+from poplar.types.plans import Plan, PlanError
+from poplar.types.profiles import (CommProfile, Exposure, LinkSpeed, Links, Profile, ProfileError, ProfilePoint,
+                                   RankProfile)
+from poplar.types.topology import Topology
+
+GB = 1e9
+FAST, SLOW = LinkSpeed(100 * GB, 10e-6), LinkSpeed(1 * GB, 50e-6)
+
+
+def two_nodes(sizes=(4, 4), intra=(FAST, FAST), cross=SLOW) -> Links:
+    return Links.tiered(Topology.of_sizes(sizes), intra, cross, "nccl")
+
+
+def test_tiered_links_take_the_slowest_tier_as_the_flat_link_and_one_node_is_its_link() -> None:
+    links = two_nodes(intra=(FAST, LinkSpeed(20 * GB, 20e-6)))
+    assert links.spans_nodes and links.flat == LinkSpeed(1 * GB, 50e-6)
+    one = Links.tiered(Topology.single(4), (FAST,), None, "nccl")
+    assert one == Links(100 * GB, 10e-6, "nccl") and not one.spans_nodes
+    with pytest.raises(ProfileError, match="one per node"):
+        Links.tiered(Topology.of_sizes([2, 2]), (FAST,), SLOW)
+    with pytest.raises(ProfileError, match="cross-node link"):
+        Links.tiered(Topology.of_sizes([2, 2]), (FAST, FAST), None)
+
+
+def profile(links: Links, stage: int = 3, param_count: int = 10_000_000, ranks: int = 8,
+            bytes_per_sample: float | None = 40e6, exposure: Exposure | None = None, **comm) -> Profile:
+    """Two device types (fast ranks first), 10 M parameters, 40 MB of activations a sample."""
+    def rank(i: int) -> RankProfile:
+        per_sample = 0.001 if i < ranks // 2 else 0.002
+        return RankProfile(i, "fast" if i < ranks // 2 else "slow", 32,
+                           [ProfilePoint(b, 0.002 + per_sample * b) for b in (1, 2, 4, 8, 16, 32)],
+                           bytes_per_sample=bytes_per_sample, capacity_bytes=4 * 10**9)
+    return Profile(stage, ranks, param_count, 4 * param_count, [rank(i) for i in range(ranks)],
+                   CommProfile(links, exposure=exposure or Exposure(), **comm))
+
+
+def test_a_tiered_profile_reads_back_and_a_flat_one_of_schema_2_is_one_node(tmp_path) -> None:
+    prof = profile(two_nodes((4, 4), (FAST, LinkSpeed(20 * GB, 20e-6))))
+    path = tmp_path / "p.json"
+    prof.save(path)
+    assert Profile.load(path) == prof
+    d = json.loads(path.read_text())
+    d["schema_version"] = 2
+    d["comm"]["links"] = {"bandwidth_bytes_per_s": 5e9, "latency_s": 1e-5, "backend": "gloo"}
+    old = Profile.from_dict(d)
+    assert old.comm.links == Links(5e9, 1e-5, "gloo") and not old.comm.links.spans_nodes
+    d["comm"]["links"] = {**prof.to_dict()["comm"]["links"], "intra": [{"bandwidth_bytes_per_s": 1e9}]}
+    with pytest.raises(ProfileError, match="one intra-node link per node"):
+        Profile.from_dict(d)
+
+
+def test_the_cross_step_moves_each_element_once_and_a_flat_ring_crosses_at_the_slowest_pace() -> None:
+    nbytes = 8e9
+    even = LinkPricing.of(two_nodes(), 8)
+    # flat ring: 7/8 of the buffer on the slowest link (the cross one)
+    assert even.flat_s("reduce_scatter", nbytes) == pytest.approx(0.875 * nbytes / SLOW.bandwidth_bytes_per_s
+                                                                  + SLOW.latency_s)
+    # hierarchical: 3/4 inside each node at once, then half of the buffer across
+    assert even.call_s("reduce_scatter", nbytes, Collectives.HIERARCHICAL) == pytest.approx(
+        0.75 * nbytes / FAST.bandwidth_bytes_per_s + FAST.latency_s + 0.5 * nbytes / SLOW.bandwidth_bytes_per_s
+        + SLOW.latency_s)
+    # secondary shards: the backward re-gather stays inside the node; forward's crosses
+    assert even.call_s("all_gather", nbytes, Collectives.SECONDARY_SHARDS, backward_gather=True) == pytest.approx(
+        0.75 * nbytes / FAST.bandwidth_bytes_per_s + FAST.latency_s)
+    assert even.call_s("all_gather", nbytes, Collectives.SECONDARY_SHARDS) == \
+        even.call_s("all_gather", nbytes, Collectives.HIERARCHICAL)
+    assert even.call_s("all_reduce", nbytes, Collectives.HIERARCHICAL) == even.flat_s("all_reduce", nbytes)
+    # uneven: node 0 holds 0.6 (weights 2:1:1:2 | 1:1:1:1 give 6/10), so it receives 0.6 and sends 0.4
+    uneven = LinkPricing.of(two_nodes(), 8, [2, 1, 1, 2, 1, 1, 1, 1])
+    assert uneven.shares == pytest.approx((0.6, 0.4))
+    assert uneven.cross_s(nbytes) == pytest.approx(0.6 * nbytes / SLOW.bandwidth_bytes_per_s + SLOW.latency_s)
+    # three nodes of 3 + 2 + 1: the busiest node receives 2/3 of the buffer... or sends the most
+    three = LinkPricing.of(Links.tiered(Topology.of_sizes([3, 2, 1]), (FAST, FAST, FAST), SLOW), 6)
+    assert three.shares == pytest.approx((0.5, 1 / 3, 1 / 6))
+    assert three.cross_s(nbytes) == pytest.approx(1.0 * nbytes / SLOW.bandwidth_bytes_per_s + SLOW.latency_s)
+    assert three.intra_s("all_gather", nbytes) == pytest.approx(ring_s(FAST, "all_gather", nbytes, 3))
+
+
+def test_a_subset_of_nodes_is_priced_on_its_own_links() -> None:
+    pricing = LinkPricing.of(Links.tiered(Topology.of_sizes([4, 4, 2]), (FAST, LinkSpeed(20 * GB, 0.0), FAST), SLOW),
+                             10)
+    two = pricing.with_nodes([0, 2])
+    assert two.sizes == (4, 2) and two.shares == pytest.approx((4 / 6, 2 / 6)) and two.flat == LinkSpeed(1 * GB, 50e-6)
+    alone = pricing.with_nodes([1])
+    assert alone.flat == LinkSpeed(20 * GB, 0.0) and not alone.spans_nodes
+    assert alone.call_s("reduce_scatter", 1e9, Collectives.HIERARCHICAL) == pytest.approx(0.75 * 1e9 / (20 * GB))
+
+
+def test_the_cost_model_prices_each_stage_on_its_links() -> None:
+    prof = profile(two_nodes())
+    v = 4 * 10_000_000
+    pricing = LinkPricing.of(prof.comm.links, 8)
+    flat, hier = CommModel.from_profile(prof), CommModel.from_profile(prof, Collectives.HIERARCHICAL)
+    sec = CommModel.from_profile(prof, Collectives.SECONDARY_SHARDS)
+    assert flat.per_micro_step_s(3) == pytest.approx(3 * pricing.flat_s("all_gather", v))
+    both = pricing.intra_s("all_gather", v) + pricing.cross_s(v)
+    assert hier.per_micro_step_s(3) == pytest.approx(3 * both)
+    assert sec.per_micro_step_s(3) == pytest.approx(2 * both + pricing.intra_s("all_gather", v))
+    assert hier.per_micro_step_s(2) == pytest.approx(both) and hier.per_iteration_s(2) == pytest.approx(both + 50e-6)
+    assert hier.per_iteration_s(1) == pytest.approx(2 * both + 50e-6)
+    assert hier.per_iteration_s(0) == flat.per_iteration_s(0)  # ZeRO-0's all-reduce stays flat
+
+
+def test_a_measured_exposure_is_scaled_by_the_serial_seconds_of_the_way_priced() -> None:
+    x = Exposure(micro_step_s=0.2, iteration_s=0.05, overhead_s=0.01)
+    prof = profile(two_nodes(), stage=2, exposure=x, collectives_stage=2,
+                   micro_step=[["reduce_scatter", 4e7]], iteration=[["all_gather", 4e7]])
+    flat, hier = CommModel.from_profile(prof), CommModel.from_profile(prof, Collectives.HIERARCHICAL)
+    pricing = LinkPricing.of(prof.comm.links, 8)
+    ratio = (pricing.intra_s("all_gather", 4e7) + pricing.cross_s(4e7)) / pricing.flat_s("all_gather", 4e7)
+    assert flat.per_micro_step_s(2) == 0.2 and flat.per_iteration_s(2) == pytest.approx(0.06)
+    assert hier.per_micro_step_s(2) == pytest.approx(0.2 * ratio)
+    assert hier.led_micro_step_s(2, 0.3, 0.1, "fast") == pytest.approx(0.2 * ratio)
+    assert hier.per_iteration_s(2) == pytest.approx(0.01 + 0.05 * ratio)  # the overhead is no collective
+    # measured hierarchical: priced flat, scaled the other way
+    measured_hier = profile(two_nodes(), stage=2, exposure=x, collectives_stage=2, hierarchical=True,
+                            micro_step=[["reduce_scatter", 4e7]], iteration=[["all_gather", 4e7]])
+    assert CommModel.from_profile(measured_hier, Collectives.HIERARCHICAL).per_micro_step_s(2) == 0.2
+    assert CommModel.from_profile(measured_hier).per_micro_step_s(2) == pytest.approx(0.2 / ratio)
+
+
+def test_secondary_shards_take_their_memory_from_the_micro_batch() -> None:
+    # 10 M parameters x 4 B / 4 ranks a node = 10 MB a rank: one sample of 40 MB... of 8 MB: two
+    prof = profile(two_nodes(), bytes_per_sample=8e6)
+    assert [r.mbs for r in with_secondary_shards(prof).ranks] == [30] * 8
+    bf16 = replace(profile(two_nodes((6, 2)), bytes_per_sample=8e6), precision="bf16")  # 2 B: 20 MB / 6, 20 MB / 2
+    assert [r.mbs for r in with_secondary_shards(bf16).ranks] == [31] * 6 + [30] * 2
+    assert with_secondary_shards(profile(two_nodes(), bytes_per_sample=None)) is None
+    assert with_secondary_shards(profile(two_nodes(), bytes_per_sample=1e5)) is None  # 100 samples' worth
+
+
+def test_the_planner_chooses_by_predicted_time_and_keeps_flat_where_the_link_does_not_bind() -> None:
+    slow = plan(profile(two_nodes()), 1000, 3)
+    assert slow.hierarchical and slow.secondary_shards
+    rows = {r["collectives"]: r["predicted_s"] for r in slow.choice.collective_candidates}
+    assert rows["secondary_shards"] < rows["hierarchical"] < rows["flat"] == \
+        plan(profile(two_nodes()), 1000, 3, collectives="flat").predicted_iteration_s
+    assert slow.predicted_iteration_s == rows["secondary_shards"]
+    # at 256 samples every rank runs one step of 32; secondary shards leave room for 30: two steps
+    one_step = plan(profile(two_nodes()), 256, 3)
+    assert one_step.hierarchical and not one_step.secondary_shards and one_step.max_micro_steps == 1
+    at2 = plan(profile(two_nodes(), stage=2), 256, 2)
+    assert at2.hierarchical and not at2.secondary_shards and len(at2.choice.collective_candidates) == 2
+    # a cross link as fast as the node's: the hierarchical steps add up to more than one ring
+    free = plan(profile(two_nodes(cross=FAST)), 256, 3)
+    assert not free.hierarchical and not free.secondary_shards
+    # secondary shards that leave no room are no candidate; hierarchical is chosen
+    tight = plan(profile(two_nodes(), bytes_per_sample=1e5), 1000, 3)
+    assert tight.hierarchical and not tight.secondary_shards
+    assert [r["predicted_s"] is None for r in tight.choice.collective_candidates] == [False, False, True]
+    again = Plan.from_dict(json.loads(json.dumps(slow.to_dict())))
+    assert again.hierarchical and again.secondary_shards
+
+
+def test_one_node_has_one_way_and_a_way_that_does_not_apply_is_an_error() -> None:
+    one = profile(Links(100 * GB, 10e-6), stage=3)
+    got = plan(one, 256, 3)
+    assert not got.hierarchical and got.choice.collective_candidates is None
+    assert plan(one, 256, 3, collectives="hierarchical").to_dict() == got.to_dict()
+    assert not plan(profile(two_nodes(), stage=0), 256, 0).hierarchical  # ZeRO-0: flat alone
+    with pytest.raises(PlanError, match="secondary shards at ZeRO-3 only"):
+        plan(profile(two_nodes(), stage=2), 256, 2, collectives="secondary_shards")
+    with pytest.raises(PlanError, match="collectives must be 'auto' or one of flat, hierarchical"):
+        plan(one, 256, 3, collectives="tree")
+
+
+def test_the_simulator_plans_each_strategy_with_its_fastest_way() -> None:
+    sim = simulate(profile(two_nodes()), 1000, 3)
+    for name in ("poplar", "even"):
+        got = sim.result(name).plan
+        assert got.secondary_shards and got.predicted_iteration_s == min(
+            r["predicted_s"] for r in got.choice.collective_candidates if r["predicted_s"] is not None)
+    assert "secondary shards" in sim.table().splitlines()[2]
+    one = simulate(profile(Links(100 * GB, 10e-6)), 1000, 3)
+    assert not one.result("poplar").plan.hierarchical and one.result("poplar").plan.choice.collective_candidates is None

@@ -1,0 +1,65 @@
+"""The profiler measures each link: the fit of latency and bandwidth on synthetic timings, and on
+4 gloo ranks declared as nodes of 2 + 2 (and 3 + 1) one link per node and the cross-node link,
+the same on every rank; with one node, the flat link alone, as always."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from poplar.comm import Communicator
+from poplar.comm.launch import spawn
+from poplar.profiler.links import NO_LINK, fit_link, measure_links
+from poplar.types.profiles import CommProfile, Links, LinkSpeed, Profile, ProfilePoint, RankProfile
+from poplar.types.topology import Topology
+
+SIZES = (2 ** 12, 2 ** 16)
+
+
+def test_the_fit_recovers_latency_and_bandwidth_from_timings() -> None:
+    rng = np.random.default_rng(0)
+    bus = [float(x) for x in np.geomspace(1e4, 1e8, 12)]
+    seconds = [30e-6 + x / 5e9 for x in bus]
+    exact = fit_link(bus, seconds)
+    assert exact.bandwidth_bytes_per_s == pytest.approx(5e9, rel=1e-6) and exact.latency_s == pytest.approx(30e-6)
+    noisy = fit_link(bus, [s * (1 + 0.01 * rng.standard_normal()) for s in seconds])
+    assert noisy.bandwidth_bytes_per_s == pytest.approx(5e9, rel=0.05)
+    # latency-bound everywhere (falling times): the best throughput seen, no latency
+    flat = fit_link([1e3, 1e4], [2e-3, 1e-3])
+    assert flat == LinkSpeed(1e7, 0.0)
+
+
+def links_worker(rank: int, world: int) -> list[Links]:
+    comm = Communicator()
+    return [measure_links(comm, topology, SIZES, reps=2, timeout_s=60)
+            for topology in (None, Topology.single(4), Topology.of_sizes([2, 2]), Topology.of_sizes([3, 1]))]
+
+
+@pytest.mark.multiprocess
+def test_nodes_of_2_and_2_measure_two_intra_links_and_a_cross_link() -> None:
+    results = spawn(links_worker, 4, timeout_s=120)
+    for r in results[1:]:
+        assert [x.intra for x in r] == [x.intra for x in results[0]]
+        assert [x.cross for x in r] == [x.cross for x in results[0]]
+    one, single, two, uneven = results[0]
+    for links in (one, single):
+        assert links.topology is None and links.intra == () and links.cross is None
+        assert links.bandwidth_bytes_per_s > 0 and links.backend == "gloo"
+    assert two.topology == Topology.of_sizes([2, 2]) and two.spans_nodes
+    assert len(two.intra) == 2 and two.cross is not None
+    for x in (*two.intra, two.cross):
+        assert x.bandwidth_bytes_per_s > 0 and x.latency_s >= 0 and x != NO_LINK
+    assert uneven.intra[1] == NO_LINK and uneven.intra[0] != NO_LINK and uneven.cross != NO_LINK
+    # what the profiler measured is what a profile keeps, on disk too
+    ranks = [RankProfile(i, "cpu", 1, [ProfilePoint(1, 0.01)]) for i in range(4)]
+    prof = Profile(1, 4, 10, 40, ranks, CommProfile(two))
+    assert Profile.from_dict(prof.to_dict()).comm.links == two
+
+
+def test_the_links_are_described_per_tier() -> None:
+    assert Links(2e9, 25e-6, "gloo").describe() == ["collectives (gloo): bus bandwidth 2.000 GB/s, latency 25 us"]
+    tiers = Links.tiered(Topology.of_sizes([2, 1]), (LinkSpeed(8e9, 5e-6), NO_LINK), LinkSpeed(1e9, 40e-6), "nccl")
+    assert tiers.describe() == ["collectives (nccl): bus bandwidth 1.000 GB/s, latency 40 us",
+                                "  node 0 (ranks 0-1): bus bandwidth 8.000 GB/s, latency 5 us",
+                                "  node 1 (rank 2): no link inside",
+                                "  between nodes: bus bandwidth 1.000 GB/s, latency 40 us"]

@@ -16,8 +16,8 @@ for the config's most used fields.
 
 Every rank runs the loop together. Per iteration each rank records a ``StepRow``
 (``poplar.train.records``); every ``log_every`` iterations the rows are gathered and rank 0 logs
-the iteration time against the plan's prediction and each rank's compute, communication and
-idle time. Checkpoints (``poplar.train.checkpointing``) are written every ``every`` iterations
+the iteration time against the plan's prediction and each rank's compute, comm, idle and other
+time (``poplar.train.rank_times``). Checkpoints (``poplar.train.checkpointing``) are written every ``every`` iterations
 and at the end. Reports (``poplar.train.report``): ``metrics.json`` (rewritten at each
 checkpoint too; a resumed run's keeps the earlier iterations, so it covers every iteration from
 0), ``trace.json`` (this run's timeline), ``plan.json``, and with a profile ``profile.json`` and
@@ -36,6 +36,7 @@ from poplar.train.checkpointing import Checkpointer
 from poplar.train.data import LoaderOptions, PlanLoader
 from poplar.train.monitor import FitMonitor
 from poplar.train.options import CheckpointOptions, EvalOptions, FitConfig, ReportOptions
+from poplar.train import rank_times
 from poplar.train.preemption import Preempted, StopSignals
 from poplar.train.records import FitResult, RunClock, StepRow, iteration_records, summarize, window_message
 from poplar.train.replan import Replanner, ReplanOptions, make_replanner
@@ -150,21 +151,26 @@ class Trainer:
         run.clock.begin_iteration(engine.iteration - run.start)
         monitor.before_step(engine.iteration)
         batch = next(self.loader)
-        t_step, c_step = time.perf_counter(), engine.comm_ledger.total_seconds
+        ledger = engine.comm_ledger
+        last_before = ledger.records[-1] if ledger.records else None
+        t_step, c_step = time.perf_counter(), ledger.total_seconds
         if self.replanner is None:
             loss = engine.train_step(batch, self.config.loss_fn)
         else:
             loss, batch = self.replanner.step(self.loader, batch, self.config.loss_fn)
         # wall and blocked-in-collectives seconds measured around the step, so that compute + comm +
-        # idle is the step's wall (the ledger's per-iteration total also holds the loop's own
-        # collectives between steps)
-        wall_s, comm_s = time.perf_counter() - t_step, engine.comm_ledger.total_seconds - c_step
+        # idle + other is the step's wall (the ledger's per-iteration total also holds the loop's own
+        # collectives between steps); the step's flat collectives split the blocked time into comm
+        # and idle once every rank's are gathered (``poplar.train.rank_times``)
+        wall_s, comm_s = time.perf_counter() - t_step, ledger.total_seconds - c_step
+        flat_blocked = rank_times.flat_blocked_seconds(rank_times.step_records(ledger.records, last_before))
         tokens, peak_bytes = monitor.row(batch)
         stats = engine.last_stats
         run.losses.append(loss)
         run.rows.append(StepRow(loss=loss, wall_s=wall_s, compute_s=stats.compute_s, comm_s=comm_s,
                                 samples=stats.samples, tokens=tokens, peak_bytes=peak_bytes,
-                                lr=monitor.lr(engine.iteration - 1), grad_norm=engine.last_grad_norm))
+                                lr=monitor.lr(engine.iteration - 1), grad_norm=engine.last_grad_norm,
+                                flat_blocked=flat_blocked))
         run.bar.update(1)
         run.bar.set_postfix(loss=f"{loss:.4f}")
 

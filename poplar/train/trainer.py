@@ -18,7 +18,8 @@ Every rank runs the loop together. Per iteration each rank records a ``StepRow``
 (``poplar.train.records``); every ``log_every`` iterations the rows are gathered and rank 0 logs
 the iteration time against the plan's prediction and each rank's compute, comm, idle and other
 time (``poplar.train.rank_times``). Checkpoints (``poplar.train.checkpointing``) are written every ``every`` iterations
-and at the end. Reports (``poplar.train.report``): ``metrics.json`` (rewritten at each
+and at the end; ``save_pretrained(dir, tokenizer)`` writes a Hugging Face folder on request
+(``poplar.train.hf_output``). Reports (``poplar.train.report``): ``metrics.json`` (rewritten at each
 checkpoint too; a resumed run's keeps the earlier iterations, so it covers every iteration from
 0), ``trace.json`` (this run's timeline), ``plan.json``, and with a profile ``profile.json`` and
 ``curves.png``.
@@ -27,6 +28,7 @@ checkpoint too; a resumed run's keeps the earlier iterations, so it covers every
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -34,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from poplar.train.checkpointing import Checkpointer
 from poplar.train.data import LoaderOptions, PlanLoader
+from poplar.train.hf_output import save_hf_folder
 from poplar.train.monitor import FitMonitor
 from poplar.train.options import CheckpointOptions, EvalOptions, FitConfig, ReportOptions
 from poplar.train import rank_times
@@ -230,6 +233,14 @@ class Trainer:
                      + (f"; the reports in {where} are left as they are" if where is not None else "")
                      + " (raise iterations to train further)")
         return FitResult(at, at, [], 0.0, 0.0, 0.0, engine.plan.predicted_iteration_s)
+
+    def save_pretrained(self, directory: str | os.PathLike, tokenizer: Any = None) -> None:
+        """Write the model as it is now into ``directory`` as a Hugging Face folder: weights,
+        ``config.json`` and ``tokenizer`` (a ``transformers`` tokenizer; None: none), loadable
+        with ``from_pretrained(directory)`` and ``AutoTokenizer.from_pretrained(directory)``.
+        Every rank calls it (at ZeRO-3 the weights are gathered); rank 0 writes. The model must
+        be a ``transformers`` model; any other is a ``TypeError`` naming checkpoints instead."""
+        save_hf_folder(self.engine, directory, tokenizer)
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:

@@ -61,16 +61,25 @@ def step_records(records: Sequence[Any], last_before: Any) -> list[Any]:
     return out
 
 
+def collective_waits(flat_blocked: Sequence[Sequence[float]]) -> list[list[float]] | None:
+    """Per rank, per flat collective of one iteration (in order), the seconds it waited for the
+    last rank to arrive; None where the ranks' collectives cannot be matched (different counts)."""
+    if not flat_blocked or len({len(b) for b in flat_blocked}) != 1:
+        return None
+    waits: list[list[float]] = [[] for _ in flat_blocked]
+    for per_rank in zip(*flat_blocked):
+        own = min(per_rank)  # the last rank to arrive waited for nobody
+        for r, seconds in enumerate(per_rank):
+            waits[r].append(seconds - own)
+    return waits
+
+
 def split(walls: Sequence[float], computes: Sequence[float], blocked_totals: Sequence[float],
           flat_blocked: Sequence[Sequence[float]]) -> list[RankTimes]:
     """Every rank's ``RankTimes`` of one iteration, from each rank's wall, compute and total
     blocked seconds of the step, and its flat collectives' blocked seconds in order."""
-    waits = [0.0] * len(walls)
-    if flat_blocked and len({len(b) for b in flat_blocked}) == 1:
-        for per_rank in zip(*flat_blocked):
-            own = min(per_rank)  # the last rank to arrive waited for nobody
-            for r, seconds in enumerate(per_rank):
-                waits[r] += seconds - own
+    per_collective = collective_waits(flat_blocked)
+    waits = [sum(w) for w in per_collective] if per_collective is not None else [0.0] * len(walls)
     out = []
     for wall, compute, blocked, wait in zip(walls, computes, blocked_totals, waits):
         wait = min(wait, blocked)

@@ -33,6 +33,13 @@ def test_trace_has_every_span(tmp_path) -> None:
         [(0, i) for i in range(2) for _ in range(3)] + [(1, 0), (1, 1)])
     assert {e["name"] for e in spans if e["cat"].startswith("comm")} >= {"all_reduce", "reduce_scatter", "all_gather"}
     assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in spans)
+    # rank 1 (one micro-step of 1 sample) waits for rank 0 (three of 4) in each iteration's reduction:
+    # its idle spans lie inside its collectives and add up to more than rank 0's
+    idle = {pid: [e for e in spans if e["cat"] == "idle" and e["pid"] == pid] for pid in (0, 1)}
+    assert idle[1] and sum(e["dur"] for e in idle[1]) > sum(e["dur"] for e in idle[0])
+    comm = [e for e in spans if e["cat"].startswith("comm") and e["pid"] == 1]
+    assert all(any(c["ts"] <= e["ts"] and e["ts"] + e["dur"] <= c["ts"] + c["dur"] + 0.2 for c in comm)
+               for e in idle[1])
     assert {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"} == {
         "rank 0 (dev0)", "rank 1 (dev1)"}
     path = tmp_path / "trace.json"

@@ -24,6 +24,10 @@ the same order. Only collectives on the flat link (all ranks taking part) are ma
 node-local or cross-node step of a hierarchical collective counts wholly as comm, since the
 ledger does not say which ranks took part. A step whose ranks issued different numbers of flat
 collectives is not matched either (all of its blocked time is comm).
+
+Where only every rank's compute is known (the Lightning door logs each step from the iteration's
+status, before any rows are gathered), ``idle_from_compute`` gives the same wait from the
+compute alone: the slowest rank's compute minus this rank's.
 """
 
 from __future__ import annotations
@@ -85,3 +89,10 @@ def split(walls: Sequence[float], computes: Sequence[float], blocked_totals: Seq
         wait = min(wait, blocked)
         out.append(RankTimes(compute, blocked - wait, wait, max(0.0, wall - compute - blocked)))
     return out
+
+
+def idle_from_compute(rank_compute_s: Sequence[float]) -> list[float]:
+    """Each rank's wait for the slowest rank when only every rank's compute is known: the ranks
+    meet in the same collectives, so a rank waits as long as the slowest computes beyond it."""
+    slowest = max(rank_compute_s, default=0.0)
+    return [slowest - c for c in rank_compute_s]

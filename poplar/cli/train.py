@@ -151,7 +151,7 @@ def emulated_device(cfg: TrainConfig) -> Any:
 
 def _train(cfg: TrainConfig, plan_only: bool = False) -> int:
     from poplar.train import Trainer
-    from poplar.train.hf_output import output_dir, save_hf_folder
+    from poplar.train.hf_output import output_dir, run_tokenizer
 
     if plan_only:  # the plan is made (and the profile store filled) by building the engine
         from poplar.train.from_config import build_engine
@@ -173,7 +173,7 @@ def _train(cfg: TrainConfig, plan_only: bool = False) -> int:
         trainer.fit(cfg.iterations)
         out = output_dir(cfg)
         if out is not None:
-            save_hf_folder(trainer.engine, cfg, out)
+            trainer.save_pretrained(out, run_tokenizer(cfg))
     finally:
         trainer.close()
     return 0

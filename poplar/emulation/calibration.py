@@ -54,6 +54,7 @@ from poplar.emulation.virtual_device import VirtualDevice
 from poplar.emulation.virtual_link import LinkSpec, VirtualLink
 from poplar.types.plans import Plan, RankPlan
 from poplar.zero.config import ZeroConfig
+from poplar.zero.nonfinite import SkipReport
 from poplar.zero.runtime import ZeroRuntime
 from poplar.emulation.cluster import ClusterError, ClusterSpec
 from poplar.emulation.host_memory import host_memory_guard
@@ -144,8 +145,9 @@ class TimingJob:
 
 
 def _zero(job: TimingJob, process_group: Any = None) -> ZeroConfig:
+    # trial steps train nothing: an fp16 overflow is counted, not logged (as ``ProfileJob.zero_config``)
     return ZeroConfig(job.zero_stage, job.options.get("bucket_size_mb", 25.0), job.options.get("wrap_policy"),
-                      process_group)
+                      process_group, skip_report=SkipReport.COUNT)
 
 
 def _runtime(job: TimingJob, rank: int, policy: MixedPrecision | None) -> Any:

@@ -32,7 +32,8 @@ How Lightning's pieces map onto Poplar's:
   any world size, stage or plan. ``lightning_module_state_dict()`` is the full model state
   (gathered from the shards, on every rank: every rank must call it).
 - Logging: ``poplar/loss`` (the global mean loss), ``poplar/iteration_s`` and per rank
-  ``poplar/compute_s/rank{r}`` and ``poplar/idle_s/rank{r}``; the plan is logged when training starts.
+  ``poplar/compute_s/rank{r}`` and ``poplar/idle_s/rank{r}`` (its wait for the slowest rank:
+  ``poplar.train.rank_times.idle_from_compute``); the plan is logged when training starts.
 
 Processes: launch with ``torchrun`` (or SLURM), or initialize ``torch.distributed`` before ``fit``.
 A rank that dies or hangs ends the job as ``poplar train`` ends it: the others' collectives fail
@@ -68,6 +69,7 @@ from poplar.engine import PoplarEngine
 from poplar.integrations.global_batches import RankDataLoader, rank_dataloader
 from poplar.integrations.rank_failure import run_as_one_job
 from poplar.logs import log
+from poplar.train import rank_times
 from poplar.types.plans import Plan
 from poplar.zero.config import ZeroConfig
 from poplar.zero.wrap import default_blocks
@@ -267,9 +269,10 @@ class PoplarStrategy(ParallelStrategy):
         stats, module = self.engine.last_stats, self.lightning_module
         module.log("poplar/loss", loss, prog_bar=True, rank_zero_only=True)
         module.log("poplar/iteration_s", stats.wall_s, rank_zero_only=True)
+        idle = rank_times.idle_from_compute(stats.rank_compute_s)  # the wait for the slowest rank
         for r, compute in enumerate(stats.rank_compute_s):
             module.log(f"poplar/compute_s/rank{r}", compute, rank_zero_only=True)
-            module.log(f"poplar/idle_s/rank{r}", max(0.0, stats.wall_s - compute), rank_zero_only=True)
+            module.log(f"poplar/idle_s/rank{r}", idle[r], rank_zero_only=True)
 
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         return closure_loss  # the engine ran every micro-step's backward in training_step

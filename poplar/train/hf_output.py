@@ -8,12 +8,15 @@ directory keeps only ``step-N`` checkpoints, which pruning and resuming read). T
 through the checkpoints' own Hugging Face writer (``checkpoint.hf_layout``), so the two never
 differ in layout. The tokenizer is the run's: the ``hf_pretrained`` directory's (all its files,
 as ``AutoTokenizer`` reads them) or ``poplar.data.tokenizer``'s ``tokenizer.json``; a byte-level
-run has no Hugging Face tokenizer to save.
+run has no Hugging Face tokenizer to save. ``Trainer.save_pretrained(dir, tokenizer)`` writes the
+same folder from Python, on request.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -34,9 +37,13 @@ def output_dir(cfg: TrainConfig) -> Path | None:
     return None if cfg.report_dir is None else Path(cfg.report_dir) / "model"
 
 
-def save_hf_folder(engine: Any, cfg: TrainConfig, directory: Path) -> None:
+def save_hf_folder(engine: Any, directory: str | os.PathLike, tokenizer: Any = None) -> None:
     """Every rank (the full weights are a collective at ZeRO-3); rank 0 writes ``directory``
-    whole: into a temporary sibling, then renamed over any older folder."""
+    whole: into a temporary sibling, then renamed over any older folder. ``tokenizer`` (anything
+    with ``save_pretrained(dir)``, e.g. a ``transformers`` tokenizer; None: none) is saved beside
+    the weights."""
+    check_hf_model(engine.module)
+    directory = Path(directory)
     full = engine.full_state_dict()
     if engine.rank != 0:
         return
@@ -44,24 +51,36 @@ def save_hf_folder(engine: Any, cfg: TrainConfig, directory: Path) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
     try:
         write_model(tmp, unshared_cpu(full), engine.module, shard_bytes(None))
-        saved = _save_tokenizer(cfg, tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
         if directory.exists():
             shutil.rmtree(directory)
         tmp.rename(directory)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    log.info(f"model folder {directory} (from_pretrained loads it; tokenizer {saved or 'none: byte-level'})")
+    name = (getattr(tokenizer, "name_or_path", "") or "given") if tokenizer is not None else "none"
+    log.info(f"model folder {directory} (from_pretrained loads it; tokenizer {name})")
 
 
-def _save_tokenizer(cfg: TrainConfig, directory: Path) -> str | None:
-    """The run's tokenizer, saved with ``save_pretrained``; returns where it came from."""
+def check_hf_model(module: Any) -> None:
+    """A Hugging Face folder needs a ``transformers`` model (its ``config.json`` is what
+    ``from_pretrained`` builds the model from); the same answer on every rank, before any
+    collective."""
+    transformers = sys.modules.get("transformers")
+    if transformers is None or not isinstance(module, transformers.PreTrainedModel):
+        raise TypeError(f"save_pretrained writes a Hugging Face folder, which needs a transformers model; this "
+                        f"engine trains a {type(module).__name__}: save a checkpoint instead "
+                        "(fit(..., checkpoint=CheckpointOptions(dir)))")
+
+
+def run_tokenizer(cfg: TrainConfig) -> Any:
+    """The run's tokenizer as ``save_hf_folder`` takes it: the ``hf_pretrained`` directory's, or
+    ``poplar.data.tokenizer``'s ``tokenizer.json`` as a fast tokenizer; None for a byte-level run."""
     import transformers
 
     if cfg.model_hf_pretrained is not None and cfg.tokenizer is None:
-        transformers.AutoTokenizer.from_pretrained(cfg.model_hf_pretrained).save_pretrained(str(directory))
-        return cfg.model_hf_pretrained
+        return transformers.AutoTokenizer.from_pretrained(cfg.model_hf_pretrained)
     if cfg.tokenizer is None or cfg.tokenizer == "bytes":
         return None
-    transformers.PreTrainedTokenizerFast(tokenizer_file=cfg.tokenizer).save_pretrained(str(directory))
-    return cfg.tokenizer
+    return transformers.PreTrainedTokenizerFast(tokenizer_file=cfg.tokenizer, name_or_path=cfg.tokenizer)

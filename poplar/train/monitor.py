@@ -105,7 +105,7 @@ class FitMonitor:
                 self.board.add("train/lr", rec.get("lr"), k)
                 for r, rank in enumerate(rec["ranks"]):
                     self.board.add(f"memory/peak_bytes/rank{r}", rank.get("peak_bytes"), k)
-                    for part in ("compute_s", "comm_s", "idle_s"):  # the log table's per-rank times
+                    for part in ("compute_s", "comm_s", "idle_s", "other_s"):  # the log table's per-rank times
                         self.board.add(f"time/{part}/rank{r}", rank.get(part), k)
             last = records[-1]["iteration"] + 1
             self.board.add("throughput/tokens_per_s", t.tokens_per_s, last)

@@ -6,10 +6,8 @@ Per iteration each rank records a ``StepRow``; every ``log_every`` iterations th
 them (one small object all-gather, at the same iteration on every rank) and every rank turns them
 into records: the iteration's loss, global gradient norm (before clipping; the same on every
 rank) and lr, its wall time (the slowest rank's) and, per rank, its
-samples, tokens, peak memory, compute seconds (collective time taken out), blocked communication
-time (waiting for slower ranks included) and idle time, the rest of its step (optimizer step,
-bookkeeping). Compute + comm + idle is the rank's step wall time, all three measured around the
-step.
+samples, tokens, peak memory and its compute, comm, idle and other seconds (defined in
+``poplar.train.rank_times``; they add up to the rank's step wall time, measured around the step).
 """
 
 from __future__ import annotations
@@ -18,6 +16,8 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple
+
+from poplar.train import rank_times
 
 
 class StepRow(NamedTuple):
@@ -33,6 +33,9 @@ class StepRow(NamedTuple):
     peak_bytes: int
     lr: float  # the learning rate the iteration ran at
     grad_norm: float | None = None  # the global gradient norm before clipping (None: the step was skipped)
+    # each flat collective's blocked seconds in the step, in order (``rank_times.flat_blocked_seconds``):
+    # matched across ranks, they split comm_s into the collectives' own time and the wait for the slowest
+    flat_blocked: tuple[float, ...] = ()
 
 
 @dataclass
@@ -46,6 +49,7 @@ class RankSummary:
     predicted_compute_s: float | None
     idle_s: float
     comm_s: float
+    other_s: float = 0.0
 
 
 @dataclass
@@ -84,14 +88,14 @@ def iteration_records(rows: list[list[StepRow]], first: int) -> list[dict[str, A
     records = []
     for k in range(min(len(r) for r in rows)):
         at = [rank_rows[k] for rank_rows in rows]
+        times = rank_times.split([row.wall_s for row in at], [row.compute_s for row in at],
+                                 [row.comm_s for row in at], [row.flat_blocked for row in at])
         records.append({"iteration": first + k, "loss": at[0].loss, "grad_norm": at[0].grad_norm, "lr": at[0].lr,
                         "wall_s": max(row.wall_s for row in at),
-                        # per rank: compute + comm + idle = its wall (idle: neither forward/backward nor in a
-                        # collective: the optimizer step, bookkeeping)
-                        "ranks": [{"wall_s": row.wall_s, "compute_s": row.compute_s, "comm_s": row.comm_s,
-                                   "idle_s": max(0.0, row.wall_s - row.compute_s - row.comm_s),
+                        # per rank: compute + comm + idle + other = its wall (``poplar.train.rank_times``)
+                        "ranks": [{"wall_s": row.wall_s, **t._asdict(),
                                    "samples": row.samples, "tokens": row.tokens, "peak_bytes": row.peak_bytes}
-                                  for row in at]})
+                                  for row, t in zip(at, times)]})
     return records
 
 
@@ -112,14 +116,14 @@ def window_message(engine: Any, records: list[dict[str, Any]], total: int, rates
 def _window_table(engine: Any, records: list[dict[str, Any]]) -> str:
     """The log table of the records' per-rank medians."""
     plan = engine.plan
-    head = f"{'rank':>6} {'device':>12} {'samples':>7} {'compute s':>10} {'planned s':>10} {'idle s':>8} {'comm s':>8}"
+    head = f"{'rank':>6} {'device':>12} {'samples':>7} {'compute s':>10} {'planned s':>10} {'idle s':>8} {'comm s':>8} {'other s':>8}"
     lines = [head]
     for r in range(len(records[0]["ranks"])):
         med = lambda key: statistics.median(rec["ranks"][r][key] for rec in records)  # noqa: E731
         planned = plan.ranks[r].predicted_compute_s
         lines.append(f"{r:>6} {str(plan.ranks[r].device_type or '-'):>12} {plan.ranks[r].num_samples:>7} "
                      f"{med('compute_s'):>10.4f} {'-' if planned is None else f'{planned:.4f}':>10} "
-                     f"{med('idle_s'):>8.4f} {med('comm_s'):>8.4f}")
+                     f"{med('idle_s'):>8.4f} {med('comm_s'):>8.4f} {med('other_s'):>8.4f}")
     return "\n".join(lines)
 
 
@@ -160,7 +164,7 @@ def summarize(engine: Any, start: int, losses: list[float], records: list[dict[s
         med = lambda key: statistics.median(rec["ranks"][r][key] for rec in measured) if measured else 0.0  # noqa
         ranks.append(RankSummary(r, str(engine.plan.ranks[r].device_type or ""), engine.plan.ranks[r].num_samples,
                                  med("compute_s"), engine.plan.ranks[r].predicted_compute_s, med("idle_s"),
-                                 med("comm_s")))
+                                 med("comm_s"), med("other_s")))
     return FitResult(start, engine.iteration, losses, seconds,
                      engine.global_batch_size * n_measured / elapsed if elapsed > 0 and n_measured else 0.0,
                      statistics.median(walls) if walls else 0.0, engine.plan.predicted_iteration_s, ranks,

@@ -3,9 +3,9 @@ Chrome/Perfetto trace (JSON, open it in ui.perfetto.dev or chrome://tracing), an
 device type's measured points, spline and chosen batch (needs the optional matplotlib extra:
 ``pip install poplar[plot]``).
 
-The timeline shows, per rank, each micro-step's compute and each collective (whose time
-includes waiting for slower ranks), and, per iteration, the idle time from the rank's own
-end of the iteration to the latest rank's end.
+The timeline shows, per rank, each micro-step's compute, each collective (whose time
+includes waiting for slower ranks), and, on the idle row, the part of each collective spent
+waiting for the last rank to arrive: the log's idle (``poplar.train.rank_times``).
 
 ``Reports(engine, dir)`` is a training run's writer (``ReportOptions.dir``): ``write(result)``
 writes ``metrics.json`` (the ``FitResult`` and every iteration's per-rank times), ``trace.json``
@@ -22,7 +22,9 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from poplar.train import rank_times
 from poplar.train.pictures import cluster_name, write_curves_png, write_loss_png
+from poplar.types.topology import Link
 from poplar.logs import log
 from poplar.types.plans import write_text_atomic
 
@@ -128,7 +130,7 @@ def _earlier_metrics(path: Path) -> dict[str, Any] | None:
 
 def rank_timeline(engine: Any, device: str = "") -> dict[str, Any]:
     """What one rank contributes to the trace (picklable; gather it to rank 0)."""
-    comm = [(r.op, r.phase, r.iteration, r.micro_step, r.start, r.seconds, r.bytes, r.tag)
+    comm = [(r.op, r.phase, r.iteration, r.micro_step, r.start, r.seconds, r.bytes, r.tag, str(r.link))
             for r in engine.comm_ledger.records if r.phase != "setup"]
     return {"rank": engine.rank, "device": device, "compute": list(engine.timeline), "comm": comm}
 
@@ -140,7 +142,6 @@ def chrome_trace(ranks: list[dict[str, Any]], replans: list[dict[str, Any]] | No
     t0 = min(starts, default=0.0)
     us = lambda s: round((s - t0) * 1e6, 1)  # noqa: E731 - trace timestamps are microseconds
     events: list[dict[str, Any]] = []
-    ends: dict[int, dict[int, float]] = {}  # iteration -> rank -> end of its last event
     for r in ranks:
         pid = r["rank"]
         label = f"rank {pid}" + (f" ({r['device']})" if r["device"] else "")
@@ -150,23 +151,36 @@ def chrome_trace(ranks: list[dict[str, Any]], replans: list[dict[str, Any]] | No
         for it, k, start, dur in r["compute"]:
             events.append({"ph": "X", "name": f"micro-step {k}", "cat": "compute", "pid": pid, "tid": 0,
                            "ts": us(start), "dur": round(dur * 1e6, 1), "args": {"iteration": it}})
-            ends.setdefault(it, {})[pid] = max(ends.get(it, {}).get(pid, 0.0), start + dur)
-        for op, phase, it, k, start, dur, nbytes, tag in r["comm"]:
+        for op, phase, it, k, start, dur, nbytes, tag, _ in r["comm"]:
             events.append({"ph": "X", "name": op, "cat": f"comm:{phase}", "pid": pid, "tid": 1, "ts": us(start),
                            "dur": round(dur * 1e6, 1),
                            "args": {"iteration": it, "micro_step": k, "bytes": nbytes, "tag": tag,
                                     "note": "includes waiting for slower ranks"}})
-            ends.setdefault(it, {})[pid] = max(ends.get(it, {}).get(pid, 0.0), start + dur)
-    for it, per_rank in ends.items():
-        last = max(per_rank.values())
-        for pid, end in per_rank.items():
-            if last - end > 0:
-                events.append({"ph": "X", "name": "idle", "cat": "idle", "pid": pid, "tid": 2, "ts": us(end),
-                               "dur": round((last - end) * 1e6, 1), "args": {"iteration": it}})
+    events += _idle_spans(ranks, us)
     for e in replans or []:
         events.append({"ph": "i", "s": "g", "name": f"{'re-plan' if e['applied'] else 'drift, plan kept'} "
                        f"({e['kind']})", "cat": "replan", "pid": 0, "tid": 0, "ts": us(e["at"]), "args": e})
     return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def _idle_spans(ranks: list[dict[str, Any]], us: Any) -> list[dict[str, Any]]:
+    """Each flat collective's wait for the last rank, from the rank's entry, matched across ranks
+    by order within an iteration as the log matches them (``rank_times.collective_waits``)."""
+    flat: dict[int, list[list[tuple[float, float]]]] = {}  # iteration -> per rank: (start, seconds)
+    for i, r in enumerate(ranks):
+        for _op, _phase, it, _k, start, dur, _bytes, _tag, link in r["comm"]:
+            if link == str(Link.FLAT):
+                flat.setdefault(it, [[] for _ in ranks])[i].append((start, dur))
+    events = []
+    for it, per_rank in flat.items():
+        waits = rank_times.collective_waits([[d for _, d in calls] for calls in per_rank])
+        for r, rank_waits in enumerate(waits or []):
+            for (start, _), wait in zip(per_rank[r], rank_waits):
+                if wait > 0:
+                    events.append({"ph": "X", "name": "idle", "cat": "idle", "pid": ranks[r]["rank"], "tid": 2,
+                                   "ts": us(start), "dur": round(wait * 1e6, 1),
+                                   "args": {"iteration": it, "note": "waiting for the last rank to arrive"}})
+    return events
 
 
 def write_trace(path: str | os.PathLike, ranks: list[dict[str, Any]], replans: list[dict[str, Any]] | None = None

@@ -4,9 +4,9 @@
 installed and None otherwise; the import is lazy, so Poplar never needs it. Only rank 0 writes.
 Tags: ``train/loss``, ``train/grad_norm`` (the global gradient norm before clipping), ``train/lr``, ``eval/loss``, ``eval/perplexity``,
 ``throughput/tokens_per_s``, ``throughput/samples_per_s``, ``throughput/mfu``,
-``memory/peak_bytes/rank{r}``, and each rank's ``time/compute_s/rank{r}``, ``time/comm_s/rank{r}``
-and ``time/idle_s/rank{r}`` (the log table's: compute with collectives taken out, time in
-collectives, the rest of its iteration); the step is the iteration.
+``memory/peak_bytes/rank{r}``, and each rank's ``time/compute_s/rank{r}``, ``time/comm_s/rank{r}``,
+``time/idle_s/rank{r}`` and ``time/other_s/rank{r}`` (the log table's, defined in
+``poplar.train.rank_times``); the step is the iteration.
 """
 
 from __future__ import annotations

@@ -16,9 +16,10 @@ for the config's most used fields.
 
 Every rank runs the loop together. Per iteration each rank records a ``StepRow``
 (``poplar.train.records``); every ``log_every`` iterations the rows are gathered and rank 0 logs
-the iteration time against the plan's prediction and each rank's compute, communication and
-idle time. Checkpoints (``poplar.train.checkpointing``) are written every ``every`` iterations
-and at the end. Reports (``poplar.train.report``): ``metrics.json`` (rewritten at each
+the iteration time against the plan's prediction and each rank's compute, comm, idle and other
+time (``poplar.train.rank_times``). Checkpoints (``poplar.train.checkpointing``) are written every ``every`` iterations
+and at the end; ``save_pretrained(dir, tokenizer)`` writes a Hugging Face folder on request
+(``poplar.train.hf_output``). Reports (``poplar.train.report``): ``metrics.json`` (rewritten at each
 checkpoint too; a resumed run's keeps the earlier iterations, so it covers every iteration from
 0), ``trace.json`` (this run's timeline), ``plan.json``, and with a profile ``profile.json`` and
 ``curves.png``.
@@ -27,6 +28,7 @@ checkpoint too; a resumed run's keeps the earlier iterations, so it covers every
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -34,8 +36,10 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from poplar.train.checkpointing import Checkpointer
 from poplar.train.data import LoaderOptions, PlanLoader
+from poplar.train.hf_output import save_hf_folder
 from poplar.train.monitor import FitMonitor
 from poplar.train.options import CheckpointOptions, EvalOptions, FitConfig, ReportOptions
+from poplar.train import rank_times
 from poplar.train.preemption import Preempted, StopSignals
 from poplar.train.records import FitResult, RunClock, StepRow, iteration_records, summarize, window_message
 from poplar.train.replan import Replanner, ReplanOptions, make_replanner
@@ -150,21 +154,26 @@ class Trainer:
         run.clock.begin_iteration(engine.iteration - run.start)
         monitor.before_step(engine.iteration)
         batch = next(self.loader)
-        t_step, c_step = time.perf_counter(), engine.comm_ledger.total_seconds
+        ledger = engine.comm_ledger
+        last_before = ledger.records[-1] if ledger.records else None
+        t_step, c_step = time.perf_counter(), ledger.total_seconds
         if self.replanner is None:
             loss = engine.train_step(batch, self.config.loss_fn)
         else:
             loss, batch = self.replanner.step(self.loader, batch, self.config.loss_fn)
         # wall and blocked-in-collectives seconds measured around the step, so that compute + comm +
-        # idle is the step's wall (the ledger's per-iteration total also holds the loop's own
-        # collectives between steps)
-        wall_s, comm_s = time.perf_counter() - t_step, engine.comm_ledger.total_seconds - c_step
+        # idle + other is the step's wall (the ledger's per-iteration total also holds the loop's own
+        # collectives between steps); the step's flat collectives split the blocked time into comm
+        # and idle once every rank's are gathered (``poplar.train.rank_times``)
+        wall_s, comm_s = time.perf_counter() - t_step, ledger.total_seconds - c_step
+        flat_blocked = rank_times.flat_blocked_seconds(rank_times.step_records(ledger.records, last_before))
         tokens, peak_bytes = monitor.row(batch)
         stats = engine.last_stats
         run.losses.append(loss)
         run.rows.append(StepRow(loss=loss, wall_s=wall_s, compute_s=stats.compute_s, comm_s=comm_s,
                                 samples=stats.samples, tokens=tokens, peak_bytes=peak_bytes,
-                                lr=monitor.lr(engine.iteration - 1), grad_norm=engine.last_grad_norm))
+                                lr=monitor.lr(engine.iteration - 1), grad_norm=engine.last_grad_norm,
+                                flat_blocked=flat_blocked))
         run.bar.update(1)
         run.bar.set_postfix(loss=f"{loss:.4f}")
 
@@ -224,6 +233,14 @@ class Trainer:
                      + (f"; the reports in {where} are left as they are" if where is not None else "")
                      + " (raise iterations to train further)")
         return FitResult(at, at, [], 0.0, 0.0, 0.0, engine.plan.predicted_iteration_s)
+
+    def save_pretrained(self, directory: str | os.PathLike, tokenizer: Any = None) -> None:
+        """Write the model as it is now into ``directory`` as a Hugging Face folder: weights,
+        ``config.json`` and ``tokenizer`` (a ``transformers`` tokenizer; None: none), loadable
+        with ``from_pretrained(directory)`` and ``AutoTokenizer.from_pretrained(directory)``.
+        Every rank calls it (at ZeRO-3 the weights are gathered); rank 0 writes. The model must
+        be a ``transformers`` model; any other is a ``TypeError`` naming checkpoints instead."""
+        save_hf_folder(self.engine, directory, tokenizer)
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:

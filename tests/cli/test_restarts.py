@@ -126,13 +126,66 @@ def test_sigkill_of_the_launcher_leaves_no_worker_and_the_last_checkpoint_loads(
     assert f"resumed from ckpt at iteration {stopped}" in again.stderr
 
 
-def _elastic(tmp: Path, log: Path, port: int) -> subprocess.Popen:
+def _elastic(tmp: Path, log: Path, port: int, conf: str = "") -> subprocess.Popen:
     """One agent of an elastic job of 1 to 2 agents (two agents on this machine stand for two nodes)."""
     return subprocess.Popen([str(TORCHRUN), "--nnodes", "1:2", "--nproc_per_node", "2", "--rdzv-backend", "c10d",
                              "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic-test", "--max-restarts",
-                             "2", "--rdzv-conf", "last_call_timeout=3", "-m", "poplar", "train", "--config",
+                             "2", "--rdzv-conf", "last_call_timeout=3" + conf, "-m", "poplar", "train", "--config",
                              "run.json"], cwd=tmp, env=ENV, stdout=subprocess.DEVNULL, stderr=log.open("w"),
                             start_new_session=True)
+
+
+def _lose_agent(agents: list[subprocess.Popen], logs: list[Path], lost: int) -> tuple[int, str]:
+    """Run two agents until iteration 12 is logged, SIGKILL agent ``lost`` and its workers, and
+    wait for the other: its exit status and log."""
+    kept = 1 - lost
+    deadline = time.monotonic() + DEADLINE_S
+    pids: list[int | None] = []
+    try:
+        while "iteration 12/" not in logs[0].read_text() + logs[1].read_text():
+            assert all(a.poll() is None for a in agents) and time.monotonic() < deadline, \
+                logs[0].read_text()[-3000:] + logs[1].read_text()[-3000:]
+            time.sleep(0.05)
+        pids = [worker_pid(agents[lost].pid, r) for r in range(4)]
+        for pid in [agents[lost].pid, *[p for p in pids if p is not None]]:
+            os.kill(pid, signal.SIGKILL)
+        code = agents[kept].wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                a.kill()
+        for pid in pids:
+            if pid is not None and _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    return code, logs[kept].read_text()
+
+
+@needs_torchrun
+@pytest.mark.multiprocess
+def test_an_elastic_job_whose_store_runs_apart_survives_losing_its_first_agent(tmp_path: Path) -> None:
+    """The README's way to survive the loss of any worker machine: the c10d store in a process of
+    its own, every agent told it is not the host. The first agent (the store's host otherwise)
+    dies, and the second goes on alone to the end."""
+    from poplar.comm.launch import free_port
+
+    _setup(tmp_path, 30)
+    port = free_port()
+    store = subprocess.Popen([sys.executable, "-c", "import time, torch.distributed as d; s = d.TCPStore("
+                              f"'127.0.0.1', {port}, is_master=True, wait_for_workers=False); time.sleep(600)"])
+    try:
+        time.sleep(2.0)  # the store listens
+        logs = [tmp_path / "first.log", tmp_path / "second.log"]
+        first = _elastic(tmp_path, logs[0], port, ",is_host=false")
+        time.sleep(1.0)  # the first agent is rank 0 of the first round
+        second = _elastic(tmp_path, logs[1], port, ",is_host=false")
+        code, text = _lose_agent([first, second], logs, lost=0)
+    finally:
+        store.kill()
+        store.wait()
+    assert code == 0, text[-4000:]
+    resumed = re.search(r"resumed from ckpt at iteration (\d+): .*saved by 4 ranks", text)
+    assert resumed and int(resumed.group(1)) >= 10, text[-4000:]
+    assert "iteration 30/30" in text[resumed.start():]
 
 
 @needs_torchrun
@@ -143,30 +196,12 @@ def test_an_elastic_job_that_loses_a_member_resumes_on_the_smaller_world_with_a_
     iterations = 30
     _setup(tmp_path, iterations)
     port = free_port()
-    first_log, second_log = tmp_path / "first.log", tmp_path / "second.log"
-    first = _elastic(tmp_path, first_log, port)
+    logs = [tmp_path / "first.log", tmp_path / "second.log"]
+    first = _elastic(tmp_path, logs[0], port)
     time.sleep(1.0)  # the first agent hosts the rendezvous
-    second = _elastic(tmp_path, second_log, port)
-    deadline = time.monotonic() + DEADLINE_S
-    lost: list[int | None] = []
-    try:
-        while "iteration 12/" not in first_log.read_text() + second_log.read_text():
-            assert first.poll() is None and second.poll() is None and time.monotonic() < deadline, \
-                first_log.read_text()[-3000:] + second_log.read_text()[-3000:]
-            time.sleep(0.05)
-        assert "global batch 16" in first_log.read_text() + second_log.read_text()
-        lost = [worker_pid(second.pid, r) for r in range(4)]
-        for pid in [second.pid, *[p for p in lost if p is not None]]:  # the second node goes away
-            os.kill(pid, signal.SIGKILL)
-        code = first.wait(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        for p in (first, second):
-            if p.poll() is None:
-                p.kill()
-        for pid in lost:
-            if pid is not None and _alive(pid):
-                os.kill(pid, signal.SIGKILL)
-    text = first_log.read_text()
+    second = _elastic(tmp_path, logs[1], port)
+    code, text = _lose_agent([first, second], logs, lost=1)  # the second node goes away
+    assert "global batch 16" in text
     assert code == 0, text[-4000:]
     resumed = re.search(r"resumed from ckpt at iteration (\d+): .*saved by 4 ranks", text)
     assert resumed and int(resumed.group(1)) >= 10, text[-4000:]

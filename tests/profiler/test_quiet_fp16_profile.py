@@ -1,6 +1,7 @@
 """Profiling prints no training messages: an fp16 trial step that overflows is skipped by the
 loss scaler as in training, but counted in the profile's notes instead of logged as a skipped
-optimizer step; training on the same model and loss still warns of each skip."""
+optimizer step; training on the same model and loss still warns of each skip. The emulated
+cluster's calibration, which auto mode runs before profiling on one, is as quiet."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import logging
 import torch
 
 from poplar.emulation import SaturatingCurve, VirtualDevice
+from poplar.emulation.calibration import TimingJob, measure_pass
 from poplar.profiler.profile_run import ProfileOptions, default_optimizer, profile_rank
 from poplar.types.plans import Plan
 from poplar.workloads import get_workload
@@ -50,3 +52,19 @@ def test_fp16_profiling_counts_overflows_and_training_reports_them() -> None:
     finally:
         logger.removeHandler(lines)
         logger.setLevel(level)
+
+
+def test_fp16_calibration_of_an_emulated_cluster_logs_no_skipped_steps() -> None:
+    torch.set_num_threads(1)
+    lines, logger = Lines(), logging.getLogger("poplar")
+    logger.addHandler(lines)
+    level, logger.level = logger.level, logging.INFO
+    fp16 = MixedPrecision(param_dtype=torch.float16)
+    try:
+        job = TimingJob(WORKLOAD.model_fn, overflowing_loss, WORKLOAD.sample_fn, default_optimizer, 2, 2, [fp16],
+                        [1, 4], repeats=1)
+        measure_pass(job, fp16)
+    finally:
+        logger.removeHandler(lines)
+        logger.setLevel(level)
+    assert [line for line in lines.lines if "skipped" in line] == [], lines.lines

@@ -73,12 +73,22 @@ def test_a_field_given_twice_is_refused_before_any_work() -> None:
 
 
 def test_rows_are_typed_picklable_and_make_the_records() -> None:
-    rows = [[StepRow(loss=2.0, wall_s=1.0, compute_s=0.5, comm_s=0.25, samples=4, tokens=24, peak_bytes=9, lr=0.1)],
-            [StepRow(loss=2.0, wall_s=1.5, compute_s=1.0, comm_s=0.75, samples=2, tokens=12, peak_bytes=7, lr=0.1)]]
+    # rank 0 blocked 0.125 + 0.125 s in two collectives, rank 1 0.5 + 0.125 s (+ 0.125 s in a
+    # node-local one, counted as comm): rank 0 arrived last at the first, so it waited 0 there
+    # and rank 1 waited 0.375 s; at the second neither waited
+    rows = [[StepRow(loss=2.0, wall_s=1.0, compute_s=0.5, comm_s=0.25, samples=4, tokens=24, peak_bytes=9, lr=0.1,
+                     flat_blocked=(0.125, 0.125))],
+            [StepRow(loss=2.0, wall_s=1.5, compute_s=1.0, comm_s=0.75, samples=2, tokens=12, peak_bytes=7, lr=0.1,
+                     flat_blocked=(0.5, 0.125))]]
     assert pickle.loads(pickle.dumps(rows)) == rows
     [record] = iteration_records(rows, 5)
     assert (record["iteration"], record["loss"], record["lr"], record["wall_s"]) == (5, 2.0, 0.1, 1.5)
-    assert [r["idle_s"] for r in record["ranks"]] == [0.25, 0.0]  # never negative
+    assert [r["idle_s"] for r in record["ranks"]] == [0.0, 0.375]
+    assert [r["comm_s"] for r in record["ranks"]] == [0.25, 0.375]
+    assert [r["other_s"] for r in record["ranks"]] == [0.25, 0.0]  # never negative
+    # ranks that issued different numbers of flat collectives are not matched: all blocked time is comm
+    [record] = iteration_records([rows[0], [rows[1][0]._replace(flat_blocked=(0.5,))]], 5)
+    assert [r["idle_s"] for r in record["ranks"]] == [0.0, 0.0]
     assert [r["samples"] for r in record["ranks"]] == [4, 2]
 
 

@@ -154,9 +154,12 @@ class Communicator:
     observer: CollectiveObserver | None = None  # hears of tensor collectives while set (``observed``)
     node_groups: NodeGroups | None = None  # a topology that spans nodes: its process groups
     hierarchical: bool = False  # all-gathers and reduce-scatters run on node_groups (``use_hierarchy``)
+    _chains: "deque[PendingChain] | None" = None  # hierarchical collectives not issued to their last step
 
     def __init__(self, process_group: Any = None, device: torch.device | None = None,
                  ledger: CommLedger | None = None, topology: Topology | None = None) -> None:
+        """``topology``: the nodes of the ranks; one that spans nodes creates the node groups
+        here, a collective over the world (every rank builds its communicator together)."""
         self.distributed = dist.is_available() and dist.is_initialized()
         # None means torch's default group, looked up at each call: holding the group object here
         # would keep it (and gloo's threads) alive past destroy_process_group(), to be torn down
@@ -167,7 +170,7 @@ class Communicator:
         self.device = device or torch.device("cpu")
         self.ledger = ledger or CommLedger()
         self.backend = dist.get_backend(self.group) if self.distributed else "none"
-        self._chains: deque[PendingChain] = deque()  # hierarchical collectives not issued to their last step
+        self._chains = deque()
         if topology is not None and (problem := topology.problem(self.world_size)) is not None:
             raise TopologyError(problem)
         if topology is not None and topology.spans_nodes and self.world_size > 1:
@@ -190,7 +193,7 @@ class Communicator:
     def settle(self, upto: PendingChain | None = None) -> None:
         """Issue the remaining steps of the hierarchical collectives in flight, oldest first, up to
         ``upto`` (None: all of them). Note: chains of steps, issued in order."""
-        if upto is not None and upto not in self._chains:
+        if not self._chains or (upto is not None and upto not in self._chains):
             return
         while self._chains:
             chain = self._chains[0]
@@ -206,7 +209,7 @@ class Communicator:
         if call.steps:
             chain.issue_next()
         if async_op:
-            if not chain.issued_all:
+            if not chain.issued_all and self._chains is not None:
                 self._chains.append(chain)
             return chain
         chain.wait()

@@ -6,17 +6,20 @@ crosses a node; the memory the secondary shards cost is in ``memory_report()``."
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
 
+from poplar.checkpoint import load_checkpoint, save_checkpoint
 from poplar.comm.launch import spawn
 from poplar.engine import PoplarEngine
 from poplar.types.plans import Plan, PlanError
 from poplar.types.topology import Link, Topology
 from poplar.zero.config import ZeroConfig
-from tests.toy import (assert_runs_match_reference, global_batch, loss_fn, make_model, make_optimizer, plan_of,
-                       rank_slice, with_shards)
+from tests.toy import (assert_runs_match_reference, global_batch, loss_fn, make_model, make_optimizer, max_rel_err,
+                       plan_of, rank_slice, reference_run, with_shards)
 
 ITERATIONS = 3
 GBS = 14
@@ -100,3 +103,70 @@ def test_secondary_shards_need_hierarchical_collectives_and_zero3() -> None:
     assert "hierarchical collectives with secondary shards" in again.table()
     assert not Plan.from_dict({k: v for k, v in plan.to_dict().items()
                                if k not in ("hierarchical", "secondary_shards")}).hierarchical  # older files
+
+
+NAN_AT = 1  # the iteration whose loss is NaN on rank 2
+
+
+def _train(rank: int, plan: Plan, config: ZeroConfig, kind: str = "sgd", iterations: int = ITERATIONS,
+           poison: bool = False, **kwargs: object) -> tuple[list[float], PoplarEngine]:
+    model = make_model(seed=0)
+    engine = PoplarEngine(model, make_optimizer(model, kind), zero_stage=config, plan=plan, **kwargs)
+    losses = []
+    for it in range(iterations):
+        def poisoned(m: nn.Module, x: torch.Tensor, it: int = it) -> torch.Tensor:
+            loss = loss_fn(m, x)
+            return loss * float("nan") if poison and it == NAN_AT and rank == 2 else loss
+        losses.append(engine.train_step(rank_slice(global_batch(it, GBS), plan, rank), poisoned))
+    return losses, engine
+
+
+def features_worker(rank: int, world: int, directory: str) -> dict:
+    """ZeRO-3 with secondary shards on 2 + 2 nodes: bf16, a non-finite skip (each beside the same
+    run on flat collectives), activation checkpointing and offload (beside the reference), and a
+    checkpoint resumed by a flat engine with even shards."""
+    torch.set_num_threads(1)
+    topology, out = TOPOLOGIES["2+2"], {}
+    hier = hierarchical_plan(3)
+    flat = with_shards(BATCHES, WEIGHTS)
+    config = zero_config(3, topology)
+    for name, plan in (("hier", hier), ("flat", flat)):
+        losses, engine = _train(rank, plan, config, "adamw", max_grad_norm=0.5, mixed_precision="bf16")
+        out[("bf16", name)] = (losses, engine.full_state_dict())
+        losses, engine = _train(rank, plan, config, poison=True)
+        out[("nan", name)] = (losses, engine.full_state_dict(), engine.skipped_steps)
+    losses, engine = _train(rank, hier, config, activation_checkpointing=True)
+    out["checkpointing"] = (losses, engine.full_state_dict())
+    offloaded = Plan.from_dict({**hier.to_dict(), "ranks": [
+        {**row, "offload": "optimizer" if r in (1, 3) else "none"} for r, row in enumerate(hier.to_dict()["ranks"])]})
+    losses, engine = _train(rank, offloaded, config)
+    out["offload"] = (losses, engine.full_state_dict())
+    # a checkpoint of the hierarchical run with secondary shards, resumed flat with even shards
+    _, engine = _train(rank, hier, config, iterations=2)
+    save_checkpoint(engine, directory)
+    model = make_model(seed=1)  # other initial weights: everything must come from the checkpoint
+    resumed = PoplarEngine(model, make_optimizer(model, "sgd"), plan=BATCHES,
+                           zero_stage=ZeroConfig(3, wrap_policy={nn.Linear, nn.LayerNorm}))
+    load_checkpoint(resumed, directory)
+    loss = resumed.train_step(rank_slice(global_batch(2, GBS), BATCHES, rank), loss_fn)
+    out["resumed"] = (loss, resumed.full_state_dict(), resumed.comm.hierarchical)
+    return out
+
+
+@pytest.mark.multiprocess
+def test_hierarchical_zero3_precision_skips_checkpointing_offload_and_resume(tmp_path: Path) -> None:
+    results = spawn(features_worker, 4, (str(tmp_path / "ckpt"),), timeout_s=240)
+    ref_losses, ref_state = reference_run("sgd", GBS, ITERATIONS, None)
+    for rank, res in enumerate(results):
+        (hl, hs), (fl, fs) = res[("bf16", "hier")], res[("bf16", "flat")]
+        assert max_rel_err(hs, fs) <= 1e-3 and hl == pytest.approx(fl, rel=1e-3), rank
+        (hl, hs, hk), (fl, fs, fk) = res[("nan", "hier")], res[("nan", "flat")]
+        assert hk == fk == 1 and max_rel_err(hs, fs) <= 1e-6, rank
+        assert all(a == pytest.approx(b, rel=1e-6) for a, b in zip(hl, fl) if a == a), (hl, fl)
+        for key in ("checkpointing", "offload"):
+            losses, state = res[key]
+            assert max_rel_err(state, ref_state) <= 1e-5, (key, rank)
+            assert losses == pytest.approx(ref_losses, rel=1e-5), (key, rank)
+        loss, state, hierarchical = res["resumed"]
+        assert not hierarchical
+        assert max_rel_err(state, ref_state) <= 1e-5 and loss == pytest.approx(ref_losses[2], rel=1e-5), rank

@@ -177,6 +177,10 @@ class Communicator:
             if process_group is not None and dist.get_world_size(process_group) != dist.get_world_size():
                 raise TopologyError("a topology that spans nodes needs the world process group (its node groups are "
                                     "made of global ranks); leave process_group unset")
+            nodes = self.all_gather_object(topology.nodes, tag="topology")
+            if any(n != nodes[0] for n in nodes):  # before new_group: a different count would hang
+                lines = "\n".join(f"  rank {r}: {n!r}" for r, n in enumerate(nodes))
+                raise TopologyError(f"ranks were given different topologies; give every rank the same:\n{lines}")
             self.node_groups = NodeGroups.create(topology)
 
     @property

@@ -11,7 +11,7 @@ import torch
 
 from poplar.comm import Communicator
 from poplar.comm.hierarchical import node_layout, pieces
-from poplar.comm.launch import spawn
+from poplar.comm.launch import RankFailure, spawn
 from poplar.types.topology import Link, Topology, Wire
 
 TOPOLOGIES = {"2+2": Topology.of_sizes([2, 2]), "3+1": Topology.of_sizes([3, 1])}
@@ -190,3 +190,14 @@ def test_every_foreign_element_crosses_once(sizes: tuple[int, ...], nodes: tuple
     owner_node = [topology.node_of(r) for r, s in enumerate(sizes) for _ in range(s)]
     assert covered == [topology.node_count - 1] * len(owner_node)
     assert layout.cross_elements() == (topology.node_count - 1) * sum(sizes)
+
+
+def mismatched_worker(rank: int, world: int) -> None:
+    Communicator(topology=Topology.of_sizes([3, 1] if rank == 3 else [2, 2]))
+
+
+@pytest.mark.multiprocess
+def test_ranks_with_different_topologies_fail_before_making_groups() -> None:
+    with pytest.raises(RankFailure) as failure:
+        spawn(mismatched_worker, 4, timeout_s=60)
+    assert all("ranks were given different topologies" in failure.value.failures[r] for r in range(4))

@@ -7,7 +7,7 @@ state (optimizer state, gradients, parameters): equal weights are ZeRO's even sh
 whose ``offload`` is ``Offload.OPTIMIZER`` keeps its optimizer state and fp32 master shard in
 host memory and steps them there (ZeRO-1/2/3).
 A plan also records how its collectives run when the job spans nodes (``poplar.Topology``):
-``hierarchical`` (a step inside each node and one exchange across, docs/design.md §3.11) and, at
+``hierarchical`` (a step inside each node and one exchange across, docs/design.md §3.10) and, at
 ZeRO-3, ``secondary_shards`` (each rank keeps its node-local shard of a block's parameters after
 the forward gather, so the backward gather stays inside the node). On one node both run as the
 flat collectives.

@@ -124,11 +124,14 @@ class Stage3(ZeroStage):
     def _reshard(self, shards: Shards) -> None:
         """Cut every block by new ``shards``, between iterations (every rank together)."""
         sharded_state.reshard(self, shards)
-        self.keep_secondary_shards(self.secondary_shards)  # their lengths follow the new cut
+        for b in self.blocks:  # the secondary shards' lengths follow the new cut
+            b.keep_secondary(self.comm if self.secondary_shards else None)
 
     def keep_secondary_shards(self, on: bool) -> None:
         """Each block keeps its secondary shard from the next pass on (True), or none (between
         iterations; only on hierarchical collectives: ``Communicator.use_hierarchy``)."""
+        if on == self.secondary_shards:
+            return
         if self.in_pass:
             raise RuntimeError("ZeRO-3: secondary shards switched inside a micro-step; change the plan between "
                                "iterations")

@@ -123,8 +123,8 @@ def _train(rank: int, plan: Plan, config: ZeroConfig, kind: str = "sgd", iterati
 
 def features_worker(rank: int, world: int, directory: str) -> dict:
     """ZeRO-3 with secondary shards on 2 + 2 nodes: bf16, a non-finite skip (each beside the same
-    run on flat collectives), activation checkpointing and offload (beside the reference), and a
-    checkpoint resumed by a flat engine with even shards."""
+    run on flat collectives), activation checkpointing, offload and shards re-cut between
+    iterations (beside the reference), and a checkpoint resumed by a flat engine with even shards."""
     torch.set_num_threads(1)
     topology, out = TOPOLOGIES["2+2"], {}
     hier = hierarchical_plan(3)
@@ -141,6 +141,16 @@ def features_worker(rank: int, world: int, directory: str) -> dict:
         {**row, "offload": "optimizer" if r in (1, 3) else "none"} for r, row in enumerate(hier.to_dict()["ranks"])]})
     losses, engine = _train(rank, offloaded, config)
     out["offload"] = (losses, engine.full_state_dict())
+    # the shards re-cut between iterations (2:1:1:2, even, 0:1:2:1): the secondary shards follow
+    model = make_model(seed=0)
+    engine = PoplarEngine(model, make_optimizer(model, "sgd"), zero_stage=config, plan=hier)
+    losses = []
+    for it, weights in enumerate((WEIGHTS, (1, 1, 1, 1), (0, 1, 2, 1))):
+        plan = with_shards(BATCHES, weights)
+        plan.hierarchical = plan.secondary_shards = True
+        engine.set_plan(plan)
+        losses.append(engine.train_step(rank_slice(global_batch(it, GBS), plan, rank), loss_fn))
+    out["resharded"] = (losses, engine.full_state_dict())
     # a checkpoint of the hierarchical run with secondary shards, resumed flat with even shards
     _, engine = _train(rank, hier, config, iterations=2)
     save_checkpoint(engine, directory)
@@ -163,7 +173,7 @@ def test_hierarchical_zero3_precision_skips_checkpointing_offload_and_resume(tmp
         (hl, hs, hk), (fl, fs, fk) = res[("nan", "hier")], res[("nan", "flat")]
         assert hk == fk == 1 and max_rel_err(hs, fs) <= 1e-6, rank
         assert all(a == pytest.approx(b, rel=1e-6) for a, b in zip(hl, fl) if a == a), (hl, fl)
-        for key in ("checkpointing", "offload"):
+        for key in ("checkpointing", "offload", "resharded"):
             losses, state = res[key]
             assert max_rel_err(state, ref_state) <= 1e-5, (key, rank)
             assert losses == pytest.approx(ref_losses, rel=1e-5), (key, rank)

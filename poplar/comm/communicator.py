@@ -335,6 +335,16 @@ class Communicator:
         layout = hierarchical.node_layout(tuple(self._sizes(sizes, part_numel)), self._groups.topology, element_size)
         return layout.secondary_numel(self._groups.topology, self.rank)
 
+    def staging_bytes(self, op: str, sizes: Sequence[int] | None, part_numel: int, element_size: int) -> int:
+        """Bytes a hierarchical ``op`` ("all_gather" / "reduce_scatter") of parts ``sizes`` (None:
+        every part ``part_numel`` long) allocates on this rank while it runs; 0 when flat."""
+        if not self.hierarchical:
+            return 0
+        topology = self._groups.topology
+        layout = hierarchical.node_layout(tuple(self._sizes(sizes, part_numel)), topology, element_size)
+        in_place = uneven.method_for(self.backend, "all_gather") is uneven.UnevenMethod.BROADCASTS
+        return hierarchical.staging_numel(op, layout, topology, self.rank, in_place) * element_size
+
     def all_gather_keeping(self, output: torch.Tensor, input: torch.Tensor, secondary: torch.Tensor, tag: str = "",
                            async_op: bool = False, sizes: Sequence[int] | None = None) -> PendingChain | None:
         """``all_gather`` (hierarchical), keeping this rank's secondary shard in ``secondary``

@@ -151,6 +151,19 @@ def node_layout(sizes: tuple[int, ...], topology: Topology, element_size: int) -
     return NodeLayout(offsets, region_offsets, region_sizes, step_sizes, tuple(transfers))
 
 
+def staging_numel(op: str, layout: NodeLayout, topology: Topology, rank: int, in_place: bool) -> int:
+    """Elements a hierarchical ``op`` allocates on ``rank`` while it runs (beside its input and
+    output): the reduce-scatter's pieces of node partials and the partials it receives; the
+    all-gather's copies of its pieces where the in-node gather cannot send them from the output
+    (``in_place`` False)."""
+    k = topology.node_of(rank)
+    alone, others = len(topology.nodes[k]) == 1, topology.node_count - 1
+    own = layout.step_sizes[k][k][topology.local_rank(rank)]
+    if op == "reduce_scatter":
+        return (0 if alone else layout.secondary_numel(topology, rank)) + others * own
+    return 0 if alone or in_place else layout.secondary_numel(topology, rank) + own
+
+
 class Step(NamedTuple):
     """One step of a hierarchical collective. ``run(async_op)`` issues it (torch's work or None)
     and ``finish()`` completes it once that is done. ``wire`` is None for a step that runs no

@@ -72,6 +72,7 @@ class GatherHandle:
     work: PendingCollective | PendingChain | None
     staged: torch.Tensor | None
     source: torch.Tensor | None = None
+    staging_nbytes: int = 0  # what a hierarchical gather allocates while it runs
 
     @property
     def staged_nbytes(self) -> int:
@@ -80,7 +81,8 @@ class GatherHandle:
     @property
     def held_nbytes(self) -> int:
         """Transient bytes the gather keeps alive besides the block's ``full``."""
-        return sum(t.numel() * t.element_size() for t in (self.staged, self.source) if t is not None)
+        return sum(t.numel() * t.element_size() for t in (self.staged, self.source) if t is not None) \
+            + self.staging_nbytes
 
 
 def build_blocks(model: nn.Module, groups: list[list[tuple[str, nn.Parameter]]], wrap_policy: Any,
@@ -258,7 +260,8 @@ class ShardedBlock:
             work = comm.all_gather_within_nodes(out, source, self.secondary, tag=tag, async_op=async_op, sizes=sizes)
         else:
             work = comm.all_gather_keeping(out, source, self.secondary, tag=tag, async_op=async_op, sizes=sizes)
-        return GatherHandle(work, None if out is self.full else out, None if source is kept else source)
+        staging = comm.staging_bytes("all_gather", sizes, self.shard_numel, out.element_size())
+        return GatherHandle(work, None if out is self.full else out, None if source is kept else source, staging)
 
     def finish_gather(self, handle: GatherHandle, use: bool = True) -> None:
         """Wait for the all-gather; with ``use`` point the parameters at the gathered values."""
@@ -338,6 +341,7 @@ class ShardedBlock:
             inp = torch.empty(total, dtype=wire, device=self.device)
             self._pack(flats, inp)
             held += self.grad_nbytes
+        held += comm.staging_bytes("reduce_scatter", self.part_sizes, sn, wire_size)
         out = torch.empty(sn, dtype=wire, device=self.device)
         work = comm.reduce_scatter(out, inp, tag=f"block{self.index}", async_op=True, sizes=self.part_sizes)
         return ReduceHandle(work, out, inp, self.shard_grad, held)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from poplar.comm import Communicator
-from poplar.comm.hierarchical import node_layout, pieces
+from poplar.comm.hierarchical import node_layout, pieces, staging_numel
 from poplar.comm.launch import RankFailure, spawn
 from poplar.types.topology import Link, Topology, Wire
 
@@ -201,3 +201,15 @@ def test_ranks_with_different_topologies_fail_before_making_groups() -> None:
     with pytest.raises(RankFailure) as failure:
         spawn(mismatched_worker, 4, timeout_s=60)
     assert all("ranks were given different topologies" in failure.value.failures[r] for r in range(4))
+
+
+def test_staging_is_the_pieces_and_the_partials_received() -> None:
+    sizes = (40, 12, 0, 28)
+    two, lone = Topology.of_sizes([2, 2]), Topology.of_sizes([3, 1])
+    layout = node_layout(sizes, two, 4)
+    assert layout.step_sizes[0][1] == (16, 12)  # node 1's region (28) in two 16-byte-aligned pieces
+    assert staging_numel("reduce_scatter", layout, two, 0, True) == 16 + 40  # its piece, and node 1's partial
+    assert staging_numel("all_gather", layout, two, 0, True) == 0  # broadcasts send from the output
+    assert staging_numel("all_gather", layout, two, 0, False) == 16 + 40  # else copies of its pieces
+    alone = node_layout(sizes, lone, 4)
+    assert staging_numel("reduce_scatter", alone, lone, 3, True) == 28  # a node of one holds views, receives one

@@ -23,12 +23,16 @@ reduce-scatters run hierarchically: a chain of steps, each recorded with the ``L
 
 [Note: chains of steps, issued in order]
 A hierarchical collective is two steps (in-node, exchange), the second issued only once the first
-is done. Its first step is issued with the call; the next ones when the collective is waited on,
-or earlier: before any other collective and at every wait, every chain issued before is brought
-to its last step, oldest first (``settle``). So the later steps of all chains go out in the order
-the chains were made, which is the same on every rank, on groups no first step uses
-(``NodeGroups``); and a rank never blocks in another collective while a peer waits for a step it
-has not issued.
+is done. Its first step is issued with the call and overlaps what the rank does next; its last
+step is issued when the collective is waited on or, at the latest, before the rank's next
+collective of any kind (``settle``: every chain issued before is brought to its last step,
+oldest first). So every rank issues every step of every collective in one order, the order of
+the calls, which is the same on every rank: no group sees two orders, an observer hears the same
+sequence on every rank of a wire, and a rank never blocks in a collective while a peer waits for
+a step it has not issued. The price: a collective's first step (in-node for a reduce-scatter, the
+exchange for an all-gather) completes before the next collective is issued; its last step still
+overlaps until the next wait. Later steps run on groups of their own (``NodeGroups``), so even a
+step issued at a different moment on two ranks meets no other call of its group in between.
 """
 
 from __future__ import annotations
@@ -52,7 +56,8 @@ from poplar.types.topology import Topology, TopologyError, Wire
 
 class CollectiveObserver(Protocol):
     """What an observer of the tensor collectives implements (the same calls, in the same order,
-    on every rank of ``wire.ranks``): ``issued`` before a collective starts, returning a ticket,
+    on every rank of ``wire.ranks``; a hierarchical collective's steps are heard one by one, in
+    one order on every rank: Note: chains of steps, issued in order): ``issued`` before a collective starts, returning a ticket,
     and ``done`` with that ticket once the collective is complete on this rank. ``nbytes`` is
     the same on every rank taking part: the full buffer of a collective, and for a cross-node
     exchange (op ``"exchange"``) the bytes that cross between nodes, every node's summed.
@@ -208,8 +213,7 @@ class Communicator:
 
     def _run_chain(self, op: str, call: HierarchicalCall, async_op: bool, tag: str) -> PendingChain | None:
         chain = PendingChain(self, op, call, tag)
-        if not async_op:
-            self.settle()
+        self.settle()  # every earlier chain's steps first: one order of every step on every rank
         if call.steps:
             chain.issue_next()
         if async_op:

@@ -88,6 +88,17 @@ def collective_worker(rank: int, world: int, topology: Topology) -> dict:
     comm.ledger.clear()
     comm.all_gather_within_nodes(again, part, keep, tag="within", async_op=True, sizes=sizes).wait()
     out["secondary"] = (full, again, keep.numel(), [(r.op, r.link) for r in comm.ledger.records])
+    # ranks that wait in different orders still issue every step in one order (and get the sums)
+    total, x = sum(sizes), _input(rank, sum(sizes), torch.float32)
+    parts, full = [torch.zeros(sizes[rank]) for _ in range(2)], torch.zeros(total)
+    with comm.observed(recorder):
+        first = comm.reduce_scatter(parts[0], x, tag="order", async_op=True, sizes=sizes)
+        if rank % 2:  # these ranks wait before the next call, the others after the last
+            first.wait()
+        works = [first, comm.all_gather(full, part, tag="order", async_op=True, sizes=sizes),
+                 comm.reduce_scatter(parts[1], 2 * x, tag="order", async_op=True, sizes=sizes)]
+        _wait(works[::-1])
+    out["order"] = (parts, full)
     out["heard"] = recorder.heard
     return out
 
@@ -98,7 +109,7 @@ def test_hierarchical_collectives_equal_flat(name: str) -> None:
     topology = TOPOLOGIES[name]
     results = spawn(collective_worker, 4, (topology,), timeout_s=120)
     for key in results[0]:
-        if key in ("secondary", "heard"):
+        if key in ("secondary", "heard", "order"):
             continue
         dtype, sizes, _ = key
         for rank, res in enumerate(results):
@@ -111,6 +122,13 @@ def test_hierarchical_collectives_equal_flat(name: str) -> None:
             for a, b in zip(fp + fg, hp + hg):
                 torch.testing.assert_close(b.float(), a.float(), rtol=tol, atol=tol * 8)
             assert {link for *_, link, _ in records} <= {Link.INTRA, Link.CROSS}, records
+    summed = sum(_input(r, sum(SIZES[0]), torch.float32) for r in range(4))
+    lo = [sum(SIZES[0][:r]) for r in range(4)]
+    for rank, res in enumerate(results):
+        parts, full = res["order"]
+        mine = summed[lo[rank]:lo[rank] + SIZES[0][rank]]
+        assert torch.equal(parts[0], mine) and torch.equal(parts[1], 2 * mine), rank
+        assert torch.equal(full, results[0]["secondary"][0]), rank
     _check_cross_bytes(results, topology)
     _check_secondary(results, topology)
     _check_observer(results, topology)
@@ -120,7 +138,7 @@ def _check_cross_bytes(results: list[dict], topology: Topology) -> None:
     """A node sends (1 - its own share) of the buffer across at the reduce-scatter's exchange, and
     receives (1 - its own share) at the all-gather's (two nodes: what the other node sends)."""
     for key in results[0]:
-        if key in ("secondary", "heard"):
+        if key in ("secondary", "heard", "order"):
             continue
         dtype, sizes, _ = key
         element = 4 if dtype == "torch.float32" else 2
@@ -154,6 +172,8 @@ def _check_observer(results: list[dict], topology: Topology) -> None:
     heard = [res["heard"] for res in results]
     exchanges = [[(op, n) for op, n, w in h if op == "exchange"] for h in heard]
     assert exchanges[0] and all(e == exchanges[0] for e in exchanges)
+    for node in topology.nodes:  # the ranks of a node hear one sequence, steps in one order
+        assert all(heard[r] == heard[node[0]] for r in node), node
     for rank, h in enumerate(heard):
         node = topology.nodes[topology.node_of(rank)]
         for op, _, wire in h:

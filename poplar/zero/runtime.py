@@ -411,7 +411,8 @@ class ZeroRuntime:
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds: ``params`` (the copy the model computes with), ``master_params``
         (fp32 masters kept apart under mixed precision), ``grads``, ``optimizer``, ``buffers`` and
-        ``comm_buffers`` (peak of temporary communication buffers); stage 3: ``gathered_params``."""
+        ``comm_buffers`` (peak of temporary communication buffers); stage 3: ``gathered_params``
+        and ``secondary_params`` (the node-local secondary shards kept, ``Plan.secondary_shards``)."""
         return self.stage.memory_report()
 
 

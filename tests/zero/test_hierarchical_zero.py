@@ -157,9 +157,10 @@ def features_worker(rank: int, world: int, directory: str) -> dict:
     model = make_model(seed=1)  # other initial weights: everything must come from the checkpoint
     resumed = PoplarEngine(model, make_optimizer(model, "sgd"), plan=BATCHES,
                            zero_stage=ZeroConfig(3, wrap_policy={nn.Linear, nn.LayerNorm}))
-    load_checkpoint(resumed, directory)
+    saved = load_checkpoint(resumed, directory).plan
     loss = resumed.train_step(rank_slice(global_batch(2, GBS), BATCHES, rank), loss_fn)
     out["resumed"] = (loss, resumed.full_state_dict(), resumed.comm.hierarchical)
+    out["saved plan"] = (saved.hierarchical, saved.secondary_shards, saved.shard_weights)
     return out
 
 
@@ -179,4 +180,5 @@ def test_hierarchical_zero3_precision_skips_checkpointing_offload_and_resume(tmp
             assert losses == pytest.approx(ref_losses, rel=1e-5), (key, rank)
         loss, state, hierarchical = res["resumed"]
         assert not hierarchical
+        assert res["saved plan"] == (True, True, tuple(map(float, WEIGHTS)))  # the checkpoint keeps the choice
         assert max_rel_err(state, ref_state) <= 1e-5 and loss == pytest.approx(ref_losses[2], rel=1e-5), rank

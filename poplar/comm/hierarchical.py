@@ -78,7 +78,10 @@ class NodeGroups(NamedTuple):
         world = list(range(topology.world_size))
         first = tuple(dist.new_group(list(node)) for node in topology.nodes)
         later = tuple(dist.new_group(list(node)) for node in topology.nodes)
-        return cls(topology, first, later, dist.new_group(world), dist.new_group(world))
+        cross = (dist.new_group(world), dist.new_group(world))
+        for group in cross:  # a first call with every rank: NCCL's point-to-point batches need one
+            dist.barrier(group=group)
+        return cls(topology, first, later, *cross)
 
 
 class Transfer(NamedTuple):

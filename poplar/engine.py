@@ -18,12 +18,11 @@ import torch
 from torch import nn
 
 from poplar.auto import AutoOptions, AutoResult, auto_plan
-from poplar.comm import Communicator
 from poplar.profiler.devices import Device
 from poplar.types.plans import Plan
 from poplar.types.precision import MixedPrecision, resolve_precision
 from poplar.types.profiles import Profile
-from poplar.zero.config import ZeroConfig
+from poplar.zero.config import ZeroConfig, communicator_for
 from poplar.zero.observers import MicroStepTimeline
 from poplar.zero.runtime import LossFn, ZeroRuntime
 
@@ -72,7 +71,7 @@ class PoplarEngine(ZeroRuntime):
         if not auto_mode and "auto" in (zero.stage, activation_checkpointing):
             raise ValueError('zero_stage="auto" and activation_checkpointing="auto" ask auto mode to choose: give '
                              "global_batch_size (and no plan), or a stage and a setting with the plan")
-        comm = Communicator(zero.process_group, next(model.parameters()).device)
+        comm = communicator_for(zero, next(model.parameters()).device)
         self.auto_result: AutoResult | None = None
         device: Device | None = None
         if auto_mode:

@@ -16,28 +16,48 @@ issued and when it is done on this rank, before the rank's blocked seconds are s
 it does there counts as time in the collective (a tracer, or a link model that holds the rank
 until the collective would have ended on the interconnect it models). Object collectives
 (agreements, profile assembly) are control traffic and are not observed.
+
+Built with a ``Topology`` that spans nodes, the communicator creates the node process groups
+once (``poplar.comm.hierarchical.NodeGroups``); while ``use_hierarchy(True)`` its all-gathers and
+reduce-scatters run hierarchically: a chain of steps, each recorded with the ``Link`` it used.
+
+[Note: chains of steps, issued in order]
+A hierarchical collective is two steps (in-node, exchange), the second issued only once the first
+is done. Its first step is issued with the call and overlaps what the rank does next; its last
+step is issued when the collective is waited on or, at the latest, before the rank's next
+collective of any kind (``settle``: every chain issued before is brought to its last step,
+oldest first). So every rank issues every step of every collective in one order, the order of
+the calls, which is the same on every rank: no group sees two orders, an observer hears the same
+sequence on every rank of a wire, and a rank never blocks in a collective while a peer waits for
+a step it has not issued. The price: a collective's first step (in-node for a reduce-scatter, the
+exchange for an all-gather) completes before the next collective is issued; its last step still
+overlaps until the next wait. Later steps run on groups of their own (``NodeGroups``), so even a
+step issued at a different moment on two ranks meets no other call of its group in between.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
+from collections import deque
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 
-from poplar.comm import uneven
+from poplar.comm import hierarchical, uneven
+from poplar.comm.hierarchical import HierarchicalCall, NodeGroups, Step
 from poplar.comm.ledger import CommLedger
 from poplar.comm.sigterm_watch import BLOCKED
 from poplar.comm.uneven import all_gather_tensor, reduce_scatter_tensor
 from poplar.types.errors import DistributedError
-from poplar.types.topology import Wire
+from poplar.types.topology import Topology, TopologyError, Wire
 
 
 class CollectiveObserver(Protocol):
     """What an observer of the tensor collectives implements (the same calls, in the same order,
-    on every rank of ``wire.ranks``): ``issued`` before a collective starts, returning a ticket,
+    on every rank of ``wire.ranks``; a hierarchical collective's steps are heard one by one, in
+    one order on every rank: Note: chains of steps, issued in order): ``issued`` before a collective starts, returning a ticket,
     and ``done`` with that ticket once the collective is complete on this rank. ``nbytes`` is
     the same on every rank taking part: the full buffer of a collective, and for a cross-node
     exchange (op ``"exchange"``) the bytes that cross between nodes, every node's summed.
@@ -77,14 +97,74 @@ class PendingCollective:
             self.comm.ledger.add(self.op, self.nbytes, blocked, self.tag)
 
 
+class PendingChain:
+    """A hierarchical collective in flight (Note: chains of steps, issued in order): its current
+    step and the steps still to issue. ``wait()`` issues and completes what is left; each step is
+    recorded when done, with its link, at the position where the collective was issued."""
+
+    def __init__(self, comm: "Communicator", op: str, call: HierarchicalCall, tag: str) -> None:
+        self.comm, self.op, self.call, self.tag = comm, op, call, tag
+        self.position = comm.ledger.position
+        self.next = 0  # call.steps[:next] have been issued
+        self.current: tuple[Step, Any, CollectiveObserver | None, Any, float] | None = None
+
+    @property
+    def issued_all(self) -> bool:
+        return self.next == len(self.call.steps)
+
+    def issue_next(self) -> None:
+        step = self.call.steps[self.next]
+        self.next += 1
+        t0 = time.perf_counter()
+        observer = self.comm.observer if step.wire is not None else None
+        ticket = observer.issued(step.op, step.observed_bytes, step.wire) if observer is not None else None
+        work = self.comm.guard(self.op, self.tag, lambda: step.run(True))
+        self.current = (step, work, observer, ticket, time.perf_counter() - t0)
+
+    def complete_current(self) -> None:
+        if self.current is None:
+            return
+        (step, work, observer, ticket, issue_s), self.current = self.current, None
+        t0 = self.comm.start_timer()
+        if work is not None:
+            self.comm.guard(self.op, self.tag, work.wait)
+        if step.finish is not None:
+            step.finish()
+        if observer is not None:
+            observer.done(ticket)
+        blocked = issue_s + self.comm.stop_timer(t0)
+        if step.wire is not None:
+            with self.comm.ledger.at(self.position):
+                self.comm.ledger.add(self.op, step.sent_bytes, blocked, self.tag, step.link)
+
+    def issue_rest(self) -> None:
+        """Complete each step and issue the next, until the last is issued."""
+        while not self.issued_all:
+            self.complete_current()
+            self.issue_next()
+
+    def wait(self) -> None:
+        self.comm.settle(upto=self)  # the chains issued before first, then this one's own steps
+        self.issue_rest()
+        self.complete_current()
+        if self.call.finish is not None:
+            self.call.finish()
+            self.call = HierarchicalCall(self.call.steps, None)
+
+
 class Communicator:
     """The engine's only door to ``torch.distributed``. With no process group initialised it
     runs as a world of one (every collective is a local copy), so single-process use works."""
 
     observer: CollectiveObserver | None = None  # hears of tensor collectives while set (``observed``)
+    node_groups: NodeGroups | None = None  # a topology that spans nodes: its process groups
+    hierarchical: bool = False  # all-gathers and reduce-scatters run on node_groups (``use_hierarchy``)
+    _chains: "deque[PendingChain] | None" = None  # hierarchical collectives not issued to their last step
 
     def __init__(self, process_group: Any = None, device: torch.device | None = None,
-                 ledger: CommLedger | None = None) -> None:
+                 ledger: CommLedger | None = None, topology: Topology | None = None) -> None:
+        """``topology``: the nodes of the ranks; one that spans nodes creates the node groups
+        here, a collective over the world (every rank builds its communicator together)."""
         self.distributed = dist.is_available() and dist.is_initialized()
         # None means torch's default group, looked up at each call: holding the group object here
         # would keep it (and gloo's threads) alive past destroy_process_group(), to be torn down
@@ -95,6 +175,53 @@ class Communicator:
         self.device = device or torch.device("cpu")
         self.ledger = ledger or CommLedger()
         self.backend = dist.get_backend(self.group) if self.distributed else "none"
+        self._chains = deque()
+        if topology is not None and (problem := topology.problem(self.world_size)) is not None:
+            raise TopologyError(problem)
+        if topology is not None and topology.spans_nodes and self.world_size > 1:
+            if process_group is not None and dist.get_world_size(process_group) != dist.get_world_size():
+                raise TopologyError("a topology that spans nodes needs the world process group (its node groups are "
+                                    "made of global ranks); leave process_group unset")
+            nodes = self.all_gather_object(topology.nodes, tag="topology")
+            if any(n != nodes[0] for n in nodes):  # before new_group: a different count would hang
+                lines = "\n".join(f"  rank {r}: {n!r}" for r, n in enumerate(nodes))
+                raise TopologyError(f"ranks were given different topologies; give every rank the same:\n{lines}")
+            self.node_groups = NodeGroups.create(topology)
+
+    @property
+    def topology(self) -> Topology:
+        """The nodes of this communicator's ranks (one node unless built with a topology that spans nodes)."""
+        return self.node_groups.topology if self.node_groups is not None else Topology.single(self.world_size)
+
+    def use_hierarchy(self, on: bool) -> None:
+        """Run all-gathers and reduce-scatters hierarchically (True) or flat from now on; with no
+        topology spanning nodes they stay flat. Every rank switches together, between collectives."""
+        self.settle()
+        self.hierarchical = bool(on) and self.node_groups is not None
+
+    def settle(self, upto: PendingChain | None = None) -> None:
+        """Issue the remaining steps of the hierarchical collectives in flight, oldest first, up to
+        ``upto`` (None: all of them). Note: chains of steps, issued in order."""
+        if not self._chains or (upto is not None and upto not in self._chains):
+            return
+        while self._chains:
+            chain = self._chains[0]
+            chain.issue_rest()
+            self._chains.popleft()
+            if chain is upto:
+                return
+
+    def _run_chain(self, op: str, call: HierarchicalCall, async_op: bool, tag: str) -> PendingChain | None:
+        chain = PendingChain(self, op, call, tag)
+        self.settle()  # every earlier chain's steps first: one order of every step on every rank
+        if call.steps:
+            chain.issue_next()
+        if async_op:
+            if not chain.issued_all and self._chains is not None:
+                self._chains.append(chain)
+            return chain
+        chain.wait()
+        return None
 
     @contextlib.contextmanager
     def observed(self, observer: CollectiveObserver | None) -> Iterator["Communicator"]:
@@ -124,6 +251,7 @@ class Communicator:
 
     def _run(self, op: str, nbytes: int, fn: Any, async_op: bool, tag: str,
              finish: Callable[[], None] | None = None) -> PendingCollective | None:
+        self.settle()
         t0 = self.start_timer()
         observer = self.observer if self.world_size > 1 else None
         ticket = observer.issued(op, nbytes, Wire.world(self.world_size)) if observer is not None else None
@@ -167,6 +295,10 @@ class Communicator:
         order) gets this rank's part of the sum of ``input`` over ranks."""
         if self.world_size == 1:
             output.copy_(input)
+        elif self.hierarchical:
+            call = hierarchical.reduce_scatter(output, input, self._sizes(sizes, output.numel()), self.rank,
+                                               self._groups, uneven.method_for(self.backend, "reduce_scatter"))
+            return self._run_chain("reduce_scatter", call, async_op, tag)
         elif (sizes is not None and len(set(sizes)) > 1) or uneven.even_method(self.backend, "reduce_scatter"):
             sizes = sizes or [output.numel()] * self.world_size
             call = uneven.reduce_scatter(output, input, sizes, self.rank, self.group,
@@ -184,6 +316,10 @@ class Communicator:
         every rank's ``input``, in rank order."""
         if self.world_size == 1:
             output.copy_(input)
+        elif self.hierarchical:
+            call = hierarchical.all_gather(output, input, self._sizes(sizes, input.numel()), self.rank, self._groups,
+                                           uneven.method_for(self.backend, "all_gather"))
+            return self._run_chain("all_gather", call, async_op, tag)
         elif (sizes is not None and len(set(sizes)) > 1) or uneven.even_method(self.backend, "all_gather"):
             sizes = sizes or [input.numel()] * self.world_size
             call = uneven.all_gather(output, input, sizes, self.rank, self.group,
@@ -193,6 +329,52 @@ class Communicator:
         return self._run("all_gather", nbytes,
                          lambda a: all_gather_tensor(output, input, group=self.group, async_op=a),
                          async_op, tag)
+
+    # -- node-local secondary shards (ZeRO-3, hierarchical only; poplar.comm.hierarchical) --
+    def secondary_numel(self, sizes: Sequence[int] | None, part_numel: int, element_size: int) -> int:
+        """The length of this rank's secondary shard of an all-gather of parts ``sizes`` (None:
+        every part ``part_numel`` long) of ``element_size`` bytes; 0 unless hierarchical."""
+        if not self.hierarchical:
+            return 0
+        layout = hierarchical.node_layout(tuple(self._sizes(sizes, part_numel)), self._groups.topology, element_size)
+        return layout.secondary_numel(self._groups.topology, self.rank)
+
+    def staging_bytes(self, op: str, sizes: Sequence[int] | None, part_numel: int, element_size: int) -> int:
+        """Bytes a hierarchical ``op`` ("all_gather" / "reduce_scatter") of parts ``sizes`` (None:
+        every part ``part_numel`` long) allocates on this rank while it runs; 0 when flat."""
+        if not self.hierarchical:
+            return 0
+        topology = self._groups.topology
+        layout = hierarchical.node_layout(tuple(self._sizes(sizes, part_numel)), topology, element_size)
+        in_place = uneven.method_for(self.backend, "all_gather") is uneven.UnevenMethod.BROADCASTS
+        return hierarchical.staging_numel(op, layout, topology, self.rank, in_place) * element_size
+
+    def all_gather_keeping(self, output: torch.Tensor, input: torch.Tensor, secondary: torch.Tensor, tag: str = "",
+                           async_op: bool = False, sizes: Sequence[int] | None = None) -> PendingChain | None:
+        """``all_gather`` (hierarchical), keeping this rank's secondary shard in ``secondary``
+        (``secondary_numel`` long) once it is done."""
+        call = hierarchical.all_gather(output, input, self._sizes(sizes, input.numel()), self.rank, self._groups,
+                                       uneven.method_for(self.backend, "all_gather"), keep=secondary)
+        return self._run_chain("all_gather", call, async_op, tag)
+
+    def all_gather_within_nodes(self, output: torch.Tensor, input: torch.Tensor, secondary: torch.Tensor,
+                                tag: str = "", async_op: bool = False,
+                                sizes: Sequence[int] | None = None) -> PendingChain | None:
+        """The all-gather of ``all_gather_keeping`` again, of the same values, from this rank's part
+        and the ``secondary`` shard it kept: inside each node only."""
+        call = hierarchical.all_gather_within(output, input, secondary, self._sizes(sizes, input.numel()),
+                                              self.rank, self._groups, uneven.method_for(self.backend, "all_gather"))
+        return self._run_chain("all_gather", call, async_op, tag)
+
+    @property
+    def _groups(self) -> NodeGroups:
+        if self.node_groups is None or not self.hierarchical:
+            raise RuntimeError("hierarchical collectives need a communicator built with a topology that spans nodes, "
+                               "with use_hierarchy(True)")
+        return self.node_groups
+
+    def _sizes(self, sizes: Sequence[int] | None, part_numel: int) -> list[int]:
+        return list(sizes) if sizes is not None else [part_numel] * self.world_size
 
     @property
     def gathers_in_place(self) -> bool:
@@ -205,6 +387,7 @@ class Communicator:
         if self.world_size == 1:
             return [obj]
         out: list[Any] = [None] * self.world_size
+        self.settle()
         t0 = self.start_timer()
         self.guard("all_gather_object", tag, lambda: dist.all_gather_object(out, obj, group=self.group))
         self.ledger.add("all_gather_object", 0, self.stop_timer(t0), tag)

@@ -57,7 +57,7 @@ class UnevenMethod(Enum):
 GLOO_ALL_GATHER = UnevenMethod.BROADCASTS
 
 
-class _AllWorks:
+class AllWorks:
     """Several torch works waited on as one."""
 
     def __init__(self, works: list[Any]) -> None:
@@ -112,7 +112,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, sizes: Sequence[int], 
             ranks = [r for r, size in enumerate(sizes) if size]  # an empty part has nothing to send
             works = [dist.broadcast(views[r], dist.get_global_rank(group, r) if group is not None else r,
                                     group=group, async_op=async_op) for r in ranks]
-            return _AllWorks(works) if async_op else None
+            return AllWorks(works) if async_op else None
         return UnevenCall(run, None, sum(sizes) * element)
     longest, n = max(sizes), len(sizes)
     source = torch.zeros(longest, dtype=input.dtype, device=input.device)

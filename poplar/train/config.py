@@ -44,9 +44,18 @@ directory, as DeepSpeed's are.
         "checkpoint": {"dir": "runs/x/ckpt", "every": 50, "resume": true, "keep": 2},
         "report_dir": "runs/x",
         "output_dir": null,                         HF models: the finished run's from_pretrained folder (null: report_dir/model)
-        "collective_timeout_s": 300
+        "collective_timeout_s": 300,
+        "topology": [[0, 1], [2, 3]]                the ranks of each node (null: torchrun's nodes, else one)
       }
     }
+
+Clusters that span nodes: ``poplar.topology`` declares the nodes (each a list of consecutive
+ranks); without it the launcher's are used. DeepSpeed's ``zero_optimization.zero_hpz_partition_size``
+(hpZ) maps to node-local secondary shards at ZeRO-3 (``Plan.secondary_shards``, on hierarchical
+collectives): 1 (DeepSpeed's default) is off; the size of every node is on; any other value is an
+error, since Poplar's secondary shards are always one per node (ZeRO++'s hpZ partitions over the
+ranks of a node too). A fixed plan (a plan file, DeepSpeed's even plan) takes it as given; in auto
+mode the planner chooses the collectives.
 
 How the plan is chosen: ``poplar.plan`` if given; otherwise auto mode (profile, then plan with
 ``poplar.strategy``) when there is something to profile — a GPU, ``poplar.cluster`` on CPU, or
@@ -98,6 +107,7 @@ from poplar.train.placement_config import OffloadSetting, read_offload, read_sha
 from poplar.train.schedule import LRSchedule
 from poplar.types.plans import read_json
 from poplar.types.precision import LossScaleConfig, MixedPrecision, Precision
+from poplar.types.topology import Topology, TopologyError
 
 SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
 SCHEDULER_KEYS = {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "total_num_steps",
@@ -106,12 +116,12 @@ DATA_KEYS = {"path", "seq_len", "tokenizer", "packing", "text_key", "eval_fracti
 TOP_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
             "gradient_clipping", "steps_per_print", "seed", "zero_optimization", "optimizer", "scheduler", "poplar",
             "fp16", "bf16"}
-ZERO_KEYS = {"stage", "reduce_bucket_size", "offload_optimizer"}
+ZERO_KEYS = {"stage", "reduce_bucket_size", "offload_optimizer", "zero_hpz_partition_size"}
 BF16_KEYS = {"enabled"}
 FP16_KEYS = {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"}
 POPLAR_KEYS = {"iterations", "model", "data", "cluster", "strategy", "shards", "plan", "profile", "checkpoint",
                "report_dir", "offload", "collective_timeout_s", "log_every", "eval_every", "tensorboard",
-               "activation_checkpointing", "output_dir"}
+               "activation_checkpointing", "output_dir", "topology"}
 
 
 NO_MODEL = ('the config names no model: add a "poplar" section with "model": a built-in name ("llama-small", '
@@ -168,6 +178,8 @@ class TrainConfig:
     output_dir: str | None = None  # the finished run's Hugging Face folder (None: <report_dir>/model)
     collective_timeout_s: float = COLLECTIVE_TIMEOUT_S
     mixed_precision: MixedPrecision | None = None  # "bf16" / "fp16" sections; None: fp32
+    topology: Topology | None = None  # "poplar.topology"; None: the launcher's nodes
+    hpz_partition_size: int = 1  # DeepSpeed's zero_hpz_partition_size: 1 off, a node's size on
     deepspeed_hints: dict[str, str] = field(default_factory=dict)  # DeepSpeed hint keys met -> what Poplar does
     auto_notes: dict[str, str] = field(default_factory=dict)  # keys given "auto" -> what each became (deepspeed_auto)
 
@@ -207,6 +219,7 @@ class TrainConfig:
             raise ConfigError(f'"zero_optimization.stage" must be 0, 1, 2, 3 or "auto" (auto mode chooses), '
                               f'got {stage!r}')
         cfg.zero_stage = None if stage == "auto" else int(stage)
+        cfg.hpz_partition_size = _int(zero, "zero_hpz_partition_size", 1, where='"zero_optimization"')
         if "reduce_bucket_size" in zero:  # DeepSpeed counts elements; a bucket holds fp32 gradients
             cfg.bucket_size_mb = _int(zero, "reduce_bucket_size", 0, minimum=1, where='"zero_optimization"') * 4 / 2**20
         _read_optimizer(cfg, raw)
@@ -394,6 +407,38 @@ def _read_poplar(cfg: TrainConfig, p: dict) -> None:
     cfg.collective_timeout_s = float(timeout)
     if "log_every" in p:
         cfg.log_every = _int(p, "log_every", 10, minimum=0, where='"poplar"')
+    cfg.topology = read_topology(p.get("topology"))
+
+
+def read_topology(value: Any) -> Topology | None:
+    """``poplar.topology``: a list of nodes, each a list of ranks (or ``{"nodes": [...]}``)."""
+    if value is None:
+        return None
+    nodes = value.get("nodes") if isinstance(value, dict) else value
+    if not isinstance(nodes, list) or not all(isinstance(n, list) and all(isinstance(r, int) and not
+                                                                         isinstance(r, bool) for r in n) for n in nodes):
+        raise ConfigError(f'"poplar.topology" must be a list of nodes, each a list of ranks, e.g. [[0, 1], [2, 3]], '
+                          f"got {value!r}")
+    try:
+        return Topology(nodes=tuple(tuple(n) for n in nodes))
+    except TopologyError as e:
+        raise ConfigError(f'"poplar.topology": {e}') from None
+
+
+def secondary_shards_of(hpz_partition_size: int, topology: Topology, zero_stage: int | None) -> bool:
+    """Whether DeepSpeed's ``zero_hpz_partition_size`` asks for secondary shards on ``topology``
+    (module doc); a value Poplar cannot honour is a ``ConfigError`` naming the fix."""
+    if hpz_partition_size == 1:
+        return False
+    sizes = set(topology.sizes)
+    if sizes != {hpz_partition_size} or not topology.spans_nodes:
+        raise ConfigError(f'"zero_optimization.zero_hpz_partition_size" is {hpz_partition_size} but the nodes are '
+                          f"{topology.describe()} ({', '.join(map(str, topology.sizes))} ranks); Poplar keeps one "
+                          "secondary shard per node: give the size of every node (all nodes alike), or 1 (off)")
+    if zero_stage != 3:
+        raise ConfigError(f'"zero_optimization.zero_hpz_partition_size" asks for secondary shards, which are '
+                          f'ZeRO-3\'s, but "stage" is {zero_stage!r}: set "stage": 3, or drop the key')
+    return True
 
 
 def _read_model(cfg: TrainConfig, model: Any) -> None:

@@ -29,13 +29,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from poplar.train.config import ConfigError, TrainConfig
+from poplar.train.config import ConfigError, TrainConfig, secondary_shards_of
 from poplar.train.config_terms import CONFIG_REMEDIES, even_plan
 from poplar.train.deepspeed_auto import auto_line, global_batch_source
 from poplar.train.placement_config import offload_rows
 from poplar.train.run_parts import RunParts
 from poplar.logs import log
 from poplar.types.plans import Offload, Plan, shares_of
+from poplar.types.topology import Topology
 
 if TYPE_CHECKING:
     from poplar.engine import PoplarEngine
@@ -160,6 +161,15 @@ def placed(cfg: TrainConfig, plan: Plan, world: int) -> Plan:
     return plan
 
 
+def with_collectives(cfg: TrainConfig, plan: Plan, world: int, stage: Any) -> Plan:
+    """A fixed plan with the config's hpZ setting (``zero_hpz_partition_size``): secondary shards
+    on hierarchical collectives, on the config's topology or the launcher's."""
+    topology = cfg.topology or Topology.from_launcher(os.environ, world)
+    if not secondary_shards_of(cfg.hpz_partition_size, topology, stage):
+        return plan
+    return replace(plan, meta=dict(plan.meta), hierarchical=True, secondary_shards=True)
+
+
 def profile_store_dir(cfg: TrainConfig) -> Any:
     """Where auto mode keeps profiles: $POPLAR_PROFILE_STORE when set, else beside the
     checkpoints (``<checkpoint dir>/../profiles``), else the user's cache (AutoOptions' default)."""
@@ -205,7 +215,7 @@ def build_engine(cfg: TrainConfig, parts: RunParts, auto_device: Device | None =
     # a stage not given: auto mode chooses; with a plan, the plan file's stage, else DeepSpeed's 0
     stage = cfg.zero_stage if cfg.zero_stage is not None else \
         "auto" if plan is None else (plan.zero_stage if plan.zero_stage is not None else 0)
-    kwargs: dict[str, Any] = {"zero_stage": ZeroConfig(stage, cfg.bucket_size_mb),
+    kwargs: dict[str, Any] = {"zero_stage": ZeroConfig(stage, cfg.bucket_size_mb, topology=cfg.topology),
                               "max_grad_norm": cfg.gradient_clipping, "loss_fn": parts.loss_fn,
                               "mixed_precision": cfg.mixed_precision}
     if cfg.activation_checkpointing is not None:
@@ -215,7 +225,7 @@ def build_engine(cfg: TrainConfig, parts: RunParts, auto_device: Device | None =
         kwargs["global_batch_size"] = global_batch(cfg, None, world)
         kwargs["auto"], fingerprint = _auto_options(cfg, parts, world, auto_device)
     else:
-        kwargs["plan"] = plan = placed(cfg, plan, world)
+        kwargs["plan"] = plan = with_collectives(cfg, placed(cfg, plan, world), world, stage)
     if rank == 0 and cfg.auto_notes:  # before profiling: every value is known by now
         gbs = plan.global_batch_size if plan is not None else kwargs["global_batch_size"]
         log.info(auto_line(cfg.auto_notes, gbs, global_batch_source(cfg.micro_batch_size, world, cfg.plan),

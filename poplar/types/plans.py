@@ -6,6 +6,11 @@ At ZeRO-1/2/3 rank r also holds a share ``shard_weight_r / sum of weights`` of e
 state (optimizer state, gradients, parameters): equal weights are ZeRO's even shards. A rank
 whose ``offload`` is ``Offload.OPTIMIZER`` keeps its optimizer state and fp32 master shard in
 host memory and steps them there (ZeRO-1/2/3).
+A plan also records how its collectives run when the job spans nodes (``poplar.Topology``):
+``hierarchical`` (a step inside each node and one exchange across, docs/design.md §3.10) and, at
+ZeRO-3, ``secondary_shards`` (each rank keeps its node-local shard of a block's parameters after
+the forward gather, so the backward gather stays inside the node). On one node both run as the
+flat collectives.
 Plans are saved as JSON so that people can read and edit them.
 """
 
@@ -141,8 +146,8 @@ class Plan:
     predicted_comm_s: float | None = None
     meta: dict[str, Any] = field(default_factory=dict)
     choice: PlanChoice = field(default_factory=PlanChoice)
-    hierarchical: bool = False
-    secondary_shards: bool = False
+    hierarchical: bool = False  # collectives in two tiers on a topology that spans nodes
+    secondary_shards: bool = False  # ZeRO-3: node-local secondary shards (needs hierarchical)
 
     def __post_init__(self) -> None:
         self.ranks = [r if isinstance(r, RankPlan) else RankPlan(**r) for r in self.ranks]
@@ -171,6 +176,15 @@ class Plan:
                             "(1.0 on every rank gives even shards)")
         if self.zero_stage is not None and self.zero_stage not in (0, 1, 2, 3):
             raise PlanError(f"plan zero_stage must be 0-3, got {self.zero_stage}")
+        for name in ("hierarchical", "secondary_shards"):
+            if not isinstance(getattr(self, name), bool):
+                raise PlanError(f"plan {name} must be true or false, got {getattr(self, name)!r}")
+        if self.secondary_shards and not self.hierarchical:
+            raise PlanError("plan has secondary_shards=True but hierarchical=False; secondary shards are kept by "
+                            "the hierarchical all-gather: set hierarchical=True too, or secondary_shards=False")
+        if self.secondary_shards and self.zero_stage not in (None, 3):
+            raise PlanError(f"plan has secondary_shards=True at zero_stage={self.zero_stage}; secondary shards are "
+                            "ZeRO-3's (parameters sharded): use zero_stage=3, or secondary_shards=False")
 
     def problem(self, world_size: int) -> str | None:
         """Why this plan cannot run on ``world_size`` ranks, or None. Checked again each time a
@@ -291,6 +305,8 @@ class Plan:
                          + ("" if shares is None else f" {100 * shares[i]:>5.1f}%")
                          + f" {r.offload.value:>9}")
         tail = f"global batch {self.global_batch_size}"
+        if self.hierarchical:
+            tail += ", hierarchical collectives" + (" with secondary shards" if self.secondary_shards else "")
         if self.predicted_iteration_s is not None:
             tail += f", predicted iteration {self.predicted_iteration_s:.4f} s"
         lines.append(tail)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 from itertools import accumulate
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 
 
@@ -77,6 +77,21 @@ class Topology:
     def of_sizes(cls, sizes: Sequence[int]) -> "Topology":
         starts = list(accumulate(sizes, initial=0))
         return cls(nodes=tuple(tuple(range(a, a + n)) for a, n in zip(starts, sizes)))
+
+    @classmethod
+    def from_launcher(cls, environ: Mapping[str, str], world_size: int) -> "Topology":
+        """The nodes torchrun started: ``LOCAL_WORLD_SIZE`` ranks on each node, numbered node by
+        node (``RANK = GROUP_RANK * LOCAL_WORLD_SIZE + LOCAL_RANK``). One node where the variables
+        are missing or do not describe that numbering (another launcher, or nodes of different
+        sizes, which must be declared: ``ZeroConfig(topology=...)``)."""
+        try:
+            local = int(environ["LOCAL_WORLD_SIZE"])
+            group, rank, local_rank = int(environ["GROUP_RANK"]), int(environ["RANK"]), int(environ["LOCAL_RANK"])
+        except (KeyError, ValueError):
+            return cls.single(world_size)
+        if local < 1 or world_size % local or rank != group * local + local_rank:
+            return cls.single(world_size)
+        return cls.of_sizes([local] * (world_size // local))
 
     @property
     def world_size(self) -> int:

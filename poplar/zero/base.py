@@ -151,6 +151,10 @@ class ZeroStage(ABC):
     def _reshard(self, shards: Shards) -> None:
         """Re-cut this stage's shards by ``shards`` (the optimizer steps its device shards)."""
 
+    def keep_secondary_shards(self, on: bool) -> None:
+        """Keep node-local secondary shards of the gathered parameters from the next iteration on
+        (ZeRO-3 on hierarchical collectives; other stages gather no parameters in a step)."""
+
     def place_optimizer(self, offload: Offload) -> None:
         """Keep the optimizer state (and the fp32 master shard it steps) on the device or in host
         memory from the next step on (between iterations; ``poplar.zero.offload``)."""

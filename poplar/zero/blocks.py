@@ -22,6 +22,12 @@ fp32's. Gradients arrive in the compute dtype and are added into fp32 flat buffe
 ``reduce`` dtype is cast for the reduce-scatter only. While the rank's optimizer is offloaded the
 master lives on the host only: ``shard``'s storage is freed and the block keeps ``compute_shard``,
 the shard in the compute dtype, which the gathers send as it is.
+
+Secondary shards (hierarchical collectives, ``Plan.secondary_shards``): ``secondary`` holds this
+rank's node-local pieces of the block's gathered buffer (``poplar.comm.hierarchical``), in the
+compute dtype. Every gather but the backward's writes it; the backward's gathers from it and
+this rank's shard inside the node only: parameters do not change between a micro-step's forward
+and its backward, so the values are the same.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from poplar.comm import Communicator, PendingCollective
+from poplar.comm import Communicator, PendingChain, PendingCollective
 from poplar.zero.flat import FlatUnit
 from poplar.zero.precision import StagePrecision
 from poplar.zero.reduce_queue import ReduceHandle
@@ -63,9 +69,10 @@ class GatherHandle:
     and is copied out into the units' buffers; with one it lands in the block's ``full``.
     ``source`` is the shard cast to the compute dtype (mixed precision), kept until it is done."""
 
-    work: PendingCollective | None
+    work: PendingCollective | PendingChain | None
     staged: torch.Tensor | None
     source: torch.Tensor | None = None
+    staging_nbytes: int = 0  # what a hierarchical gather allocates while it runs
 
     @property
     def staged_nbytes(self) -> int:
@@ -74,7 +81,8 @@ class GatherHandle:
     @property
     def held_nbytes(self) -> int:
         """Transient bytes the gather keeps alive besides the block's ``full``."""
-        return sum(t.numel() * t.element_size() for t in (self.staged, self.source) if t is not None)
+        return sum(t.numel() * t.element_size() for t in (self.staged, self.source) if t is not None) \
+            + self.staging_nbytes
 
 
 def build_blocks(model: nn.Module, groups: list[list[tuple[str, nn.Parameter]]], wrap_policy: Any,
@@ -121,7 +129,20 @@ class ShardedBlock:
             u.copy_params_into(flats[-1])
         self._allocate(flats)
         self.late_flats: list[torch.Tensor] | None = None
+        self.secondary: torch.Tensor | None = None
         self.reset_grads()
+
+    def keep_secondary(self, comm: Communicator | None) -> None:
+        """Hold a secondary shard for ``comm``'s hierarchical gathers (None: hold none)."""
+        self.secondary = None
+        if comm is not None:
+            element = torch.empty((), dtype=self.compute_dtype).element_size()
+            numel = comm.secondary_numel(self.part_sizes, self.shard_numel, element)
+            self.secondary = torch.zeros(numel, dtype=self.compute_dtype, device=self.device)
+
+    @property
+    def secondary_nbytes(self) -> int:
+        return 0 if self.secondary is None else self.secondary.numel() * self.secondary.element_size()
 
     def reshard(self, shards: Shards, flats: list[torch.Tensor]) -> None:
         """Cut the block by new ``shards``, taking this rank's new shard from ``flats`` (every
@@ -221,8 +242,10 @@ class ShardedBlock:
         return [self._unit_shard(self.shard_grad, k) for k in range(len(self.units))]
 
     # ------------------------------------------------------------------ parameters
-    def start_gather(self, comm: Communicator, async_op: bool) -> GatherHandle:
-        """Allocate the gathered buffer and issue the all-gather of the block's shards."""
+    def start_gather(self, comm: Communicator, async_op: bool, again: bool = False) -> GatherHandle:
+        """Allocate the gathered buffer and issue the all-gather of the block's shards; ``again``:
+        the same values as the micro-step's forward gathered (its backward), which a block that
+        keeps a secondary shard gathers inside the node from it."""
         assert self.state is BlockState.RELEASED, f"block {self.name!r} gathered twice"
         self._storage.resize_(self.gathered_nbytes)
         self.state = BlockState.GATHERED
@@ -230,8 +253,15 @@ class ShardedBlock:
             self.full_numel, dtype=self.compute_dtype, device=self.device)
         kept = self.shard if self.compute_shard is None else self.compute_shard
         source = kept if self.compute_dtype == kept.dtype else kept.to(self.compute_dtype)
-        work = comm.all_gather(out, source, tag=f"block{self.index}", async_op=async_op, sizes=self.part_sizes)
-        return GatherHandle(work, None if out is self.full else out, None if source is kept else source)
+        tag, sizes = f"block{self.index}", self.part_sizes
+        if self.secondary is None:
+            work = comm.all_gather(out, source, tag=tag, async_op=async_op, sizes=sizes)
+        elif again:
+            work = comm.all_gather_within_nodes(out, source, self.secondary, tag=tag, async_op=async_op, sizes=sizes)
+        else:
+            work = comm.all_gather_keeping(out, source, self.secondary, tag=tag, async_op=async_op, sizes=sizes)
+        staging = comm.staging_bytes("all_gather", sizes, self.shard_numel, out.element_size())
+        return GatherHandle(work, None if out is self.full else out, None if source is kept else source, staging)
 
     def finish_gather(self, handle: GatherHandle, use: bool = True) -> None:
         """Wait for the all-gather; with ``use`` point the parameters at the gathered values."""
@@ -311,6 +341,7 @@ class ShardedBlock:
             inp = torch.empty(total, dtype=wire, device=self.device)
             self._pack(flats, inp)
             held += self.grad_nbytes
+        held += comm.staging_bytes("reduce_scatter", self.part_sizes, sn, wire_size)
         out = torch.empty(sn, dtype=wire, device=self.device)
         work = comm.reduce_scatter(out, inp, tag=f"block{self.index}", async_op=True, sizes=self.part_sizes)
         return ReduceHandle(work, out, inp, self.shard_grad, held)

@@ -8,9 +8,16 @@ runtime or engine takes ``zero_stage``, a plain int means ``ZeroConfig(stage=tha
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
+from poplar.comm import Communicator
+
+from poplar.types.topology import Topology
 from poplar.zero.nonfinite import NonFinitePolicy, SkipReport
 
 
@@ -31,6 +38,9 @@ class ZeroConfig:
             fp16 dynamic loss scaling only those at the minimum scale count).
         skip_report: ``SkipReport.LOG`` warns of each skipped step on rank 0; ``COUNT`` only
             counts it (profiling's trial steps).
+        topology: the job's nodes (``poplar.Topology``); None: from the launcher (torchrun's
+            ``LOCAL_WORLD_SIZE`` and ``GROUP_RANK``), else one node. On a topology that spans
+            nodes the plan's ``hierarchical`` and ``secondary_shards`` choose the collectives.
     Values are checked when a runtime is built on them (every rank agrees on the verdict).
     """
 
@@ -41,9 +51,23 @@ class ZeroConfig:
     nonfinite: NonFinitePolicy | str = NonFinitePolicy.SKIP
     max_consecutive_skips: int = 5
     skip_report: SkipReport = SkipReport.LOG
+    topology: Topology | None = None
 
     @classmethod
     def of(cls, zero_stage: "int | ZeroConfig") -> "ZeroConfig":
         """``zero_stage`` as a config: a config stays as it is, anything else is its stage (checked
         with the other arguments when the runtime is built)."""
         return zero_stage if isinstance(zero_stage, ZeroConfig) else cls(stage=zero_stage)
+
+
+def communicator_for(config: ZeroConfig, device: torch.device) -> Communicator:
+    """The communicator of a runtime on ``config``: its process group, and its topology, or the
+    launcher's (``Topology.from_launcher``) when none is declared and the group is the world's.
+    A topology that spans nodes creates its node groups here, once (every rank together)."""
+    topology = config.topology
+    if topology is not None and not isinstance(topology, Topology):
+        raise TypeError(f"ZeroConfig(topology=...) takes a poplar.Topology, e.g. Topology(nodes=[[0, 1], [2, 3]]), "
+                        f"got {topology!r}")
+    if topology is None and config.process_group is None and dist.is_available() and dist.is_initialized():
+        topology = Topology.from_launcher(os.environ, dist.get_world_size())
+    return Communicator(config.process_group, device, topology=topology)

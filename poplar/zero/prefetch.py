@@ -60,7 +60,7 @@ class PendingGather:
 
 
 class Gatherer(Protocol):
-    def start_gather(self, block: Any) -> Any: ...
+    def start_gather(self, block: Any, again: bool) -> Any: ...
     def finish_gather(self, block: Any, handle: Any, use: bool) -> None: ...
     def free_gather(self, block: Any) -> None: ...
     def gathered_hook(self, block: Any) -> None: ...
@@ -86,10 +86,11 @@ def backward_items(root: Any, order: list[Any]) -> list[Item]:
 
 
 class Schedule:
-    """Walks ``items`` once with one cursor, issuing each through the Gatherer ``g``."""
+    """Walks ``items`` once with one cursor, issuing each through the Gatherer ``g``; ``again``:
+    its gathers fetch what the pass's forward gathered already (the backward's)."""
 
-    def __init__(self, items: list[Item], g: Gatherer) -> None:
-        self.items, self.g = items, g
+    def __init__(self, items: list[Item], g: Gatherer, again: bool = False) -> None:
+        self.items, self.g, self.again = items, g, again
         self.ag_pos = {it.block.index: i for i, it in enumerate(items) if it.op is Op.ALL_GATHER}
         self.rs_pos = {it.block.index: i for i, it in enumerate(items) if it.op is Op.REDUCE_SCATTER}
         self.next = 0  # items[:next] have been issued
@@ -98,7 +99,7 @@ class Schedule:
         self.deviated = False  # a block was needed ahead of its turn
 
     def _gather(self, b: Any) -> None:
-        self.pending[b.index] = PendingGather(b, self.g.start_gather(b))
+        self.pending[b.index] = PendingGather(b, self.g.start_gather(b, self.again))
         self.g.gathered_hook(b)
 
     def _advance(self, upto: int, force: bool) -> bool:

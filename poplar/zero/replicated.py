@@ -143,6 +143,7 @@ class ReplicatedParams(ZeroStage):
             else:
                 local = u.shard_of(target).detach().clone()  # the input must not alias the output
             held = 0 if local.data_ptr() == u.shard_of(target).data_ptr() else local.numel() * local.element_size()
+            held += self.comm.staging_bytes("all_gather", u.part_sizes, u.shard_numel, target.element_size())
             self._hold(held)
             self.comm.all_gather(target, local, tag=f"unit{u.index}", sizes=u.part_sizes)
             self._release(held)
@@ -342,14 +343,15 @@ class Stage2(ReplicatedParams):
         wire = self.precision.for_reduce(bucket)  # the bucket itself, or its copy in the reduce dtype
         out = u.new_shard(wire.dtype, zero=False)  # the reduce-scatter writes all of it
         out_bytes, wire_bytes = out.numel() * out.element_size(), wire.numel() * wire.element_size()
-        self._hold(out_bytes)
+        staging = self.comm.staging_bytes("reduce_scatter", u.part_sizes, u.shard_numel, wire.element_size())
+        self._hold(out_bytes + staging)
         if wire is not bucket:  # only the copy stays alive
             self._hold(wire_bytes)
             self._release(bucket.numel() * bucket.element_size())
         work = self.comm.reduce_scatter(out, wire, tag=f"unit{u.index}", async_op=True, sizes=u.part_sizes)
         self._buckets[ui] = None
         self._next = ui + 1
-        self._reduces.push(ReduceHandle(work, out, wire, self.shard_grads[ui], out_bytes + wire_bytes))
+        self._reduces.push(ReduceHandle(work, out, wire, self.shard_grads[ui], out_bytes + wire_bytes + staging))
 
     def end_micro_step(self) -> None:
         while self._next < len(self.units):  # unused parameters: their gradient is zero

@@ -29,7 +29,7 @@ from poplar.types.plans import Plan, PlanError
 from poplar.types.precision import MixedPrecision
 from poplar.zero import activation_checkpointing as checkpointing
 from poplar.zero.base import StageHooks, ZeroStage
-from poplar.zero.config import ZeroConfig
+from poplar.zero.config import ZeroConfig, communicator_for
 from poplar.zero.failures import IterationFailed, failure_kind, release_frames
 from poplar.zero.iteration_status import (IterationStatus, LossAccumulator, check_batch, failure_message,
                                           reduce_status, skip_empty_step, status_error)
@@ -88,7 +88,7 @@ class ZeroRuntime:
         config = zero_stage
         zero_stage, bucket_size_mb, wrap_policy = config.stage, config.bucket_size_mb, config.wrap_policy
         model_device = next(model.parameters()).device
-        self.comm = communicator if communicator is not None else Communicator(config.process_group, model_device)
+        self.comm = communicator if communicator is not None else communicator_for(config, model_device)
         self.zero_config = config
         self.comm_ledger: CommLedger = self.comm.ledger
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
@@ -161,6 +161,8 @@ class ZeroRuntime:
             self.shards = shards
         self.plan, self.rank_plan, self.global_batch_size = plan, plan.ranks[self.rank], plan.global_batch_size
         self.stage.place_optimizer(self.rank_plan.offload)
+        self.comm.use_hierarchy(plan.hierarchical)  # on one node: the flat collectives
+        self.stage.keep_secondary_shards(plan.secondary_shards and self.comm.hierarchical)
 
     def restore_iteration(self, iteration: int) -> None:
         """Continue counting from ``iteration`` (a loaded checkpoint's), between iterations."""
@@ -409,7 +411,8 @@ class ZeroRuntime:
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds: ``params`` (the copy the model computes with), ``master_params``
         (fp32 masters kept apart under mixed precision), ``grads``, ``optimizer``, ``buffers`` and
-        ``comm_buffers`` (peak of temporary communication buffers); stage 3: ``gathered_params``."""
+        ``comm_buffers`` (peak of temporary communication buffers); stage 3: ``gathered_params``
+        and ``secondary_params`` (the node-local secondary shards kept, ``Plan.secondary_shards``)."""
         return self.stage.memory_report()
 
 

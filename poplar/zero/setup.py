@@ -41,7 +41,7 @@ def check_arguments(world_size: int, model: nn.Module, optimizer: torch.optim.Op
     if plan.world_size != world_size:
         return (f"plan has {plan.world_size} rows but the world has {world_size} ranks; "
                 "give one RankPlan per rank"), []
-    if (problem := offload_problem(plan, zero_stage)) is not None:
+    if (problem := offload_problem(plan, zero_stage) or secondary_problem(plan, zero_stage)) is not None:
         return problem, []
     if max_grad_norm is not None and not max_grad_norm > 0:
         return f"max_grad_norm must be > 0 or None, got {max_grad_norm}", []
@@ -134,7 +134,15 @@ def plan_problem(plan: Any, world_size: int, zero_stage: int, in_iteration: bool
         return "set_plan() inside an iteration; call it between iterations"
     if not isinstance(plan, Plan):
         return f"plan must be a Plan, got {plan!r}"
-    return plan.problem(world_size) or offload_problem(plan, zero_stage)
+    return plan.problem(world_size) or offload_problem(plan, zero_stage) or secondary_problem(plan, zero_stage)
+
+
+def secondary_problem(plan: Plan, zero_stage: int) -> str | None:
+    """Why ``plan``'s secondary shards cannot run at ``zero_stage`` (they are ZeRO-3's), or None."""
+    if plan.secondary_shards and zero_stage != 3:
+        return (f"the plan keeps secondary shards (secondary_shards=True) but the stage is ZeRO-{zero_stage}; "
+                "secondary shards are of ZeRO-3's sharded parameters: use zero_stage=3, or secondary_shards=False")
+    return None
 
 
 def build_stage(zero_stage: int, model: nn.Module, optimizer: torch.optim.Optimizer, comm: Communicator,

@@ -36,6 +36,12 @@ Limits: one forward of the model per micro-step, a block runs once per forward (
 recomputation), parameters are used only inside their block's forward, and the model's
 parameters are empty between uses: read them with ``full_state_dict()``.
 
+Secondary shards (``Plan.secondary_shards``, hierarchical collectives only): each block keeps this
+rank's node-local secondary shard from its forward gather (``poplar.zero.blocks``), so the
+backward schedule's gathers run inside the node and never cross one; the shards cost about
+(1 - the node's share) / (ranks in the node) of the parameters (``memory_report``'s
+``secondary_params``).
+
 Mixed precision: each block's shard is its fp32 master, sent cast to the compute dtype by the
 all-gathers (half of fp32's bytes for bf16/fp16) and gathered as it is by ``full_state_dict``; an
 offloading rank keeps the master on the host and a compute-dtype shard on the device.
@@ -83,6 +89,7 @@ class Stage3(ZeroStage):
         self.point_optimizer()
 
         self.prefetch = prefetch
+        self.secondary_shards = False  # blocks keep node-local secondary shards (``keep_secondary_shards``)
         self._on_gathered = self.hooks.transient_allocated  # after each gather allocation (memory-cap checks)
         self.gathered_bytes = 0  # gathered parameter bytes alive now
         self.peak_gathered_bytes = 0
@@ -117,6 +124,20 @@ class Stage3(ZeroStage):
     def _reshard(self, shards: Shards) -> None:
         """Cut every block by new ``shards``, between iterations (every rank together)."""
         sharded_state.reshard(self, shards)
+        for b in self.blocks:  # the secondary shards' lengths follow the new cut
+            b.keep_secondary(self.comm if self.secondary_shards else None)
+
+    def keep_secondary_shards(self, on: bool) -> None:
+        """Each block keeps its secondary shard from the next pass on (True), or none (between
+        iterations; only on hierarchical collectives: ``Communicator.use_hierarchy``)."""
+        if on == self.secondary_shards:
+            return
+        if self.in_pass:
+            raise RuntimeError("ZeRO-3: secondary shards switched inside a micro-step; change the plan between "
+                               "iterations")
+        self.secondary_shards = on
+        for b in self.blocks:
+            b.keep_secondary(self.comm if on else None)
 
     def block_names(self) -> list[str]:
         return [b.name for b in self.layers]
@@ -141,8 +162,8 @@ class Stage3(ZeroStage):
         self._agreed = True
 
     # ------------------------------------------------------------------ collectives (Schedule's Gatherer)
-    def start_gather(self, b: ShardedBlock) -> GatherHandle:
-        handle = b.start_gather(self.comm, async_op=True)
+    def start_gather(self, b: ShardedBlock, again: bool = False) -> GatherHandle:
+        handle = b.start_gather(self.comm, async_op=True, again=again)
         self._gathered[b.index] = b
         self.gathered_bytes += b.gathered_nbytes
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
@@ -203,7 +224,8 @@ class Stage3(ZeroStage):
     # ------------------------------------------------------------------ hooks
     def _new_pass(self, kind: PassKind) -> Pass:
         return Pass(kind, Schedule(forward_items(self.root, self.fwd_order), self),
-                     Schedule(backward_items(self.root, self.bwd_order), self) if kind is PassKind.TRAIN else None)
+                     Schedule(backward_items(self.root, self.bwd_order), self, again=True) if kind is PassKind.TRAIN
+                     else None)
 
     def _prefetching(self) -> bool:
         return self.prefetch and self._agreed
@@ -396,5 +418,7 @@ class Stage3(ZeroStage):
         return sum(b.shard_grad.numel() * b.element_size for b in self.blocks)
 
     def memory_report(self) -> dict[str, int]:
-        """As for stages 0-2, plus ``gathered_params``: the peak of gathered parameter bytes."""
-        return {**super().memory_report(), "gathered_params": self.peak_gathered_bytes}
+        """As for stages 0-2, plus ``gathered_params`` (the peak of gathered parameter bytes) and
+        ``secondary_params`` (the node-local secondary shards kept, 0 without them)."""
+        return {**super().memory_report(), "gathered_params": self.peak_gathered_bytes,
+                "secondary_params": sum(b.secondary_nbytes for b in self.blocks)}

@@ -29,7 +29,8 @@ from poplar.zero.replicated import Stage0
 
 
 class SentReduce(NamedTuple):
-    """A reduce-scatter in flight (None: already complete) and the bytes of its wire copy."""
+    """A reduce-scatter in flight (None: already complete) and the bytes of its wire copy (and of
+    what a hierarchical call stages)."""
 
     work: PendingCollective | None
     wire_bytes: int
@@ -73,6 +74,7 @@ class Stage1(Stage0):
         wire = self.precision.for_reduce(g)  # the gradient itself, or its copy in the reduce dtype
         out = u.new_shard(wire.dtype, zero=False)  # the reduce-scatter writes all of it
         wire_bytes = wire.numel() * wire.element_size() if wire is not g else 0
+        wire_bytes += self.comm.staging_bytes("reduce_scatter", u.part_sizes, u.shard_numel, wire.element_size())
         self._hold(out.numel() * out.element_size() + wire_bytes)
         with self.comm.ledger.scope(Phase.STEP, micro_step=-1):  # the iteration's closing reduction
             work = self.comm.reduce_scatter(out, wire, tag=f"unit{u.index}", async_op=True, sizes=u.part_sizes)

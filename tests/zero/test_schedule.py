@@ -30,7 +30,7 @@ class FakeGatherer:
     finished: list[tuple[int, bool]] = field(default_factory=list)  # (block, use)
     hooks: list[int] = field(default_factory=list)
 
-    def start_gather(self, block: FakeBlock) -> object:
+    def start_gather(self, block: FakeBlock, again: bool = False) -> object:
         assert block.index not in self.alive, f"{block.name} gathered twice"
         self.issued.append((AG, block.index))
         self.alive.add(block.index)

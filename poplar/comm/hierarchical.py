@@ -1,0 +1,357 @@
+"""Hierarchical reduce-scatter and all-gather over uneven parts: a step inside each node on its
+fast link and one exchange between nodes that moves every element across once.
+
+The buffer is every rank's part back to back in rank order (``poplar.comm.uneven``); nodes are
+consecutive runs of ranks (``poplar.types.topology``), so node m's parts form one contiguous
+*region* of the buffer. Parts may differ in length, be empty, and nodes may differ in size.
+
+Reduce-scatter, on rank r of node k (``L_k`` ranks):
+
+1. inside node k, for every node m: reduce-scatter region m over node k's group. For m == k the
+   parts are node k's own, so r gets node k's partial sum of its own part. For m != k the region
+   is cut into ``L_k`` contiguous pieces of about equal bytes (``pieces``), so each rank of node k
+   *holds* node k's partial sums of one piece of every other node's region.
+2. across nodes: each holder sends each piece's overlap with an owner's part to that owner
+   (point-to-point, ``torch.distributed.batch_isend_irecv``: gloo and NCCL); the owner adds the
+   K-1 partials it receives (one per other node, in node order) to its own node's partial.
+
+All-gather is the reverse: the owner sends its part's overlap with each holder's piece to that
+holder in every other node (straight into the holder's output buffer), then every node
+all-gathers each region over its group, from the pieces (or, for its own region, the parts).
+
+[Note: bytes across nodes]
+Node k's ranks send, at the reduce-scatter's exchange, the partial sums of every element outside
+node k's region once: (1 - s_k) of the buffer, s_k being node k's share of it (the sum of its
+ranks' shard weights over all of them). At the all-gather node k sends its region once to every
+other node and receives the (1 - s_k) it does not own. A flat ring moves (N-1)/N of the buffer
+over every node boundary instead: for 2 nodes of 4 ranks with even shares, 0.875 of the buffer
+against 0.5. docs/design.md §3.10 has the table.
+
+[Note: pieces, not whole parts]
+A foreign region is cut into pieces by bytes, across part boundaries, rather than into groups of
+whole parts: with 3 ranks in node k and one part in node m, whole parts would leave one rank of
+node k to carry node m's whole partial across (and two idle); pieces give each a third. The
+cross-node bytes are the same either way. A piece may overlap several owners' parts: one
+transfer each. Pieces start on 16-byte boundaries, as shards do (``poplar.zero.shard_layout``).
+
+[Note: secondary shards]
+After an all-gather's exchange a rank holds its own part and its pieces of every other region:
+its node-local *secondary shard* (ZeRO++'s hpZ, exact). Kept until the backward re-gather, that
+gather is the in-node step alone (``all_gather_within``): it never crosses a node. It costs the
+pieces, about (1 - s_k) / L_k of the buffer per rank.
+
+Each collective here is a short chain of ``Step`` s; the communicator issues them in order
+(``poplar.comm.communicator``), the first at once, the next when the one before is done.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any, Callable, NamedTuple, Sequence
+
+import torch
+import torch.distributed as dist
+
+from poplar.comm import uneven
+from poplar.comm.uneven import UnevenCall, UnevenMethod
+from poplar.types.topology import Link, Topology, Wire
+
+ALIGN_BYTES = 16  # pieces start on 16-byte boundaries, as shards do
+
+
+class NodeGroups(NamedTuple):
+    """The process groups of a topology, created once (``create``): two per node, for the
+    in-node steps issued first in a collective and later in one, and two over every rank for the
+    exchange, likewise. Separate groups keep each group's calls in one order on every rank,
+    whatever moment a rank completes a collective and issues its next step."""
+
+    topology: Topology
+    node_first: tuple[Any, ...]
+    node_later: tuple[Any, ...]
+    cross_first: Any
+    cross_later: Any
+
+    @classmethod
+    def create(cls, topology: Topology) -> "NodeGroups":
+        """Every rank of the world creates every group, in the same order (``new_group`` is a
+        collective over the world)."""
+        world = list(range(topology.world_size))
+        first = tuple(dist.new_group(list(node)) for node in topology.nodes)
+        later = tuple(dist.new_group(list(node)) for node in topology.nodes)
+        cross = (dist.new_group(world), dist.new_group(world))
+        for group in cross:  # a first call with every rank: NCCL's point-to-point batches need one
+            dist.barrier(group=group)
+        return cls(topology, first, later, *cross)
+
+
+class Transfer(NamedTuple):
+    """One send of the exchange: elements ``[at, at + length)`` of the buffer between the rank
+    holding a piece of them (``holder``) and the rank whose part they are (``owner``)."""
+
+    holder: int
+    owner: int
+    at: int
+    length: int
+
+
+class NodeLayout(NamedTuple):
+    """How a buffer of per-rank parts is cut for the hierarchical collectives."""
+
+    offsets: tuple[int, ...]  # each rank's part's start in the buffer
+    region_offsets: tuple[int, ...]  # each node's region's start
+    region_sizes: tuple[int, ...]
+    step_sizes: tuple[tuple[tuple[int, ...], ...], ...]  # [k][m]: node k's ranks' lengths of region m
+    transfers: tuple[Transfer, ...]  # every transfer of the exchange, on every rank alike
+
+    def piece(self, topology: Topology, rank: int, m: int) -> tuple[int, int]:
+        """``rank``'s piece of node m's region (its own part if m is its node): buffer [lo, hi)."""
+        k, j = topology.node_of(rank), topology.local_rank(rank)
+        sizes = self.step_sizes[k][m]
+        lo = self.region_offsets[m] + sum(sizes[:j])
+        return lo, lo + sizes[j]
+
+    def cross_elements(self) -> int:
+        """Elements crossing between nodes in one exchange, all nodes together."""
+        return sum(t.length for t in self.transfers)
+
+    def secondary_numel(self, topology: Topology, rank: int) -> int:
+        """The length of ``rank``'s pieces of the other nodes' regions (its secondary shard)."""
+        k = topology.node_of(rank)
+        return sum(b - a for a, b in (self.piece(topology, rank, m) for m in range(topology.node_count) if m != k))
+
+
+def pieces(length: int, n: int, align: int) -> tuple[int, ...]:
+    """``length`` cut into ``n`` contiguous pieces of about equal length, every cut on a multiple
+    of ``align`` (the last piece takes the rest)."""
+    cuts = [0] + [min(length, round(length * j / n / align) * align) for j in range(1, n)] + [length]
+    for j in range(1, n + 1):
+        cuts[j] = max(cuts[j], cuts[j - 1])
+    return tuple(b - a for a, b in zip(cuts, cuts[1:]))
+
+
+@lru_cache(maxsize=256)
+def node_layout(sizes: tuple[int, ...], topology: Topology, element_size: int) -> NodeLayout:
+    """The layout of a buffer of parts ``sizes`` (one per rank) on ``topology``."""
+    align = max(1, ALIGN_BYTES // element_size)
+    offsets = tuple(sum(sizes[:r]) for r in range(len(sizes)))
+    region_offsets = tuple(offsets[node[0]] for node in topology.nodes)
+    region_sizes = tuple(sum(sizes[r] for r in node) for node in topology.nodes)
+    step_sizes = tuple(tuple(tuple(sizes[r] for r in node) if m == k else pieces(region_sizes[m], len(node), align)
+                             for m in range(topology.node_count))
+                       for k, node in enumerate(topology.nodes))
+    transfers = []
+    for k, node in enumerate(topology.nodes):
+        for m, owners in enumerate(topology.nodes):
+            if m == k:
+                continue
+            at = region_offsets[m]
+            for holder, length in zip(node, step_sizes[k][m]):
+                for owner in owners:
+                    lo, hi = max(at, offsets[owner]), min(at + length, offsets[owner] + sizes[owner])
+                    if lo < hi:
+                        transfers.append(Transfer(holder, owner, lo, hi - lo))
+                at += length
+    return NodeLayout(offsets, region_offsets, region_sizes, step_sizes, tuple(transfers))
+
+
+def staging_numel(op: str, layout: NodeLayout, topology: Topology, rank: int, in_place: bool) -> int:
+    """Elements a hierarchical ``op`` allocates on ``rank`` while it runs (beside its input and
+    output): the reduce-scatter's pieces of node partials and the partials it receives; the
+    all-gather's copies of its pieces where the in-node gather cannot send them from the output
+    (``in_place`` False)."""
+    k = topology.node_of(rank)
+    alone, others = len(topology.nodes[k]) == 1, topology.node_count - 1
+    own = layout.step_sizes[k][k][topology.local_rank(rank)]
+    if op == "reduce_scatter":
+        return (0 if alone else layout.secondary_numel(topology, rank)) + others * own
+    return 0 if alone or in_place else layout.secondary_numel(topology, rank) + own
+
+
+class Step(NamedTuple):
+    """One step of a hierarchical collective. ``run(async_op)`` issues it (torch's work or None)
+    and ``finish()`` completes it once that is done. ``wire`` is None for a step that runs no
+    collective (a node of one rank copies locally): no observer hears it and the ledger has no
+    record of it. ``observed_bytes`` is what an observer hears (the exchange: the bytes crossing
+    between all nodes); ``sent_bytes`` what the ledger records (the exchange: this rank's sends)."""
+
+    op: str
+    link: Link
+    wire: Wire | None
+    observed_bytes: int
+    sent_bytes: int
+    run: Callable[[bool], Any]
+    finish: Callable[[], None] | None
+
+
+class HierarchicalCall(NamedTuple):
+    """A hierarchical collective: its steps, in order, and what completes it after the last."""
+
+    steps: list[Step]
+    finish: Callable[[], None] | None
+
+
+def _all(works: list[Any]) -> Any:
+    works = [w for w in works if w is not None]
+    return uneven.AllWorks(works) if works else None
+
+
+def _finish_all(calls: list[UnevenCall]) -> Callable[[], None] | None:
+    finishes = [c.finish for c in calls if c.finish is not None]
+    if not finishes:
+        return None
+
+    def finish() -> None:
+        for f in finishes:
+            f()
+    return finish
+
+
+def _in_node_step(op: str, groups: NodeGroups, group: Any, rank: int, calls: list[UnevenCall]) -> Step:
+    """The in-node step of ``rank``'s node: the region ``calls`` on ``group`` as one step."""
+    topology = groups.topology
+    node = topology.nodes[topology.node_of(rank)]
+    wire_bytes = sum(c.wire_bytes for c in calls)
+    return Step(op, Link.INTRA, Wire(Link.INTRA, node), wire_bytes, wire_bytes,
+                lambda a: _all([c.run(a) for c in calls]), _finish_all(calls))
+
+
+def _exchange_step(groups: NodeGroups, group: Any, layout: NodeLayout, element_size: int,
+                   sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]],
+                   finish: Callable[[], None] | None) -> Step:
+    """The cross-node exchange: this rank's ``sends`` and ``recvs`` (peer, tensor) as one batch."""
+    def run(async_op: bool) -> Any:
+        ops = [dist.P2POp(dist.isend, t, peer, group) for peer, t in sends]
+        ops += [dist.P2POp(dist.irecv, t, peer, group) for peer, t in recvs]
+        if not ops:
+            return None
+        works = dist.batch_isend_irecv(ops)
+        if async_op:
+            return uneven.AllWorks(works)
+        for w in works:
+            w.wait()
+        return None
+    sent = sum(t.numel() for _, t in sends) * element_size
+    wire = Wire(Link.CROSS, tuple(range(groups.topology.world_size)))
+    return Step("exchange", Link.CROSS, wire, layout.cross_elements() * element_size, sent, run, finish)
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, sizes: Sequence[int], rank: int, groups: NodeGroups,
+                   method: UnevenMethod) -> HierarchicalCall:
+    """``output`` (``sizes[rank]`` long) gets this rank's part of the sum of ``input`` over every
+    rank: in-node reduce-scatters, then the exchange of node partials (module doc)."""
+    topology = groups.topology
+    layout = node_layout(tuple(sizes), topology, input.element_size())
+    k, j = topology.node_of(rank), topology.local_rank(rank)
+    node, group = topology.nodes[k], groups.node_first[k]
+    held: dict[int, torch.Tensor] = {}  # node m -> this rank's piece of node k's partial of region m
+    calls: list[UnevenCall] = []
+    for m in range(topology.node_count):
+        lo, size = layout.region_offsets[m], layout.region_sizes[m]
+        region, step = input[lo:lo + size], layout.step_sizes[k][m]
+        if len(node) == 1:  # a node of one: its partial is its own input (a view, no copy)
+            held[m] = region
+            continue
+        mine = held[m] = output if m == k else torch.empty(step[j], dtype=input.dtype, device=input.device)
+        if size:
+            calls.append(uneven.reduce_scatter(mine, region, step, j, group, method))
+    steps = []
+    if len(node) == 1:
+        steps.append(Step("reduce_scatter", Link.INTRA, None, 0, 0, lambda a: None,
+                          lambda: output.copy_(held[k])))
+    elif calls:
+        steps.append(_in_node_step("reduce_scatter", groups, group, rank, calls))
+    others = [m for m in range(topology.node_count) if m != k]
+    incoming = torch.empty(len(others), sizes[rank], dtype=input.dtype, device=input.device)
+    sends, recvs = [], []
+    for t in layout.transfers:
+        if t.holder == rank:
+            m = topology.node_of(t.owner)
+            at = t.at - layout.piece(topology, rank, m)[0]
+            sends.append((t.owner, held[m][at:at + t.length]))
+        if t.owner == rank:
+            row = others.index(topology.node_of(t.holder))
+            at = t.at - layout.offsets[rank]
+            recvs.append((t.holder, incoming[row, at:at + t.length]))
+
+    def add_partials() -> None:
+        for row in incoming:
+            output.add_(row)
+    steps.append(_exchange_step(groups, groups.cross_later, layout, input.element_size(), sends, recvs, add_partials))
+    return HierarchicalCall(steps, None)
+
+
+def _gather_in_node(output: torch.Tensor, layout: NodeLayout, rank: int, groups: NodeGroups,
+                    method: UnevenMethod, group: Any) -> Step | None:
+    """The in-node all-gathers of every region, in place in ``output`` (each rank's piece is
+    there already); None on a node of one rank (nothing to gather)."""
+    topology = groups.topology
+    k, j = topology.node_of(rank), topology.local_rank(rank)
+    if len(topology.nodes[k]) == 1:
+        return None
+    calls = []
+    in_place = method is UnevenMethod.BROADCASTS  # broadcasts into views: a part may be its own source
+    for m in range(topology.node_count):
+        lo, size = layout.region_offsets[m], layout.region_sizes[m]
+        if not size:
+            continue
+        a, b = layout.piece(topology, rank, m)
+        source = output[a:b] if in_place else output[a:b].clone()
+        calls.append(uneven.all_gather(output[lo:lo + size], source, layout.step_sizes[k][m], j, group, method))
+    return _in_node_step("all_gather", groups, group, rank, calls) if calls else None
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, sizes: Sequence[int], rank: int, groups: NodeGroups,
+               method: UnevenMethod, keep: torch.Tensor | None = None) -> HierarchicalCall:
+    """``output`` (the parts back to back) gets every rank's ``input`` (``sizes[rank]`` long):
+    the exchange of each part to its holders in the other nodes, then in-node all-gathers
+    (module doc). ``keep``: where this rank's secondary shard is copied once the call is done
+    (``secondary_numel`` long)."""
+    topology = groups.topology
+    layout = node_layout(tuple(sizes), topology, output.element_size())
+    lo = layout.offsets[rank]
+    own = output[lo:lo + sizes[rank]]
+    if input.data_ptr() != own.data_ptr():
+        own.copy_(input)
+    sends, recvs = [], []
+    for t in layout.transfers:
+        if t.owner == rank:
+            sends.append((t.holder, own[t.at - lo:t.at - lo + t.length]))
+        if t.holder == rank:
+            recvs.append((t.owner, output[t.at:t.at + t.length]))
+    steps = [_exchange_step(groups, groups.cross_first, layout, output.element_size(), sends, recvs, None)]
+    gather = _gather_in_node(output, layout, rank, groups, method, groups.node_later[topology.node_of(rank)])
+    if gather is not None:
+        steps.append(gather)
+    finish = None if keep is None else (lambda: _copy_secondary(output, keep, layout, topology, rank, True))
+    return HierarchicalCall(steps, finish)
+
+
+def all_gather_within(output: torch.Tensor, input: torch.Tensor, secondary: torch.Tensor, sizes: Sequence[int],
+                      rank: int, groups: NodeGroups, method: UnevenMethod) -> HierarchicalCall:
+    """The all-gather of ``all_gather`` from this rank's part ``input`` and its ``secondary``
+    shard (kept by an earlier ``all_gather(..., keep=)`` of the same values): the in-node step
+    alone, nothing crosses a node."""
+    topology = groups.topology
+    layout = node_layout(tuple(sizes), topology, output.element_size())
+    lo = layout.offsets[rank]
+    own = output[lo:lo + sizes[rank]]
+    if input.data_ptr() != own.data_ptr():
+        own.copy_(input)
+    _copy_secondary(output, secondary, layout, topology, rank, False)
+    gather = _gather_in_node(output, layout, rank, groups, method, groups.node_first[topology.node_of(rank)])
+    return HierarchicalCall([] if gather is None else [gather], None)
+
+
+def _copy_secondary(output: torch.Tensor, secondary: torch.Tensor, layout: NodeLayout, topology: Topology,
+                    rank: int, out_of_output: bool) -> None:
+    """Copy this rank's pieces of the other regions from ``output`` into ``secondary`` (or back)."""
+    at, k = 0, topology.node_of(rank)
+    for m in range(topology.node_count):
+        if m == k:
+            continue
+        a, b = layout.piece(topology, rank, m)
+        if out_of_output:
+            secondary[at:at + b - a].copy_(output[a:b])
+        else:
+            output[a:b].copy_(secondary[at:at + b - a])
+        at += b - a

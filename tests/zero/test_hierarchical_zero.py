@@ -1,0 +1,184 @@
+"""ZeRO-1/2/3 on hierarchical collectives (``Plan.hierarchical``; at ZeRO-3 with secondary shards):
+4 gloo ranks declared as two nodes (2 + 2 and 3 + 1), shard weights 2:1:1:2 and an uneven batch
+plan equal single-process full-batch training (SGD with momentum, AdamW with clipping); the
+ledger tags every collective with its link, and with secondary shards no backward all-gather
+crosses a node; the memory the secondary shards cost is in ``memory_report()``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from poplar.checkpoint import load_checkpoint, save_checkpoint
+from poplar.comm.launch import spawn
+from poplar.engine import PoplarEngine
+from poplar.types.plans import Plan, PlanError
+from poplar.types.topology import Link, Topology
+from poplar.zero.config import ZeroConfig
+from tests.toy import (assert_runs_match_reference, global_batch, loss_fn, make_model, make_optimizer, max_rel_err,
+                       plan_of, rank_slice, reference_run, with_shards)
+
+ITERATIONS = 3
+GBS = 14
+CONFIGS = [("sgd", None), ("adamw", 0.5)]  # SGD-momentum catches a wrong scale; AdamW with clipping
+TOPOLOGIES = {"2+2": Topology.of_sizes([2, 2]), "3+1": Topology.of_sizes([3, 1])}
+WEIGHTS = (2, 1, 1, 2)
+# n_i = 5, 2, 3, 4 in 3, 2, 1 and 2 micro-steps
+BATCHES = plan_of((2, 2, 1), (1, 2, 0), (3, 1, 0), (2, 1, 2))
+
+
+def hierarchical_plan(stage: int) -> Plan:
+    plan = with_shards(BATCHES, WEIGHTS)
+    plan.hierarchical, plan.secondary_shards = True, stage == 3
+    plan.validate()
+    return plan
+
+
+def zero_config(stage: int, topology: Topology) -> ZeroConfig:
+    if stage == 3:  # Linear blocks hold a weight and a bias of two optimizer groups: two units a block
+        return ZeroConfig(3, wrap_policy={nn.Linear, nn.LayerNorm}, topology=topology)
+    return ZeroConfig(stage, bucket_size_mb=0.001, topology=topology)  # buckets of 262 elements
+
+
+def parity_worker(rank: int, world: int, topology: Topology) -> dict:
+    torch.set_num_threads(1)
+    out: dict = {}
+    for stage in (1, 2, 3):
+        plan = hierarchical_plan(stage)
+        for kind, max_norm in CONFIGS:
+            model = make_model(seed=0)
+            engine = PoplarEngine(model, make_optimizer(model, kind), zero_stage=zero_config(stage, topology),
+                                  plan=plan, max_grad_norm=max_norm)
+            losses = [engine.train_step(rank_slice(global_batch(it, GBS), plan, rank), loss_fn)
+                      for it in range(ITERATIONS)]
+            out[(stage, kind, max_norm)] = (losses, engine.full_state_dict())
+            records = [(r.op, r.phase, r.link, r.bytes) for r in engine.comm_ledger.of(iteration=ITERATIONS - 1)]
+            out[("ledger", stage, kind)] = records
+            out[("memory", stage, kind)] = engine.memory_report()
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(TOPOLOGIES))
+@pytest.mark.multiprocess
+def test_hierarchical_zero_matches_single_process(name: str) -> None:
+    results = spawn(parity_worker, 4, (TOPOLOGIES[name],), timeout_s=240)
+    for stage in (1, 2, 3):
+        staged = [{(kind, norm, 0): res[(stage, kind, norm)] for kind, norm in CONFIGS} for res in results]
+        assert_runs_match_reference(staged, CONFIGS, 1, GBS, ITERATIONS)
+        for rank, res in enumerate(results):
+            records = res[("ledger", stage, "sgd")]
+            sharded = [(op, phase, link) for op, phase, link, _ in records if op in ("all_gather", "reduce_scatter")]
+            assert sharded and {link for *_, link in sharded} == {Link.INTRA, Link.CROSS} or \
+                (TOPOLOGIES[name].sizes[TOPOLOGIES[name].node_of(rank)] == 1 and
+                 {link for *_, link in sharded} == {Link.CROSS}), (stage, rank, sharded)
+            memory = res[("memory", stage, "sgd")]
+            if stage == 3:
+                backward = [link for op, phase, link in sharded if op == "all_gather" and phase == "backward"]
+                assert Link.CROSS not in backward, (rank, backward)  # the secondary shards keep it in the node
+                forward = [link for op, phase, link in sharded if op == "all_gather" and phase == "forward"]
+                assert Link.CROSS in forward  # the forward's gathers do cross
+                assert memory["secondary_params"] > 0
+                node = TOPOLOGIES[name].nodes[TOPOLOGIES[name].node_of(rank)]
+                # about (1 - the node's share) / (its ranks) of the parameters (fp32 here)
+                share = sum(WEIGHTS[r] for r in node) / sum(WEIGHTS)
+                params = sum(p.numel() for p in make_model().parameters()) * 4
+                assert memory["secondary_params"] == pytest.approx(params * (1 - share) / len(node), rel=0.25)
+
+
+def test_secondary_shards_need_hierarchical_collectives_and_zero3() -> None:
+    plan = with_shards(BATCHES, WEIGHTS)
+    plan.secondary_shards = True
+    with pytest.raises(PlanError, match="hierarchical=True too"):
+        plan.validate()
+    plan.hierarchical, plan.zero_stage = True, 2
+    with pytest.raises(PlanError, match="use zero_stage=3"):
+        plan.validate()
+    plan.zero_stage = 3
+    plan.validate()
+    again = Plan.from_dict(plan.to_dict())
+    assert again.hierarchical and again.secondary_shards
+    assert "hierarchical collectives with secondary shards" in again.table()
+    assert not Plan.from_dict({k: v for k, v in plan.to_dict().items()
+                               if k not in ("hierarchical", "secondary_shards")}).hierarchical  # older files
+
+
+NAN_AT = 1  # the iteration whose loss is NaN on rank 2
+
+
+def _train(rank: int, plan: Plan, config: ZeroConfig, kind: str = "sgd", iterations: int = ITERATIONS,
+           poison: bool = False, **kwargs: object) -> tuple[list[float], PoplarEngine]:
+    model = make_model(seed=0)
+    engine = PoplarEngine(model, make_optimizer(model, kind), zero_stage=config, plan=plan, **kwargs)
+    losses = []
+    for it in range(iterations):
+        def poisoned(m: nn.Module, x: torch.Tensor, it: int = it) -> torch.Tensor:
+            loss = loss_fn(m, x)
+            return loss * float("nan") if poison and it == NAN_AT and rank == 2 else loss
+        losses.append(engine.train_step(rank_slice(global_batch(it, GBS), plan, rank), poisoned))
+    return losses, engine
+
+
+def features_worker(rank: int, world: int, directory: str) -> dict:
+    """ZeRO-3 with secondary shards on 2 + 2 nodes: bf16, a non-finite skip (each beside the same
+    run on flat collectives), activation checkpointing, offload and shards re-cut between
+    iterations (beside the reference), and a checkpoint resumed by a flat engine with even shards."""
+    torch.set_num_threads(1)
+    topology, out = TOPOLOGIES["2+2"], {}
+    hier = hierarchical_plan(3)
+    flat = with_shards(BATCHES, WEIGHTS)
+    config = zero_config(3, topology)
+    for name, plan in (("hier", hier), ("flat", flat)):
+        losses, engine = _train(rank, plan, config, "adamw", max_grad_norm=0.5, mixed_precision="bf16")
+        out[("bf16", name)] = (losses, engine.full_state_dict())
+        losses, engine = _train(rank, plan, config, poison=True)
+        out[("nan", name)] = (losses, engine.full_state_dict(), engine.skipped_steps)
+    losses, engine = _train(rank, hier, config, activation_checkpointing=True)
+    out["checkpointing"] = (losses, engine.full_state_dict())
+    offloaded = Plan.from_dict({**hier.to_dict(), "ranks": [
+        {**row, "offload": "optimizer" if r in (1, 3) else "none"} for r, row in enumerate(hier.to_dict()["ranks"])]})
+    losses, engine = _train(rank, offloaded, config)
+    out["offload"] = (losses, engine.full_state_dict())
+    # the shards re-cut between iterations (2:1:1:2, even, 0:1:2:1): the secondary shards follow
+    model = make_model(seed=0)
+    engine = PoplarEngine(model, make_optimizer(model, "sgd"), zero_stage=config, plan=hier)
+    losses = []
+    for it, weights in enumerate((WEIGHTS, (1, 1, 1, 1), (0, 1, 2, 1))):
+        plan = with_shards(BATCHES, weights)
+        plan.hierarchical = plan.secondary_shards = True
+        engine.set_plan(plan)
+        losses.append(engine.train_step(rank_slice(global_batch(it, GBS), plan, rank), loss_fn))
+    out["resharded"] = (losses, engine.full_state_dict())
+    # a checkpoint of the hierarchical run with secondary shards, resumed flat with even shards
+    _, engine = _train(rank, hier, config, iterations=2)
+    save_checkpoint(engine, directory)
+    model = make_model(seed=1)  # other initial weights: everything must come from the checkpoint
+    resumed = PoplarEngine(model, make_optimizer(model, "sgd"), plan=BATCHES,
+                           zero_stage=ZeroConfig(3, wrap_policy={nn.Linear, nn.LayerNorm}))
+    saved = load_checkpoint(resumed, directory).plan
+    loss = resumed.train_step(rank_slice(global_batch(2, GBS), BATCHES, rank), loss_fn)
+    out["resumed"] = (loss, resumed.full_state_dict(), resumed.comm.hierarchical)
+    out["saved plan"] = (saved.hierarchical, saved.secondary_shards, saved.shard_weights)
+    return out
+
+
+@pytest.mark.multiprocess
+def test_hierarchical_zero3_precision_skips_checkpointing_offload_and_resume(tmp_path: Path) -> None:
+    results = spawn(features_worker, 4, (str(tmp_path / "ckpt"),), timeout_s=240)
+    ref_losses, ref_state = reference_run("sgd", GBS, ITERATIONS, None)
+    for rank, res in enumerate(results):
+        (hl, hs), (fl, fs) = res[("bf16", "hier")], res[("bf16", "flat")]
+        assert max_rel_err(hs, fs) <= 1e-3 and hl == pytest.approx(fl, rel=1e-3), rank
+        (hl, hs, hk), (fl, fs, fk) = res[("nan", "hier")], res[("nan", "flat")]
+        assert hk == fk == 1 and max_rel_err(hs, fs) <= 1e-6, rank
+        assert all(a == pytest.approx(b, rel=1e-6) for a, b in zip(hl, fl) if a == a), (hl, fl)
+        for key in ("checkpointing", "offload", "resharded"):
+            losses, state = res[key]
+            assert max_rel_err(state, ref_state) <= 1e-5, (key, rank)
+            assert losses == pytest.approx(ref_losses, rel=1e-5), (key, rank)
+        loss, state, hierarchical = res["resumed"]
+        assert not hierarchical
+        assert res["saved plan"] == (True, True, tuple(map(float, WEIGHTS)))  # the checkpoint keeps the choice
+        assert max_rel_err(state, ref_state) <= 1e-5 and loss == pytest.approx(ref_losses[2], rel=1e-5), rank

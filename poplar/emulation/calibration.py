@@ -51,7 +51,8 @@ from poplar.profiler.local_comm import local_engine
 from poplar.profiler.profile_run import ProfileJob
 from poplar.types.configuration import Configuration
 from poplar.emulation.virtual_device import VirtualDevice
-from poplar.emulation.virtual_link import LinkSpec, VirtualLink
+from poplar.emulation.virtual_link import LinkSpec
+from poplar.emulation.virtual_network import NetworkSpec, paced_link
 from poplar.types.plans import Plan, RankPlan
 from poplar.zero.config import ZeroConfig
 from poplar.zero.runtime import ZeroRuntime
@@ -140,7 +141,7 @@ class TimingJob:
     batches: list[int]
     repeats: int = TIMING_REPEATS
     options: dict[str, Any] = field(default_factory=dict)
-    link: LinkSpec | None = None  # the cluster's emulated interconnect: time on a real runtime paced by it
+    link: LinkSpec | NetworkSpec | None = None  # the cluster's emulated interconnect: time on a runtime paced by it
 
 
 def _zero(job: TimingJob, process_group: Any = None) -> ZeroConfig:
@@ -160,7 +161,7 @@ def _linked_runtime(job: TimingJob, rank: int, policy: MixedPrecision | None, pr
     ``probe``): its trial steps pay what a run's do, the collectives' CPU work and every rank
     released from each collective at once. Every rank runs the same plan, so they agree."""
     model = job.model_fn()
-    probe.link = VirtualLink(job.link, rank)
+    probe.link = paced_link(job.link, rank)
     return ZeroRuntime(model, job.optimizer_fn(model), zero_stage=_zero(job),
                        plan=Plan([RankPlan(1, 1, 0)] * job.world), mixed_precision=policy,
                        activation_checkpointing=job.options.get("activation_checkpointing"))
@@ -335,7 +336,7 @@ class Scales:
 
 
 def prepare(job: ProfileJob, cluster: ClusterSpec | str, *, scales: Scales = Scales(),
-            target_min_mbs: int = TARGET_MIN_MBS, link: LinkSpec | None = None) -> Prepared:
+            target_min_mbs: int = TARGET_MIN_MBS, link: LinkSpec | NetworkSpec | None = None) -> Prepared:
     """The passes of one process (fp32, and the policy's precision if it has one) and the
     memory scale; the concurrent timing job for the time scale (on a runtime paced by ``link``
     when the cluster has an emulated one)."""
@@ -373,7 +374,7 @@ def finish(prep: Prepared, concurrent: dict[str, dict[int, float]], *, margin: f
 
 
 def calibrate(job: ProfileJob, cluster: ClusterSpec | str, *, scales: Scales = Scales(), margin: float = MARGIN,
-              link: LinkSpec | None = None, target_min_mbs: int = TARGET_MIN_MBS,
+              link: LinkSpec | NetworkSpec | None = None, target_min_mbs: int = TARGET_MIN_MBS,
               min_step_s: float = MIN_STEP_S) -> Calibration:
     """Pick the scales for emulating ``cluster`` with ``job``'s model at its options' stage and
     precision (module doc), from one process: the concurrent timing runs on a spawned job of the

@@ -39,7 +39,8 @@ from poplar.emulation.calibration import (MARGIN, MIN_STEP_S, Calibration, Prepa
 from poplar.emulation.cluster import ClusterSpec
 from poplar.emulation.faults import FaultSchedule
 from poplar.emulation.virtual_device import VirtualDevice
-from poplar.emulation.virtual_link import LinkSpec, VirtualLink
+from poplar.emulation.virtual_link import LinkSpec
+from poplar.emulation.virtual_network import NetworkSpec, paced_link
 from poplar.profiler.profile_run import ProfileJob
 from poplar.types.configuration import Configuration
 from poplar.types.precision import Precision, precision_of
@@ -184,11 +185,12 @@ def _heaviest(prep: Prepared, heaviest: Configuration, max_batch: int) -> tuple[
 
 def cluster_devices(cluster: ClusterSpec | str, memory_scale: float, time_scale: float,
                     precision: Any = None, faults: dict[int, FaultSchedule] | None = None,
-                    link: LinkSpec | None = None) -> list[VirtualDevice]:
+                    link: LinkSpec | NetworkSpec | None = None) -> list[VirtualDevice]:
     """One virtual device per rank of ``cluster`` (a ClusterSpec, built-in name or file),
     emulating ``precision`` (a name, ``Precision`` or policy; default fp32); ``faults``: injected
     drift per rank (``poplar.emulation.faults``); ``link``: the emulated interconnect that paces
-    the ranks' collectives (``virtual_link``; None: the machine's own)."""
+    the ranks' collectives (``virtual_link``, or ``virtual_network`` for a cluster of several
+    nodes; None: the machine's own)."""
     spec = ClusterSpec.resolve(cluster)
     check_cluster_precision(spec, precision)
     devices = EmulatedCluster(spec, memory_scale, time_scale, precision=precision_of(precision),
@@ -197,5 +199,5 @@ def cluster_devices(cluster: ClusterSpec | str, memory_scale: float, time_scale:
         if link.world_size != spec.world_size:
             raise ValueError(f"the link joins {link.world_size} ranks but cluster {spec.name} has {spec.world_size}")
         for rank, device in enumerate(devices):
-            device.link = VirtualLink(link, rank)
+            device.link = paced_link(link, rank)
     return devices

@@ -141,10 +141,10 @@ class NetworkSpec:
         return spec
 
     @classmethod
-    def single(cls, link: LinkSpec) -> "NetworkSpec":
-        """``link`` as a network of one node (on the same board path: create it afresh)."""
-        return cls(Topology.single(link.world_size), (LinkSpeed(link.latency_s, link.bandwidth_bytes_per_s),),
-                   None, link.board_path, link.issue_wait_s)
+    def single(cls, link: LinkSpec, directory: str | None = None) -> "NetworkSpec":
+        """A network of one node whose link is ``link``'s, with its own fresh board."""
+        return cls.create(Topology.single(link.world_size), (LinkSpeed(link.latency_s, link.bandwidth_bytes_per_s),),
+                          None, directory, link.issue_wait_s)
 
     def remove(self) -> None:
         with contextlib.suppress(FileNotFoundError):

@@ -4,11 +4,13 @@ product (a virtual device is a profiler ``Device`` and a ``ProfileObserver``; a 
 a ``CollectiveObserver`` of the communicator), and the product never imports it.
 
 - GPU presets and clusters: ``presets`` (the paper's GPUs as data), ``cluster`` (``ClusterSpec``,
-  built-in clusters A, B, C, C-1:3, D, or a cluster file).
+  built-in clusters A, B, C, C-1:3, D, A-4+4, C-4+4, or a cluster file; nodes and their links).
 - Devices: ``VirtualDevice`` (memory capacity counted in software, compute padded to a speed
   curve: ``speed_padding``, ``block_pacing``, ``saved_tensors``, ``speed_curves``), and
   ``cluster_device`` / ``ClusterDevice`` (rank r's GPU of a cluster, calibrated for the workload).
-- Links: ``virtual_link`` (collectives of known duration), ``link_calibration``.
+- Links: ``virtual_link`` (collectives of known duration), ``virtual_network`` (a link per node
+  and one between nodes), ``cluster_network`` (a cluster's declared links at the emulation's
+  scales), ``link_calibration``.
 - Calibration: ``calibration`` (memory and time scales for a CPU-sized model), ``emulate``
   (``EmulatedCluster``, one device per rank), ``profile_cluster`` (profile a whole emulated
   cluster from one process), ``runs`` (a bench's run repeated until it held its speed).

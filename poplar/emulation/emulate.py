@@ -40,7 +40,9 @@ from poplar.emulation.cluster import ClusterSpec
 from poplar.emulation.faults import FaultSchedule
 from poplar.emulation.virtual_device import VirtualDevice
 from poplar.emulation.virtual_link import LinkSpec
-from poplar.emulation.virtual_network import NetworkSpec, paced_link
+from poplar.emulation.cluster_network import NetworkScales, emulated_network
+from poplar.emulation.virtual_network import LinkSpeed, NetworkSpec, paced_link
+from poplar.types.topology import Topology
 from poplar.profiler.profile_run import ProfileJob
 from poplar.types.configuration import Configuration
 from poplar.types.precision import Precision, precision_of
@@ -73,6 +75,17 @@ class EmulatedCluster:
 
     def devices(self) -> list[VirtualDevice]:
         return [self.device(rank) for rank in range(self.spec.world_size)]
+
+    @property
+    def topology(self) -> Topology:
+        """The job's ranks grouped into the cluster's machines (``ZeroConfig(topology=...)``)."""
+        return self.spec.topology()
+
+    def network(self, model_param_bytes: int, floor: LinkSpeed | None) -> NetworkSpec:
+        """The cluster's declared links at this emulation's time scale, the model's parameter
+        bytes standing for the reference model's, no faster than ``floor`` (the machine's link,
+        ``cluster_network.machine_floor``): a fresh board the caller removes when done."""
+        return emulated_network(self.spec, NetworkScales.for_model(self.time_scale, model_param_bytes, floor))
 
     def emulated(self) -> Emulated:
         """What a profile of this cluster records in its ``Provenance``."""

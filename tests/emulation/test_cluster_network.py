@@ -84,3 +84,18 @@ def test_a_cluster_without_nodes_keeps_the_machines_floor_as_its_one_link() -> N
         network.remove()
     with pytest.raises(ValueError, match="give NetworkScales a floor"):
         emulated_network(ClusterSpec.builtin("B"), NetworkScales.for_model(4.0, 400_000))
+
+
+def test_an_emulated_cluster_gives_its_ranks_the_topology_and_its_network() -> None:
+    from poplar.emulation.emulate import EmulatedCluster
+
+    cluster = EmulatedCluster(ClusterSpec.builtin("C-4+4"), 1e-4, 3.0)
+    assert cluster.topology == Topology.of_sizes([4, 4])
+    floor = LinkSpeed(0.002, 20e6)
+    network = cluster.network(400_000, floor)
+    try:
+        expected = NetworkScales.for_model(3.0, 400_000, floor)
+        assert network.intra == (expected.emulate(LINKS["pcie4"]), expected.emulate(LINKS["pcie3"]))
+        assert network.cross == expected.emulate(LINKS[FAST_NETWORK])
+    finally:
+        network.remove()

@@ -92,3 +92,29 @@ def test_a_rank_outside_the_network_is_a_link_error_not_a_hang(network: NetworkS
     with pytest.raises(RankFailure, match=r"not issued on ranks \[3\]"):
         spawn(paced_rank, 4, (dataclasses.replace(network, issue_wait_s=1.0), True), timeout_s=90)
     assert time.perf_counter() - t0 < 60
+
+
+def empty_part_gather(rank: int, world: int, spec: NetworkSpec) -> tuple[float, float]:
+    """Rank 1's part is empty: rank 0 sends alone, so its real all-gather is done before rank 1,
+    asleep for 0.1 s, has issued the collective (through the communicator: a flat wire)."""
+    from poplar.comm import Communicator
+
+    comm = Communicator()
+    comm.all_reduce(torch.zeros(1))  # start together (outside the network)
+    with comm.observed(VirtualNetwork(spec, rank)):
+        if rank == 1:
+            time.sleep(0.1)
+        issue = time.perf_counter()
+        comm.all_gather(torch.zeros(1000), torch.ones(1000 if rank == 0 else 0), sizes=[1000, 0])
+        return issue, time.perf_counter()
+
+
+@pytest.mark.multiprocess
+def test_a_rank_done_before_an_empty_part_was_issued_waits_for_its_issue() -> None:
+    spec = NetworkSpec.create(Topology.of_sizes([1, 1]), (NODE0, NODE0), CROSS)
+    try:
+        (issue0, end0), (issue1, end1) = spawn(empty_part_gather, 2, (spec,), timeout_s=60)
+    finally:
+        spec.remove()
+    # both leave at rank 1's issue + the cross link's time, not at rank 0's real end (long before)
+    assert end0 > issue1 + CROSS.latency_s - 0.001 and abs(end0 - end1) < 0.005 + SLACK, (issue0, end0, issue1, end1)

@@ -156,12 +156,14 @@ def _runtime(job: TimingJob, rank: int, policy: MixedPrecision | None) -> Any:
                         activation_checkpointing=job.options.get("activation_checkpointing"))
 
 
-def _linked_runtime(job: TimingJob, rank: int, policy: MixedPrecision | None, probe: VirtualDevice) -> Any:
+def _linked_runtime(job: TimingJob, link: Any, policy: MixedPrecision | None, probe: VirtualDevice) -> Any:
     """A runtime on the job's process group whose collectives the cluster's link paces (through
-    ``probe``): its trial steps pay what a run's do, the collectives' CPU work and every rank
-    released from each collective at once. Every rank runs the same plan, so they agree."""
+    ``probe``, on the rank's one end of the link: a new end per precision would start its count
+    of collectives again on a board that has them): its trial steps pay what a run's do, the
+    collectives' CPU work and every rank released from each collective at once. Every rank runs
+    the same plan, so they agree."""
     model = job.model_fn()
-    probe.link = paced_link(job.link, rank)
+    probe.link = link
     return ZeroRuntime(model, job.optimizer_fn(model), zero_stage=_zero(job),
                        plan=Plan([RankPlan(1, 1, 0)] * job.world), mixed_precision=policy,
                        activation_checkpointing=job.options.get("activation_checkpointing"))
@@ -205,10 +207,11 @@ def time_trials(job: TimingJob, rank: int, barrier: Callable[[], None]) -> dict[
     passed = 0
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    link = paced_link(job.link, rank) if job.link is not None else None
     try:
         for policy in job.policies:
             probe = VirtualDevice("calibration", 2 ** 62)
-            runtime = _runtime(job, rank, policy) if job.link is None else _linked_runtime(job, rank, policy, probe)
+            runtime = _runtime(job, rank, policy) if link is None else _linked_runtime(job, link, policy, probe)
             seconds: dict[int, list[float]] = {b: [] for b in job.batches}
             with probe.attach(runtime), host_memory_guard(lambda: runtime.module, f"rank {rank}'s timed trial steps"):
                 search = None if job.link else CapacitySearch(runtime, probe, job.sample_fn, job.loss_fn,

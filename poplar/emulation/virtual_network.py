@@ -39,7 +39,7 @@ free)``, and holds those links until its end.
 How ranks agree without talking. The board (a file every process of the machine maps) keeps
 one row sequence per wire (the same ranks on the same link: a process group, in which every
 rank issues collectives in the same order). A rank's k-th collective on a wire is row k of that
-wire; it marks itself there under a file lock and keeps the latest issue time. The rank that
+wire (the count is kept on the board, so a rank's end made anew carries on from the last one's); it marks itself there under a file lock and keeps the latest issue time. The rank that
 completes a row (its last rank) computes the collective's start and end from the links' free
 times, kept on the board, and writes them: that happens under the lock, so every collective's
 time is computed once, in the order the collectives became ready, and every rank reads the same
@@ -208,11 +208,16 @@ class _Board:
         self.free = np.ndarray((links,), np.float64, self.map, 0)  # when each link finished its last collective
         offset = 8 * links
         self.keys = np.ndarray((MAX_WIRES + 1, 2), np.int64, self.map, offset)  # row 0: [wires registered, 0]
-        self.rows = np.ndarray((MAX_WIRES, DEPTH), ROW, self.map, offset + 16 * (MAX_WIRES + 1))
+        offset += 16 * (MAX_WIRES + 1)
+        # collectives each rank issued on each wire: on the board, so a rank's end made anew (a
+        # second runtime of the same job) goes on from where the rank's last one stopped
+        self.issued = np.ndarray((MAX_WIRES, MAX_RANKS), np.int64, self.map, offset)
+        offset += 8 * MAX_WIRES * MAX_RANKS
+        self.rows = np.ndarray((MAX_WIRES, DEPTH), ROW, self.map, offset)
 
     @staticmethod
     def size(links: int) -> int:
-        return 8 * links + 16 * (MAX_WIRES + 1) + ROW.itemsize * MAX_WIRES * DEPTH
+        return 8 * links + 16 * (MAX_WIRES + 1) + 8 * MAX_WIRES * MAX_RANKS + ROW.itemsize * MAX_WIRES * DEPTH
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
@@ -249,7 +254,6 @@ class VirtualNetwork:
         self.late_collectives = 0
         self._board: _Board | None = None
         self._wire_ids: dict[Wire, int] = {}  # the board's index of each wire this rank used
-        self._counts: dict[int, int] = {}  # collectives this rank issued per wire index
 
     def __getstate__(self) -> dict[str, Any]:  # the board is mapped again in the process that unpickles
         return {**self.__dict__, "_board": None}
@@ -271,8 +275,8 @@ class VirtualNetwork:
         board = self.board()
         with board.locked():
             ticket.wire_id = self._wire_id(board, wire)
-            ticket.seq = self._counts.get(ticket.wire_id, 0)
-            self._counts[ticket.wire_id] = ticket.seq + 1
+            ticket.seq = int(board.issued[ticket.wire_id, self.rank])
+            board.issued[ticket.wire_id, self.rank] = ticket.seq + 1
             self._join(board, ticket, nbytes, now)
         return ticket
 
@@ -329,6 +333,9 @@ class VirtualNetwork:
             raise LinkError(f"rank {self.rank}: collective #{ticket.seq} on ranks {list(ticket.wire.ranks)} "
                             f"({ticket.wire.link}) is a {ticket.op} here but a {other} on the ranks that issued it "
                             "first (every rank of a wire must run the same collectives, in the same order)")
+        if rows["joined"][slot] >> self.rank & 1:
+            raise LinkError(f"rank {self.rank} issued collective #{ticket.seq} on ranks {list(ticket.wire.ranks)} "
+                            f"({ticket.wire.link}) twice")
         rows["joined"][slot] |= 1 << self.rank
         rows["ready"][slot] = max(float(rows["ready"][slot]), now)
         rows["nbytes"][slot] = max(int(rows["nbytes"][slot]), nbytes)

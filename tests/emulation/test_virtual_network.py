@@ -201,3 +201,15 @@ def test_rows_are_reused_past_the_boards_depth(network: NetworkSpec) -> None:
     for _ in range(DEPTH + 5):
         collective(nets, "all_reduce", 10, NODE0)
     assert nets[0].paced_collectives == DEPTH + 5
+
+
+def test_a_ranks_end_made_anew_carries_on_from_the_last_one(network: NetworkSpec) -> None:
+    """A job that builds a second runtime on the same network (calibration's second precision)
+    makes new ends; their collectives are new rows, not the old, finished ones again."""
+    clock = ManualClock()
+    collective(ranks(network, clock), "all_reduce", 4000, NODE0)
+    nets = ranks(network, clock)
+    waiting = nets[0].issued("all_reduce", 4000, NODE0)
+    # rank 1 has not issued the new collective: it is not done (the old row would say it was)
+    with pytest.raises(LinkError, match=r"not issued on ranks \[1\]"):
+        nets[0].done(waiting)

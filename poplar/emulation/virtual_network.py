@@ -16,7 +16,9 @@ links it crosses and for how long (``NetworkSpec.price``):
   (in practice the cross-node link; the intra-node hops run in parallel). It occupies the
   cross-node link and the link of every node it has ranks on.
 - a CROSS exchange (op ``"exchange"``, ``nbytes`` = the bytes every node sends to the others,
-  summed) occupies the cross-node link; see [Note: a node's network port] for its time.
+  summed) occupies the cross-node link; see [Note: a node's network port] for its time. A ring
+  collective on a CROSS wire (an all-reduce over one rank per node, as the profiler measures
+  the cross-node link) is priced as the flat ring it is.
 
 [Note: a node's network port]
 Each node reaches the others through its own port (a NIC into a switch), full duplex at the
@@ -178,15 +180,15 @@ class NetworkSpec:
         n, cross = len(wire.ranks), self.topology.node_count
         if n < 2:
             return Pricing(0.0, ())
-        if wire.link is Link.CROSS:
-            if len(counts) < 2:
-                raise LinkError(f"a cross-node exchange on ranks {list(wire.ranks)} of one node "
-                                f"({self.topology.describe()}): run it as an intra-node collective")
+        if wire.link is Link.CROSS and len(counts) < 2:
+            raise LinkError(f"a cross-node collective on ranks {list(wire.ranks)} of one node "
+                            f"({self.topology.describe()}): run it as an intra-node collective")
+        if wire.link is Link.CROSS and op == "exchange":
             return Pricing(self.speed(cross).seconds(nbytes / len(counts)), (cross,))
         if len(counts) == 1:
             (node,) = counts
             return Pricing(self.intra[node].seconds(bus_bytes(op, nbytes, n)), (node,))
-        if wire.link is Link.INTRA:
+        if wire.link is Link.INTRA:  # a ring on a CROSS wire (one rank per node, say) is priced as below
             raise LinkError(f"an intra-node collective on ranks {list(wire.ranks)} spans nodes "
                             f"{sorted(counts)} of {self.topology.describe()}: give it a FLAT or CROSS wire")
         bus = bus_bytes(op, nbytes, n)

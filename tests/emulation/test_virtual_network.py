@@ -113,6 +113,9 @@ def test_an_exchange_takes_the_busiest_ports_time(network: NetworkSpec) -> None:
     assert t.end - t.start == pytest.approx(CROSS.latency_s + 1000 / CROSS.bandwidth_bytes_per_s)
     # an exchange between the nodes' first ranks only: the same, on the same link
     assert network.price("exchange", 2000, Wire(Link.CROSS, (0, 2))) == network.price("exchange", 2000, EXCHANGE)
+    # a ring over one rank per node on the cross wire is a ring: its bus volume on the cross link
+    assert network.price("all_reduce", 2000, Wire(Link.CROSS, (0, 2))).seconds == CROSS.seconds(
+        bus_bytes("all_reduce", 2000, 2))
     three = NetworkSpec(Topology.of_sizes([1, 1, 1]), (FAST,) * 3, CROSS, network.board_path)
     assert three.price("exchange", 3000, Wire(Link.CROSS, (0, 1, 2))).seconds == pytest.approx(
         CROSS.latency_s + 1000 / CROSS.bandwidth_bytes_per_s)
@@ -168,7 +171,7 @@ def test_wires_the_topology_cannot_carry_are_clear_errors(network: NetworkSpec) 
     net = VirtualNetwork(network, 0, clock=ManualClock())
     with pytest.raises(LinkError, match="intra-node collective on ranks \\[0, 2\\] spans nodes"):
         net.issued("all_reduce", 100, Wire(Link.INTRA, (0, 2)))
-    with pytest.raises(LinkError, match="exchange on ranks \\[0, 1\\] of one node"):
+    with pytest.raises(LinkError, match="cross-node collective on ranks \\[0, 1\\] of one node"):
         net.issued("exchange", 100, Wire(Link.CROSS, (0, 1)))
     with pytest.raises(LinkError, match="not one of"):
         net.issued("all_reduce", 100, NODE1)

@@ -34,7 +34,8 @@ from dataclasses import dataclass
 from poplar.emulation.cluster import ClusterSpec
 from poplar.emulation.presets import LinkPreset
 from poplar.emulation.synthetic import REFERENCE_MODEL
-from poplar.emulation.virtual_network import LinkSpeed, NetworkSpec
+from poplar.emulation.virtual_network import NetworkSpec
+from poplar.types.profiles import LinkSpeed
 
 
 @dataclass(frozen=True)
@@ -57,16 +58,16 @@ class NetworkScales:
 
     def scaled(self, link: LinkPreset) -> LinkSpeed:
         """``link`` at these scales, before the floor."""
-        return LinkSpeed(link.latency_us * 1e-6 * self.time_scale,
-                         link.bandwidth_gbps * 1e9 * self.byte_scale / self.time_scale)
+        return LinkSpeed(bandwidth_bytes_per_s=link.bandwidth_gbps * 1e9 * self.byte_scale / self.time_scale,
+                         latency_s=link.latency_us * 1e-6 * self.time_scale)
 
     def emulate(self, link: LinkPreset) -> LinkSpeed:
         """``link`` at these scales, no faster than the floor."""
         speed = self.scaled(link)
         if self.floor is None:
             return speed
-        return LinkSpeed(max(speed.latency_s, self.floor.latency_s),
-                         min(speed.bandwidth_bytes_per_s, self.floor.bandwidth_bytes_per_s))
+        return LinkSpeed(bandwidth_bytes_per_s=min(speed.bandwidth_bytes_per_s, self.floor.bandwidth_bytes_per_s),
+                         latency_s=max(speed.latency_s, self.floor.latency_s))
 
     def clamped(self, spec: ClusterSpec) -> list[str]:
         """The cluster's links whose bandwidth the floor lowered (their ratios to the others are lost)."""
@@ -96,4 +97,4 @@ def machine_floor(world: int, model_bytes: int, **options: float) -> LinkSpeed:
     from poplar.emulation.link_calibration import measure_link
 
     fit = measure_link(world, model_bytes, **options)
-    return LinkSpeed(fit["latency_s"], fit["bandwidth_bytes_per_s"])
+    return LinkSpeed(bandwidth_bytes_per_s=fit["bandwidth_bytes_per_s"], latency_s=fit["latency_s"])

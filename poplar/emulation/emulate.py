@@ -41,7 +41,8 @@ from poplar.emulation.faults import FaultSchedule
 from poplar.emulation.virtual_device import VirtualDevice
 from poplar.emulation.virtual_link import LinkSpec
 from poplar.emulation.cluster_network import NetworkScales, emulated_network
-from poplar.emulation.virtual_network import LinkSpeed, NetworkSpec, paced_link
+from poplar.emulation.virtual_network import NetworkSpec, paced_link
+from poplar.types.profiles import LinkSpeed
 from poplar.types.topology import Topology
 from poplar.profiler.profile_run import ProfileJob
 from poplar.types.configuration import Configuration

@@ -3,10 +3,11 @@ speeds, paced like a virtual device's compute (docs/design.md §4.7).
 
 A ``VirtualLink`` is one link that every collective crosses. A cluster of several nodes has
 several: each node its own intra-node link (NVLink, PCIe), and one cross-node link (InfiniBand,
-Ethernet) shared by all nodes. ``NetworkSpec`` holds one ``LinkSpeed`` per node and one for the
-cross-node link; ``VirtualNetwork`` is a rank's end of it, a ``CollectiveObserver`` like the
-virtual link. The ``Wire`` a collective is issued on (``poplar.types.topology``) says which
-links it crosses and for how long (``NetworkSpec.price``):
+Ethernet) shared by all nodes. ``NetworkSpec`` holds one ``LinkSpeed`` (the profile's type: a
+latency and a bandwidth) per node and one for the cross-node link; ``VirtualNetwork`` is a
+rank's end of it, a ``CollectiveObserver`` like the virtual link. The ``Wire`` a collective is
+issued on (``poplar.types.topology``) says which links it crosses and for how long
+(``NetworkSpec.price``):
 
 - an INTRA collective on node k (or a FLAT one whose ranks are all on node k) crosses node k's
   link only: ``latency + ring bus volume / bandwidth`` of that link over the wire's ranks, as a
@@ -65,6 +66,7 @@ import numpy as np
 from poplar.emulation.virtual_link import (ISSUE_WAIT_S, LATE_TOLERANCE_S, REAL_CLOCK, Clock, LinkError, LinkSpec,
                                            VirtualLink)
 from poplar.planner.cost_model import bus_bytes
+from poplar.types.profiles import LinkSpeed
 from poplar.types.topology import Link, Topology, Wire
 
 MAX_WIRES = 32  # distinct wires (rank sets on a link) a job may pace: its process groups
@@ -76,23 +78,13 @@ ROW = np.dtype([("seq", "i8"), ("op", "i8"), ("joined", "i8"), ("left", "i8"), (
                 ("ready", "f8"), ("start", "f8"), ("end", "f8")])
 
 
-@dataclass(frozen=True)
-class LinkSpeed:
-    """One emulated link: ``latency_s + bus bytes / bandwidth_bytes_per_s`` per collective."""
+def link_seconds(link: LinkSpeed, bus: float) -> float:
+    """One collective's time on ``link``: ``latency + bus bytes / bandwidth``."""
+    return link.latency_s + bus / link.bandwidth_bytes_per_s
 
-    latency_s: float
-    bandwidth_bytes_per_s: float
 
-    def __post_init__(self) -> None:
-        if not self.latency_s >= 0 or not self.bandwidth_bytes_per_s > 0:
-            raise ValueError(f"a link needs latency >= 0 and bandwidth > 0, got {self.latency_s} s and "
-                             f"{self.bandwidth_bytes_per_s} B/s")
-
-    def seconds(self, bus: float) -> float:
-        return self.latency_s + bus / self.bandwidth_bytes_per_s
-
-    def describe(self) -> str:
-        return f"{1e3 * self.latency_s:.2f} ms + {self.bandwidth_bytes_per_s / 1e6:.4g} MB/s"
+def describe_link(link: LinkSpeed) -> str:
+    return f"{1e3 * link.latency_s:.2f} ms + {link.bandwidth_bytes_per_s / 1e6:.4g} MB/s"
 
 
 class Pricing(NamedTuple):
@@ -122,6 +114,10 @@ class NetworkSpec:
                              f"got {len(self.intra)}")
         if self.topology.spans_nodes and self.cross is None:
             raise ValueError(f"a network of {self.topology.describe()} needs a cross-node link")
+        for link in self.intra + ((self.cross,) if self.cross is not None else ()):
+            if not link.latency_s >= 0 or not link.bandwidth_bytes_per_s > 0:
+                raise ValueError(f"a link needs latency >= 0 and bandwidth > 0, got {link.latency_s} s and "
+                                 f"{link.bandwidth_bytes_per_s} B/s")
         if self.topology.world_size > MAX_RANKS:
             raise ValueError(f"a virtual network joins at most {MAX_RANKS} ranks, got {self.topology.world_size}")
 
@@ -145,7 +141,7 @@ class NetworkSpec:
     @classmethod
     def single(cls, link: LinkSpec, directory: str | None = None) -> "NetworkSpec":
         """A network of one node whose link is ``link``'s, with its own fresh board."""
-        return cls.create(Topology.single(link.world_size), (LinkSpeed(link.latency_s, link.bandwidth_bytes_per_s),),
+        return cls.create(Topology.single(link.world_size), (LinkSpeed(link.bandwidth_bytes_per_s, link.latency_s),),
                           None, directory, link.issue_wait_s)
 
     def remove(self) -> None:
@@ -184,21 +180,21 @@ class NetworkSpec:
             raise LinkError(f"a cross-node collective on ranks {list(wire.ranks)} of one node "
                             f"({self.topology.describe()}): run it as an intra-node collective")
         if wire.link is Link.CROSS and op == "exchange":
-            return Pricing(self.speed(cross).seconds(nbytes / len(counts)), (cross,))
+            return Pricing(link_seconds(self.speed(cross), nbytes / len(counts)), (cross,))
         if len(counts) == 1:
             (node,) = counts
-            return Pricing(self.intra[node].seconds(bus_bytes(op, nbytes, n)), (node,))
+            return Pricing(link_seconds(self.intra[node], bus_bytes(op, nbytes, n)), (node,))
         if wire.link is Link.INTRA:  # a ring on a CROSS wire (one rank per node, say) is priced as below
             raise LinkError(f"an intra-node collective on ranks {list(wire.ranks)} spans nodes "
                             f"{sorted(counts)} of {self.topology.describe()}: give it a FLAT or CROSS wire")
         bus = bus_bytes(op, nbytes, n)
         hops = [cross] + [k for k, c in counts.items() if c > 1]  # a node with one of the ring's ranks has no intra hop
-        return Pricing(max(self.speed(k).seconds(bus) for k in hops), tuple(sorted(counts)) + (cross,))
+        return Pricing(max(link_seconds(self.speed(k), bus) for k in hops), tuple(sorted(counts)) + (cross,))
 
     def describe(self) -> str:
-        nodes = ", ".join(f"node {k} {s.describe()}" for k, s in enumerate(self.intra))
+        nodes = ", ".join(f"node {k} {describe_link(s)}" for k, s in enumerate(self.intra))
         return f"network {self.topology.describe()}: {nodes}" + (
-            f"; cross-node {self.cross.describe()}" if self.cross is not None else "")
+            f"; cross-node {describe_link(self.cross)}" if self.cross is not None else "")
 
 
 class _Board:

@@ -127,11 +127,12 @@ def one_link() -> Any:
 
 
 def two_nodes() -> Any:
-    from poplar.emulation.virtual_network import LinkSpeed, NetworkSpec
+    from poplar.emulation.virtual_network import NetworkSpec
+    from poplar.types.profiles import LinkSpeed
     from poplar.types.topology import Topology
 
-    fast = LinkSpeed(0.001, 1e12)
-    return NetworkSpec.create(Topology.of_sizes([1, 1]), (fast, fast), LinkSpeed(0.05, 1e12))
+    fast = LinkSpeed(bandwidth_bytes_per_s=1e12, latency_s=0.001)
+    return NetworkSpec.create(Topology.of_sizes([1, 1]), (fast, fast), LinkSpeed(bandwidth_bytes_per_s=1e12, latency_s=0.05))
 
 
 @pytest.mark.multiprocess

@@ -11,7 +11,8 @@ from poplar.emulation.cluster_network import NetworkScales, emulated_network
 from poplar.emulation.emulate import cluster_devices
 from poplar.emulation.presets import FAST_NETWORK, LINKS, SLOW_NETWORK
 from poplar.emulation.synthetic import REFERENCE_MODEL
-from poplar.emulation.virtual_network import LinkSpeed, VirtualNetwork
+from poplar.emulation.virtual_network import VirtualNetwork, link_seconds
+from poplar.types.profiles import LinkSpeed
 from poplar.types.topology import Topology
 
 
@@ -55,13 +56,13 @@ def test_declared_links_scale_like_the_devices_above_the_machines_floor() -> Non
     speed = scales.emulate(ib)
     # a collective of the model's bytes lasts what the declared link takes for the reference
     # model's bytes, times the time scale
-    assert speed.seconds(model_bytes) == pytest.approx(
+    assert link_seconds(speed, model_bytes) == pytest.approx(
         time_scale * (ib.latency_us * 1e-6 + REFERENCE_MODEL.param_bytes / (ib.bandwidth_gbps * 1e9)))
-    floor = LinkSpeed(0.002, 20e6)
+    floor = LinkSpeed(bandwidth_bytes_per_s=20e6, latency_s=0.002)
     floored = NetworkScales.for_model(time_scale, model_bytes, floor)
     nvlink = floored.emulate(LINKS["nvlink-a100"])
     assert nvlink == floor  # faster than the machine can carry in both: the floor
-    assert floored.emulate(ib) == LinkSpeed(floor.latency_s, speed.bandwidth_bytes_per_s)
+    assert floored.emulate(ib) == LinkSpeed(bandwidth_bytes_per_s=speed.bandwidth_bytes_per_s, latency_s=floor.latency_s)
     assert floored.clamped(ClusterSpec.builtin("A")) == ["nvlink-a100"]
     network = emulated_network(ClusterSpec.builtin("A").with_network(SLOW_NETWORK), floored)
     try:
@@ -76,7 +77,7 @@ def test_declared_links_scale_like_the_devices_above_the_machines_floor() -> Non
 
 
 def test_a_cluster_without_nodes_keeps_the_machines_floor_as_its_one_link() -> None:
-    floor = LinkSpeed(0.002, 20e6)
+    floor = LinkSpeed(bandwidth_bytes_per_s=20e6, latency_s=0.002)
     network = emulated_network(ClusterSpec.builtin("B"), NetworkScales.for_model(4.0, 400_000, floor))
     try:
         assert network.intra == (floor,) and network.cross is None
@@ -91,7 +92,7 @@ def test_an_emulated_cluster_gives_its_ranks_the_topology_and_its_network() -> N
 
     cluster = EmulatedCluster(ClusterSpec.builtin("C-4+4"), 1e-4, 3.0)
     assert cluster.topology == Topology.of_sizes([4, 4])
-    floor = LinkSpeed(0.002, 20e6)
+    floor = LinkSpeed(bandwidth_bytes_per_s=20e6, latency_s=0.002)
     network = cluster.network(400_000, floor)
     try:
         expected = NetworkScales.for_model(3.0, 400_000, floor)

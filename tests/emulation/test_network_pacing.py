@@ -14,15 +14,16 @@ import torch
 import torch.distributed as dist
 
 from poplar.comm.launch import RankFailure, spawn
-from poplar.emulation.virtual_network import LinkSpeed, NetworkSpec, VirtualNetwork
+from poplar.emulation.virtual_network import NetworkSpec, VirtualNetwork, link_seconds
 from poplar.planner.cost_model import bus_bytes
+from poplar.types.profiles import LinkSpeed
 from poplar.types.topology import Link, Topology, Wire
 from tests.timing_reference import sleep_lateness
 
 pytestmark = pytest.mark.timing
 
-NODE0, NODE1 = LinkSpeed(0.10, 1e12), LinkSpeed(0.25, 1e12)  # latency-bound: the link sets the time
-CROSS = LinkSpeed(0.05, 1e6)
+NODE0, NODE1 = LinkSpeed(bandwidth_bytes_per_s=1e12, latency_s=0.10), LinkSpeed(bandwidth_bytes_per_s=1e12, latency_s=0.25)  # latency-bound: the link sets the time
+CROSS = LinkSpeed(bandwidth_bytes_per_s=1e6, latency_s=0.05)
 EXCHANGE_BYTES = 200_000  # every node's sends summed: 100 KB a port, 0.1 s at 1 MB/s
 FLAT_BYTES = 40_000
 SLACK = 0.05  # a busy machine may only delay a paced collective, by this much (plus a bare sleep's lateness)
@@ -71,9 +72,9 @@ def test_two_nodes_pace_their_own_collectives_at_once_and_share_the_cross_link(n
     # node k's collective: from its last rank's issue, its own link's time; both nodes at once
     ready = [max(ranks[r]["issue"][0] for r in (2 * k, 2 * k + 1)) for k in (0, 1)]
     intra_end = [ready[0] + NODE0.latency_s, ready[1] + NODE1.latency_s]
-    exchange = CROSS.seconds(EXCHANGE_BYTES / 2)
+    exchange = link_seconds(CROSS, EXCHANGE_BYTES / 2)
     # the ring over both nodes: paced by its slowest link, node 1's (its latency is the longest)
-    flat = max(link.seconds(bus_bytes("all_reduce", FLAT_BYTES, 4)) for link in (NODE0, NODE1, CROSS))
+    flat = max(link_seconds(link, bus_bytes("all_reduce", FLAT_BYTES, 4)) for link in (NODE0, NODE1, CROSS))
     exchange_end = max(intra_end[1], max(r["issue"][1] for r in ranks)) + exchange
     flat_end = max(exchange_end, max(r["issue"][2] for r in ranks)) + flat
     for rank, r in enumerate(ranks):

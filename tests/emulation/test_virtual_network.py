@@ -9,13 +9,14 @@ from __future__ import annotations
 import pytest
 
 from poplar.emulation.virtual_link import LinkError, LinkSpec, VirtualLink
-from poplar.emulation.virtual_network import DEPTH, LinkSpeed, NetworkSpec, VirtualNetwork
+from poplar.emulation.virtual_network import DEPTH, NetworkSpec, VirtualNetwork, link_seconds
 from poplar.planner.cost_model import bus_bytes
+from poplar.types.profiles import LinkSpeed
 from poplar.types.topology import Link, Topology, Wire
 
-FAST = LinkSpeed(0.010, 1e6)  # node 0
-SLOW = LinkSpeed(0.020, 0.5e6)  # node 1
-CROSS = LinkSpeed(0.030, 1e5)
+FAST = LinkSpeed(bandwidth_bytes_per_s=1e6, latency_s=0.010)  # node 0
+SLOW = LinkSpeed(bandwidth_bytes_per_s=0.5e6, latency_s=0.020)  # node 1
+CROSS = LinkSpeed(bandwidth_bytes_per_s=1e5, latency_s=0.030)
 NODE0, NODE1, WORLD = Wire(Link.INTRA, (0, 1)), Wire(Link.INTRA, (2, 3)), Wire.world(4)
 EXCHANGE = Wire(Link.CROSS, (0, 1, 2, 3))
 
@@ -64,11 +65,11 @@ def test_intra_node_collectives_on_two_nodes_overlap(network: NetworkSpec) -> No
     # a and b start at once, each on its own node's link at that link's speed: node 0 is done
     # before node 1, not after it
     assert {t.start for t in a + b} == {t0}
-    assert {t.end for t in a} == {t0 + FAST.seconds(bus_bytes("all_reduce", 4000, 2))}
-    assert {t.end for t in b} == {t0 + SLOW.seconds(bus_bytes("all_reduce", 4000, 2))}
+    assert {t.end for t in a} == {t0 + link_seconds(FAST, bus_bytes("all_reduce", 4000, 2))}
+    assert {t.end for t in b} == {t0 + link_seconds(SLOW, bus_bytes("all_reduce", 4000, 2))}
     # c queued behind a on node 0's link only
     assert {t.start for t in c} == {a[0].end}
-    assert {t.end for t in c} == {a[0].end + FAST.seconds(bus_bytes("all_gather", 4000, 2))}
+    assert {t.end for t in c} == {a[0].end + link_seconds(FAST, bus_bytes("all_gather", 4000, 2))}
     assert b[0].start < c[0].start  # node 1's collective did not queue behind node 0's
 
 
@@ -84,21 +85,21 @@ def test_a_flat_ring_over_both_nodes_waits_for_the_cross_link_and_is_priced_by_i
     assert {t.start for t in flat} == {issued[0].end}
     # the ring's bus volume over the slowest link it has hops on: the cross-node link
     for t in flat:
-        assert t.end - t.start == pytest.approx(CROSS.seconds(bus_bytes("all_reduce", 4000, 4)))
+        assert t.end - t.start == pytest.approx(link_seconds(CROSS, bus_bytes("all_reduce", 4000, 4)))
     # it held every link: an intra-node collective issued meanwhile starts after it
     (intra, _) = collective(nets, "all_reduce", 4000, NODE1)
     assert intra.start == flat[0].end
 
 
 def test_a_flat_ring_is_paced_by_its_slowest_link() -> None:
-    crawling = LinkSpeed(0.001, 1e3)  # node 1's link slower than the cross-node one
+    crawling = LinkSpeed(bandwidth_bytes_per_s=1e3, latency_s=0.001)  # node 1's link slower than the cross-node one
     spec = NetworkSpec.create(Topology.of_sizes([2, 2]), (FAST, crawling), CROSS)
     try:
         bus = bus_bytes("reduce_scatter", 4000, 4)
-        assert spec.price("reduce_scatter", 4000, WORLD).seconds == crawling.seconds(bus)
+        assert spec.price("reduce_scatter", 4000, WORLD).seconds == link_seconds(crawling, bus)
         # ranks 0, 1, 2: node 1 holds one of them and has no intra hop
         three = Wire(Link.FLAT, (0, 1, 2))
-        assert spec.price("reduce_scatter", 4000, three).seconds == CROSS.seconds(
+        assert spec.price("reduce_scatter", 4000, three).seconds == link_seconds(CROSS, 
             bus_bytes("reduce_scatter", 4000, 3))
         assert spec.price("reduce_scatter", 4000, three).links == (0, 1, 2)
     finally:
@@ -114,7 +115,7 @@ def test_an_exchange_takes_the_busiest_ports_time(network: NetworkSpec) -> None:
     # an exchange between the nodes' first ranks only: the same, on the same link
     assert network.price("exchange", 2000, Wire(Link.CROSS, (0, 2))) == network.price("exchange", 2000, EXCHANGE)
     # a ring over one rank per node on the cross wire is a ring: its bus volume on the cross link
-    assert network.price("all_reduce", 2000, Wire(Link.CROSS, (0, 2))).seconds == CROSS.seconds(
+    assert network.price("all_reduce", 2000, Wire(Link.CROSS, (0, 2))).seconds == link_seconds(CROSS, 
         bus_bytes("all_reduce", 2000, 2))
     three = NetworkSpec(Topology.of_sizes([1, 1, 1]), (FAST,) * 3, CROSS, network.board_path)
     assert three.price("exchange", 3000, Wire(Link.CROSS, (0, 1, 2))).seconds == pytest.approx(
@@ -175,6 +176,8 @@ def test_wires_the_topology_cannot_carry_are_clear_errors(network: NetworkSpec) 
         net.issued("exchange", 100, Wire(Link.CROSS, (0, 1)))
     with pytest.raises(LinkError, match="not one of"):
         net.issued("all_reduce", 100, NODE1)
+    with pytest.raises(ValueError, match="bandwidth > 0"):
+        NetworkSpec(Topology.of_sizes([2, 2]), (FAST, LinkSpeed(0.0, 0.001)), CROSS, network.board_path)
     with pytest.raises(ValueError, match="cross-node link"):
         NetworkSpec(Topology.of_sizes([2, 2]), (FAST, SLOW), None, network.board_path)
 
@@ -191,7 +194,7 @@ def test_a_subset_of_a_nodes_ranks_and_a_lone_rank(network: NetworkSpec) -> None
     nets = ranks(network, clock)
     # rank 3 left out: ranks 0-2 run a flat ring without it, and nobody waits for rank 3
     (t, *_) = collective(nets, "all_reduce", 3000, Wire(Link.FLAT, (0, 1, 2)))
-    assert t.end - t.start == pytest.approx(CROSS.seconds(bus_bytes("all_reduce", 3000, 3)))
+    assert t.end - t.start == pytest.approx(link_seconds(CROSS, bus_bytes("all_reduce", 3000, 3)))
     # a wire of one rank carries nothing
     lone = nets[3].issued("all_reduce", 3000, Wire(Link.INTRA, (3,)))
     before = clock.t

@@ -34,6 +34,9 @@ port model prices the flat ring above: a ring's boundary hops run in opposite di
 every port sends and receives the ring's bus volume at once, one bus volume / bandwidth in all;
 a "shared pipe" model (every node's bytes through one link of that bandwidth, total /
 bandwidth) would charge a ring twice its bus volume and a 2-node exchange twice its port time.
+The planner prices the same port (``planner/link_pricing.py``, the busiest node by its share):
+the two agree where the nodes' shares are equal; where they are not, the emulated exchange is
+shorter than the planned one by up to that ratio.
 
 Each link carries one collective at a time, in the order the collectives became ready (the
 moment their last rank issued them): a collective starts at ``max(ready, every link it occupies
@@ -42,7 +45,8 @@ free)``, and holds those links until its end.
 How ranks agree without talking. The board (a file every process of the machine maps) keeps
 one row sequence per wire (the same ranks on the same link: a process group, in which every
 rank issues collectives in the same order). A rank's k-th collective on a wire is row k of that
-wire (the count is kept on the board, so a rank's end made anew carries on from the last one's); it marks itself there under a file lock and keeps the latest issue time. The rank that
+wire (the count is kept on the board, so a rank's end made anew carries on from the last
+one's); it marks itself there under a file lock and keeps the latest issue time. The rank that
 completes a row (its last rank) computes the collective's start and end from the links' free
 times, kept on the board, and writes them: that happens under the lock, so every collective's
 time is computed once, in the order the collectives became ready, and every rank reads the same

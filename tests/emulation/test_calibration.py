@@ -132,7 +132,8 @@ def two_nodes() -> Any:
     from poplar.types.topology import Topology
 
     fast = LinkSpeed(bandwidth_bytes_per_s=1e12, latency_s=0.001)
-    return NetworkSpec.create(Topology.of_sizes([1, 1]), (fast, fast), LinkSpeed(bandwidth_bytes_per_s=1e12, latency_s=0.05))
+    cross = LinkSpeed(bandwidth_bytes_per_s=1e12, latency_s=0.05)
+    return NetworkSpec.create(Topology.of_sizes([1, 1]), (fast, fast), cross)
 
 
 @pytest.mark.multiprocess

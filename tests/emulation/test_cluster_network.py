@@ -28,7 +28,8 @@ def test_the_papers_clusters_are_two_nodes_with_their_own_links() -> None:
 
 def test_the_inter_node_link_is_chosen_and_kept_in_json() -> None:
     slow = ClusterSpec.builtin("C").with_network(SLOW_NETWORK)
-    assert slow.network == LINKS[SLOW_NETWORK] and LINKS[SLOW_NETWORK].bandwidth_gbps < LINKS[FAST_NETWORK].bandwidth_gbps
+    assert slow.network == LINKS[SLOW_NETWORK]
+    assert LINKS[SLOW_NETWORK].bandwidth_gbps < LINKS[FAST_NETWORK].bandwidth_gbps
     assert ClusterSpec.from_dict(slow.to_dict()) == slow
     custom = slow.with_network({"bandwidth_gbps": 3.0, "latency_us": 40.0})
     assert ClusterSpec.from_dict(custom.to_dict()).network == custom.network
@@ -62,7 +63,8 @@ def test_declared_links_scale_like_the_devices_above_the_machines_floor() -> Non
     floored = NetworkScales.for_model(time_scale, model_bytes, floor)
     nvlink = floored.emulate(LINKS["nvlink-a100"])
     assert nvlink == floor  # faster than the machine can carry in both: the floor
-    assert floored.emulate(ib) == LinkSpeed(bandwidth_bytes_per_s=speed.bandwidth_bytes_per_s, latency_s=floor.latency_s)
+    assert floored.emulate(ib) == LinkSpeed(bandwidth_bytes_per_s=speed.bandwidth_bytes_per_s,
+                                            latency_s=floor.latency_s)
     assert floored.clamped(ClusterSpec.builtin("A")) == ["nvlink-a100"]
     network = emulated_network(ClusterSpec.builtin("A").with_network(SLOW_NETWORK), floored)
     try:

@@ -22,7 +22,9 @@ from tests.timing_reference import sleep_lateness
 
 pytestmark = pytest.mark.timing
 
-NODE0, NODE1 = LinkSpeed(bandwidth_bytes_per_s=1e12, latency_s=0.10), LinkSpeed(bandwidth_bytes_per_s=1e12, latency_s=0.25)  # latency-bound: the link sets the time
+# latency-bound: the link sets the time
+NODE0 = LinkSpeed(bandwidth_bytes_per_s=1e12, latency_s=0.10)
+NODE1 = LinkSpeed(bandwidth_bytes_per_s=1e12, latency_s=0.25)
 CROSS = LinkSpeed(bandwidth_bytes_per_s=1e6, latency_s=0.05)
 EXCHANGE_BYTES = 200_000  # every node's sends summed: 100 KB a port, 0.1 s at 1 MB/s
 FLAT_BYTES = 40_000

@@ -21,6 +21,7 @@ a ``CollectiveObserver`` of the communicator), and the product never imports it.
 from poplar.emulation.calibration import Calibration, Scales, calibrate, calibrate_stages
 from poplar.emulation.cluster import BUILTIN_CLUSTERS, ClusterError, ClusterSpec
 from poplar.emulation.cluster_device import ClusterDevice, cluster_device
+from poplar.emulation.cluster_network import NetworkScales, emulated_network, machine_floor
 from poplar.emulation.emulate import EmulatedCluster, cluster_devices, emulate_cluster
 from poplar.emulation.faults import FaultSchedule
 from poplar.emulation.presets import PRESETS, DevicePreset, PresetError, get_preset
@@ -28,9 +29,11 @@ from poplar.emulation.profile_cluster import profile_cluster
 from poplar.emulation.runs import until_on_time
 from poplar.emulation.speed_curves import PresetCurve, SaturatingCurve
 from poplar.emulation.virtual_device import VirtualDevice
+from poplar.emulation.virtual_network import NetworkSpec, VirtualNetwork
 from poplar.emulation.what_if import simulate
 
 __all__ = ["Calibration", "Scales", "calibrate", "calibrate_stages", "BUILTIN_CLUSTERS", "ClusterError",
            "ClusterSpec", "ClusterDevice", "cluster_device", "EmulatedCluster", "cluster_devices", "emulate_cluster",
            "FaultSchedule", "PRESETS", "DevicePreset", "PresetError", "get_preset", "profile_cluster",
-           "until_on_time", "PresetCurve", "SaturatingCurve", "VirtualDevice", "simulate"]
+           "until_on_time", "PresetCurve", "SaturatingCurve", "VirtualDevice", "simulate", "NetworkScales",
+           "emulated_network", "machine_floor", "NetworkSpec", "VirtualNetwork"]

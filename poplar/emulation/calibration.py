@@ -51,7 +51,8 @@ from poplar.profiler.local_comm import local_engine
 from poplar.profiler.profile_run import ProfileJob
 from poplar.types.configuration import Configuration
 from poplar.emulation.virtual_device import VirtualDevice
-from poplar.emulation.virtual_link import LinkSpec, VirtualLink
+from poplar.emulation.virtual_link import LinkSpec
+from poplar.emulation.virtual_network import NetworkSpec, paced_link
 from poplar.types.plans import Plan, RankPlan
 from poplar.zero.config import ZeroConfig
 from poplar.zero.nonfinite import SkipReport
@@ -141,7 +142,7 @@ class TimingJob:
     batches: list[int]
     repeats: int = TIMING_REPEATS
     options: dict[str, Any] = field(default_factory=dict)
-    link: LinkSpec | None = None  # the cluster's emulated interconnect: time on a real runtime paced by it
+    link: LinkSpec | NetworkSpec | None = None  # the cluster's emulated interconnect: time on a runtime paced by it
 
 
 def _zero(job: TimingJob, process_group: Any = None) -> ZeroConfig:
@@ -157,12 +158,14 @@ def _runtime(job: TimingJob, rank: int, policy: MixedPrecision | None) -> Any:
                         activation_checkpointing=job.options.get("activation_checkpointing"))
 
 
-def _linked_runtime(job: TimingJob, rank: int, policy: MixedPrecision | None, probe: VirtualDevice) -> Any:
+def _linked_runtime(job: TimingJob, link: Any, policy: MixedPrecision | None, probe: VirtualDevice) -> Any:
     """A runtime on the job's process group whose collectives the cluster's link paces (through
-    ``probe``): its trial steps pay what a run's do, the collectives' CPU work and every rank
-    released from each collective at once. Every rank runs the same plan, so they agree."""
+    ``probe``, on the rank's one end of the link: a new end per precision would start its count
+    of collectives again on a board that has them): its trial steps pay what a run's do, the
+    collectives' CPU work and every rank released from each collective at once. Every rank runs
+    the same plan, so they agree."""
     model = job.model_fn()
-    probe.link = VirtualLink(job.link, rank)
+    probe.link = link
     return ZeroRuntime(model, job.optimizer_fn(model), zero_stage=_zero(job),
                        plan=Plan([RankPlan(1, 1, 0)] * job.world), mixed_precision=policy,
                        activation_checkpointing=job.options.get("activation_checkpointing"))
@@ -206,10 +209,11 @@ def time_trials(job: TimingJob, rank: int, barrier: Callable[[], None]) -> dict[
     passed = 0
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    link = paced_link(job.link, rank) if job.link is not None else None
     try:
         for policy in job.policies:
             probe = VirtualDevice("calibration", 2 ** 62)
-            runtime = _runtime(job, rank, policy) if job.link is None else _linked_runtime(job, rank, policy, probe)
+            runtime = _runtime(job, rank, policy) if link is None else _linked_runtime(job, link, policy, probe)
             seconds: dict[int, list[float]] = {b: [] for b in job.batches}
             with probe.attach(runtime), host_memory_guard(lambda: runtime.module, f"rank {rank}'s timed trial steps"):
                 search = None if job.link else CapacitySearch(runtime, probe, job.sample_fn, job.loss_fn,
@@ -337,7 +341,7 @@ class Scales:
 
 
 def prepare(job: ProfileJob, cluster: ClusterSpec | str, *, scales: Scales = Scales(),
-            target_min_mbs: int = TARGET_MIN_MBS, link: LinkSpec | None = None) -> Prepared:
+            target_min_mbs: int = TARGET_MIN_MBS, link: LinkSpec | NetworkSpec | None = None) -> Prepared:
     """The passes of one process (fp32, and the policy's precision if it has one) and the
     memory scale; the concurrent timing job for the time scale (on a runtime paced by ``link``
     when the cluster has an emulated one)."""
@@ -375,7 +379,7 @@ def finish(prep: Prepared, concurrent: dict[str, dict[int, float]], *, margin: f
 
 
 def calibrate(job: ProfileJob, cluster: ClusterSpec | str, *, scales: Scales = Scales(), margin: float = MARGIN,
-              link: LinkSpec | None = None, target_min_mbs: int = TARGET_MIN_MBS,
+              link: LinkSpec | NetworkSpec | None = None, target_min_mbs: int = TARGET_MIN_MBS,
               min_step_s: float = MIN_STEP_S) -> Calibration:
     """Pick the scales for emulating ``cluster`` with ``job``'s model at its options' stage and
     precision (module doc), from one process: the concurrent timing runs on a spawned job of the

@@ -39,7 +39,11 @@ from poplar.emulation.calibration import (MARGIN, MIN_STEP_S, Calibration, Prepa
 from poplar.emulation.cluster import ClusterSpec
 from poplar.emulation.faults import FaultSchedule
 from poplar.emulation.virtual_device import VirtualDevice
-from poplar.emulation.virtual_link import LinkSpec, VirtualLink
+from poplar.emulation.virtual_link import LinkSpec
+from poplar.emulation.cluster_network import NetworkScales, emulated_network
+from poplar.emulation.virtual_network import NetworkSpec, paced_link
+from poplar.types.profiles import LinkSpeed
+from poplar.types.topology import Topology
 from poplar.profiler.profile_run import ProfileJob
 from poplar.types.configuration import Configuration
 from poplar.types.precision import Precision, precision_of
@@ -72,6 +76,17 @@ class EmulatedCluster:
 
     def devices(self) -> list[VirtualDevice]:
         return [self.device(rank) for rank in range(self.spec.world_size)]
+
+    @property
+    def topology(self) -> Topology:
+        """The job's ranks grouped into the cluster's machines (``ZeroConfig(topology=...)``)."""
+        return self.spec.topology()
+
+    def network(self, model_param_bytes: int, floor: LinkSpeed | None) -> NetworkSpec:
+        """The cluster's declared links at this emulation's time scale, the model's parameter
+        bytes standing for the reference model's, no faster than ``floor`` (the machine's link,
+        ``cluster_network.machine_floor``): a fresh board the caller removes when done."""
+        return emulated_network(self.spec, NetworkScales.for_model(self.time_scale, model_param_bytes, floor))
 
     def emulated(self) -> Emulated:
         """What a profile of this cluster records in its ``Provenance``."""
@@ -184,11 +199,12 @@ def _heaviest(prep: Prepared, heaviest: Configuration, max_batch: int) -> tuple[
 
 def cluster_devices(cluster: ClusterSpec | str, memory_scale: float, time_scale: float,
                     precision: Any = None, faults: dict[int, FaultSchedule] | None = None,
-                    link: LinkSpec | None = None) -> list[VirtualDevice]:
+                    link: LinkSpec | NetworkSpec | None = None) -> list[VirtualDevice]:
     """One virtual device per rank of ``cluster`` (a ClusterSpec, built-in name or file),
     emulating ``precision`` (a name, ``Precision`` or policy; default fp32); ``faults``: injected
     drift per rank (``poplar.emulation.faults``); ``link``: the emulated interconnect that paces
-    the ranks' collectives (``virtual_link``; None: the machine's own)."""
+    the ranks' collectives (``virtual_link``, or ``virtual_network`` for a cluster of several
+    nodes; None: the machine's own)."""
     spec = ClusterSpec.resolve(cluster)
     check_cluster_precision(spec, precision)
     devices = EmulatedCluster(spec, memory_scale, time_scale, precision=precision_of(precision),
@@ -197,5 +213,5 @@ def cluster_devices(cluster: ClusterSpec | str, memory_scale: float, time_scale:
         if link.world_size != spec.world_size:
             raise ValueError(f"the link joins {link.world_size} ranks but cluster {spec.name} has {spec.world_size}")
         for rank, device in enumerate(devices):
-            device.link = VirtualLink(link, rank)
+            device.link = paced_link(link, rank)
     return devices

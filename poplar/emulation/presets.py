@@ -188,3 +188,54 @@ def get_preset(name: str) -> DevicePreset:
     if isinstance(name, str) and name in PRESETS:
         return PRESETS[name]
     raise PresetError(f"unknown device preset {name!r}; known presets: {', '.join(PRESETS)}")
+
+
+# Interconnects, as data: an emulated cluster's nodes and the network between them name these.
+# ``bandwidth_gbps`` is a collective's bus bandwidth in GB/s (what NCCL's busbw reports, the
+# ``poplar.planner.cost_model`` unit), ``latency_us`` a small collective's time. Nominal figures,
+# not measured here: NVLink 3 on A100 SXM4 boards, NCCL all-reduce busbw about 230 GB/s on 8 GPUs
+# (NVIDIA's A100 and NCCL-tests figures); GPUs on PCIe without a bridge ring through the host:
+# PCIe 4.0 x16 about 16 GB/s and PCIe 3.0 x16 about 8 GB/s bus bandwidth (the links' 32 / 16 GB/s
+# raw, each ring hop sharing the root complex; the figures built-in clusters A and B used for
+# their single link); InfiniBand and Ethernet at their line rate per port and direction
+# (100 Gbps = 12.5 GB/s), each node one port.
+@dataclass(frozen=True)
+class LinkPreset:
+    """A link's nominal speed: bus bandwidth (GB/s) and latency (µs)."""
+
+    name: str
+    bandwidth_gbps: float
+    latency_us: float
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        for key in ("bandwidth_gbps", "latency_us"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (
+                    key == "bandwidth_gbps" and value == 0):
+                raise PresetError(f"link {self.name!r}: {key} must be a positive number, got {value!r}")
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.bandwidth_gbps:g} GB/s, {self.latency_us:g} us)"
+
+
+LINKS: dict[str, LinkPreset] = {p.name: p for p in (
+    LinkPreset("nvlink-a100", 230.0, 10.0, "NVLink 3, A100 SXM4: NCCL all-reduce busbw ~230 GB/s"),
+    LinkPreset("pcie4", 16.0, 20.0, "PCIe 4.0 x16, no bridge: rings through the host"),
+    LinkPreset("pcie3", 8.0, 30.0, "PCIe 3.0 x16, no bridge: rings through the host"),
+    LinkPreset("ib-200g", 25.0, 15.0, "InfiniBand HDR, 200 Gbps per port"),
+    LinkPreset("ib-100g", 12.5, 15.0, "InfiniBand EDR / HDR100, 100 Gbps per port"),
+    LinkPreset("eth-25g", 3.125, 40.0, "25 Gbps Ethernet (TCP)"),
+    LinkPreset("eth-10g", 1.25, 50.0, "10 Gbps Ethernet (TCP)"),
+)}
+# the inter-node links an emulated cluster is usually run with: one where the network hardly
+# matters beside the GPUs' compute, one where it binds
+FAST_NETWORK, SLOW_NETWORK = "ib-100g", "eth-10g"
+
+
+def get_link(name: str) -> LinkPreset:
+    """The link preset called ``name``; a clear error listing the known names otherwise."""
+    if isinstance(name, str) and name in LINKS:
+        return LINKS[name]
+    raise PresetError(f"unknown link {name!r}; known links: {', '.join(LINKS)} "
+                      "(or give {\"bandwidth_gbps\": ..., \"latency_us\": ...})")

@@ -105,7 +105,7 @@ class VirtualDevice(ProfilingPhases, SpeedPadding, Device):
         self.raise_oom = raise_oom  # off: record overflows in ``overflows`` instead
         self.overflows: list[dict[str, Any]] = []  # memory overflows recorded instead of raised
         self.late_steps = 0  # micro-steps whose real compute overshot the device's speed curve
-        self.link: Any = None  # the emulated interconnect (``virtual_link.VirtualLink``) its collectives ride
+        self.link: Any = None  # the emulated interconnect its collectives ride (``VirtualLink``, ``VirtualNetwork``)
         self.pad = True  # stretch compute to the speed model (off: run at CPU speed)
         self.memory_scale: float | None = None
         self.time_scale: float | None = None

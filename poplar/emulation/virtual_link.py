@@ -25,7 +25,7 @@ of ``paced_collectives``), as a late micro-step is.
 
 Every rank sees the same rows and computes the same ends: the ranks leave a collective together,
 as on a GPU cluster. Calibration picks a link slow enough for the real collectives to fit
-(``calibration.link_needed``).
+(``link_calibration.measure_link``).
 """
 
 from __future__ import annotations
@@ -50,6 +50,20 @@ LATE_TOLERANCE_S = 5e-4  # a real collective this much past the link's end is la
 # with an empty part computing its micro-step meanwhile) before the order is called wrong: far
 # past any emulated micro-step, within the collective timeouts the tests and benches give
 ISSUE_WAIT_S = 120.0
+
+
+class Clock:
+    """The clock a link paces by: ``now`` (``time.perf_counter``) and ``sleep``. Tests give a
+    manual one to check the link's arithmetic exactly, with no real waiting."""
+
+    def now(self) -> float:
+        return time.perf_counter()
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+
+REAL_CLOCK = Clock()
 
 
 class LinkError(RuntimeError):
@@ -109,10 +123,10 @@ class _Ticket:
 class VirtualLink:
     """One rank's end of a ``LinkSpec`` (a ``CollectiveObserver`` for ``Communicator.observed``)."""
 
-    def __init__(self, spec: LinkSpec, rank: int, *, record: bool = False) -> None:
+    def __init__(self, spec: LinkSpec, rank: int, *, record: bool = False, clock: Clock = REAL_CLOCK) -> None:
         if not 0 <= rank < spec.world_size:
             raise ValueError(f"rank {rank} outside a link of {spec.world_size} ranks")
-        self.spec, self.rank = spec, rank
+        self.spec, self.rank, self.clock = spec, rank, clock
         # with ``record``: per collective, the real seconds from the link's start to the real end
         self.real_seconds: list[float] | None = [] if record else None
         self.issued_count = 0
@@ -133,14 +147,14 @@ class VirtualLink:
 
     def issued(self, op: str, nbytes: int, wire: Wire) -> _Ticket:
         ticket = _Ticket(self.issued_count, self.spec.seconds(op, nbytes))
-        self.board()[ticket.index % SLOTS, self.rank] = (ticket.index + 1, time.perf_counter())
+        self.board()[ticket.index % SLOTS, self.rank] = (ticket.index + 1, self.clock.now())
         self.issued_count += 1
         self._open.append(ticket)
         return ticket
 
     def done(self, ticket: _Ticket) -> None:
         """Sleep until the link would have finished ``ticket``'s collective (its real one is done)."""
-        real_end = time.perf_counter()
+        real_end = self.clock.now()
         while ticket.end is None:
             self._compute_end(self._open.popleft())
         self.paced_collectives += 1
@@ -150,16 +164,16 @@ class VirtualLink:
             self.late_collectives += 1
         # a plain sleep, no spin to the exact moment: every rank wakes here at once, and ranks
         # spinning together would take the cores the others' compute needs
-        remaining = ticket.end - time.perf_counter()
+        remaining = ticket.end - self.clock.now()
         if remaining > 0:
-            time.sleep(remaining)
+            self.clock.sleep(remaining)
 
     def _compute_end(self, ticket: _Ticket) -> None:
         row = np.array(self.board()[ticket.index % SLOTS])
         if not (row[:, 0] == ticket.index + 1).all():  # a rank without a part to send has not issued it yet
-            waited_until = time.perf_counter() + self.spec.issue_wait_s
-            while not (row[:, 0] == ticket.index + 1).all() and time.perf_counter() < waited_until:
-                time.sleep(2e-4)
+            waited_until = self.clock.now() + self.spec.issue_wait_s
+            while not (row[:, 0] == ticket.index + 1).all() and self.clock.now() < waited_until:
+                self.clock.sleep(2e-4)
                 row = np.array(self.board()[ticket.index % SLOTS])
         if not (row[:, 0] == ticket.index + 1).all():
             behind = [r for r in range(self.spec.world_size) if row[r, 0] != ticket.index + 1]

@@ -60,7 +60,7 @@ def test_builtin_cluster_contents():
     assert ClusterSpec.builtin("B").rank_types() == ["V100-16G", "V100-16G", "T4-16G", "T4-16G"]
     assert ClusterSpec.builtin("C-1:3").rank_types() == ["A800-80G"] + ["V100S-32G"] * 3
     assert len({d.type for d in ClusterSpec.builtin("D").devices}) == 4
-    assert set(BUILTIN_CLUSTERS) == {"A", "B", "C", "C-1:3", "D"}
+    assert set(BUILTIN_CLUSTERS) == {"A", "B", "C", "C-1:3", "D", "A-4+4", "C-4+4"}
     with pytest.raises(ClusterError, match="built-in: A, B"):
         ClusterSpec.builtin("E")
 

@@ -31,6 +31,7 @@ from poplar.zero import activation_checkpointing as checkpointing
 from poplar.zero.base import StageHooks, ZeroStage
 from poplar.zero.config import ZeroConfig
 from poplar.zero.failures import IterationFailed, failure_kind, release_frames
+from poplar.zero.eager_hooks import eager_hook
 from poplar.zero.iteration_status import (IterationStatus, LossAccumulator, check_batch, failure_message,
                                           reduce_status, skip_empty_step, status_error)
 from poplar.zero.loss_scaler import LossScaler
@@ -126,9 +127,10 @@ class ZeroRuntime:
         self._losses = LossAccumulator(self.comm.device)
         # the first hook opens a micro-step of a loop of the user's own (and stamps the ZeRO-3 root
         # gather with it); the second tells observers the forward starts, after any root gather
-        model.register_forward_pre_hook(self._open_user_micro_step, with_kwargs=True, prepend=True)
-        model.register_forward_pre_hook(self._forward_pre_hook)
-        model.register_forward_hook(self._forward_post_hook)
+        model.register_forward_pre_hook(eager_hook(self._open_user_micro_step), with_kwargs=True,
+                                        prepend=True)
+        model.register_forward_pre_hook(eager_hook(self._forward_pre_hook))
+        model.register_forward_hook(eager_hook(self._forward_post_hook))
         self._reset_iteration()
 
     # ------------------------------------------------------------------ set-up

@@ -44,7 +44,7 @@ class Listener:
     def __init__(self, where: WhereIssued) -> None:
         self.where = where
 
-    def issued(self, op: str, nbytes: int) -> None:
+    def issued(self, op: str, nbytes: int, wire: Any) -> None:
         self.where.issued_collective(op, nbytes)
 
     def done(self, ticket: Any) -> None:

@@ -428,12 +428,9 @@ def clip_and_unscale(grads: list[torch.Tensor], comm: Communicator, sharded: boo
     measured with clipping off too (the run's records report it beside the loss): at stages 1-3
     that is the same one-scalar all-reduce; the status reduction cannot carry it, as it precedes
     the gradient reduction whose result the norm is of."""
-    # one reduction per buffer, accumulated in float64: ``g.double().pow(2).sum()`` made two
-    # float64 temporaries of the whole gradient and three passes (3.4 M fp32 elements on one CPU
-    # thread: 33 ms, against 1.4 ms here); ZeRO-0, which holds the whole gradient, paid it in full
     sq = torch.zeros((), dtype=torch.float64, device=comm.device)
     for g in grads:
-        sq += torch.linalg.vector_norm(g.detach(), dtype=torch.float64).square()
+        sq += squared_norm(g)
     if sharded:
         sq = sq.reshape(1)
         comm.all_reduce(sq, tag="grad_norm")
@@ -444,3 +441,24 @@ def clip_and_unscale(grads: list[torch.Tensor], comm: Communicator, sharded: boo
         for g in grads:
             g.mul_(factor)
     return norm
+
+
+NORM_ROW = 1024  # elements summed in the buffer's precision before float64 takes over
+
+
+def squared_norm(grad: torch.Tensor) -> torch.Tensor:
+    """``grad``'s squared L2 norm, as a float64 scalar on its device: one pass, no copy (of fp32).
+
+    Rows of ``NORM_ROW`` elements are reduced in (at least) float32, and the rows' squares summed
+    in float64. One float32 reduction over a whole buffer drifts (measured on CPU: 14.4 M elements,
+    5e-4 relative); casting the buffer to float64 first is exact but writes a float64 copy of it,
+    and ``.double().pow(2).sum()`` two: 33 ms for 3.4 M elements on one CPU thread, paid in full
+    by ZeRO-0, which holds the whole gradient, where rows of 1024 take 2 ms for 14.4 M and are
+    exact to 1e-9 relative.
+    """
+    flat = grad.detach().reshape(-1)
+    whole = flat.numel() // NORM_ROW * NORM_ROW
+    dtype = torch.promote_types(flat.dtype, torch.float32)
+    rows = torch.linalg.vector_norm(flat[:whole].view(-1, NORM_ROW), dim=1, dtype=dtype)
+    tail = torch.linalg.vector_norm(flat[whole:], dtype=dtype)
+    return rows.double().square().sum() + tail.double().square()

@@ -2,6 +2,10 @@
 
 - ``zero3_vs_fsdp2``: Poplar ZeRO-3 ÷ FSDP2 ``fully_shard(reshard_after_forward=True)``, both
   wrapping each transformer block (plus the root), AdamW.
+- ``zero3_compiled_vs_eager`` / ``zero3_compiled_vs_fsdp2_compiled``: Poplar ZeRO-3 with each
+  block compiled (``block.compile()``, inductor, docs/design.md §3.10) ÷ the same eager, and ÷
+  FSDP2 with each block compiled the same way (``--no-compile`` leaves these rows out). Compiling
+  happens in the warm-up iterations; timed blocks run the compiled code.
 - ``zero0_vs_ddp``: Poplar ZeRO-0 ÷ ``DistributedDataParallel``.
 - ``zero1_vs_ddp_zero``: Poplar ZeRO-1 ÷ DDP with ``ZeroRedundancyOptimizer`` (torch's ZeRO-1).
 - ``zero2_bf16_vs_fsdp2_bf16`` / ``zero3_bf16_vs_fsdp2_bf16``: Poplar ZeRO-2/3 with
@@ -20,6 +24,8 @@
   pass times ``compute_floor``: the same forward and backward and an AdamW step on about 1/world
   of the parameters, with no communication, the least any ZeRO-1 can take on these cores;
   ``zero1_floor_vs_ddp_zero_by_shape`` is it ÷ the peer, how far below the peer a ratio can go.
+- ``zero0_vs_ddp_by_shape`` (CPU, ``--zero0-shapes``, same default): the same for ZeRO-0 and DDP,
+  both with their default 25 MB buckets; its ``compute_floor`` steps all the parameters.
 
 By default gloo ranks on CPU (``poplar.comm.launch.spawn``), one thread each, a small transformer
 (~3.3M parameters, 4 blocks). ``--device cuda`` runs a world of one on this machine's GPU with
@@ -31,6 +37,7 @@ medians (ours ÷ torch: < 1 means Poplar is faster). Prints a table and, last, `
 
     python bench/engine_vs_torch.py [--world 2] [--iters 4] [--repeats 5] [--zero1-shapes 4x256,8x256,8x384]
     python bench/engine_vs_torch.py --zero1-only --repeats 9
+    python bench/engine_vs_torch.py --zero0-only --zero0-shapes 4x256,8x384 --repeats 9
     python bench/engine_vs_torch.py --device cuda [--layers 12]
 """
 
@@ -120,12 +127,15 @@ def batch(c: Shape, rank: int, it: int, device: torch.device) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Rows:
-    """Which systems a pass builds: every row (with or without the bf16 and offload rows), or
-    only the ZeRO-1 pair (``poplar_zero1``, ``torch_ddp_zero``) for the ``--zero1-shapes`` passes."""
+    """Which systems a pass builds: every row (with or without the bf16, offload and compiled
+    rows), or only one stage's pair (``pair``: 1 for ``poplar_zero1`` and ``torch_ddp_zero``, 0
+    for ``poplar_zero0`` and ``torch_ddp``, each with its ``compute_floor``) for the
+    ``--zero1-shapes`` and ``--zero0-shapes`` passes."""
 
     bf16: bool = True
     offload: bool = True
-    zero1_only: bool = False
+    pair: int | None = None
+    compiled: bool = True
 
 
 def make_zero1_pair(c: Shape, world: int, device: torch.device) -> dict[str, Callable[[torch.Tensor], float]]:
@@ -145,9 +155,23 @@ def make_zero1_pair(c: Shape, world: int, device: torch.device) -> dict[str, Cal
             "compute_floor": _local_step(local, local_opt, shard)}
 
 
+def make_zero0_pair(c: Shape, world: int, device: torch.device) -> dict[str, Callable[[torch.Tensor], float]]:
+    """Poplar ZeRO-0 and DDP, AdamW, both with their default buckets (25 MB)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = fresh_model(c, device)
+    engine = PoplarEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-3), zero_stage=ZeroConfig(0),
+                          plan=Plan.even(world, world * c.batch, c.batch))
+    model = DistributedDataParallel(fresh_model(c, device), device_ids=[device.index or 0] if device.type == "cuda" else None)
+    local = fresh_model(c, device)
+    return {"poplar_zero0": lambda x, e=engine: e.train_step(x, loss_fn),
+            "torch_ddp": _torch_step(model, torch.optim.AdamW(model.parameters(), lr=1e-3)),
+            "compute_floor": _local_step(local, torch.optim.AdamW(local.parameters(), lr=1e-3), list(local.parameters()))}
+
+
 def _local_step(model: nn.Module, opt: torch.optim.Optimizer, shard: list[nn.Parameter]) -> Callable[[torch.Tensor], float]:
-    """The floor under any data-parallel ZeRO-1 on these cores: forward, backward and an AdamW
-    step on about 1/world of the parameters, with no communication at all."""
+    """The floor under any data-parallel ZeRO on these cores: forward, backward and an AdamW step
+    on ``shard`` (ZeRO-1: about 1/world of the parameters; ZeRO-0: all), with no communication."""
     mine = {id(p) for p in shard}
 
     def step(x: torch.Tensor) -> float:
@@ -168,8 +192,8 @@ def make_systems(c: Shape, world: int, rows: Rows, device: torch.device) -> dict
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
 
-    if rows.zero1_only:
-        return make_zero1_pair(c, world, device)
+    if rows.pair is not None:
+        return {0: make_zero0_pair, 1: make_zero1_pair}[rows.pair](c, world, device)
     plan = Plan.even(world, world * c.batch, c.batch)  # one micro-step of c.batch samples per rank
     systems: dict[str, Callable[[torch.Tensor], float]] = {}
     for stage in (3, 1, 0):
@@ -190,6 +214,8 @@ def make_systems(c: Shape, world: int, rows: Rows, device: torch.device) -> dict
     model = DistributedDataParallel(fresh_model(c, device), device_ids=ids)
     systems["torch_ddp_zero"] = _torch_step(model, ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW,
                                                                            lr=1e-3))
+    if rows.compiled:
+        systems.update(compiled_pair(c, plan, mesh, device))
     if rows.offload:
         model = fresh_model(c, device)
         engine = PoplarEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-3), zero_stage=ZeroConfig(2),
@@ -214,6 +240,25 @@ def make_systems(c: Shape, world: int, rows: Rows, device: torch.device) -> dict
     fully_shard(model, mesh=mesh, reshard_after_forward=True, mp_policy=policy)
     systems["torch_fsdp2_bf16"] = _torch_step(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
     return systems
+
+
+def compiled_pair(c: Shape, plan: Plan, mesh: Any, device: torch.device) -> dict[str, Callable[[torch.Tensor], float]]:
+    """Poplar ZeRO-3 and FSDP2, each block compiled in place before the model is wrapped, as
+    torchtitan does; the hooks of both run eagerly at the edges of each block's graph."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = fresh_model(c, device)
+    for layer in model.layers:
+        layer.compile()
+    engine = PoplarEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                          zero_stage=ZeroConfig(3, wrap_policy={Block}), plan=plan)
+    peer = fresh_model(c, device)
+    for layer in peer.layers:
+        layer.compile()
+        fully_shard(layer, mesh=mesh, reshard_after_forward=True)
+    fully_shard(peer, mesh=mesh, reshard_after_forward=True)
+    return {"poplar_zero3_compiled": lambda x, e=engine: e.train_step(x, loss_fn),
+            "torch_fsdp2_compiled": _torch_step(peer, torch.optim.AdamW(peer.parameters(), lr=1e-3))}
 
 
 def _torch_step(model: nn.Module, opt: torch.optim.Optimizer) -> Callable[[torch.Tensor], float]:
@@ -272,31 +317,39 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5, help="timed blocks per system (interleaved)")
     ap.add_argument("--no-bf16", dest="bf16", action="store_false", help="leave out the bf16 rows")
     ap.add_argument("--no-offload", dest="offload", action="store_false", help="leave out the offload rows")
+    ap.add_argument("--no-compile", dest="compiled", action="store_false",
+                    help="leave out the rows with compiled blocks")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cpu: gloo ranks (--world); cuda: a world of one on GPU 0 over NCCL")
     ap.add_argument("--zero1-shapes", default="4x256,8x256,8x384",
                     help="CPU: after the main pass, one ZeRO-1 ÷ DDP+ZeroRedundancyOptimizer pass per "
                          "BLOCKSxDIM shape ('' for none)")
     ap.add_argument("--zero1-only", action="store_true", help="CPU: only the --zero1-shapes passes")
+    ap.add_argument("--zero0-shapes", default="4x256,8x256,8x384",
+                    help="CPU: after the main pass, one ZeRO-0 ÷ DDP pass per BLOCKSxDIM shape ('' for none)")
+    ap.add_argument("--zero0-only", action="store_true", help="CPU: only the --zero0-shapes passes")
     for field in ("vocab", "dim", "heads", "layers", "seq", "batch"):
         ap.add_argument(f"--{field}", type=int, help=f"override the preset's {field}")
     args = ap.parse_args()
+    rows = Rows(args.bf16, args.offload, compiled=args.compiled)
     c = CPU if args.device == "cpu" else GPU
     c = replace(c, **{k: getattr(args, k) for k in asdict(c) if getattr(args, k) is not None})
     if args.device == "cuda":
         args.world = 1
-        out = run_cuda(c, args.iters, args.repeats, Rows(args.bf16, args.offload))
+        out = run_cuda(c, args.iters, args.repeats, rows)
         where = f"1 NCCL rank on {torch.cuda.get_device_name(0)}"
         result = main_rows(args, c, out, where)
         result.update(device=torch.cuda.get_device_name(0), shape=asdict(c), peak_gib=out["peak_bytes"] / 2 ** 30)
     else:
         result = {"world": args.world}
-        if not args.zero1_only:
-            out = spawn(worker, args.world, (c, args.iters, args.repeats, Rows(args.bf16, args.offload)),
+        if not (args.zero1_only or args.zero0_only):
+            out = spawn(worker, args.world, (c, args.iters, args.repeats, rows),
                         timeout_s=900, collective_timeout_s=300)[0]
             result = main_rows(args, c, out, f"{args.world} gloo ranks on CPU")
-        if args.zero1_shapes:
-            result.update(zero1_pair_passes(args, c))
+        if args.zero1_shapes and not args.zero0_only:
+            result.update(pair_passes(args, c, 1))
+        if args.zero0_shapes and not args.zero1_only:
+            result.update(pair_passes(args, c, 0))
     print("RESULT " + json.dumps(result))
 
 
@@ -320,6 +373,11 @@ def main_rows(args: argparse.Namespace, c: Shape, out: dict[str, Any], where: st
               "seconds_per_iter": med, "world": args.world, "params": psi}
     print(f"ZeRO-3 / FSDP2 = {result['zero3_vs_fsdp2']:.3f}   ZeRO-0 / DDP = {result['zero0_vs_ddp']:.3f}   "
           f"ZeRO-1 / DDP+ZeroRedundancyOptimizer = {result['zero1_vs_ddp_zero']:.3f}")
+    if args.compiled:
+        result["zero3_compiled_vs_eager"] = med["poplar_zero3_compiled"] / med["poplar_zero3"]
+        result["zero3_compiled_vs_fsdp2_compiled"] = med["poplar_zero3_compiled"] / med["torch_fsdp2_compiled"]
+        print(f"compiled blocks: ZeRO-3 compiled / ZeRO-3 eager = {result['zero3_compiled_vs_eager']:.3f}   "
+              f"ZeRO-3 compiled / FSDP2 compiled = {result['zero3_compiled_vs_fsdp2_compiled']:.3f}")
     if args.offload:
         result["zero2_offload_over_peer"] = med["poplar_zero2_offload"] / med["torch_fsdp2_offload"]
         print(f"offload: ZeRO-2, every rank's optimizer on the host / FSDP2 with CPUOffloadPolicy = "
@@ -334,27 +392,32 @@ def main_rows(args: argparse.Namespace, c: Shape, out: dict[str, Any], where: st
     return result
 
 
-def zero1_pair_passes(args: argparse.Namespace, c: Shape) -> dict[str, Any]:
-    """One pass per ``--zero1-shapes`` entry (BLOCKSxDIM, the rest of the shape as the main
-    pass's): only ZeRO-1 and DDP + ZeroRedundancyOptimizer, interleaved, in this same run."""
+PAIRS = {1: ("poplar_zero1", "torch_ddp_zero", "DDP+ZeroRedundancyOptimizer", "zero1_vs_ddp_zero", "zero1_floor_vs_ddp_zero"),
+         0: ("poplar_zero0", "torch_ddp", "DDP", "zero0_vs_ddp", "zero0_floor_vs_ddp")}
+
+
+def pair_passes(args: argparse.Namespace, c: Shape, stage: int) -> dict[str, Any]:
+    """One pass per ``--zero1-shapes`` (or ``--zero0-shapes``) entry (BLOCKSxDIM, the rest of the
+    shape as the main pass's): only the stage's pair and its compute floor, interleaved, in this
+    same run."""
+    ours, peer, peer_name, key, floor_key = PAIRS[stage]
     ratios: dict[str, float] = {}
     floors: dict[str, float] = {}
-    for spec in args.zero1_shapes.split(","):
+    for spec in (args.zero1_shapes if stage == 1 else args.zero0_shapes).split(","):
         layers, dim = (int(v) for v in spec.lower().split("x"))
         shape = replace(c, layers=layers, dim=dim)
-        out = spawn(worker, args.world, (shape, args.iters, args.repeats, Rows(zero1_only=True)),
+        out = spawn(worker, args.world, (shape, args.iters, args.repeats, Rows(pair=stage)),
                     timeout_s=900, collective_timeout_s=300)[0]
         med = {name: statistics.median(ts) for name, ts in out["times"].items()}
         psi = sum(p.numel() for p in LM(shape).parameters())
-        print(f"ZeRO-1 pair, {spec}: {psi / 1e6:.2f}M parameters, {layers} blocks, d={dim}, {c.batch}x{c.seq} "
+        print(f"ZeRO-{stage} pair, {spec}: {psi / 1e6:.2f}M parameters, {layers} blocks, d={dim}, {c.batch}x{c.seq} "
               f"tokens per rank, AdamW; median of {args.repeats} blocks of {args.iters} iterations")
         _table(out, med)
-        ratios[spec] = med["poplar_zero1"] / med["torch_ddp_zero"]
-        floors[spec] = med["compute_floor"] / med["torch_ddp_zero"]
-        print(f"ZeRO-1 / DDP+ZeroRedundancyOptimizer ({spec}) = {ratios[spec]:.3f}   "
-              f"no-communication floor / DDP+ZeroRedundancyOptimizer = {floors[spec]:.3f}")
-    return {"zero1_vs_ddp_zero_by_shape": ratios, "zero1_vs_ddp_zero_max": max(ratios.values()),
-            "zero1_floor_vs_ddp_zero_by_shape": floors}
+        ratios[spec] = med[ours] / med[peer]
+        floors[spec] = med["compute_floor"] / med[peer]
+        print(f"ZeRO-{stage} / {peer_name} ({spec}) = {ratios[spec]:.3f}   "
+              f"no-communication floor / {peer_name} = {floors[spec]:.3f}")
+    return {f"{key}_by_shape": ratios, f"{key}_max": max(ratios.values()), f"{floor_key}_by_shape": floors}
 
 
 if __name__ == "__main__":

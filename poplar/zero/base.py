@@ -127,7 +127,9 @@ class ZeroStage(ABC):
     @abstractmethod
     def held_grads(self) -> list[torch.Tensor]:
         """The gradients this rank holds before ``reduce_gradients`` (stages 0/1: local, not
-        reduced; stages 2/3: reduced shards), which the non-finite check reads."""
+        reduced; stages 2/3: reduced shards), which the non-finite check reads. Stage 0 sums its
+        gradients in place before the check: it gives each one's summary taken before it was sent
+        (``nonfinite.grad_summary``), which the check reads as the gradient itself."""
         ...
 
     @property

@@ -67,6 +67,13 @@ def nonfinite_flag(grads: list[torch.Tensor], loss_sum: torch.Tensor, limit: flo
     return (~torch.isfinite(total)).to(torch.float64)
 
 
+def grad_summary(grad: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+    """One value of ``grad`` that ``nonfinite_flag`` reads as it reads ``grad`` (its sum, or
+    with ``limit`` its largest magnitude): a stage that reduces a gradient in place takes it
+    before the reduction, for the check of this rank's own gradient."""
+    return grad.sum() if limit is None else torch.linalg.vector_norm(grad, float("inf"))
+
+
 class NonFiniteGuard:
     """Counts skipped steps and decides, identically on every rank, whether to raise."""
 

@@ -4,7 +4,8 @@ are sharded progressively.
 Parameters become views into per-unit flat buffers (a unit = a gradient bucket). Backward
 hands each gradient over to its unit's flat gradient buffer through a post-accumulate hook.
 
-- Stage 0: full flat gradients persist and are all-reduced (summed) once per iteration.
+- Stage 0: full flat gradients persist and are all-reduced (summed) in place once per
+  iteration, each unit as the rank's last backward fills it (``Stage0``).
 - Stage 1 (``poplar.zero.stage1``): full flat gradients persist, are reduce-scattered once per
   iteration; the optimizer steps this rank's shard, and updated shards are all-gathered.
 - Stage 2: only the gradient shard persists. Each unit is reduce-scattered asynchronously as
@@ -26,14 +27,15 @@ host step's values are cast into this rank's slice of the compute copy, which th
 from __future__ import annotations
 
 from abc import abstractmethod
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from poplar.zero.base import StageHooks, ZeroStage, on_grad_accumulated
-from poplar.comm import Communicator, Phase
+from poplar.comm import Communicator, PendingCollective, Phase
 from poplar.zero.flat import FlatUnit
+from poplar.zero.nonfinite import grad_summary
 from poplar.zero.optim import repoint_optimizer
 from poplar.zero.precision import StagePrecision
 from poplar.zero.reduce_queue import ReduceHandle, ReduceQueue
@@ -204,22 +206,13 @@ class ReplicatedParams(ZeroStage):
         self.offload.refresh()
 
 
-class Stage0(ReplicatedParams):
-    stage = 0
-    grads_sharded = False
-    master_sharded = False
+class LocalGrads(ReplicatedParams):
+    """Stages 0 and 1: every rank accumulates the full flat gradients of its micro-steps, and
+    reduces them once per iteration."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._new_grad_buffers()
-        # mixed precision: the optimizer steps one fp32 master view per model parameter
-        self.master_params: list[list[nn.Parameter]] | None = None
-        if self.masters and not self.master_sharded:
-            self.master_params = [[nn.Parameter(u.slot(m, i)) for i in range(len(u.params))]
-                                  for u, m in zip(self.units, self.masters)]
-            master_of = {id(p): mp for u, mps in zip(self.units, self.master_params) for p, mp in zip(u.params, mps)}
-            repoint_optimizer(self.optimizer, [[master_of.get(id(p), p) for p in g["params"]]
-                                               for g in self.optimizer.param_groups])
 
     def _new_grad_buffers(self) -> None:
         self.flat_grads = [u.new_flat() for u in self.units]
@@ -247,21 +240,6 @@ class Stage0(ReplicatedParams):
                 self.units[ui].slot(self.flat_grads[ui], si).zero_()
                 written[si] = True
 
-    def reduce_gradients(self) -> None:
-        for ui in range(len(self.units)):
-            self._settle(ui)
-        for u, g in zip(self.units, self.flat_grads):
-            wire = self.precision.for_reduce(g)
-            if wire is not g:
-                self._hold(wire.numel() * wire.element_size())
-            self.comm.all_reduce(wire, tag=f"unit{u.index}")
-            if wire is not g:
-                g.copy_(wire)
-                self._release(wire.numel() * wire.element_size())
-
-    def grad_tensors(self) -> list[torch.Tensor]:
-        return self.flat_grads
-
     def held_grads(self) -> list[torch.Tensor]:
         for ui in range(len(self.units)):
             self._settle(ui)
@@ -275,6 +253,118 @@ class Stage0(ReplicatedParams):
         if wire is None or torch.finfo(wire).max >= torch.finfo(self.units[0].dtype).max:
             return None
         return torch.finfo(wire).max / self.comm.world_size
+
+    def zero_grad(self) -> None:
+        for written in self._written:  # Note: gradient slots are written, not zeroed
+            written[:] = [False] * len(written)
+
+    def grad_bytes(self) -> int:
+        return sum(g.numel() * g.element_size() for g in self.flat_grads)
+
+
+class SentSum(NamedTuple):
+    """A unit's all-reduce in flight (None: already complete): its gradient, and the copy in the
+    reduce dtype that travels (the gradient itself when there is none)."""
+
+    work: PendingCollective | None
+    grad: torch.Tensor
+    wire: torch.Tensor
+
+
+class Stage0(LocalGrads):
+    """Stage 0: the full flat gradients are all-reduced (summed) in place once per iteration, and
+    every rank steps all of them.
+
+    [Note: ZeRO-0's all-reduce overlaps the last backward]
+    As ZeRO-1's reduce-scatter (``poplar.zero.stage1``, Note: the closing reduction overlaps the
+    last backward) and DDP's buckets: in the rank's last micro-step of ``train_step`` each unit is
+    all-reduced, asynchronously and in the fixed unit order, as soon as backward has filled it and
+    every earlier unit, so the sum travels while backward computes the earlier layers; the rest (a
+    rank with no micro-step, a failed one, a loop of the user's own) is sent in
+    ``close_micro_steps``, before the iteration's status reduction, so every rank sends each unit
+    once, in the same order. The sum lands in the gradient itself, as DDP's does, not in a
+    second full buffer. The non-finite check must still see this rank's own gradient, not the sum
+    (it names the ranks where an inf arose, and under fp16 reduction it checks that the sum has
+    room): each unit's summary for the check (``nonfinite.grad_summary``) is taken just before it
+    is sent, and ``held_grads`` returns those summaries.
+    """
+
+    stage = 0
+    grads_sharded = False
+    master_sharded = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # mixed precision: the optimizer steps one fp32 master view per model parameter
+        self.master_params: list[list[nn.Parameter]] | None = None
+        if self.masters:
+            self.master_params = [[nn.Parameter(u.slot(m, i)) for i in range(len(u.params))]
+                                  for u, m in zip(self.units, self.masters)]
+            master_of = {id(p): mp for u, mps in zip(self.units, self.master_params) for p, mp in zip(u.params, mps)}
+            repoint_optimizer(self.optimizer, [[master_of.get(id(p), p) for p in g["params"]]
+                                               for g in self.optimizer.param_groups])
+        self._reset_reduction()
+
+    def _reset_reduction(self) -> None:
+        self._overlapping = False  # in this rank's last micro-step: units go out as backward fills them
+        self._ready = [0] * len(self.units)
+        self._next = 0  # the next unit to all-reduce
+        self._in_flight: list[SentSum] = []
+        self._summaries: list[torch.Tensor] = []  # what the non-finite check reads of each sent unit
+
+    def last_micro_step(self) -> None:
+        self._overlapping = True
+
+    def _grad_ready(self, ui: int, si: int, grad: torch.Tensor) -> None:
+        if ui < self._next:
+            raise RuntimeError(
+                f"a gradient of '{self.units[ui].names[si]}' arrived after its unit was reduced; at ZeRO-0 "
+                "train_step runs one backward per micro-step of the plan's row")
+        super()._grad_ready(ui, si, grad)
+        if self._overlapping:
+            self._ready[ui] += 1
+            while self._next < len(self.units) and self._ready[self._next] >= len(self.units[self._next].params):
+                self._send(self._next)
+
+    def _send(self, ui: int) -> None:
+        """All-reduce unit ``ui``'s flat gradient in place (async), after taking its summary."""
+        u, g = self.units[ui], self.flat_grads[ui]
+        self._settle(ui)
+        self._summaries.append(grad_summary(g, self.held_grads_limit))
+        wire = self.precision.for_reduce(g)  # the gradient itself, or its copy in the reduce dtype
+        if wire is not g:
+            self._hold(wire.numel() * wire.element_size())
+        with self.comm.ledger.scope(Phase.STEP, micro_step=-1):  # the iteration's closing reduction
+            work = self.comm.all_reduce(wire, tag=f"unit{u.index}", async_op=True)
+        self._in_flight.append(SentSum(work, g, wire))
+        self._next = ui + 1
+
+    def end_micro_step(self) -> None:
+        if self._overlapping:  # unused parameters: their gradients are final too
+            while self._next < len(self.units):
+                self._send(self._next)
+
+    def close_micro_steps(self) -> None:
+        while self._next < len(self.units):
+            self._send(self._next)
+        for work, grad, wire in self._in_flight:
+            if work is not None:
+                work.wait()
+            if wire is not grad:
+                grad.copy_(wire)
+                self._release(wire.numel() * wire.element_size())
+        self._in_flight = []
+
+    def held_grads(self) -> list[torch.Tensor]:
+        # Note: ZeRO-0's all-reduce overlaps the last backward
+        assert self._next == len(self.units), "close_micro_steps runs before the gradients are checked"
+        return self._summaries
+
+    def reduce_gradients(self) -> None:
+        pass  # summed in close_micro_steps
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        return self.flat_grads
 
     def optimizer_step(self) -> None:
         stepped = self.master_params or [u.params for u in self.units]
@@ -291,11 +381,8 @@ class Stage0(ReplicatedParams):
                     flat.copy_(master)
 
     def zero_grad(self) -> None:
-        for written in self._written:  # Note: gradient slots are written, not zeroed
-            written[:] = [False] * len(written)
-
-    def grad_bytes(self) -> int:
-        return sum(g.numel() * g.element_size() for g in self.flat_grads)
+        super().zero_grad()
+        self._reset_reduction()
 
 
 class Stage2(ReplicatedParams):

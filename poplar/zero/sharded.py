@@ -60,6 +60,7 @@ from torch.utils._pytree import tree_leaves
 
 from poplar.zero.activation_checkpointing import recomputing
 from poplar.zero.base import StageHooks, ZeroStage, on_grad_accumulated
+from poplar.zero.eager_hooks import eager_hook
 from poplar.zero.blocks import BlockState, GatherHandle, GradState, ShardedBlock, build_blocks
 from poplar.comm import Communicator, DistributedError, Phase
 from poplar.zero import sharded_state
@@ -103,11 +104,11 @@ class Stage3(ZeroStage):
         self._set_orders([b.index for b in self.layers], post_order(self.layers))
 
         self._blocks_by_index = {b.index: b for b in blocks}
-        model.register_forward_pre_hook(self._root_pre)
-        model.register_forward_hook(self._root_post, always_call=True)
+        model.register_forward_pre_hook(eager_hook(self._root_pre))
+        model.register_forward_hook(eager_hook(self._root_post), always_call=True)
         for b in self.layers:
-            b.module.register_forward_pre_hook(partial(self._block_pre, b))
-            b.module.register_forward_hook(partial(self._block_post, b))
+            b.module.register_forward_pre_hook(eager_hook(partial(self._block_pre, b)))
+            b.module.register_forward_hook(eager_hook(partial(self._block_post, b)))
         for b in blocks:
             for k, u in enumerate(b.units):
                 for i, p in enumerate(u.params):

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import torch
 
 from poplar.comm import PendingCollective, Phase
-from poplar.zero.replicated import Stage0
+from poplar.zero.replicated import LocalGrads
 
 
 class SentReduce(NamedTuple):
@@ -36,7 +36,7 @@ class SentReduce(NamedTuple):
     wire_bytes: int
 
 
-class Stage1(Stage0):
+class Stage1(LocalGrads):
     stage = 1
     grads_sharded = True
     master_sharded = True

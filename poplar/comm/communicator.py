@@ -21,6 +21,12 @@ Built with a ``Topology`` that spans nodes, the communicator creates the node pr
 once (``poplar.comm.hierarchical.NodeGroups``); while ``use_hierarchy(True)`` its all-gathers and
 reduce-scatters run hierarchically: a chain of steps, each recorded with the ``Link`` it used.
 
+A plan may leave ranks out of the training step (docs/design.md §3.11): ``set_step_ranks`` makes
+the process group of the ranks in the step once per plan, and inside ``step_collectives()`` the
+tensor collectives and object gathers run on it (per-rank ``sizes`` are given over the world, as
+the shard layout has them; a rank left out holds a part of 0 elements). Outside, every
+collective is over the world: the state collectives (checkpoints, re-sharding, full state).
+
 [Note: chains of steps, issued in order]
 A hierarchical collective is two steps (in-node, exchange), the second issued only once the first
 is done. Its first step is issued with the call and overlaps what the rank does next; its last
@@ -40,7 +46,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import deque
-from typing import Any, Callable, Iterator, Protocol, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -51,7 +57,7 @@ from poplar.comm.ledger import CommLedger
 from poplar.comm.sigterm_watch import BLOCKED
 from poplar.comm.uneven import all_gather_tensor, reduce_scatter_tensor
 from poplar.types.errors import DistributedError
-from poplar.types.topology import Topology, TopologyError, Wire
+from poplar.types.topology import Link, Topology, TopologyError, Wire
 
 
 class CollectiveObserver(Protocol):
@@ -152,6 +158,13 @@ class PendingChain:
             self.call = HierarchicalCall(self.call.steps, None)
 
 
+class StepGroup(NamedTuple):
+    """The ranks in the training step and, on a rank among them, the communicator of their group."""
+
+    ranks: tuple[int, ...]
+    comm: "Communicator | None"
+
+
 class Communicator:
     """The engine's only door to ``torch.distributed``. With no process group initialised it
     runs as a world of one (every collective is a local copy), so single-process use works."""
@@ -160,6 +173,10 @@ class Communicator:
     node_groups: NodeGroups | None = None  # a topology that spans nodes: its process groups
     hierarchical: bool = False  # all-gathers and reduce-scatters run on node_groups (``use_hierarchy``)
     _chains: "deque[PendingChain] | None" = None  # hierarchical collectives not issued to their last step
+    wire_ranks: tuple[int, ...] | None = None  # the global ranks of this communicator's group (None: the world's)
+    step_group: "StepGroup | None" = None  # the ranks in the step, when a plan leaves some out
+    _step_groups: "dict[tuple[int, ...], StepGroup] | None" = None  # made once per set of ranks (new_group)
+    _stepping = False  # inside step_collectives()
 
     def __init__(self, process_group: Any = None, device: torch.device | None = None,
                  ledger: CommLedger | None = None, topology: Topology | None = None) -> None:
@@ -176,6 +193,7 @@ class Communicator:
         self.ledger = ledger or CommLedger()
         self.backend = dist.get_backend(self.group) if self.distributed else "none"
         self._chains = deque()
+        self._step_groups = {}
         if topology is not None and (problem := topology.problem(self.world_size)) is not None:
             raise TopologyError(problem)
         if topology is not None and topology.spans_nodes and self.world_size > 1:
@@ -223,6 +241,59 @@ class Communicator:
         chain.wait()
         return None
 
+    # -- the ranks in the step (a plan that leaves ranks out; docs/design.md §3.11) --
+    def set_step_ranks(self, ranks: Sequence[int]) -> None:
+        """From now on ``step_collectives()`` runs on the group of ``ranks`` (every rank calls this
+        together, with the same ranks: a new group is a collective over the world; each set of
+        ranks gets its group once and keeps it). All the ranks: the world's collectives."""
+        ranks = tuple(sorted(ranks))
+        if not ranks or ranks[0] < 0 or ranks[-1] >= self.world_size:
+            raise ValueError(f"step ranks must be ranks of the world of {self.world_size}, got {ranks}")
+        if len(ranks) == self.world_size:
+            self.step_group = None
+            return
+        if self._step_groups is None:
+            self._step_groups = {}
+        if ranks not in self._step_groups:
+            group = dist.new_group(list(ranks))
+            comm = None
+            if self.rank in ranks:
+                comm = Communicator(group, self.device, self.ledger)
+                comm.wire_ranks = ranks
+            self._step_groups[ranks] = StepGroup(ranks, comm)
+        self.step_group = self._step_groups[ranks]
+
+    @property
+    def in_step(self) -> bool:
+        """Whether this rank takes part in the training step of the current step ranks."""
+        return self.step_group is None or self.rank in self.step_group.ranks
+
+    @contextlib.contextmanager
+    def step_collectives(self) -> Iterator["Communicator"]:
+        """Until the block ends, collectives run over the ranks in the step. A rank left out
+        issuing one is a bug: it would wait for peers that never come, so it raises at once."""
+        outer, self._stepping = self._stepping, True
+        try:
+            yield self
+        finally:
+            self._stepping = outer
+
+    def _step_comm(self) -> "Communicator | None":
+        if not self._stepping or self.step_group is None:
+            return None
+        if self.step_group.comm is None:
+            raise RuntimeError(f"rank {self.rank} is left out of the training step (the plan gives it no samples and "
+                               "no shard) but issued a step collective; a rank left out runs no step")
+        return self.step_group.comm
+
+    def _step_sizes(self, sizes: Sequence[int] | None) -> list[int]:
+        assert self.step_group is not None
+        if sizes is None or len(sizes) != self.world_size:
+            raise RuntimeError("a collective over the ranks in the step needs every world rank's part size")
+        if any(sizes[r] for r in range(self.world_size) if r not in self.step_group.ranks):
+            raise RuntimeError("a rank left out of the step holds a part of a step collective; its shard weight must be 0")
+        return [sizes[r] for r in self.step_group.ranks]
+
     @contextlib.contextmanager
     def observed(self, observer: CollectiveObserver | None) -> Iterator["Communicator"]:
         """Until the block ends, ``observer`` hears of every tensor collective (None: nothing
@@ -254,7 +325,8 @@ class Communicator:
         self.settle()
         t0 = self.start_timer()
         observer = self.observer if self.world_size > 1 else None
-        ticket = observer.issued(op, nbytes, Wire.world(self.world_size)) if observer is not None else None
+        wire = Wire.world(self.world_size) if self.wire_ranks is None else Wire(Link.FLAT, self.wire_ranks)
+        ticket = observer.issued(op, nbytes, wire) if observer is not None else None
         work = self.guard(op, tag, lambda: fn(async_op)) if self.world_size > 1 else None
         if async_op:
             issue = time.perf_counter() - t0
@@ -284,6 +356,8 @@ class Communicator:
 
     def all_reduce(self, tensor: torch.Tensor, tag: str = "", async_op: bool = False) -> PendingCollective | None:
         """Sum ``tensor`` over ranks, in place."""
+        if (step := self._step_comm()) is not None:
+            return step.all_reduce(tensor, tag, async_op)
         nbytes = tensor.numel() * tensor.element_size()
         return self._run("all_reduce", nbytes,
                          lambda a: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=a),
@@ -293,6 +367,8 @@ class Communicator:
                        async_op: bool = False, sizes: Sequence[int] | None = None) -> PendingCollective | None:
         """``output`` (1/N of ``input``, or ``sizes[rank]`` elements: every rank's part, in rank
         order) gets this rank's part of the sum of ``input`` over ranks."""
+        if (step := self._step_comm()) is not None:
+            return step.reduce_scatter(output, input, tag, async_op, self._step_sizes(sizes))
         if self.world_size == 1:
             output.copy_(input)
         elif self.hierarchical:
@@ -314,6 +390,8 @@ class Communicator:
                    async_op: bool = False, sizes: Sequence[int] | None = None) -> PendingCollective | None:
         """``output`` (N x ``input``, or the ``sizes`` of every rank's part back to back) gets
         every rank's ``input``, in rank order."""
+        if (step := self._step_comm()) is not None:
+            return step.all_gather(output, input, tag, async_op, self._step_sizes(sizes))
         if self.world_size == 1:
             output.copy_(input)
         elif self.hierarchical:
@@ -384,6 +462,9 @@ class Communicator:
         return self.world_size == 1 or uneven.even_method(self.backend, "all_gather") is uneven.UnevenMethod.BROADCASTS
 
     def all_gather_object(self, obj: Any, tag: str = "") -> list[Any]:
+        """Every rank's ``obj``, in rank order (in ``step_collectives``: the ranks in the step's)."""
+        if (step := self._step_comm()) is not None:
+            return step.all_gather_object(obj, tag)
         if self.world_size == 1:
             return [obj]
         out: list[Any] = [None] * self.world_size

@@ -90,6 +90,11 @@ class RankPlan:
         return self.micro_batch_size * self.accum_steps + self.last_batch_size
 
     @property
+    def left_out(self) -> bool:
+        """No samples and no shard: the rank sits out the training step (docs/design.md §3.11)."""
+        return self.num_samples == 0 and self.shard_weight == 0
+
+    @property
     def num_micro_steps(self) -> int:
         return self.accum_steps + (1 if self.last_batch_size > 0 else 0)
 
@@ -231,7 +236,18 @@ class Plan:
         return list(shares_of(self.shard_weights))
 
     @property
+    def left_out(self) -> tuple[int, ...]:
+        """The ranks this plan leaves out of the training step (rows of 0 samples and weight 0)."""
+        return tuple(i for i, r in enumerate(self.ranks) if r.left_out)
+
+    @property
+    def step_ranks(self) -> tuple[int, ...]:
+        """The ranks in the training step: every rank but those left out."""
+        return tuple(i for i, r in enumerate(self.ranks) if not r.left_out)
+
+    @property
     def max_micro_steps(self) -> int:
+        """The micro-steps every rank in the step runs at stages 2/3 (a rank left out runs none)."""
         return max(r.num_micro_steps for r in self.ranks)
 
     def sample_offsets(self) -> list[int]:
@@ -305,6 +321,8 @@ class Plan:
                          + ("" if shares is None else f" {100 * shares[i]:>5.1f}%")
                          + f" {r.offload.value:>9}")
         tail = f"global batch {self.global_batch_size}"
+        if self.left_out:
+            tail += f", ranks {list(self.left_out)} left out"
         if self.hierarchical:
             tail += ", hierarchical collectives" + (" with secondary shards" if self.secondary_shards else "")
         if self.predicted_iteration_s is not None:

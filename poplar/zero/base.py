@@ -153,6 +153,15 @@ class ZeroStage(ABC):
     def _reshard(self, shards: Shards) -> None:
         """Re-cut this stage's shards by ``shards`` (the optimizer steps its device shards)."""
 
+    def refresh_replicas(self) -> None:
+        """Bring the whole parameters every rank keeps up to date from their owners' shards (every
+        rank together, between iterations): a rank left out of some steps (docs/design.md §3.11)
+        holds stale ones. Stage 3 keeps no whole parameters."""
+
+    def share_step_agreements(self) -> None:
+        """Give ranks that sat out the iterations where the ranks in the step agreed on something
+        (ZeRO-3: the blocks' order) what was agreed (every rank together, between iterations)."""
+
     def keep_secondary_shards(self, on: bool) -> None:
         """Keep node-local secondary shards of the gathered parameters from the next iteration on
         (ZeRO-3 on hierarchical collectives; other stages gather no parameters in a step)."""

@@ -130,6 +130,9 @@ class ReplicatedParams(ZeroStage):
     def _new_grad_buffers(self) -> None:
         """Gradient buffers of the units' current layout (between iterations: they are zero)."""
 
+    def refresh_replicas(self) -> None:
+        self.sync_params()
+
     def sync_params(self) -> None:
         """Every rank takes each shard from its owner (after a step; at setup this also makes
         ranks that built different initial weights agree). With a master shard the owner sends

@@ -32,22 +32,31 @@ class UnitState(NamedTuple):
 
 def gather_state(comm: Communicator, optimizer: torch.optim.Optimizer, units: Sequence[FlatUnit],
                  shards: Sequence[nn.Parameter]) -> list[UnitState]:
-    """Per unit, its optimizer state over the whole unit (a collective, every rank together)."""
+    """Per unit, its optimizer state over the whole unit (a collective, every rank together).
+    A rank that holds no part of a unit and has not stepped it (one a plan left out of the step,
+    docs/design.md §3.11) holds no state for it: it takes the state's kinds from the ranks that do."""
     keys = [sorted(k for k, v in optimizer.state.get(sp, {}).items() if per_element(v, sp)) for sp in shards]
-    everyone = comm.all_gather_object(keys, tag="reshard:keys")
-    if any(theirs != keys for theirs in everyone):
+    stepped = [sp in optimizer.state for sp in shards]
+    everyone = comm.all_gather_object((keys, stepped, [sp.numel() for sp in shards]), tag="reshard:keys")
+    holders = [r for r, (_, s, _) in enumerate(everyone) if any(s)]
+    if any(everyone[r][0] != everyone[holders[0]][0] for r in holders) or any(
+            not any(s) and any(sizes) for _, s, sizes in everyone if holders):
         raise DistributedError("re-sharding: ranks hold different optimizer state (one has stepped, another not); "
                                "call set_plan on every rank between the same iterations")
+    other_of = [{k: v for k, v in optimizer.state.get(sp, {}).items() if k not in ks} for sp, ks in zip(shards, keys)]
+    if holders and len(holders) < comm.world_size:  # a rank that sat out takes the rest of the state too
+        keys = everyone[holders[0]][0]
+        other_of = comm.all_gather_object(other_of, tag="reshard:other")[holders[0]]
     out = []
-    for u, sp, unit_keys in zip(units, shards, keys):
+    for u, sp, unit_keys, other in zip(units, shards, keys, other_of):
         state = optimizer.state.get(sp, {})
         flats = {}
         for k in unit_keys:
-            value = state[k]
+            value = state[k] if k in state else torch.zeros(0, dtype=sp.dtype, device=sp.device)
             flat = torch.zeros(u.padded_numel, dtype=value.dtype, device=value.device)
             comm.all_gather(flat, value.detach().contiguous(), tag=f"reshard:unit{u.index}", sizes=u.part_sizes)
             flats[k] = flat
-        out.append(UnitState(flats, {k: v for k, v in state.items() if k not in unit_keys}))
+        out.append(UnitState(flats, dict(other)))
     return out
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import time
 from enum import Enum
 from typing import Any, Callable
@@ -114,6 +115,10 @@ class ZeroRuntime:
         self.skip_report = SkipReport(config.skip_report)
         self.zero_stage = zero_stage
         self.shards = Shards(plan.shard_weights)  # how the sharded state is cut, as built
+        self.plan: Plan | None = None  # set by set_plan below
+        self._replicas_stale = False  # a step left ranks out since the whole parameters were last gathered
+        self._step_scope = contextlib.ExitStack()  # the iteration's collectives run over the ranks in the step
+        self._stepping = False
         self.stage: ZeroStage = build_stage(zero_stage, model, optimizer, self.comm, groups, bucket_size_mb,
                                             wrap_policy, StagePrecision.of(self.mixed_precision),
                                             StageHooks(self.observers.transient_allocated, self.observers.host_copy),
@@ -148,12 +153,18 @@ class ZeroRuntime:
         Other shard weights re-shard the state first (every rank together, ``ZeroStage.reshard``);
         this rank's row says where its optimizer steps (``ZeroStage.place_optimizer``)."""
         if check is PlanCheck.AGREE:
-            error = plan_problem(plan, self.world_size, self.zero_stage, bool(self._micro_steps))
+            error = (plan_problem(plan, self.world_size, self.zero_stage, bool(self._micro_steps))
+                     or self._left_out_problem(plan))
             digest = hashlib.sha256(plan.to_json().encode()).hexdigest() if error is None else None
             self.comm.agree(error, "set_plan", digest,
                             mismatch="ranks were given different plans; pass the same plan to every rank")
-        elif (problem := plan.problem(self.world_size)) is not None:  # edited since it was built?
-            raise PlanError(problem)
+        elif (problem := plan.problem(self.world_size) or self._left_out_problem(plan)) is not None:
+            raise PlanError(problem)  # edited since it was built?
+        previous = self.plan
+        self._refresh_replicas()  # a rank that sat out steps: its whole parameters, before any re-cut
+        if previous is not None and previous.left_out and previous.step_ranks != plan.step_ranks:
+            with self.comm.ledger.scope(Phase.STATE):
+                self.stage.share_step_agreements()
         shards = Shards(plan.shard_weights)
         if not shards.cuts_like(self.shards):
             if self._micro_steps:
@@ -163,8 +174,31 @@ class ZeroRuntime:
             self.shards = shards
         self.plan, self.rank_plan, self.global_batch_size = plan, plan.ranks[self.rank], plan.global_batch_size
         self.stage.place_optimizer(self.rank_plan.offload)
-        self.comm.use_hierarchy(plan.hierarchical)  # on one node: the flat collectives
+        self.comm.set_step_ranks(plan.step_ranks)  # every rank together; a group made once per set of ranks
+        # on one node, or with ranks left out (in the step, on one node: §3.11): the flat collectives
+        self.comm.use_hierarchy(plan.hierarchical and not plan.left_out)
         self.stage.keep_secondary_shards(plan.secondary_shards and self.comm.hierarchical)
+
+    def _left_out_problem(self, plan: Plan) -> str | None:
+        """Why this runtime cannot leave ``plan``'s ranks out of the step, or None (§3.11)."""
+        if not plan.left_out:
+            return None
+        if plan.hierarchical and len({self.comm.topology.node_of(r) for r in plan.step_ranks}) > 1:
+            return (f"the plan leaves ranks {list(plan.left_out)} out of the step with hierarchical collectives, and "
+                    "the ranks in the step span nodes; a step over some ranks runs flat: set hierarchical=False, "
+                    "or leave out a whole node")
+        if self.loss_scaler is not None:
+            return (f"the plan leaves ranks {list(plan.left_out)} out of the step under fp16 loss scaling, whose scale "
+                    "a rank that sits out would not follow; use bf16 or fp32, or give every rank samples")
+        return None
+
+    def _refresh_replicas(self) -> None:
+        """After steps that left ranks out, bring their whole parameters (stages 1/2) up to date: a
+        state collective over the world, between iterations."""
+        if self._replicas_stale:
+            with self.comm.ledger.scope(Phase.STATE):
+                self.stage.refresh_replicas()
+            self._replicas_stale = False
 
     def restore_iteration(self, iteration: int) -> None:
         """Continue counting from ``iteration`` (a loaded checkpoint's), between iterations."""
@@ -179,6 +213,8 @@ class ZeroRuntime:
         ``(loss_sum, count)`` (default: the runtime's ``loss_fn``). Returns the global mean loss,
         per sample or per counted item (NaN if the global count is 0), the same float on every rank.
         """
+        if not self.comm.in_step:
+            return self._sit_out(batch)
         self._begin_iteration()
         loss_fn = loss_fn if loss_fn is not None else self.loss_fn
         error, cause = check_batch(batch, self.rank_plan, loss_fn)
@@ -212,7 +248,20 @@ class ZeroRuntime:
         self._compute_s += time.perf_counter() - t0 - (self.comm_ledger.total_seconds - comm0)
         return None
 
+    def _sit_out(self, batch: Any) -> float:
+        """An iteration on a rank the plan leaves out (docs/design.md §3.11): no collective, no
+        sample; the iteration is counted, so the ranks' counts agree at the next state collective.
+        The loss is the others' (NaN here: learning it would be a collective)."""
+        if batch is not None and batch_size_of(batch) != 0:
+            raise PlanError(f"rank {self.rank} is left out of the step by the plan but was given "
+                            f"{batch_size_of(batch)} samples; give it an empty batch (poplar's sampler does)")
+        self._replicas_stale = True  # as on the ranks in the step: the same verdict on every rank
+        self.iteration += 1
+        self._reset_iteration()
+        return math.nan
+
     def _begin_iteration(self) -> None:
+        self._enter_step()
         if self._started is None:
             self._started = self.iteration
             self._iter_start = time.perf_counter()
@@ -283,8 +332,18 @@ class ZeroRuntime:
         self.observers.micro_step_end(step)
 
     def step(self) -> float:
-        """End the iteration: reduce gradients, clip, step, zero. Returns the global mean loss."""
+        """End the iteration: reduce gradients, clip, step, zero. Returns the global mean loss
+        (on a rank the plan leaves out: NaN, with no collective, and no backward before it)."""
+        if not self.comm.in_step:
+            return self._sit_out(None)
+        self._enter_step()
         return self._finish_iteration(None, None)
+
+    def _enter_step(self) -> None:
+        """From here to the iteration's end its collectives run over the ranks in the step."""
+        if not self._stepping:
+            self._step_scope.enter_context(self.comm.step_collectives())
+            self._stepping = True
 
     def _finish_iteration(self, error: str | None, cause: BaseException | None) -> float:
         if self.stage.communicates_in_micro_steps:
@@ -303,6 +362,7 @@ class ZeroRuntime:
             else:
                 self._take_step(self._losses.divisor(status))
             self._losses.end_iteration(status)
+        self._replicas_stale = self._replicas_stale or bool(self.plan.left_out)
         wall = time.perf_counter() - self._iter_start
         comm_s = self.comm_ledger.seconds(iteration=self.iteration)
         self.last_stats = IterationStats(self.iteration, wall, self._compute_s or max(0.0, wall - comm_s), comm_s,
@@ -384,6 +444,8 @@ class ZeroRuntime:
         self._started: int | None = None  # the iteration whose iteration_start observers saw
         self._iter_start = time.perf_counter()
         self._user_forward.close()
+        self._step_scope.close()
+        self._stepping = False
         self.comm_ledger.start_iteration(self.iteration)
 
     @property
@@ -408,6 +470,7 @@ class ZeroRuntime:
     # ------------------------------------------------------------------ state
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The complete unsharded model state (keys as ``model.state_dict()``), on every rank."""
+        self._refresh_replicas()
         return self.stage.full_state_dict()
 
     def memory_report(self) -> dict[str, int]:

@@ -41,7 +41,8 @@ def check_arguments(world_size: int, model: nn.Module, optimizer: torch.optim.Op
     if plan.world_size != world_size:
         return (f"plan has {plan.world_size} rows but the world has {world_size} ranks; "
                 "give one RankPlan per rank"), []
-    if (problem := offload_problem(plan, zero_stage) or secondary_problem(plan, zero_stage)) is not None:
+    if (problem := offload_problem(plan, zero_stage) or secondary_problem(plan, zero_stage)
+            or left_out_problem(plan, zero_stage)) is not None:
         return problem, []
     if max_grad_norm is not None and not max_grad_norm > 0:
         return f"max_grad_norm must be > 0 or None, got {max_grad_norm}", []
@@ -134,7 +135,19 @@ def plan_problem(plan: Any, world_size: int, zero_stage: int, in_iteration: bool
         return "set_plan() inside an iteration; call it between iterations"
     if not isinstance(plan, Plan):
         return f"plan must be a Plan, got {plan!r}"
-    return plan.problem(world_size) or offload_problem(plan, zero_stage) or secondary_problem(plan, zero_stage)
+    return (plan.problem(world_size) or offload_problem(plan, zero_stage) or secondary_problem(plan, zero_stage)
+            or left_out_problem(plan, zero_stage))
+
+
+def left_out_problem(plan: Plan, zero_stage: int) -> str | None:
+    """Why ``plan``'s ranks left out of the step cannot sit out at ``zero_stage``, or None.
+    ZeRO-0 keeps the whole optimizer state on every rank: a rank that skipped steps would hold a
+    stale one, so only the sharded stages (1-3) leave ranks out (docs/design.md §3.11)."""
+    if plan.left_out and zero_stage == 0:
+        return (f"the plan leaves ranks {list(plan.left_out)} out of the step (0 samples, shard_weight 0) at ZeRO-0, "
+                "where every rank holds the whole optimizer state; ranks sit out at ZeRO-1, 2 and 3: use one of "
+                "those, or give every rank samples")
+    return None
 
 
 def secondary_problem(plan: Plan, zero_stage: int) -> str | None:

@@ -98,6 +98,7 @@ class Stage3(ZeroStage):
         self._pass: Pass | None = None
         self._agreed = False
         self._recorded: tuple[list[int], list[int]] | None = None
+        self._agreed_order: tuple[list[int], list[int]] | None = None  # the first iteration's, once agreed
         self._warned = False
         self._reduces = ReduceQueue(self.reduces_in_flight, self._release)
         self._zeros: torch.Tensor | None = None  # what a block with no gradient reduce-scatters
@@ -160,7 +161,14 @@ class Stage3(ZeroStage):
                                    "in the first iteration; every rank must run the same model code:\n"
                                    + "\n".join(lines))
         self._set_orders(*first)
-        self._agreed = True
+        self._agreed, self._agreed_order = True, first
+
+    def share_step_agreements(self) -> None:
+        everyone = self.comm.all_gather_object(self._agreed_order, tag="zero3-order")
+        agreed = next((o for o in everyone if o is not None), None)
+        if agreed is not None and self._agreed_order is None:  # a rank that sat out the first iterations
+            self._set_orders(*agreed)
+            self._agreed, self._agreed_order, self._recorded = True, agreed, None
 
     # ------------------------------------------------------------------ collectives (Schedule's Gatherer)
     def start_gather(self, b: ShardedBlock, again: bool = False) -> GatherHandle:

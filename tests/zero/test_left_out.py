@@ -1,0 +1,141 @@
+"""A rank left out of the training step (a row of 0 samples and shard weight 0, docs/design.md
+§3.11): on 4 gloo ranks with weights 2:1:0:1 and uneven batches, ZeRO-1/2/3 equal single-process
+training on the remaining global batch, flat and on hierarchical collectives (2 + 2 nodes, a whole
+node left out); the rank left out issues no collective of a step; a checkpoint saved with a rank
+left out loads into a plan where every rank works, and a running engine lets the rank rejoin,
+each going on as the uninterrupted reference."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from poplar.checkpoint import load_checkpoint, save_checkpoint
+from poplar.comm import DistributedError, Phase
+from poplar.comm.launch import spawn
+from poplar.engine import PoplarEngine
+from poplar.types.plans import Plan, PlanError, RankPlan
+from poplar.types.topology import Topology
+from poplar.zero.config import ZeroConfig
+from tests.toy import global_batch, loss_fn, make_model, make_optimizer, max_rel_err, rank_slice, reference_run
+
+GBS = 12
+ITERATIONS = 3
+KIND = "sgd"  # SGD with momentum, no clipping: a wrong gradient factor shows
+STEP_PHASES = {str(Phase.FORWARD), str(Phase.BACKWARD), str(Phase.STEP)}
+
+# rank 2 sits out: n_i = 5, 3, 0, 4 in micro-steps of unequal counts (3, 1, 0, 2)
+LEFT_OUT = Plan([RankPlan(2, 2, 1, shard_weight=2), RankPlan(3, 1, 0, shard_weight=1),
+                 RankPlan(0, 0, 0, shard_weight=0), RankPlan(2, 1, 2, shard_weight=1)])
+# node [2, 3] sits out: n_i = 7, 5
+NODE_OUT = Plan([RankPlan(3, 2, 1, shard_weight=2), RankPlan(2, 2, 1, shard_weight=1),
+                 RankPlan(0, 0, 0, shard_weight=0), RankPlan(0, 0, 0, shard_weight=0)], hierarchical=True)
+# every rank works, even shards: n_i = 3, 3, 3, 3
+EVERY = Plan([RankPlan(1, 3, 0), RankPlan(3, 1, 0), RankPlan(1, 3, 0), RankPlan(2, 1, 1)])
+TOPOLOGY = Topology.of_sizes([2, 2])
+
+
+def _config(stage: int, topology: Topology | None = None) -> ZeroConfig:
+    if stage == 3:
+        return ZeroConfig(3, wrap_policy={nn.Linear, nn.LayerNorm}, topology=topology)
+    return ZeroConfig(stage, bucket_size_mb=0.001, topology=topology)
+
+
+def _engine(stage: int, plan: Plan, topology: Topology | None = None) -> PoplarEngine:
+    model = make_model(seed=0)
+    return PoplarEngine(model, make_optimizer(model, KIND), zero_stage=_config(stage, topology), plan=plan)
+
+
+def _train(engine: PoplarEngine, plan: Plan, rank: int, iterations: range) -> list[float]:
+    return [engine.train_step(rank_slice(global_batch(it, GBS), plan, rank), loss_fn) for it in iterations]
+
+
+def parity_worker(rank: int, world: int) -> dict:
+    torch.set_num_threads(1)
+    out: dict = {}
+    for stage in (1, 2, 3):
+        for name, plan, topology in [("flat", LEFT_OUT, None), ("node", NODE_OUT, TOPOLOGY)]:
+            engine = _engine(stage, plan, topology)
+            losses = _train(engine, plan, rank, range(ITERATIONS))
+            step_records = [r for r in engine.comm_ledger.of() if r.phase in STEP_PHASES]
+            out[(stage, name)] = (losses, engine.full_state_dict(), len(step_records), engine.iteration)
+    return out
+
+
+def _remaining_batch_reference(plan: Plan) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Single-process training on the global batch the ranks in the step take (the whole batch:
+    a rank left out takes none of it)."""
+    assert plan.global_batch_size == GBS
+    return reference_run(KIND, GBS, ITERATIONS, None)
+
+
+@pytest.mark.multiprocess
+def test_ranks_in_the_step_equal_the_reference_and_the_left_out_rank_issues_no_step_collective() -> None:
+    results = spawn(parity_worker, 4, (), timeout_s=300)
+    for stage in (1, 2, 3):
+        for name, plan in [("flat", LEFT_OUT), ("node", NODE_OUT)]:
+            ref_losses, ref_state = _remaining_batch_reference(plan)
+            for rank, res in enumerate(results):
+                losses, state, step_collectives, iteration = res[(stage, name)]
+                assert iteration == ITERATIONS, (stage, name, rank)
+                assert max_rel_err(state, ref_state) <= 1e-5, (stage, name, rank)  # a state collective: every rank
+                if rank in plan.left_out:
+                    assert step_collectives == 0, (stage, name, rank)
+                    assert all(math.isnan(x) for x in losses)
+                else:
+                    assert step_collectives > 0, (stage, name, rank)
+                    assert losses == pytest.approx(ref_losses, rel=1e-5), (stage, name, rank)
+
+
+def rejoin_worker(rank: int, world: int, directory: str) -> dict:
+    torch.set_num_threads(1)
+    out: dict = {}
+    for stage in (2, 3):
+        engine = _engine(stage, LEFT_OUT)
+        _train(engine, LEFT_OUT, rank, range(ITERATIONS - 1))
+        path = Path(directory) / f"stage{stage}"
+        save_checkpoint(engine, path)
+        engine.set_plan(EVERY)  # the rank rejoins the running engine
+        live = _train(engine, EVERY, rank, range(ITERATIONS - 1, ITERATIONS))
+        out[(stage, "live")] = (live, engine.full_state_dict())
+        resumed = _engine(stage, EVERY)
+        load_checkpoint(resumed, path)
+        losses = _train(resumed, EVERY, rank, range(ITERATIONS - 1, ITERATIONS))
+        out[(stage, "loaded")] = (losses, resumed.full_state_dict())
+    return out
+
+
+@pytest.mark.multiprocess
+def test_a_left_out_rank_rejoins_from_a_checkpoint_or_a_new_plan(tmp_path: Path) -> None:
+    results = spawn(rejoin_worker, 4, (str(tmp_path),), timeout_s=300)
+    ref_losses, ref_state = reference_run(KIND, GBS, ITERATIONS, None)
+    for stage in (2, 3):
+        for how in ("live", "loaded"):
+            for rank, res in enumerate(results):
+                losses, state = res[(stage, how)]
+                assert max_rel_err(state, ref_state) <= 1e-5, (stage, how, rank)
+                assert losses == pytest.approx(ref_losses[-1:], rel=1e-5), (stage, how, rank)
+
+
+def refused_worker(rank: int, world: int) -> dict:
+    torch.set_num_threads(1)
+    out: dict = {}
+    spanning = Plan(LEFT_OUT.ranks, hierarchical=True)  # ranks 0, 1, 3 in the step: both nodes
+    for name, stage, plan, topology in [("zero0", 0, LEFT_OUT, None), ("spanning", 2, spanning, TOPOLOGY)]:
+        try:
+            _engine(stage, plan, topology)
+            out[name] = None
+        except (DistributedError, PlanError) as e:  # agreed at set-up, or the same verdict on every rank
+            out[name] = str(e)
+    return out
+
+
+@pytest.mark.multiprocess
+def test_plans_that_cannot_leave_ranks_out_name_the_fix() -> None:
+    for res in spawn(refused_worker, 4, (), timeout_s=120):
+        assert "ZeRO-1, 2 and 3" in res["zero0"]
+        assert "hierarchical=False, or leave out a whole node" in res["spanning"]

@@ -10,7 +10,8 @@ the cross-node link (``--inter-gbps``). Bandwidths are in GB/s, as the cluster f
 12.5 GB/s). The planner prices each collective on the links it crosses (``planner.link_pricing``)
 and the table compares, for the whole cluster and for it without its last node, the predicted
 iteration and throughput with flat collectives, hierarchical ones and, at ZeRO-3, hierarchical
-ones with node-local secondary shards, and the way the planner chooses.
+ones with node-local secondary shards, and the way the planner chooses (which may leave a node or
+a device type out of the step where that is predicted faster: ``planner.participation``).
 """
 
 from __future__ import annotations
@@ -106,7 +107,9 @@ def first_ranks(spec: ClusterSpec, count: int) -> ClusterSpec:
             devices[-1]["count"] += 1
         else:
             devices.append({"type": dtype, "count": 1})
-    return ClusterSpec.from_dict({**spec.to_dict(), "name": f"{spec.name}[:{count}]", "devices": devices})
+    # its own nodes and network are not these ranks': ``NodeLinks`` gives their links
+    return ClusterSpec.from_dict({**spec.to_dict(), "name": f"{spec.name}[:{count}]", "devices": devices,
+                                  "nodes": None, "network": None})
 
 
 def on_nodes(spec: ClusterSpec, nodes: NodeLinks, stage: int, model: ModelSpec) -> Profile:
@@ -139,7 +142,9 @@ def _cell(found: Plan | str | None) -> str:
 
 
 def _way(found: Plan) -> str:
-    return Collectives.of(found.hierarchical, found.secondary_shards).value
+    """The chosen way, and the ranks the plan leaves out of the step (``planner.participation``)."""
+    way = Collectives.of(found.hierarchical, found.secondary_shards).value
+    return way + (f", ranks {','.join(map(str, found.left_out))} out" if found.left_out else "")
 
 
 def table(rows: list[dict[str, Any]]) -> str:

@@ -133,6 +133,8 @@ class PlanChoice:
     shard_trial_failed_on: list[int] | None = None  # ranks where the planned shard weights did not fit a step
     # on a job that spans nodes: each way of running the collectives planned (collectives, predicted_s)
     collective_candidates: list[dict[str, Any]] | None = None
+    # on a job that spans nodes: each set of GPUs planned (subset, left_out, predicted_s, chosen)
+    participation_candidates: list[dict[str, Any]] | None = None
 
     def __post_init__(self) -> None:
         if self.offload_pricing is not None:

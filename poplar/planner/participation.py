@@ -1,0 +1,125 @@
+"""Which GPUs take part: every one, or a node or a device type left out, by predicted iteration
+time (docs/design.md §5.3).
+
+On a job that spans nodes a GPU across a slow link can cost the step more in communication than
+it brings in compute (the paper measured V4A4 slower than V4A3 at ZeRO-3). So beside the plan on
+every rank, the planner plans each subset that leaves out one whole node, or every GPU of one
+device type, on the profile of the ranks that stay (``on_ranks``: their curves and memory, and
+their links, ``LinkPricing.with_nodes``'s tiers), and keeps the fastest. The ranks left out get
+rows ``RankPlan(0, 0, 0, shard_weight=0)``: the runtime leaves them out of the step (§3.11).
+
+Rules:
+- A job on one node keeps every GPU: its plans are those of a planner without this choice.
+- The plan on every rank comes first within the plan's tie (``Plan.choice.plan_tie``): leaving
+  GPUs idle must be predicted faster by more than the cost model's resolution.
+- A subset's collectives run flat over the ranks in the step (what the runtime runs with ranks
+  left out, §3.11); on one node that is what hierarchical collectives are anyway.
+- Subsets are planned only where they are plans the runtime can run and the request can take:
+  ZeRO-1/2/3, ``require_all_ranks=False``, shards and placements chosen or even (not given per
+  rank).
+
+[Note: a subset's exposure]
+A profile's measured exposure (what compute did not hide of the collectives) was measured with
+every rank in the step. A subset is priced by the cost model's formulas on the links of the ranks
+that stay, never by that exposure; with a measured profile the plan on every rank is priced by
+its measurement. So with a measured exposure, leaving GPUs out must win by the formulas alone:
+the comparison is only as good as the formulas, which is why the tie favours every GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Callable, NamedTuple, Sequence
+
+from poplar.types.plans import Plan, PlanError, RankPlan
+from poplar.types.profiles import CommProfile, Exposure, Links, Profile
+from poplar.types.topology import Topology
+
+
+class Subset(NamedTuple):
+    """A set of ranks that take part, by name (``"all"``, ``"without node 1"``, ``"without A100"``)."""
+
+    name: str
+    keep: tuple[int, ...]
+
+
+def subsets(profile: Profile) -> list[Subset]:
+    """The sets of ranks worth planning: every rank first, then each node left out and each
+    device type left out (each set once); every rank alone on one node."""
+    everyone = Subset("all", tuple(range(profile.world_size)))
+    topology = profile.comm.links.topology
+    if topology is None or not topology.spans_nodes:
+        return [everyone]
+    out, seen = [everyone], {everyone.keep}
+    for k, node in enumerate(topology.nodes):
+        keep = tuple(r for r in everyone.keep if r not in node)
+        if keep not in seen:
+            out.append(Subset(f"without node {k}", keep))
+            seen.add(keep)
+    types = sorted({r.device_type for r in profile.ranks})
+    for dtype in types if len(types) > 1 else ():
+        keep = tuple(r.rank for r in sorted(profile.ranks, key=lambda r: r.rank) if r.device_type != dtype)
+        if keep not in seen:
+            out.append(Subset(f"without {dtype}", keep))
+            seen.add(keep)
+    return out
+
+
+def on_ranks(profile: Profile, keep: Sequence[int]) -> Profile:
+    """The profile of the ranks ``keep`` alone, renumbered 0..k-1 in order: their curves and
+    memory, and the links of the nodes they are on (each node's link, the cross-node link if they
+    span nodes). No measured exposure (Note: a subset's exposure)."""
+    keep = sorted(keep)
+    by_rank = {r.rank: r for r in profile.ranks}
+    ranks = [replace(by_rank[old], rank=new) for new, old in enumerate(keep)]
+    links = profile.comm.links
+    topology = links.topology
+    if topology is None or not topology.spans_nodes:
+        sub_links = Links(links.bandwidth_bytes_per_s, links.latency_s, links.backend)
+    else:
+        nodes = [k for k, node in enumerate(topology.nodes) if any(r in keep for r in node)]
+        sizes = [sum(1 for r in topology.nodes[k] if r in keep) for k in nodes]
+        sub_links = Links.tiered(Topology.of_sizes(sizes), [links.intra[k] for k in nodes],
+                                 links.cross if len(nodes) > 1 else None, links.backend)
+    comm = CommProfile(sub_links, profile.comm.collectives_stage, [list(x) for x in profile.comm.micro_step],
+                       [list(x) for x in profile.comm.iteration], Exposure())
+    pick = (lambda values: None if values is None else [values[r] for r in keep])
+    return replace(profile, world_size=len(keep), ranks=ranks, comm=comm, shard_weights=pick(profile.shard_weights),
+                   offloads=pick(profile.offloads))
+
+
+def widened(found: Plan, keep: Sequence[int], profile: Profile) -> Plan:
+    """A plan of the ranks ``keep`` as a plan of every rank: the others left out of the step."""
+    rows: list[RankPlan] = []
+    mine = dict(zip(sorted(keep), found.ranks))
+    types = {r.rank: r.device_type for r in profile.ranks}
+    for rank in range(profile.world_size):
+        rows.append(mine[rank] if rank in mine else RankPlan(0, 0, 0, device_type=types[rank], shard_weight=0))
+    return replace(found, ranks=rows, hierarchical=False, secondary_shards=False, meta=dict(found.meta))
+
+
+def fastest(profile: Profile, everyone: Plan, planned: Callable[[Profile], Plan]) -> Plan:
+    """``everyone`` (the plan on every rank) or the plan of a subset (``planned`` on its
+    profile), whichever is predicted fastest, every rank first within the tie; the plan records
+    each subset planned (name, ranks left out, predicted seconds, chosen)."""
+    candidates = subsets(profile)
+    if len(candidates) == 1:
+        return everyone
+    rows = [{"subset": "all", "left_out": [], "predicted_s": everyone.predicted_iteration_s}]
+    found: list[tuple[str, Plan]] = [("all", everyone)]
+    for subset in candidates[1:]:
+        left_out = [r for r in range(profile.world_size) if r not in subset.keep]
+        try:
+            plan = widened(planned(on_ranks(profile, subset.keep)), subset.keep, profile)
+        except PlanError as e:
+            rows.append({"subset": subset.name, "left_out": left_out, "predicted_s": None, "reason": str(e)})
+            continue
+        rows.append({"subset": subset.name, "left_out": left_out, "predicted_s": plan.predicted_iteration_s})
+        found.append((subset.name, plan))
+    tie = everyone.choice.plan_tie or 0.0
+    best = min(p.predicted_iteration_s for _, p in found)
+    name, chosen = ((found[0]) if found[0][1].predicted_iteration_s <= best * (1 + tie)
+                    else min(found, key=lambda x: x[1].predicted_iteration_s))
+    for row in rows:
+        row["chosen"] = row["subset"] == name
+    return replace(chosen, choice=replace(chosen.choice, participation_candidates=rows))

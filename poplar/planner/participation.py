@@ -15,8 +15,8 @@ Rules:
 - A subset's collectives run flat over the ranks in the step (what the runtime runs with ranks
   left out, §3.11); on one node that is what hierarchical collectives are anyway.
 - Subsets are planned only where they are plans the runtime can run and the request can take:
-  ZeRO-1/2/3, ``require_all_ranks=False``, shards and placements chosen or even (not given per
-  rank).
+  ZeRO-1/2/3, not fp16 (its loss scale moves with steps a rank left out would not see),
+  ``require_all_ranks=False``, shards, placements and collectives chosen or even (not given).
 
 [Note: a subset's exposure]
 A profile's measured exposure (what compute did not hide of the collectives) was measured with
@@ -45,10 +45,10 @@ class Subset(NamedTuple):
 
 def subsets(profile: Profile) -> list[Subset]:
     """The sets of ranks worth planning: every rank first, then each node left out and each
-    device type left out (each set once); every rank alone on one node."""
+    device type left out (each set once); every rank alone on one node, or under fp16."""
     everyone = Subset("all", tuple(range(profile.world_size)))
     topology = profile.comm.links.topology
-    if topology is None or not topology.spans_nodes:
+    if topology is None or not topology.spans_nodes or profile.precision == "fp16":
         return [everyone]
     out, seen = [everyone], {everyone.keep}
     for k, node in enumerate(topology.nodes):

@@ -25,7 +25,8 @@ from typing import Any, Callable, Mapping, Sequence
 from poplar.types.plans import Offload, OffloadPricing, Plan, PlanError, RankPlan
 from poplar.planner.baselines import even_rows, flops_rows
 from poplar.planner.cost_model import CommModel, Evaluation, evaluate_rows
-from poplar.planner import collective_choice, offload_pricing, participation
+from poplar.planner import collective_choice, offload_pricing
+from poplar.planner import participation as participation_choice
 from poplar.planner.link_pricing import Collectives
 from poplar.planner.placement_choice import fastest_placement, offload_setting
 from poplar.planner import shards as shard_choice
@@ -197,7 +198,8 @@ def plan_problem(problem: Problem, strategy: str = "poplar", shard_weights: Sequ
 def plan(profile: Profile | Mapping[str, Any] | str | os.PathLike, global_batch_size: int,
          zero_stage: int | None = None, strategy: str = "poplar", *, require_all_ranks: bool = False,
          max_micro_steps: int | None = None, shards: str | Sequence[float] = "even",
-         offload: str | Sequence[Offload] = "none", collectives: str | Collectives = "auto") -> Plan:
+         offload: str | Sequence[Offload] = "none", collectives: str | Collectives = "auto",
+         participation: str = "auto") -> Plan:
     """Plan one iteration: per-rank micro-batch, accumulation steps and last batch.
 
     ``profile`` is a ``Profile``, its dict, or a path to its JSON; ``zero_stage`` defaults to
@@ -208,9 +210,10 @@ def plan(profile: Profile | Mapping[str, Any] | str | os.PathLike, global_batch_
     or one ``Offload`` per rank. ``collectives``: on a job whose links span nodes, ``"auto"``
     (default: flat, hierarchical or, at ZeRO-3, hierarchical with secondary shards, whichever is
     predicted fastest, ``planner.collective_choice``) or one of them; on one node they are flat.
-    On a job that spans nodes the plan may leave a node or a device type out of the step where
-    that is predicted faster (``planner.participation``; not with ``require_all_ranks``, ZeRO-0, or
-    shards or placements given per rank).
+    ``participation``: on a job that spans nodes, ``"auto"`` (default) may leave a node or a
+    device type out of the step where that is predicted faster (``planner.participation``; not
+    with ``require_all_ranks``, ZeRO-0, or shards, placements or collectives given); ``"all"``
+    keeps every GPU.
     The plan carries per-rank predicted compute seconds and the predicted iteration (compute +
     communication + offload copies and host step), and the collectives it chose.
     """
@@ -223,11 +226,14 @@ def plan(profile: Profile | Mapping[str, Any] | str | os.PathLike, global_batch_
         everyone = _plan_as(prof, request, Collectives.FLAT)
     else:
         everyone = collective_choice.fastest(ways, lambda way: _plan_as(prof, request, way))
-    if (setting is not None or stage == 0 or require_all_ranks or not isinstance(shards, str)
+    if participation not in ("auto", "all"):
+        raise PlanError(f"participation must be 'auto' (a node or device type may be left out where that is "
+                        f"predicted faster) or 'all' (every GPU), got {participation!r}")
+    if (participation == "all" or setting is not None or stage == 0 or require_all_ranks or not isinstance(shards, str)
             or not isinstance(offload, str)):
         return everyone  # every rank: collectives or rows asked for, given per rank, or ZeRO-0 (§3.11)
     subset_request = replace(request, zero_stage=stage)
-    return participation.fastest(prof, everyone, lambda sub: _plan_as(sub, subset_request, Collectives.FLAT))
+    return participation_choice.fastest(prof, everyone, lambda sub: _plan_as(sub, subset_request, Collectives.FLAT))
 
 
 @dataclass(frozen=True)

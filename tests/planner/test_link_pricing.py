@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import pytest
 
-from poplar.planner import plan, simulate
+from poplar.planner import plan as plan_any, simulate
 from poplar.planner.collective_choice import with_secondary_shards
 from poplar.planner.cost_model import CommModel
 from poplar.planner.link_pricing import Collectives, LinkPricing, ring_s
@@ -144,6 +144,11 @@ def test_secondary_shards_take_their_memory_from_the_micro_batch() -> None:
     assert [r.mbs for r in with_secondary_shards(bf16).ranks] == [31] * 6 + [30] * 2
     assert with_secondary_shards(profile(two_nodes(), bytes_per_sample=None)) is None
     assert with_secondary_shards(profile(two_nodes(), bytes_per_sample=1e5)) is None  # 100 samples' worth
+
+
+def plan(*args, participation: str = "all", **kwargs) -> Plan:
+    """The planner's choice of collectives on every GPU (which GPUs take part: test_participation.py)."""
+    return plan_any(*args, participation=participation, **kwargs)
 
 
 def test_the_planner_chooses_by_predicted_time_and_keeps_flat_where_the_link_does_not_bind() -> None:

@@ -1,0 +1,62 @@
+"""Which GPUs take part (``planner.participation``): on two nodes across a very slow link the plan
+leaves the slower node out of the step, across a fast one it keeps every GPU; each subset is
+planned on the profile of the ranks that stay, on their links; a job on one node is planned as
+before."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from poplar.planner import plan
+from poplar.planner.participation import on_ranks, subsets
+from poplar.types.plans import PlanError
+from poplar.types.profiles import LinkSpeed, Links
+from poplar.types.topology import Topology
+from tests.planner.test_link_pricing import FAST, GB, profile, two_nodes
+
+CRAWL = LinkSpeed(0.05 * GB, 1e-3)  # 400 Mbit/s: every byte across costs more than the slow node brings
+
+
+def test_a_very_slow_link_leaves_the_slower_node_out_and_a_fast_one_keeps_every_gpu() -> None:
+    slow = plan(profile(two_nodes(cross=CRAWL)), 512, 3)
+    assert slow.left_out == (4, 5, 6, 7) and slow.step_ranks == (0, 1, 2, 3)
+    assert all(r.num_samples == 0 and r.shard_weight == 0 and r.device_type == "slow" for r in slow.ranks[4:])
+    assert slow.global_batch_size == 512 and slow.problem(8) is None and not slow.hierarchical
+    rows = {r["subset"]: r for r in slow.choice.participation_candidates}
+    assert set(rows) == {"all", "without node 0", "without node 1"}  # the types are the nodes: planned once
+    assert rows["without node 1"]["chosen"] and rows["without node 1"]["left_out"] == [4, 5, 6, 7]
+    assert slow.predicted_iteration_s == rows["without node 1"]["predicted_s"] < rows["all"]["predicted_s"]
+    assert rows["all"]["predicted_s"] == plan(profile(two_nodes(cross=CRAWL)), 512, 3,
+                                              participation="all").predicted_iteration_s
+    fast = plan(profile(two_nodes(cross=FAST)), 512, 3)
+    assert fast.left_out == () and fast.choice.participation_candidates[0]["chosen"]
+
+
+def test_each_subset_is_planned_on_its_own_ranks_and_links() -> None:
+    prof = profile(two_nodes(sizes=(3, 5), intra=(FAST, LinkSpeed(20 * GB, 20e-6)), cross=CRAWL), ranks=8)
+    names = [s.name for s in subsets(prof)]
+    assert names == ["all", "without node 0", "without node 1", "without fast", "without slow"]
+    node1 = on_ranks(prof, range(3, 8))  # one node: its own link is the flat one
+    assert node1.world_size == 5 and [r.rank for r in node1.ranks] == list(range(5))
+    assert not node1.comm.links.spans_nodes and node1.comm.links.bandwidth_bytes_per_s == 20 * GB
+    no_fast = on_ranks(prof, range(4, 8))  # ranks of node 1 only, but named by type: still one node
+    assert no_fast.comm.links.topology is None or not no_fast.comm.links.spans_nodes
+    spread = on_ranks(prof, (0, 1, 4, 5, 6))
+    assert spread.comm.links.topology == Topology.of_sizes([2, 3]) and spread.comm.links.cross == CRAWL
+    assert [r.device_type for r in spread.ranks] == ["fast", "fast", "slow", "slow", "slow"]
+
+
+def test_one_node_and_every_gpu_asked_for_are_planned_as_before() -> None:
+    one = profile(Links(100 * GB, 10e-6))
+    assert subsets(one)[0].name == "all" and len(subsets(one)) == 1
+    got = plan(one, 256, 3)
+    assert got.to_dict() == plan(one, 256, 3, participation="all").to_dict()
+    assert got.choice.participation_candidates is None and got.left_out == ()
+    kept = plan(profile(two_nodes(cross=CRAWL)), 512, 3, require_all_ranks=True)
+    assert kept.left_out == () and kept.choice.participation_candidates is None
+    fp16 = replace(profile(two_nodes(cross=CRAWL)), precision="fp16")  # a loss scale a rank left out would miss
+    assert plan(fp16, 512, 3).left_out == ()
+    with pytest.raises(PlanError, match="participation must be 'auto'"):
+        plan(one, 256, 3, participation="some")

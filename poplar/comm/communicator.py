@@ -462,9 +462,14 @@ class Communicator:
         return self.world_size == 1 or uneven.even_method(self.backend, "all_gather") is uneven.UnevenMethod.BROADCASTS
 
     def all_gather_object(self, obj: Any, tag: str = "") -> list[Any]:
-        """Every rank's ``obj``, in rank order (in ``step_collectives``: the ranks in the step's)."""
+        """Every rank's ``obj``, in rank order; in ``step_collectives`` gathered over the ranks in
+        the step, a rank left out's entry None (the list stays indexed by global rank)."""
         if (step := self._step_comm()) is not None:
-            return step.all_gather_object(obj, tag)
+            assert self.step_group is not None
+            out: list[Any] = [None] * self.world_size
+            for r, value in zip(self.step_group.ranks, step.all_gather_object(obj, tag)):
+                out[r] = value
+            return out
         if self.world_size == 1:
             return [obj]
         out: list[Any] = [None] * self.world_size

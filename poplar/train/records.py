@@ -12,6 +12,8 @@ samples, tokens, peak memory and its compute, comm, idle and other seconds (defi
 
 from __future__ import annotations
 
+import math
+
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -90,7 +92,9 @@ def iteration_records(rows: list[list[StepRow]], first: int) -> list[dict[str, A
         at = [rank_rows[k] for rank_rows in rows]
         times = rank_times.split([row.wall_s for row in at], [row.compute_s for row in at],
                                  [row.comm_s for row in at], [row.flat_blocked for row in at])
-        records.append({"iteration": first + k, "loss": at[0].loss, "grad_norm": at[0].grad_norm, "lr": at[0].lr,
+        # the first rank in the step says the iteration's loss (a rank left out of it knows none, §3.11)
+        said = next((row for row in at if row.samples or not math.isnan(row.loss)), at[0])
+        records.append({"iteration": first + k, "loss": said.loss, "grad_norm": said.grad_norm, "lr": said.lr,
                         "wall_s": max(row.wall_s for row in at),
                         # per rank: compute + comm + idle + other = its wall (``poplar.train.rank_times``)
                         "ranks": [{"wall_s": row.wall_s, **t._asdict(),

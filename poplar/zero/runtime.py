@@ -256,6 +256,8 @@ class ZeroRuntime:
             raise PlanError(f"rank {self.rank} is left out of the step by the plan but was given "
                             f"{batch_size_of(batch)} samples; give it an empty batch (poplar's sampler does)")
         self._replicas_stale = True  # as on the ranks in the step: the same verdict on every rank
+        self.last_grad_norm, self.last_loss_count = None, None
+        self.last_stats = IterationStats(self.iteration, 0.0, 0.0, 0.0, 0, 0)
         self.iteration += 1
         self._reset_iteration()
         return math.nan

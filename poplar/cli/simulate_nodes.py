@@ -147,6 +147,11 @@ def _way(found: Plan) -> str:
     return way + (f", ranks {','.join(map(str, found.left_out))} out" if found.left_out else "")
 
 
+def _every_gpu(row: dict[str, Any]) -> float:
+    """The row's fastest throughput with every GPU at work (its choice may leave some out)."""
+    return max(p.predicted_samples_per_s for p in (row[w.value] for w in ORDER) if isinstance(p, Plan))
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     heads = ["", "ranks", "nodes"] + [f"{w.value} (s/iter, samples/s)" for w in ORDER] + ["chosen", "samples/s"]
     lines = [[r["cluster"], str(r["ranks"]), r["nodes"]] + [_cell(r[w.value]) for w in ORDER]
@@ -154,8 +159,9 @@ def table(rows: list[dict[str, Any]]) -> str:
     widths = [max(len(x) for x in col) for col in zip(heads, *lines)]
     out = "\n".join("  ".join(x.ljust(w) for x, w in zip(row, widths)).rstrip() for row in [heads, *lines])
     if len(rows) > 1:
-        gain = rows[0]["chosen"].predicted_samples_per_s / rows[1]["chosen"].predicted_samples_per_s
-        out += (f"\nadding the last node: {gain:.2f}x the throughput, each cluster with its chosen collectives "
+        # every GPU of the grown cluster at work (its choice may leave the node out again)
+        gain = _every_gpu(rows[0]) / rows[1]["chosen"].predicted_samples_per_s
+        out += (f"\nadding the last node: {gain:.2f}x the throughput, each cluster with its fastest collectives "
                 f"({'worth it' if gain > 1 else 'not worth it'} at this link and batch)")
     return out
 
@@ -185,5 +191,7 @@ def rows_json(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return {"iteration_s": found.predicted_iteration_s, "samples_per_s": found.predicted_samples_per_s,
                 "plan": found.to_dict()}
     return [{"cluster": r["cluster"], "ranks": r["ranks"], "nodes": r["nodes"],
-             **{w.value: one(r[w.value]) for w in ORDER}, "chosen": _way(r["chosen"]),
-             "chosen_samples_per_s": r["chosen"].predicted_samples_per_s} for r in rows]
+             **{w.value: one(r[w.value]) for w in ORDER},
+             "chosen": Collectives.of(r["chosen"].hierarchical, r["chosen"].secondary_shards).value,
+             "left_out": list(r["chosen"].left_out), "chosen_samples_per_s": r["chosen"].predicted_samples_per_s,
+             "every_gpu_samples_per_s": _every_gpu(r)} for r in rows]

@@ -140,13 +140,19 @@ def test_nodes_ask_whether_the_last_node_is_worth_adding(capsys: pytest.CaptureF
         rows = json.loads(out_json.read_text())
         assert [r["cluster"] for r in rows] == ["all nodes", "without the last node"] and rows[1]["ranks"] == 4
         whole = rows[0]
-        # the chosen way is the fastest of the three, and the one planned with its fields set
+        # every GPU at work: each way planned with its fields set, the fastest the node's worth
         best = min(("flat", "hierarchical", "secondary_shards"), key=lambda w: whole[w]["iteration_s"])
-        assert whole["chosen"] == best
         plan = whole[best]["plan"]
         assert (plan["hierarchical"], plan["secondary_shards"]) == (best != "flat", best == "secondary_shards")
+        assert whole["every_gpu_samples_per_s"] == whole[best]["samples_per_s"]
         assert rows[1]["hierarchical"] is None and rows[1]["chosen"] == "flat"  # one node: flat alone
-        answers[inter] = whole["chosen_samples_per_s"] / rows[1]["chosen_samples_per_s"]
+        answers[inter] = whole["every_gpu_samples_per_s"] / rows[1]["chosen_samples_per_s"]
+        # the planner's choice: the V100S node left out where it is not worth it, else the fastest way
+        if answers[inter] < 1:
+            assert whole["left_out"] == [4, 5, 6, 7] and whole["chosen"] == "flat"
+            assert whole["chosen_samples_per_s"] == rows[1]["chosen_samples_per_s"]
+        else:
+            assert whole["left_out"] == [] and whole["chosen"] == best
         assert f"adding the last node: {answers[inter]:.2f}x" in out
     # 10 Gbit/s between nodes: the V100S node costs more in communication than it brings; 100 Gbit/s: worth it
     assert answers["10gbit"] < 1 < answers["12.5"]

@@ -216,6 +216,8 @@ class Communicator:
         topology spanning nodes they stay flat. Every rank switches together, between collectives."""
         self.settle()
         self.hierarchical = bool(on) and self.node_groups is not None
+        if self.step_group is not None and self.step_group.comm is not None:
+            self.step_group.comm.use_hierarchy(on)  # its own node groups (one node: flat)
 
     def settle(self, upto: PendingChain | None = None) -> None:
         """Issue the remaining steps of the hierarchical collectives in flight, oldest first, up to
@@ -256,12 +258,26 @@ class Communicator:
             self._step_groups = {}
         if ranks not in self._step_groups:
             group = dist.new_group(list(ranks))
+            # the step's own node groups, where its ranks span nodes (every rank creates them)
+            nodes = [sum(1 for r in node if r in ranks) for node in self.topology.nodes]
+            sizes = [n for n in nodes if n]
+            node_groups = NodeGroups.create(Topology.of_sizes(sizes), ranks) if len(sizes) > 1 else None
             comm = None
             if self.rank in ranks:
                 comm = Communicator(group, self.device, self.ledger)
-                comm.wire_ranks = ranks
+                comm.wire_ranks, comm.node_groups = ranks, node_groups
             self._step_groups[ranks] = StepGroup(ranks, comm)
         self.step_group = self._step_groups[ranks]
+        if self.step_group.comm is not None:
+            self.step_group.comm.use_hierarchy(self.hierarchical)
+
+    @property
+    def steps_hierarchically(self) -> bool:
+        """Whether this rank's step collectives run hierarchically (with ranks left out: the
+        step's own node groups, when its ranks span nodes; a rank left out runs none)."""
+        if self.step_group is None:
+            return self.hierarchical
+        return self.step_group.comm is not None and self.step_group.comm.hierarchical
 
     @property
     def in_step(self) -> bool:
@@ -411,7 +427,11 @@ class Communicator:
     # -- node-local secondary shards (ZeRO-3, hierarchical only; poplar.comm.hierarchical) --
     def secondary_numel(self, sizes: Sequence[int] | None, part_numel: int, element_size: int) -> int:
         """The length of this rank's secondary shard of an all-gather of parts ``sizes`` (None:
-        every part ``part_numel`` long) of ``element_size`` bytes; 0 unless hierarchical."""
+        every part ``part_numel`` long) of ``element_size`` bytes; 0 unless hierarchical. With ranks
+        left out of the step: the shard of the step's gathers (0 on a rank left out)."""
+        if self.step_group is not None:
+            step = self.step_group.comm
+            return 0 if step is None else step.secondary_numel(self._step_sizes(sizes), part_numel, element_size)
         if not self.hierarchical:
             return 0
         layout = hierarchical.node_layout(tuple(self._sizes(sizes, part_numel)), self._groups.topology, element_size)
@@ -420,6 +440,8 @@ class Communicator:
     def staging_bytes(self, op: str, sizes: Sequence[int] | None, part_numel: int, element_size: int) -> int:
         """Bytes a hierarchical ``op`` ("all_gather" / "reduce_scatter") of parts ``sizes`` (None:
         every part ``part_numel`` long) allocates on this rank while it runs; 0 when flat."""
+        if (step := self._step_comm()) is not None:
+            return step.staging_bytes(op, self._step_sizes(sizes), part_numel, element_size)
         if not self.hierarchical:
             return 0
         topology = self._groups.topology
@@ -431,6 +453,8 @@ class Communicator:
                            async_op: bool = False, sizes: Sequence[int] | None = None) -> PendingChain | None:
         """``all_gather`` (hierarchical), keeping this rank's secondary shard in ``secondary``
         (``secondary_numel`` long) once it is done."""
+        if (step := self._step_comm()) is not None:
+            return step.all_gather_keeping(output, input, secondary, tag, async_op, self._step_sizes(sizes))
         call = hierarchical.all_gather(output, input, self._sizes(sizes, input.numel()), self.rank, self._groups,
                                        uneven.method_for(self.backend, "all_gather"), keep=secondary)
         return self._run_chain("all_gather", call, async_op, tag)
@@ -440,6 +464,8 @@ class Communicator:
                                 sizes: Sequence[int] | None = None) -> PendingChain | None:
         """The all-gather of ``all_gather_keeping`` again, of the same values, from this rank's part
         and the ``secondary`` shard it kept: inside each node only."""
+        if (step := self._step_comm()) is not None:
+            return step.all_gather_within_nodes(output, input, secondary, tag, async_op, self._step_sizes(sizes))
         call = hierarchical.all_gather_within(output, input, secondary, self._sizes(sizes, input.numel()),
                                               self.rank, self._groups, uneven.method_for(self.backend, "all_gather"))
         return self._run_chain("all_gather", call, async_op, tag)

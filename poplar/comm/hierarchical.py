@@ -63,25 +63,36 @@ class NodeGroups(NamedTuple):
     """The process groups of a topology, created once (``create``): two per node, for the
     in-node steps issued first in a collective and later in one, and two over every rank for the
     exchange, likewise. Separate groups keep each group's calls in one order on every rank,
-    whatever moment a rank completes a collective and issues its next step."""
+    whatever moment a rank completes a collective and issues its next step. ``ranks``: the
+    global rank of each of the topology's ranks, where it numbers a subset of the world (the ranks
+    in a training step that leaves some out, docs/design.md §3.11); None: the world itself."""
 
     topology: Topology
     node_first: tuple[Any, ...]
     node_later: tuple[Any, ...]
     cross_first: Any
     cross_later: Any
+    ranks: tuple[int, ...] | None = None
 
     @classmethod
-    def create(cls, topology: Topology) -> "NodeGroups":
+    def create(cls, topology: Topology, ranks: Sequence[int] | None = None) -> "NodeGroups":
         """Every rank of the world creates every group, in the same order (``new_group`` is a
-        collective over the world)."""
-        world = list(range(topology.world_size))
-        first = tuple(dist.new_group(list(node)) for node in topology.nodes)
-        later = tuple(dist.new_group(list(node)) for node in topology.nodes)
-        cross = (dist.new_group(world), dist.new_group(world))
-        for group in cross:  # a first call with every rank: NCCL's point-to-point batches need one
-            dist.barrier(group=group)
-        return cls(topology, first, later, *cross)
+        collective over the world), also a rank outside ``ranks``."""
+        glob = tuple(range(topology.world_size)) if ranks is None else tuple(ranks)
+        first = tuple(dist.new_group([glob[r] for r in node]) for node in topology.nodes)
+        later = tuple(dist.new_group([glob[r] for r in node]) for node in topology.nodes)
+        cross = (dist.new_group(list(glob)), dist.new_group(list(glob)))
+        if dist.get_rank() in glob:
+            for group in cross:  # a first call with every rank: NCCL's point-to-point batches need one
+                dist.barrier(group=group)
+        return cls(topology, first, later, *cross, ranks=None if ranks is None else glob)
+
+    def global_rank(self, rank: int) -> int:
+        """The world's number of the topology's ``rank``."""
+        return rank if self.ranks is None else self.ranks[rank]
+
+    def global_ranks(self, ranks: Sequence[int]) -> tuple[int, ...]:
+        return tuple(self.global_rank(r) for r in ranks)
 
 
 class Transfer(NamedTuple):
@@ -211,7 +222,7 @@ def _in_node_step(op: str, groups: NodeGroups, group: Any, rank: int, calls: lis
     topology = groups.topology
     node = topology.nodes[topology.node_of(rank)]
     wire_bytes = sum(c.wire_bytes for c in calls)
-    return Step(op, Link.INTRA, Wire(Link.INTRA, node), wire_bytes, wire_bytes,
+    return Step(op, Link.INTRA, Wire(Link.INTRA, groups.global_ranks(node)), wire_bytes, wire_bytes,
                 lambda a: _all([c.run(a) for c in calls]), _finish_all(calls))
 
 
@@ -220,8 +231,8 @@ def _exchange_step(groups: NodeGroups, group: Any, layout: NodeLayout, element_s
                    finish: Callable[[], None] | None) -> Step:
     """The cross-node exchange: this rank's ``sends`` and ``recvs`` (peer, tensor) as one batch."""
     def run(async_op: bool) -> Any:
-        ops = [dist.P2POp(dist.isend, t, peer, group) for peer, t in sends]
-        ops += [dist.P2POp(dist.irecv, t, peer, group) for peer, t in recvs]
+        ops = [dist.P2POp(dist.isend, t, groups.global_rank(peer), group) for peer, t in sends]
+        ops += [dist.P2POp(dist.irecv, t, groups.global_rank(peer), group) for peer, t in recvs]
         if not ops:
             return None
         works = dist.batch_isend_irecv(ops)
@@ -231,7 +242,7 @@ def _exchange_step(groups: NodeGroups, group: Any, layout: NodeLayout, element_s
             w.wait()
         return None
     sent = sum(t.numel() for _, t in sends) * element_size
-    wire = Wire(Link.CROSS, tuple(range(groups.topology.world_size)))
+    wire = Wire(Link.CROSS, groups.global_ranks(range(groups.topology.world_size)))
     return Step("exchange", Link.CROSS, wire, layout.cross_elements() * element_size, sent, run, finish)
 
 

@@ -12,8 +12,8 @@ Rules:
 - A job on one node keeps every GPU: its plans are those of a planner without this choice.
 - The plan on every rank comes first within the plan's tie (``Plan.choice.plan_tie``): leaving
   GPUs idle must be predicted faster by more than the cost model's resolution.
-- A subset's collectives run flat over the ranks in the step (what the runtime runs with ranks
-  left out, §3.11); on one node that is what hierarchical collectives are anyway.
+- A subset's collectives are chosen as the whole job's are (flat, hierarchical over the nodes
+  of the ranks that stay, secondary shards; ``collective_choice``); on one node they are flat.
 - Subsets are planned only where they are plans the runtime can run and the request can take:
   ZeRO-1/2/3, not fp16 (its loss scale moves with steps a rank left out would not see),
   ``require_all_ranks=False``, shards, placements and collectives chosen or even (not given).
@@ -95,7 +95,7 @@ def widened(found: Plan, keep: Sequence[int], profile: Profile) -> Plan:
     types = {r.rank: r.device_type for r in profile.ranks}
     for rank in range(profile.world_size):
         rows.append(mine[rank] if rank in mine else RankPlan(0, 0, 0, device_type=types[rank], shard_weight=0))
-    return replace(found, ranks=rows, hierarchical=False, secondary_shards=False, meta=dict(found.meta))
+    return replace(found, ranks=rows, meta=dict(found.meta))
 
 
 def fastest(profile: Profile, everyone: Plan, planned: Callable[[Profile], Plan]) -> Plan:

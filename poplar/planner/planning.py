@@ -221,19 +221,23 @@ def plan(profile: Profile | Mapping[str, Any] | str | os.PathLike, global_batch_
     stage = prof.zero_stage if zero_stage is None else zero_stage
     setting = collective_choice.collectives_setting(collectives)
     request = PlanRequest(global_batch_size, zero_stage, strategy, require_all_ranks, max_micro_steps, shards, offload)
-    ways = collective_choice.ways(prof, stage, setting)
-    if ways == [Collectives.FLAT]:
-        everyone = _plan_as(prof, request, Collectives.FLAT)
-    else:
-        everyone = collective_choice.fastest(ways, lambda way: _plan_as(prof, request, way))
+    everyone = _fastest_way(prof, request, collective_choice.ways(prof, stage, setting))
     if participation not in ("auto", "all"):
         raise PlanError(f"participation must be 'auto' (a node or device type may be left out where that is "
                         f"predicted faster) or 'all' (every GPU), got {participation!r}")
     if (participation == "all" or setting is not None or stage == 0 or require_all_ranks or not isinstance(shards, str)
             or not isinstance(offload, str)):
         return everyone  # every rank: collectives or rows asked for, given per rank, or ZeRO-0 (§3.11)
-    subset_request = replace(request, zero_stage=stage)
-    return participation_choice.fastest(prof, everyone, lambda sub: _plan_as(sub, subset_request, Collectives.FLAT))
+    subset = replace(request, zero_stage=stage)
+    return participation_choice.fastest(
+        prof, everyone, lambda sub: _fastest_way(sub, subset, collective_choice.ways(sub, stage, None)))
+
+
+def _fastest_way(prof: Profile, request: "PlanRequest", ways: list[Collectives]) -> Plan:
+    """The plan with the fastest of ``ways`` of running its collectives (flat alone: as planned)."""
+    if ways == [Collectives.FLAT]:
+        return _plan_as(prof, request, Collectives.FLAT)
+    return collective_choice.fastest(ways, lambda way: _plan_as(prof, request, way))
 
 
 @dataclass(frozen=True)

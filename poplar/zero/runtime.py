@@ -175,18 +175,14 @@ class ZeroRuntime:
         self.plan, self.rank_plan, self.global_batch_size = plan, plan.ranks[self.rank], plan.global_batch_size
         self.stage.place_optimizer(self.rank_plan.offload)
         self.comm.set_step_ranks(plan.step_ranks)  # every rank together; a group made once per set of ranks
-        # on one node, or with ranks left out (in the step, on one node: §3.11): the flat collectives
-        self.comm.use_hierarchy(plan.hierarchical and not plan.left_out)
-        self.stage.keep_secondary_shards(plan.secondary_shards and self.comm.hierarchical)
+        # on one node the flat collectives; with ranks left out, the step's own nodes' (§3.11)
+        self.comm.use_hierarchy(plan.hierarchical)
+        self.stage.keep_secondary_shards(plan.secondary_shards and self.comm.steps_hierarchically)
 
     def _left_out_problem(self, plan: Plan) -> str | None:
         """Why this runtime cannot leave ``plan``'s ranks out of the step, or None (§3.11)."""
         if not plan.left_out:
             return None
-        if plan.hierarchical and len({self.comm.topology.node_of(r) for r in plan.step_ranks}) > 1:
-            return (f"the plan leaves ranks {list(plan.left_out)} out of the step with hierarchical collectives, and "
-                    "the ranks in the step span nodes; a step over some ranks runs flat: set hierarchical=False, "
-                    "or leave out a whole node")
         if self.loss_scaler is not None:
             return (f"the plan leaves ranks {list(plan.left_out)} out of the step under fp16 loss scaling, whose scale "
                     "a rank that sits out would not follow; use bf16 or fp32, or give every rank samples")

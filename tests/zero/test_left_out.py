@@ -1,7 +1,7 @@
 """A rank left out of the training step (a row of 0 samples and shard weight 0, docs/design.md
 §3.11): on 4 gloo ranks with weights 2:1:0:1 and uneven batches, ZeRO-1/2/3 equal single-process
-training on the remaining global batch, flat and on hierarchical collectives (2 + 2 nodes, a whole
-node left out); the rank left out issues no collective of a step; a checkpoint saved with a rank
+training on the remaining global batch, flat and on hierarchical collectives over 2 + 2 nodes (rank
+2 left out: the step's own nodes are 0, 1 | 3; and a whole node left out); the rank left out issues no collective of a step; a checkpoint saved with a rank
 left out loads into a plan where every rank works, and a running engine lets the rank rejoin,
 each going on as the uninterrupted reference."""
 
@@ -31,6 +31,9 @@ STEP_PHASES = {str(Phase.FORWARD), str(Phase.BACKWARD), str(Phase.STEP)}
 # rank 2 sits out: n_i = 5, 3, 0, 4 in micro-steps of unequal counts (3, 1, 0, 2)
 LEFT_OUT = Plan([RankPlan(2, 2, 1, shard_weight=2), RankPlan(3, 1, 0, shard_weight=1),
                  RankPlan(0, 0, 0, shard_weight=0), RankPlan(2, 1, 2, shard_weight=1)])
+# the same rows on hierarchical collectives over 2 + 2 nodes: ranks 0, 1 | 3 in the step (ZeRO-3:
+# with secondary shards)
+SPANNING = Plan(LEFT_OUT.ranks, hierarchical=True)
 # node [2, 3] sits out: n_i = 7, 5
 NODE_OUT = Plan([RankPlan(3, 2, 1, shard_weight=2), RankPlan(2, 2, 1, shard_weight=1),
                  RankPlan(0, 0, 0, shard_weight=0), RankPlan(0, 0, 0, shard_weight=0)], hierarchical=True)
@@ -58,11 +61,16 @@ def parity_worker(rank: int, world: int) -> dict:
     torch.set_num_threads(1)
     out: dict = {}
     for stage in (1, 2, 3):
-        for name, plan, topology in [("flat", LEFT_OUT, None), ("node", NODE_OUT, TOPOLOGY)]:
+        for name, plan, topology in [("flat", LEFT_OUT, None), ("node", NODE_OUT, TOPOLOGY),
+                                     ("hier", SPANNING, TOPOLOGY)]:
+            if name == "hier" and stage == 3:
+                plan = Plan(plan.ranks, hierarchical=True, secondary_shards=True)
             engine = _engine(stage, plan, topology)
             losses = _train(engine, plan, rank, range(ITERATIONS))
             step_records = [r for r in engine.comm_ledger.of() if r.phase in STEP_PHASES]
-            out[(stage, name)] = (losses, engine.full_state_dict(), len(step_records), engine.iteration)
+            links = {str(r.link) for r in step_records}
+            out[(stage, name)] = (losses, engine.full_state_dict(), len(step_records), engine.iteration, links)
+            out[(stage, name, "secondary")] = engine.memory_report().get("secondary_params", 0)
     return out
 
 
@@ -77,10 +85,13 @@ def _remaining_batch_reference(plan: Plan) -> tuple[list[float], dict[str, torch
 def test_ranks_in_the_step_equal_the_reference_and_the_left_out_rank_issues_no_step_collective() -> None:
     results = spawn(parity_worker, 4, (), timeout_s=300)
     for stage in (1, 2, 3):
-        for name, plan in [("flat", LEFT_OUT), ("node", NODE_OUT)]:
+        for name, plan in [("flat", LEFT_OUT), ("node", NODE_OUT), ("hier", SPANNING)]:
             ref_losses, ref_state = _remaining_batch_reference(plan)
             for rank, res in enumerate(results):
-                losses, state, step_collectives, iteration = res[(stage, name)]
+                losses, state, step_collectives, iteration, links = res[(stage, name)]
+                if name == "hier" and rank not in plan.left_out:  # the step's own nodes: 0, 1 | 3
+                    assert "cross-node" in links and ("intra-node" in links) == (rank < 2), (stage, rank, links)
+                    assert (res[(stage, name, "secondary")] > 0) == (stage == 3), (stage, rank)
                 assert iteration == ITERATIONS, (stage, name, rank)
                 assert max_rel_err(state, ref_state) <= 1e-5, (stage, name, rank)  # a state collective: every rank
                 if rank in plan.left_out:
@@ -124,8 +135,7 @@ def test_a_left_out_rank_rejoins_from_a_checkpoint_or_a_new_plan(tmp_path: Path)
 def refused_worker(rank: int, world: int) -> dict:
     torch.set_num_threads(1)
     out: dict = {}
-    spanning = Plan(LEFT_OUT.ranks, hierarchical=True)  # ranks 0, 1, 3 in the step: both nodes
-    for name, stage, plan, topology in [("zero0", 0, LEFT_OUT, None), ("spanning", 2, spanning, TOPOLOGY)]:
+    for name, stage, plan, topology in [("zero0", 0, LEFT_OUT, None)]:
         try:
             _engine(stage, plan, topology)
             out[name] = None
@@ -138,4 +148,3 @@ def refused_worker(rank: int, world: int) -> dict:
 def test_plans_that_cannot_leave_ranks_out_name_the_fix() -> None:
     for res in spawn(refused_worker, 4, (), timeout_s=120):
         assert "ZeRO-1, 2 and 3" in res["zero0"]
-        assert "hierarchical=False, or leave out a whole node" in res["spanning"]

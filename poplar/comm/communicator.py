@@ -21,7 +21,7 @@ Built with a ``Topology`` that spans nodes, the communicator creates the node pr
 once (``poplar.comm.hierarchical.NodeGroups``); while ``use_hierarchy(True)`` its all-gathers and
 reduce-scatters run hierarchically: a chain of steps, each recorded with the ``Link`` it used.
 
-A plan may leave ranks out of the training step (docs/design.md §3.11): ``set_step_ranks`` makes
+A plan may leave ranks out of the training step (docs/design.md §3.12): ``set_step_ranks`` makes
 the process group of the ranks in the step once per plan, and inside ``step_collectives()`` the
 tensor collectives and object gathers run on it (per-rank ``sizes`` are given over the world, as
 the shard layout has them; a rank left out holds a part of 0 elements). Outside, every
@@ -243,7 +243,7 @@ class Communicator:
         chain.wait()
         return None
 
-    # -- the ranks in the step (a plan that leaves ranks out; docs/design.md §3.11) --
+    # -- the ranks in the step (a plan that leaves ranks out; docs/design.md §3.12) --
     def set_step_ranks(self, ranks: Sequence[int]) -> None:
         """From now on ``step_collectives()`` runs on the group of ``ranks`` (every rank calls this
         together, with the same ranks: a new group is a collective over the world; each set of

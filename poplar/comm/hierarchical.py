@@ -65,7 +65,7 @@ class NodeGroups(NamedTuple):
     exchange, likewise. Separate groups keep each group's calls in one order on every rank,
     whatever moment a rank completes a collective and issues its next step. ``ranks``: the
     global rank of each of the topology's ranks, where it numbers a subset of the world (the ranks
-    in a training step that leaves some out, docs/design.md §3.11); None: the world itself."""
+    in a training step that leaves some out, docs/design.md §3.12); None: the world itself."""
 
     topology: Topology
     node_first: tuple[Any, ...]

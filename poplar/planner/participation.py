@@ -6,7 +6,7 @@ it brings in compute (the paper measured V4A4 slower than V4A3 at ZeRO-3). So be
 every rank, the planner plans each subset that leaves out one whole node, or every GPU of one
 device type, on the profile of the ranks that stay (``on_ranks``: their curves and memory, and
 their links, ``LinkPricing.with_nodes``'s tiers), and keeps the fastest. The ranks left out get
-rows ``RankPlan(0, 0, 0, shard_weight=0)``: the runtime leaves them out of the step (§3.11).
+rows ``RankPlan(0, 0, 0, shard_weight=0)``: the runtime leaves them out of the step (§3.12).
 
 Rules:
 - A job on one node keeps every GPU: its plans are those of a planner without this choice.

@@ -227,7 +227,7 @@ def plan(profile: Profile | Mapping[str, Any] | str | os.PathLike, global_batch_
                         f"predicted faster) or 'all' (every GPU), got {participation!r}")
     if (participation == "all" or setting is not None or stage == 0 or require_all_ranks or not isinstance(shards, str)
             or not isinstance(offload, str)):
-        return everyone  # every rank: collectives or rows asked for, given per rank, or ZeRO-0 (§3.11)
+        return everyone  # every rank: collectives or rows asked for, given per rank, or ZeRO-0 (§3.12)
     subset = replace(request, zero_stage=stage)
     return participation_choice.fastest(
         prof, everyone, lambda sub: _fastest_way(sub, subset, collective_choice.ways(sub, stage, None)))

@@ -91,7 +91,7 @@ class RankPlan:
 
     @property
     def left_out(self) -> bool:
-        """No samples and no shard: the rank sits out the training step (docs/design.md §3.11)."""
+        """No samples and no shard: the rank sits out the training step (docs/design.md §3.12)."""
         return self.num_samples == 0 and self.shard_weight == 0
 
     @property

@@ -155,7 +155,7 @@ class ZeroStage(ABC):
 
     def refresh_replicas(self) -> None:
         """Bring the whole parameters every rank keeps up to date from their owners' shards (every
-        rank together, between iterations): a rank left out of some steps (docs/design.md §3.11)
+        rank together, between iterations): a rank left out of some steps (docs/design.md §3.12)
         holds stale ones. Stage 3 keeps no whole parameters."""
 
     def share_step_agreements(self) -> None:

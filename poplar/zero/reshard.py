@@ -34,7 +34,7 @@ def gather_state(comm: Communicator, optimizer: torch.optim.Optimizer, units: Se
                  shards: Sequence[nn.Parameter]) -> list[UnitState]:
     """Per unit, its optimizer state over the whole unit (a collective, every rank together).
     A rank that holds no part of a unit and has not stepped it (one a plan left out of the step,
-    docs/design.md §3.11) holds no state for it: it takes the state's kinds from the ranks that do."""
+    docs/design.md §3.12) holds no state for it: it takes the state's kinds from the ranks that do."""
     keys = [sorted(k for k, v in optimizer.state.get(sp, {}).items() if per_element(v, sp)) for sp in shards]
     stepped = [sp in optimizer.state for sp in shards]
     everyone = comm.all_gather_object((keys, stepped, [sp.numel() for sp in shards]), tag="reshard:keys")

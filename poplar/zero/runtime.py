@@ -175,12 +175,12 @@ class ZeroRuntime:
         self.plan, self.rank_plan, self.global_batch_size = plan, plan.ranks[self.rank], plan.global_batch_size
         self.stage.place_optimizer(self.rank_plan.offload)
         self.comm.set_step_ranks(plan.step_ranks)  # every rank together; a group made once per set of ranks
-        # on one node the flat collectives; with ranks left out, the step's own nodes' (§3.11)
+        # on one node the flat collectives; with ranks left out, the step's own nodes' (§3.12)
         self.comm.use_hierarchy(plan.hierarchical)
         self.stage.keep_secondary_shards(plan.secondary_shards and self.comm.steps_hierarchically)
 
     def _left_out_problem(self, plan: Plan) -> str | None:
-        """Why this runtime cannot leave ``plan``'s ranks out of the step, or None (§3.11)."""
+        """Why this runtime cannot leave ``plan``'s ranks out of the step, or None (§3.12)."""
         if not plan.left_out:
             return None
         if self.loss_scaler is not None:
@@ -245,7 +245,7 @@ class ZeroRuntime:
         return None
 
     def _sit_out(self, batch: Any) -> float:
-        """An iteration on a rank the plan leaves out (docs/design.md §3.11): no collective, no
+        """An iteration on a rank the plan leaves out (docs/design.md §3.12): no collective, no
         sample; the iteration is counted, so the ranks' counts agree at the next state collective.
         The loss is the others' (NaN here: learning it would be a collective)."""
         if batch is not None and batch_size_of(batch) != 0:

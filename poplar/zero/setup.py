@@ -142,7 +142,7 @@ def plan_problem(plan: Any, world_size: int, zero_stage: int, in_iteration: bool
 def left_out_problem(plan: Plan, zero_stage: int) -> str | None:
     """Why ``plan``'s ranks left out of the step cannot sit out at ``zero_stage``, or None.
     ZeRO-0 keeps the whole optimizer state on every rank: a rank that skipped steps would hold a
-    stale one, so only the sharded stages (1-3) leave ranks out (docs/design.md §3.11)."""
+    stale one, so only the sharded stages (1-3) leave ranks out (docs/design.md §3.12)."""
     if plan.left_out and zero_stage == 0:
         return (f"the plan leaves ranks {list(plan.left_out)} out of the step (0 samples, shard_weight 0) at ZeRO-0, "
                 "where every rank holds the whole optimizer state; ranks sit out at ZeRO-1, 2 and 3: use one of "

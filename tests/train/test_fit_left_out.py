@@ -1,4 +1,4 @@
-"""The training loop with a rank left out of the step (docs/design.md §3.11): it keeps the loop's
+"""The training loop with a rank left out of the step (docs/design.md §3.12): it keeps the loop's
 pace, joins the checkpoint saves, and the run ends where the same run ends with that rank in
 the step on no samples; the records' loss is that of the ranks in the step, also when the rank
 left out is rank 0, who writes the log."""

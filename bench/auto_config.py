@@ -47,7 +47,8 @@ from poplar.emulation import Scales, cluster_device  # noqa: E402
 from poplar.emulation.calibration import pick_memory_scale, prepare  # noqa: E402
 from poplar.profiler.configurations import CandidateProfiler  # noqa: E402
 from poplar.types.configuration import Configuration  # noqa: E402
-from poplar.profiler.profile_run import ProfileJob, ProfileOptions, default_optimizer, profile_rank  # noqa: E402
+from poplar.profiler.profile_run import (ProfileJob, ProfileOptions, RankPhases, default_optimizer,  # noqa: E402
+                                         profile_rank)
 from poplar.emulation.cluster import ClusterSpec  # noqa: E402
 from poplar.emulation.presets import get_preset  # noqa: E402
 from poplar.workloads.models import create_model, llama_loss_fn  # noqa: E402
@@ -106,7 +107,7 @@ def rank_main(rank: int, world: int, cluster: str, gbs: int, iterations: int, re
     # every candidate: timed, planned, trained
     job = ProfileJob(model_fn, llama_loss_fn, sample_fn, default_optimizer,
                      ProfileOptions(repeats=repeats, progress=False, max_batch=1024))
-    prof = CandidateProfiler(job, device, log=lambda m: None)
+    prof = CandidateProfiler(RankPhases(job, device, log=lambda m: None))
     types = comm.all_gather_object(device.device_type)
     caps = prof.capacities([Configuration(s, c) for c in (None, True) for s in range(4)])
     rows, measured = [], {}

@@ -333,7 +333,7 @@ def notes(rows: list[dict], result: dict) -> list[str]:
                    f"ideal under the true curves; the run took {100 * (p['measured_s'] / p['true_s'] - 1):+.1f}% "
                    f"over the plan's true-curve time: the slowest rank spent {p['comm_s'][slow]:.3f} s in "
                    f"{p['collectives']} collectives vs {p['predicted_comm_s']:.3f} s modelled (gloo latency "
-                   f"{r['profile']['comm']['latency_s'] * 1e3:.1f} ms); {r['late_steps']} late micro-steps")
+                   f"{r['profile']['comm']['links']['latency_s'] * 1e3:.1f} ms); {r['late_steps']} late micro-steps")
     if result["median_prediction_err"] > TARGETS["median_prediction_err"]:
         plans = [p for r in rows for p in r["plans"].values()]
         out.append(f"median_prediction_err {result['median_prediction_err']:.3f} > "
@@ -490,12 +490,12 @@ def main() -> None:
         "wall_s": round(time.perf_counter() - t_start, 1), "gbs": args.gbs, "model": args.model, "seq": args.seq,
         "precision": args.precision, "iterations": args.iterations, "warmup": args.warmup, "rounds": args.rounds,
         "clusters": [s.name for s in args.specs], "stages": args.stages, "targets": TARGETS}
+    if args.json:  # first: the measurements outlive any fault in the notes below
+        write_text_atomic(args.json, json.dumps({"result": result, "rows": rows, "clusters": meta}, indent=1) + "\n")
     for line in notes(rows, result):
         print("note: " + line)
     if args.iterations < 5:
         print(f"note: medians over {args.iterations} iterations; the headline figures need >= 5", file=sys.stderr)
-    if args.json:
-        write_text_atomic(args.json, json.dumps({"result": result, "rows": rows, "clusters": meta}, indent=1) + "\n")
     print("RESULT " + json.dumps(result))
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from poplar.profiler.configurations import CandidateProfiler, ConfigCapacity, Reuse, ShardMemory
-from poplar.profiler.escalation import OffloadEscalation, next_offloads
+from poplar.profiler.escalation import OffloadEscalation, Placements, escalate_offload
 from poplar.profiler.exposure import ExposureRounds
 from poplar.profiler.job import ProfileJob
 from poplar.profiler.rank_phases import RankPhases, Timed
@@ -96,7 +96,7 @@ class Candidates:
 
     def capacity(self, phases: RankPhases) -> list[ConfigCapacity]:
         """Every candidate's capacity (and by room, and offloaded; module doc), agreed."""
-        self.prof = CandidateProfiler(phases.job, phases.device, phases=phases)
+        self.prof = CandidateProfiler(phases)
         types = phases.comm.all_gather_object(phases.device.device_type, tag="auto:types")
         escalation = phases.options.offload_escalation
         caps = self._fitting(phases, self.choice.configurations(), escalation)
@@ -112,12 +112,12 @@ class Candidates:
         assert self.prof is not None
         while (request := self.choice.next_timing()) is not None:
             cap = caps[request.index]
-            if request.probe:  # one measurement a point: a disturbed probe can only raise a bound
-                profile = self.prof.time(cap, sizes=[[m] for m in cap.mbs], confirm=Confirmation.CURVE,
-                                         exposure=ExposureRounds.GRID)
-            else:  # the sparse grid, a point measured again only where it breaks the curve's shape
-                profile = self.prof.time(cap, reuse=request.reuse, how=request.how, grid=TimingGrid.SPARSE,
-                                         confirm=Confirmation.CURVE, exposure=ExposureRounds.GRID)
+            # a probe: one measurement a point at every rank's mbs (a disturbed probe can only raise
+            # a bound); else the sparse grid, a point measured again only where it breaks the
+            # curve's shape
+            probe = [[m] for m in cap.mbs] if request.probe else None
+            profile = self.prof.time(cap, reuse=None if request.probe else request.reuse, how=request.how, sizes=probe,
+                                     grid=TimingGrid.SPARSE, confirm=Confirmation.CURVE, exposure=ExposureRounds.GRID)
             self.choice.record(request, profile)
         index, profile = self.choice.chosen()
         return Timed(caps[index].placed(phases.job), caps[index].stage_capacity(), profile)
@@ -157,22 +157,24 @@ class Candidates:
         return out
 
     def _escalate_offload(self, phases: RankPhases, caps: list[ConfigCapacity]) -> list[ConfigCapacity]:
-        """Offload escalation: the configurations at the highest stage (ZeRO-1 or above) searched
-        again with the optimizer of the ranks batch 1 does not fit offloaded to host memory
-        (``escalation.next_offloads``), until they fit or those ranks already offload."""
-        assert self.prof is not None
+        """Offload escalation (``escalation.escalate_offload``) of the configurations at the
+        highest stage (ZeRO-1 or above): searched again with the optimizer of the ranks batch 1
+        does not fit offloaded to host memory, until they fit or those ranks already offload."""
+        prof = self.prof
+        assert prof is not None
         top = max(c.config.stage for c in caps)
-        out = []
-        for c in caps:
-            while c.config.stage == top >= 1 and not c.fits:
-                short = [r for r, m in enumerate(c.mbs) if m < 1]
-                more = next_offloads(c.offloads, short, len(c.mbs))
-                if more is None:
-                    break
-                phases.log(f"{c.config.name}: batch 1 does not fit ranks {short}; searching again with their "
-                           "optimizer offloaded to host memory")
-                self.offloaded.append({"configuration": c.config.name, "ranks": short,
-                                       "offload": [o.value for o in more]})
-                c = self.prof.capacities([c.config], c.shard_weights, more)[0]
-            out.append(c)
-        return out
+
+        def announce(c: ConfigCapacity, short: list[int], more: Placements) -> None:
+            phases.log(f"{c.config.name}: batch 1 does not fit ranks {short}; searching again with their "
+                       "optimizer offloaded to host memory")
+            self.offloaded.append({"configuration": c.config.name, "ranks": short,
+                                   "offload": [o.value for o in more]})
+
+        def escalated(c: ConfigCapacity) -> ConfigCapacity:
+            if not c.config.stage == top >= 1:
+                return c
+            return escalate_offload(c, c.offloads, short=lambda f: [r for r, m in enumerate(f.mbs) if m < 1],
+                                    search=lambda more: prof.capacities([c.config], c.shard_weights, more)[0],
+                                    world_size=len(c.mbs), announce=announce)[0]
+
+        return [escalated(c) for c in caps]

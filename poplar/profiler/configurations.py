@@ -6,23 +6,20 @@ configuration's profile (docs/design.md §4.1): the capacity search of every con
 on each rank without any collective, and one agreement then hands every rank every
 configuration's mbs per rank; timing rounds (collective, lock-step) run only for the
 configurations the caller asks for, one at a time, each ending in a ``Profile`` that is the same
-on every rank. The collectives' bandwidth is measured once and shared. The caller
+on every rank. The collectives' bandwidth is measured once and shared (``RankPhases.timed_profile``). The caller
 (``candidate_run.Candidates``, a step of ``ProfileRun``) must make the same calls on every rank,
 deciding only from agreed data.
 """
 
 from __future__ import annotations
 
-import copy
 import time
 import traceback
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
-from typing import Any, Callable
 
 from poplar.profiler.capacity import CapacityResult
-from poplar.profiler.devices import Device
 from poplar.profiler.escalation import StageCapacity
 from poplar.profiler.exposure import ExposureRounds
 from poplar.profiler.phases import ProfilePhase
@@ -31,7 +28,7 @@ from poplar.profiler.rank_phases import RankPhases
 from poplar.profiler.timing import Confirmation, TimingGrid, timing_batches
 from poplar.types.configuration import Configuration
 from poplar.types.plans import Offload
-from poplar.types.profiles import CommProfile, Profile, ProfileError
+from poplar.types.profiles import Profile, ProfileError, ProfilePoint
 
 
 class Reuse(Enum):
@@ -111,14 +108,12 @@ def uncovered(grid: list[int], have: set[int], mbs: int) -> set[int]:
 class CandidateProfiler:
     """Capacity of every configuration, then timing of chosen ones, on every rank together."""
 
-    def __init__(self, job: ProfileJob, device: Device, *, log: Callable[[str], None] | None = None,
-                 process_group: Any = None, phases: RankPhases | None = None) -> None:
-        """Over ``phases`` (a run set up already), else a new run of ``job`` on ``device``."""
-        self.run = phases or RankPhases(job, device, process_group=process_group, log=log)
+    def __init__(self, phases: RankPhases) -> None:
+        """Over ``phases``: a run set up already (``ProfileRun``'s, or a bench's own)."""
+        self.run = phases
         self.seconds = {"capacity_s": 0.0, "timing_s": 0.0, "comm_s": 0.0}
         self.rounds = 0  # lock-step timing rounds run
         self.trial_steps = 0  # this rank's capacity trial steps
-        self._comm: CommProfile | None = None
 
     def capacities(self, configs: list[Configuration], shard_weights: tuple[float, ...] | None = None,
                    offloads: tuple[Offload, ...] | None = None) -> list[ConfigCapacity]:
@@ -179,28 +174,33 @@ class CandidateProfiler:
             again = [{m} if how is Reuse.SAME_COMPUTE else set() for m in capacity.mbs]
             per_rank = [sorted(uncovered(bs, h, m) | a) for bs, h, a, m in zip(per_rank, have, again, capacity.mbs)]
             per_rank = [bs or [1] for bs in per_rank]  # a rank with every point still runs each round: its cheapest
-        run, base = self.run, self.run.job
+        run, base, rank = self.run, self.run.job, self.run.comm.rank
+        mbs = capacity.mbs[rank]
+
+        def merged(points: list[ProfilePoint]) -> list[ProfilePoint]:  # this timing's points, then reuse's others
+            assert reuse is not None
+            mine = {p.batch for p in points}
+            kept = [p for p in reuse.ranks[rank].points if p.batch not in mine and p.batch <= mbs]
+            return sorted(points + kept, key=lambda p: p.batch)
+
+        since = [time.perf_counter()]
+
+        def clock(name: str) -> None:  # this profiler's seconds, over all its timings, are the profile's
+            now = time.perf_counter()
+            self.seconds[name] += now - since[0]
+            since[0] = now
+            run.phase_seconds = dict(self.seconds)
+
         run.job = capacity.placed(base)
         try:
-            t0 = time.perf_counter()
-            fit = capacity.stage_capacity()
             # with CURVE a first round still slow enough to matter breaks the curve's shape and
             # is measured again, so only a first REPEAT timing has a warm-up round
             warmup = self.rounds == 0 and confirm is Confirmation.REPEAT
-            timing = run.time(fit, per_rank, warmup=warmup, confirm=confirm, exposure=exposure)
-            if reuse is not None:
-                mine, mbs = {p.batch for p in timing.points}, capacity.mbs[run.comm.rank]
-                kept = [p for p in reuse.ranks[run.comm.rank].points if p.batch not in mine and p.batch <= mbs]
-                timing.points = sorted(timing.points + kept, key=lambda p: p.batch)
-            self.seconds["timing_s"] += time.perf_counter() - t0
-            self.rounds += timing.rounds
-            if self._comm is None and base.options.measure_comm:
-                t0 = time.perf_counter()
-                self._comm = run.measure_comm()
-                self.seconds["comm_s"] += time.perf_counter() - t0
-            comm = copy.deepcopy(self._comm)  # the profile sets its measured stage on it
-            run.phase_seconds = dict(self.seconds)
-            return run.assemble(fit, timing, comm)
+            profile = run.timed_profile(capacity.stage_capacity(), per_rank, warmup=warmup, confirm=confirm,
+                                        exposure=exposure, own_points=merged if reuse is not None else None,
+                                        clock=clock)
+            self.rounds += profile.measurement.timing_rounds
+            return profile
         finally:
             run.job = base
 

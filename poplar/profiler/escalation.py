@@ -12,14 +12,16 @@ Offload escalation (``OffloadEscalation.SHORT_RANKS``): where batch 1 does not f
 even at ZeRO-3, those ranks search ZeRO-3 again with their optimizer state in host memory
 (``Offload.OPTIMIZER``), decided from the agreed verdicts, so the same on every rank. A rank's
 placement changes only its own memory, so a rank still short with its optimizer offloaded ends
-the escalation: offloading the other ranks too could not make it fit.
+the escalation: offloading the other ranks too could not make it fit. ``escalate_offload`` is
+that loop, for one configuration (``find_fitting_stage``) and for each of auto mode's
+candidates at their highest stage (``candidate_run.Candidates``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 from poplar.comm import Communicator
 from poplar.profiler.capacity import CapacityResult
@@ -30,6 +32,7 @@ from poplar.types.profiles import Escalation, ProfileError
 MB = 1e6
 Log = Callable[[str], None]
 Placements = tuple[Offload, ...] | None  # where each rank's optimizer lives (None: on every device)
+Found = TypeVar("Found")  # what an agreed capacity search at some placements found
 
 
 class OffloadEscalation(str, Enum):
@@ -63,6 +66,23 @@ def next_offloads(current: Placements, no_fit: list[int], world_size: int) -> Pl
     return None if wanted == now else wanted
 
 
+def escalate_offload(found: Found, offloads: Placements, *, short: Callable[[Found], list[int]],
+                     search: Callable[[Placements], Found], world_size: int,
+                     announce: Callable[[Found, list[int], Placements], None]) -> tuple[Found, Placements]:
+    """Offload escalation (module doc): while ``short(found)`` names ranks batch 1 does not fit,
+    those ranks' optimizers offloaded (``next_offloads``), ``announce(found, short ranks, new
+    placements)`` and ``search(new placements)`` again (every rank, agreed). Ends where every
+    rank fits or the short ranks already offload; returns the last search and its placements.
+    Decided from agreed data only, so every rank runs the same searches."""
+    while no_fit := short(found):
+        more = next_offloads(offloads, no_fit, world_size)
+        if more is None:
+            break
+        announce(found, no_fit, more)
+        offloads, found = more, search(more)
+    return found, offloads
+
+
 def find_fitting_stage(search: Callable[[int, Placements], CapacityResult], comm: Communicator, device: Device, *,
                        stage: int, escalate: bool, model_size: tuple[int, int], lead: Log, mine: Log,
                        offloads: Placements = None,
@@ -75,13 +95,31 @@ def find_fitting_stage(search: Callable[[int, Placements], CapacityResult], comm
     escalations: list[Escalation] = []
     trials_per_stage: dict[str, int] = {}
     refused: ProfileError | None = None  # the stage asked for did not fit and escalation is off
-    while True:
-        result, error = _search_at(search, stage, offloads, mine)
+
+    def agreed(at: Placements) -> tuple[CapacityResult | None, list[dict[str, Any]]]:
+        result, error = _search_at(search, stage, at, mine)
         if result is not None:
-            key = str(stage) if not _offloading(offloads) else f"{stage}+offload"
+            key = str(stage) if not _offloading(at) else f"{stage}+offload"
             trials_per_stage[key] = trials_per_stage.get(key, 0) + result.trial_steps
-        verdicts = _agree_on_capacity(comm, device, result, error)
-        no_fit = [r for r, v in enumerate(verdicts) if v["mbs"] < 1]
+        return result, _agree_on_capacity(comm, device, result, error)
+
+    def short(found: tuple[CapacityResult | None, list[dict[str, Any]]]) -> list[int]:
+        return [r for r, v in enumerate(found[1]) if v["mbs"] < 1]
+
+    def announce(found: tuple[CapacityResult | None, list[dict[str, Any]]], no_fit: list[int],
+                 more: Placements) -> None:
+        said = found[1]
+        lead(f"batch 1 does not fit at ZeRO-3 on {_names(said, no_fit)}; searching ZeRO-3 again with their "
+             "optimizer offloaded to host memory")
+        escalations.append(Escalation(stage, stage, no_fit, {str(r): said[r]["reason"] for r in no_fit},
+                                      offload=[o.value for o in more]))
+
+    while True:
+        result, verdicts = agreed(offloads)
+        if stage == 3 and refused is None and offload_escalation is OffloadEscalation.SHORT_RANKS:
+            (result, verdicts), offloads = escalate_offload((result, verdicts), offloads, short=short, search=agreed,
+                                                            world_size=comm.world_size, announce=announce)
+        no_fit = short((result, verdicts))
         if not no_fit and refused is not None:  # the stage that would fit, named in the error
             raise ProfileError(f"{refused} ZeRO-{stage} fits batch 1 on every rank: give that stage, or \"auto\" "
                                "to let auto mode choose")
@@ -89,16 +127,7 @@ def find_fitting_stage(search: Callable[[int, Placements], CapacityResult], comm
             assert result is not None
             return StageCapacity(stage, result, [v["mbs"] for v in verdicts], escalations, trials_per_stage,
                                  offloads if _offloading(offloads) else None)
-        names = ", ".join(f"rank {r} ({verdicts[r]['device']}, {format_bytes(verdicts[r]['capacity'])})"
-                          for r in no_fit)
-        more = next_offloads(offloads, no_fit, comm.world_size)
-        if stage == 3 and refused is None and more is not None and offload_escalation is OffloadEscalation.SHORT_RANKS:
-            lead(f"batch 1 does not fit at ZeRO-3 on {names}; searching ZeRO-3 again with their optimizer "
-                 "offloaded to host memory")
-            escalations.append(Escalation(stage, stage, no_fit, {str(r): verdicts[r]["reason"] for r in no_fit},
-                                          offload=[o.value for o in more]))
-            offloads = more
-            continue
+        names = _names(verdicts, no_fit)
         if stage == 3:
             raise refused or _does_not_fit(stage, verdicts, no_fit, names, model_size, offloads, offload_escalation)
         if not escalate:
@@ -109,6 +138,10 @@ def find_fitting_stage(search: Callable[[int, Placements], CapacityResult], comm
         lead(f"batch 1 does not fit at ZeRO-{stage} on {names}; moving to ZeRO-{stage + 1}")
         escalations.append(Escalation(stage, stage + 1, no_fit, {str(r): verdicts[r]["reason"] for r in no_fit}))
         stage += 1
+
+
+def _names(verdicts: list[dict[str, Any]], ranks: list[int]) -> str:
+    return ", ".join(f"rank {r} ({verdicts[r]['device']}, {format_bytes(verdicts[r]['capacity'])})" for r in ranks)
 
 
 def _offloading(offloads: Placements) -> bool:

@@ -16,8 +16,10 @@ steps, in order, each called from one place:
    ``escalation.find_fitting_stage``), shard weights by room and offload escalation for several
    (``candidate_run.Candidates``).
 4. Timing (``target.timing``): lock-step rounds at sizes known to fit, the collectives'
-   bandwidth and the assembly of every rank's part; for several configurations, the timings
-   the choice asks for (auto mode's ``ConfigurationSearch``), until it has chosen.
+   bandwidth and the assembly of every rank's part, in that order in one place
+   (``RankPhases.timed_profile``, which every timing below goes through); for several
+   configurations, the timings the choice asks for (auto mode's ``ConfigurationSearch``),
+   until it has chosen.
 5. Timing past mbs (``_past_mbs``, ``shard_room``): each rank timed past its mbs at shard
    weights that give it the room, where the options ask for it.
 6. The target's record (``target.finish``), and the store's write-back (``_keep``).
@@ -108,12 +110,8 @@ class OneConfiguration:
         return fit
 
     def timing(self, phases: RankPhases, fit: StageCapacity) -> Timed:
-        """Every rank's timing batches, then the collectives' bandwidth."""
-        timing = phases.time(fit)
-        phases.end_phase("timing_s")
-        comm_profile = phases.measure_comm()
-        phases.end_phase("comm_s")
-        return Timed(phases.job, fit, phases.assemble(fit, timing, comm_profile))
+        """Every rank's timing batches, then the collectives' bandwidth (``RankPhases.timed_profile``)."""
+        return Timed(phases.job, fit, phases.timed_profile(fit))
 
     def finish(self, phases: RankPhases, profile: Profile, past_mbs_s: float) -> Profile:
         phases.lead(f"done in {profile.measurement.seconds:.1f} s (in the ranks, from their set-up)")

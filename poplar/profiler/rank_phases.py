@@ -9,8 +9,9 @@ what offloading the optimizer would cost this rank (``offload_cost``), and that 
 device computes in the options' precision (``mixed_precision``: bf16 on a V100 / T4 is one
 clear error everywhere), agreed on by every rank. Its phases: this rank's capacity search (no
 collective; a ``ZeroRuntime`` over a LocalCommunicator has the real runtime's memory at world
-size N), lock-step timing rounds (``lock_step``), the collectives' bandwidth and the assembly of
-every rank's part into one ``Profile``. Which phases run, in which order, is ``ProfileRun``'s
+size N), and the timing (``timed_profile``): lock-step timing rounds (``lock_step``), the
+collectives' bandwidth (once a run) and the assembly of every rank's part into one ``Profile``,
+the only road to a timed profile. Which phases run, in which order, is ``ProfileRun``'s
 (``profile_run``).
 
 Every runtime built here runs under the options' precision policy, so memory (the mbs) and speed
@@ -20,6 +21,7 @@ are those of training at that precision; the profile records it (``Profile.preci
 from __future__ import annotations
 
 import contextlib
+import copy
 import sys
 import time
 from dataclasses import dataclass
@@ -40,7 +42,7 @@ from poplar.profiler.precision import agree_precision_support, precision_meta
 from poplar.profiler.progress import PhaseProgress
 from poplar.profiler.timing import Confirmation, measure_comm
 from poplar.types.plans import Offload
-from poplar.types.profiles import CommProfile, OffloadCost, Profile, ProfileError
+from poplar.types.profiles import CommProfile, OffloadCost, Profile, ProfileError, ProfilePoint
 from poplar.zero.failures import is_oom
 from poplar.zero.runtime import ZeroRuntime
 
@@ -177,6 +179,7 @@ class RankPhases:
         self.offload_cost: OffloadCost | None = None
         self.started = time.perf_counter()
         self.phase_seconds: dict[str, float] = {}
+        self._comm: CommProfile | None = None  # the collectives' bandwidth, once measured
         self._set_up()
 
     def _set_up(self) -> None:
@@ -242,8 +245,38 @@ class RankPhases:
         on every rank. ``warmup``: an unmeasured first round; ``confirm``: when a measurement is
         trusted (``run_rounds``); ``exposure``: which rounds measure the exposed communication.
         The garbage collections in it, the device's ``release`` at the end among them, skip what
-        existed before it."""
+        existed before it. The timing step (``timed_profile``) and timing past mbs
+        (``shard_room``, whose points lie past the mbs a profile holds) call it."""
         return time_rounds(self, fit, per_rank, warmup, confirm, exposure)
+
+    def timed_profile(self, fit: StageCapacity, per_rank: list[list[int]] | None = None, *, warmup: bool = True,
+                      confirm: Confirmation = Confirmation.REPEAT, exposure: ExposureRounds = ExposureRounds.STEADY,
+                      own_points: Callable[[list[ProfilePoint]], list[ProfilePoint]] | None = None,
+                      clock: Callable[[str], None] | None = None) -> Profile:
+        """The timing step, the one road from a capacity to a timed ``Profile``: lock-step timing
+        rounds (``time``, with these arguments), the collectives' bandwidth, the assembly of
+        every rank's part. ``own_points``: this rank's points as the profile keeps them (reused
+        points merged in). The bandwidth is measured at the run's first timing, if the options
+        ask for it, and shared by its later ones. ``clock(name)`` closes the phase that ran
+        (default ``end_phase``): ``timing_s``, then ``comm_s``."""
+        clock = clock or self.end_phase
+        timing = self.time(fit, per_rank, warmup, confirm, exposure)
+        if own_points is not None:
+            timing.points = own_points(timing.points)
+        clock("timing_s")
+        comm_profile = self._comm_profile()
+        clock("comm_s")
+        return assemble_profile(self, fit, timing, comm_profile)
+
+    def _comm_profile(self) -> CommProfile | None:
+        """The collectives' bandwidth fit (the ``COMM`` phase; None where the options ask for
+        none): measured once a run, a copy for each profile."""
+        if not self.options.measure_comm:
+            return None
+        if self._comm is None:
+            with in_phase(self.observers, ProfilePhase.COMM, self.comm):
+                self._comm = measure_comm(self.comm, topology=self.options.topology)
+        return copy.deepcopy(self._comm)
 
     def trial_fits(self, stage: int, batch: int, shard_weights: tuple[float, ...],
                    offloads: Placements) -> list[bool]:
@@ -251,14 +284,3 @@ class RankPhases:
         optimizer placements (every rank together, its own batch)."""
         return trial_fits(self.job, self.device, self.comm, stage, Trial(batch, shard_weights, offloads),
                           self.observers)
-
-    def measure_comm(self) -> CommProfile | None:
-        """The collectives' bandwidth fit (the ``COMM`` phase), if the options ask for it."""
-        if not self.options.measure_comm:
-            return None
-        with in_phase(self.observers, ProfilePhase.COMM, self.comm):
-            return measure_comm(self.comm, topology=self.options.topology)
-
-    def assemble(self, fit: StageCapacity, timing: LockStepTiming, comm_profile: CommProfile | None) -> Profile:
-        """Every rank's part, gathered: the same ``Profile`` on every rank."""
-        return assemble_profile(self, fit, timing, comm_profile)

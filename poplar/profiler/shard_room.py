@@ -75,6 +75,8 @@ def time_past_mbs(run: Any, fit: Any, profile: Profile) -> Profile:
         return profile
     finally:
         run.job = base
+    # not assembled into a profile: these points lie past the ranks' mbs, which a profile's
+    # points may not; they are gathered as they are
     mine = set(sizes[run.comm.rank])
     points = run.comm.all_gather_object([p for p in timing.points if p.batch in mine], tag="profile:past mbs")
     for r in profile.ranks:

@@ -150,13 +150,11 @@ class NewTypes:
         lookup, mine = self.lookup, self.lookup.entries.get(phases.device.device_type)
         per_rank = [[1] if t in lookup.entries else timing_batches(m, TimingGrid.SPARSE)
                     for t, m in zip(lookup.cluster, fit.mbs)]
-        timing = phases.time(fit, per_rank, warmup=False, confirm=Confirmation.CURVE, exposure=ExposureRounds.GRID)
-        if mine is not None:
-            timing.points = [p for p in mine.rank.points if p.batch <= mine.rank.mbs]
-        phases.end_phase("timing_s")
-        comm_profile = phases.measure_comm()
-        phases.end_phase("comm_s")
-        return Timed(phases.job, fit, phases.assemble(fit, timing, comm_profile))
+        stored = None if mine is None else [p for p in mine.rank.points if p.batch <= mine.rank.mbs]
+        profile = phases.timed_profile(fit, per_rank, warmup=False, confirm=Confirmation.CURVE,
+                                       exposure=ExposureRounds.GRID,
+                                       own_points=None if stored is None else lambda timed: stored)
+        return Timed(phases.job, fit, profile)
 
     def finish(self, phases: RankPhases, profile: Profile, past_mbs_s: float) -> Profile:
         return replace(profile, store=StoreRecord(reused=sorted(self.lookup.entries), profiled=self.lookup.new_types))

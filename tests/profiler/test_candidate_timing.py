@@ -12,7 +12,7 @@ from poplar.comm.launch import spawn
 from poplar.emulation import SaturatingCurve, VirtualDevice
 from poplar.profiler.configurations import CandidateProfiler, Reuse, uncovered
 from poplar.profiler.exposure import MAX_STEADY_ROUNDS, STEADY_ROUNDS, ExposureRounds
-from poplar.profiler.profile_run import ProfileJob, ProfileOptions
+from poplar.profiler.profile_run import ProfileJob, ProfileOptions, RankPhases
 from poplar.profiler.timing import Confirmation, TimingGrid, timing_batches
 from poplar.types.configuration import Configuration
 from poplar.workloads import get_workload
@@ -31,7 +31,7 @@ def worker(rank: int, world: int, devices: list[VirtualDevice]) -> dict:
     device = devices[rank]
     job = ProfileJob(WORKLOAD.model_fn, WORKLOAD.loss_fn, WORKLOAD.sample_fn,
                      options=ProfileOptions(repeats=1, bucket_size_mb=0.03, progress=False, exposure_precision=0))
-    prof = CandidateProfiler(job, device, log=lambda m: None)
+    prof = CandidateProfiler(RankPhases(job, device, log=lambda m: None))
     late = latest_wake_up(CURVES[rank](1))  # bare sleeps as long as a step, before and after: the reference
     caps = prof.capacities([Configuration(0), Configuration(1)])
     curve = dict(confirm=Confirmation.CURVE)

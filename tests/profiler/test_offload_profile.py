@@ -13,7 +13,7 @@ import torch
 
 from poplar.comm.launch import spawn
 from poplar.emulation import VirtualDevice
-from poplar.profiler.escalation import OffloadEscalation, next_offloads
+from poplar.profiler.escalation import OffloadEscalation, escalate_offload, next_offloads
 from poplar.profiler.profile_run import ProfileOptions, profile_rank
 from poplar.planner import plan
 from poplar.types.plans import Offload, PlanError
@@ -101,6 +101,32 @@ def test_next_offloads_adds_the_short_ranks_once() -> None:
     assert next_offloads(None, [1], 3) == (NONE, OPT, NONE)
     assert next_offloads((NONE, OPT, NONE), [0, 1], 3) == (OPT, OPT, NONE)
     assert next_offloads((NONE, OPT, NONE), [1], 3) is None  # already offloaded: nothing more to try
+
+
+def test_escalate_offload_searches_again_until_every_rank_fits_or_the_short_ones_already_offload() -> None:
+    # a scripted agreed search: rank 1 fits batch 1 only offloaded; rank 2 fits nowhere
+    fits_when = {0: lambda o: True, 1: lambda o: o is OPT, 2: lambda o: False}
+    searched: list = []
+
+    def search(at):
+        searched.append(at)
+        return [int(fits_when[r](o)) for r, o in enumerate(at)]
+
+    def short(mbs):
+        return [r for r, m in enumerate(mbs) if m < 1]
+
+    said: list = []
+    found, placed = escalate_offload([1, 0], None, short=short, search=search, world_size=2,
+                                     announce=lambda mbs, ranks, more: said.append((mbs, ranks, more)))
+    assert found == [1, 1] and placed == (NONE, OPT) and searched == [(NONE, OPT)]
+    assert said == [([1, 0], [1], (NONE, OPT))]
+    found, placed = escalate_offload([1, 0, 0], None, short=short, search=search, world_size=3,
+                                     announce=lambda *a: None)
+    assert found == [1, 1, 0] and placed == (NONE, OPT, OPT)  # rank 2, offloaded and still short, ends it
+    assert searched[1:] == [(NONE, OPT, OPT)]
+    fitting = [2, 1]
+    assert escalate_offload(fitting, None, short=short, search=search, world_size=2,
+                            announce=lambda *a: None) == (fitting, None)  # nothing short: no search
 
 
 def test_profile_options_check_their_placements() -> None:

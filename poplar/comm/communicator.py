@@ -51,7 +51,7 @@ from poplar.comm.ledger import CommLedger
 from poplar.comm.sigterm_watch import BLOCKED
 from poplar.comm.uneven import all_gather_tensor, reduce_scatter_tensor
 from poplar.types.errors import DistributedError
-from poplar.types.topology import Topology, TopologyError, Wire
+from poplar.types.topology import Link, Topology, TopologyError, Wire
 
 
 class CollectiveObserver(Protocol):
@@ -94,7 +94,7 @@ class PendingCollective:
             self.observer = None
         blocked = self.issue_s + self.comm.stop_timer(t0)
         with self.comm.ledger.at(self.position):
-            self.comm.ledger.add(self.op, self.nbytes, blocked, self.tag)
+            self.comm.ledger.add(self.op, self.nbytes, blocked, self.tag, self.comm.wire.link)
 
 
 class PendingChain:
@@ -162,9 +162,12 @@ class Communicator:
     _chains: "deque[PendingChain] | None" = None  # hierarchical collectives not issued to their last step
 
     def __init__(self, process_group: Any = None, device: torch.device | None = None,
-                 ledger: CommLedger | None = None, topology: Topology | None = None) -> None:
+                 ledger: CommLedger | None = None, topology: Topology | None = None,
+                 link: Link = Link.FLAT) -> None:
         """``topology``: the nodes of the ranks; one that spans nodes creates the node groups
-        here, a collective over the world (every rank builds its communicator together)."""
+        here, a collective over the world (every rank builds its communicator together).
+        ``link``: the link this communicator's group runs on (a group of one node's ranks is
+        ``Link.INTRA``, one of one rank per node ``Link.CROSS``), for the ledger and the observer."""
         self.distributed = dist.is_available() and dist.is_initialized()
         # None means torch's default group, looked up at each call: holding the group object here
         # would keep it (and gloo's threads) alive past destroy_process_group(), to be torn down
@@ -175,6 +178,11 @@ class Communicator:
         self.device = device or torch.device("cpu")
         self.ledger = ledger or CommLedger()
         self.backend = dist.get_backend(self.group) if self.distributed else "none"
+        # what an observer hears a flat collective run on: the group's GLOBAL ranks (a sub-group's
+        # own ranks 0..n-1 would name other ranks of the world) and the link it was built for
+        members = tuple(dist.get_process_group_ranks(self.group)) if self.distributed and process_group is not None \
+            else tuple(range(self.world_size))
+        self.wire = Wire(link, members)
         self._chains = deque()
         if topology is not None and (problem := topology.problem(self.world_size)) is not None:
             raise TopologyError(problem)
@@ -254,7 +262,7 @@ class Communicator:
         self.settle()
         t0 = self.start_timer()
         observer = self.observer if self.world_size > 1 else None
-        ticket = observer.issued(op, nbytes, Wire.world(self.world_size)) if observer is not None else None
+        ticket = observer.issued(op, nbytes, self.wire) if observer is not None else None
         work = self.guard(op, tag, lambda: fn(async_op)) if self.world_size > 1 else None
         if async_op:
             issue = time.perf_counter() - t0
@@ -263,7 +271,7 @@ class Communicator:
             finish()
         if observer is not None:
             observer.done(ticket)
-        self.ledger.add(op, nbytes, self.stop_timer(t0), tag)
+        self.ledger.add(op, nbytes, self.stop_timer(t0), tag, self.wire.link)
         return None
 
     def guard(self, op: str, tag: str, fn: Any) -> Any:

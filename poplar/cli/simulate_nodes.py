@@ -99,14 +99,17 @@ class NodeLinks:
 
 
 def first_ranks(spec: ClusterSpec, count: int) -> ClusterSpec:
-    """The cluster of its first ``count`` ranks."""
+    """The cluster of its first ``count`` ranks. Its nodes and network are left out: the nodes
+    simulated are those of ``--nodes`` (``NodeLinks``), and a cluster that declares its own
+    (A-4+4) would otherwise declare more ranks than the cut keeps."""
     devices: list[dict[str, Any]] = []
     for dtype in spec.rank_types()[:count]:
         if devices and devices[-1]["type"] == dtype:
             devices[-1]["count"] += 1
         else:
             devices.append({"type": dtype, "count": 1})
-    return ClusterSpec.from_dict({**spec.to_dict(), "name": f"{spec.name}[:{count}]", "devices": devices})
+    kept = {k: v for k, v in spec.to_dict().items() if k not in ("nodes", "network")}
+    return ClusterSpec.from_dict({**kept, "name": f"{spec.name}[:{count}]", "devices": devices})
 
 
 def on_nodes(spec: ClusterSpec, nodes: NodeLinks, stage: int, model: ModelSpec) -> Profile:

@@ -34,6 +34,7 @@ from poplar.profiler.exposure import ExposureRounds
 from poplar.profiler.job import ProfileJob, ProfileOptions, model_size
 from poplar.profiler.local_comm import local_engine
 from poplar.profiler.lock_step import LockStepTiming, time_rounds, young_garbage_only
+from poplar.profiler.links import DEFAULT_COMM_SIZES
 from poplar.profiler.offload_cost import measure_offload_cost
 from poplar.profiler.phases import ProfileObserver, ProfilePhase, in_phase, observers_of
 from poplar.profiler.precision import agree_precision_support, precision_meta
@@ -257,7 +258,8 @@ class RankPhases:
         if not self.options.measure_comm:
             return None
         with in_phase(self.observers, ProfilePhase.COMM, self.comm):
-            return measure_comm(self.comm, topology=self.options.topology)
+            sizes = self.options.comm_sizes or DEFAULT_COMM_SIZES
+            return measure_comm(self.comm, sizes, topology=self.options.topology)
 
     def assemble(self, fit: StageCapacity, timing: LockStepTiming, comm_profile: CommProfile | None) -> Profile:
         """Every rank's part, gathered: the same ``Profile`` on every rank."""

@@ -15,7 +15,8 @@ Per cluster x network x ZeRO stage (2 and 3): every rank profiles with the topol
 (``ProfileOptions.topology``: the flat ring, each node's link and the cross-node one measured on
 the emulated network), then two plans from that profile: ``flat`` (``collectives="flat"``: every
 collective one ring over the 8 ranks, what Poplar did before it knew the nodes) and ``auto`` (the
-planner's choice among flat, hierarchical and, at ZeRO-3, secondary shards; what auto mode runs).
+planner's choice among flat, hierarchical and, at ZeRO-3, secondary shards; what auto mode runs);
+with ``--forced`` also ``forced``, the hierarchical way (secondary shards at ZeRO-3) whatever its price.
 Both train side by side on engines built with ``ZeroConfig(topology=...)``: in each of
 ``--rounds`` rounds each plan in turn (a different one first each round) runs ``--warmup`` entry
 iterations and its share of ``--iterations`` measured ones on the same global batches. An
@@ -143,13 +144,17 @@ def worker(rank: int, world: int, job: dict) -> dict:
         prof = profile_rank(job["model_fn"], llama_loss_fn, job["sample_fn"], device,
                             optimizer_fn=default_optimizer, options=options, log=lambda m: None)
         plans = {"flat": plan(prof, job["gbs"], stage, collectives="flat"), "auto": plan(prof, job["gbs"], stage)}
+        if job.get("forced"):  # the hierarchical way whatever its price: its bytes and its time beside flat
+            plans["forced"] = plan(prof, job["gbs"], stage, collectives="secondary_shards" if stage == 3 else "hierarchical")
         t1 = time.perf_counter()
-        run = {k: p for k, p in plans.items() if k == "flat" or not same_program(p, plans["flat"])}
-        runs = train(job, device, stage, run, rank)
+        alias = {}  # a plan that is the same program as one before it is run once
+        for k, p in plans.items():
+            alias[k] = next((u for u in alias if alias[u] == u and same_program(plans[u], p)), k)
+        runs = train(job, device, stage, {k: p for k, p in plans.items() if alias[k] == k}, rank)
         if rank == 0:
             print(f"    ZeRO-{stage}: profile {t1 - t0:.0f} s, training {time.perf_counter() - t1:.0f} s",
                   file=sys.stderr, flush=True)
-        out[stage] = {"runs": {k: runs[k if k in runs else "flat"] for k in plans},
+        out[stage] = {"runs": {k: runs[alias[k]] for k in plans},
                       "paced_collectives": device.link.paced_collectives - paced,
                       "late_collectives": device.link.late_collectives - late_c,
                       "plans": {k: p.to_dict() for k, p in plans.items()},
@@ -194,6 +199,8 @@ def analyse(name: str, net: str, stage: int, results: list[dict], job: dict) -> 
                   "bytes_ratio": bytes_ratio(p, runs, job["topology"], job["param_bytes"]),
                   "late": sum(r["late"] for r in runs), "padded": sum(r["padded"] for r in runs)}
     row["ratio"] = row["flat"]["measured_s"] / row["auto"]["measured_s"]
+    if "forced" in row:
+        row["forced"]["ratio"] = row["flat"]["measured_s"] / row["forced"]["measured_s"]
     row["same_plan"] = same_program(plans["auto"], plans["flat"])
     row["paced_collectives"] = sum(x["paced_collectives"] for x in per)
     row["late_collectives"] = sum(x["late_collectives"] for x in per)
@@ -210,6 +217,10 @@ def table(rows: list[dict]) -> str:
         br = f"{a['bytes_ratio']:.3f}" if a["bytes_ratio"] is not None else "-"
         lines.append(f"| {r['cluster']} | {r['network']} | {r['stage']} | {f['measured_s']:.3f} | {a['way']} | "
                      f"{a['measured_s']:.3f} | {ratio} | {f['err']:.3f} / {a['err']:.3f} | {br} |")
+        if "forced" in r:
+            h = r["forced"]
+            lines.append(f"| | | | forced: | {h['way']} | {h['measured_s']:.3f} | {h['ratio']:.2f} | "
+                         f"- / {h['err']:.3f} | {h['bytes_ratio']:.3f} |")
     return "\n".join(lines)
 
 
@@ -227,6 +238,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--max-batch", type=int, default=32, help="the capacity search stops here")
     ap.add_argument("--short", action="store_true", help="fewer iterations, rounds and repeats (8 ranks on 2 cores)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--forced", action="store_true",
+                    help="also run the hierarchical way (secondary shards at ZeRO-3) whatever the planner chose")
     args = ap.parse_args()
     if args.short:
         args.iterations, args.rounds, args.repeats = 4, 2, 1
@@ -259,7 +272,7 @@ def run_cluster(name: str, args: argparse.Namespace, model_fn: Any, sample_fn: A
             job_d = {"model": "llama-tiny", "model_fn": model_fn, "sample_fn": sample_fn, "stages": args.stages,
                      "devices": devices, "repeats": args.repeats, "gbs": args.gbs, "seq": args.seq,
                      "warmup": args.warmup, "iterations": args.iterations, "rounds": args.rounds,
-                     "topology": emulated.topology, "max_batch": args.max_batch, "param_bytes": param_bytes}
+                     "topology": emulated.topology, "forced": args.forced, "max_batch": args.max_batch, "param_bytes": param_bytes}
             results = spawn(worker, spec.world_size, (job_d,), timeout_s=3600, collective_timeout_s=900)
         finally:
             network.remove()
@@ -271,7 +284,8 @@ def run_cluster(name: str, args: argparse.Namespace, model_fn: Any, sample_fn: A
 
 
 def summary(rows: list[dict], slow: str, fast: str) -> dict[str, Any]:
-    ratios = [r["bytes_ratio"] for row in rows for r in (row["flat"], row["auto"]) if r["bytes_ratio"] is not None]
+    ratios = [row[k]["bytes_ratio"] for row in rows for k in ("flat", "auto", "forced")
+              if k in row and row[k]["bytes_ratio"] is not None]
     late = sum(row[k]["late"] for row in rows for k in ("flat", "auto"))
     padded = sum(row[k]["padded"] for row in rows for k in ("flat", "auto"))
     return {"speedup_link_bound": min(r["ratio"] for r in rows if r["network"] == slow),

@@ -24,6 +24,13 @@ iteration's time is its period (previous end to its own, averaged over the ranks
 the measured iterations. A pair whose plans are the same (auto chose flat with the same rows) is
 one program: run once, ratio 1.00.
 
+The machine sets every link's latency floor: a real gloo collective of 8 processes on 2 shared
+cores takes 25-250 ms (the load decides), where a real link takes microseconds. Each extra step
+of a hierarchical collective pays it, so at the calibrated time scale a small model's collectives
+are latency-bound and flat is the faster way. ``--slowdown F`` runs the emulated cluster F times
+slower than calibrated, compute and declared links alike (its ratios kept), so the bytes weigh F
+times more against that floor, as they do on a real cluster.
+
 RESULT:
 - ``speedup_link_bound``: min over the slow-network rows of flat time / auto time (target >= 1.5);
 - ``speedup_link_free``: min over the fast-network rows (target >= 0.98);
@@ -238,6 +245,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--max-batch", type=int, default=32, help="the capacity search stops here")
     ap.add_argument("--short", action="store_true", help="fewer iterations, rounds and repeats (8 ranks on 2 cores)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--slowdown", type=float, default=1.0,
+                    help="run the emulated cluster this many times slower than calibrated (compute and links "
+                         "alike): the machine's collective latency, the floor of every link, then weighs less")
     ap.add_argument("--forced", action="store_true",
                     help="also run the hierarchical way (secondary shards at ZeRO-3) whatever the planner chose")
     args = ap.parse_args()
@@ -262,13 +272,14 @@ def run_cluster(name: str, args: argparse.Namespace, model_fn: Any, sample_fn: A
     finally:
         flat_link.remove()
     rows = []
+    time_scale = cal.time_scale * args.slowdown
     for net in args.networks:
-        emulated = EmulatedCluster(spec.with_network(net), cal.memory_scale, cal.time_scale)
+        emulated = EmulatedCluster(spec.with_network(net), cal.memory_scale, time_scale)
         network = emulated.network(param_bytes, floor)
-        print(f"# {name} over {net}: memory scale {cal.memory_scale:.3g}, time scale {cal.time_scale:.3g}; "
+        print(f"# {name} over {net}: memory scale {cal.memory_scale:.3g}, time scale {time_scale:.3g}; "
               f"{network.describe()}", file=sys.stderr, flush=True)
         try:
-            devices = cluster_devices(emulated.spec, cal.memory_scale, cal.time_scale, link=network)
+            devices = cluster_devices(emulated.spec, cal.memory_scale, time_scale, link=network)
             job_d = {"model": "llama-tiny", "model_fn": model_fn, "sample_fn": sample_fn, "stages": args.stages,
                      "devices": devices, "repeats": args.repeats, "gbs": args.gbs, "seq": args.seq,
                      "warmup": args.warmup, "iterations": args.iterations, "rounds": args.rounds,

@@ -215,7 +215,7 @@ def analyse(name: str, net: str, stage: int, results: list[dict], job: dict) -> 
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| cluster | network | ZeRO | flat it/s (s) | auto: way | auto it (s) | flat/auto | "
+    head = ("| cluster | network | ZeRO | flat iter (s) | auto: way | auto iter (s) | flat/auto | "
             "pred err flat / auto | cross bytes / min |")
     lines = [head, "|" + "---|" * 9]
     for r in rows:

@@ -66,3 +66,10 @@ def test_auto_mode_measures_each_link_and_runs_hierarchical_collectives_over_a_s
         # cross-node records only where a hierarchical collective crosses: its exchange step
         assert all(op in ("reduce_scatter", "all_gather") for op, _, link in res["records"] if link is Link.CROSS)
         assert all(link is Link.FLAT for op, _, link in res["records"] if op == "all_reduce")
+
+
+def test_an_unknown_way_of_collectives_is_named() -> None:
+    model = create_model("llama-tiny", seed=0, max_seq_len=16)
+    with pytest.raises(ValueError, match="AutoOptions.collectives must be one of .*'hierarchical'.*got 'ring'"):
+        PoplarEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), global_batch_size=4, loss_fn=llama_loss_fn,
+                     auto=AutoOptions(profile_data=TextBlocks(seq_len=16), collectives="ring", store=None))

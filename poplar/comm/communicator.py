@@ -60,7 +60,9 @@ class CollectiveObserver(Protocol):
     one order on every rank: Note: chains of steps, issued in order): ``issued`` before a collective starts, returning a ticket,
     and ``done`` with that ticket once the collective is complete on this rank. ``nbytes`` is
     the same on every rank taking part: the full buffer of a collective, and for a cross-node
-    exchange (op ``"exchange"``) the bytes that cross between nodes, every node's summed.
+    exchange (op ``"exchange"``) the node count times the bytes through the busiest node's port
+    (the most any node sends or receives), so a port model that divides it by the nodes prices
+    uneven node shares exactly.
     ``wire`` says which link it runs on and which global ranks take part."""
 
     def issued(self, op: str, nbytes: int, wire: Wire) -> Any:

@@ -36,6 +36,7 @@ from torch import nn
 from poplar.comm import Communicator
 from poplar.planner import plan as make_plan
 from poplar.planner.planning import batch_using_every_rank, load_profile
+from poplar.planner.link_pricing import Collectives
 from poplar.auto.choice import Choice, ConfigurationSearch, PlanLimits
 from poplar.auto.samples import sample_fn_of
 from poplar.auto.stored import StoreUse, store_key
@@ -97,6 +98,10 @@ class AutoOptions(ProfilingPolicy):
     # stage where batch 1 fits); a loaded profile keeps its own configuration
     choose: str = "fastest"
     stages: tuple[int, ...] = (0, 1, 2, 3)  # the stages zero_stage="auto" chooses among
+    # how the plan's collectives cross nodes, on a job whose topology spans nodes (the profile
+    # then measures each link): "auto" (the fastest predicted of flat, hierarchical and, at
+    # ZeRO-3, secondary shards; poplar.planner.collective_choice), or one of them by name
+    collectives: str = "auto"
     # where measured profiles are kept per device type and reused (poplar.profiler.store): a
     # directory, a ProfileStore, None (no store) or "default" ($POPLAR_PROFILE_STORE, "off" for
     # none, else ~/.cache/poplar/profiles)
@@ -193,7 +198,9 @@ def _profile_job(auto: AutoJob) -> ProfileJob:
                            offload_escalation=OffloadEscalation.SHORT_RANKS if options.offload == "auto"
                            else OffloadEscalation.NEVER,
                            # a card's speed past its even-shard mbs matters only to shard weights
-                           time_past_mbs=options.shards != "even")
+                           time_past_mbs=options.shards != "even",
+                           # the runtime's nodes: on a topology that spans nodes each link is measured
+                           topology=auto.comm.topology if auto.comm.topology.spans_nodes else None)
     return ProfileJob(model_fn, auto.loss_fn, auto.sample_fn, optimizer_fn, popts,
                       heaviest(choice.configs()) if choice.active else None)
 
@@ -273,7 +280,7 @@ def _plan(auto: AutoJob, measured: Measurement, checkpointing: Any) -> Plan:
             shards = fallback
     try:
         plan = make_plan(profile, global_batch_size, profile.zero_stage, options.strategy, shards=shards,
-                         offload=options.offload, **limits)
+                         offload=options.offload, collectives=options.collectives, **limits)
         offloads = any(o is not Offload.NONE for o in plan.offloads)
         stored = profile.store.reused if profile.store is not None and \
             measured.store_use in (StoreUse.REUSED, StoreUse.PARTIAL) else []
@@ -291,7 +298,7 @@ def _plan(auto: AutoJob, measured: Measurement, checkpointing: Any) -> Plan:
                     f"{'even shards' if fallback == 'even' else f'the measured weights {list(fallback)}'}")
                 placed = [Offload(o) for o in profile.offloads] if profile.offloads is not None else "none"
                 plan = make_plan(profile, global_batch_size, profile.zero_stage, options.strategy, shards=fallback,
-                                 offload=placed, **limits)  # and every optimizer where the profile measured it
+                                 offload=placed, collectives=options.collectives, **limits)  # and every optimizer where the profile measured it
                 plan.choice = replace(plan.choice, shard_trial_failed_on=failed)
     except (PlanError, ProfileError) as e:
         raise PlanError(f"auto mode: planning failed: {e}") from None
@@ -427,6 +434,9 @@ def _auto_job(comm: Communicator, model: nn.Module, optimizer: torch.optim.Optim
     say = (lambda m: log.info(m)) if options.progress and comm.rank == 0 else (lambda m: None)
     if options.choose not in RULES:
         raise ValueError(f"AutoOptions.choose must be one of {RULES}, got {options.choose!r}")
+    ways = ("auto",) + tuple(c.value for c in Collectives)
+    if options.collectives not in ways:
+        raise ValueError(f"AutoOptions.collectives must be one of {ways}, got {options.collectives!r}")
     if activation_checkpointing == "auto":
         activation_checkpointing = None
     choice = Choice(global_batch_size, options.choose, activation_checkpointing, stages,

@@ -100,7 +100,9 @@ class NodeLinks:
 
 
 def first_ranks(spec: ClusterSpec, count: int) -> ClusterSpec:
-    """The cluster of its first ``count`` ranks."""
+    """The cluster of its first ``count`` ranks. Its nodes and network are left out: the nodes
+    simulated are those of ``--nodes`` (``NodeLinks``), and a cluster that declares its own
+    (A-4+4) would otherwise declare more ranks than the cut keeps."""
     devices: list[dict[str, Any]] = []
     for dtype in spec.rank_types()[:count]:
         if devices and devices[-1]["type"] == dtype:

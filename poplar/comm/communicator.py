@@ -66,7 +66,9 @@ class CollectiveObserver(Protocol):
     one order on every rank: Note: chains of steps, issued in order): ``issued`` before a collective starts, returning a ticket,
     and ``done`` with that ticket once the collective is complete on this rank. ``nbytes`` is
     the same on every rank taking part: the full buffer of a collective, and for a cross-node
-    exchange (op ``"exchange"``) the bytes that cross between nodes, every node's summed.
+    exchange (op ``"exchange"``) the node count times the bytes through the busiest node's port
+    (the most any node sends or receives), so a port model that divides it by the nodes prices
+    uneven node shares exactly.
     ``wire`` says which link it runs on and which global ranks take part."""
 
     def issued(self, op: str, nbytes: int, wire: Wire) -> Any:
@@ -100,7 +102,7 @@ class PendingCollective:
             self.observer = None
         blocked = self.issue_s + self.comm.stop_timer(t0)
         with self.comm.ledger.at(self.position):
-            self.comm.ledger.add(self.op, self.nbytes, blocked, self.tag)
+            self.comm.ledger.add(self.op, self.nbytes, blocked, self.tag, self.comm.wire.link)
 
 
 class PendingChain:
@@ -173,15 +175,17 @@ class Communicator:
     node_groups: NodeGroups | None = None  # a topology that spans nodes: its process groups
     hierarchical: bool = False  # all-gathers and reduce-scatters run on node_groups (``use_hierarchy``)
     _chains: "deque[PendingChain] | None" = None  # hierarchical collectives not issued to their last step
-    wire_ranks: tuple[int, ...] | None = None  # the global ranks of this communicator's group (None: the world's)
     step_group: "StepGroup | None" = None  # the ranks in the step, when a plan leaves some out
     _step_groups: "dict[tuple[int, ...], StepGroup] | None" = None  # made once per set of ranks (new_group)
     _stepping = False  # inside step_collectives()
 
     def __init__(self, process_group: Any = None, device: torch.device | None = None,
-                 ledger: CommLedger | None = None, topology: Topology | None = None) -> None:
+                 ledger: CommLedger | None = None, topology: Topology | None = None,
+                 link: Link = Link.FLAT) -> None:
         """``topology``: the nodes of the ranks; one that spans nodes creates the node groups
-        here, a collective over the world (every rank builds its communicator together)."""
+        here, a collective over the world (every rank builds its communicator together).
+        ``link``: the link this communicator's group runs on (a group of one node's ranks is
+        ``Link.INTRA``, one of one rank per node ``Link.CROSS``), for the ledger and the observer."""
         self.distributed = dist.is_available() and dist.is_initialized()
         # None means torch's default group, looked up at each call: holding the group object here
         # would keep it (and gloo's threads) alive past destroy_process_group(), to be torn down
@@ -192,6 +196,11 @@ class Communicator:
         self.device = device or torch.device("cpu")
         self.ledger = ledger or CommLedger()
         self.backend = dist.get_backend(self.group) if self.distributed else "none"
+        # what an observer hears a flat collective run on: the group's GLOBAL ranks (a sub-group's
+        # own ranks 0..n-1 would name other ranks of the world) and the link it was built for
+        members = tuple(dist.get_process_group_ranks(self.group)) if self.distributed and process_group is not None \
+            else tuple(range(self.world_size))
+        self.wire = Wire(link, members)
         self._chains = deque()
         self._step_groups = {}
         if topology is not None and (problem := topology.problem(self.world_size)) is not None:
@@ -265,7 +274,7 @@ class Communicator:
             comm = None
             if self.rank in ranks:
                 comm = Communicator(group, self.device, self.ledger)
-                comm.wire_ranks, comm.node_groups = ranks, node_groups
+                comm.node_groups = node_groups  # its wire is its group's global ranks (__init__)
             self._step_groups[ranks] = StepGroup(ranks, comm)
         self.step_group = self._step_groups[ranks]
         if self.step_group.comm is not None:
@@ -341,8 +350,7 @@ class Communicator:
         self.settle()
         t0 = self.start_timer()
         observer = self.observer if self.world_size > 1 else None
-        wire = Wire.world(self.world_size) if self.wire_ranks is None else Wire(Link.FLAT, self.wire_ranks)
-        ticket = observer.issued(op, nbytes, wire) if observer is not None else None
+        ticket = observer.issued(op, nbytes, self.wire) if observer is not None else None
         work = self.guard(op, tag, lambda: fn(async_op)) if self.world_size > 1 else None
         if async_op:
             issue = time.perf_counter() - t0
@@ -351,7 +359,7 @@ class Communicator:
             finish()
         if observer is not None:
             observer.done(ticket)
-        self.ledger.add(op, nbytes, self.stop_timer(t0), tag)
+        self.ledger.add(op, nbytes, self.stop_timer(t0), tag, self.wire.link)
         return None
 
     def guard(self, op: str, tag: str, fn: Any) -> Any:

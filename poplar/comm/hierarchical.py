@@ -125,6 +125,16 @@ class NodeLayout(NamedTuple):
         """Elements crossing between nodes in one exchange, all nodes together."""
         return sum(t.length for t in self.transfers)
 
+    def busiest_port_elements(self, topology: Topology) -> int:
+        """Elements through the busiest node's network port in one exchange: the most any node
+        sends or receives (a reduce-scatter's holders send, its owners receive; an all-gather
+        the reverse: the same count either way)."""
+        held, owned = [0] * topology.node_count, [0] * topology.node_count
+        for t in self.transfers:
+            held[topology.node_of(t.holder)] += t.length
+            owned[topology.node_of(t.owner)] += t.length
+        return max(max(h, o) for h, o in zip(held, owned))
+
     def secondary_numel(self, topology: Topology, rank: int) -> int:
         """The length of ``rank``'s pieces of the other nodes' regions (its secondary shard)."""
         k = topology.node_of(rank)
@@ -182,8 +192,9 @@ class Step(NamedTuple):
     """One step of a hierarchical collective. ``run(async_op)`` issues it (torch's work or None)
     and ``finish()`` completes it once that is done. ``wire`` is None for a step that runs no
     collective (a node of one rank copies locally): no observer hears it and the ledger has no
-    record of it. ``observed_bytes`` is what an observer hears (the exchange: the bytes crossing
-    between all nodes); ``sent_bytes`` what the ledger records (the exchange: this rank's sends)."""
+    record of it. ``observed_bytes`` is what an observer hears (the exchange: the node count times
+    the busiest node port's bytes, ``CollectiveObserver``); ``sent_bytes`` what the ledger records
+    (the exchange: this rank's sends)."""
 
     op: str
     link: Link
@@ -243,7 +254,8 @@ def _exchange_step(groups: NodeGroups, group: Any, layout: NodeLayout, element_s
         return None
     sent = sum(t.numel() for _, t in sends) * element_size
     wire = Wire(Link.CROSS, groups.global_ranks(range(groups.topology.world_size)))
-    return Step("exchange", Link.CROSS, wire, layout.cross_elements() * element_size, sent, run, finish)
+    observed = groups.topology.node_count * layout.busiest_port_elements(groups.topology) * element_size
+    return Step("exchange", Link.CROSS, wire, observed, sent, run, finish)
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, sizes: Sequence[int], rank: int, groups: NodeGroups,

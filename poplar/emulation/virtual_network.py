@@ -16,8 +16,8 @@ issued on (``poplar.types.topology``) says which links it crosses and for how lo
   every hop carries the ring's bus volume at once, so the slowest link it has hops on paces it
   (in practice the cross-node link; the intra-node hops run in parallel). It occupies the
   cross-node link and the link of every node it has ranks on.
-- a CROSS exchange (op ``"exchange"``, ``nbytes`` = the bytes every node sends to the others,
-  summed) occupies the cross-node link; see [Note: a node's network port] for its time. A ring
+- a CROSS exchange (op ``"exchange"``, ``nbytes`` = the node count times the bytes through the
+  busiest node's port) occupies the cross-node link; see [Note: a node's network port] for its time. A ring
   collective on a CROSS wire (an all-reduce over one rank per node, as the profiler measures
   the cross-node link) is priced as the flat ring it is.
 
@@ -25,18 +25,15 @@ issued on (``poplar.types.topology``) says which links it crosses and for how lo
 Each node reaches the others through its own port (a NIC into a switch), full duplex at the
 cross-node link's bandwidth: a node can send at that rate while it receives at that rate, and
 nodes do not slow each other down in a non-blocking switch. The time of an exchange is then set
-by the busiest port: ``latency + max over nodes of (bytes the node sends) / bandwidth``. The
-observer hears only the total, so the emulator takes every node's share of it as equal:
-``latency + total / (nodes x bandwidth)``. That is exact for nodes that own equal parts (2 even
-nodes send half a buffer each); where one node owns more, the node owning less sends more than
-its equal share and a real port would take up to ``max share / mean share`` longer. The same
-port model prices the flat ring above: a ring's boundary hops run in opposite directions, so
+by the busiest port: ``latency + max over nodes of (bytes the node sends or receives) /
+bandwidth``. The communicator tells the observer the node count times that busiest port's bytes
+(``hierarchical.NodeLayout.busiest_port_elements``), so ``latency + nbytes / (nodes x
+bandwidth)`` is that time, exact for uneven node shares too. The same port model prices the flat ring above: a ring's boundary hops run in opposite directions, so
 every port sends and receives the ring's bus volume at once, one bus volume / bandwidth in all;
 a "shared pipe" model (every node's bytes through one link of that bandwidth, total /
 bandwidth) would charge a ring twice its bus volume and a 2-node exchange twice its port time.
-The planner prices the same port (``planner/link_pricing.py``, the busiest node by its share):
-the two agree where the nodes' shares are equal; where they are not, the emulated exchange is
-shorter than the planned one by up to that ratio.
+The planner prices the same port (``planner/link_pricing.py``, the busiest node by its share),
+so the two agree for any shares.
 
 Each link carries one collective at a time, in the order the collectives became ready (the
 moment their last rank issued them): a collective starts at ``max(ready, every link it occupies

@@ -14,7 +14,10 @@ that flat ring (what a flat collective runs at):
 The node groups and the cross-node group are created once, by every rank in the same order
 (``torch.distributed.new_group`` is collective over the world), and destroyed afterwards. Each
 node's first rank writes its node's fit, and the first node's the cross-node one, into one
-all-reduced tensor, so every rank returns the same ``Links``.
+all-reduced tensor, so every rank returns the same ``Links``. The probes on the node and
+cross-node groups are heard by the observer of the job's communicator, with their global ranks
+and their link (``Communicator(link=...)``), as the flat ring's are: on an emulated cluster they
+time the emulated links, not the machine's own collectives.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from poplar.comm import Communicator
 from poplar.comm.timeouts import COLLECTIVE_TIMEOUT_S
 from poplar.planner.cost_model import bus_bytes
 from poplar.types.profiles import Links, LinkSpeed
-from poplar.types.topology import Topology
+from poplar.types.topology import Link, Topology
 
 DEFAULT_COMM_SIZES = (2 ** 14, 2 ** 17, 2 ** 20, 2 ** 22)  # bytes of the full (unsharded) buffer
 NO_LINK = LinkSpeed(1e15, 0.0)  # a group of one rank: nothing crosses a link
@@ -128,8 +131,15 @@ def measure_links(comm: Communicator, topology: Topology | None = None, sizes: t
         raise ValueError(f"cannot measure the links: {problem}")
     groups = TierGroups.create(topology, comm.rank, timeout_s)
     try:
-        intra = measure_link(Communicator(groups.node, comm.device), sizes, reps)
-        cross = measure_link(Communicator(groups.cross, comm.device), sizes, reps) if groups.cross else None
+        # observed like the flat ring: on an emulated cluster the probes ride the emulated links
+        node_comm = Communicator(groups.node, comm.device, link=Link.INTRA)
+        with node_comm.observed(comm.observer):
+            intra = measure_link(node_comm, sizes, reps)
+        cross = None
+        if groups.cross is not None:
+            cross_comm = Communicator(groups.cross, comm.device, link=Link.CROSS)
+            with cross_comm.observed(comm.observer):
+                cross = measure_link(cross_comm, sizes, reps)
     finally:
         groups.destroy()
     k = topology.node_count

@@ -27,6 +27,7 @@ from torch import nn
 from poplar.types.plans import Offload, Plan, RankPlan
 from poplar.types.precision import MixedPrecision
 from poplar.comm import CommLedger, Communicator, PendingCollective
+from poplar.types.topology import Wire
 from poplar.zero.config import ZeroConfig
 from poplar.zero.runtime import ZeroRuntime
 
@@ -44,6 +45,7 @@ class LocalCommunicator(Communicator):
         self.device = device or torch.device("cpu")
         self.ledger = ledger or CommLedger()
         self.backend = "local"
+        self.wire = Wire.world(world_size)
 
     def _local(self, op: str, nbytes: int, fn: Any, async_op: bool, tag: str) -> PendingCollective | None:
         t0 = self.start_timer()

@@ -160,6 +160,14 @@ def test_nodes_ask_whether_the_last_node_is_worth_adding(capsys: pytest.CaptureF
                                   "--nodes", "4,4", "--inter-gbps", "10gbit")[1]
 
 
+def test_nodes_on_a_built_in_cluster_that_declares_its_own(capsys: pytest.CaptureFixture) -> None:
+    # C-4+4 declares two nodes of 4: the cluster without its last node is 4 ranks on one node
+    code, out, err = _run(capsys, "simulate", "--cluster", "C-4+4", "--gbs", "256", "--stage", "3", "--nodes", "4,4",
+                          "--intra-gbps", "16,8", "--inter-gbps", "10gbit")
+    assert code == 0, err
+    assert "without the last node  4      1 node" in out and "adding the last node:" in out
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--nodes", "4,3", "--inter-gbps", "1"], "adding up to the cluster's 8 ranks"),
     (["--nodes", "4,4"], "needs the link between them: --inter-gbps"),

@@ -210,6 +210,11 @@ def test_every_foreign_element_crosses_once(sizes: tuple[int, ...], nodes: tuple
     owner_node = [topology.node_of(r) for r, s in enumerate(sizes) for _ in range(s)]
     assert covered == [topology.node_count - 1] * len(owner_node)
     assert layout.cross_elements() == (topology.node_count - 1) * sum(sizes)
+    # a node's port sends what lies outside its region (once) and receives its region from each
+    # other node: the busiest port, what the emulator's exchange is paced by, as the planner prices it
+    regions = [sum(sizes[r] for r in node) for node in topology.nodes]
+    busiest = max(max(sum(sizes) - g, (topology.node_count - 1) * g) for g in regions)
+    assert layout.busiest_port_elements(topology) == busiest
 
 
 def mismatched_worker(rank: int, world: int) -> None:

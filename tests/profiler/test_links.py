@@ -4,6 +4,8 @@ the same on every rank; with one node, the flat link alone, as always."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -63,3 +65,37 @@ def test_the_links_are_described_per_tier() -> None:
                                 "  node 0 (ranks 0-1): bus bandwidth 8.000 GB/s, latency 5 us",
                                 "  node 1 (rank 2): no link inside",
                                 "  between nodes: bus bandwidth 1.000 GB/s, latency 40 us"]
+
+
+# a network whose links are far slower than this machine's gloo: the probes time it, not gloo
+NODE0 = LinkSpeed(bandwidth_bytes_per_s=4e6, latency_s=5e-3)
+NODE1 = LinkSpeed(bandwidth_bytes_per_s=2e6, latency_s=5e-3)
+CROSS = LinkSpeed(bandwidth_bytes_per_s=1e6, latency_s=10e-3)
+PROBE_SIZES = (2 ** 14, 2 ** 16)
+
+
+def observed_links_worker(rank: int, world: int, spec: Any) -> Links:
+    from poplar.emulation.virtual_network import VirtualNetwork
+
+    comm = Communicator()
+    with comm.observed(VirtualNetwork(spec, rank)):
+        return measure_links(comm, spec.topology, PROBE_SIZES, reps=2, timeout_s=60)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timing
+def test_on_an_emulated_network_every_link_probe_times_the_emulated_link() -> None:
+    from poplar.emulation.virtual_network import NetworkSpec
+
+    spec = NetworkSpec.create(Topology.of_sizes([2, 2]), (NODE0, NODE1), CROSS)
+    try:
+        results = spawn(observed_links_worker, 4, (spec,), timeout_s=180)
+    finally:
+        spec.remove()
+    links = results[0]
+    assert all(r == links for r in results[1:])
+    # each probe is heard on its own group's global ranks and link: each node its own speed,
+    # the pair of first ranks the cross-node one, the flat ring the cross-node link that paces it
+    for measured, declared in ((links.intra[0], NODE0), (links.intra[1], NODE1), (links.cross, CROSS),
+                               (links.flat, CROSS)):
+        assert measured.bandwidth_bytes_per_s == pytest.approx(declared.bandwidth_bytes_per_s, rel=0.25)

@@ -38,7 +38,10 @@ def auto_rank(rank: int, world: int, network: NetworkSpec) -> dict:
     engine = PoplarEngine(model, optimizer, zero_stage=ZeroConfig(2, topology=TOPOLOGY), global_batch_size=GBS,
                           loss_fn=llama_loss_fn,
                           auto=AutoOptions(profile_data=data, device=device, repeats=1, exposure_precision=0,
-                                           max_batch=8, store=None, progress=False))
+                                           max_batch=8, store=None, progress=False,
+                                           # every GPU in the step: over this link the planner may
+                                           # rather leave a node out (tests/planner/test_participation.py)
+                                           require_all_ranks=True))
     fit = poplar.fit(engine, data, 2, report=ReportOptions(log_every=0, progress=False))
     records = [(r.op, r.phase, r.link) for r in engine.comm_ledger.of(iteration=engine.iteration - 1)]
     out = {"plan": engine.plan, "links": engine.profile.comm.links, "losses": fit.losses, "records": records}

@@ -47,6 +47,12 @@ class LocalCommunicator(Communicator):
         self.backend = "local"
         self.wire = Wire.world(world_size)
 
+    def set_step_ranks(self, ranks: Sequence[int]) -> None:
+        """Nothing to make: a pretend world has no process groups (``dist.new_group`` here would be
+        a collective over the real world that only this rank joins, and would wait for ever), and
+        every collective is already this rank's own copy. A plan that leaves ranks out changes only
+        the parts' sizes, which its shard weights give."""
+
     def _local(self, op: str, nbytes: int, fn: Any, async_op: bool, tag: str) -> PendingCollective | None:
         t0 = self.start_timer()
         fn()

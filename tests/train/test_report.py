@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 
 import pytest
 
@@ -13,13 +14,22 @@ from poplar.train.report import chrome_trace, rank_timeline, write_trace
 from tests.toy import global_batch, loss_fn, make_model, make_optimizer, plan_of, rank_slice
 
 PLAN = plan_of((4, 3, 0), (1, 1, 0))  # rank 1 finishes early and waits
+SLOW_S = 0.05  # what rank 0 adds to each micro-step, so rank 1's wait stands out of the machine's noise
+
+
+def slow_on_rank_0(rank: int):
+    def loss(*args):
+        if rank == 0:
+            time.sleep(SLOW_S)
+        return loss_fn(*args)
+    return loss
 
 
 def timeline_worker(rank: int, world: int) -> dict:
     model = make_model()
     engine = PoplarEngine(model, make_optimizer(model, "sgd"), zero_stage=1, plan=PLAN)
     for it in range(2):
-        engine.train_step(rank_slice(global_batch(it, PLAN.global_batch_size), PLAN, rank), loss_fn)
+        engine.train_step(rank_slice(global_batch(it, PLAN.global_batch_size), PLAN, rank), slow_on_rank_0(rank))
     return rank_timeline(engine, device=f"dev{rank}")
 
 

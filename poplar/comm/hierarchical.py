@@ -323,6 +323,17 @@ def _gather_in_node(output: torch.Tensor, layout: NodeLayout, rank: int, groups:
     return _in_node_step("all_gather", groups, group, rank, calls) if calls else None
 
 
+def _place_own_part(output: torch.Tensor, input: torch.Tensor, sizes: Sequence[int], rank: int,
+                    topology: Topology) -> tuple[NodeLayout, int, torch.Tensor]:
+    """An all-gather's layout, this rank's offset, and its part of ``output`` holding ``input``."""
+    layout = node_layout(tuple(sizes), topology, output.element_size())
+    lo = layout.offsets[rank]
+    own = output[lo:lo + sizes[rank]]
+    if input.data_ptr() != own.data_ptr():
+        own.copy_(input)
+    return layout, lo, own
+
+
 def all_gather(output: torch.Tensor, input: torch.Tensor, sizes: Sequence[int], rank: int, groups: NodeGroups,
                method: UnevenMethod, keep: torch.Tensor | None = None) -> HierarchicalCall:
     """``output`` (the parts back to back) gets every rank's ``input`` (``sizes[rank]`` long):
@@ -330,11 +341,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, sizes: Sequence[int], 
     (module doc). ``keep``: where this rank's secondary shard is copied once the call is done
     (``secondary_numel`` long)."""
     topology = groups.topology
-    layout = node_layout(tuple(sizes), topology, output.element_size())
-    lo = layout.offsets[rank]
-    own = output[lo:lo + sizes[rank]]
-    if input.data_ptr() != own.data_ptr():
-        own.copy_(input)
+    layout, lo, own = _place_own_part(output, input, sizes, rank, topology)
     sends, recvs = [], []
     for t in layout.transfers:
         if t.owner == rank:
@@ -355,11 +362,7 @@ def all_gather_within(output: torch.Tensor, input: torch.Tensor, secondary: torc
     shard (kept by an earlier ``all_gather(..., keep=)`` of the same values): the in-node step
     alone, nothing crosses a node."""
     topology = groups.topology
-    layout = node_layout(tuple(sizes), topology, output.element_size())
-    lo = layout.offsets[rank]
-    own = output[lo:lo + sizes[rank]]
-    if input.data_ptr() != own.data_ptr():
-        own.copy_(input)
+    layout, lo, own = _place_own_part(output, input, sizes, rank, topology)
     _copy_secondary(output, secondary, layout, topology, rank, False)
     gather = _gather_in_node(output, layout, rank, groups, method, groups.node_first[topology.node_of(rank)])
     return HierarchicalCall([] if gather is None else [gather], None)

@@ -225,8 +225,10 @@ def auto_fp16_rank(rank: int, world: int) -> dict:
     result = auto_plan(Communicator(), model, optimizer, global_batch_size=24, zero_stage=1, loss_fn=WORKLOAD.loss_fn,
                        options=AutoOptions(profile_data=WORKLOAD.sample_fn, device=cluster_device(PAIR), repeats=1, exposure_precision=0,
                                            progress=False), mixed_precision="fp16")
+    # the engine runs the configuration auto mode chose: with checkpointing off and on allowed, a
+    # loaded machine's timings can make the checkpointed one (a larger mbs) the faster
     engine = PoplarEngine(model, optimizer, plan=result.plan, zero_stage=result.plan.zero_stage,
-                          mixed_precision="fp16")
+                          mixed_precision="fp16", activation_checkpointing=result.activation_checkpointing)
     first = result.plan.sample_offsets()[rank]
     # this rank's share, in its own storage (as a data loader's batch: a view would pin all 24 samples)
     batch = WORKLOAD.sample_fn(24)[first:first + result.plan.ranks[rank].num_samples].clone()

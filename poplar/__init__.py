@@ -16,7 +16,7 @@ __all__ = [
     "fit", "Trainer", "FitConfig", "FitResult", "CheckpointOptions", "EvalOptions", "ReportOptions",
     "StepObserver", "MicroStep", "IterationStats",
     "MixedPrecision", "LossScaleConfig", "NonFinitePolicy", "ZeroConfig", "ProfileOptions",
-    "Topology",
+    "Topology", "CommPolicy",
 ]
 
 # Each feature adds its public names below (one import line per subpackage).
@@ -26,6 +26,7 @@ from poplar.planner import plan, simulate  # noqa: E402
 from poplar.profiler import ProfileOptions, profile  # noqa: E402
 from poplar.train import CheckpointOptions, EvalOptions, FitConfig, FitResult, ReportOptions, Trainer, fit  # noqa: E402
 from poplar.types.precision import LossScaleConfig, MixedPrecision  # noqa: E402
+from poplar.types.compression import CommPolicy  # noqa: E402
 from poplar.types.topology import Topology  # noqa: E402
 from poplar.zero.config import ZeroConfig  # noqa: E402
 from poplar.zero.nonfinite import NonFinitePolicy  # noqa: E402

@@ -10,7 +10,8 @@ A plan also records how its collectives run when the job spans nodes (``poplar.T
 ``hierarchical`` (a step inside each node and one exchange across, docs/design.md §3.10) and, at
 ZeRO-3, ``secondary_shards`` (each rank keeps its node-local shard of a block's parameters after
 the forward gather, so the backward gather stays inside the node). On one node both run as the
-flat collectives.
+flat collectives. ``compression`` (``poplar.types.compression.CommPolicy``) says which collectives
+send block-quantized values; exact unless a user turns it on.
 Plans are saved as JSON so that people can read and edit them.
 """
 
@@ -26,6 +27,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from poplar.types.compression import EXACT, CommPolicy, CompressionError
 
 class PlanError(ValueError):
     """A plan that cannot be run, with the reason and the fix in its message."""
@@ -155,11 +157,17 @@ class Plan:
     choice: PlanChoice = field(default_factory=PlanChoice)
     hierarchical: bool = False  # collectives in two tiers on a topology that spans nodes
     secondary_shards: bool = False  # ZeRO-3: node-local secondary shards (needs hierarchical)
+    compression: CommPolicy = EXACT  # quantized collectives (lossy; off unless a user turns them on)
 
     def __post_init__(self) -> None:
         self.ranks = [r if isinstance(r, RankPlan) else RankPlan(**r) for r in self.ranks]
         if isinstance(self.choice, dict):
             self.choice = PlanChoice(**self.choice)
+        if isinstance(self.compression, dict):
+            try:
+                self.compression = CommPolicy.from_dict(self.compression)
+            except CompressionError as e:
+                raise PlanError(f"plan compression: {e}") from None
         self.validate()
 
     @property
@@ -192,6 +200,10 @@ class Plan:
         if self.secondary_shards and self.zero_stage not in (None, 3):
             raise PlanError(f"plan has secondary_shards=True at zero_stage={self.zero_stage}; secondary shards are "
                             "ZeRO-3's (parameters sharded): use zero_stage=3, or secondary_shards=False")
+        if not isinstance(self.compression, CommPolicy):
+            raise PlanError(f"plan compression must be a CommPolicy, got {self.compression!r}")
+        if (problem := self.compression.problem(self.zero_stage)) is not None:
+            raise PlanError(f"plan: {problem}")
 
     def problem(self, world_size: int) -> str | None:
         """Why this plan cannot run on ``world_size`` ranks, or None. Checked again each time a
@@ -282,6 +294,7 @@ class Plan:
             row["offload"] = Offload(row["offload"]).value
         if self.choice.offload_pricing is not None:
             d["choice"]["offload_pricing"] = self.choice.offload_pricing.value
+        d["compression"] = self.compression.to_dict()
         d["global_batch_size"] = self.global_batch_size
         return d
 
@@ -327,6 +340,8 @@ class Plan:
             tail += f", ranks {list(self.left_out)} left out"
         if self.hierarchical:
             tail += ", hierarchical collectives" + (" with secondary shards" if self.secondary_shards else "")
+        if self.compression.lossy:
+            tail += f", {self.compression.describe()}"
         if self.predicted_iteration_s is not None:
             tail += f", predicted iteration {self.predicted_iteration_s:.4f} s"
         lines.append(tail)

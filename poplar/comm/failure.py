@@ -89,6 +89,10 @@ class FailureBoard:
                 return dead, [r for r in missing if r not in dead]
             time.sleep(0.05)
 
+    def reported(self) -> bool:
+        """Whether some rank has checked in as failing: the job's one failure line is that rank's."""
+        return int(self.store.add("reporters", 0)) > 0
+
     def beat(self) -> None:
         """After a SIGTERM: this rank is working, not blocked (``poplar.comm.sigterm_watch``)."""
         self.store.add("beats", 1)

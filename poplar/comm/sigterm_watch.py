@@ -16,7 +16,8 @@ collective (it computes, writes, or is about to reach the next collective), and 
 in one (``Communicator`` marks each one, ``BLOCKED``) for ``grace_s`` with no beat from any peer
 and no data moving meanwhile (this process used almost no CPU: a collective that transfers, on a
 slow link, keeps gloo's threads busy; one waiting for a peer that is gone leaves them idle) is
-waiting for nobody: it says so in one line, marks itself as stopped (not dead) on
+waiting for nobody: it says so in one line (none where a failing rank has already checked in:
+the job's one failure line is that rank's and names this one), marks itself as stopped (not dead) on
 the board and exits with 128 + SIGTERM, as the signal's default action would have. Beats cost
 nothing before a SIGTERM. Outside torchrun there is no board and no watch: the signal waits for
 the collective, as before.
@@ -141,8 +142,16 @@ class SigtermWatch:
                 self._leave(board, time.monotonic() - since)
 
     def _leave(self, board: Any, blocked_s: float) -> None:
-        print(f"{self.door}: rank {self.rank}: SIGTERM while blocked {blocked_s:.1f} s in collective "
-              f"{BLOCKED.what}, with no peer working for {self.grace_s:g} s; exiting", file=sys.stderr, flush=True)
+        # the job has one failure line: where a failing rank has checked in, its line names this
+        # rank (one that did not report), so this rank leaves without a line of its own
+        try:
+            explained = board.reported()
+        except Exception:  # noqa: BLE001 - the store is gone: nobody else can have said it
+            explained = False
+        if not explained:
+            print(f"{self.door}: rank {self.rank}: SIGTERM while blocked {blocked_s:.1f} s in collective "
+                  f"{BLOCKED.what}, with no peer working for {self.grace_s:g} s; exiting", file=sys.stderr,
+                  flush=True)
         try:
             board.finish()  # stopped by the signal: not to be named as dead
         except Exception:  # noqa: BLE001 - the store is gone: nobody is left to ask

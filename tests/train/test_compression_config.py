@@ -84,3 +84,20 @@ def test_a_json_file_reads_the_same(tmp_path) -> None:
                                 "poplar": {"model": "llama-tiny", "allow_lossy": False}}))
     cfg = TrainConfig.load(path)
     assert cfg.compression == CommPolicy(gradients="int8") and cfg.allow_lossy is False
+
+
+def test_a_replan_prices_and_keeps_the_running_quantized_collectives() -> None:
+    from poplar.planner import CollectivesRequest, plan
+    from poplar.train.replan import _price
+    from tests.planner.test_link_pricing import SLOW, profile, two_nodes
+
+    prof = profile(two_nodes(cross=SLOW), stage=3)
+    policy = CommPolicy(weights="int8", gradients="int8")
+    lossy = plan(prof, 1000, 3, collectives=CollectivesRequest("flat", compression=policy))
+    exact = replace_compression(lossy, CommPolicy())
+    assert _price(prof, lossy) == lossy.predicted_iteration_s < _price(prof, exact)
+
+
+def replace_compression(plan: Plan, policy: CommPolicy) -> Plan:
+    from dataclasses import replace
+    return replace(plan, meta=dict(plan.meta), compression=policy)

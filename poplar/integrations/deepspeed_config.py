@@ -1,5 +1,6 @@
-"""A DeepSpeed config handed to another framework's trainer (``PoplarTrainer(deepspeed=...)``, or
-the Hugging Face ``TrainingArguments(deepspeed=...)`` where DeepSpeed is installed): Poplar reads
+"""A DeepSpeed config handed to another framework's trainer (``PoplarTrainer(deepspeed=...)``; the
+Hugging Face ``TrainingArguments(deepspeed=...)`` is refused, since it starts DeepSpeed's own
+engine in Accelerate, and needs DeepSpeed installed): Poplar reads
 it through the JSON config's door (``poplar.train.config``: every key checked, ``"auto"`` read,
 a bad value an error naming the key) and takes from it how ZeRO runs:
 

@@ -196,7 +196,8 @@ class PoplarTrainer(Trainer):
             x world size x ``gradient_accumulation_steps``, the Trainer's total batch).
         auto: ``poplar.AutoOptions`` (profile data; the device: a GPU, or one emulated on CPU).
         activation_checkpointing: as ``PoplarEngine``'s.
-        deepspeed: a DeepSpeed config (a dict or a JSON path; default: ``args.deepspeed``): its ZeRO
+        deepspeed: a DeepSpeed config (a dict or a JSON path; not ``args.deepspeed``, which starts
+            DeepSpeed's own engine): its ZeRO
             stage and bucket size, ``zero_hpz_partition_size`` (secondary shards on a fixed plan),
             ``zero_quantized_weights`` / ``zero_quantized_gradients`` (quantized collectives) and
             ``poplar.allow_lossy`` (``poplar.integrations.deepspeed_config``).
@@ -212,8 +213,11 @@ class PoplarTrainer(Trainer):
         targs = kwargs.get("args")
         if targs is None:
             raise ValueError("PoplarTrainer needs args=TrainingArguments(...)")
-        plan, zero_stage, auto = _with_deepspeed(deepspeed if deepspeed is not None else
-                                                 getattr(targs, "deepspeed", None), plan, zero_stage, auto)
+        if getattr(targs, "deepspeed", None) is not None:
+            raise ValueError("TrainingArguments(deepspeed=...) sets up DeepSpeed's own engine in Accelerate; Poplar "
+                             "runs ZeRO itself: give the config to PoplarTrainer(deepspeed=...) instead (its ZeRO "
+                             "section is read there) and leave TrainingArguments' deepspeed unset")
+        plan, zero_stage, auto = _with_deepspeed(deepspeed, plan, zero_stage, auto)
         self.collective_timeout_s = collective_timeout_s if collective_timeout_s is not None else \
             collective_timeout_of(targs)
         gbs = plan.global_batch_size if plan is not None else global_batch_size
@@ -223,8 +227,6 @@ class PoplarTrainer(Trainer):
             raise ValueError("gradient_accumulation_steps must be 1 with PoplarTrainer: the plan sets each rank's "
                              "accumulation and the global batch")
         targs = copy.deepcopy(targs)
-        if getattr(targs, "deepspeed", None) is not None:  # read above: Poplar runs ZeRO, not DeepSpeed
-            targs.deepspeed, targs.hf_deepspeed_config = None, None
         # the Trainer in one process on the whole global batch: one batch of gbs per step, its
         # token count taken from that whole batch (no cross-rank sum: every rank sees all of it)
         targs.per_device_train_batch_size, targs.gradient_accumulation_steps = gbs, 1

@@ -67,3 +67,10 @@ def test_auto_mode_gets_the_policy_and_allow_lossy(tmp_path) -> None:
 def test_bad_deepspeed_values_name_the_key(tmp_path, ds: dict, kwargs: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         trainer(tmp_path, plan=toy.plan_of(*ROWS), deepspeed=ds, **kwargs)
+
+
+def test_the_training_arguments_deepspeed_is_refused_with_the_way_to_give_it(tmp_path) -> None:
+    args = jobs.arguments(str(tmp_path), 1)
+    args.deepspeed = {"zero_optimization": {"stage": 3}}  # as TrainingArguments(deepspeed=...) keeps it
+    with pytest.raises(ValueError, match=r"give the config to PoplarTrainer\(deepspeed=...\) instead"):
+        PoplarTrainer(model=jobs.tiny_gpt2(), args=args, train_dataset=jobs.LabelledTokens(), plan=toy.plan_of(*ROWS))

@@ -23,6 +23,10 @@ How the Trainer's pieces map onto Poplar's:
   is the engine's global norm before clipping), evaluation (every rank evaluates the whole set),
   ``bf16`` / ``fp16`` (Accelerate's autocast around the forward; fp16 also gets Poplar's
   dynamic loss scaling). ``gradient_accumulation_steps`` must stay 1: the plan accumulates.
+- A DeepSpeed config (``deepspeed=``, a dict or a JSON path): its ZeRO section is read
+  (stage, bucket size, ``zero_hpz_partition_size``, ``zero_quantized_weights`` /
+  ``zero_quantized_gradients``, ``poplar.allow_lossy``: ``poplar.integrations.deepspeed_config``);
+  the batches, optimizer, scheduler and precision stay the ``TrainingArguments``'.
 - Saving. ``save_model(dir)`` gathers the full state (every rank) and writes the HF layout
   (``save_pretrained``). A checkpoint (``save_steps``) also holds ``poplar/``, a Poplar
   checkpoint (sharded optimizer state, iteration, RNG); ``train(resume_from_checkpoint=...)``
@@ -217,7 +221,8 @@ class PoplarTrainer(Trainer):
             raise ValueError("TrainingArguments(deepspeed=...) sets up DeepSpeed's own engine in Accelerate; Poplar "
                              "runs ZeRO itself: give the config to PoplarTrainer(deepspeed=...) instead (its ZeRO "
                              "section is read there) and leave TrainingArguments' deepspeed unset")
-        plan, zero_stage, auto = _with_deepspeed(deepspeed, plan, zero_stage, auto)
+        plan, zero_stage, auto = _with_deepspeed(deepspeed, plan, zero_stage, auto,
+                                                 say=getattr(targs, "process_index", 0) == 0)
         self.collective_timeout_s = collective_timeout_s if collective_timeout_s is not None else \
             collective_timeout_of(targs)
         gbs = plan.global_batch_size if plan is not None else global_batch_size
@@ -322,15 +327,16 @@ class PoplarTrainer(Trainer):
             torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
 
 
-def _with_deepspeed(source: Any, plan: Plan | None, zero_stage: int | ZeroConfig | None,
-                    auto: AutoOptions | None) -> tuple[Plan | None, int | str | ZeroConfig, AutoOptions | None]:
+def _with_deepspeed(source: Any, plan: Plan | None, zero_stage: int | ZeroConfig | None, auto: AutoOptions | None,
+                    say: bool) -> tuple[Plan | None, int | str | ZeroConfig, AutoOptions | None]:
     """(the plan, the stage, auto mode's options) under a DeepSpeed config (``deepspeed_config``:
-    its ZeRO section), or as given (stage 0 where none is) without one."""
+    its ZeRO section), or as given (stage 0 where none is) without one; ``say``: log which of its
+    keys the Trainer's arguments decide (rank 0)."""
     if source is None:
         return plan, 0 if zero_stage is None else zero_stage, auto
     ds = DeepSpeedZero.read(source)
     stage = ds.zero_stage(zero_stage, plan)
-    if (note := ds.note()) is not None:
+    if (note := ds.note()) is not None and say:
         log.info(note)
     if plan is not None:
         return ds.on_plan(plan, stage.stage if isinstance(stage, ZeroConfig) else stage), stage, auto

@@ -179,6 +179,18 @@ def test_nodes_with_allow_lossy_price_each_quantized_option(capsys: pytest.Captu
                                      "--nodes", "4,4", "--inter-gbps", "10gbit")[1]
 
 
+def test_plan_with_allow_lossy_says_each_option(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    from tests.planner.test_link_pricing import SLOW, profile, two_nodes
+
+    path = tmp_path / "two_nodes.json"
+    profile(two_nodes(cross=SLOW), stage=3).save(path)
+    code, out, err = _run(capsys, "plan", "--profile", str(path), "--gbs", "1000", "--allow-lossy")
+    assert code == 0, err
+    assert "  exact: " in out and "chosen (allow_lossy): predicted" in out and out.count(" <- kept") == 1
+    exact = _run(capsys, "plan", "--profile", str(path), "--gbs", "1000")[1]
+    assert "allow_lossy" not in exact and "quantized" not in exact
+
+
 def test_nodes_on_a_built_in_cluster_that_declares_its_own(capsys: pytest.CaptureFixture) -> None:
     # C-4+4 declares two nodes of 4: the cluster without its last node is 4 ranks on one node
     code, out, err = _run(capsys, "simulate", "--cluster", "C-4+4", "--gbs", "256", "--stage", "3", "--nodes", "4,4",

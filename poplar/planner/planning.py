@@ -283,7 +283,8 @@ class CollectivesRequest:
 
 @dataclass(frozen=True)
 class PlanRequest:
-    """What ``plan`` was asked, but for the profile and the collectives."""
+    """What ``plan`` was asked, but for the profile and the way of running the collectives that
+    ``_plan_as`` is given (``collectives``: what they send, and the way asked)."""
 
     global_batch_size: int
     zero_stage: int | None

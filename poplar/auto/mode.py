@@ -37,6 +37,7 @@ from poplar.comm import Communicator
 from poplar.planner import plan as make_plan
 from poplar.planner.planning import batch_using_every_rank, load_profile
 from poplar.planner.link_pricing import Collectives
+from poplar.planner.planning import CollectivesRequest
 from poplar.auto.choice import Choice, ConfigurationSearch, PlanLimits
 from poplar.auto.samples import sample_fn_of
 from poplar.auto.stored import StoreUse, store_key
@@ -51,6 +52,7 @@ from poplar.profiler.precision import agree_precision_support, profile_precision
 from poplar.profiler.profile_run import OneConfiguration, ProfileJob, ProfileOptions, ProfileRun, confirm_plan_memory
 from poplar.profiler.store import ProfileStore, default_store_dir
 from poplar.profiler.store_reuse import StoreRequest
+from poplar.types.compression import CommPolicy
 from poplar.types.configuration import Configuration, heaviest
 from poplar.logs import log
 from poplar.types.plans import Offload, Plan, PlanError
@@ -102,6 +104,13 @@ class AutoOptions(ProfilingPolicy):
     # then measures each link): "auto" (the fastest predicted of flat, hierarchical and, at
     # ZeRO-3, secondary shards; poplar.planner.collective_choice), or one of them by name
     collectives: str = "auto"
+    # quantized collectives (lossy: the step is no longer exactly the global batch's; docs/design.md
+    # §5.2): ``compression`` a CommPolicy the plan uses as given (the stages auto mode may choose
+    # are those it admits); with none given, ``allow_lossy`` lets the planner quantize where that is
+    # predicted faster than exact by more than the plan's tie, on a job that spans nodes. Neither
+    # (the default): every plan is exact.
+    allow_lossy: bool = False
+    compression: CommPolicy | None = None
     # where measured profiles are kept per device type and reused (poplar.profiler.store): a
     # directory, a ProfileStore, None (no store) or "default" ($POPLAR_PROFILE_STORE, "off" for
     # none, else ~/.cache/poplar/profiles)
@@ -111,6 +120,11 @@ class AutoOptions(ProfilingPolicy):
     @property
     def limits(self) -> PlanLimits:
         return PlanLimits(self.require_all_ranks, self.max_micro_steps)
+
+    @property
+    def collectives_request(self) -> CollectivesRequest:
+        """How the plan's collectives may run and what they send, as the planner takes it."""
+        return CollectivesRequest(self.collectives, self.compression, self.allow_lossy)
 
 
 @dataclass
@@ -280,7 +294,7 @@ def _plan(auto: AutoJob, measured: Measurement, checkpointing: Any) -> Plan:
             shards = fallback
     try:
         plan = make_plan(profile, global_batch_size, profile.zero_stage, options.strategy, shards=shards,
-                         offload=options.offload, collectives=options.collectives, **limits)
+                         offload=options.offload, collectives=options.collectives_request, **limits)
         offloads = any(o is not Offload.NONE for o in plan.offloads)
         stored = profile.store.reused if profile.store is not None and \
             measured.store_use in (StoreUse.REUSED, StoreUse.PARTIAL) else []
@@ -298,7 +312,7 @@ def _plan(auto: AutoJob, measured: Measurement, checkpointing: Any) -> Plan:
                     f"{'even shards' if fallback == 'even' else f'the measured weights {list(fallback)}'}")
                 placed = [Offload(o) for o in profile.offloads] if profile.offloads is not None else "none"
                 plan = make_plan(profile, global_batch_size, profile.zero_stage, options.strategy, shards=fallback,
-                                 offload=placed, collectives=options.collectives, **limits)  # and every optimizer where the profile measured it
+                                 offload=placed, collectives=options.collectives_request, **limits)  # and every optimizer where the profile measured it
                 plan.choice = replace(plan.choice, shard_trial_failed_on=failed)
     except (PlanError, ProfileError) as e:
         raise PlanError(f"auto mode: planning failed: {e}") from None
@@ -404,6 +418,31 @@ def allowed_stages(stage: Any, choosable: Any) -> tuple[tuple[int, ...], str | N
     return (int(stage),), None
 
 
+def lossy_line(plan: Plan) -> str:
+    """The line auto mode logs where the plan's collectives are quantized or were priced so."""
+    record = plan.choice.compression_choice
+    if record is not None:
+        return f"auto mode: {record.describe()}"
+    return f"auto mode: {plan.compression.describe()} (as given): the step is no longer exactly the global batch's"
+
+
+def lossy_stages(options: AutoOptions, stages: tuple[int, ...],
+                 error: str | None) -> tuple[tuple[int, ...], str | None]:
+    """(the stages auto mode may run at with ``options.compression``: those it admits; what is
+    wrong with the lossy options or ``error``)."""
+    if not isinstance(options.allow_lossy, bool):
+        return stages, f"AutoOptions.allow_lossy must be True or False, got {options.allow_lossy!r}"
+    given = options.compression
+    if given is None or error is not None:
+        return stages, error
+    if not isinstance(given, CommPolicy):
+        return stages, f"AutoOptions.compression must be a poplar CommPolicy or None, got {given!r}"
+    admitted = tuple(s for s in stages if given.problem(s) is None)
+    if not admitted:
+        return stages, f"AutoOptions.compression: {given.problem(stages[-1])}"
+    return admitted, None
+
+
 def _check_inputs(global_batch_size: Any, loss_fn: Callable | None, options: AutoOptions,
                   mixed_precision: Any) -> tuple[str | None, MixedPrecision | None, Callable[[int], Any] | None]:
     """(what is wrong with auto mode's inputs or None, the precision policy, ``sample_fn``)."""
@@ -432,6 +471,7 @@ def _auto_job(comm: Communicator, model: nn.Module, optimizer: torch.optim.Optim
     zero = ZeroConfig.of(zero_stage)
     error, policy, sample_fn = _check_inputs(global_batch_size, loss_fn, options, mixed_precision)
     stages, stage_error = allowed_stages(zero.stage, options.stages)
+    stages, stage_error = lossy_stages(options, stages, stage_error)
     comm.agree(error or stage_error, "auto mode set-up", error_type=ProfileError)
     say = (lambda m: log.info(m)) if options.progress and comm.rank == 0 else (lambda m: None)
     if options.choose not in RULES:
@@ -505,6 +545,8 @@ def auto_plan(comm: Communicator, model: nn.Module, optimizer: torch.optim.Optim
         model.to(home)
     auto.say(f"plan ({plan.strategy}, ZeRO-{plan.zero_stage}, predicted "
              f"{plan.predicted_samples_per_s or 0:.1f} samples/s):\n{plan.table()}")
+    if comm.rank == 0 and (plan.compression.lossy or plan.choice.compression_choice is not None):
+        log.info(lossy_line(plan))  # lossy steps are said whether or not progress is
     rows = measured.search.rows if measured.search is not None else None
     return AutoResult(_with_record(plan, measured), measured.profile, measured.device, chosen, rows,
                       measured.store_use)

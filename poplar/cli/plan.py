@@ -2,10 +2,14 @@
 
     poplar plan --profile profile.json --gbs 256 [--stage 2] [--strategy poplar] [-o plan.json]
     poplar plan --profile auto_profile.json --gbs 256 --stage auto
+    poplar plan --profile two_nodes.json --gbs 256 --stage 3 --allow-lossy
 
 ``--stage auto`` reads a profile that auto mode saved (``AutoOptions(profile_output=...)``): it
 shows the candidate table (ZeRO stage x activation checkpointing: fits, mbs per device type,
 predicted iteration at this global batch, why rejected) and plans the chosen configuration.
+``--allow-lossy`` lets the plan quantize collectives across nodes where that is predicted faster
+than exact by more than the tie (a profile whose links span nodes; ``planner.compression_choice``):
+the table says each option's predicted iteration and which was kept.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import argparse
 from dataclasses import replace
 
 from poplar.planner.candidates import format_table, recorded_candidates
-from poplar.planner.planning import STRATEGIES, load_profile, plan
+from poplar.planner.planning import STRATEGIES, CollectivesRequest, load_profile, plan
 from poplar.types.plans import shard_weights_problem
 
 
@@ -63,6 +67,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--offload", choices=("none", "auto"), default="none",
                    help="where each rank's optimizer lives: none (on its device, default) or auto (in host memory "
                         "where that lets the model fit or is predicted faster, priced from the profile)")
+    p.add_argument("--allow-lossy", action="store_true",
+                   help="quantized collectives across nodes (int8; lossy) where predicted faster than exact by more "
+                        "than the tie (a profile whose links span nodes)")
     p.add_argument("-o", "--output", default=None, help="write the plan JSON here")
     add_limits(p)
     p.set_defaults(func=_plan)
@@ -78,7 +85,8 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"candidates auto mode profiled (the profile is the choice's; others are lower bounds from it):\n"
               f"{format_table(rows)}\n")
         stage = profile.zero_stage
-    result = plan(args.profile, args.gbs, stage, args.strategy, shards=args.shards, offload=args.offload, **limits)
+    result = plan(args.profile, args.gbs, stage, args.strategy, shards=args.shards, offload=args.offload,
+                  collectives=CollectivesRequest(allow_lossy=args.allow_lossy), **limits)
     if rows is not None:
         result.choice = replace(result.choice, candidates=[r.to_dict() for r in rows])
     print(f"strategy {result.strategy}, ZeRO-{result.zero_stage}")
@@ -86,6 +94,10 @@ def _plan(args: argparse.Namespace) -> int:
     print(f"predicted {result.predicted_samples_per_s:.2f} samples/s, communication "
           f"{result.predicted_comm_s:.4f} s of {result.predicted_iteration_s:.4f} s, "
           f"{result.max_micro_steps} micro-steps")
+    record = result.choice.compression_choice
+    for row in record.candidates if record is not None else ():
+        said = f"{row.predicted_s:.4f} s" if row.predicted_s is not None else f"no plan ({row.reason})"
+        print(f"  {row.policy.describe()}: {said}" + (" <- kept" if row.policy == record.chosen else ""))
     if args.output:
         result.save(args.output)
         print(f"wrote {args.output}")

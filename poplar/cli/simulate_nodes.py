@@ -12,6 +12,9 @@ and the table compares, for the whole cluster and for it without its last node, 
 iteration and throughput with flat collectives, hierarchical ones and, at ZeRO-3, hierarchical
 ones with node-local secondary shards, and the way the planner chooses (which may leave a node or
 a device type out of the step where that is predicted faster: ``planner.participation``).
+``--allow-lossy`` adds, per row, what quantized collectives (lossy) would be predicted to take:
+each option's iteration (int8 weights at ZeRO-3, int8 gradients at ZeRO-2/3, both) beside exact,
+and the one the planner would keep with ``allow_lossy`` (``planner.compression_choice``).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from poplar.emulation.cluster import ClusterSpec
 from poplar.emulation.synthetic import ModelSpec, synthetic_profile
 from poplar.planner.collective_choice import ORDER
 from poplar.planner.link_pricing import Collectives
-from poplar.planner.planning import plan
+from poplar.planner.planning import CollectivesRequest, plan
 from poplar.types.plans import Plan, PlanError
 from poplar.types.profiles import Links, LinkSpeed, Profile
 from poplar.types.topology import Topology
@@ -46,6 +49,9 @@ def add_node_args(s: argparse.ArgumentParser) -> None:
                    help="each node's link latency (default: the cluster's latency_us)")
     g.add_argument("--inter-latency-us", type=float, default=None, metavar="US",
                    help="the cross-node latency (default: the cluster's latency_us)")
+    g.add_argument("--allow-lossy", action="store_true",
+                   help="also price quantized collectives across nodes (int8 weights / gradients: lossy) and say "
+                        "which the planner would choose with allow_lossy")
 
 
 def bandwidth(text: str, flag: str) -> float:
@@ -120,8 +126,10 @@ def on_nodes(spec: ClusterSpec, nodes: NodeLinks, stage: int, model: ModelSpec) 
     return replace(prof, comm=replace(prof.comm, links=nodes.links()))
 
 
-def ways_row(label: str, prof: Profile, gbs: int, stage: int, limits: dict[str, Any]) -> dict[str, Any]:
-    """Each way's predicted plan on ``prof`` (None where it does not apply or fits no plan) and the choice."""
+def ways_row(label: str, prof: Profile, gbs: int, stage: int, limits: dict[str, Any],
+             allow_lossy: bool = False) -> dict[str, Any]:
+    """Each way's predicted plan on ``prof`` (None where it does not apply or fits no plan), the
+    choice, and with ``allow_lossy`` the choice among quantized collectives too (``lossy``)."""
     row: dict[str, Any] = {"cluster": label, "ranks": prof.world_size,
                            "nodes": prof.comm.links.topology.describe() if prof.comm.links.topology else "1 node"}
     for way in ORDER:
@@ -132,7 +140,25 @@ def ways_row(label: str, prof: Profile, gbs: int, stage: int, limits: dict[str, 
             row[way.value] = str(e)
     chosen: Plan = plan(prof, gbs, stage, **limits)
     row["chosen"] = chosen
+    row["lossy"] = plan(prof, gbs, stage, collectives=CollectivesRequest(allow_lossy=True), **limits) \
+        if allow_lossy else None
     return row
+
+
+def lossy_lines(rows: list[dict[str, Any]]) -> str:
+    """Per row planned with ``allow_lossy``: each option's predicted iteration and the choice."""
+    out = []
+    for r in rows:
+        found: Plan | None = r.get("lossy")
+        record = found.choice.compression_choice if found is not None else None
+        if record is None:
+            out.append(f"{r['cluster']}, allow_lossy: nothing to quantize (one node, or ZeRO-0/1): exact")
+            continue
+        priced = ", ".join(f"{c.policy.describe().removeprefix('quantized ').split(' (')[0]} "
+                           + (f"{c.predicted_s:.4f} s" if c.predicted_s is not None else "no plan")
+                           for c in record.candidates)
+        out.append(f"{r['cluster']}, allow_lossy: {priced}; {record.describe()}")
+    return "\n".join(out)
 
 
 def _cell(found: Plan | str | None) -> str:
@@ -177,13 +203,15 @@ def simulate_nodes(args: argparse.Namespace, spec: ClusterSpec, model: ModelSpec
     cases = [("all nodes", nodes)]
     if nodes.topology.node_count > 1:
         cases.append(("without the last node", nodes.without_last()))
-    rows = [ways_row(label, on_nodes(spec, n, args.stage, model), args.gbs, args.stage, limits) for label, n in cases]
+    lossy = bool(getattr(args, "allow_lossy", False))
+    rows = [ways_row(label, on_nodes(spec, n, args.stage, model), args.gbs, args.stage, limits, lossy)
+            for label, n in cases]
     links = nodes.links()
     head = (f"{spec.describe()} as {nodes.topology.describe()}; node links "
             + ", ".join(f"{x.bandwidth_bytes_per_s / 1e9:g}" for x in nodes.intra) + " GB/s"
             + (f", between nodes {links.cross.bandwidth_bytes_per_s / 1e9:g} GB/s" if links.cross else "")
             + f"; ZeRO-{args.stage}, global batch {args.gbs}")
-    return head + "\n" + table(rows), rows
+    return head + "\n" + table(rows) + ("\n" + lossy_lines(rows) if lossy else ""), rows
 
 
 def rows_json(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -196,4 +224,5 @@ def rows_json(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
              **{w.value: one(r[w.value]) for w in ORDER},
              "chosen": Collectives.of(r["chosen"].hierarchical, r["chosen"].secondary_shards).value,
              "left_out": list(r["chosen"].left_out), "chosen_samples_per_s": r["chosen"].predicted_samples_per_s,
-             "every_gpu_samples_per_s": _every_gpu(r)} for r in rows]
+             "every_gpu_samples_per_s": _every_gpu(r),
+             "allow_lossy": one(r["lossy"]) if r.get("lossy") is not None else None} for r in rows]

@@ -23,6 +23,10 @@ How the Trainer's pieces map onto Poplar's:
   is the engine's global norm before clipping), evaluation (every rank evaluates the whole set),
   ``bf16`` / ``fp16`` (Accelerate's autocast around the forward; fp16 also gets Poplar's
   dynamic loss scaling). ``gradient_accumulation_steps`` must stay 1: the plan accumulates.
+- A DeepSpeed config (``deepspeed=``, a dict or a JSON path): its ZeRO section is read
+  (stage, bucket size, ``zero_hpz_partition_size``, ``zero_quantized_weights`` /
+  ``zero_quantized_gradients``, ``poplar.allow_lossy``: ``poplar.integrations.deepspeed_config``);
+  the batches, optimizer, scheduler and precision stay the ``TrainingArguments``'.
 - Saving. ``save_model(dir)`` gathers the full state (every rank) and writes the HF layout
   (``save_pretrained``). A checkpoint (``save_steps``) also holds ``poplar/``, a Poplar
   checkpoint (sharded optimizer state, iteration, RNG); ``train(resume_from_checkpoint=...)``
@@ -61,6 +65,7 @@ from poplar.auto import AutoOptions
 from poplar.comm.group_exit import end_process_group_at_exit
 from poplar.comm.timeouts import COLLECTIVE_TIMEOUT_S, set_collective_timeout
 from poplar.engine import PoplarEngine
+from poplar.integrations.deepspeed_config import DeepSpeedZero
 from poplar.integrations.rank_failure import run_as_one_job
 from poplar.zero.batches import batch_size_of, slice_batch
 from poplar.logs import log
@@ -190,23 +195,34 @@ class PoplarTrainer(Trainer):
 
     Args:
         plan: a ``poplar.Plan``, one row per rank; None: auto mode (needs ``auto``).
-        zero_stage: 0-3 or a ``poplar.ZeroConfig``.
+        zero_stage: 0-3 or a ``poplar.ZeroConfig`` (None: the DeepSpeed config's, else 0).
         global_batch_size: samples per step in auto mode (default: ``per_device_train_batch_size``
             x world size x ``gradient_accumulation_steps``, the Trainer's total batch).
         auto: ``poplar.AutoOptions`` (profile data; the device: a GPU, or one emulated on CPU).
         activation_checkpointing: as ``PoplarEngine``'s.
+        deepspeed: a DeepSpeed config (a dict or a JSON path; not ``args.deepspeed``, which starts
+            DeepSpeed's own engine): its ZeRO
+            stage and bucket size, ``zero_hpz_partition_size`` (secondary shards on a fixed plan),
+            ``zero_quantized_weights`` / ``zero_quantized_gradients`` (quantized collectives) and
+            ``poplar.allow_lossy`` (``poplar.integrations.deepspeed_config``).
         collective_timeout_s: how long a rank waits for a hung peer before the job ends; None: the
             ``TrainingArguments``' ``ddp_timeout`` where it was changed from its default, else
             ``poplar train``'s default (300 s).
     """
 
-    def __init__(self, *args: Any, plan: Plan | None = None, zero_stage: int | ZeroConfig = 0,
+    def __init__(self, *args: Any, plan: Plan | None = None, zero_stage: int | ZeroConfig | None = None,
                  global_batch_size: int | None = None, auto: AutoOptions | None = None,
                  activation_checkpointing: Any = None, collective_timeout_s: float | None = None,
-                 **kwargs: Any) -> None:
+                 deepspeed: str | os.PathLike | dict | None = None, **kwargs: Any) -> None:
         targs = kwargs.get("args")
         if targs is None:
             raise ValueError("PoplarTrainer needs args=TrainingArguments(...)")
+        if getattr(targs, "deepspeed", None) is not None:
+            raise ValueError("TrainingArguments(deepspeed=...) sets up DeepSpeed's own engine in Accelerate; Poplar "
+                             "runs ZeRO itself: give the config to PoplarTrainer(deepspeed=...) instead (its ZeRO "
+                             "section is read there) and leave TrainingArguments' deepspeed unset")
+        plan, zero_stage, auto = _with_deepspeed(deepspeed, plan, zero_stage, auto,
+                                                 say=getattr(targs, "process_index", 0) == 0)
         self.collective_timeout_s = collective_timeout_s if collective_timeout_s is not None else \
             collective_timeout_of(targs)
         gbs = plan.global_batch_size if plan is not None else global_batch_size
@@ -309,6 +325,22 @@ class PoplarTrainer(Trainer):
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
             torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+
+
+def _with_deepspeed(source: Any, plan: Plan | None, zero_stage: int | ZeroConfig | None, auto: AutoOptions | None,
+                    say: bool) -> tuple[Plan | None, int | str | ZeroConfig, AutoOptions | None]:
+    """(the plan, the stage, auto mode's options) under a DeepSpeed config (``deepspeed_config``:
+    its ZeRO section), or as given (stage 0 where none is) without one; ``say``: log which of its
+    keys the Trainer's arguments decide (rank 0)."""
+    if source is None:
+        return plan, 0 if zero_stage is None else zero_stage, auto
+    ds = DeepSpeedZero.read(source)
+    stage = ds.zero_stage(zero_stage, plan)
+    if (note := ds.note()) is not None and say:
+        log.info(note)
+    if plan is not None:
+        return ds.on_plan(plan, stage.stage if isinstance(stage, ZeroConfig) else stage), stage, auto
+    return None, stage, ds.on_auto(AutoOptions() if auto is None else auto)
 
 
 def collective_timeout_of(args: Any) -> float:

@@ -57,6 +57,7 @@ import numpy as np
 from poplar.planner.curves import SpeedCurve
 from poplar.planner.lead import lead_change
 from poplar.planner.link_pricing import Collectives, LinkPricing
+from poplar.planner.quantized_pricing import NO_COMPRESSION, Compression
 
 
 def bus_bytes(op: str, nbytes: float, world_size: int) -> float:
@@ -95,34 +96,41 @@ class CommModel:
     collectives: Collectives = Collectives.FLAT
     measured_collectives: Collectives = Collectives.FLAT
     overhead_s: float = 0.0  # of the measured iteration's end, the fixed overhead (no collective)
+    # the plan's quantized collectives (``quantized_pricing``); the exposures above were measured exact
+    compression: Compression = NO_COMPRESSION
     micro_scale: float = 1.0
     iteration_scale: float = 1.0
 
     @classmethod
-    def from_profile(cls, profile: Any, collectives: Collectives = Collectives.FLAT) -> "CommModel":
-        """The model of a profile's links and exposures, pricing the collectives as ``collectives``."""
-        model = cls._measured_model(profile)
+    def from_profile(cls, profile: Any, collectives: Collectives = Collectives.FLAT,
+                     compression: Compression = NO_COMPRESSION) -> "CommModel":
+        """The model of a profile's links and exposures, pricing the collectives as ``collectives``
+        with ``compression``'s quantized collectives."""
+        model = replace(cls._measured_model(profile), compression=compression.exact(),
+                        overhead_s=float(profile.comm.exposure.overhead_s or 0.0))
         links = profile.comm.links
         if not links.spans_nodes:
-            return model
+            return model.priced_as(Collectives.FLAT, compression) if compression.lossy else model
         pricing = LinkPricing.of(links, profile.world_size, profile.shard_weights)
         measured = Collectives.of(profile.comm.hierarchical, profile.comm.secondary_shards)
-        return replace(model, pricing=pricing, collectives=measured, measured_collectives=measured,
-                       overhead_s=float(profile.comm.exposure.overhead_s or 0.0)).priced_as(collectives)
+        return replace(model, pricing=pricing, collectives=measured,
+                       measured_collectives=measured).priced_as(collectives, compression)
 
-    def priced_as(self, collectives: Collectives) -> "CommModel":
-        """This model with the collectives run as ``collectives``: the formulas price them on
-        their links, and a measured exposure is scaled by the serial seconds of one micro-step's
-        (and of the iteration's closing) collectives run so over those it measured: compute hid
-        the same fraction of them."""
-        measured = replace(self, collectives=self.measured_collectives, micro_scale=1.0, iteration_scale=1.0)
-        priced = replace(measured, collectives=collectives)
+    def priced_as(self, collectives: Collectives, compression: Compression | None = None) -> "CommModel":
+        """This model with the collectives run as ``collectives``, quantized as ``compression``
+        (None: as this model's): the formulas price them on their links, and a measured exposure
+        is scaled by the serial seconds of one micro-step's (and of the iteration's closing)
+        collectives run so over those it measured (exact): compute hid the same fraction of them."""
+        compression = self.compression if compression is None else compression
+        measured = replace(self, collectives=self.measured_collectives, micro_scale=1.0, iteration_scale=1.0,
+                           compression=compression.exact())
+        priced = replace(measured, collectives=collectives, compression=compression)
 
         def ratio(new: float, old: float) -> float:
             return new / old if old > 0 else 1.0
 
         stage = self.measured_stage
-        if stage is None or collectives is self.measured_collectives:
+        if stage is None or (collectives is self.measured_collectives and not compression.lossy):
             return priced
         return replace(priced,
                        micro_scale=ratio(priced._serial_micro_step_s(stage), measured._serial_micro_step_s(stage)),
@@ -160,14 +168,19 @@ class CommModel:
                    per_type("small_lead"), per_type("micro_step_small_lead_s"),
                    per_type("iteration_small_lead_s", overhead))
 
-    def call_s(self, op: str, nbytes: float, backward_gather: bool = False) -> float:
+    def call_s(self, op: str, nbytes: float, backward_gather: bool = False, table: bool = False) -> float:
         """One collective of a ``nbytes`` buffer (the full, unsharded size); ``backward_gather``:
-        a ZeRO-3 all-gather before backward."""
-        if self.pricing is not None and self.collectives is not Collectives.FLAT:
-            return self.pricing.call_s(op, nbytes, self.collectives, backward_gather)
+        a ZeRO-3 all-gather before backward; ``table``: a buffer of the formulas (the model's
+        full copy), not one the profile recorded (its element size differs under mixed precision)."""
+        wire = self.compression.wire(op, table)
+        if self.pricing is not None and (self.collectives is not Collectives.FLAT or wire is not None):
+            return self.pricing.call_s(op, nbytes, self.collectives, backward_gather, wire)
         n = self.world_size
         if n <= 1:
             return 0.0
+        if wire is not None and wire.every_step:  # one node: only a policy of every step quantizes
+            return bus_bytes(op, wire.bytes(nbytes), n) / self.bandwidth_bytes_per_s + self.latency_s \
+                + wire.conversion_s(nbytes)
         return bus_bytes(op, nbytes, n) / self.bandwidth_bytes_per_s + self.latency_s
 
     def _ops_s(self, ops: Ops, stage: int) -> float:
@@ -181,14 +194,9 @@ class CommModel:
     def _measured(self, stage: int) -> bool:
         return self.measured_stage == stage and bool(self.micro_step_ops or self.iteration_ops)
 
-    def collective_s(self, backward_gather: bool = False) -> float:
-        """One reduce-scatter or all-gather of the full parameter size."""
-        if self.pricing is not None and self.collectives is not Collectives.FLAT:
-            return self.call_s("all_gather", self.param_bytes, backward_gather)
-        n = self.world_size
-        if n <= 1:
-            return 0.0
-        return (n - 1) / n * self.param_bytes / self.bandwidth_bytes_per_s + self.latency_s
+    def collective_s(self, backward_gather: bool = False, op: str = "all_gather") -> float:
+        """One reduce-scatter or all-gather (``op``) of the full parameter size."""
+        return self.call_s(op, self.param_bytes, backward_gather, table=True)
 
     def all_reduce_s(self) -> float:
         n = self.world_size
@@ -204,9 +212,10 @@ class CommModel:
         return self._table_micro_step_s(stage)
 
     def _table_micro_step_s(self, stage: int) -> float:
-        if stage == 3 and self.collectives.secondary_shards:
-            return 2 * self.collective_s() + self.collective_s(backward_gather=True)
-        return {0: 0.0, 1: 0.0, 2: self.collective_s(), 3: 3 * self.collective_s()}[stage]
+        scatter = self.collective_s(op="reduce_scatter")
+        if stage == 3:  # the gathers before forward and before backward, the gradients' reduce-scatter
+            return self.collective_s() + self.collective_s(backward_gather=True) + scatter
+        return {0: 0.0, 1: 0.0, 2: scatter}[stage]
 
     def led_micro_step_s(self, stage: int, lead: Any, compute: Any = None, leader: Any = None) -> Any:
         """c_m of a micro-step whose slowest device type ``leader`` leads the next by ``lead`` (a
@@ -288,7 +297,9 @@ class CommModel:
 
     def _table_iteration_s(self, stage: int) -> float:
         small = (2 if stage == 3 else 1) * (self.latency_s if self.world_size > 1 else 0.0)
-        return small + {0: self.all_reduce_s(), 1: 2 * self.collective_s(), 2: self.collective_s(), 3: 0.0}[stage]
+        ends = {0: self.all_reduce_s(), 1: self.collective_s(op="reduce_scatter") + self.collective_s(),
+                2: self.collective_s(), 3: 0.0}
+        return small + ends[stage]
 
 
 Row = tuple[str, int, int, int]  # (device_type, b, gas, lbs)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Sequence
 
+from poplar.planner.quantized_pricing import QuantizedWire
 from poplar.types.plans import PlanError
 from poplar.types.profiles import Links, LinkSpeed
 
@@ -133,16 +134,24 @@ class LinkPricing:
         busiest = max(max(1.0 - s, (k - 1) * s) for s in self.shares)
         return busiest * nbytes / self.cross.bandwidth_bytes_per_s + self.cross.latency_s
 
-    def call_s(self, op: str, nbytes: float, collectives: Collectives, backward_gather: bool = False) -> float:
+    def call_s(self, op: str, nbytes: float, collectives: Collectives, backward_gather: bool = False,
+               wire: QuantizedWire | None = None) -> float:
         """One collective of a ``nbytes`` buffer run as ``collectives``; ``backward_gather``: a
-        ZeRO-3 all-gather before backward (inside each node with secondary shards)."""
+        ZeRO-3 all-gather before backward (inside each node with secondary shards); ``wire``: its
+        quantization (``quantized_pricing``): the bytes of its scope sent quantized, plus the
+        conversion work."""
         if self.world_size <= 1:
             return 0.0
+        if wire is not None and not (self.spans_nodes or wire.every_step):
+            wire = None  # cross-node scope on one node: nothing crosses, nothing is quantized
+        extra = wire.conversion_s(nbytes) if wire is not None else 0.0
+        sent = wire.bytes(nbytes) if wire is not None else nbytes
         if not self.spans_nodes or collectives is Collectives.FLAT or op == "all_reduce":
-            return self.flat_s(op, nbytes)
+            return self.flat_s(op, sent) + extra
+        inside = sent if wire is not None and wire.every_step else nbytes
         if backward_gather and collectives.secondary_shards and op == "all_gather":
-            return self.intra_s(op, nbytes)
-        return self.intra_s(op, nbytes) + self.cross_s(nbytes)
+            return self.intra_s(op, inside) + (extra if inside != nbytes else 0.0)
+        return self.intra_s(op, inside) + self.cross_s(sent) + extra
 
 
 def secondary_shard_bytes(param_count: int, compute_itemsize: int, node_size: int) -> float:

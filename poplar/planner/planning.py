@@ -25,14 +25,16 @@ from typing import Any, Callable, Mapping, Sequence
 from poplar.types.plans import Offload, OffloadPricing, Plan, PlanError, RankPlan
 from poplar.planner.baselines import even_rows, flops_rows
 from poplar.planner.cost_model import CommModel, Evaluation, evaluate_rows
-from poplar.planner import collective_choice, offload_pricing
+from poplar.planner import collective_choice, compression_choice, offload_pricing
 from poplar.planner import participation as participation_choice
 from poplar.planner.link_pricing import Collectives
+from poplar.planner.quantized_pricing import Compression
 from poplar.planner.placement_choice import fastest_placement, offload_setting
 from poplar.planner import shards as shard_choice
 from poplar.planner.groups import DeviceGroup, group_profile
 from poplar.planner.zero01 import allocate_zero01
 from poplar.planner.zero23 import allocate_zero23
+from poplar.types.compression import EXACT, CommPolicy
 from poplar.types.profiles import Profile, ProfileError
 
 STRATEGIES = ("poplar", "even", "flops")
@@ -60,6 +62,7 @@ class Problem:
     require_all_ranks: bool = False
     max_micro_steps: int | None = None
     plan_tie: float = PLAN_TIE  # poplar keeps a conventional plan predicted this close (0: never)
+    compression: CommPolicy = EXACT  # the quantized collectives the comm model prices
 
     @property
     def world_size(self) -> int:
@@ -129,9 +132,11 @@ def load_profile(profile: Profile | Mapping[str, Any] | str | os.PathLike) -> Pr
 
 def make_problem(profile: Profile | Mapping[str, Any] | str | os.PathLike, global_batch_size: int,
                  zero_stage: int | None = None, *, require_all_ranks: bool = False,
-                 max_micro_steps: int | None = None, collectives: Collectives = Collectives.FLAT) -> Problem:
+                 max_micro_steps: int | None = None, collectives: Collectives = Collectives.FLAT,
+                 compression: CommPolicy = EXACT) -> Problem:
     """Validate the inputs and build the per-type view the strategies work on, its collectives
-    priced as ``collectives`` (on a job that spans nodes: ``planner.link_pricing``)."""
+    priced as ``collectives`` (on a job that spans nodes: ``planner.link_pricing``), quantized as
+    ``compression`` (``planner.quantized_pricing``)."""
     prof = load_profile(profile)
     stage = prof.zero_stage if zero_stage is None else zero_stage
     if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
@@ -161,9 +166,11 @@ def make_problem(profile: Profile | Mapping[str, Any] | str | os.PathLike, globa
                 f"global batch {gbs} cannot be met within memory: at most {max_micro_steps} micro-steps "
                 f"x sum of mbs = {most} samples per iteration. Lower the global batch, raise "
                 "max_micro_steps, or use a higher ZeRO stage (larger micro-batches)")
-    comm = CommModel.from_profile(prof, collectives)
+    if (problem := compression.problem(stage)) is not None:
+        raise PlanError(problem)
+    comm = CommModel.from_profile(prof, collectives, Compression.of(prof, compression))
     return Problem(groups, comm, stage, gbs, require_all_ranks, max_micro_steps,
-                   plan_tie=max(PLAN_TIE, TIE_ERRORS * (prof.comm.exposure.error or 0.0)))
+                   plan_tie=max(PLAN_TIE, TIE_ERRORS * (prof.comm.exposure.error or 0.0)), compression=compression)
 
 
 def plan_problem(problem: Problem, strategy: str = "poplar", shard_weights: Sequence[float] | None = None) -> Plan:
@@ -192,13 +199,13 @@ def plan_problem(problem: Problem, strategy: str = "poplar", shard_weights: Sequ
         "search": info,
     }
     return Plan(ranks, zero_stage=problem.stage, strategy=strategy, predicted_iteration_s=ev.iteration_s,
-                predicted_comm_s=ev.comm_s, meta=meta)
+                predicted_comm_s=ev.comm_s, meta=meta, compression=problem.compression)
 
 
 def plan(profile: Profile | Mapping[str, Any] | str | os.PathLike, global_batch_size: int,
          zero_stage: int | None = None, strategy: str = "poplar", *, require_all_ranks: bool = False,
          max_micro_steps: int | None = None, shards: str | Sequence[float] = "even",
-         offload: str | Sequence[Offload] = "none", collectives: str | Collectives = "auto",
+         offload: str | Sequence[Offload] = "none", collectives: "str | Collectives | CollectivesRequest" = "auto",
          participation: str = "auto") -> Plan:
     """Plan one iteration: per-rank micro-batch, accumulation steps and last batch.
 
@@ -213,24 +220,39 @@ def plan(profile: Profile | Mapping[str, Any] | str | os.PathLike, global_batch_
     ``participation``: on a job that spans nodes, ``"auto"`` (default) may leave a node or a
     device type out of the step where that is predicted faster (``planner.participation``; not
     with ``require_all_ranks``, ZeRO-0, or shards, placements or collectives given); ``"all"``
-    keeps every GPU.
+    keeps every GPU. ``collectives`` may also be a ``CollectivesRequest``: the way as above, and
+    what the collectives send: exact (default), a ``CommPolicy`` of quantized collectives used as
+    given, or with ``allow_lossy`` quantization where it is predicted faster than exact by more
+    than the tie, on a job that spans nodes (``planner.compression_choice``).
     The plan carries per-rank predicted compute seconds and the predicted iteration (compute +
     communication + offload copies and host step), and the collectives it chose.
     """
     prof = load_profile(profile)
     stage = prof.zero_stage if zero_stage is None else zero_stage
-    setting = collective_choice.collectives_setting(collectives)
-    request = PlanRequest(global_batch_size, zero_stage, strategy, require_all_ranks, max_micro_steps, shards, offload)
-    everyone = _fastest_way(prof, request, collective_choice.ways(prof, stage, setting))
+    asked = collectives if isinstance(collectives, CollectivesRequest) else CollectivesRequest(collectives)
+    setting = collective_choice.collectives_setting(asked.way)
     if participation not in ("auto", "all"):
         raise PlanError(f"participation must be 'auto' (a node or device type may be left out where that is "
                         f"predicted faster) or 'all' (every GPU), got {participation!r}")
-    if (participation == "all" or setting is not None or stage == 0 or require_all_ranks or not isinstance(shards, str)
-            or not isinstance(offload, str)):
-        return everyone  # every rank: collectives or rows asked for, given per rank, or ZeRO-0 (§3.12)
-    subset = replace(request, zero_stage=stage)
-    return participation_choice.fastest(
-        prof, everyone, lambda sub: _fastest_way(sub, subset, collective_choice.ways(sub, stage, None)))
+    request = PlanRequest(global_batch_size, zero_stage, strategy, require_all_ranks, max_micro_steps, shards, offload,
+                          asked)
+    every_rank = (participation == "all" or setting is not None or stage == 0 or require_all_ranks
+                  or not isinstance(shards, str) or not isinstance(offload, str))
+
+    def planned(policy: CommPolicy) -> Plan:
+        one = replace(request, collectives=replace(asked, compression=policy))
+        everyone = _fastest_way(prof, one, collective_choice.ways(prof, stage, setting))
+        if every_rank:
+            return everyone  # every rank: collectives or rows asked for, given per rank, or ZeRO-0 (§3.12)
+        subset = replace(one, zero_stage=stage)
+        return participation_choice.fastest(
+            prof, everyone, lambda sub: _fastest_way(sub, subset, collective_choice.ways(sub, stage, None)))
+
+    exact = planned(asked.compression if asked.compression is not None else EXACT)
+    if asked.compression is not None or not asked.allow_lossy:
+        return exact
+    return compression_choice.fastest(exact, compression_choice.lossy_options(stage, prof.comm.links.spans_nodes),
+                                      planned)
 
 
 def _fastest_way(prof: Profile, request: "PlanRequest", ways: list[Collectives]) -> Plan:
@@ -241,8 +263,28 @@ def _fastest_way(prof: Profile, request: "PlanRequest", ways: list[Collectives])
 
 
 @dataclass(frozen=True)
+class CollectivesRequest:
+    """How a plan's collectives may run: ``way`` ("auto" or a ``Collectives``, as ``plan``'s
+    ``collectives``) and what they send, lossy only on request (``planner.compression_choice``):
+    ``compression`` a ``CommPolicy`` used as given (None: none given); ``allow_lossy``: with none
+    given, quantize where that is predicted faster than exact by more than the plan's tie.
+    Neither: every plan is exact."""
+
+    way: str | Collectives = "auto"
+    compression: CommPolicy | None = None
+    allow_lossy: bool = False
+
+    def __post_init__(self) -> None:
+        if self.compression is not None and not isinstance(self.compression, CommPolicy):
+            raise PlanError(f"compression must be a poplar CommPolicy or None, got {self.compression!r}")
+        if not isinstance(self.allow_lossy, bool):
+            raise PlanError(f"allow_lossy must be True or False, got {self.allow_lossy!r}")
+
+
+@dataclass(frozen=True)
 class PlanRequest:
-    """What ``plan`` was asked, but for the profile and the collectives."""
+    """What ``plan`` was asked, but for the profile and the way of running the collectives that
+    ``_plan_as`` is given (``collectives``: what they send, and the way asked)."""
 
     global_batch_size: int
     zero_stage: int | None
@@ -251,6 +293,7 @@ class PlanRequest:
     max_micro_steps: int | None
     shards: str | Sequence[float]
     offload: str | Sequence[Offload]
+    collectives: CollectivesRequest = CollectivesRequest()
 
 
 def _plan_as(prof: Profile, request: PlanRequest, collectives: Collectives) -> Plan:
@@ -277,7 +320,8 @@ def _plan_as(prof: Profile, request: PlanRequest, collectives: Collectives) -> P
         if source is None:
             return None
         problem = make_problem(source, global_batch_size, zero_stage, require_all_ranks=require_all_ranks,
-                               max_micro_steps=max_micro_steps, collectives=collectives)
+                               max_micro_steps=max_micro_steps, collectives=collectives,
+                               compression=request.collectives.compression or EXACT)
         out = plan_problem(problem, strategy, weights)
         out.choice = replace(out.choice, plan_tie=problem.plan_tie)
         return out

@@ -45,7 +45,8 @@ directory, as DeepSpeed's are.
         "report_dir": "runs/x",
         "output_dir": null,                         HF models: the finished run's from_pretrained folder (null: report_dir/model)
         "collective_timeout_s": 300,
-        "topology": [[0, 1], [2, 3]]                the ranks of each node (null: torchrun's nodes, else one)
+        "topology": [[0, 1], [2, 3]],               the ranks of each node (null: torchrun's nodes, else one)
+        "allow_lossy": false                        auto mode may quantize collectives across nodes (lossy)
       }
     }
 
@@ -56,6 +57,16 @@ collectives): 1 (DeepSpeed's default) is off; the size of every node is on; any 
 error, since Poplar's secondary shards are always one per node (ZeRO++'s hpZ partitions over the
 ranks of a node too). A fixed plan (a plan file, DeepSpeed's even plan) takes it as given; in auto
 mode the planner chooses the collectives.
+
+Quantized collectives (lossy: the step is no longer exactly the step of the whole global batch;
+``poplar.types.compression``): DeepSpeed's ``zero_optimization.zero_quantized_weights`` (ZeRO-3's
+parameter gathers) and ``zero_quantized_gradients`` (ZeRO-2/3's gradient reduce-scatters), true or
+false, map to ``CommPolicy(weights="int8")`` / ``CommPolicy(gradients="int8")``, across nodes. A
+fixed plan takes them as given (``Plan.compression``; a plan file that says otherwise is an error
+naming both); auto mode plans with them as given (``AutoOptions.compression``), choosing among the
+stages they admit. ``poplar.allow_lossy`` (false by default) lets auto mode quantize where that is
+predicted faster than exact by more than the plan's tie (``AutoOptions.allow_lossy``); the keys,
+where given, win. A stage the keys cannot run at is an error naming the key.
 
 How the plan is chosen: ``poplar.plan`` if given; otherwise auto mode (profile, then plan with
 ``poplar.strategy``) when there is something to profile — a GPU, ``poplar.cluster`` on CPU, or
@@ -105,6 +116,7 @@ from poplar.train.deepspeed_auto import GLOBAL_BATCH, OPTIMIZERS, TOTAL_STEPS, a
 from poplar.train.deepspeed_hints import NOT_YET, TOP_HINTS, ZERO_HINTS, did_you_mean
 from poplar.train.placement_config import OffloadSetting, read_offload, read_shards
 from poplar.train.schedule import LRSchedule
+from poplar.types.compression import CommPolicy
 from poplar.types.plans import read_json
 from poplar.types.precision import LossScaleConfig, MixedPrecision, Precision
 from poplar.types.topology import Topology, TopologyError
@@ -116,12 +128,15 @@ DATA_KEYS = {"path", "seq_len", "tokenizer", "packing", "text_key", "eval_fracti
 TOP_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
             "gradient_clipping", "steps_per_print", "seed", "zero_optimization", "optimizer", "scheduler", "poplar",
             "fp16", "bf16"}
-ZERO_KEYS = {"stage", "reduce_bucket_size", "offload_optimizer", "zero_hpz_partition_size"}
+ZERO_KEYS = {"stage", "reduce_bucket_size", "offload_optimizer", "zero_hpz_partition_size", "zero_quantized_weights",
+             "zero_quantized_gradients"}
+# DeepSpeed's quantized-communication keys -> the CommPolicy direction each turns to int8
+QUANTIZED_KEYS = {"zero_quantized_weights": "weights", "zero_quantized_gradients": "gradients"}
 BF16_KEYS = {"enabled"}
 FP16_KEYS = {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"}
 POPLAR_KEYS = {"iterations", "model", "data", "cluster", "strategy", "shards", "plan", "profile", "checkpoint",
                "report_dir", "offload", "collective_timeout_s", "log_every", "eval_every", "tensorboard",
-               "activation_checkpointing", "output_dir", "topology"}
+               "activation_checkpointing", "output_dir", "topology", "allow_lossy"}
 
 
 NO_MODEL = ('the config names no model: add a "poplar" section with "model": a built-in name ("llama-small", '
@@ -180,6 +195,8 @@ class TrainConfig:
     mixed_precision: MixedPrecision | None = None  # "bf16" / "fp16" sections; None: fp32
     topology: Topology | None = None  # "poplar.topology"; None: the launcher's nodes
     hpz_partition_size: int = 1  # DeepSpeed's zero_hpz_partition_size: 1 off, a node's size on
+    compression: CommPolicy | None = None  # DeepSpeed's zero_quantized_* keys; None: neither given
+    allow_lossy: bool = False  # "poplar.allow_lossy": auto mode may quantize collectives
     deepspeed_hints: dict[str, str] = field(default_factory=dict)  # DeepSpeed hint keys met -> what Poplar does
     auto_notes: dict[str, str] = field(default_factory=dict)  # keys given "auto" -> what each became (deepspeed_auto)
 
@@ -220,6 +237,7 @@ class TrainConfig:
                               f'got {stage!r}')
         cfg.zero_stage = None if stage == "auto" else int(stage)
         cfg.hpz_partition_size = _int(zero, "zero_hpz_partition_size", 1, where='"zero_optimization"')
+        cfg.compression = read_compression(zero, cfg.zero_stage)
         if "reduce_bucket_size" in zero:  # DeepSpeed counts elements; a bucket holds fp32 gradients
             cfg.bucket_size_mb = _int(zero, "reduce_bucket_size", 0, minimum=1, where='"zero_optimization"') * 4 / 2**20
         _read_optimizer(cfg, raw)
@@ -408,6 +426,39 @@ def _read_poplar(cfg: TrainConfig, p: dict) -> None:
     if "log_every" in p:
         cfg.log_every = _int(p, "log_every", 10, minimum=0, where='"poplar"')
     cfg.topology = read_topology(p.get("topology"))
+    cfg.allow_lossy = p.get("allow_lossy", False)
+    if not isinstance(cfg.allow_lossy, bool):
+        raise ConfigError(f'"poplar.allow_lossy" must be true (auto mode may quantize collectives across nodes, '
+                          f'lossy) or false (every collective exact, the default), got {cfg.allow_lossy!r}')
+
+
+def read_compression(zero: dict, zero_stage: int | None) -> CommPolicy | None:
+    """The ``CommPolicy`` of DeepSpeed's ``zero_quantized_weights`` / ``zero_quantized_gradients``
+    in a ``zero_optimization`` section (None: neither given), checked against ``zero_stage``
+    (None: not given, auto mode chooses among the stages the policy admits)."""
+    given = {key: zero[key] for key in QUANTIZED_KEYS if key in zero}
+    if not given:
+        return None
+    for key, value in given.items():
+        if not isinstance(value, bool):
+            raise ConfigError(f'"zero_optimization.{key}" must be true (int8 across nodes, lossy) or false (exact), '
+                              f"got {value!r}")
+    policy = CommPolicy(**{QUANTIZED_KEYS[key]: "int8" if on else "none" for key, on in given.items()})
+    check_compression_stage(policy, zero_stage)
+    return policy
+
+
+def check_compression_stage(policy: CommPolicy, zero_stage: int | None) -> None:
+    """A ``ConfigError`` naming the ``zero_quantized_*`` key whose collectives ``zero_stage`` (the
+    run's stage; None: auto mode chooses) does not have."""
+    stages = {"weights": (3,), "gradients": (2, 3)}
+    on = {"weights": policy.weights.bits > 0, "gradients": policy.gradients.bits > 0}
+    for key, direction in QUANTIZED_KEYS.items():
+        wanted = stages[direction]
+        if on[direction] and zero_stage is not None and zero_stage not in wanted:
+            raise ConfigError(f'"zero_optimization.{key}" quantizes collectives of ZeRO-{"/".join(map(str, wanted))} '
+                              f'but the run\'s stage is {zero_stage}: set "stage": {wanted[-1]} (or "auto"), or set '
+                              "the key to false")
 
 
 def read_topology(value: Any) -> Topology | None:

@@ -2,8 +2,9 @@
 what Poplar does about each: its own equivalent, or nothing. ``poplar train`` accepts them so a
 DeepSpeed config runs unchanged, and logs once which ones it met (``hint_line``).
 
-Keys that change what is computed or where state lives (offload, quantized weights or
-gradients, communication dtype) are not here: they stay errors until Poplar does the same.
+Keys that change what is computed or where state lives (offload, communication dtype) are not
+here: they stay errors until Poplar does the same. The quantized weights and gradients keys are
+read by the config (``poplar.train.config``: the plan's ``CommPolicy``).
 """
 
 from __future__ import annotations

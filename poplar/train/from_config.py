@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from poplar.train.config import ConfigError, TrainConfig, secondary_shards_of
+from poplar.train.config import ConfigError, TrainConfig, check_compression_stage, secondary_shards_of
 from poplar.train.config_terms import CONFIG_REMEDIES, even_plan
 from poplar.train.deepspeed_auto import auto_line, global_batch_source
 from poplar.train.placement_config import offload_rows
@@ -163,11 +163,32 @@ def placed(cfg: TrainConfig, plan: Plan, world: int) -> Plan:
 
 def with_collectives(cfg: TrainConfig, plan: Plan, world: int, stage: Any) -> Plan:
     """A fixed plan with the config's hpZ setting (``zero_hpz_partition_size``): secondary shards
-    on hierarchical collectives, on the config's topology or the launcher's."""
+    on hierarchical collectives, on the config's topology or the launcher's; and with its
+    quantized collectives (``zero_quantized_*``, ``with_compression``)."""
+    plan = with_compression(cfg, plan, stage)
     topology = cfg.topology or Topology.from_launcher(os.environ, world)
     if not secondary_shards_of(cfg.hpz_partition_size, topology, stage):
         return plan
     return replace(plan, meta=dict(plan.meta), hierarchical=True, secondary_shards=True)
+
+
+def with_compression(cfg: TrainConfig, plan: Plan, stage: Any) -> Plan:
+    """A fixed plan with the config's ``zero_quantized_weights`` / ``zero_quantized_gradients``
+    (none given: the plan's own); ``poplar.allow_lossy`` asks a planner for a choice that a fixed
+    plan does not make: an error."""
+    if cfg.allow_lossy:
+        source = f"the plan file {cfg.plan}" if cfg.plan else "an even plan (train_micro_batch_size_per_gpu)"
+        raise ConfigError(f'"poplar.allow_lossy" lets auto mode\'s planner choose quantized collectives, but this run '
+                          f'trains on {source}, which no planner chooses: set "zero_optimization.zero_quantized_weights"'
+                          ' / "zero_quantized_gradients" to say which, or leave the plan to auto mode')
+    if cfg.compression is None:
+        return plan
+    if cfg.plan and plan.compression.lossy and plan.compression != cfg.compression:
+        raise ConfigError(f"the zero_quantized_* keys ({cfg.compression.describe()}) and the plan file {cfg.plan}'s "
+                          f'"compression" ({plan.compression.describe()}) disagree; say it in one place: drop the keys, '
+                          'or edit the plan file\'s "compression"')
+    check_compression_stage(cfg.compression, stage if isinstance(stage, int) else None)
+    return replace(plan, meta=dict(plan.meta), compression=cfg.compression)
 
 
 def profile_store_dir(cfg: TrainConfig) -> Any:
@@ -198,7 +219,7 @@ def _auto_options(cfg: TrainConfig, parts: RunParts, world: int, auto_device: De
                           shards=shard_setting(cfg, world), profile=profile, store=profile_store_dir(cfg),
                           offload=offloads if offloads is not None else "auto" if cfg.offload == "auto" else "none",
                           profile_output=os.path.join(cfg.report_dir, "profile.json") if cfg.report_dir else None,
-                          remedies=CONFIG_REMEDIES)
+                          remedies=CONFIG_REMEDIES, compression=cfg.compression, allow_lossy=cfg.allow_lossy)
     return options, fingerprint
 
 

@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 
-from poplar.planner import make_problem, plan as make_plan
+from poplar.planner import CollectivesRequest, make_problem, plan as make_plan
 from poplar.planner.cost_model import evaluate_rows
 from poplar.train.data import PlanLoader
 from poplar.logs import log
@@ -204,7 +204,9 @@ class Replanner:
             new = make_plan(corrected, current.global_batch_size, current.zero_stage,
                             opts.strategy or current.strategy or "poplar", require_all_ranks=opts.require_all_ranks,
                             max_micro_steps=opts.max_micro_steps,
-                            shards="even" if current.even_shards else current.shard_weights)
+                            shards="even" if current.even_shards else current.shard_weights,
+                            # a running policy of quantized collectives stays: a re-plan moves batches
+                            collectives=CollectivesRequest(compression=current.compression))
             new = new.with_offloads(current.offloads)  # and so do the ranks whose optimizer is offloaded
         except PlanError as e:
             raise PlanError(f"re-planning at iteration {engine.iteration} failed: {e}") from None
@@ -243,7 +245,7 @@ def _rows(profile: Profile, plan: Plan) -> list[tuple[str, int, int, int]]:
 
 def _price(profile: Profile, plan: Plan) -> float | None:
     """``plan``'s predicted iteration seconds on ``profile``; None if a row exceeds a rank's mbs."""
-    problem = make_problem(profile, plan.global_batch_size, plan.zero_stage)
+    problem = make_problem(profile, plan.global_batch_size, plan.zero_stage, compression=plan.compression)
     try:
         return evaluate_rows(_rows(profile, plan), problem.curves, plan.zero_stage, problem.comm).iteration_s
     except ValueError:

@@ -117,6 +117,76 @@ class OffloadPricing(str, Enum):
     AS_GIVEN = "as_given"  # the placements given, not priced (the profile has no offload cost)
 
 
+@dataclass(frozen=True)
+class CompressionCandidate:
+    """One option of quantized collectives priced with ``allow_lossy``: its policy and predicted
+    iteration (None: no plan, ``reason`` says why)."""
+
+    policy: CommPolicy
+    predicted_s: float | None
+    reason: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"policy": self.policy.to_dict(), "predicted_s": self.predicted_s, "reason": self.reason}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "CompressionCandidate":
+        return cls(CommPolicy.from_dict(d["policy"]), d.get("predicted_s"), d.get("reason"))
+
+
+@dataclass(frozen=True)
+class CompressionChoice:
+    """How the plan's quantized collectives were chosen with ``allow_lossy``: the policy kept
+    (``chosen``: exact unless a lossy one was predicted faster by more than ``tie``), the
+    predicted iteration of the fastest exact plan and of the plan kept, and every option priced."""
+
+    chosen: CommPolicy
+    exact_s: float | None
+    chosen_s: float | None
+    tie: float
+    candidates: tuple[CompressionCandidate, ...] = ()
+
+    @property
+    def saving_s(self) -> float:
+        """Predicted seconds per iteration the chosen policy saves over exact (0: exact kept)."""
+        if self.exact_s is None or self.chosen_s is None:
+            return 0.0
+        return self.exact_s - self.chosen_s
+
+    @property
+    def saving(self) -> float:
+        """``saving_s`` as a fraction of the exact plan's predicted iteration."""
+        return self.saving_s / self.exact_s if self.exact_s else 0.0
+
+    def describe(self) -> str:
+        """A line for the plan table: what was chosen and the predicted saving, or why exact."""
+        if self.chosen.lossy:
+            return (f"{self.chosen.describe()} chosen (allow_lossy): predicted {100 * self.saving:.1f}% faster than "
+                    f"exact ({self.chosen_s:.4f} s vs {self.exact_s:.4f} s)")
+        priced = [c for c in self.candidates if c.policy.lossy and c.predicted_s is not None]
+        if not priced or self.exact_s is None:
+            return "exact collectives (allow_lossy: no quantized option could be planned)"
+        best = min(priced, key=lambda c: c.predicted_s)  # type: ignore[arg-type, return-value]
+        gain = (self.exact_s - best.predicted_s) / self.exact_s  # type: ignore[operator]
+        by = f"{100 * gain:.1f}% faster, not more than the tie ({100 * self.tie:.1f}%)" if gain > 0 else \
+            f"{-100 * gain:.1f}% slower"
+        return f"exact collectives kept (allow_lossy): the best quantized option, {best.policy.describe()}, is " \
+               f"predicted {by}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"chosen": self.chosen.to_dict(), "exact_s": self.exact_s, "chosen_s": self.chosen_s, "tie": self.tie,
+                "saving_s": self.saving_s, "candidates": [c.to_dict() for c in self.candidates]}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "CompressionChoice":
+        try:
+            return cls(CommPolicy.from_dict(d["chosen"]), d.get("exact_s"), d.get("chosen_s"), float(d["tie"]),
+                       tuple(CompressionCandidate.from_dict(c) for c in d.get("candidates", ())))
+        except (KeyError, TypeError, ValueError) as e:
+            raise PlanError(f"malformed choice.compression_choice record: {e}; give chosen, exact_s, chosen_s, tie "
+                            "and candidates") from None
+
+
 @dataclass
 class PlanChoice:
     """How a plan was chosen among alternatives: tables and numbers for a reader (``plan.json``,
@@ -137,10 +207,14 @@ class PlanChoice:
     collective_candidates: list[dict[str, Any]] | None = None
     # on a job that spans nodes: each set of GPUs planned (subset, left_out, predicted_s, chosen)
     participation_candidates: list[dict[str, Any]] | None = None
+    # allow_lossy: the quantized collectives chosen, the options priced and the predicted saving
+    compression_choice: CompressionChoice | None = None
 
     def __post_init__(self) -> None:
         if self.offload_pricing is not None:
             self.offload_pricing = OffloadPricing(self.offload_pricing)
+        if isinstance(self.compression_choice, dict):
+            self.compression_choice = CompressionChoice.from_dict(self.compression_choice)
 
 
 @dataclass
@@ -295,6 +369,8 @@ class Plan:
         if self.choice.offload_pricing is not None:
             d["choice"]["offload_pricing"] = self.choice.offload_pricing.value
         d["compression"] = self.compression.to_dict()
+        if self.choice.compression_choice is not None:
+            d["choice"]["compression_choice"] = self.choice.compression_choice.to_dict()
         d["global_batch_size"] = self.global_batch_size
         return d
 
@@ -340,7 +416,9 @@ class Plan:
             tail += f", ranks {list(self.left_out)} left out"
         if self.hierarchical:
             tail += ", hierarchical collectives" + (" with secondary shards" if self.secondary_shards else "")
-        if self.compression.lossy:
+        if self.choice.compression_choice is not None:
+            tail += f", {self.choice.compression_choice.describe()}"
+        elif self.compression.lossy:
             tail += f", {self.compression.describe()}"
         if self.predicted_iteration_s is not None:
             tail += f", predicted iteration {self.predicted_iteration_s:.4f} s"

@@ -160,6 +160,37 @@ def test_nodes_ask_whether_the_last_node_is_worth_adding(capsys: pytest.CaptureF
                                   "--nodes", "4,4", "--inter-gbps", "10gbit")[1]
 
 
+def test_nodes_with_allow_lossy_price_each_quantized_option(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    out_json = tmp_path / "lossy.json"
+    code, out, err = _run(capsys, "simulate", "--cluster", "C-4+4", "--gbs", "256", "--stage", "3", "--nodes", "4,4",
+                          "--intra-gbps", "16", "--inter-gbps", "10gbit", "--allow-lossy", "--json", str(out_json))
+    assert code == 0, err
+    assert "all nodes, allow_lossy: exact " in out and "weights int8 and gradients int8" in out
+    assert "without the last node, allow_lossy: nothing to quantize (one node, or ZeRO-0/1): exact" in out
+    rows = json.loads(out_json.read_text())
+    lossy = rows[0]["allow_lossy"]["plan"]
+    record = lossy["choice"]["compression_choice"]
+    # 10 Gbit/s between the nodes: quantized across them, predicted faster than every exact plan
+    assert lossy["compression"] == record["chosen"] and record["chosen"]["weights"] == "int8"
+    assert record["exact_s"] == pytest.approx(rows[0]["chosen_samples_per_s"] ** -1 * 256)
+    assert record["saving_s"] > record["tie"] * record["exact_s"]
+    assert rows[1]["allow_lossy"]["plan"]["compression"]["weights"] == "none"
+    assert "allow_lossy" not in _run(capsys, "simulate", "--cluster", "C-4+4", "--gbs", "256", "--stage", "3",
+                                     "--nodes", "4,4", "--inter-gbps", "10gbit")[1]
+
+
+def test_plan_with_allow_lossy_says_each_option(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    from tests.planner.test_link_pricing import SLOW, profile, two_nodes
+
+    path = tmp_path / "two_nodes.json"
+    profile(two_nodes(cross=SLOW), stage=3).save(path)
+    code, out, err = _run(capsys, "plan", "--profile", str(path), "--gbs", "1000", "--allow-lossy")
+    assert code == 0, err
+    assert "  exact: " in out and "chosen (allow_lossy): predicted" in out and out.count(" <- kept") == 1
+    exact = _run(capsys, "plan", "--profile", str(path), "--gbs", "1000")[1]
+    assert "allow_lossy" not in exact and "quantized" not in exact
+
+
 def test_nodes_on_a_built_in_cluster_that_declares_its_own(capsys: pytest.CaptureFixture) -> None:
     # C-4+4 declares two nodes of 4: the cluster without its last node is 4 ranks on one node
     code, out, err = _run(capsys, "simulate", "--cluster", "C-4+4", "--gbs", "256", "--stage", "3", "--nodes", "4,4",

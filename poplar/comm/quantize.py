@@ -3,8 +3,8 @@
 A tensor of n elements is cut into blocks of ``block_size`` consecutive elements (the last may be
 shorter). Each block gets one fp32 scale, ``absmax / levels`` (``levels`` = 127 for int8, 7 for
 int4), and each element the integer ``round(x / scale)`` clamped to ``[-levels, levels]``. The
-value sent back is ``q * scale``, so an element's error is at most ``scale / 2`` (half a step),
-and a block's scale depends on that block alone: one outlier coarsens only its own block.
+value sent back is ``q * scale``, so an element's error is at most ``scale / 2`` (half a step;
+plus fp32's rounding of the division and the product, a few ulps of the value), and a block's scale depends on that block alone: one outlier coarsens only its own block.
 
 - Exact where representable: a block whose values are integer multiples of its scale (e.g.
   integers with block absmax = ``levels``) dequantizes to the same values.

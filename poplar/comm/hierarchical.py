@@ -238,10 +238,14 @@ def in_node_step(op: str, groups: NodeGroups, group: Any, rank: int, calls: list
 
 
 def exchange_step(groups: NodeGroups, group: Any, observed: int, sends: list[tuple[int, torch.Tensor]],
-                  recvs: list[tuple[int, torch.Tensor]], finish: Callable[[], None] | None) -> Step:
+                  recvs: list[tuple[int, torch.Tensor]], finish: Callable[[], None] | None,
+                  prepare: Callable[[], None] | None = None) -> Step:
     """The cross-node exchange: this rank's ``sends`` and ``recvs`` (peer, tensor) as one batch;
-    ``observed``: what an observer hears (``Step``), the same on every rank."""
+    ``observed``: what an observer hears (``Step``), the same on every rank; ``prepare``: what
+    writes the sends once the step before is done (they are allocated here)."""
     def run(async_op: bool) -> Any:
+        if prepare is not None:
+            prepare()
         ops = [dist.P2POp(dist.isend, t, groups.global_rank(peer), group) for peer, t in sends]
         ops += [dist.P2POp(dist.irecv, t, groups.global_rank(peer), group) for peer, t in recvs]
         if not ops:

@@ -107,7 +107,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, sizes: Sequence[in
         return _batch(ops, async_op)
 
     def finish() -> None:
-        total = input[offsets[rank]:offsets[rank] + n].to(torch.float32)
+        total = input[offsets[rank]:offsets[rank] + n].to(torch.float32, copy=True)  # the input stays as given
         for _, payload in recvs:
             total += from_wire(payload, n, spec)
         output.copy_(total)
@@ -130,16 +130,21 @@ def hierarchical_reduce_scatter(output: torch.Tensor, input: torch.Tensor, sizes
     """The hierarchical reduce-scatter with its exchange quantized (module doc)."""
     topology = groups.topology
     layout, held, steps = hierarchical.reduce_in_node(output, input, sizes, rank, groups, method)
-    sends, recvs, into = [], [], []
+    sends, recvs, into, pieces = [], [], [], []
     for t in layout.transfers:
         if t.holder == rank:
             m = topology.node_of(t.owner)
             at = t.at - layout.piece(topology, rank, m)[0]
-            sends.append((t.owner, to_wire(held[m][at:at + t.length], spec)))
+            sends.append((t.owner, torch.empty(spec.wire_bytes(t.length), dtype=torch.uint8, device=input.device)))
+            pieces.append(held[m][at:at + t.length])
         if t.owner == rank:
             payload = torch.empty(spec.wire_bytes(t.length), dtype=torch.uint8, device=input.device)
             recvs.append((t.holder, payload))
             into.append((topology.node_of(t.holder), t.at - layout.offsets[rank], t.length, payload))
+
+    def quantize_pieces() -> None:  # the node's partials exist once the in-node step is done
+        for (_, payload), piece in zip(sends, pieces):
+            payload.copy_(to_wire(piece, spec))
 
     def add_partials() -> None:
         total = output.to(torch.float32)
@@ -147,7 +152,8 @@ def hierarchical_reduce_scatter(output: torch.Tensor, input: torch.Tensor, sizes
             total[at:at + n] += from_wire(payload, n, spec)
         output.copy_(total)
     observed = _observed(layout, topology, lambda t: spec.wire_bytes(t.length))
-    steps.append(hierarchical.exchange_step(groups, groups.cross_later, observed, sends, recvs, add_partials))
+    steps.append(hierarchical.exchange_step(groups, groups.cross_later, observed, sends, recvs, add_partials,
+                                            quantize_pieces))
     return HierarchicalCall(steps, None)
 
 

@@ -43,7 +43,7 @@ from poplar.comm.hierarchical import HierarchicalCall, NodeGroups, NodeLayout, S
 from poplar.comm.quantize import from_wire, pack_window, quantize, to_wire, unpack_window, window_nbytes
 from poplar.comm.uneven import AllWorks, UnevenCall, UnevenMethod
 from poplar.types.compression import Quantization
-from poplar.types.topology import Link, Topology, Wire
+from poplar.types.topology import Topology, Wire
 
 
 def _offsets(sizes: Sequence[int]) -> list[int]:

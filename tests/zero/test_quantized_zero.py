@@ -1,7 +1,7 @@
 """ZeRO training with quantized collectives (``Plan.compression``) on 4 gloo ranks as 2 + 2 nodes:
 ZeRO-3 with int8 weights and gradients (hierarchical with secondary shards, flat, and with a rank
 left out of the step), int8 weights at every step (with secondary shards), ZeRO-2 with int8
-gradients, against single-process training on the whole global batch (SGD with momentum); the
+gradients, against single-process training (bf16 compute: against the exact bf16 run) on the whole global batch (SGD with momentum); the
 ledger's cross-node bytes about a quarter of the exact run's; checkpoints saved with quantization
 load without it and the other way round, the master state exact."""
 
@@ -51,9 +51,10 @@ def _config(stage: int) -> ZeroConfig:
     return ZeroConfig(stage, bucket_size_mb=0.001, topology=TOPOLOGY)
 
 
-def _train(rank: int, stage: int, plan: Plan, iterations: int = ITERATIONS) -> tuple[list[float], PoplarEngine]:
+def _train(rank: int, stage: int, plan: Plan, iterations: int = ITERATIONS, **kwargs: object
+           ) -> tuple[list[float], PoplarEngine]:
     model = make_model(seed=0)
-    engine = PoplarEngine(model, make_optimizer(model, "sgd"), zero_stage=_config(stage), plan=plan)
+    engine = PoplarEngine(model, make_optimizer(model, "sgd"), zero_stage=_config(stage), plan=plan, **kwargs)
     losses = [engine.train_step(rank_slice(global_batch(it, GBS), plan, rank), loss_fn) for it in range(iterations)]
     return losses, engine
 
@@ -73,6 +74,9 @@ def training_worker(rank: int, world: int, directory: str) -> dict:
             "zero3 left out": (3, _plan(True, True, BOTH, LEFT_OUT))}
     for name, (stage, plan) in runs.items():
         losses, engine = _train(rank, stage, plan)
+        out[name] = (losses, engine.full_state_dict(), _ledger(engine))
+    for name, plan in (("bf16 exact", runs["exact"][1]), ("bf16", runs["zero3"][1])):  # bf16 gathers and sums
+        losses, engine = _train(rank, 3, plan, mixed_precision="bf16")
         out[name] = (losses, engine.full_state_dict(), _ledger(engine))
     # checkpoints: quantized -> exact (flat, even shards) and exact -> quantized; master state exact
     for name, (saving, loading) in {"to exact": (BOTH, CommPolicy()), "to quantized": (CommPolicy(), BOTH)}.items():
@@ -107,6 +111,8 @@ def test_quantized_zero_trains_near_the_reference(tmp_path: Path) -> None:
                 continue
             assert losses == pytest.approx(ref_losses, rel=LOSS_TOLERANCE), (name, rank, losses, ref_losses)
             assert losses[1:] != pytest.approx(ref_losses[1:], rel=1e-7), name  # quantized: not the exact step
+        quantized, exact = res["bf16"][0], res["bf16 exact"][0]
+        assert quantized == pytest.approx(exact, rel=LOSS_TOLERANCE) and quantized != exact, (rank, quantized, exact)
         backward = [link for op, phase, link, _ in res["zero3"][2] if op == "all_gather" and phase == "backward"]
         assert backward and Link.CROSS not in backward  # the secondary shard holds the dequantized values
         for name in ("to exact", "to quantized"):

@@ -344,7 +344,7 @@ def gather_in_node(output: torch.Tensor, layout: NodeLayout, rank: int, groups: 
 
 
 def place_own_part(output: torch.Tensor, input: torch.Tensor, sizes: Sequence[int], rank: int,
-                    topology: Topology) -> tuple[NodeLayout, int, torch.Tensor]:
+                   topology: Topology) -> tuple[NodeLayout, int, torch.Tensor]:
     """An all-gather's layout, this rank's offset, and its part of ``output`` holding ``input``."""
     layout = node_layout(tuple(sizes), topology, output.element_size())
     lo = layout.offsets[rank]
@@ -390,7 +390,7 @@ def all_gather_within(output: torch.Tensor, input: torch.Tensor, secondary: torc
 
 
 def copy_secondary(output: torch.Tensor, secondary: torch.Tensor, layout: NodeLayout, topology: Topology,
-                    rank: int, out_of_output: bool) -> None:
+                   rank: int, out_of_output: bool) -> None:
     """Copy this rank's pieces of the other regions from ``output`` into ``secondary`` (or back)."""
     at, k = 0, topology.node_of(rank)
     for m in range(topology.node_count):

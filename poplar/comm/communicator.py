@@ -309,6 +309,17 @@ class Communicator:
         finally:
             self._stepping = outer
 
+    @contextlib.contextmanager
+    def world_collectives(self) -> Iterator["Communicator"]:
+        """Until the block ends, collectives run over the world, also inside ``step_collectives``:
+        the iteration's agreements that a rank left out joins too (its status reduction and what
+        follows a failed one), so that every rank reaches the same verdict (docs/design.md §3.12)."""
+        outer, self._stepping = self._stepping, False
+        try:
+            yield self
+        finally:
+            self._stepping = outer
+
     def _step_comm(self) -> "Communicator | None":
         if not self._stepping or self.step_group is None:
             return None

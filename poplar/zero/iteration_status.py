@@ -217,6 +217,21 @@ def check_batch(batch: Any, row: RankPlan, loss_fn: Callable | None) -> tuple[st
     return None, None
 
 
+def left_out_batch_error(batch: Any) -> str | None:
+    """The error of a batch given to a rank the plan leaves out of the step (None: no batch, as
+    ``step()`` has, or an empty one), reported at the status reduction as ``check_batch``'s are."""
+    if batch is None:
+        return None
+    try:
+        n = batch_size_of(batch)
+    except ValueError as e:
+        return str(e)
+    if n == 0:
+        return None
+    return (f"the plan leaves this rank out of the step (its row has 0 samples) but it was given {n} samples; "
+            "give it an empty batch (poplar's sampler does)")
+
+
 def failure_message(iteration: int, messages: list[str | None]) -> str:
     """The error every rank raises when some failed; ``messages[r]``: rank r's error or None."""
     lines = [f"  rank {r}: {m}" for r, m in enumerate(messages) if m is not None]

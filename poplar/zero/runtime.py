@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import math
 import time
 from enum import Enum
 from typing import Any, Callable
@@ -34,7 +33,7 @@ from poplar.zero.config import ZeroConfig, communicator_for
 from poplar.zero.failures import IterationFailed, failure_kind, release_frames
 from poplar.zero.eager_hooks import eager_hook
 from poplar.zero.iteration_status import (IterationStatus, LossAccumulator, check_batch, failure_message,
-                                          reduce_status, skip_empty_step, status_error)
+                                          left_out_batch_error, reduce_status, skip_empty_step, status_error)
 from poplar.zero.loss_scaler import LossScaler
 from poplar.zero.nonfinite import NonFiniteGuard, SkipReport, Verdict, local_detail, nonfinite_flag, where_nonfinite
 from poplar.zero.observers import IterationStats, MicroStep, ObserverHandle, Observers, StepObserver
@@ -248,18 +247,12 @@ class ZeroRuntime:
         return None
 
     def _sit_out(self, batch: Any) -> float:
-        """An iteration on a rank the plan leaves out (docs/design.md §3.12): no collective, no
-        sample; the iteration is counted, so the ranks' counts agree at the next state collective.
-        The loss is the others' (NaN here: learning it would be a collective)."""
-        if batch is not None and batch_size_of(batch) != 0:
-            raise PlanError(f"rank {self.rank} is left out of the step by the plan but was given "
-                            f"{batch_size_of(batch)} samples; give it an empty batch (poplar's sampler does)")
-        self._replicas_stale = True  # as on the ranks in the step: the same verdict on every rank
-        self.last_grad_norm, self.last_loss_count = None, None
-        self.last_stats = IterationStats(self.iteration, 0.0, 0.0, 0.0, 0, 0)
-        self.iteration += 1
-        self._reset_iteration()
-        return math.nan
+        """An iteration on a rank the plan leaves out (docs/design.md §3.12): no sample and no
+        collective of the step, only the iteration's status reduction, which every rank joins, so
+        an error on any rank (this one's: a batch that is not empty) is the same error on every
+        rank, and the loss is the same float; the iteration is counted, so the ranks' counts
+        agree at the next state collective."""
+        return self._finish_iteration(left_out_batch_error(batch), None)
 
     def _begin_iteration(self) -> None:
         self._enter_step()
@@ -347,44 +340,64 @@ class ZeroRuntime:
             self._stepping = True
 
     def _finish_iteration(self, error: str | None, cause: BaseException | None) -> float:
-        if self.stage.communicates_in_micro_steps:
+        """The iteration's end on every rank: on a rank left out, the status reduction and the
+        verdict alone (no collective of the step; nothing to step)."""
+        in_step = self.comm.in_step
+        if in_step and self.stage.communicates_in_micro_steps:
             while self._micro_steps < self.plan.max_micro_steps:  # join the others' micro-steps with zeros
                 with self.comm_ledger.scope(Phase.BACKWARD, micro_step=self._micro_steps):
                     self.stage.empty_micro_step()
                 self._micro_steps += 1
         with self.comm_ledger.scope(Phase.STEP, micro_step=-1):
-            self.stage.close_micro_steps()
+            if in_step:
+                self.stage.close_micro_steps()
             status = self._agree_status(error, cause)
             self.last_grad_norm = None  # a skipped step has none
             if status.nonfinite_ranks:
                 self._skip_step(status)
             elif status.empty:
                 self._skip_empty_step()
-            else:
+            elif in_step:
                 self._take_step(self._losses.divisor(status))
+            else:
+                self.nonfinite.on_step()  # the others stepped: the guard's count of skips in a row ends
             self._losses.end_iteration(status)
         self._replicas_stale = self._replicas_stale or bool(self.plan.left_out)
         wall = time.perf_counter() - self._iter_start
         comm_s = self.comm_ledger.seconds(iteration=self.iteration)
-        self.last_stats = IterationStats(self.iteration, wall, self._compute_s or max(0.0, wall - comm_s), comm_s,
-                                         self._losses.samples, self._micro_steps, status.rank_compute_s,
-                                         status.rank_samples)
+        compute_s = (self._compute_s or max(0.0, wall - comm_s)) if in_step else 0.0
+        self.last_stats = IterationStats(self.iteration, wall, compute_s, comm_s, self._losses.samples,
+                                         self._micro_steps, status.rank_compute_s, status.rank_samples)
         self.last_loss_count = status.count if status.sum_ranks else None
         self.iteration += 1
         self._reset_iteration()
-        self.observers.iteration_end(self.last_stats)
+        if in_step:
+            self.observers.iteration_end(self.last_stats)
         return status.mean_loss(self.global_batch_size)
 
     def _agree_status(self, error: str | None, cause: BaseException | None) -> IterationStatus:
         """The iteration's status reduction (``poplar.zero.iteration_status``): one all-reduce of
         every rank's loss sum, samples, count, loss kind and failed and non-finite flags. Any
-        failure raises on every rank, with no optimizer step."""
+        failure raises on every rank, with no optimizer step.
+
+        [Note: the status is the world's] It runs over every rank, a rank the plan leaves out of
+        the step included (with no samples, its loss sum and count 0), and so does the gather of
+        the failing ranks' messages after it: a rank left out that ran no collective of the
+        iteration would otherwise not learn that a rank in the step failed, and the ranks in the
+        step would raise while it went on to the loop's next agreement over the world, where it
+        waits for peers that left (a closed connection, or a timeout, instead of the error). The
+        rank left out waits here for the step's forward and backward, no longer than an
+        iteration, as the loop's own agreements hold it anyway (docs/design.md §3.12)."""
         error = error if error is not None else self._losses.error
         flag = nonfinite_flag(self.stage.held_grads(), self._losses.loss_sum, self.stage.held_grads_limit)
-        status = reduce_status(self.comm, self._losses, error is not None, flag, self._compute_s)
-        if status.failed_ranks:
+        said = None
+        with self.comm.world_collectives():
+            status = reduce_status(self.comm, self._losses, error is not None, flag, self._compute_s)
+            if status.failed_ranks:  # before the iteration is abandoned: that leaves the step's scope
+                said = self.comm.all_gather_object(None if error is None else (error, failure_kind(cause)),
+                                                   tag="status")
+        if said is not None:
             self._abandon_iteration()
-            said = self.comm.all_gather_object(None if error is None else (error, failure_kind(cause)), tag="status")
             raise IterationFailed(failure_message(self.iteration, [m and m[0] for m in said]), self.iteration,
                                   {r: m[1] for r, m in enumerate(said) if m is not None}) from cause
         agreed_error = status_error(status, self.iteration, self.global_batch_size, self.world_size)
@@ -412,7 +425,8 @@ class ZeroRuntime:
         details = None
         if verdict is not Verdict.SKIP:  # every rank takes this branch: name the ranks
             detail = local_detail(self.stage.held_grads(), self._losses.loss_sum, self.stage.held_grads_limit)
-            details = self.comm.all_gather_object(detail, tag="status")
+            with self.comm.world_collectives():  # as the status reduction: every rank, left out or not
+                details = self.comm.all_gather_object(detail, tag="status")
         self.stage.zero_grad()
         if scaler is not None:
             scaler.on_overflow()

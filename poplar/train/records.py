@@ -92,8 +92,9 @@ def iteration_records(rows: list[list[StepRow]], first: int) -> list[dict[str, A
         at = [rank_rows[k] for rank_rows in rows]
         times = rank_times.split([row.wall_s for row in at], [row.compute_s for row in at],
                                  [row.comm_s for row in at], [row.flat_blocked for row in at])
-        # the first rank in the step says the iteration's loss (a rank left out of it knows none, §3.12)
-        said = next((row for row in at if row.samples or not math.isnan(row.loss)), at[0])
+        # the first rank in the step says the iteration's loss and gradient norm (a rank left out of it
+        # learns the loss at the status reduction but has no norm: its reduction is the step's, §3.12)
+        said = next((row for row in at if row.samples), at[0])
         records.append({"iteration": first + k, "loss": said.loss, "grad_norm": said.grad_norm, "lr": said.lr,
                         "wall_s": max(row.wall_s for row in at),
                         # per rank: compute + comm + idle + other = its wall (``poplar.train.rank_times``)

@@ -327,7 +327,8 @@ class ZeroRuntime:
 
     def step(self) -> float:
         """End the iteration: reduce gradients, clip, step, zero. Returns the global mean loss
-        (on a rank the plan leaves out: NaN, with no collective, and no backward before it)."""
+        (on a rank the plan leaves out too: it joins the status reduction alone, with no backward
+        before it)."""
         if not self.comm.in_step:
             return self._sit_out(None)
         self._enter_step()

@@ -105,10 +105,7 @@ def test_quantized_zero_trains_near_the_reference(tmp_path: Path) -> None:
         losses, state, _ = res["exact"]
         assert losses == pytest.approx(ref_losses, rel=1e-5) and max_rel_err(state, ref_state) <= 1e-5
         for name in ("zero3", "zero3 flat", "zero3 every step", "zero2", "zero3 left out"):
-            losses, state, ledger = res[name]
-            if name == "zero3 left out" and rank == 1:
-                assert all(loss != loss for loss in losses)  # it sat out: no loss of its own
-                continue
+            losses, state, ledger = res[name]  # rank 1 left out: the step's losses, from the status reduction
             assert losses == pytest.approx(ref_losses, rel=LOSS_TOLERANCE), (name, rank, losses, ref_losses)
             assert losses[1:] != pytest.approx(ref_losses[1:], rel=1e-7), name  # quantized: not the exact step
         quantized, exact = res["bf16"][0], res["bf16 exact"][0]

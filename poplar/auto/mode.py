@@ -355,8 +355,8 @@ def idle_ranks_line(profile: Profile, plan: Plan, idle: list[int], options: Auto
               else "no larger global batch would give every rank samples either")
     also = f", or {words.require_all_ranks} gives each at least one" if words.require_all_ranks else ""
     out = set(plan.left_out)
-    role = ("they are left out of the training step: no samples, no shard, only the step's status agreement" if out >= set(idle)
-            else "they hold their shard of the state and join every collective")
+    role = ("they are left out of the training step: no samples, no shard, only the step's status agreement"
+            if out >= set(idle) else "they hold their shard of the state and join every collective")
     return (f"ranks {names} get 0 samples at global batch {plan.global_batch_size} (the plan is predicted faster "
             f"without their compute; {role}): {remedy}" + also)
 

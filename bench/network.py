@@ -276,7 +276,7 @@ def analyse(name: str, net: str, stage: int, results: list[dict], job: dict) -> 
     if "flat" in plans:
         row["ratio"] = row["flat"]["measured_s"] / row["auto"]["measured_s"]
         row["same_plan"] = same_program(plans["auto"], plans["flat"])
-    if "forced" in row:
+    if "forced" in row and "flat" in row:
         row["forced"]["ratio"] = row["flat"]["measured_s"] / row["forced"]["measured_s"]
     subsets = [k for k in plans if k.startswith(SUBSET)]
     if subsets:

@@ -31,6 +31,14 @@ are latency-bound and flat is the faster way. ``--slowdown F`` runs the emulated
 slower than calibrated, compute and declared links alike (its ratios kept), so the bytes weigh F
 times more against that floor, as they do on a real cluster.
 
+Which GPUs take part (``subset_vs_best``; ``--subsets`` runs it alone). On C-4+4 at ZeRO-3 (each
+network) every subset the planner considers (``planner.participation``: every GPU, each node
+left out, each device type left out; each planned as the planner plans it, its own collectives
+chosen) trains beside the others in the same rounds, and auto mode's choice is compared with the
+best one measured. Over the slow link a node may be worth leaving out; over the fast one auto mode
+must keep every GPU. A subset's iteration is timed on the ranks in its step. ``--subsets`` trains
+auto mode's plan and the candidates only (no flat plan: no ``speedup_*``).
+
 RESULT:
 - ``speedup_link_bound``: min over the slow-network rows of flat time / auto time (target >= 1.5);
 - ``speedup_link_free``: min over the fast-network rows (target >= 0.98);
@@ -39,17 +47,22 @@ RESULT:
   over the minimum (1 - the node's share) x the buffer: every pass of the flat parameter space
   (each distinct (op, phase, micro-step) with a cross-node step) moves the model's parameter bytes
   once (target <= 1.05);
+- ``subset_vs_best``: over the slow-network rows with subsets, the least of the best measured
+  candidate's time / auto mode's time (auto's choice at that fraction of the best throughput;
+  target >= 0.97); ``subset_keeps_all_fast``: auto mode kept every GPU in every fast-network row;
 - ``median_prediction_err``: median over every row and plan of |predicted / measured - 1| (<= 0.10);
 - ``late_step_fraction``: padded micro-steps whose real compute overshot the curve (<= 0.01),
   and ``late_collective_fraction`` likewise for the paced collectives.
 
     .venv/bin/python bench/network.py [--short] [--clusters A-4+4,C-4+4] [--networks eth-10g,ib-200g]
                                       [--stages 2,3] [--iterations 8] [--rounds 2] [--gbs 64] [--json PATH]
+    .venv/bin/python bench/network.py --subsets [--short]     # subset_vs_best alone: C-4+4, ZeRO-3
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import statistics
@@ -68,17 +81,19 @@ from poplar.emulation.link_calibration import measure_link
 from poplar.emulation.speed_padding import LATE_BUDGET, late_fraction
 from poplar.emulation.virtual_link import LinkSpec
 from poplar.engine import PoplarEngine
-from poplar.planner import plan
+from poplar.planner import participation, plan
 from poplar.profiler.profile_run import ProfileJob, ProfileOptions, default_optimizer, model_size, profile_rank
-from poplar.types.plans import Plan
+from poplar.types.plans import Plan, PlanError
 from poplar.types.profiles import LinkSpeed
 from poplar.types.topology import Link, Topology
 from poplar.workloads.models import create_model, llama_loss_fn
 from poplar.zero.config import ZeroConfig
 
 VOCAB = 260  # the byte vocabulary of the small Llama sizes
-TARGETS = {"speedup_link_bound": 1.5, "speedup_link_free": 0.98, "cross_node_bytes_vs_minimum": 1.05,
-           "median_prediction_err": 0.10, "late_step_fraction": LATE_BUDGET}
+TARGETS = {"speedup_link_bound": 1.5, "speedup_link_free": 0.98, "subset_vs_best": 0.97,
+           "cross_node_bytes_vs_minimum": 1.05, "median_prediction_err": 0.10, "late_step_fraction": LATE_BUDGET}
+SUBSETS_CLUSTER, SUBSETS_STAGE = "C-4+4", 3  # where the issue measures which GPUs take part
+SUBSET = "subset: "  # the prefix of a candidate's name among a row's plans
 
 
 def tokens(batch: int, seq: int, seed: int) -> torch.Tensor:
@@ -98,6 +113,45 @@ def same_program(a: Plan, b: Plan) -> bool:
     rows = lambda p: [(r.micro_batch_size, r.accum_steps, r.last_batch_size, r.shard_weight)  # noqa: E731
                       for r in p.ranks]
     return way(a) == way(b) and rows(a) == rows(b)
+
+
+def in_step(p: Plan) -> list[int]:
+    """The ranks in the step (a rank left out has no samples)."""
+    return [i for i, r in enumerate(p.ranks) if r.num_samples > 0]
+
+
+def subset_plans(prof: Any, gbs: int, stage: int) -> dict[str, Plan]:
+    """Every subset of ranks the planner considers for auto mode (``participation.subsets``),
+    planned as it plans them: every GPU on the whole profile, a subset on the profile of its
+    ranks (``on_ranks``), each choosing its own collectives, widened to every rank. A subset the
+    planner cannot plan (its row in ``Plan.choice.participation_candidates`` says why) is left out."""
+    out = {}
+    for subset in participation.subsets(prof):
+        try:
+            if len(subset.keep) == prof.world_size:
+                p = plan(prof, gbs, stage, participation="all")
+            else:
+                sub = plan(participation.on_ranks(prof, subset.keep), gbs, stage, participation="all")
+                p = participation.widened(sub, subset.keep, prof)
+        except PlanError:
+            continue
+        out[SUBSET + subset.name] = p
+    return out
+
+
+def step_paced(engine: PoplarEngine, device: Any) -> Any:
+    """The collectives of a step that leaves ranks out ride the emulated network too.
+
+    [Note: the step's own communicator]
+    With ranks left out, a rank in the step runs the step's collectives on the communicator of
+    the step's ranks (``Communicator.step_group.comm``), and an observer of the runtime's
+    communicator (``device.attach`` paces that one) does not hear them: unpaced, such a plan ran
+    at the machine's speed (C, eth-10g: 0.08 s an iteration against 0.50 s predicted). Until the
+    communicator hands its observer to the step's, the bench observes the step's as well."""
+    group = engine.comm.step_group
+    if group is None or group.comm is None:
+        return contextlib.nullcontext()
+    return group.comm.observed(device.link)
 
 
 def cross_bytes(engine: PoplarEngine, iteration: int) -> tuple[int, int]:
@@ -124,12 +178,17 @@ def train(job: dict, device: Any, stage: int, plans: dict[str, Plan], rank: int)
             batches = [tokens(job["gbs"], job["seq"], 1000 + len(rec["end"]) + i)[first:first + p.ranks[rank].num_samples]
                        for i in range(job["warmup"] + per)]
             late, padded = device.late_steps, device.padded_steps
-            with device.attach(engine):
+            say = rank == in_step(p)[0]  # the plan's first rank in the step reports its progress
+            with device.attach(engine), step_paced(engine, device):
                 dist.barrier()
                 for i, batch in enumerate(batches):
+                    t0 = time.perf_counter()
                     engine.train_step(batch, llama_loss_fn)
                     rec["end"].append(time.perf_counter())
                     rec["measured"].append(i >= job["warmup"])
+                    if say:
+                        print(f"      round {r} {name}: iteration {i} {rec['end'][-1] - t0:.2f} s", file=sys.stderr,
+                              flush=True)
             rec["late"] += device.late_steps - late
             rec["padded"] += device.padded_steps - padded
             rec["cross"].append(cross_bytes(engine, engine.iteration - 1))
@@ -150,18 +209,25 @@ def worker(rank: int, world: int, job: dict) -> dict:
                                  comm_sizes=(2 ** 12, 2 ** 14, 2 ** 16, job["param_bytes"]))  # up to the model's
         prof = profile_rank(job["model_fn"], llama_loss_fn, job["sample_fn"], device,
                             optimizer_fn=default_optimizer, options=options, log=lambda m: None)
-        plans = {"flat": plan(prof, job["gbs"], stage, collectives="flat"), "auto": plan(prof, job["gbs"], stage)}
+        plans = {} if job["subsets_only"] else {"flat": plan(prof, job["gbs"], stage, collectives="flat")}
+        plans["auto"] = plan(prof, job["gbs"], stage)
+        if stage in job["subset_stages"]:
+            plans.update(subset_plans(prof, job["gbs"], stage))
         if job.get("forced"):  # the hierarchical way whatever its price: its bytes and its time beside flat
             plans["forced"] = plan(prof, job["gbs"], stage, collectives="secondary_shards" if stage == 3 else "hierarchical")
         t1 = time.perf_counter()
         alias = {}  # a plan that is the same program as one before it is run once
         for k, p in plans.items():
             alias[k] = next((u for u in alias if alias[u] == u and same_program(plans[u], p)), k)
+        if rank == 0:
+            print(f"    ZeRO-{stage}: profile {t1 - t0:.0f} s; plans " + ", ".join(
+                f"{k} ({way(p)}, rows {[(r.micro_batch_size, r.accum_steps, r.last_batch_size, r.shard_weight) for r in p.ranks]}, predicted "
+                f"{p.predicted_iteration_s:.3f} s)" for k, p in plans.items() if alias[k] == k), file=sys.stderr, flush=True)
         runs = train(job, device, stage, {k: p for k, p in plans.items() if alias[k] == k}, rank)
         if rank == 0:
             print(f"    ZeRO-{stage}: profile {t1 - t0:.0f} s, training {time.perf_counter() - t1:.0f} s",
                   file=sys.stderr, flush=True)
-        out[stage] = {"runs": {k: runs[alias[k]] for k in plans},
+        out[stage] = {"runs": {k: runs[alias[k]] for k in plans}, "alias": alias,
                       "paced_collectives": device.link.paced_collectives - paced,
                       "late_collectives": device.link.late_collectives - late_c,
                       "plans": {k: p.to_dict() for k, p in plans.items()},
@@ -169,12 +235,12 @@ def worker(rank: int, world: int, job: dict) -> dict:
     return out
 
 
-def median_period(runs: list[dict]) -> float:
-    """Median over the measured iterations of the period, averaged over the ranks."""
+def median_period(runs: list[dict], ranks: list[int]) -> float:
+    """Median over the measured iterations of the period, averaged over ``ranks`` (those in the step)."""
     periods = []
     for i in range(1, len(runs[0]["end"])):
         if runs[0]["measured"][i]:
-            periods.append(statistics.mean(r["end"][i] - r["end"][i - 1] for r in runs))
+            periods.append(statistics.mean(runs[r]["end"][i] - runs[r]["end"][i - 1] for r in ranks))
     return statistics.median(periods)
 
 
@@ -197,24 +263,56 @@ def bytes_ratio(p: Plan, runs: list[dict], topology: Topology, param_bytes: int)
 def analyse(name: str, net: str, stage: int, results: list[dict], job: dict) -> dict:
     per = [res[stage] for res in results]
     plans = {k: Plan.from_dict(v) for k, v in per[0]["plans"].items()}
-    row: dict[str, Any] = {"cluster": name, "network": net, "stage": stage, "links": per[0]["links"]}
+    row: dict[str, Any] = {"cluster": name, "network": net, "stage": stage, "links": per[0]["links"],
+                           "alias": per[0]["alias"]}
     for k, p in plans.items():
         runs = [x["runs"][k] for x in per]
-        measured = median_period(runs)
-        row[k] = {"way": way(p), "measured_s": measured, "predicted_s": p.predicted_iteration_s,
+        measured = median_period(runs, in_step(p))
+        row[k] = {"way": way(p), "left_out": [i for i in range(len(p.ranks)) if i not in in_step(p)],
+                  "measured_s": measured, "predicted_s": p.predicted_iteration_s,
                   "err": abs(p.predicted_iteration_s / measured - 1), "samples_s": p.global_batch_size / measured,
                   "bytes_ratio": bytes_ratio(p, runs, job["topology"], job["param_bytes"]),
                   "late": sum(r["late"] for r in runs), "padded": sum(r["padded"] for r in runs)}
-    row["ratio"] = row["flat"]["measured_s"] / row["auto"]["measured_s"]
-    if "forced" in row:
+    if "flat" in plans:
+        row["ratio"] = row["flat"]["measured_s"] / row["auto"]["measured_s"]
+        row["same_plan"] = same_program(plans["auto"], plans["flat"])
+    if "forced" in row and "flat" in row:
         row["forced"]["ratio"] = row["flat"]["measured_s"] / row["forced"]["measured_s"]
-    row["same_plan"] = same_program(plans["auto"], plans["flat"])
+    subsets = [k for k in plans if k.startswith(SUBSET)]
+    if subsets:
+        best = min(row[k]["measured_s"] for k in subsets)
+        for k in subsets:
+            row[k]["vs_best"] = best / row[k]["measured_s"]
+            row[k]["chosen"] = same_program(plans[k], plans["auto"])
+        row["subset_vs_best"] = best / row["auto"]["measured_s"]
+        row["keeps_all"] = not row["auto"]["left_out"]
     row["paced_collectives"] = sum(x["paced_collectives"] for x in per)
     row["late_collectives"] = sum(x["late_collectives"] for x in per)
     return row
 
 
+def subset_table(rows: list[dict]) -> str:
+    """Each subset the planner considered, measured side by side: time and throughput against the best."""
+    head = ("| cluster | network | ZeRO | subset | left out | way | predicted (s) | measured (s) | best / this | "
+            "auto's choice |")
+    lines = [head, "|" + "---|" * 10]
+    for r in rows:
+        for k in (k for k in r if k.startswith(SUBSET)):
+            c = r[k]
+            lines.append(f"| {r['cluster']} | {r['network']} | {r['stage']} | {k[len(SUBSET):]} | "
+                         f"{','.join(map(str, c['left_out'])) or '-'} | {c['way']} | {c['predicted_s']:.3f} | "
+                         f"{c['measured_s']:.3f} | {c['vs_best']:.3f} | {'yes' if c['chosen'] else ''} |")
+        if "subset_vs_best" in r:
+            lines.append(f"| | | | auto mode | {','.join(map(str, r['auto']['left_out'])) or '-'} | {r['auto']['way']} | "
+                         f"{r['auto']['predicted_s']:.3f} | {r['auto']['measured_s']:.3f} | "
+                         f"{r['subset_vs_best']:.3f} | |")
+    return "\n".join(lines)
+
+
 def table(rows: list[dict]) -> str:
+    rows = [r for r in rows if "flat" in r]
+    if not rows:
+        return ""
     head = ("| cluster | network | ZeRO | flat iter (s) | auto: way | auto iter (s) | flat/auto | "
             "pred err flat / auto | cross bytes / min |")
     lines = [head, "|" + "---|" * 9]
@@ -248,11 +346,22 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--slowdown", type=float, default=1.0,
                     help="run the emulated cluster this many times slower than calibrated (compute and links "
                          "alike): the machine's collective latency, the floor of every link, then weighs less")
+    ap.add_argument("--collective-timeout", type=float, default=900.0, help="seconds a rank waits in a collective")
+    ap.add_argument("--subsets", action="store_true",
+                    help=f"only which GPUs take part: {SUBSETS_CLUSTER} at ZeRO-{SUBSETS_STAGE}, auto mode against every "
+                         "subset the planner considers (no flat plan)")
+    ap.add_argument("--no-subsets", action="store_true",
+                    help=f"leave the subset candidates out of the {SUBSETS_CLUSTER} ZeRO-{SUBSETS_STAGE} rows")
     ap.add_argument("--forced", action="store_true",
                     help="also run the hierarchical way (secondary shards at ZeRO-3) whatever the planner chose")
     args = ap.parse_args()
     if args.short:
         args.iterations, args.rounds, args.repeats = 4, 2, 1
+    if args.subsets:
+        if args.no_subsets:
+            ap.error("--subsets and --no-subsets exclude each other")
+        args.stages = str(SUBSETS_STAGE)  # on --clusters given (default C-4+4: the issue's measurement)
+        args.clusters = args.clusters if args.clusters != ap.get_default("clusters") else SUBSETS_CLUSTER
     args.stages = [int(s) for s in args.stages.split(",")]
     args.networks = args.networks.split(",")
     if len(args.networks) != 2:
@@ -283,8 +392,11 @@ def run_cluster(name: str, args: argparse.Namespace, model_fn: Any, sample_fn: A
             job_d = {"model": "llama-tiny", "model_fn": model_fn, "sample_fn": sample_fn, "stages": args.stages,
                      "devices": devices, "repeats": args.repeats, "gbs": args.gbs, "seq": args.seq,
                      "warmup": args.warmup, "iterations": args.iterations, "rounds": args.rounds,
-                     "topology": emulated.topology, "forced": args.forced, "max_batch": args.max_batch, "param_bytes": param_bytes}
-            results = spawn(worker, spec.world_size, (job_d,), timeout_s=3600, collective_timeout_s=900)
+                     "topology": emulated.topology, "forced": args.forced, "max_batch": args.max_batch,
+                     "param_bytes": param_bytes, "subsets_only": args.subsets,
+                     "subset_stages": [SUBSETS_STAGE] if args.subsets or (name == SUBSETS_CLUSTER and not args.no_subsets)
+                     else []}
+            results = spawn(worker, spec.world_size, (job_d,), timeout_s=3600, collective_timeout_s=args.collective_timeout)
         finally:
             network.remove()
         if args.json:  # the ranks' raw measurements, kept before they are analysed
@@ -294,15 +406,24 @@ def run_cluster(name: str, args: argparse.Namespace, model_fn: Any, sample_fn: A
     return rows
 
 
+def plan_names(row: dict) -> list[str]:
+    """The row's plans that were trained (flat, auto, forced, subsets), aliases included."""
+    return [k for k in row if k in ("flat", "auto", "forced") or k.startswith(SUBSET)]
+
+
 def summary(rows: list[dict], slow: str, fast: str) -> dict[str, Any]:
-    ratios = [row[k]["bytes_ratio"] for row in rows for k in ("flat", "auto", "forced")
-              if k in row and row[k]["bytes_ratio"] is not None]
-    late = sum(row[k]["late"] for row in rows for k in ("flat", "auto"))
-    padded = sum(row[k]["padded"] for row in rows for k in ("flat", "auto"))
-    return {"speedup_link_bound": min(r["ratio"] for r in rows if r["network"] == slow),
-            "speedup_link_free": min(r["ratio"] for r in rows if r["network"] == fast),
+    ratios = [row[k]["bytes_ratio"] for row in rows for k in plan_names(row) if row[k]["bytes_ratio"] is not None]
+    ran = [(row, k) for row in rows for k in plan_names(row) if row["alias"].get(k, k) == k]  # each run once
+    late = sum(row[k]["late"] for row, k in ran)
+    padded = sum(row[k]["padded"] for row, k in ran)
+    least = lambda key, net: min((r[key] for r in rows if r["network"] == net and key in r), default=None)  # noqa: E731
+    return {"speedup_link_bound": least("ratio", slow), "speedup_link_free": least("ratio", fast),
+            "subset_vs_best": least("subset_vs_best", slow),
+            "subset_keeps_all_fast": all(r["keeps_all"] for r in rows if r["network"] == fast and "keeps_all" in r)
+            if any("keeps_all" in r for r in rows if r["network"] == fast) else None,
             "cross_node_bytes_vs_minimum": max(ratios) if ratios else None,
-            "median_prediction_err": statistics.median(row[k]["err"] for row in rows for k in ("flat", "auto")),
+            "median_prediction_err": statistics.median(row[k]["err"] for row in rows for k in ("flat", "auto")
+                                                       if k in row),
             "late_step_fraction": late_fraction(late, padded),
             "late_collective_fraction": late_fraction(sum(r["late_collectives"] for r in rows),
                                                       sum(r["paced_collectives"] for r in rows))}
@@ -316,7 +437,7 @@ def main() -> None:
     rows = []
     for name in args.clusters.split(","):
         rows += run_cluster(name, args, model_fn, sample_fn)
-        print(table(rows), file=sys.stderr, flush=True)
+        print(table(rows) + "\n" + subset_table(rows), file=sys.stderr, flush=True)
     result = summary(rows, *args.networks)
     result.update({"targets": TARGETS, "short": args.short, "wall_s": round(time.perf_counter() - t0, 1),
                    "rows": [{k: v for k, v in r.items() if k != "links"} for r in rows]})
@@ -324,6 +445,8 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump({"rows": rows, "result": result}, f, indent=1)
     print(table(rows))
+    if any("subset_vs_best" in r for r in rows):
+        print(subset_table(rows))
     for row in rows:
         print(f"# {row['cluster']} {row['network']} ZeRO-{row['stage']} links: " + "; ".join(row["links"]))
     print("RESULT " + json.dumps(result))

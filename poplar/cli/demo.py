@@ -38,7 +38,8 @@ def _rank_main(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args["lr"])
     t0 = time.perf_counter()
     device = cluster_device(args["cluster"], rank)  # this rank's GPU of the cluster, emulated
-    engine = PoplarEngine(model, optimizer, zero_stage=args["stage"], global_batch_size=args["gbs"],
+    engine = PoplarEngine(model, optimizer, zero_stage=zero_config(args["cluster"], args["stage"]),
+                          global_batch_size=args["gbs"],
                           loss_fn=llama_loss_fn, max_grad_norm=1.0, mixed_precision=args["precision"],
                           auto=AutoOptions(profile_data=data, device=device, repeats=2))
     setup_s = time.perf_counter() - t0
@@ -58,6 +59,17 @@ def _rank_main(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
                              "late_steps": late - late0, "padded_steps": padded - padded0}
     engine.close()
     return results
+
+
+def zero_config(cluster: Any, stage: int) -> Any:
+    """The engine's ZeRO config on an emulated cluster (a ``ClusterSpec``): at ``stage``, with the
+    cluster's machines where it spans several, so the profiler measures each link and the planner
+    may choose hierarchical collectives (the devices' collectives ride the cluster's network:
+    ``ClusterDevice``)."""
+    from poplar.zero.config import ZeroConfig
+
+    nodes = cluster.topology()
+    return ZeroConfig(stage, topology=nodes if nodes.spans_nodes else None)
 
 
 def run(cluster: str = "B", stage: int = 2, gbs: int = 64, iterations: int = 30, model: str = "llama-tiny",

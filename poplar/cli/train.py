@@ -149,6 +149,29 @@ def emulated_device(cfg: TrainConfig) -> Any:
     return cluster_device(cfg.cluster, dist.get_rank() if dist.is_initialized() else 0)
 
 
+def with_cluster_nodes(cfg: TrainConfig) -> TrainConfig:
+    """The config of a job on an emulated cluster (``poplar.cluster``, auto mode profiling it)
+    with the cluster's nodes as its topology, so the engine, the profiler and the planner see the
+    machines the emulated network joins (``ClusterDevice``); a ``poplar.topology`` that differs
+    from them is an error naming both. Any other config is returned as it is."""
+    if not cfg.cluster or cfg.plan:
+        return cfg
+    from dataclasses import replace
+
+    from poplar.emulation.cluster import ClusterSpec
+
+    spec = ClusterSpec.resolve(cfg.cluster)
+    nodes = spec.topology()
+    if cfg.topology is None:
+        return replace(cfg, topology=nodes) if nodes.spans_nodes else cfg
+    if cfg.topology != nodes:
+        raise ConfigError(f'"poplar.topology" {[list(n) for n in cfg.topology.nodes]} is not the nodes of the emulated '
+                          f'cluster {spec.name!r} ({nodes.describe()}): the cluster declares its machines and the '
+                          'network between them; remove "poplar.topology" (the cluster\'s nodes are used), or '
+                          'declare those nodes in a cluster file')
+    return cfg
+
+
 def _train(cfg: TrainConfig, plan_only: bool = False) -> int:
     from poplar.train import Trainer
     from poplar.train.hf_output import output_dir, run_tokenizer
@@ -187,7 +210,7 @@ def _main(args: argparse.Namespace) -> int:
     failures = FailureReporting()
     failure: tuple[str, bool] | None = None  # (the failure's text, whether a peer's failure caused it)
     try:
-        cfg = TrainConfig.load(args.config)
+        cfg = with_cluster_nodes(TrainConfig.load(args.config))
         if args.iterations is not None:
             cfg.iterations = args.iterations
         code = run(cfg, failures, plan_only=getattr(args, "plan_only", False))

@@ -12,6 +12,15 @@ same cluster. A profile reused instead of measured brings the scales it was meas
 
 The engine keeps its device attached while it trains, so the rank then trains at that GPU's
 speed within its memory.
+
+A cluster that spans nodes (its ``nodes`` and ``network``) is wired as declared: when profiling
+starts, once the scales are known, every rank joins the cluster's virtual network together
+(``cluster_network.join_network``: each node's link, the cross-node link, at the emulation's
+scales and no faster than this machine), and the device's collectives ride it from then on, the
+profiler's and the engine's alike. The job's engine should know the nodes too
+(``ZeroConfig(topology=device.spec.topology())``; the command line passes them), so that the
+profiler measures each link and the planner may choose hierarchical collectives; without them
+every collective is one flat ring, paced across the slow link as a real one would be.
 """
 
 from __future__ import annotations
@@ -24,12 +33,14 @@ import torch.distributed as dist
 from poplar.comm import Communicator
 from poplar.emulation.calibration import MARGIN, Scales
 from poplar.emulation.cluster import ClusterSpec
+from poplar.emulation.cluster_network import join_network
 from poplar.emulation.emulate import EmulatedCluster, emulate_cluster_together
 from poplar.emulation.faults import FaultSchedule
 from poplar.emulation.presets import get_preset
 from poplar.emulation.speed_curves import PresetCurve
 from poplar.emulation.virtual_device import VirtualDevice
 from poplar.logs import log
+from poplar.profiler.job import model_size
 from poplar.types.precision import Precision, precision_of
 from poplar.types.profiles import Profile, ProfileError
 
@@ -97,6 +108,17 @@ class ClusterDevice(VirtualDevice):
                 log.info(f"emulated cluster {spec.name}: calibrating its memory and time scales for the model ...")
             emulated = emulate_cluster_together(comm, spec, job, scales, what="emulated cluster")
         self._use(emulated, precision_of(job.options.mixed_precision))
+        if self.link is None and spec.topology().spans_nodes:
+            self.link = self._join_network(comm, job)
+
+    def _join_network(self, comm: Communicator, job: Any) -> Any:
+        """Every rank together: this rank's end of the cluster's network (module doc)."""
+        assert self.emulated is not None
+        network = join_network(comm, self.spec, self.emulated.time_scale, model_size(job.model_fn())[1],
+                               what=f"emulated cluster {self.spec.name}: network", error_type=ProfileError)
+        if comm.rank == 0:
+            log.info(f"emulated cluster {self.spec.name}: collectives ride its {network.spec.describe()}")
+        return network
 
     @contextlib.contextmanager
     def _attached(self, runtime: Any) -> Iterator[None]:

@@ -25,16 +25,23 @@ collective's: every link's latency is the machine's at least.
 
 A cluster that declares no nodes keeps today's rule: its one link is the machine's floor itself
 (``LinkSpec`` from ``measure_link``), whatever its declared speed.
+
+Inside a running job (``join_network``: a ``ClusterDevice`` when profiling starts, so ``poplar
+demo``, ``poplar train`` and auto mode on an emulated cluster that spans nodes) every rank
+measures the floor together on the job's own process group (``measure_link_together``), rank 0
+makes the network and every rank maps its board; rank 0 then removes the board's file, which
+lives on while the ranks map it, so a job that dies leaves nothing behind.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from poplar.emulation.cluster import ClusterSpec
 from poplar.emulation.presets import LinkPreset
 from poplar.emulation.synthetic import REFERENCE_MODEL
-from poplar.emulation.virtual_network import NetworkSpec
+from poplar.emulation.virtual_network import NetworkSpec, VirtualNetwork
 from poplar.types.profiles import LinkSpeed
 
 
@@ -98,3 +105,40 @@ def machine_floor(world: int, model_bytes: int, **options: float) -> LinkSpeed:
 
     fit = measure_link(world, model_bytes, **options)
     return LinkSpeed(bandwidth_bytes_per_s=fit["bandwidth_bytes_per_s"], latency_s=fit["latency_s"])
+
+
+# Each kind of collective is timed this many times at two sizes to find the floor inside a job:
+# fewer than a bench's ``link_calibration.REPS`` (30), since every emulated run of a cluster that
+# spans nodes pays it when profiling starts; the 0.9 quantile of 12 still leaves room for the load.
+JOB_FLOOR_REPS = 12
+
+
+def join_network(comm: Any, spec: ClusterSpec, time_scale: float, model_param_bytes: int, *,
+                 what: str = "emulated network", error_type: type[Exception] = RuntimeError) -> VirtualNetwork:
+    """This rank's end of ``spec``'s network at ``time_scale`` for a model of
+    ``model_param_bytes``, every rank of ``comm`` together (module doc): the floor measured on the
+    job's ranks, the network made by rank 0, its board mapped by every rank and its file removed.
+    Any failure is ``error_type`` on every rank."""
+    from poplar.emulation.link_calibration import measure_link_together
+
+    fit = measure_link_together(comm, model_param_bytes, reps=JOB_FLOOR_REPS, what=f"{what}: machine floor",
+                                error_type=error_type)
+    floor = LinkSpeed(bandwidth_bytes_per_s=fit["bandwidth_bytes_per_s"], latency_s=fit["latency_s"])
+    network, error = None, None
+    if comm.rank == 0:
+        try:
+            network = emulated_network(spec, NetworkScales.for_model(time_scale, model_param_bytes, floor))
+        except (ValueError, OSError) as e:
+            error = f"the network of cluster {spec.name!r} could not be made: {e}"
+    network = comm.agree(error, f"{what}: links", network, error_type=error_type)[0]
+    end, error = VirtualNetwork(network, comm.rank), None
+    try:
+        end.board()  # mapped before the file goes: the mapping keeps it
+    except OSError as e:
+        error = f"mapping the network's board {network.board_path} failed: {e}"
+    try:
+        comm.agree(error, f"{what}: board", error_type=error_type)
+    finally:
+        if comm.rank == 0:
+            network.remove()
+    return end

@@ -35,13 +35,18 @@ OPS = ("all_reduce", "reduce_scatter", "all_gather")
 
 
 def _time_collectives(rank: int, world: int, spec: LinkSpec, sizes: list[int], reps: int) -> list[tuple[str, int, float]]:
-    """One rank of the measuring job: (op, bytes, real seconds) per measured collective."""
+    """One rank of the measuring job ``measure_link`` spawns."""
     from poplar.comm import Communicator
 
     torch.set_num_threads(1)
-    link = VirtualLink(spec, rank, record=True)
-    comm = Communicator()
-    rng = random.Random(rank)
+    return time_collectives(Communicator(), VirtualLink(spec, rank, record=True), sizes, reps)
+
+
+def time_collectives(comm: Any, link: VirtualLink, sizes: list[int], reps: int) -> list[tuple[str, int, float]]:
+    """This rank's part of a measurement (every rank of ``comm`` together; ``link``: a
+    pass-through link that records): (op, bytes, real seconds) per measured collective."""
+    world = comm.world_size
+    rng = random.Random(comm.rank)
     x = torch.randn(64, 64)
     out = []
     with comm.observed(link):
@@ -97,3 +102,33 @@ def measure_link(world: int, model_bytes: int, *, reps: int = REPS, quantile: fl
     return {"latency_s": latency, "bandwidth_bytes_per_s": bandwidth, "quantile": quantile, "margin": margin,
             "median_s": {f"{op}:{n}": float(np.median([s for o, m, s in samples if (o, m) == (op, n)]))
                          for op, n in sorted({(o, m) for o, m, _ in samples})}}
+
+
+def measure_link_together(comm: Any, model_bytes: int, *, reps: int = REPS, what: str = "link calibration",
+                          error_type: type[Exception] = RuntimeError) -> dict[str, Any]:
+    """``measure_link`` inside a running job: every rank of ``comm`` times the collectives
+    together, and every rank fits the same link from everyone's samples. Rank 0 makes the scratch
+    link's board and removes it once every rank is done. Any failure is ``error_type`` on every
+    rank (``what`` names the caller)."""
+    scratch, error = None, None
+    if comm.rank == 0:
+        try:
+            scratch = LinkSpec.create(0.0, 1e15, comm.world_size)
+        except OSError as e:
+            error = f"the scratch link's board could not be made: {e}"
+    scratch = comm.agree(error, f"{what}: scratch link", scratch, error_type=error_type)[0]
+    samples, error = [], None
+    try:
+        samples = time_collectives(comm, VirtualLink(scratch, comm.rank, record=True),
+                                   [SMALL_BYTES, max(int(model_bytes), 2 * SMALL_BYTES)], reps)
+    except Exception as e:  # noqa: BLE001 - agreed below
+        error = f"timing the collectives failed: {type(e).__name__}: {e}"
+    try:
+        everyone = comm.agree(error, f"{what}: timing", samples, error_type=error_type)
+    finally:
+        if comm.rank == 0:
+            scratch.remove()
+    every = [s for rank in everyone for s in rank]
+    latency, bandwidth = fit_link(every, comm.world_size)
+    return {"latency_s": latency, "bandwidth_bytes_per_s": bandwidth, "quantile": LINK_QUANTILE,
+            "margin": LINK_MARGIN}

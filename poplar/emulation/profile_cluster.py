@@ -2,6 +2,10 @@
 device of its GPU, spawned here (``poplar.comm.launch.spawn``); the ``Profile`` is the one a
 real cluster of those GPUs would give, with the scales it was emulated at in its provenance.
 
+A cluster that spans nodes is profiled on its network (``cluster_network``): each rank's
+collectives ride the emulated links, and the profiler measures each link on the cluster's nodes
+(``ProfileOptions.topology``, the cluster's unless the options give one).
+
 The functions must be importable by name (module-level), since they travel to the spawned
 processes.
 """
@@ -20,8 +24,11 @@ from torch import nn
 from poplar.comm.launch import spawn
 from poplar.emulation.calibration import Scales
 from poplar.emulation.cluster import ClusterSpec
+from poplar.emulation.cluster_network import machine_floor
 from poplar.emulation.emulate import emulate_cluster
 from poplar.emulation.virtual_device import VirtualDevice
+from poplar.emulation.virtual_network import NetworkSpec, paced_link
+from poplar.profiler.job import model_size
 from poplar.profiler.profile_run import ProfileJob, ProfileOptions, default_optimizer, profile_rank
 from poplar.types.profiles import Profile, ProfileError
 
@@ -43,6 +50,7 @@ def profile_cluster(model_fn: Callable[[], nn.Module], loss_fn: Callable[[nn.Mod
     if options.zero_stage not in (0, 1, 2, 3):
         raise ProfileError(f"zero_stage must be 0, 1, 2 or 3, got {options.zero_stage!r}")
     job = ProfileJob(model_fn, loss_fn, sample_fn, optimizer_fn or default_optimizer, options)
+    network: NetworkSpec | None = None
     if cluster is not None:
         t0 = time.perf_counter()
         if options.progress and not scales.fixed:  # calibration is a timing run of its own: say so first
@@ -55,11 +63,19 @@ def profile_cluster(model_fn: Callable[[], nn.Module], loss_fn: Callable[[nn.Mod
                   f"{emulated.calibration.predicted_mbs}; calibrated in {time.perf_counter() - t0:.1f} s); "
                   f"starting {len(emulated.devices())} ranks ...", file=sys.stderr, flush=True)
         devices = emulated.devices()
-        job = replace(job, options=replace(options, emulated=emulated.emulated()))
+        options = replace(options, emulated=emulated.emulated())
+        if emulated.topology.spans_nodes:
+            network = _wire(emulated, devices, model_size(model_fn())[1], options.progress)
+            options = replace(options, topology=options.topology or emulated.topology)
+        job = replace(job, options=options)
     if not devices:
         raise ProfileError("devices is empty; give one VirtualDevice per rank")
-    results = spawn(emulated_rank, len(devices), ({"job": job, "devices": list(devices)},), timeout_s=timeout_s,
-                    collective_timeout_s=timeout_s)
+    try:
+        results = spawn(emulated_rank, len(devices), ({"job": job, "devices": list(devices)},), timeout_s=timeout_s,
+                        collective_timeout_s=timeout_s)
+    finally:
+        if network is not None:
+            network.remove()
     errors = [r["error"] for r in results if "error" in r]
     if errors:
         raise ProfileError(errors[0])
@@ -67,6 +83,17 @@ def profile_cluster(model_fn: Callable[[], nn.Module], loss_fn: Callable[[nn.Mod
     if output is not None:
         profile.save(output)
     return profile
+
+
+def _wire(emulated: Any, devices: list[VirtualDevice], model_bytes: int, progress: bool) -> NetworkSpec:
+    """The cluster's network at the emulation's scales, no faster than this machine's collectives
+    (measured here on as many processes), each device on its end; the caller removes it."""
+    network = emulated.network(model_bytes, machine_floor(len(devices), model_bytes))
+    for rank, device in enumerate(devices):
+        device.link = paced_link(network, rank)
+    if progress:
+        print(f"[poplar profile] collectives ride the emulated {network.describe()}", file=sys.stderr, flush=True)
+    return network
 
 
 def emulated_rank(rank: int, world: int, run: dict[str, Any]) -> dict[str, Any]:

@@ -62,7 +62,6 @@ RESULT:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import json
 import statistics
@@ -139,21 +138,6 @@ def subset_plans(prof: Any, gbs: int, stage: int) -> dict[str, Plan]:
     return out
 
 
-def step_paced(engine: PoplarEngine, device: Any) -> Any:
-    """The collectives of a step that leaves ranks out ride the emulated network too.
-
-    [Note: the step's own communicator]
-    With ranks left out, a rank in the step runs the step's collectives on the communicator of
-    the step's ranks (``Communicator.step_group.comm``), and an observer of the runtime's
-    communicator (``device.attach`` paces that one) does not hear them: unpaced, such a plan ran
-    at the machine's speed (C, eth-10g: 0.08 s an iteration against 0.50 s predicted). Until the
-    communicator hands its observer to the step's, the bench observes the step's as well."""
-    group = engine.comm.step_group
-    if group is None or group.comm is None:
-        return contextlib.nullcontext()
-    return group.comm.observed(device.link)
-
-
 def cross_bytes(engine: PoplarEngine, iteration: int) -> tuple[int, int]:
     """This rank's cross-node bytes in ``iteration`` and the passes over the parameters that had
     a cross-node step (distinct op, phase and micro-step)."""
@@ -179,7 +163,7 @@ def train(job: dict, device: Any, stage: int, plans: dict[str, Plan], rank: int)
                        for i in range(job["warmup"] + per)]
             late, padded = device.late_steps, device.padded_steps
             say = rank == in_step(p)[0]  # the plan's first rank in the step reports its progress
-            with device.attach(engine), step_paced(engine, device):
+            with device.attach(engine):
                 dist.barrier()
                 for i, batch in enumerate(batches):
                     t0 = time.perf_counter()

@@ -323,10 +323,13 @@ class Communicator:
     def _step_comm(self) -> "Communicator | None":
         if not self._stepping or self.step_group is None:
             return None
-        if self.step_group.comm is None:
+        step = self.step_group.comm
+        if step is None:
             raise RuntimeError(f"rank {self.rank} is left out of the training step (the plan gives it no samples and "
                                "no shard) but issued a step collective; a rank left out runs no step")
-        return self.step_group.comm
+        # the step's communicator is this one's own: whoever observes this one hears its collectives
+        step.observer = self.observer
+        return step
 
     def _step_sizes(self, sizes: Sequence[int] | None) -> list[int]:
         assert self.step_group is not None

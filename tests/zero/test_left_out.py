@@ -59,6 +59,19 @@ def _train(engine: PoplarEngine, plan: Plan, rank: int, iterations: range) -> li
     return [engine.train_step(rank_slice(global_batch(it, GBS), plan, rank), loss_fn) for it in iterations]
 
 
+class Heard:
+    """A collective observer that keeps the ops it hears issued (what the emulated network paces)."""
+
+    def __init__(self) -> None:
+        self.ops: list[str] = []
+
+    def issued(self, op: str, nbytes: int, wire: object) -> None:
+        self.ops.append(op)
+
+    def done(self, ticket: object) -> None:
+        pass
+
+
 def parity_worker(rank: int, world: int) -> dict:
     torch.set_num_threads(1)
     out: dict = {}
@@ -68,7 +81,10 @@ def parity_worker(rank: int, world: int) -> dict:
             if name == "hier" and stage == 3:
                 plan = Plan(plan.ranks, hierarchical=True, secondary_shards=True)
             engine = _engine(stage, plan, topology)
-            losses = _train(engine, plan, rank, range(ITERATIONS))
+            heard = Heard()
+            with engine.comm.observed(heard):  # the step's collectives run on the step's own communicator
+                losses = _train(engine, plan, rank, range(ITERATIONS))
+            out[(stage, name, "heard")] = sorted(set(heard.ops))
             step_records = [r for r in engine.comm_ledger.of() if r.phase in STEP_PHASES]
             links = {str(r.link) for r in step_records}
             tags = sorted({r.tag for r in step_records})
@@ -101,10 +117,14 @@ def test_ranks_in_the_step_equal_the_reference_and_the_left_out_rank_issues_no_s
                 # every rank learns the loss at the status reduction, the one collective of an
                 # iteration that the rank left out joins
                 assert losses == pytest.approx(ref_losses, rel=1e-5), (stage, name, rank)
+                heard = res[(stage, name, "heard")]
                 if rank in plan.left_out:
                     assert step_collectives == [("status", ITERATIONS)], (stage, name, rank)
+                    assert "reduce_scatter" not in heard, (stage, name, rank)
                 else:
                     assert len(step_collectives) > 1, (stage, name, rank)
+                    # an observer of the engine's communicator hears the step's collectives too
+                    assert "reduce_scatter" in heard or "exchange" in heard, (stage, name, rank, heard)
 
 
 def rejoin_worker(rank: int, world: int, directory: str) -> dict:

@@ -18,6 +18,14 @@ Rules:
   ZeRO-1/2/3, not fp16 (its loss scale moves with steps a rank left out would not see),
   ``require_all_ranks=False``, shards, placements and collectives chosen or even (not given).
 
+[Note: a subset's memory]
+A rank's mbs was measured holding its share of the sharded state with every rank sharding it;
+without the ranks left out, the ranks that stay hold all of it (in the measured proportions among
+themselves), so each one's mbs shrinks by its extra state over the bytes a sample takes
+(``shard_memory.mbs_at`` at weights 0 for the ranks left out). A subset where some rank then fits
+no batch is not planned. The measured points past a rank's new mbs stay its curve there
+(``points_past_mbs``), for shard weights that give it the room back.
+
 [Note: a subset's exposure]
 A profile's measured exposure (what compute did not hide of the collectives) was measured with
 every rank in the step. A subset is priced by the cost model's formulas on the links of the ranks
@@ -31,8 +39,9 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Callable, NamedTuple, Sequence
 
-from poplar.types.plans import Plan, PlanError, RankPlan
-from poplar.types.profiles import CommProfile, Exposure, Links, Profile
+from poplar.planner.shard_memory import knows_shard_memory, mbs_at, measured_shares, sharded_bytes
+from poplar.types.plans import Plan, PlanError, RankPlan, shares_of
+from poplar.types.profiles import CommProfile, Exposure, Links, Profile, RankProfile
 from poplar.types.topology import Topology
 
 
@@ -65,13 +74,37 @@ def subsets(profile: Profile) -> list[Subset]:
     return out
 
 
+def _holding_everything(profile: Profile, keep: list[int]) -> dict[int, RankProfile]:
+    """The ranks ``keep`` (old numbers) as they are when they hold the whole sharded state among
+    them (Note: a subset's memory): each one's mbs at its larger shard, the points past it moved
+    to ``points_past_mbs``, its shard's bytes. A rank with no batch left is a ``PlanError``."""
+    by_rank = {r.rank: r for r in profile.ranks}
+    if profile.zero_stage < 1 or not knows_shard_memory(profile):
+        return {r: by_rank[r] for r in keep}
+    measured = measured_shares(profile)
+    weights = [measured[r] if r in keep else 0.0 for r in range(profile.world_size)]
+    limits, shares, total = mbs_at(profile, weights), shares_of(tuple(weights)), sharded_bytes(profile)
+    out = {}
+    for r in keep:
+        row, mbs = by_rank[r], limits[r]
+        if mbs < 1:
+            raise PlanError(f"rank {r} ({row.device_type}) holds {100 * shares[r]:.0f}% of the sharded state without "
+                            "the ranks left out, and then batch 1 does not fit it")
+        past = sorted([p for p in row.points if p.batch > mbs] + row.points_past_mbs, key=lambda p: p.batch)
+        out[r] = replace(row, mbs=mbs,
+                         points=[p for p in row.points if p.batch <= mbs], points_past_mbs=past,
+                         shard_bytes=int(round(shares[r] * total)))
+    return out
+
+
 def on_ranks(profile: Profile, keep: Sequence[int]) -> Profile:
     """The profile of the ranks ``keep`` alone, renumbered 0..k-1 in order: their curves and
-    memory, and the links of the nodes they are on (each node's link, the cross-node link if they
-    span nodes). No measured exposure (Note: a subset's exposure)."""
+    memory as they are holding the whole sharded state (Note: a subset's memory), and the links of
+    the nodes they are on (each node's link, the cross-node link if they span nodes). No measured
+    exposure (Note: a subset's exposure)."""
     keep = sorted(keep)
-    by_rank = {r.rank: r for r in profile.ranks}
-    ranks = [replace(by_rank[old], rank=new) for new, old in enumerate(keep)]
+    held = _holding_everything(profile, keep)
+    ranks = [replace(held[old], rank=new) for new, old in enumerate(keep)]
     links = profile.comm.links
     topology = links.topology
     if topology is None or not topology.spans_nodes:

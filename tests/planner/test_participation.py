@@ -60,3 +60,26 @@ def test_one_node_and_every_gpu_asked_for_are_planned_as_before() -> None:
     assert plan(fp16, 512, 3).left_out == ()
     with pytest.raises(PlanError, match="participation must be 'auto'"):
         plan(one, 256, 3, participation="some")
+
+
+def _with_shards(prof, shard_bytes: int):
+    """``prof`` with each rank's measured shard (even shares) and the bytes a sample takes."""
+    return replace(prof, ranks=[replace(r, shard_bytes=shard_bytes) for r in prof.ranks])
+
+
+def test_a_subset_holds_the_whole_sharded_state_so_its_ranks_fit_smaller_batches() -> None:
+    # 8 ranks measured mbs 32 with 40 MB a sample, each holding 1/8 of 8 x 80 MB = 640 MB of state:
+    # with node 1 left out each of the 4 others holds 160 MB, 80 MB more, 2 samples' worth
+    prof = _with_shards(profile(two_nodes(cross=CRAWL)), 80 * 10**6)
+    kept = on_ranks(prof, range(4))
+    assert [r.mbs for r in kept.ranks] == [30] * 4 and [r.shard_bytes for r in kept.ranks] == [160 * 10**6] * 4
+    assert all(max(p.batch for p in r.points) <= 30 for r in kept.ranks)
+    assert [p.batch for p in kept.ranks[0].points_past_mbs] == [32]  # measured: the curve where room comes back
+    slow = plan(prof, 512, 3)
+    assert slow.left_out == (4, 5, 6, 7) and max(r.micro_batch_size for r in slow.ranks) <= 30
+    # 8 x 1.3 GB of state: without a node each rank holds 1.3 GB more, 33 samples' worth of its 32
+    tight = _with_shards(profile(two_nodes(cross=CRAWL)), 1300 * 10**6)
+    with pytest.raises(PlanError, match="batch 1 does not fit"):
+        on_ranks(tight, range(4))
+    rows = {r["subset"]: r for r in plan(tight, 512, 3).choice.participation_candidates or []}
+    assert rows and rows["without node 1"]["predicted_s"] is None and "batch 1" in rows["without node 1"]["reason"]

@@ -37,9 +37,10 @@ Per run:
   collectives only (not evaluation or state gathers).
 
 Auto mode with lossy communication allowed (``--lossy-auto``): the planner's choice with
-``allow_lossy=True`` on the profile over the slow network and on a second profile over
-``--fast-network``; the table says which compression each chose. It needs a planner that takes
-``allow_lossy``: without one the bench says so and skips it.
+``collectives=CollectivesRequest(way, allow_lossy=True)`` (what ``AutoOptions(allow_lossy=True)``
+asks) on the profile over the slow network and on a second profile over ``--fast-network``; the
+table says which compression each chose and its predicted saving. It needs a planner that takes
+that request: without one the bench says so and skips it.
 
 RESULT:
 - ``max_eval_loss_rel_diff``: max over the quantized runs of |held-out loss / exact's - 1| (target <= 0.01);
@@ -56,7 +57,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import inspect
 import json
 import statistics
 import sys
@@ -181,12 +181,22 @@ def train(job: dict, device: Any, plans: dict[str, Plan], rank: int) -> dict[str
     return out
 
 
+def lossy_request(way: str) -> Any:
+    """The planner's request for auto mode's choice with lossy communication allowed
+    (``CollectivesRequest(way, allow_lossy=True)``), or None from a planner without one."""
+    try:
+        from poplar.planner import CollectivesRequest
+    except ImportError:
+        return None
+    return CollectivesRequest(way, allow_lossy=True)
+
+
 def lossy_choice(prof: Any, job: dict) -> Plan | None:
     """The planner's choice with lossy communication allowed, or None where it cannot be asked."""
-    if "allow_lossy" not in inspect.signature(plan).parameters:
+    request = lossy_request(job["collectives"])
+    if request is None:
         return None
-    return plan(prof, job["gbs"], STAGE, collectives=job["collectives"], participation=job["participation"],
-                allow_lossy=True)
+    return plan(prof, job["gbs"], STAGE, collectives=request, participation=job["participation"])
 
 
 def profile(job: dict, device: Any) -> Any:
@@ -233,8 +243,9 @@ def way(p: Plan) -> str:
     return "secondary" if p.secondary_shards else "hierarchical" if p.hierarchical else "flat"
 
 
-def analyse(results: list[dict], tail: int) -> dict[str, Any]:
-    """Per run: losses, time and bytes, each beside exact's (module doc)."""
+def analyse(results: list[dict], tail: int, initial_eval: float) -> dict[str, Any]:
+    """Per run: losses, time and bytes, each beside exact's (module doc); ``initial_eval`` is the
+    held-out loss of the initial weights (the same for every run)."""
     rows: dict[str, Any] = {}
     for name in RUNS:
         runs = [res["runs"][name] for res in results]
@@ -244,7 +255,7 @@ def analyse(results: list[dict], tail: int) -> dict[str, Any]:
                       "eval_loss": runs[0]["eval"][-1][1], "iter_s": median_period(runs),
                       "cross_bytes": statistics.median(per_iteration),
                       "late": sum(r["late"] for r in runs), "padded": sum(r["padded"] for r in runs),
-                      "loss_curve": runs[0]["loss"], "eval_curve": runs[0]["eval"]}
+                      "loss_curve": runs[0]["loss"], "eval_curve": [(0, initial_eval)] + runs[0]["eval"]}
     ex = rows["exact"]
     for row in rows.values():
         row["train_rel"] = row["train_loss"] / ex["train_loss"] - 1
@@ -272,28 +283,45 @@ def lossy_table(choices: dict[str, Any]) -> str:
         e, q = Plan.from_dict(exact), Plan.from_dict(lossy)
         lines.append(f"| {net} | {way(e)}, {e.predicted_iteration_s:.3f} | {q.compression.describe()} ({way(q)}) | "
                      f"{q.predicted_iteration_s:.3f} | {e.predicted_iteration_s / q.predicted_iteration_s:.2f} |")
+        why = getattr(q.choice, "compression_choice", None)
+        if why is not None:
+            lines.append(f"| | {why.describe()} | | | |")
     return "\n".join(lines)
 
 
+def running_mean(y: list[float], n: int = 10) -> list[float]:
+    return [statistics.mean(y[max(0, i - n + 1):i + 1]) for i in range(len(y))]
+
+
 def plot(rows: dict[str, Any], path: str, title: str) -> str | None:
-    """The four training-loss curves (a running mean over 10 iterations) and the held-out points."""
+    """Left: the four training-loss curves (a running mean over 10 iterations) and the held-out
+    points; right: each quantized run's losses relative to exact's."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return "matplotlib is not installed (the 'plot' extra): the curves are in the JSON only"
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, (ax, rel) = plt.subplots(1, 2, figsize=(11, 4.2))
+    exact = running_mean(rows["exact"]["loss_curve"])
+    exact_eval = dict(rows["exact"]["eval_curve"])
     for name, r in rows.items():
-        y = r["loss_curve"]
-        smooth = [statistics.mean(y[max(0, i - 9):i + 1]) for i in range(len(y))]
-        line, = ax.plot(range(1, len(y) + 1), smooth, label=f"{name}: train (mean of 10)", lw=1.2)
+        smooth = running_mean(r["loss_curve"])
+        line, = ax.plot(range(1, len(smooth) + 1), smooth, label=f"{name}: train (mean of 10)", lw=1.2)
         xs, ys = zip(*r["eval_curve"])
         ax.plot(xs, ys, "o--", color=line.get_color(), ms=4, lw=0.8, label=f"{name}: held-out")
-    ax.set_xlabel("iteration")
-    ax.set_ylabel("loss")
+        if name != "exact":
+            rel.plot(range(1, len(smooth) + 1), [a / b - 1 for a, b in zip(smooth, exact)], color=line.get_color(),
+                     lw=1.2, label=f"{name}: train")
+            rel.plot(xs, [y / exact_eval[x] - 1 for x, y in zip(xs, ys)], "o--", color=line.get_color(), ms=4,
+                     lw=0.8, label=f"{name}: held-out")
+    ax.set(xlabel="iteration", ylabel="loss")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7, ncol=2)
+    rel.axhline(0.0, color="grey", lw=0.6)
+    rel.set(xlabel="iteration", ylabel="loss / exact's - 1")
+    rel.set_title("relative to exact", fontsize=9)
+    rel.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -377,8 +405,9 @@ def main() -> None:
            "repeats": args.repeats, "max_batch": args.max_batch, "gbs": args.gbs, "seed": args.seed,
            "collectives": args.collectives, "participation": args.participation, "warmup": args.warmup, "iterations": args.iterations,
            "rounds": args.rounds, "train": train_set, "held_out": held_out, "lossy_auto": False}
-    if args.lossy_auto and "allow_lossy" not in inspect.signature(plan).parameters:
-        print("# --lossy-auto: this planner takes no allow_lossy yet; auto mode's lossy choice is skipped",
+    if args.lossy_auto and lossy_request(args.collectives) is None:
+        print("# --lossy-auto: this planner has no CollectivesRequest(allow_lossy=...) yet; auto mode's lossy "
+              "choice is skipped",
               file=sys.stderr, flush=True)
         args.lossy_auto = False
     job["lossy_auto"] = args.lossy_auto
@@ -389,7 +418,7 @@ def main() -> None:
         fast = run_network(args.fast_network, spec, cal, time_scale, dict(job, train=None))
         choices = {args.network: (results[0]["plans"]["exact"], results[0]["lossy_auto"]),
                    args.fast_network: (fast[0]["plans"]["exact"], fast[0]["lossy_auto"])}
-    rows = analyse(results, args.tail)
+    rows = analyse(results, args.tail, held_out_loss(model_fn, model_fn().state_dict(), held_out))
     exact = Plan.from_dict(results[0]["plans"]["exact"])
     late = sum(r["late"] for r in rows.values())
     padded = sum(r["padded"] for r in rows.values())

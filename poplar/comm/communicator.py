@@ -51,11 +51,12 @@ from typing import Any, Callable, Iterator, NamedTuple, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
-from poplar.comm import hierarchical, uneven
+from poplar.comm import hierarchical, quantized, uneven
 from poplar.comm.hierarchical import HierarchicalCall, NodeGroups, Step
 from poplar.comm.ledger import CommLedger
 from poplar.comm.sigterm_watch import BLOCKED
 from poplar.comm.uneven import all_gather_tensor, reduce_scatter_tensor
+from poplar.types.compression import Quantization, QuantScope
 from poplar.types.errors import DistributedError
 from poplar.types.topology import Link, Topology, TopologyError, Wire
 
@@ -388,13 +389,23 @@ class Communicator:
                          async_op, tag)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, tag: str = "",
-                       async_op: bool = False, sizes: Sequence[int] | None = None) -> PendingCollective | None:
+                       async_op: bool = False, sizes: Sequence[int] | None = None,
+                       quantization: Quantization | None = None) -> PendingCollective | PendingChain | None:
         """``output`` (1/N of ``input``, or ``sizes[rank]`` elements: every rank's part, in rank
-        order) gets this rank's part of the sum of ``input`` over ranks."""
+        order) gets this rank's part of the sum of ``input`` over ranks. ``quantization``: send
+        what it quantizes block-quantized (``poplar.comm.quantized``; None: exact)."""
         if (step := self._step_comm()) is not None:
-            return step.reduce_scatter(output, input, tag, async_op, self._step_sizes(sizes))
+            return step.reduce_scatter(output, input, tag, async_op, self._step_sizes(sizes), quantization)
         if self.world_size == 1:
             output.copy_(input)
+        elif (q := self.quantized(quantization)) is not None:
+            sizes = self._sizes(sizes, output.numel())
+            if self.hierarchical and q.scope is QuantScope.CROSS_NODE:
+                call = quantized.hierarchical_reduce_scatter(output, input, sizes, self.rank, self._groups,
+                                                             uneven.method_for(self.backend, "reduce_scatter"), q)
+                return self._run_chain("reduce_scatter", call, async_op, tag)
+            flat = quantized.reduce_scatter(output, input, sizes, self.rank, self.group, q)
+            return self._run("reduce_scatter", flat.wire_bytes, flat.run, async_op, tag, flat.finish)
         elif self.hierarchical:
             call = hierarchical.reduce_scatter(output, input, self._sizes(sizes, output.numel()), self.rank,
                                                self._groups, uneven.method_for(self.backend, "reduce_scatter"))
@@ -411,13 +422,22 @@ class Communicator:
                          async_op, tag)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, tag: str = "",
-                   async_op: bool = False, sizes: Sequence[int] | None = None) -> PendingCollective | None:
+                   async_op: bool = False, sizes: Sequence[int] | None = None,
+                   quantization: Quantization | None = None) -> PendingCollective | PendingChain | None:
         """``output`` (N x ``input``, or the ``sizes`` of every rank's part back to back) gets
-        every rank's ``input``, in rank order."""
+        every rank's ``input``, in rank order. ``quantization``: send what it quantizes
+        block-quantized (``poplar.comm.quantized``; None: exact)."""
         if (step := self._step_comm()) is not None:
-            return step.all_gather(output, input, tag, async_op, self._step_sizes(sizes))
+            return step.all_gather(output, input, tag, async_op, self._step_sizes(sizes), quantization)
         if self.world_size == 1:
             output.copy_(input)
+        elif (q := self.quantized(quantization)) is not None:
+            sizes, method = self._sizes(sizes, input.numel()), uneven.method_for(self.backend, "all_gather")
+            if self.hierarchical and q.scope is QuantScope.CROSS_NODE:
+                call = quantized.hierarchical_all_gather(output, input, sizes, self.rank, self._groups, method, q)
+                return self._run_chain("all_gather", call, async_op, tag)
+            flat = quantized.all_gather(output, input, sizes, self.rank, self.group, method, q)
+            return self._run("all_gather", flat.wire_bytes, flat.run, async_op, tag, flat.finish)
         elif self.hierarchical:
             call = hierarchical.all_gather(output, input, self._sizes(sizes, input.numel()), self.rank, self._groups,
                                            uneven.method_for(self.backend, "all_gather"))
@@ -445,38 +465,69 @@ class Communicator:
         layout = hierarchical.node_layout(tuple(self._sizes(sizes, part_numel)), self._groups.topology, element_size)
         return layout.secondary_numel(self._groups.topology, self.rank)
 
-    def staging_bytes(self, op: str, sizes: Sequence[int] | None, part_numel: int, element_size: int) -> int:
-        """Bytes a hierarchical ``op`` ("all_gather" / "reduce_scatter") of parts ``sizes`` (None:
-        every part ``part_numel`` long) allocates on this rank while it runs; 0 when flat."""
+    def staging_bytes(self, op: str, sizes: Sequence[int] | None, part_numel: int, element_size: int,
+                      quantization: Quantization | None = None) -> int:
+        """Bytes a hierarchical or quantized ``op`` ("all_gather" / "reduce_scatter") of parts
+        ``sizes`` (None: every part ``part_numel`` long) allocates on this rank while it runs; 0
+        when flat and exact."""
         if (step := self._step_comm()) is not None:
-            return step.staging_bytes(op, self._step_sizes(sizes), part_numel, element_size)
+            return step.staging_bytes(op, self._step_sizes(sizes), part_numel, element_size, quantization)
+        q = self.quantized(quantization)
+        extra = 0 if q is None else quantized.staging_bytes(op, self._sizes(sizes, part_numel), self.rank, q)
         if not self.hierarchical:
-            return 0
+            return extra
         topology = self._groups.topology
         layout = hierarchical.node_layout(tuple(self._sizes(sizes, part_numel)), topology, element_size)
         in_place = uneven.method_for(self.backend, "all_gather") is uneven.UnevenMethod.BROADCASTS
-        return hierarchical.staging_numel(op, layout, topology, self.rank, in_place) * element_size
+        return hierarchical.staging_numel(op, layout, topology, self.rank, in_place) * element_size + extra
 
     def all_gather_keeping(self, output: torch.Tensor, input: torch.Tensor, secondary: torch.Tensor, tag: str = "",
-                           async_op: bool = False, sizes: Sequence[int] | None = None) -> PendingChain | None:
+                           async_op: bool = False, sizes: Sequence[int] | None = None,
+                           quantization: Quantization | None = None) -> PendingChain | None:
         """``all_gather`` (hierarchical), keeping this rank's secondary shard in ``secondary``
-        (``secondary_numel`` long) once it is done."""
+        (``secondary_numel`` long) once it is done; quantized, the shard holds the values as
+        dequantized (``poplar.comm.quantized``)."""
         if (step := self._step_comm()) is not None:
-            return step.all_gather_keeping(output, input, secondary, tag, async_op, self._step_sizes(sizes))
-        call = hierarchical.all_gather(output, input, self._sizes(sizes, input.numel()), self.rank, self._groups,
-                                       uneven.method_for(self.backend, "all_gather"), keep=secondary)
+            return step.all_gather_keeping(output, input, secondary, tag, async_op, self._step_sizes(sizes),
+                                           quantization)
+        sizes, method = self._sizes(sizes, input.numel()), uneven.method_for(self.backend, "all_gather")
+        q = self.quantized(quantization)
+        if q is None:
+            call = hierarchical.all_gather(output, input, sizes, self.rank, self._groups, method, keep=secondary)
+        elif q.scope is QuantScope.CROSS_NODE:
+            call = quantized.hierarchical_all_gather(output, input, sizes, self.rank, self._groups, method, q,
+                                                     keep=secondary)
+        else:
+            call = quantized.flat_all_gather_keeping(output, input, sizes, self.rank, self._groups,
+                                                     (self.group, self.wire), method, q, secondary)
         return self._run_chain("all_gather", call, async_op, tag)
 
     def all_gather_within_nodes(self, output: torch.Tensor, input: torch.Tensor, secondary: torch.Tensor,
-                                tag: str = "", async_op: bool = False,
-                                sizes: Sequence[int] | None = None) -> PendingChain | None:
+                                tag: str = "", async_op: bool = False, sizes: Sequence[int] | None = None,
+                                quantization: Quantization | None = None) -> PendingChain | None:
         """The all-gather of ``all_gather_keeping`` again, of the same values, from this rank's part
-        and the ``secondary`` shard it kept: inside each node only."""
+        and the ``secondary`` shard it kept: inside each node only. ``quantization``: the one that
+        gather used (only ``EVERY_STEP`` quantizes here: the node's own parts, as it did)."""
         if (step := self._step_comm()) is not None:
-            return step.all_gather_within_nodes(output, input, secondary, tag, async_op, self._step_sizes(sizes))
-        call = hierarchical.all_gather_within(output, input, secondary, self._sizes(sizes, input.numel()),
-                                              self.rank, self._groups, uneven.method_for(self.backend, "all_gather"))
+            return step.all_gather_within_nodes(output, input, secondary, tag, async_op, self._step_sizes(sizes),
+                                                quantization)
+        sizes, method = self._sizes(sizes, input.numel()), uneven.method_for(self.backend, "all_gather")
+        q = self.quantized(quantization)
+        if q is not None and q.scope is QuantScope.EVERY_STEP:
+            call = quantized.all_gather_within_every_step(output, input, secondary, sizes, self.rank, self._groups,
+                                                          method, q)
+        else:
+            call = hierarchical.all_gather_within(output, input, secondary, sizes, self.rank, self._groups, method)
         return self._run_chain("all_gather", call, async_op, tag)
+
+    def quantized(self, quantization: Quantization | None) -> Quantization | None:
+        """What a collective given ``quantization`` quantizes here: None (exact) on a world of one,
+        and for ``CROSS_NODE`` on a topology of one node, where nothing crosses."""
+        if quantization is None or self.world_size == 1:
+            return None
+        if quantization.scope is QuantScope.CROSS_NODE and self.node_groups is None:
+            return None
+        return quantization
 
     @property
     def _groups(self) -> NodeGroups:

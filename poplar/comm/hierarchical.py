@@ -228,7 +228,7 @@ def _finish_all(calls: list[UnevenCall]) -> Callable[[], None] | None:
     return finish
 
 
-def _in_node_step(op: str, groups: NodeGroups, group: Any, rank: int, calls: list[UnevenCall]) -> Step:
+def in_node_step(op: str, groups: NodeGroups, group: Any, rank: int, calls: list[UnevenCall]) -> Step:
     """The in-node step of ``rank``'s node: the region ``calls`` on ``group`` as one step."""
     topology = groups.topology
     node = topology.nodes[topology.node_of(rank)]
@@ -237,11 +237,15 @@ def _in_node_step(op: str, groups: NodeGroups, group: Any, rank: int, calls: lis
                 lambda a: _all([c.run(a) for c in calls]), _finish_all(calls))
 
 
-def _exchange_step(groups: NodeGroups, group: Any, layout: NodeLayout, element_size: int,
-                   sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]],
-                   finish: Callable[[], None] | None) -> Step:
-    """The cross-node exchange: this rank's ``sends`` and ``recvs`` (peer, tensor) as one batch."""
+def exchange_step(groups: NodeGroups, group: Any, observed: int, sends: list[tuple[int, torch.Tensor]],
+                  recvs: list[tuple[int, torch.Tensor]], finish: Callable[[], None] | None,
+                  prepare: Callable[[], None] | None = None) -> Step:
+    """The cross-node exchange: this rank's ``sends`` and ``recvs`` (peer, tensor) as one batch;
+    ``observed``: what an observer hears (``Step``), the same on every rank; ``prepare``: what
+    writes the sends once the step before is done (they are allocated here)."""
     def run(async_op: bool) -> Any:
+        if prepare is not None:
+            prepare()
         ops = [dist.P2POp(dist.isend, t, groups.global_rank(peer), group) for peer, t in sends]
         ops += [dist.P2POp(dist.irecv, t, groups.global_rank(peer), group) for peer, t in recvs]
         if not ops:
@@ -252,16 +256,20 @@ def _exchange_step(groups: NodeGroups, group: Any, layout: NodeLayout, element_s
         for w in works:
             w.wait()
         return None
-    sent = sum(t.numel() for _, t in sends) * element_size
+    sent = sum(t.numel() * t.element_size() for _, t in sends)
     wire = Wire(Link.CROSS, groups.global_ranks(range(groups.topology.world_size)))
-    observed = groups.topology.node_count * layout.busiest_port_elements(groups.topology) * element_size
     return Step("exchange", Link.CROSS, wire, observed, sent, run, finish)
 
 
-def reduce_scatter(output: torch.Tensor, input: torch.Tensor, sizes: Sequence[int], rank: int, groups: NodeGroups,
-                   method: UnevenMethod) -> HierarchicalCall:
-    """``output`` (``sizes[rank]`` long) gets this rank's part of the sum of ``input`` over every
-    rank: in-node reduce-scatters, then the exchange of node partials (module doc)."""
+def observed_exchange(layout: NodeLayout, topology: Topology, element_size: int) -> int:
+    """What an observer hears of an exact exchange: the node count times the busiest port's bytes."""
+    return topology.node_count * layout.busiest_port_elements(topology) * element_size
+
+
+def reduce_in_node(output: torch.Tensor, input: torch.Tensor, sizes: Sequence[int], rank: int, groups: NodeGroups,
+                   method: UnevenMethod) -> tuple[NodeLayout, dict[int, torch.Tensor], list[Step]]:
+    """A hierarchical reduce-scatter's first step: the buffer's layout, this rank's piece of its
+    node's partial of every region (``output`` for its own node's), and the in-node step."""
     topology = groups.topology
     layout = node_layout(tuple(sizes), topology, input.element_size())
     k, j = topology.node_of(rank), topology.local_rank(rank)
@@ -282,7 +290,17 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, sizes: Sequence[in
         steps.append(Step("reduce_scatter", Link.INTRA, None, 0, 0, lambda a: None,
                           lambda: output.copy_(held[k])))
     elif calls:
-        steps.append(_in_node_step("reduce_scatter", groups, group, rank, calls))
+        steps.append(in_node_step("reduce_scatter", groups, group, rank, calls))
+    return layout, held, steps
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, sizes: Sequence[int], rank: int, groups: NodeGroups,
+                   method: UnevenMethod) -> HierarchicalCall:
+    """``output`` (``sizes[rank]`` long) gets this rank's part of the sum of ``input`` over every
+    rank: in-node reduce-scatters, then the exchange of node partials (module doc)."""
+    topology = groups.topology
+    layout, held, steps = reduce_in_node(output, input, sizes, rank, groups, method)
+    k = topology.node_of(rank)
     others = [m for m in range(topology.node_count) if m != k]
     incoming = torch.empty(len(others), sizes[rank], dtype=input.dtype, device=input.device)
     sends, recvs = [], []
@@ -299,31 +317,33 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, sizes: Sequence[in
     def add_partials() -> None:
         for row in incoming:
             output.add_(row)
-    steps.append(_exchange_step(groups, groups.cross_later, layout, input.element_size(), sends, recvs, add_partials))
+    observed = observed_exchange(layout, topology, input.element_size())
+    steps.append(exchange_step(groups, groups.cross_later, observed, sends, recvs, add_partials))
     return HierarchicalCall(steps, None)
 
 
-def _gather_in_node(output: torch.Tensor, layout: NodeLayout, rank: int, groups: NodeGroups,
-                    method: UnevenMethod, group: Any) -> Step | None:
+def gather_in_node(output: torch.Tensor, layout: NodeLayout, rank: int, groups: NodeGroups,
+                   method: UnevenMethod, group: Any, also: Sequence[UnevenCall] = ()) -> Step | None:
     """The in-node all-gathers of every region, in place in ``output`` (each rank's piece is
-    there already); None on a node of one rank (nothing to gather)."""
+    there already), as one step with the calls ``also`` (which gather the node's own region
+    themselves: then it is skipped here); None on a node of one rank (nothing to gather)."""
     topology = groups.topology
     k, j = topology.node_of(rank), topology.local_rank(rank)
     if len(topology.nodes[k]) == 1:
         return None
-    calls = []
+    calls = list(also)
     in_place = method is UnevenMethod.BROADCASTS  # broadcasts into views: a part may be its own source
     for m in range(topology.node_count):
         lo, size = layout.region_offsets[m], layout.region_sizes[m]
-        if not size:
+        if not size or (also and m == k):
             continue
         a, b = layout.piece(topology, rank, m)
         source = output[a:b] if in_place else output[a:b].clone()
         calls.append(uneven.all_gather(output[lo:lo + size], source, layout.step_sizes[k][m], j, group, method))
-    return _in_node_step("all_gather", groups, group, rank, calls) if calls else None
+    return in_node_step("all_gather", groups, group, rank, calls) if calls else None
 
 
-def _place_own_part(output: torch.Tensor, input: torch.Tensor, sizes: Sequence[int], rank: int,
+def place_own_part(output: torch.Tensor, input: torch.Tensor, sizes: Sequence[int], rank: int,
                     topology: Topology) -> tuple[NodeLayout, int, torch.Tensor]:
     """An all-gather's layout, this rank's offset, and its part of ``output`` holding ``input``."""
     layout = node_layout(tuple(sizes), topology, output.element_size())
@@ -341,18 +361,19 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, sizes: Sequence[int], 
     (module doc). ``keep``: where this rank's secondary shard is copied once the call is done
     (``secondary_numel`` long)."""
     topology = groups.topology
-    layout, lo, own = _place_own_part(output, input, sizes, rank, topology)
+    layout, lo, own = place_own_part(output, input, sizes, rank, topology)
     sends, recvs = [], []
     for t in layout.transfers:
         if t.owner == rank:
             sends.append((t.holder, own[t.at - lo:t.at - lo + t.length]))
         if t.holder == rank:
             recvs.append((t.owner, output[t.at:t.at + t.length]))
-    steps = [_exchange_step(groups, groups.cross_first, layout, output.element_size(), sends, recvs, None)]
-    gather = _gather_in_node(output, layout, rank, groups, method, groups.node_later[topology.node_of(rank)])
+    observed = observed_exchange(layout, topology, output.element_size())
+    steps = [exchange_step(groups, groups.cross_first, observed, sends, recvs, None)]
+    gather = gather_in_node(output, layout, rank, groups, method, groups.node_later[topology.node_of(rank)])
     if gather is not None:
         steps.append(gather)
-    finish = None if keep is None else (lambda: _copy_secondary(output, keep, layout, topology, rank, True))
+    finish = None if keep is None else (lambda: copy_secondary(output, keep, layout, topology, rank, True))
     return HierarchicalCall(steps, finish)
 
 
@@ -362,13 +383,13 @@ def all_gather_within(output: torch.Tensor, input: torch.Tensor, secondary: torc
     shard (kept by an earlier ``all_gather(..., keep=)`` of the same values): the in-node step
     alone, nothing crosses a node."""
     topology = groups.topology
-    layout, lo, own = _place_own_part(output, input, sizes, rank, topology)
-    _copy_secondary(output, secondary, layout, topology, rank, False)
-    gather = _gather_in_node(output, layout, rank, groups, method, groups.node_first[topology.node_of(rank)])
+    layout, lo, own = place_own_part(output, input, sizes, rank, topology)
+    copy_secondary(output, secondary, layout, topology, rank, False)
+    gather = gather_in_node(output, layout, rank, groups, method, groups.node_first[topology.node_of(rank)])
     return HierarchicalCall([] if gather is None else [gather], None)
 
 
-def _copy_secondary(output: torch.Tensor, secondary: torch.Tensor, layout: NodeLayout, topology: Topology,
+def copy_secondary(output: torch.Tensor, secondary: torch.Tensor, layout: NodeLayout, topology: Topology,
                     rank: int, out_of_output: bool) -> None:
     """Copy this rank's pieces of the other regions from ``output`` into ``secondary`` (or back)."""
     at, k = 0, topology.node_of(rank)

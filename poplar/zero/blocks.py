@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from poplar.comm import Communicator, PendingChain, PendingCollective
+from poplar.types.compression import Quantization
 from poplar.zero.flat import FlatUnit
 from poplar.zero.precision import StagePrecision
 from poplar.zero.reduce_queue import ReduceHandle
@@ -242,10 +243,12 @@ class ShardedBlock:
         return [self._unit_shard(self.shard_grad, k) for k in range(len(self.units))]
 
     # ------------------------------------------------------------------ parameters
-    def start_gather(self, comm: Communicator, async_op: bool, again: bool = False) -> GatherHandle:
+    def start_gather(self, comm: Communicator, async_op: bool, again: bool = False,
+                     quantization: Quantization | None = None) -> GatherHandle:
         """Allocate the gathered buffer and issue the all-gather of the block's shards; ``again``:
         the same values as the micro-step's forward gathered (its backward), which a block that
-        keeps a secondary shard gathers inside the node from it."""
+        keeps a secondary shard gathers inside the node from it. ``quantization``: the gather's
+        (``CommPolicy.weight_quantization``); the shard itself stays exact."""
         assert self.state is BlockState.RELEASED, f"block {self.name!r} gathered twice"
         self._storage.resize_(self.gathered_nbytes)
         self.state = BlockState.GATHERED
@@ -254,13 +257,17 @@ class ShardedBlock:
         kept = self.shard if self.compute_shard is None else self.compute_shard
         source = kept if self.compute_dtype == kept.dtype else kept.to(self.compute_dtype)
         tag, sizes = f"block{self.index}", self.part_sizes
+        q = quantization
         if self.secondary is None:
-            work = comm.all_gather(out, source, tag=tag, async_op=async_op, sizes=sizes)
+            work = comm.all_gather(out, source, tag=tag, async_op=async_op, sizes=sizes, quantization=q)
         elif again:
-            work = comm.all_gather_within_nodes(out, source, self.secondary, tag=tag, async_op=async_op, sizes=sizes)
+            work = comm.all_gather_within_nodes(out, source, self.secondary, tag=tag, async_op=async_op, sizes=sizes,
+                                                quantization=q)
         else:
-            work = comm.all_gather_keeping(out, source, self.secondary, tag=tag, async_op=async_op, sizes=sizes)
-        staging = comm.staging_bytes("all_gather", sizes, self.shard_numel, out.element_size())
+            work = comm.all_gather_keeping(out, source, self.secondary, tag=tag, async_op=async_op, sizes=sizes,
+                                           quantization=q)
+        staging = comm.staging_bytes("all_gather", sizes, self.shard_numel, out.element_size(),
+                                     None if again else q)
         return GatherHandle(work, None if out is self.full else out, None if source is kept else source, staging)
 
     def finish_gather(self, handle: GatherHandle, use: bool = True) -> None:
@@ -321,11 +328,11 @@ class ShardedBlock:
         self.ready += 1
         return self.ready == self.num_params, new
 
-    def start_reduce(self, comm: Communicator, flats: list[torch.Tensor] | None, zeros: torch.Tensor | None
-                     ) -> ReduceHandle:
+    def start_reduce(self, comm: Communicator, flats: list[torch.Tensor] | None, zeros: torch.Tensor | None,
+                     quantization: Quantization | None = None) -> ReduceHandle:
         """Issue the async reduce-scatter of ``flats`` (the block's gradient; None: ``zeros``, a
         read-only zero buffer of at least the block's elements, in the reduce dtype) into
-        ``shard_grad``. The handle's ``held_bytes`` are the transient bytes it keeps alive: the
+        ``shard_grad``, quantized by ``quantization`` (``CommPolicy.gradient_quantization``). The handle's ``held_bytes`` are the transient bytes it keeps alive: the
         output, the gradient (``grad_nbytes``, held since it arrived) and a cast copy, if any."""
         sn, total = self.shard_numel, self.full_numel
         wire = self.precision.reduce_dtype(self.dtype)
@@ -341,7 +348,8 @@ class ShardedBlock:
             inp = torch.empty(total, dtype=wire, device=self.device)
             self._pack(flats, inp)
             held += self.grad_nbytes
-        held += comm.staging_bytes("reduce_scatter", self.part_sizes, sn, wire_size)
+        held += comm.staging_bytes("reduce_scatter", self.part_sizes, sn, wire_size, quantization)
         out = torch.empty(sn, dtype=wire, device=self.device)
-        work = comm.reduce_scatter(out, inp, tag=f"block{self.index}", async_op=True, sizes=self.part_sizes)
+        work = comm.reduce_scatter(out, inp, tag=f"block{self.index}", async_op=True, sizes=self.part_sizes,
+                                   quantization=quantization)
         return ReduceHandle(work, out, inp, self.shard_grad, held)

@@ -433,12 +433,15 @@ class Stage2(ReplicatedParams):
         wire = self.precision.for_reduce(bucket)  # the bucket itself, or its copy in the reduce dtype
         out = u.new_shard(wire.dtype, zero=False)  # the reduce-scatter writes all of it
         out_bytes, wire_bytes = out.numel() * out.element_size(), wire.numel() * wire.element_size()
-        staging = self.comm.staging_bytes("reduce_scatter", u.part_sizes, u.shard_numel, wire.element_size())
+        quantization = self.compression.gradient_quantization  # ZeRO-2 (``quantize_collectives``)
+        staging = self.comm.staging_bytes("reduce_scatter", u.part_sizes, u.shard_numel, wire.element_size(),
+                                          quantization)
         self._hold(out_bytes + staging)
         if wire is not bucket:  # only the copy stays alive
             self._hold(wire_bytes)
             self._release(bucket.numel() * bucket.element_size())
-        work = self.comm.reduce_scatter(out, wire, tag=f"unit{u.index}", async_op=True, sizes=u.part_sizes)
+        work = self.comm.reduce_scatter(out, wire, tag=f"unit{u.index}", async_op=True, sizes=u.part_sizes,
+                                        quantization=quantization)
         self._buckets[ui] = None
         self._next = ui + 1
         self._reduces.push(ReduceHandle(work, out, wire, self.shard_grads[ui], out_bytes + wire_bytes + staging))

@@ -39,7 +39,8 @@ from poplar.zero.loss_scaler import LossScaler
 from poplar.zero.nonfinite import NonFiniteGuard, SkipReport, Verdict, local_detail, nonfinite_flag, where_nonfinite
 from poplar.zero.observers import IterationStats, MicroStep, ObserverHandle, Observers, StepObserver
 from poplar.zero.precision import StagePrecision
-from poplar.zero.setup import agree_setup, build_stage, check_arguments, check_policies, plan_problem
+from poplar.zero.setup import (agree_setup, build_stage, check_arguments, check_policies, compression_problem,
+                               plan_problem)
 from poplar.zero.shard_layout import Shards
 
 # returns the mean loss of the micro-batch, or a pair (loss_sum, count) (docs/design.md §2)
@@ -158,7 +159,8 @@ class ZeroRuntime:
             digest = hashlib.sha256(plan.to_json().encode()).hexdigest() if error is None else None
             self.comm.agree(error, "set_plan", digest,
                             mismatch="ranks were given different plans; pass the same plan to every rank")
-        elif (problem := plan.problem(self.world_size) or self._left_out_problem(plan)) is not None:
+        elif (problem := plan.problem(self.world_size) or self._left_out_problem(plan)
+              or compression_problem(plan, self.zero_stage)) is not None:
             raise PlanError(problem)  # edited since it was built?
         previous = self.plan
         self._refresh_replicas()  # a rank that sat out steps: its whole parameters, before any re-cut
@@ -178,6 +180,7 @@ class ZeroRuntime:
         # on one node the flat collectives; with ranks left out, the step's own nodes' (§3.12)
         self.comm.use_hierarchy(plan.hierarchical)
         self.stage.keep_secondary_shards(plan.secondary_shards and self.comm.steps_hierarchically)
+        self.stage.quantize_collectives(plan.compression)
 
     def _left_out_problem(self, plan: Plan) -> str | None:
         """Why this runtime cannot leave ``plan``'s ranks out of the step, or None (§3.12)."""

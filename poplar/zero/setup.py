@@ -42,7 +42,7 @@ def check_arguments(world_size: int, model: nn.Module, optimizer: torch.optim.Op
         return (f"plan has {plan.world_size} rows but the world has {world_size} ranks; "
                 "give one RankPlan per rank"), []
     if (problem := offload_problem(plan, zero_stage) or secondary_problem(plan, zero_stage)
-            or left_out_problem(plan, zero_stage)) is not None:
+            or left_out_problem(plan, zero_stage) or compression_problem(plan, zero_stage)) is not None:
         return problem, []
     if max_grad_norm is not None and not max_grad_norm > 0:
         return f"max_grad_norm must be > 0 or None, got {max_grad_norm}", []
@@ -136,7 +136,7 @@ def plan_problem(plan: Any, world_size: int, zero_stage: int, in_iteration: bool
     if not isinstance(plan, Plan):
         return f"plan must be a Plan, got {plan!r}"
     return (plan.problem(world_size) or offload_problem(plan, zero_stage) or secondary_problem(plan, zero_stage)
-            or left_out_problem(plan, zero_stage))
+            or left_out_problem(plan, zero_stage) or compression_problem(plan, zero_stage))
 
 
 def left_out_problem(plan: Plan, zero_stage: int) -> str | None:
@@ -156,6 +156,13 @@ def secondary_problem(plan: Plan, zero_stage: int) -> str | None:
         return (f"the plan keeps secondary shards (secondary_shards=True) but the stage is ZeRO-{zero_stage}; "
                 "secondary shards are of ZeRO-3's sharded parameters: use zero_stage=3, or secondary_shards=False")
     return None
+
+
+def compression_problem(plan: Plan, zero_stage: int) -> str | None:
+    """Why ``plan``'s quantized collectives cannot run at ``zero_stage`` (a plan built without a
+    stage is checked only here), or None."""
+    problem = plan.compression.problem(zero_stage)
+    return None if problem is None else f"plan: {problem}"
 
 
 def build_stage(zero_stage: int, model: nn.Module, optimizer: torch.optim.Optimizer, comm: Communicator,

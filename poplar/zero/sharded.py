@@ -171,8 +171,11 @@ class Stage3(ZeroStage):
             self._agreed, self._agreed_order, self._recorded = True, agreed, None
 
     # ------------------------------------------------------------------ collectives (Schedule's Gatherer)
-    def start_gather(self, b: ShardedBlock, again: bool = False) -> GatherHandle:
-        handle = b.start_gather(self.comm, async_op=True, again=again)
+    def start_gather(self, b: ShardedBlock, again: bool = False, exact: bool = False) -> GatherHandle:
+        """Issue ``b``'s gather: for compute, quantized as the plan says (``quantize_collectives``);
+        ``exact``: the values as they are (the state: ``full_state_dict``)."""
+        quantization = None if exact else self.compression.weight_quantization
+        handle = b.start_gather(self.comm, async_op=True, again=again, quantization=quantization)
         self._gathered[b.index] = b
         self.gathered_bytes += b.gathered_nbytes
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
@@ -199,7 +202,8 @@ class Stage3(ZeroStage):
             self._on_gathered()
 
     def gather_now(self, b: ShardedBlock) -> None:
-        self.finish_gather(b, self.start_gather(b), True)
+        """Gather ``b``'s parameters exactly, now (the state collectives)."""
+        self.finish_gather(b, self.start_gather(b, exact=True), True)
         self.gathered_hook(b)
 
     def reduce(self, b: ShardedBlock) -> None:
@@ -220,7 +224,7 @@ class Stage3(ZeroStage):
             wire = self.precision.reduce_dtype(b.dtype)
             self._zeros = torch.zeros(max(x.full_numel for x in self.blocks), dtype=wire, device=b.device)
             self._hold(self._zeros.numel() * self._zeros.element_size())
-        handle = b.start_reduce(self.comm, flats, self._zeros)
+        handle = b.start_reduce(self.comm, flats, self._zeros, self.compression.gradient_quantization)
         self._hold(handle.held_bytes - (b.grad_nbytes if flats is not None else 0))  # gradients: held as they came
         self._reduces.push(handle)
 

@@ -1,0 +1,223 @@
+"""Quantized reduce-scatter and all-gather (``poplar.comm.quantized``) on 4 gloo ranks as two nodes
+(2 + 2 and 3 + 1), against exact collectives on the same inputs: uneven parts with an empty one,
+fp32 and bf16, hierarchical (the exchange quantized), flat on a topology that spans nodes, and
+weights at every step. Every element within the bound of the block scales, exactly equal where
+the inputs are representable, a rank's own part (and, hierarchical, its node's parts of a
+gather) exact; the ledger's bytes are the quantized bytes sent; a secondary shard gives the
+backward gather exactly what the forward one gave."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from poplar.comm import Communicator
+from poplar.comm.hierarchical import node_layout
+from poplar.comm.launch import spawn
+from poplar.comm.quantize import window_nbytes
+from poplar.types.compression import QuantBits, Quantization, QuantScope
+from poplar.types.topology import Link, Topology
+
+TOPOLOGIES = {"2+2": Topology.of_sizes([2, 2]), "3+1": Topology.of_sizes([3, 1])}
+SIZES = [(40, 12, 0, 28), (33, 33, 33, 33)]  # parts per rank: uneven with an empty one; even, odd length
+BLOCK = 16
+INT8 = Quantization(QuantBits.INT8, BLOCK)
+INT4 = Quantization(QuantBits.INT4, BLOCK)
+EVERY = Quantization(QuantBits.INT8, BLOCK, QuantScope.EVERY_STEP)
+# the shares of a representable reduce-scatter: each node's sum, and each rank's slice, is levels x 2^k
+SHARES = {"2+2": (0.5, 0.5, 0.5, 0.5), "3+1": (0.5, 0.25, 0.25, 1.0)}
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def floats(rank: int, total: int, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 + rank)
+    return (torch.randn(total, generator=g) * (1 + rank)).to(dtype)
+
+
+def representable_part(rank: int, n: int, levels: int) -> torch.Tensor:
+    """Integers with every block's absmax ``levels``: a gather of them is exact."""
+    x = torch.randint(-levels, levels + 1, (n,), generator=torch.Generator().manual_seed(rank)).float()
+    x[::BLOCK] = levels
+    return x
+
+
+def representable_input(rank: int, total: int, name: str, levels: int) -> torch.Tensor:
+    """A shared ±1 pattern times this rank's share of ``levels``: every partial of it is exact."""
+    signs = torch.randint(0, 2, (total,), generator=torch.Generator().manual_seed(7)).float() * 2 - 1
+    return signs * SHARES[name][rank] * levels
+
+
+def _wait(works: list) -> None:
+    for w in works:
+        if w is not None:
+            w.wait()
+
+
+def _pair(comm: Communicator, sizes: tuple, x: torch.Tensor, part: torch.Tensor, q: Quantization | None,
+          rs: bool = True) -> tuple:
+    """(reduce-scatter of ``x``, all-gather of ``part``), async, both in flight at once."""
+    out, full = torch.zeros(sizes[comm.rank], dtype=x.dtype), torch.zeros(sum(sizes), dtype=part.dtype)
+    works = [comm.reduce_scatter(out, x, async_op=True, sizes=sizes, quantization=q) if rs else None,
+             comm.all_gather(full, part, async_op=True, sizes=sizes, quantization=q)]
+    _wait(works[::-1])
+    return out, full
+
+
+def _records(comm: Communicator) -> list:
+    return [(r.op, r.bytes, r.link) for r in comm.ledger.records]
+
+
+def collective_worker(rank: int, world: int, topology: Topology, name: str) -> dict:
+    torch.set_num_threads(1)
+    comm = Communicator(topology=topology)
+    out: dict = {}
+    for dtype in DTYPES:
+        for sizes in SIZES:
+            x, part = floats(rank, sum(sizes), dtype), floats(10 + rank, sizes[rank], dtype)
+            for hier, modes in ((True, (INT8, INT4, EVERY)), (False, (INT8,))):
+                comm.use_hierarchy(hier)
+                for q in modes:
+                    comm.ledger.clear()
+                    out[(str(dtype), sizes, hier, q.bits.value, q.scope.value)] = (
+                        _pair(comm, sizes, x, part, q, rs=q.scope is QuantScope.CROSS_NODE), _records(comm))
+                comm.ledger.clear()
+                out[(str(dtype), sizes, hier, "exact")] = (_pair(comm, sizes, x, part, None), _records(comm))
+    for hier in (True, False):  # representable inputs: exactly the exact collectives
+        comm.use_hierarchy(hier)
+        sizes = SIZES[0]
+        for q in (INT8, INT4):
+            x = representable_input(rank, sum(sizes), name, q.bits.levels)
+            part = representable_part(rank, sizes[rank], q.bits.levels)
+            out[("representable", hier, q.bits.value)] = (_pair(comm, sizes, x, part, q), _pair(comm, sizes, x, part,
+                                                                                                None))
+    comm.use_hierarchy(True)
+    for q in (INT8, EVERY):  # the secondary shard reproduces the forward's gather inside the node
+        sizes = SIZES[0]
+        part = floats(20 + rank, sizes[rank], torch.float32)
+        keep = torch.zeros(comm.secondary_numel(sizes, 0, 4))
+        full, again = torch.zeros(sum(sizes)), torch.zeros(sum(sizes))
+        comm.all_gather_keeping(full, part, keep, async_op=True, sizes=sizes, quantization=q).wait()
+        comm.ledger.clear()
+        comm.all_gather_within_nodes(again, part, keep, async_op=True, sizes=sizes, quantization=q).wait()
+        links = {r.link for r in comm.ledger.records}
+        plain = torch.zeros(sum(sizes))
+        comm.all_gather(plain, part, sizes=sizes, quantization=q)
+        out[("secondary", q.scope.value)] = (full, again, plain, links)
+    one_node = Communicator()  # a topology of one node: nothing crosses, CROSS_NODE is exact
+    x = floats(rank, 20, torch.float32)
+    a, b = torch.zeros(5), torch.zeros(5)
+    one_node.reduce_scatter(a, x, quantization=INT8)
+    one_node.reduce_scatter(b, x)
+    out["one node"] = (a, b)
+    return out
+
+
+def _offsets(sizes: tuple) -> list[int]:
+    return [sum(sizes[:r]) for r in range(len(sizes))]
+
+
+def _gather_bound(parts: list[torch.Tensor], q: Quantization, dtype: torch.dtype) -> torch.Tensor:
+    """Per element of the gathered buffer: half its block's step (blocks from each part's start),
+    fp32's rounding, and (bf16) the output's rounding."""
+    bounds = []
+    for p in parts:
+        p = p.float()
+        scale = torch.zeros_like(p)
+        for lo in range(0, p.numel(), q.block_size):
+            scale[lo:lo + q.block_size] = p[lo:lo + q.block_size].abs().max() / q.bits.levels
+        rounding = 2 ** -8 if dtype == torch.bfloat16 else 2 ** -22
+        bounds.append(scale / 2 + p.abs() * rounding + scale * rounding)
+    return torch.cat(bounds)
+
+
+def _check_gather(name: str, key: tuple, results: list[dict], q: Quantization, hier: bool) -> None:
+    dtype, sizes = getattr(torch, key[0].split(".")[1]), key[1]
+    topology = TOPOLOGIES[name]
+    parts = [floats(10 + r, sizes[r], dtype) for r in range(4)]
+    bound, truth = _gather_bound(parts, q, dtype), torch.cat(parts).float()
+    for rank, res in enumerate(results):
+        full = res[key][0][1].float()
+        node = topology.nodes[topology.node_of(rank)]
+        exact_parts = node if hier and q.scope is QuantScope.CROSS_NODE else (rank,)
+        exact = torch.zeros(sum(sizes), dtype=torch.bool)
+        for r in exact_parts:
+            exact[_offsets(sizes)[r]:_offsets(sizes)[r] + sizes[r]] = True
+        assert torch.equal(full[exact], truth[exact]), (key, rank)  # never quantized
+        error = (full - truth).abs()
+        assert torch.all(error <= bound), (key, rank, (error - bound).max())
+        assert error[~exact].max() > 0, (key, rank)  # the others' parts were quantized
+
+
+def _check_reduce(name: str, key: tuple, results: list[dict], q: Quantization, hier: bool) -> None:
+    dtype, sizes = getattr(torch, key[0].split(".")[1]), key[1]
+    topology = TOPOLOGIES[name]
+    inputs = [floats(r, sum(sizes), dtype).double() for r in range(4)]
+    truth = torch.stack(inputs).sum(0)
+    if hier:  # each node's partial is quantized once on its way to an owner in another node
+        partials = [sum(inputs[r] for r in node) for node in topology.nodes]
+        step = max(p.abs().max() for p in partials) / q.bits.levels
+        crossings = topology.node_count - 1
+    else:  # every other rank's slice is quantized
+        step = max(x.abs().max() for x in inputs) / q.bits.levels
+        crossings = 3
+    magnitude = torch.stack(inputs).abs().sum(0)
+    rounding = magnitude * (2 ** -6 if dtype == torch.bfloat16 else 2 ** -20)
+    for rank, res in enumerate(results):
+        lo, n = _offsets(sizes)[rank], sizes[rank]
+        got = res[key][0][0].double()
+        error = (got - truth[lo:lo + n]).abs()
+        assert torch.all(error <= crossings * step / 2 + rounding[lo:lo + n]), (key, rank, error.max(), step)
+        if n:
+            exact = res[key[:3] + ("exact",)][0][0].double()
+            assert not torch.equal(got, exact), (key, rank)  # it did quantize
+
+
+def _cross_bytes(records: list) -> int:
+    return sum(b for op, b, link in records if link is Link.CROSS)
+
+
+def _check_bytes(name: str, key: tuple, results: list[dict], q: Quantization) -> None:
+    """The ledger records the quantized bytes each rank sent across (values and scales)."""
+    sizes, element = key[1], 4 if key[0] == "torch.float32" else 2
+    layout = node_layout(tuple(sizes), TOPOLOGIES[name], element)
+    rs = sum(q.wire_bytes(t.length) for t in layout.transfers)
+    ag = sum(window_nbytes(t.at - layout.offsets[t.owner], t.at - layout.offsets[t.owner] + t.length, q.bits,
+                           q.block_size) for t in layout.transfers)
+    sent = sum(_cross_bytes(res[key][1]) for res in results)
+    assert sent == rs + ag, (key, sent, rs + ag)
+    exact = sum(_cross_bytes(res[key[:3] + ("exact",)][1]) for res in results)
+    assert exact == 2 * layout.cross_elements() * element
+    intra = [sorted(b for op, b, link in res[key][1] if link is Link.INTRA) for res in results]
+    assert intra == [sorted(b for op, b, link in res[key[:3] + ("exact",)][1] if link is Link.INTRA)
+                     for res in results]  # the in-node steps are exact
+
+
+@pytest.mark.parametrize("name", sorted(TOPOLOGIES))
+@pytest.mark.multiprocess
+def test_quantized_collectives_within_their_bound(name: str) -> None:
+    results = spawn(collective_worker, 4, (TOPOLOGIES[name], name), timeout_s=120)
+    specs = {(INT8.bits.value, INT8.scope.value): INT8, (INT4.bits.value, INT4.scope.value): INT4,
+             (EVERY.bits.value, EVERY.scope.value): EVERY}
+    for key in results[0]:
+        if not isinstance(key, tuple) or len(key) != 5:
+            continue
+        q, hier = specs[key[3:]], key[2]
+        _check_gather(name, key, results, q, hier)
+        if q.scope is QuantScope.CROSS_NODE:
+            _check_reduce(name, key, results, q, hier)
+        if hier and q.scope is QuantScope.CROSS_NODE:
+            _check_bytes(name, key, results, q)
+        if not hier:  # flat: the whole buffer, quantized, on the flat link
+            flat = [b for op, b, link in results[0][key][1] if link is Link.FLAT]
+            assert flat == [sum(q.wire_bytes(s) for s in key[1])] * 2, (key, flat)
+    for rank, res in enumerate(results):
+        for hier in (True, False):
+            for bits in ("int8", "int4"):
+                (qo, qf), (eo, ef) = res[("representable", hier, bits)]
+                assert torch.equal(qo, eo) and torch.equal(qf, ef), (rank, hier, bits)
+        for scope in ("cross_node", "every_step"):
+            full, again, plain, links = res[("secondary", scope)]
+            assert torch.equal(full, again) and torch.equal(full, plain), (rank, scope)
+            assert links <= {Link.INTRA}, (rank, scope, links)  # the backward gather stays in the node
+        a, b = res["one node"]
+        assert torch.equal(a, b)

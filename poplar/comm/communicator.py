@@ -21,6 +21,11 @@ Built with a ``Topology`` that spans nodes, the communicator creates the node pr
 once (``poplar.comm.hierarchical.NodeGroups``); while ``use_hierarchy(True)`` its all-gathers and
 reduce-scatters run hierarchically: a chain of steps, each recorded with the ``Link`` it used.
 
+Given a ``Quantization`` (``quantization=``), an all-gather or reduce-scatter sends what it
+quantizes block-quantized (``poplar.comm.quantized``): hierarchical, the exchange between nodes;
+flat on a topology that spans nodes, every byte; on one node nothing (``CROSS_NODE`` is exact
+there), except weights at ``EVERY_STEP``. The ledger records the quantized bytes sent.
+
 A plan may leave ranks out of the training step (docs/design.md §3.12): ``set_step_ranks`` makes
 the process group of the ranks in the step once per plan, and inside ``step_collectives()`` the
 tensor collectives and object gathers run on it (per-rank ``sizes`` are given over the world, as

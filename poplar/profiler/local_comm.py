@@ -13,6 +13,9 @@ same buffers, and collectives that are local copies:
   rank zero samples, so the runtime's sample count agrees);
 - all-gather of objects: N copies of this rank's object.
 
+A ``quantization`` is ignored: nothing is sent, so nothing is quantized (the buffers a quantized
+collective stages are counted by ``staging_bytes``, as on a real communicator).
+
 ``local_engine`` builds a ``ZeroRuntime`` on it; the search switches its plan every trial
 (``set_plan(plan, PlanCheck.LOCAL)``: no agreement, there are no peers).
 """
@@ -27,6 +30,7 @@ from torch import nn
 from poplar.types.plans import Offload, Plan, RankPlan
 from poplar.types.precision import MixedPrecision
 from poplar.comm import CommLedger, Communicator, PendingCollective
+from poplar.types.compression import Quantization
 from poplar.types.topology import Wire
 from poplar.zero.config import ZeroConfig
 from poplar.zero.runtime import ZeroRuntime
@@ -66,7 +70,8 @@ class LocalCommunicator(Communicator):
         return self._local("all_reduce", tensor.numel() * tensor.element_size(), lambda: None, async_op, tag)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, tag: str = "",
-                       async_op: bool = False, sizes: Sequence[int] | None = None) -> PendingCollective | None:
+                       async_op: bool = False, sizes: Sequence[int] | None = None,
+                       quantization: Quantization | None = None) -> PendingCollective | None:
         def run() -> None:
             if sizes is None:
                 output.copy_(input.view(self.world_size, -1)[self.rank].view_as(output))
@@ -75,7 +80,8 @@ class LocalCommunicator(Communicator):
         return self._local("reduce_scatter", input.numel() * input.element_size(), run, async_op, tag)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, tag: str = "",
-                   async_op: bool = False, sizes: Sequence[int] | None = None) -> PendingCollective | None:
+                   async_op: bool = False, sizes: Sequence[int] | None = None,
+                   quantization: Quantization | None = None) -> PendingCollective | None:
         def run() -> None:
             if sizes is None:
                 output.view(self.world_size, -1).copy_(input.reshape(1, -1).expand(self.world_size, -1))

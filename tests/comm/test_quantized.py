@@ -3,8 +3,8 @@
 fp32 and bf16, hierarchical (the exchange quantized), flat on a topology that spans nodes, and
 weights at every step. Every element within the bound of the block scales, exactly equal where
 the inputs are representable, a rank's own part (and, hierarchical, its node's parts of a
-gather) exact; the ledger's bytes are the quantized bytes sent; a secondary shard gives the
-backward gather exactly what the forward one gave."""
+gather) exact; a non-finite value stays non-finite; the ledger's bytes are the quantized bytes
+sent; a secondary shard gives the backward gather exactly what the forward one gave."""
 
 from __future__ import annotations
 
@@ -103,6 +103,15 @@ def collective_worker(rank: int, world: int, topology: Topology, name: str) -> d
         plain = torch.zeros(sum(sizes))
         comm.all_gather(plain, part, sizes=sizes, quantization=q)
         out[("secondary", q.scope.value)] = (full, again, plain, links)
+    for hier in (True, False):  # a non-finite value sent quantized stays non-finite at its owner
+        comm.use_hierarchy(hier)
+        sizes = SIZES[0]
+        x = floats(rank, sum(sizes), torch.float32)
+        if rank == 3:
+            x[5] = float("inf")  # in rank 0's part, from the other node
+        got = torch.zeros(sizes[rank])
+        comm.reduce_scatter(got, x, sizes=sizes, quantization=INT8)
+        out[("nonfinite", hier)] = got
     one_node = Communicator()  # a topology of one node: nothing crosses, CROSS_NODE is exact
     x = floats(rank, 20, torch.float32)
     a, b = torch.zeros(5), torch.zeros(5)
@@ -219,5 +228,8 @@ def test_quantized_collectives_within_their_bound(name: str) -> None:
             full, again, plain, links = res[("secondary", scope)]
             assert torch.equal(full, again) and torch.equal(full, plain), (rank, scope)
             assert links <= {Link.INTRA}, (rank, scope, links)  # the backward gather stays in the node
+        for hier in (True, False):
+            got = res[("nonfinite", hier)]
+            assert (not torch.isfinite(got[5]).item()) if rank == 0 else torch.isfinite(got).all(), (rank, hier)
         a, b = res["one node"]
         assert torch.equal(a, b)

@@ -1,6 +1,6 @@
 """ZeRO training with quantized collectives (``Plan.compression``) on 4 gloo ranks as 2 + 2 nodes:
-ZeRO-3 with int8 weights and gradients (hierarchical with secondary shards, and flat), ZeRO-2 with
-int8 gradients, against single-process training on the whole global batch (SGD with momentum);
+ZeRO-3 with int8 weights and gradients (hierarchical with secondary shards, and flat), int8 weights
+at every step (with secondary shards), ZeRO-2 with int8 gradients, against single-process training on the whole global batch (SGD with momentum);
 the ledger's cross-node bytes about a quarter of the exact run's; checkpoints saved with
 quantization load without it and the other way round, the master state exact."""
 
@@ -63,6 +63,8 @@ def training_worker(rank: int, world: int, directory: str) -> dict:
     out: dict = {}
     runs = {"exact": (3, _plan(True, True, CommPolicy())), "zero3": (3, _plan(True, True, BOTH)),
             "zero3 flat": (3, _plan(False, False, BOTH)),
+            "zero3 every step": (3, _plan(True, True, CommPolicy(weights="int8", weights_scope="every_step",
+                                                                 block_size=64))),
             "zero2": (2, _plan(True, False, CommPolicy(gradients="int8", block_size=64)))}
     for name, (stage, plan) in runs.items():
         losses, engine = _train(rank, stage, plan)
@@ -93,7 +95,7 @@ def test_quantized_zero_trains_near_the_reference(tmp_path: Path) -> None:
     for rank, res in enumerate(results):
         losses, state, _ = res["exact"]
         assert losses == pytest.approx(ref_losses, rel=1e-5) and max_rel_err(state, ref_state) <= 1e-5
-        for name in ("zero3", "zero3 flat", "zero2"):
+        for name in ("zero3", "zero3 flat", "zero3 every step", "zero2"):
             losses, state, ledger = res[name]
             assert losses == pytest.approx(ref_losses, rel=LOSS_TOLERANCE), (name, rank, losses, ref_losses)
             assert losses[1:] != pytest.approx(ref_losses[1:], rel=1e-7), name  # quantized: not the exact step

@@ -121,22 +121,22 @@ def held_out_loss(model_fn: Any, state: dict[str, torch.Tensor], held_out: torch
     return total / len(held_out)
 
 
-def cross_node_bytes(records: list, topology: Topology, world: int) -> dict[int, float]:
-    """This rank's cross-node bytes per iteration (module doc: CROSS records, and a FLAT ring's
-    share of its k boundary hops)."""
-    k = topology.node_count
-    out: dict[int, float] = {}
-    for r in records:
-        if r.phase not in TRAINING_PHASES or not r.bytes:
+def cross_node_bytes(engine: PoplarEngine, iteration: int, topology: Topology) -> float:
+    """This rank's cross-node bytes in ``iteration`` (module doc: CROSS records, and a FLAT ring's
+    share of its k boundary hops). Read from the newest records back, right after the iteration:
+    the ledger keeps a window of records, and a long block would outrun it."""
+    k, world = topology.node_count, engine.world_size
+    sent = 0.0
+    for r in reversed(engine.comm_ledger.records):
+        if r.iteration < iteration:
+            break
+        if r.iteration != iteration or r.phase not in TRAINING_PHASES or not r.bytes:
             continue
         if r.link is Link.CROSS:
-            b = float(r.bytes)
+            sent += r.bytes
         elif r.link is Link.FLAT and k > 1:
-            b = k * bus_bytes(r.op, r.bytes, world) / world
-        else:
-            continue
-        out[r.iteration] = out.get(r.iteration, 0.0) + b
-    return out
+            sent += k * bus_bytes(r.op, r.bytes, world) / world
+    return sent
 
 
 def train_block(job: dict, device: Any, engine: PoplarEngine, p: Plan, rec: dict, rank: int, n: int) -> None:
@@ -146,17 +146,15 @@ def train_block(job: dict, device: Any, engine: PoplarEngine, p: Plan, rec: dict
     start = len(rec["loss"])
     batches = [global_batch(job["train"], start + i, job["gbs"], job["seed"])[first:first + mine] for i in range(n)]
     late, padded = device.late_steps, device.padded_steps
-    it0 = engine.iteration
     with device.attach(engine):
         dist.barrier()
         for i, batch in enumerate(batches):
             rec["loss"].append(engine.train_step(batch, llama_loss_fn))
             rec["end"].append(time.perf_counter())
             rec["timed"].append(i >= job["warmup"])
+            rec["cross"].append(cross_node_bytes(engine, engine.iteration - 1, job["topology"]))
     rec["late"] += device.late_steps - late
     rec["padded"] += device.padded_steps - padded
-    sent = cross_node_bytes(list(engine.comm_ledger.records), job["topology"], engine.world_size)
-    rec["cross"] += [sent.get(it, 0.0) for it in range(it0, engine.iteration)]
 
 
 def train(job: dict, device: Any, plans: dict[str, Plan], rank: int) -> dict[str, Any]:

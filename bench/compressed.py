@@ -414,8 +414,12 @@ def main() -> None:
     choices = {}
     if args.lossy_auto:
         fast = run_network(args.fast_network, spec, cal, time_scale, dict(job, train=None))
-        choices = {args.network: (results[0]["plans"]["exact"], results[0]["lossy_auto"]),
-                   args.fast_network: (fast[0]["plans"]["exact"], fast[0]["lossy_auto"])}
+        choices = {net: (res[0]["plans"]["exact"], res[0]["lossy_auto"])
+                   for net, res in ((args.network, results), (args.fast_network, fast)) if res[0]["lossy_auto"]}
+        if len(choices) < 2:
+            print("# --lossy-auto: the ranks' planner has no CollectivesRequest(allow_lossy=...); skipped",
+                  file=sys.stderr, flush=True)
+            choices = {}
     rows = analyse(results, args.tail, held_out_loss(model_fn, model_fn().state_dict(), held_out))
     exact = Plan.from_dict(results[0]["plans"]["exact"])
     late = sum(r["late"] for r in rows.values())

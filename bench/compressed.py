@@ -1,6 +1,7 @@
-"""What quantized collectives cost to convergence and what they save over a slow link: the same
-ZeRO-3 job exact and with int8 weight gathers, int8 gradient reductions, and both, on an emulated
-cluster of two nodes, trained side by side on the same data from the same seed.
+"""Quantized collectives over a slow link: what they cost to convergence and what they save.
+
+The same ZeRO-3 job exact and with int8 weight gathers, int8 gradient reductions, and both, on an
+emulated cluster of two nodes, trained side by side on the same data from the same seed.
 
 Cluster: ``--cluster`` (default ``C``: 2 A800-80G on PCIe 4 beside 2 V100S-32G on PCIe 3; ``C-4+4``
 is the paper's size, 8 ranks) over ``--network`` (default eth-10g, where the link binds), with the

@@ -28,8 +28,9 @@ end to its own, averaged over the ranks); medians over the timed iterations.
 Per run:
 - training loss: the mean of the global loss over the last ``--tail`` iterations (same batches
   for every run), relative to exact;
-- held-out loss: after every block, the run's master weights (``full_state_dict``) evaluated in
-  one process on the whole held-out set; the last one, relative to exact;
+- held-out loss: every ``--eval-every`` iterations and after every block, the run's master
+  weights (``full_state_dict``) evaluated in one process on the whole held-out set, between paced
+  stretches (the iteration after an evaluation is not timed); the last one, relative to exact;
 - iteration time relative to exact (exact / run: above 1 is faster);
 - cross-node bytes per iteration relative to exact, from the comm ledger: every rank's CROSS
   records (the bytes it sent over the exchange between nodes), and, for a FLAT collective on a
@@ -141,7 +142,8 @@ def cross_node_bytes(engine: PoplarEngine, iteration: int, topology: Topology) -
 
 
 def train_block(job: dict, device: Any, engine: PoplarEngine, p: Plan, rec: dict, rank: int, n: int) -> None:
-    """``n`` more iterations of one run, paced on the emulated device and network."""
+    """``n`` more iterations of one run, paced on the emulated device and network; the first
+    ``job["warmup"]`` are not timed (the engine's first after another's, or after an evaluation)."""
     first = p.sample_offsets()[rank]
     mine = p.ranks[rank].num_samples
     start = len(rec["loss"])
@@ -159,7 +161,8 @@ def train_block(job: dict, device: Any, engine: PoplarEngine, p: Plan, rec: dict
 
 
 def train(job: dict, device: Any, plans: dict[str, Plan], rank: int) -> dict[str, Any]:
-    """Every run in interleaved blocks (module doc), with a held-out loss after each block."""
+    """Every run in interleaved blocks (module doc), with a held-out loss every ``eval_every``
+    iterations and after each block."""
     engines, out = {}, {}
     for name, p in plans.items():
         model = job["model_fn"]()
@@ -168,13 +171,17 @@ def train(job: dict, device: Any, plans: dict[str, Plan], rank: int) -> dict[str
         out[name] = {"loss": [], "end": [], "timed": [], "late": 0, "padded": 0, "cross": [], "eval": []}
     names = list(plans)
     bounds = [round(job["iterations"] * (r + 1) / job["rounds"]) for r in range(job["rounds"])]
+    every = job["eval_every"]
     for r in range(job["rounds"]):
         for name in names[r % len(names):] + names[:r % len(names)]:
             rec = out[name]
-            train_block(job, device, engines[name], plans[name], rec, rank, bounds[r] - len(rec["loss"]))
-            state = engines[name].full_state_dict()  # collective: every rank
-            if rank == 0:
-                rec["eval"].append((len(rec["loss"]), held_out_loss(job["model_fn"], state, job["held_out"])))
+            while len(rec["loss"]) < bounds[r]:  # up to the next evaluation or the block's end
+                done = len(rec["loss"])
+                train_block(job, device, engines[name], plans[name], rec, rank,
+                            min(bounds[r], (done // every + 1) * every) - done)
+                state = engines[name].full_state_dict()  # collective: every rank
+                if rank == 0:
+                    rec["eval"].append((len(rec["loss"]), held_out_loss(job["model_fn"], state, job["held_out"])))
     for engine in engines.values():
         engine.close()
     return out
@@ -339,6 +346,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--iterations", type=int, default=300, help="iterations per run")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=1, help="untimed iterations at the start of each block")
+    ap.add_argument("--eval-every", type=int, default=20, help="iterations between held-out evaluations")
     ap.add_argument("--tail", type=int, default=10, help="iterations the final training loss averages")
     ap.add_argument("--gbs", type=int, default=32)
     ap.add_argument("--seq", type=int, default=32)
@@ -356,7 +364,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.short:
-        args.iterations, args.rounds, args.repeats, args.tail = 12, 2, 1, 3
+        args.iterations, args.rounds, args.repeats, args.tail, args.eval_every = 12, 2, 1, 3, 3
+    if args.eval_every < args.warmup + 2:
+        ap.error(f"--eval-every {args.eval_every} leaves fewer than 2 timed iterations between evaluations: give "
+                 f"at least {args.warmup + 2}")
     if args.iterations < args.rounds * (args.warmup + 2):
         ap.error(f"--iterations {args.iterations} leaves fewer than 2 timed iterations per block: give at least "
                  f"{args.rounds * (args.warmup + 2)} or fewer --rounds")
@@ -402,8 +413,9 @@ def main() -> None:
     job = {"model_fn": model_fn, "sample_fn": functools.partial(profile_sample, seq=args.seq),
            "optimizer_fn": functools.partial(adamw, lr=args.lr), "param_bytes": model_size(model_fn())[1],
            "repeats": args.repeats, "max_batch": args.max_batch, "gbs": args.gbs, "seed": args.seed,
-           "collectives": args.collectives, "participation": args.participation, "warmup": args.warmup, "iterations": args.iterations,
-           "rounds": args.rounds, "train": train_set, "held_out": held_out, "lossy_auto": False}
+           "collectives": args.collectives, "participation": args.participation, "warmup": args.warmup,
+           "eval_every": args.eval_every, "iterations": args.iterations, "rounds": args.rounds, "train": train_set,
+           "held_out": held_out, "lossy_auto": False}
     if args.lossy_auto and lossy_request(args.collectives) is None:
         print("# --lossy-auto: this planner has no CollectivesRequest(allow_lossy=...) yet; auto mode's lossy "
               "choice is skipped",

@@ -44,8 +44,13 @@ asks) on the profile over the slow network and on a second profile over ``--fast
 table says which compression each chose and its predicted saving. It needs a planner that takes
 that request: without one the bench says so and skips it.
 
+The yardstick (``exact-reordered``, unless ``--no-yardstick``): exact again on the other way of
+running the same collectives (flat <-> hierarchical), which changes fp32's rounding order and
+nothing else (Note: the yardstick at ``YARDSTICK``).
+
 RESULT:
 - ``max_eval_loss_rel_diff``: max over the quantized runs of |held-out loss / exact's - 1| (target <= 0.01);
+- ``yardstick_eval_loss_rel_diff`` / ``yardstick_train_loss_rel_diff``: the same for the yardstick;
 - ``speedup_vs_exact_link_bound``: exact's iteration time over both's (target >= 1.3);
 - ``cross_node_bytes_ratio``: both's cross-node bytes per iteration over exact's (target <= 0.3);
 - ``late_step_fraction``: padded micro-steps whose real compute overshot the curve (<= 0.01).
@@ -90,6 +95,12 @@ from poplar.zero.config import ZeroConfig
 STAGE = 3
 RUNS = {"exact": CommPolicy(), "weights": CommPolicy(weights="int8"), "gradients": CommPolicy(gradients="int8"),
         "both": CommPolicy(weights="int8", gradients="int8")}
+# [Note: the yardstick] Exact training on another way of running the same collectives (flat where
+# the exact plan is hierarchical, and the other way round): the same sums in another order, so it
+# differs from exact by fp32 rounding alone. How far its losses move from exact's is how far any
+# perturbation of this size moves this job's trajectory; a quantized run's difference is read
+# against it, not against 0.
+YARDSTICK = "exact-reordered"
 TARGETS = {"max_eval_loss_rel_diff": 0.01, "speedup_vs_exact_link_bound": 1.3, "cross_node_bytes_ratio": 0.3,
            "late_step_fraction": LATE_BUDGET}
 TRAINING_PHASES = ("forward", "backward", "step")  # a ledger record's phase: what an iteration sends
@@ -228,6 +239,8 @@ def worker(rank: int, world: int, job: dict) -> dict:
     if job["train"] is None:
         return out
     plans = {name: dataclasses.replace(exact, compression=policy) for name, policy in RUNS.items()}
+    if job["yardstick"]:  # exact again with the other way's sums: only fp32's rounding order differs
+        plans[YARDSTICK] = dataclasses.replace(exact, hierarchical=not exact.hierarchical, secondary_shards=False)
     t1 = time.perf_counter()
     out["runs"] = train(job, device, plans, rank)
     if rank == 0:
@@ -253,7 +266,7 @@ def analyse(results: list[dict], tail: int, initial_eval: float) -> dict[str, An
     """Per run: losses, time and bytes, each beside exact's (module doc); ``initial_eval`` is the
     held-out loss of the initial weights (the same for every run)."""
     rows: dict[str, Any] = {}
-    for name in RUNS:
+    for name in results[0]["runs"]:
         runs = [res["runs"][name] for res in results]
         per_iteration = [sum(r["cross"][i] for r in runs) for i in range(len(runs[0]["cross"]))]
         rows[name] = {"compression": Plan.from_dict(results[0]["plans"][name]).compression.describe(),
@@ -360,6 +373,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--lossy-auto", action="store_true",
                     help="also show the planner's choice with allow_lossy=True over --network and --fast-network")
     ap.add_argument("--short", action="store_true", help="a smoke run: 12 iterations in 2 rounds, 1 profiler repeat")
+    ap.add_argument("--no-yardstick", action="store_true",
+                    help="leave out the exact run on the other way of the collectives (Note: the yardstick)")
     ap.add_argument("--plot", default="loss.png", help="where the loss curves go ('' for none)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -415,7 +430,7 @@ def main() -> None:
            "repeats": args.repeats, "max_batch": args.max_batch, "gbs": args.gbs, "seed": args.seed,
            "collectives": args.collectives, "participation": args.participation, "warmup": args.warmup,
            "eval_every": args.eval_every, "iterations": args.iterations, "rounds": args.rounds, "train": train_set,
-           "held_out": held_out, "lossy_auto": False}
+           "held_out": held_out, "lossy_auto": False, "yardstick": not args.no_yardstick}
     if args.lossy_auto and lossy_request(args.collectives) is None:
         print("# --lossy-auto: this planner has no CollectivesRequest(allow_lossy=...) yet; auto mode's lossy "
               "choice is skipped",
@@ -437,7 +452,9 @@ def main() -> None:
     exact = Plan.from_dict(results[0]["plans"]["exact"])
     late = sum(r["late"] for r in rows.values())
     padded = sum(r["padded"] for r in rows.values())
-    result = {"max_eval_loss_rel_diff": max(abs(r["eval_rel"]) for k, r in rows.items() if k != "exact"),
+    result = {"max_eval_loss_rel_diff": max(abs(rows[k]["eval_rel"]) for k in RUNS if k != "exact"),
+              "yardstick_eval_loss_rel_diff": abs(rows[YARDSTICK]["eval_rel"]) if YARDSTICK in rows else None,
+              "yardstick_train_loss_rel_diff": abs(rows[YARDSTICK]["train_rel"]) if YARDSTICK in rows else None,
               "speedup_vs_exact_link_bound": rows["both"]["speedup"],
               "cross_node_bytes_ratio": rows["both"]["bytes_ratio"],
               "late_step_fraction": late_fraction(late, padded),

@@ -51,7 +51,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import deque
-from typing import Any, Callable, Iterator, NamedTuple, Protocol, Sequence
+from typing import Any, Callable, ContextManager, Iterator, NamedTuple, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -299,22 +299,20 @@ class Communicator:
         """Whether this rank takes part in the training step of the current step ranks."""
         return self.step_group is None or self.rank in self.step_group.ranks
 
-    @contextlib.contextmanager
-    def step_collectives(self) -> Iterator["Communicator"]:
+    def step_collectives(self) -> ContextManager["Communicator"]:
         """Until the block ends, collectives run over the ranks in the step. A rank left out
         issuing one is a bug: it would wait for peers that never come, so it raises at once."""
-        outer, self._stepping = self._stepping, True
-        try:
-            yield self
-        finally:
-            self._stepping = outer
+        return self._stepping_as(True)
 
-    @contextlib.contextmanager
-    def world_collectives(self) -> Iterator["Communicator"]:
+    def world_collectives(self) -> ContextManager["Communicator"]:
         """Until the block ends, collectives run over the world, also inside ``step_collectives``:
         the iteration's agreements that a rank left out joins too (its status reduction and what
         follows a failed one), so that every rank reaches the same verdict (docs/design.md §3.12)."""
-        outer, self._stepping = self._stepping, False
+        return self._stepping_as(False)
+
+    @contextlib.contextmanager
+    def _stepping_as(self, stepping: bool) -> Iterator["Communicator"]:
+        outer, self._stepping = self._stepping, stepping
         try:
             yield self
         finally:
@@ -415,20 +413,17 @@ class Communicator:
         what it quantizes block-quantized (``poplar.comm.quantized``; None: exact)."""
         if (step := self._step_comm()) is not None:
             return step.reduce_scatter(output, input, tag, async_op, self._step_sizes(sizes), quantization)
+        q = self.quantized(quantization)
         if self.world_size == 1:
             output.copy_(input)
-        elif (q := self.quantized(quantization)) is not None:
-            sizes = self._sizes(sizes, output.numel())
-            if self.hierarchical and q.scope is QuantScope.CROSS_NODE:
-                call = quantized.hierarchical_reduce_scatter(output, input, sizes, self.rank, self._groups,
-                                                             uneven.method_for(self.backend, "reduce_scatter"), q)
-                return self._run_chain("reduce_scatter", call, async_op, tag)
-            flat = quantized.reduce_scatter(output, input, sizes, self.rank, self.group, q)
-            return self._run("reduce_scatter", flat.wire_bytes, flat.run, async_op, tag, flat.finish)
-        elif self.hierarchical:
-            call = hierarchical.reduce_scatter(output, input, self._sizes(sizes, output.numel()), self.rank,
-                                               self._groups, uneven.method_for(self.backend, "reduce_scatter"))
+        elif self.hierarchical and (q is None or q.scope is QuantScope.CROSS_NODE):
+            parts, method = self._sizes(sizes, output.numel()), uneven.method_for(self.backend, "reduce_scatter")
+            call = hierarchical.reduce_scatter(output, input, parts, self.rank, self._groups, method) if q is None \
+                else quantized.hierarchical_reduce_scatter(output, input, parts, self.rank, self._groups, method, q)
             return self._run_chain("reduce_scatter", call, async_op, tag)
+        elif q is not None:
+            flat = quantized.reduce_scatter(output, input, self._sizes(sizes, output.numel()), self.rank, self.group, q)
+            return self._run("reduce_scatter", flat.wire_bytes, flat.run, async_op, tag, flat.finish)
         elif (sizes is not None and len(set(sizes)) > 1) or uneven.even_method(self.backend, "reduce_scatter"):
             sizes = sizes or [output.numel()] * self.world_size
             call = uneven.reduce_scatter(output, input, sizes, self.rank, self.group,
@@ -448,23 +443,22 @@ class Communicator:
         block-quantized (``poplar.comm.quantized``; None: exact)."""
         if (step := self._step_comm()) is not None:
             return step.all_gather(output, input, tag, async_op, self._step_sizes(sizes), quantization)
+        q = self.quantized(quantization)
+        method = uneven.method_for(self.backend, "all_gather")
         if self.world_size == 1:
             output.copy_(input)
-        elif (q := self.quantized(quantization)) is not None:
-            sizes, method = self._sizes(sizes, input.numel()), uneven.method_for(self.backend, "all_gather")
-            if self.hierarchical and q.scope is QuantScope.CROSS_NODE:
-                call = quantized.hierarchical_all_gather(output, input, sizes, self.rank, self._groups, method, q)
-                return self._run_chain("all_gather", call, async_op, tag)
-            flat = quantized.all_gather(output, input, sizes, self.rank, self.group, method, q)
-            return self._run("all_gather", flat.wire_bytes, flat.run, async_op, tag, flat.finish)
-        elif self.hierarchical:
-            call = hierarchical.all_gather(output, input, self._sizes(sizes, input.numel()), self.rank, self._groups,
-                                           uneven.method_for(self.backend, "all_gather"))
+        elif self.hierarchical and (q is None or q.scope is QuantScope.CROSS_NODE):
+            parts = self._sizes(sizes, input.numel())
+            call = hierarchical.all_gather(output, input, parts, self.rank, self._groups, method) if q is None \
+                else quantized.hierarchical_all_gather(output, input, parts, self.rank, self._groups, method, q)
             return self._run_chain("all_gather", call, async_op, tag)
+        elif q is not None:
+            parts = self._sizes(sizes, input.numel())
+            flat = quantized.all_gather(output, input, parts, self.rank, self.group, method, q)
+            return self._run("all_gather", flat.wire_bytes, flat.run, async_op, tag, flat.finish)
         elif (sizes is not None and len(set(sizes)) > 1) or uneven.even_method(self.backend, "all_gather"):
             sizes = sizes or [input.numel()] * self.world_size
-            call = uneven.all_gather(output, input, sizes, self.rank, self.group,
-                                     uneven.method_for(self.backend, "all_gather"))
+            call = uneven.all_gather(output, input, sizes, self.rank, self.group, method)
             return self._run("all_gather", call.wire_bytes, call.run, async_op, tag, call.finish)
         nbytes = output.numel() * output.element_size()
         return self._run("all_gather", nbytes,

@@ -248,14 +248,7 @@ def exchange_step(groups: NodeGroups, group: Any, observed: int, sends: list[tup
             prepare()
         ops = [dist.P2POp(dist.isend, t, groups.global_rank(peer), group) for peer, t in sends]
         ops += [dist.P2POp(dist.irecv, t, groups.global_rank(peer), group) for peer, t in recvs]
-        if not ops:
-            return None
-        works = dist.batch_isend_irecv(ops)
-        if async_op:
-            return uneven.AllWorks(works)
-        for w in works:
-            w.wait()
-        return None
+        return uneven.run_p2p(ops, async_op)
     sent = sum(t.numel() * t.element_size() for _, t in sends)
     wire = Wire(Link.CROSS, groups.global_ranks(range(groups.topology.world_size)))
     return Step("exchange", Link.CROSS, wire, observed, sent, run, finish)

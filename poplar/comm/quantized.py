@@ -32,7 +32,6 @@ same bytes), the other regions' pieces, already dequantized in the shard, exactl
 
 from __future__ import annotations
 
-from itertools import accumulate
 from typing import Any, Callable, Sequence
 
 import torch
@@ -41,13 +40,9 @@ import torch.distributed as dist
 from poplar.comm import hierarchical, uneven
 from poplar.comm.hierarchical import HierarchicalCall, NodeGroups, NodeLayout, Step
 from poplar.comm.quantize import from_wire, pack_window, quantize, to_wire, unpack_window, window_nbytes
-from poplar.comm.uneven import AllWorks, UnevenCall, UnevenMethod
+from poplar.comm.uneven import UnevenCall, UnevenMethod
 from poplar.types.compression import Quantization
 from poplar.types.topology import Topology, Wire
-
-
-def _offsets(sizes: Sequence[int]) -> list[int]:
-    return list(accumulate(sizes, initial=0))[:-1]
 
 
 def _global(group: Any, r: int) -> int:
@@ -59,12 +54,12 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, sizes: Sequence[int], 
                method: UnevenMethod, spec: Quantization) -> UnevenCall:
     """``output`` (the parts back to back) gets every rank's ``input``: this rank's as it is,
     every other's dequantized from the quantized bytes it sent (module doc: flat)."""
-    offsets, nbytes = _offsets(sizes), [spec.wire_bytes(n) for n in sizes]
+    offsets, nbytes = uneven.offsets(sizes), [spec.wire_bytes(n) for n in sizes]
     own = output[offsets[rank]:offsets[rank] + sizes[rank]]
     if input.data_ptr() != own.data_ptr():
         own.copy_(input)
     wire = torch.empty(sum(nbytes), dtype=torch.uint8, device=output.device)
-    at = _offsets(nbytes)
+    at = uneven.offsets(nbytes)
     mine = wire[at[rank]:at[rank] + nbytes[rank]]
     if nbytes[rank]:
         mine.copy_(to_wire(input, spec))
@@ -79,23 +74,12 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, sizes: Sequence[int], 
     return UnevenCall(call.run, finish, sum(nbytes))
 
 
-def _batch(ops: list[Any], async_op: bool) -> Any:
-    if not ops:
-        return None
-    works = dist.batch_isend_irecv(ops)
-    if async_op:
-        return AllWorks(works)
-    for w in works:
-        w.wait()
-    return None
-
-
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, sizes: Sequence[int], rank: int, group: Any,
                    spec: Quantization) -> UnevenCall:
     """``output`` (``sizes[rank]`` long) gets this rank's part of the sum of ``input`` over ranks:
     every rank sends each other rank its slice quantized; the owner adds the dequantized slices,
     in rank order, to its own in fp32 (module doc: flat)."""
-    offsets, n = _offsets(sizes), sizes[rank]
+    offsets, n = uneven.offsets(sizes), sizes[rank]
     sends = [(r, to_wire(input[lo:lo + size], spec)) for r, (lo, size) in enumerate(zip(offsets, sizes))
              if r != rank and size]
     recvs = [(r, torch.empty(spec.wire_bytes(n), dtype=torch.uint8, device=input.device))
@@ -104,7 +88,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, sizes: Sequence[in
     def run(async_op: bool) -> Any:
         ops = [dist.P2POp(dist.isend, t, _global(group, r), group) for r, t in sends]
         ops += [dist.P2POp(dist.irecv, t, _global(group, r), group) for r, t in recvs]
-        return _batch(ops, async_op)
+        return uneven.run_p2p(ops, async_op)
 
     def finish() -> None:
         total = input[offsets[rank]:offsets[rank] + n].to(torch.float32, copy=True)  # the input stays as given

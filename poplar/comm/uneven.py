@@ -91,8 +91,22 @@ def even_method(backend: str, op: str) -> UnevenMethod | None:
     return method_for(backend, op) if backend == "gloo" else None
 
 
-def _offsets(sizes: Sequence[int]) -> list[int]:
+def offsets(sizes: Sequence[int]) -> list[int]:
+    """Where each part starts in the parts laid back to back."""
     return list(accumulate(sizes, initial=0))[:-1]
+
+
+def run_p2p(ops: list[Any], async_op: bool) -> Any:
+    """Point-to-point ``ops`` (``dist.P2POp``) as one batch: an ``AllWorks`` when ``async_op``,
+    else done on return; None when there are none."""
+    if not ops:
+        return None
+    works = dist.batch_isend_irecv(ops)
+    if async_op:
+        return AllWorks(works)
+    for w in works:
+        w.wait()
+    return None
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, sizes: Sequence[int], rank: int, group: Any,
@@ -120,7 +134,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, sizes: Sequence[int], 
     staged = torch.empty(n * longest, dtype=output.dtype, device=output.device)
 
     def finish() -> None:
-        for r, (at, size) in enumerate(zip(_offsets(sizes), sizes)):
+        for r, (at, size) in enumerate(zip(offsets(sizes), sizes)):
             output[at:at + size].copy_(staged[r * longest:r * longest + size])
     return UnevenCall(lambda a: all_gather_tensor(staged, source, group=group, async_op=a), finish,
                       n * longest * element)
@@ -136,7 +150,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, sizes: Sequence[in
                                                         async_op=a), None, sum(sizes) * element)
     longest, n = max(sizes), len(sizes)
     staged = torch.zeros(n * longest, dtype=input.dtype, device=input.device)
-    for r, (at, size) in enumerate(zip(_offsets(sizes), sizes)):
+    for r, (at, size) in enumerate(zip(offsets(sizes), sizes)):
         staged[r * longest:r * longest + size].copy_(input[at:at + size])
     mine = torch.empty(longest, dtype=output.dtype, device=output.device)
 

@@ -14,7 +14,11 @@ one rank of type t (min over b and lbs of gas t(b) + t(lbs)); f_t is non-decreas
 sample from the last micro-step, or turn a last full one into b - 1). The optimum is the
 smallest T in the finite set {f_t(n)} with sum_t count_t N_t(T) >= gbs, N_t(T) = max{n :
 f_t(n) <= T}; then samples are taken back one at a time (never raising a rank's time) until
-exactly gbs remain. Exact, no tolerance: T is searched over the candidate set itself.
+exactly gbs remain. Exact, no tolerance: T is searched over the candidate set itself. The
+search prices the iteration's end at balance; where the profile measured how the end depends on
+the slowest rank's last micro-step (``Exposure.end_s``), the plan it names is then priced with
+that, as every other plan, and a plan ending in a longer last micro-step can come in under it by
+at most the difference between the levels.
 
 Stages 2/3 (lock-step). Two facts make an exact search small:
 1. Given the step times tau_1..tau_K of an optimal plan, each rank could take the row with the

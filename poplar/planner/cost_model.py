@@ -40,7 +40,10 @@ tie, as in the profiler's rounds) costs c_m + ``lead_change``(g): the change c_l
 with the others at half its compute (g = ``LED_ROUNDS_LEAD``) in full from there on, piecewise
 linear below it through 0 at g = 0 and the change the small led rounds measured at their lead
 (``CommModel.lockstep_s``); c_s likewise, with the
-lead of the last lock-step (stages 2/3) or of the ranks' compute C_i (stages 0/1). At stages 2/3 a
+lead of the last lock-step (stages 2/3) or of the ranks' compute C_i (stages 0/1). At stages 0/1
+the closing collectives are sent while the last micro-step's backward runs, so the balanced c_s
+is interpolated in the compute of the slowest rank's last micro-step, t_i(lbs_i) or t_i(b_i),
+between the levels the profiler measured (``Exposure.end_s``): a short last micro-step hides less. At stages 2/3 a
 micro-step whose batches differ from the one before it (the first follows the iteration's last)
 adds the measured ``Exposure.switch_s``. ``evaluate_rows`` and the exact
 ``ideal`` price steps so; the ZeRO-2/3 allocator searches with every step at c_m, then prices
@@ -100,6 +103,9 @@ class CommModel:
     compression: Compression = NO_COMPRESSION
     micro_scale: float = 1.0
     iteration_scale: float = 1.0
+    # (computes, ends) balanced: the iteration's end (closing + fixed overhead) after a last
+    # micro-step of that compute; stages 0/1 price their end from it (``led_iteration_s``)
+    exposed_end_steps: tuple[tuple[float, ...], tuple[float, ...]] | None = None
 
     @classmethod
     def from_profile(cls, profile: Any, collectives: Collectives = Collectives.FLAT,
@@ -166,7 +172,9 @@ class CommModel:
                    (tuple(x.step_compute_s), tuple(x.step_s)) if x.step_s else None,
                    per_type("iteration_s", overhead), float(x.switch_s or 0.0),
                    per_type("small_lead"), per_type("micro_step_small_lead_s"),
-                   per_type("iteration_small_lead_s", overhead))
+                   per_type("iteration_small_lead_s", overhead),
+                   exposed_end_steps=(tuple(x.step_compute_s), tuple(e + overhead for e in x.end_s))
+                   if x.end_s and x.step_compute_s else None)
 
     def call_s(self, op: str, nbytes: float, backward_gather: bool = False, table: bool = False) -> float:
         """One collective of a ``nbytes`` buffer (the full, unsharded size); ``backward_gather``:
@@ -270,16 +278,23 @@ class CommModel:
         out = slowest + self.led_micro_step_s(stage, lead, slowest, leader)
         return out if np.ndim(per_type) > 1 else float(out[0])
 
-    def led_iteration_s(self, stage: int, lead: float, leader: str | None) -> float:
+    def led_iteration_s(self, stage: int, lead: float, leader: str | None, last_step_s: float | None = None) -> float:
         """c_s of an iteration whose slowest device type ``leader`` leads the next by ``lead`` at
-        its end: measured, the balanced end plus the ``lead_change`` the leader's led rounds measured."""
-        if (self.measured_stage != stage or self.exposed_iteration_s is None or self.exposed_end_lead_s is None
-                or leader is None):
+        its end: measured, the balanced end plus the ``lead_change`` the leader's led rounds
+        measured. At stages 0/1 the balanced end is interpolated in ``last_step_s``, the compute
+        of the slowest rank's last micro-step, between the measured levels (constant beyond them):
+        the closing collectives overlap that micro-step's backward, so a shorter one hides less."""
+        if self.measured_stage != stage or self.exposed_iteration_s is None:
             return self.per_iteration_s(stage)
         balanced = self.exposed_iteration_s  # as measured; scaled below when priced another way
+        base = balanced
+        if stage in (0, 1) and last_step_s is not None and self.exposed_end_steps is not None:
+            base = float(np.interp(last_step_s, *self.exposed_end_steps))
+        if self.exposed_end_lead_s is None or leader is None:
+            return self._scaled_end(base)
         change = float(_per_leader(self.exposed_end_lead_s, leader, balanced)) - balanced
-        return self._scaled_end(balanced + float(self._lead_change(lead, change, self.exposed_end_small_lead_s,
-                                                                   leader, balanced)))
+        return self._scaled_end(base + float(self._lead_change(lead, change, self.exposed_end_small_lead_s,
+                                                               leader, balanced)))
 
     def _scaled_end(self, measured: float) -> float:
         """A measured iteration's end with its collectives priced as this model's: the fixed
@@ -350,7 +365,7 @@ def evaluate_rows(rows: Sequence[Row], curves: Mapping[str, SpeedCurve], stage: 
         totals: dict[str, float] = {}
         for (dtype, _, _, _), c in distinct.items():
             totals[dtype] = max(totals.get(dtype, 0.0), c)
-        comm_s = comm.led_iteration_s(stage, *_lead(totals))
+        comm_s = comm.led_iteration_s(stage, *_lead(totals), _last_step_s(distinct, curves))
         return Evaluation(per_rank, max(per_rank) + comm_s, comm_s, steps, comm_s)
     # Lock-step: micro-step k (0-based) of a row costs t(b) for k < gas, t(lbs) at k == gas.
     # Between consecutive breakpoints every row's cost is constant, so sum segment by segment.
@@ -377,6 +392,12 @@ def evaluate_rows(rows: Sequence[Row], curves: Mapping[str, SpeedCurve], stage: 
         switch_s = comm.exposed_switch_s * sum(a != b for a, b in zip(shapes, shapes[-1:] + shapes[:-1]))
     comm_s = exposed + end_s + switch_s
     return Evaluation(per_rank, compute_wall + comm_s, comm_s, steps, end_s, switch_s)
+
+
+def _last_step_s(computes: Mapping[Row, float], curves: Mapping[str, SpeedCurve]) -> float:
+    """The compute of the last micro-step of the slowest row (of ``computes``: C_i per row)."""
+    dtype, b, gas, lbs = max(computes, key=lambda row: computes[row])
+    return curves[dtype].time(lbs if lbs > 0 else b)
 
 
 def _lead(per_type: Mapping[str, float]) -> tuple[float, str | None]:

@@ -27,13 +27,15 @@ first ``SETTLING`` left out, in these configurations (``exposure_batches``):
   since how the change grows with the lead differs (a lone leader takes most of it early, several
   leaders more gradually); its measured median lead goes to the profile too
   (``LedExposure.small_lead``), and the cost model uses that, not ``SMALL_LEAD``;
-- short and shortest (stages 2/3): balanced at a third of it and at the least all reach, since
-  shorter steps hide less (a plan's last micro-step is often short, one sample at times); the
-  balanced micro-step exposure is interpolated between the levels in the step's compute;
-- long (stages 2/3, where a rank's largest batch computes well past the balanced level): every
-  rank at its own largest batch, so longer steps are priced from a measurement, not as the
-  balanced level (a longer step hides more). It is led by its slowest type, so its level is its
-  exposure less that lead's change.
+- short and shortest: balanced at a third of it and at the least all reach, since shorter steps
+  hide less (a plan's last micro-step is often short, one sample at times); the balanced
+  micro-step exposure (stages 2/3) is interpolated between the levels in the step's compute, and
+  so is the iteration's end (stages 0/1, whose closing collectives overlap the rank's last
+  micro-step: ``Exposure.end_s``);
+- long (where a rank's largest batch computes well past the balanced level): every rank at its
+  own largest batch, so longer steps are priced from a measurement, not as the balanced level (a
+  longer step hides more). It is led by its slowest type, so its level is its exposure less that
+  lead's change.
 A step whose batches differ from the step before it (an iteration of a full micro-step and a
 shorter last one alternates shapes) exposes what a grid round does, which changes shape every
 round: the grid's led rounds less the steady led rounds is that step's extra (``Exposure.switch_s``).
@@ -61,7 +63,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 from enum import Enum
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -120,16 +122,16 @@ class SteadyConfig:
     leader: str = ""
 
 
-def exposure_batches(best: list[dict[int, float]], mbs: list[int], types: list[str],
-                     stage: int) -> dict[SteadyConfig, list[int]]:
+def exposure_batches(best: list[dict[int, float]], mbs: list[int], types: list[str]) -> dict[SteadyConfig, list[int]]:
     """Per configuration, every rank's batch, from ``best`` (per rank, its measured seconds per
     timed batch, interpolated in between): the balanced one at the largest compute every rank
-    reaches, at stages 2/3 the short one at a third of it and the shortest one at the least every
-    rank reaches (each only if under ``DISTINCT_LEVEL`` of the next level up) and the long one,
-    every rank at its mbs (only if the balanced level is under ``DISTINCT_LEVEL`` of the longest
-    rank's), and with two device types or more one led configuration per type, that type there and
-    the others at half of it, and one led by ``SMALL_LEAD`` where the batches give a distinct lead
-    between a half and twice that."""
+    reaches, the short one at a third of it and the shortest one at the least every rank reaches
+    (each only if under ``DISTINCT_LEVEL`` of the next level up) and the long one, every rank at
+    its mbs (only if the balanced level is under ``DISTINCT_LEVEL`` of the longest rank's), and
+    with two device types or more one led configuration per type, that type there and the others
+    at half of it, and one led by ``SMALL_LEAD`` where the batches give a distinct lead between a
+    half and twice that. Every stage has the levels: at stages 2/3 each micro-step's exposure
+    depends on the step's compute, at stages 0/1 the iteration's end on its last micro-step's."""
     top = min(max(times.values()) for times in best)
 
     curves = [np.interp(np.arange(1, mbs[i] + 1), sorted(times), [times[b] for b in sorted(times)])
@@ -141,15 +143,14 @@ def exposure_batches(best: list[dict[int, float]], mbs: list[int], types: list[s
     ranks = range(len(best))
     low = max(min(times.values()) for times in best)
     out = {SteadyConfig(SteadyRounds.BALANCED): [batch_near(i, top) for i in ranks]}
-    if stage in (2, 3):
-        above = top
-        for config, seconds in ((SteadyRounds.SHORT, top / 3), (SteadyRounds.SHORTEST, low)):
-            if low <= seconds < DISTINCT_LEVEL * above:
-                out[SteadyConfig(config)] = [batch_near(i, seconds) for i in ranks]
-                above = seconds
-        longest = max(ranks, key=lambda i: max(best[i].values()))
-        if top < DISTINCT_LEVEL * max(best[longest].values()):
-            out[SteadyConfig(SteadyRounds.LONG, types[longest])] = list(mbs)
+    above = top
+    for config, seconds in ((SteadyRounds.SHORT, top / 3), (SteadyRounds.SHORTEST, low)):
+        if low <= seconds < DISTINCT_LEVEL * above:
+            out[SteadyConfig(config)] = [batch_near(i, seconds) for i in ranks]
+            above = seconds
+    longest = max(ranks, key=lambda i: max(best[i].values()))
+    if top < DISTINCT_LEVEL * max(best[longest].values()):
+        out[SteadyConfig(SteadyRounds.LONG, types[longest])] = list(mbs)
     if len(set(types)) > 1:
         for leader in sorted(set(types)):
             def led(lead: float) -> list[int]:
@@ -233,22 +234,74 @@ def continued(earlier: list[RoundFacts], later: list[RoundFacts]) -> list[RoundF
     return earlier + [f._replace(pass_index=f.pass_index + len(earlier)) for f in later]
 
 
+Part = Callable[[RoundFacts], float]  # which exposure of a round: its micro-step's or its end's
+
+
+def _micro_step(f: RoundFacts) -> float:
+    return f.micro_step_comm_s
+
+
+def _end(f: RoundFacts) -> float:
+    return f.end_comm_s
+
+
 def _long_level(steady: dict[SteadyConfig, list[list[RoundFacts]]], led: dict[str, list[RoundFacts]],
-                small_led: dict[str, SmallLed], balanced: float) -> Level | None:
-    """(compute, exposure) of the long rounds as a balanced level: their median exposure less
-    what their leader's lead changes (the led rounds' change, in proportion to the long rounds'
-    median lead, ``lead_change``), since the cost model adds that back for a led step."""
+                small: dict[str, list[CriticalRound]], balanced: float, part: Part) -> Level | None:
+    """(compute, exposure) of the long rounds as a balanced level of ``part``: their median
+    exposure less what their leader's lead changes (the led rounds' change, in proportion to the
+    long rounds' median lead, ``lead_change``), since the cost model adds that back for a led step."""
     config = next((k for k in steady if k.kind is SteadyRounds.LONG), None)
     if config is None or min(len(f) for f in steady[config]) == 0:
         return None
     critical = _critical(steady[config], SETTLING)
     lead = statistics.median(c.lead for c in critical)
-    change = (statistics.median(f.micro_step_comm_s for f in led[config.leader]) - balanced
-              if config.leader in led else 0.0)
-    at, small = small_led.get(config.leader, (None, None))
+    change = statistics.median(part(f) for f in led[config.leader]) - balanced if config.leader in led else 0.0
+    rounds = small.get(config.leader)
+    at = None if rounds is None else statistics.median(r.lead for r in rounds)
+    small_change = None if rounds is None else statistics.median(part(r.facts) for r in rounds) - balanced
     return Level(statistics.median(c.facts.compute_s for c in critical),
-                 statistics.median(c.facts.micro_step_comm_s for c in critical)
-                 - float(lead_change(lead, change, at, None if small is None else small - balanced)))
+                 statistics.median(part(c.facts) for c in critical)
+                 - float(lead_change(lead, change, at, small_change)))
+
+
+def _levels(settled: dict[SteadyConfig, list[RoundFacts]], steady: dict[SteadyConfig, list[list[RoundFacts]]],
+            led: dict[str, list[RoundFacts]], small: dict[str, list[CriticalRound]],
+            part: Part) -> tuple[list[float], list[float]] | None:
+    """The balanced exposure of ``part`` at each measured compute (ascending): the shortest and
+    short rounds', the balanced ones', and the long ones' as a balanced level; None with the
+    balanced level alone."""
+    together = settled[SteadyConfig(SteadyRounds.BALANCED)]
+    shorter = [settled[SteadyConfig(k)] for k in (SteadyRounds.SHORTEST, SteadyRounds.SHORT)
+               if SteadyConfig(k) in settled]
+    at = [statistics.median(f.compute_s for f in fs) for fs in shorter + [together]]
+    levels = [statistics.median(part(f) for f in fs) for fs in shorter + [together]]
+    long_level = _long_level(steady, led, small, levels[-1], part)
+    if long_level is not None and long_level.compute_s > at[-1]:
+        at.append(long_level.compute_s)
+        levels.append(long_level.exposed_s)
+    return (at, levels) if len(at) > 1 else None
+
+
+def _switch(critical: list[CriticalRound], led: dict[str, list[RoundFacts]], together: list[RoundFacts],
+            steps: tuple[list[float], list[float]] | None) -> float | None:
+    """``Exposure.switch_s``: the grid's led rounds' micro-step exposure less the steady led
+    rounds' (None without enough of both). A grid round computes less than a steady led one, and
+    a shorter step hides less: each is compared at the steady rounds' compute along the levels'
+    slope up to the balanced one, so that the switch is what changing shape adds, not what
+    computing less exposes."""
+    pooled = [f for fs in led.values() for f in fs]
+    grid_led = [c.facts for c in critical if c.lead >= LEAD_SCALE]
+    if not pooled or len(grid_led) < MIN_ROUNDS:
+        return None
+    slope = 0.0
+    if steps is not None:
+        at, levels = steps
+        top = at.index(statistics.median(f.compute_s for f in together))
+        if at[top] > at[0]:
+            slope = (levels[top] - levels[0]) / (at[top] - at[0])
+    c_led = statistics.median(f.compute_s for f in pooled)
+    grid = [f.micro_step_comm_s + slope * (c_led - f.compute_s) for f in grid_led]
+    return max(0.0, statistics.median(grid) - statistics.median(f.micro_step_comm_s for f in pooled))
 
 
 def exposed_costs(grid: list[list[RoundFacts]],
@@ -260,40 +313,21 @@ def exposed_costs(grid: list[list[RoundFacts]],
     if min(len(f) for f in grid) == 0:
         return Exposure()
     critical = _critical(grid, 1)
-    settled = {k: [c.facts for c in _critical(v, SETTLING)] for k, v in (steady or {}).items()
-               if min(len(f) for f in v) > 0}
-    at: list[float] | None = None
-    levels: list[float] | None = None
+    steady = steady or {}
+    settled = {k: [c.facts for c in _critical(v, SETTLING)] for k, v in steady.items() if min(len(f) for f in v) > 0}
+    steps: tuple[list[float], list[float]] | None = None
+    ends: tuple[list[float], list[float]] | None = None
     switch: float | None = None
     led: dict[str, list[RoundFacts]] = {k.leader: v for k, v in settled.items() if k.kind is SteadyRounds.LED}
     small: dict[str, list[CriticalRound]] = {k.leader: _critical(steady[k], SETTLING) for k in settled
                                              if k.kind is SteadyRounds.LED_SMALL}
     small_led = {t: SmallLed(statistics.median(r.lead for r in c),
                              statistics.median(r.facts.micro_step_comm_s for r in c)) for t, c in small.items()}
-    balanced = SteadyConfig(SteadyRounds.BALANCED)
-    if balanced in settled:
-        together = settled[balanced]
-        steps = [settled[SteadyConfig(k)] for k in (SteadyRounds.SHORTEST, SteadyRounds.SHORT)
-                 if SteadyConfig(k) in settled]
-        level = Level(statistics.median(f.compute_s for f in together),
-                      statistics.median(f.micro_step_comm_s for f in together))
-        if steps:
-            at = [statistics.median(f.compute_s for f in fs) for fs in steps] + [level.compute_s]
-            levels = [statistics.median(f.micro_step_comm_s for f in fs) for fs in steps] + [level.exposed_s]
-        long_level = _long_level(steady or {}, led, small_led, level.exposed_s)
-        pooled = [f for fs in led.values() for f in fs]
-        grid_led = [c.facts for c in critical if c.lead >= LEAD_SCALE]
-        if pooled and len(grid_led) >= MIN_ROUNDS:
-            # a grid round computes less than a steady led one, and a shorter step hides less:
-            # compare at the steady rounds' compute along the levels' slope, so that the switch
-            # is what changing shape adds, not what computing less exposes
-            slope = (levels[-1] - levels[0]) / (at[-1] - at[0]) if at and at[-1] > at[0] else 0.0
-            c_led = statistics.median(f.compute_s for f in pooled)
-            grid = [f.micro_step_comm_s + slope * (c_led - f.compute_s) for f in grid_led]
-            switch = max(0.0, statistics.median(grid) - statistics.median(f.micro_step_comm_s for f in pooled))
-        if long_level is not None and long_level.compute_s > level.compute_s:
-            at = (at or [level.compute_s]) + [long_level.compute_s]
-            levels = (levels or [level.exposed_s]) + [long_level.exposed_s]
+    if SteadyConfig(SteadyRounds.BALANCED) in settled:
+        together = settled[SteadyConfig(SteadyRounds.BALANCED)]
+        steps = _levels(settled, steady, led, small, _micro_step)
+        ends = _levels(settled, steady, led, small, _end)
+        switch = _switch(critical, led, together, steps)
     else:
         together = [c.facts for c in critical if c.lead < LEAD_SCALE]
         if len(together) < MIN_ROUNDS:
@@ -302,7 +336,8 @@ def exposed_costs(grid: list[list[RoundFacts]],
     return Exposure(
         micro_step_s=statistics.median(f.micro_step_comm_s for f in together),
         iteration_s=statistics.median(f.end_comm_s for f in together),
-        step_compute_s=None if at is None else tuple(at), step_s=None if levels is None else tuple(levels),
+        step_compute_s=None if steps is None else tuple(steps[0]), step_s=None if steps is None else tuple(steps[1]),
+        end_s=None if steps is None or ends is None else tuple(ends[1]),
         switch_s=switch,
         leaders=tuple(LedExposure(
             t,

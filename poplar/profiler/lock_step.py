@@ -136,7 +136,7 @@ def _steady_rounds(run: TimedRun, fit: StageCapacity, runtime: ZeroRuntime,
     comm, device = run.comm, run.device
     best = {b: min(c for c, _ in ms) for b, ms in measured.items()}
     everyone = comm.all_gather_object((best, device.device_type), tag="profile:steady")
-    configs = exposure_batches([b for b, _ in everyone], fit.mbs, [t for _, t in everyone], fit.stage)
+    configs = exposure_batches([b for b, _ in everyone], fit.mbs, [t for _, t in everyone])
     error = None
     try:
         for per_rank in configs.values():

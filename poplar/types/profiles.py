@@ -191,7 +191,9 @@ class Exposure:
 
     micro_step_s: float | None = None  # balanced: every rank finishing its micro-step together
     iteration_s: float | None = None  # the iteration's closing collectives, balanced
-    # balanced exposure of shorter (and longer) steps: at each compute (ascending), this much
+    # balanced exposure of shorter (and longer) steps: at each compute (ascending), this much in
+    # the micro-step (``step_s``) and at the iteration's end (``end_s``: at stages 0/1 the closing
+    # collectives overlap the rank's last micro-step, so a shorter last step hides less of them)
     step_compute_s: tuple[float, ...] | None = None
     step_s: tuple[float, ...] | None = None
     switch_s: float | None = None  # more per micro-step whose batches differ from the step before
@@ -200,6 +202,7 @@ class Exposure:
     # how well the steady rounds knew their exposure: the largest standard error of a
     # configuration's median, as a fraction of its round time (None: no steady rounds)
     error: float | None = None
+    end_s: tuple[float, ...] | None = None  # the iteration's end at each ``step_compute_s`` (above)
 
     def per_leader(self, name: str) -> dict[str, float] | None:
         """``LedExposure.<name>`` of every leader that has it, by device type (None: none has)."""
@@ -236,7 +239,7 @@ class CommProfile:
         _require(isinstance(self.links, Links), "comm.links", self.links, "an object")
         if isinstance(self.exposure, dict):
             d = dict(self.exposure)
-            for name in ("step_compute_s", "step_s"):
+            for name in ("step_compute_s", "step_s", "end_s"):
                 if isinstance(d.get(name), list):
                     d[name] = tuple(d[name])
             leaders = d.get("leaders", [])
@@ -419,6 +422,11 @@ class Profile:
             for j, (x, y) in enumerate(zip(at, level)):
                 _check(x, f"comm.exposure.step_compute_s[{j}]", float)
                 _check(y, f"comm.exposure.step_s[{j}]", float)
+        if exposure.end_s is not None:
+            _require(isinstance(exposure.end_s, tuple) and isinstance(at, tuple) and len(exposure.end_s) == len(at),
+                     "comm.exposure.end_s", exposure.end_s, "a list as long as comm.exposure.step_compute_s")
+            for j, y in enumerate(exposure.end_s):
+                _check(y, f"comm.exposure.end_s[{j}]", float)
 
     def validate(self) -> None:
         self.check_types()

@@ -106,7 +106,7 @@ def test_without_lead_rounds_there_is_no_lead_exposure():
 def test_exposure_batches_balance_the_ranks_or_let_each_type_lead():
     fast = {b: 0.01 + 0.002 * b for b in (1, 2, 4, 8, 16, 20)}
     slow = {b: 0.02 + 0.006 * b for b in (1, 2, 4, 8)}
-    chosen = exposure_batches([fast, fast, slow], [20, 20, 8], ["F", "F", "S"], stage=3)
+    chosen = exposure_batches([fast, fast, slow], [20, 20, 8], ["F", "F", "S"])
     # balanced: the largest compute every rank reaches (the fast ranks' at their mbs, 0.05 s)
     assert chosen[BALANCED] == [20, 20, 5]
     # a third of it is below the slow type's least (0.026 s): one shorter level only, at that least
@@ -115,8 +115,7 @@ def test_exposure_batches_balance_the_ranks_or_let_each_type_lead():
     led = chosen[LED_S]
     assert led[2] == 5 and led[0] == led[1] and abs(fast[4] + 0.002 * (led[0] - 4) - 0.025) <= 0.0011
     assert chosen[LED_F][:2] == [20, 20] and chosen[LED_F][2] == 1  # 0.025 s: the slow type's least is closest
-    assert LED_F not in exposure_batches([fast, fast], [20, 20], ["F", "F"], stage=3)
-    assert SHORTEST not in exposure_batches([fast, fast, slow], [20, 20, 8], ["F", "F", "S"], stage=1)
+    assert LED_F not in exposure_batches([fast, fast], [20, 20], ["F", "F"])
 
 
 def test_a_step_is_priced_by_its_slowest_rows_lead():
@@ -171,10 +170,9 @@ def test_a_long_level_where_a_rank_computes_far_past_the_balanced_one():
     level, and the long rounds (every rank at its mbs) measure how much such a step exposes."""
     fast = {b: 0.01 * b for b in (1, 2, 4, 8, 11)}
     slow = {b: 0.03 * b for b in (1, 2, 4, 8, 11)}
-    chosen = exposure_batches([fast, fast, slow], [11, 11, 11], ["F", "F", "S"], stage=3)
+    chosen = exposure_batches([fast, fast, slow], [11, 11, 11], ["F", "F", "S"])
     assert chosen[BALANCED] == [11, 11, 4] and chosen[LONG_S] == [11, 11, 11]
-    assert LONG_S not in exposure_batches([fast, fast, slow], [11, 11, 11], ["F", "F", "S"], stage=1)
-    assert not any(k.kind is SteadyRounds.LONG for k in exposure_batches([fast] * 3, [11] * 3, ["F"] * 3, stage=3))
+    assert not any(k.kind is SteadyRounds.LONG for k in exposure_batches([fast] * 3, [11] * 3, ["F"] * 3))
 
     grid = facts([(0.2, 0.1, 0.02, 1)] * 6)
     balanced = facts([(0.15, 0.149, 0.035, p) for p in range(6)])
@@ -198,13 +196,13 @@ def test_a_long_level_where_a_rank_computes_far_past_the_balanced_one():
 def test_small_led_rounds_where_the_batches_give_a_small_lead():
     fast = {b: 0.01 + 0.002 * b for b in (1, 2, 4, 8, 16, 20)}
     slow = {b: 0.02 + 0.006 * b for b in (1, 2, 4, 8)}
-    chosen = exposure_batches([fast, fast, slow], [20, 20, 8], ["F", "F", "S"], stage=2)
+    chosen = exposure_batches([fast, fast, slow], [20, 20, 8], ["F", "F", "S"])
     # S at the balanced 0.05 s, F near 85 % of it: 16 samples, 0.042 s, a lead of 0.16
     assert chosen[SMALL_S] == [16, 16, 5]
     assert chosen[SMALL_F] == [20, 20, 4]  # S at 4 samples, 0.044 s: led by 0.12
     # S's batches are 0.03 s apart: near 85 % of F's 0.05 s is one sample, led by 0.4, no small lead
     coarse = {1: 0.03, 2: 0.06}
-    assert SMALL_F not in exposure_batches([fast, fast, coarse], [20, 20, 2], ["F", "F", "S"], stage=2)
+    assert SMALL_F not in exposure_batches([fast, fast, coarse], [20, 20, 2], ["F", "F", "S"])
 
 
 def test_small_led_rounds_give_the_lead_and_exposure_where_the_change_starts():
@@ -226,3 +224,31 @@ def test_small_led_rounds_give_the_lead_and_exposure_where_the_change_starts():
     assert costs.step_s == pytest.approx([0.035, 0.028])
     straight = exposed_costs(grid, {BALANCED: balanced, LED_S: led, LONG_S: long})
     assert straight.step_s == pytest.approx([0.035, 0.02 + 0.01 * 0.16 / 0.5])
+
+
+def test_stages_0_and_1_price_the_end_by_the_slowest_ranks_last_micro_step():
+    """At stages 0/1 the closing collectives overlap the last micro-step's backward: the levels'
+    end exposures (``Exposure.end_s``) price an iteration by its slowest rank's last micro-step,
+    so a plan ending in a short one pays more than one ending in a long one of the same compute."""
+    grid = facts([(0.2, 0.1, 0.0, 1)] * 6)
+    balanced = facts([(0.15, 0.149, 0.0, p) for p in range(6)], end=0.03)
+    short = facts([(0.05, 0.049, 0.0, p) for p in range(6)], end=0.05)
+    costs = exposed_costs(grid, {BALANCED: balanced, SHORT: short})
+    assert costs.step_compute_s == pytest.approx([0.05, 0.15])
+    assert costs.end_s == pytest.approx([0.05, 0.03]) and costs.iteration_s == pytest.approx(0.03)
+    comm = CommModel(3, 0.0, 1e9, measured_stage=0, exposed_micro_step_s=0.0, exposed_iteration_s=0.03,
+                     exposed_end_steps=(tuple(costs.step_compute_s), tuple(costs.end_s)))
+    curves = {"X": SpeedCurve("X", np.array([0.05, 0.1, 0.15, 0.2, 0.25, 0.3])),
+              "Y": SpeedCurve("Y", np.array([0.05, 0.1, 0.15]))}
+    ending_short = evaluate_rows([("X", 5, 1, 1), ("Y", 3, 1, 0)], curves, 0, comm)  # 0.25 + 0.05
+    ending_long = evaluate_rows([("X", 3, 2, 0), ("Y", 3, 1, 0)], curves, 0, comm)  # 0.15 + 0.15
+    assert ending_short.iteration_s == pytest.approx(0.3 + 0.05)
+    assert ending_long.iteration_s == pytest.approx(0.3 + 0.03)
+    assert evaluate_rows([("X", 2, 1, 0), ("Y", 2, 1, 0)], curves, 0, comm).comm_s == pytest.approx(0.04)  # between
+    # measured at stage 2/3, or without levels, the end stays the balanced one
+    flat = CommModel(3, 0.0, 1e9, measured_stage=0, exposed_micro_step_s=0.0, exposed_iteration_s=0.03)
+    assert evaluate_rows([("X", 5, 1, 1), ("Y", 3, 1, 0)], curves, 0, flat).comm_s == pytest.approx(0.03)
+    at_two = CommModel(3, 0.0, 1e9, measured_stage=2, exposed_micro_step_s=0.0, exposed_iteration_s=0.03,
+                       exposed_end_steps=comm.exposed_end_steps)
+    assert at_two.led_iteration_s(2, 0.0, None, 0.05) == pytest.approx(0.03)
+

@@ -55,7 +55,10 @@ def best_split(curve: SpeedCurve, n: int, max_micro_steps: int | None = None) ->
     exceed b (e.g. 3 = 2 + 1 merged: 2 + 2 + 3 beats 2 + 2 + 2 + 1 when a 1-sample micro-step is
     slow). Splits within ``SPLIT_TIE`` of the fastest tie (a measured curve cannot tell them
     apart: 2 + 7 and 8 + 1 differed by 0.005 % on a V100S's) and go to fewer micro-steps, then
-    to a last batch no larger than b, then to the larger b. O(mbs log mbs) pairs."""
+    to the longest last micro-step (1 + 8 before 8 + 1), then to the larger b: at stages 0/1 the
+    closing collectives are sent while the last micro-step's backward runs (``cost_model``), so
+    of two splits that compute alike the one ending in the longer micro-step hides more of them.
+    O(mbs log mbs) pairs."""
     if n == 0:
         return 0, 0, 0, 0.0
     b, k = _pairs(curve.mbs)
@@ -70,7 +73,8 @@ def best_split(curve: SpeedCurve, n: int, max_micro_steps: int | None = None) ->
     fastest = float(secs.min())
     if not math.isfinite(fastest):
         return 0, 0, 0, math.inf
-    i = int(np.lexsort((-b, lbs > b, steps, secs > fastest * (1 + SPLIT_TIE)))[0])
+    last = np.where(lbs > 0, lbs, b)
+    i = int(np.lexsort((-b, -last, steps, secs > fastest * (1 + SPLIT_TIE)))[0])
     return (*canonical(int(b[i]), int(gas[i]), int(lbs[i])), float(secs[i]))
 
 

@@ -63,6 +63,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 from enum import Enum
+from operator import attrgetter
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -235,14 +236,8 @@ def continued(earlier: list[RoundFacts], later: list[RoundFacts]) -> list[RoundF
 
 
 Part = Callable[[RoundFacts], float]  # which exposure of a round: its micro-step's or its end's
-
-
-def _micro_step(f: RoundFacts) -> float:
-    return f.micro_step_comm_s
-
-
-def _end(f: RoundFacts) -> float:
-    return f.end_comm_s
+_micro_step: Part = attrgetter("micro_step_comm_s")
+_end: Part = attrgetter("end_comm_s")
 
 
 def _long_level(steady: dict[SteadyConfig, list[list[RoundFacts]]], led: dict[str, list[RoundFacts]],

@@ -191,9 +191,8 @@ class Exposure:
 
     micro_step_s: float | None = None  # balanced: every rank finishing its micro-step together
     iteration_s: float | None = None  # the iteration's closing collectives, balanced
-    # balanced exposure of shorter (and longer) steps: at each compute (ascending), this much in
-    # the micro-step (``step_s``) and at the iteration's end (``end_s``: at stages 0/1 the closing
-    # collectives overlap the rank's last micro-step, so a shorter last step hides less of them)
+    # balanced exposure of shorter (and longer) steps: at each compute (ascending), this much in the
+    # micro-step, and at the iteration's end (``end_s``: at stages 0/1 it overlaps the last micro-step)
     step_compute_s: tuple[float, ...] | None = None
     step_s: tuple[float, ...] | None = None
     switch_s: float | None = None  # more per micro-step whose batches differ from the step before
@@ -239,9 +238,7 @@ class CommProfile:
         _require(isinstance(self.links, Links), "comm.links", self.links, "an object")
         if isinstance(self.exposure, dict):
             d = dict(self.exposure)
-            for name in ("step_compute_s", "step_s", "end_s"):
-                if isinstance(d.get(name), list):
-                    d[name] = tuple(d[name])
+            d.update({n: tuple(d[n]) for n in ("step_compute_s", "step_s", "end_s") if isinstance(d.get(n), list)})
             leaders = d.get("leaders", [])
             _require(isinstance(leaders, (list, tuple)), "comm.exposure.leaders", leaders, "a list of objects")
             d["leaders"] = tuple(x if isinstance(x, LedExposure) else LedExposure(
@@ -415,18 +412,15 @@ class Profile:
             for name in ("micro_step_s", "iteration_s", "small_lead", "micro_step_small_lead_s",
                          "iteration_small_lead_s"):
                 _check(getattr(led, name), f"comm.exposure.leaders[{i}].{name}", float, optional=True)
-        at, level = exposure.step_compute_s, exposure.step_s
-        if at is not None or level is not None:
-            _require(isinstance(at, tuple) and isinstance(level, tuple) and len(at) == len(level),
-                     "comm.exposure.step_compute_s / step_s", (at, level), "two lists of equal length")
-            for j, (x, y) in enumerate(zip(at, level)):
-                _check(x, f"comm.exposure.step_compute_s[{j}]", float)
-                _check(y, f"comm.exposure.step_s[{j}]", float)
-        if exposure.end_s is not None:
-            _require(isinstance(exposure.end_s, tuple) and isinstance(at, tuple) and len(exposure.end_s) == len(at),
-                     "comm.exposure.end_s", exposure.end_s, "a list as long as comm.exposure.step_compute_s")
-            for j, y in enumerate(exposure.end_s):
-                _check(y, f"comm.exposure.end_s[{j}]", float)
+        at = exposure.step_compute_s
+        for name in ("step_s", "end_s"):  # each level's exposure, beside its compute (end_s may be absent)
+            level = getattr(exposure, name)
+            if level is not None or (name == "step_s" and at is not None):
+                _require(isinstance(at, tuple) and isinstance(level, tuple) and len(at) == len(level),
+                         f"comm.exposure.step_compute_s / {name}", (at, level), "two lists of equal length")
+                for j, (x, y) in enumerate(zip(at, level)):
+                    _check(x, f"comm.exposure.step_compute_s[{j}]", float)
+                    _check(y, f"comm.exposure.{name}[{j}]", float)
 
     def validate(self) -> None:
         self.check_types()

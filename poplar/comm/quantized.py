@@ -6,13 +6,15 @@ Hierarchical (``Plan.hierarchical`` on a topology that spans nodes), built as th
 (``poplar.comm.hierarchical``) are, with the exchange quantized:
 
 - reduce-scatter: the in-node reduce-scatters are exact; each holder quantizes the pieces of its
-  node's partial it sends (blocks from each transfer's start); the owner dequantizes every
-  partial it receives and adds them, in node order, to its own node's partial in fp32, then
-  writes the sum in the output's dtype. Nothing is summed in the quantized type.
-- all-gather: the owner quantizes its part once (blocks from the part's start) and sends each
-  holder the window of it that holder's piece covers; the holder dequantizes it into the output;
-  the in-node all-gathers are exact. A secondary shard (``keep``) therefore holds the dequantized
-  values, so the backward's in-node gather from it gives exactly what the forward used.
+  node's partial it sends (blocks from each transfer's start and from each parameter's); the
+  owner dequantizes every partial it receives and adds them, in node order, to its own node's
+  partial in fp32, then writes the sum in the output's dtype. Nothing is summed in the quantized
+  type.
+- all-gather: the owner quantizes its part once (blocks from the part's start and from each
+  parameter's) and sends each holder the window of it that holder's piece covers; the holder
+  dequantizes it into the output; the in-node all-gathers are exact. A secondary shard
+  (``keep``) therefore holds the dequantized values, so the backward's in-node gather from it
+  gives exactly what the forward used.
 
 Flat (a flat plan on a topology that spans nodes, where every byte crosses; or weights at
 ``EVERY_STEP``): the all-gather sends every rank's part quantized, once, over an uneven
@@ -39,7 +41,8 @@ import torch.distributed as dist
 
 from poplar.comm import hierarchical, uneven
 from poplar.comm.hierarchical import HierarchicalCall, NodeGroups, NodeLayout, Step
-from poplar.comm.quantize import from_wire, pack_window, quantize, to_wire, unpack_window, window_nbytes
+from poplar.comm.quantize import (blocks_of, from_wire, pack_window, quantize, to_wire, unpack_window, window_nbytes,
+                                  wire_nbytes)
 from poplar.comm.uneven import UnevenCall, UnevenMethod
 from poplar.types.compression import Quantization
 from poplar.types.topology import Topology, Wire
@@ -54,7 +57,8 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, sizes: Sequence[int], 
                method: UnevenMethod, spec: Quantization) -> UnevenCall:
     """``output`` (the parts back to back) gets every rank's ``input``: this rank's as it is,
     every other's dequantized from the quantized bytes it sent (module doc: flat)."""
-    offsets, nbytes = uneven.offsets(sizes), [spec.wire_bytes(n) for n in sizes]
+    offsets = uneven.offsets(sizes)
+    nbytes = [wire_nbytes(spec, lo, n) for lo, n in zip(offsets, sizes)]
     own = output[offsets[rank]:offsets[rank] + sizes[rank]]
     if input.data_ptr() != own.data_ptr():
         own.copy_(input)
@@ -62,7 +66,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, sizes: Sequence[int], 
     at = uneven.offsets(nbytes)
     mine = wire[at[rank]:at[rank] + nbytes[rank]]
     if nbytes[rank]:
-        mine.copy_(to_wire(input, spec))
+        mine.copy_(to_wire(input, spec, offsets[rank]))
     call = uneven.all_gather(wire, mine, nbytes, rank, group, method)
 
     def finish() -> None:
@@ -70,7 +74,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, sizes: Sequence[int], 
             call.finish()
         for r, (lo, n) in enumerate(zip(offsets, sizes)):
             if r != rank and n:
-                output[lo:lo + n].copy_(from_wire(wire[at[r]:at[r] + nbytes[r]], n, spec))
+                output[lo:lo + n].copy_(from_wire(wire[at[r]:at[r] + nbytes[r]], n, spec, lo))
     return UnevenCall(call.run, finish, sum(nbytes))
 
 
@@ -80,9 +84,9 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, sizes: Sequence[in
     every rank sends each other rank its slice quantized; the owner adds the dequantized slices,
     in rank order, to its own in fp32 (module doc: flat)."""
     offsets, n = uneven.offsets(sizes), sizes[rank]
-    sends = [(r, to_wire(input[lo:lo + size], spec)) for r, (lo, size) in enumerate(zip(offsets, sizes))
+    sends = [(r, to_wire(input[lo:lo + size], spec, lo)) for r, (lo, size) in enumerate(zip(offsets, sizes))
              if r != rank and size]
-    recvs = [(r, torch.empty(spec.wire_bytes(n), dtype=torch.uint8, device=input.device))
+    recvs = [(r, torch.empty(wire_nbytes(spec, offsets[rank], n), dtype=torch.uint8, device=input.device))
              for r in range(len(sizes)) if r != rank and n]
 
     def run(async_op: bool) -> Any:
@@ -93,9 +97,9 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, sizes: Sequence[in
     def finish() -> None:
         total = input[offsets[rank]:offsets[rank] + n].to(torch.float32, copy=True)  # the input stays as given
         for _, payload in recvs:
-            total += from_wire(payload, n, spec)
+            total += from_wire(payload, n, spec, offsets[rank])
         output.copy_(total)
-    return UnevenCall(run, finish, sum(spec.wire_bytes(s) for s in sizes))
+    return UnevenCall(run, finish, sum(wire_nbytes(spec, lo, size) for lo, size in zip(offsets, sizes)))
 
 
 # ---------------------------------------------------------------------------------------- hierarchical
@@ -119,23 +123,24 @@ def hierarchical_reduce_scatter(output: torch.Tensor, input: torch.Tensor, sizes
         if t.holder == rank:
             m = topology.node_of(t.owner)
             at = t.at - layout.piece(topology, rank, m)[0]
-            sends.append((t.owner, torch.empty(spec.wire_bytes(t.length), dtype=torch.uint8, device=input.device)))
-            pieces.append(held[m][at:at + t.length])
+            sends.append((t.owner, torch.empty(wire_nbytes(spec, t.at, t.length), dtype=torch.uint8,
+                                               device=input.device)))
+            pieces.append((t.at, held[m][at:at + t.length]))
         if t.owner == rank:
-            payload = torch.empty(spec.wire_bytes(t.length), dtype=torch.uint8, device=input.device)
+            payload = torch.empty(wire_nbytes(spec, t.at, t.length), dtype=torch.uint8, device=input.device)
             recvs.append((t.holder, payload))
-            into.append((topology.node_of(t.holder), t.at - layout.offsets[rank], t.length, payload))
+            into.append((topology.node_of(t.holder), t.at, t.length, payload))
 
     def quantize_pieces() -> None:  # the node's partials exist once the in-node step is done
-        for (_, payload), piece in zip(sends, pieces):
-            payload.copy_(to_wire(piece, spec))
+        for (_, payload), (at, piece) in zip(sends, pieces):
+            payload.copy_(to_wire(piece, spec, at))
 
     def add_partials() -> None:
-        total = output.to(torch.float32)
+        total, mine = output.to(torch.float32), layout.offsets[rank]
         for _, at, n, payload in sorted(into, key=lambda x: (x[0], x[1])):  # node order, as the exact call
-            total[at:at + n] += from_wire(payload, n, spec)
+            total[at - mine:at - mine + n] += from_wire(payload, n, spec, at)
         output.copy_(total)
-    observed = _observed(layout, topology, lambda t: spec.wire_bytes(t.length))
+    observed = _observed(layout, topology, lambda t: wire_nbytes(spec, t.at, t.length))
     steps.append(hierarchical.exchange_step(groups, groups.cross_later, observed, sends, recvs, add_partials,
                                             quantize_pieces))
     return HierarchicalCall(steps, None)
@@ -154,22 +159,23 @@ def hierarchical_all_gather(output: torch.Tensor, input: torch.Tensor, sizes: Se
     secondary shard, dequantized, is copied once the call is done."""
     topology = groups.topology
     layout, lo, own = hierarchical.place_own_part(output, input, sizes, rank, topology)
-    quantized = quantize(own, spec) if any(t.owner == rank for t in layout.transfers) else None
+    quantized = quantize(own, spec, layout.offsets[rank]) if any(t.owner == rank for t in layout.transfers) else None
+    blocks = [blocks_of(spec, at, n) for at, n in zip(layout.offsets, sizes)]  # of each owner's part
     sends, recvs, into = [], [], []
     for t in layout.transfers:
         a, b = _window(layout, t)
         if t.owner == rank:
             sends.append((t.holder, pack_window(quantized, a, b)))
         if t.holder == rank:
-            payload = torch.empty(window_nbytes(a, b, spec.bits, spec.block_size), dtype=torch.uint8,
+            payload = torch.empty(window_nbytes(a, b, spec.bits, blocks[t.owner]), dtype=torch.uint8,
                                   device=output.device)
             recvs.append((t.owner, payload))
-            into.append((t.at, a, b, payload))
+            into.append((t.at, a, b, blocks[t.owner], payload))
 
     def dequantize_pieces() -> None:
-        for at, a, b, payload in into:
-            output[at:at + b - a].copy_(unpack_window(payload, a, b, spec.bits, spec.block_size))
-    observed = _observed(layout, topology, lambda t: window_nbytes(*_window(layout, t), spec.bits, spec.block_size))
+        for at, a, b, part_blocks, payload in into:
+            output[at:at + b - a].copy_(unpack_window(payload, a, b, spec.bits, part_blocks))
+    observed = _observed(layout, topology, lambda t: window_nbytes(*_window(layout, t), spec.bits, blocks[t.owner]))
     steps = [hierarchical.exchange_step(groups, groups.cross_first, observed, sends, recvs, dequantize_pieces)]
     gather = hierarchical.gather_in_node(output, layout, rank, groups, method, groups.node_later[topology.node_of(rank)])
     if gather is not None:
@@ -204,7 +210,8 @@ def all_gather_within_every_step(output: torch.Tensor, input: torch.Tensor, seco
     group = groups.node_first[k]
     lo, size = layout.region_offsets[k], layout.region_sizes[k]
     own_region = [] if not size else [
-        all_gather(output[lo:lo + size], input, [sizes[r] for r in topology.nodes[k]], j, group, method, spec)]
+        all_gather(output[lo:lo + size], input, [sizes[r] for r in topology.nodes[k]], j, group, method,
+                   spec.within(lo))]
     gather = hierarchical.gather_in_node(output, layout, rank, groups, method, group, also=own_region)
     return HierarchicalCall([] if gather is None else [gather], None)
 

@@ -21,9 +21,9 @@ off unless a user turns it on (``Plan.compression``, the DeepSpeed keys
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
-from typing import Any
+from typing import Any, Iterable
 
 
 class CompressionError(ValueError):
@@ -62,15 +62,29 @@ DEFAULT_BLOCK = 256
 
 @dataclass(frozen=True)
 class Quantization:
-    """One collective's quantization: the type sent, the elements per scale, and the scope."""
+    """One collective's quantization: the type sent, the elements per scale, and the scope.
+    ``tensor_starts``: where each parameter of the collective's buffer starts (sorted); blocks
+    begin there, so no block holds two parameters (``poplar.comm.quantize``, Note: blocks do not
+    straddle parameters). Empty: blocks from each quantized window's start only."""
 
     bits: QuantBits = QuantBits.INT8
     block_size: int = DEFAULT_BLOCK
     scope: QuantScope = QuantScope.CROSS_NODE
+    tensor_starts: tuple[int, ...] = ()
+
+    def cut_at(self, starts: Iterable[int]) -> "Quantization":
+        """This quantization on a buffer whose parameters start at ``starts``."""
+        return replace(self, tensor_starts=tuple(sorted(set(starts))))
+
+    def within(self, lo: int) -> "Quantization":
+        """This quantization on the sub-buffer that starts at element ``lo`` of its buffer."""
+        return replace(self, tensor_starts=tuple(s - lo for s in self.tensor_starts if s > lo))
 
     def wire_bytes(self, numel: int) -> int:
         """Bytes on the wire for ``numel`` quantized elements: the packed values and one fp32
-        scale per block (a partial last block has its own)."""
+        scale per block (a partial last block has its own). A buffer cut at its parameters
+        (``tensor_starts``) sends at most one more scale per parameter boundary: the planner
+        prices with this, the ledger records what was sent."""
         if numel <= 0:
             return 0
         blocks = -(-numel // self.block_size)

@@ -165,6 +165,7 @@ class ShardedBlock:
         self.even = all(u.layout.even for u in units)
         self.part_sizes = None if self.even else self.rank_sizes  # what the collectives take
         self._pieces = [] if self.even else self._rank_major_pieces()
+        self.tensor_starts = self._tensor_starts()
         self.full_offsets = [sum(u.padded_numel for u in units[:k]) for k in range(len(units))]
         self.full_numel = sum(u.padded_numel for u in units)
         self.gathered_nbytes = self.full_numel * torch.empty((), dtype=self.compute_dtype).element_size()
@@ -204,6 +205,21 @@ class ShardedBlock:
                 pieces.append((k, start, lo, hi - lo))
                 start += hi - lo
         return pieces
+
+    def _tensor_starts(self) -> tuple[int, ...]:
+        """Where each parameter's elements begin in the rank-major buffer of the collectives (a
+        parameter that a shard boundary cuts begins again in the next part): a quantized
+        collective's blocks begin there (``Quantization.tensor_starts``)."""
+        starts, at = [], 0
+        for r in range(self.world_size):
+            for u in self.units:
+                lo, hi = u.layout.range(r)
+                starts += [at] + [at + off - lo for off in u.offsets if lo < off < hi]
+                at += hi - lo
+        return tuple(starts)
+
+    def _cut(self, quantization: Quantization | None) -> Quantization | None:
+        return None if quantization is None else quantization.cut_at(self.tensor_starts)
 
     def _unpack(self, rank_major: torch.Tensor, flats: list[torch.Tensor]) -> None:
         """Copy a rank-major buffer out into the units' flat buffers."""
@@ -257,7 +273,7 @@ class ShardedBlock:
         kept = self.shard if self.compute_shard is None else self.compute_shard
         source = kept if self.compute_dtype == kept.dtype else kept.to(self.compute_dtype)
         tag, sizes = f"block{self.index}", self.part_sizes
-        q = quantization
+        q = self._cut(quantization)
         if self.secondary is None:
             work = comm.all_gather(out, source, tag=tag, async_op=async_op, sizes=sizes, quantization=q)
         elif again:
@@ -351,5 +367,5 @@ class ShardedBlock:
         held += comm.staging_bytes("reduce_scatter", self.part_sizes, sn, wire_size, quantization)
         out = torch.empty(sn, dtype=wire, device=self.device)
         work = comm.reduce_scatter(out, inp, tag=f"block{self.index}", async_op=True, sizes=self.part_sizes,
-                                   quantization=quantization)
+                                   quantization=self._cut(quantization))
         return ReduceHandle(work, out, inp, self.shard_grad, held)

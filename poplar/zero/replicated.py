@@ -434,6 +434,8 @@ class Stage2(ReplicatedParams):
         out = u.new_shard(wire.dtype, zero=False)  # the reduce-scatter writes all of it
         out_bytes, wire_bytes = out.numel() * out.element_size(), wire.numel() * wire.element_size()
         quantization = self.compression.gradient_quantization  # ZeRO-2 (``quantize_collectives``)
+        if quantization is not None:  # blocks begin at each parameter of the bucket (the unit's flat)
+            quantization = quantization.cut_at(u.offsets)
         staging = self.comm.staging_bytes("reduce_scatter", u.part_sizes, u.shard_numel, wire.element_size(),
                                           quantization)
         self._hold(out_bytes + staging)

@@ -1,14 +1,15 @@
 """Block-wise quantization (``poplar.comm.quantize``) in one process: every element within half
 its block's scale, exact where the values are representable, zeros exact, non-finite blocks
-non-finite, int4 packed two per byte, a partial last block, and windows of a quantized tensor."""
+non-finite, int4 packed two per byte, a partial last block, windows of a quantized tensor, and
+blocks cut at the parameters of a buffer (no block holds two parameters)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from poplar.comm.quantize import (dequantize, from_wire, pack_window, quantize, to_wire, unpack_window,
-                                  window_nbytes)
+from poplar.comm.quantize import (blocks_of, dequantize, from_wire, pack_window, quantize, to_wire, unpack_window,
+                                  window_nbytes, wire_nbytes)
 from poplar.types.compression import QuantBits, Quantization
 
 SPECS = [Quantization(QuantBits.INT8, 16), Quantization(QuantBits.INT4, 16), Quantization(QuantBits.INT8, 256)]
@@ -84,7 +85,48 @@ def test_windows_of_a_quantized_tensor(spec: Quantization) -> None:
     whole = dequantize(q)
     for a, b in ((0, 77), (3, 40), (17, 18), (15, 33), (32, 77), (5, 5)):
         payload = pack_window(q, a, b)
-        assert payload.numel() == window_nbytes(a, b, spec.bits, spec.block_size)
-        assert torch.equal(unpack_window(payload, a, b, spec.bits, spec.block_size), whole[a:b])
+        assert payload.numel() == window_nbytes(a, b, spec.bits, q.layout)
+        assert torch.equal(unpack_window(payload, a, b, spec.bits, q.layout), whole[a:b])
     with pytest.raises(ValueError, match="INT8 or INT4"):
         quantize(x, Quantization(QuantBits.NONE))
+
+
+def test_blocks_begin_at_the_window_and_at_every_parameter() -> None:
+    spec = Quantization(QuantBits.INT8, 16).cut_at([50, 0, 10, 10])
+    assert spec.tensor_starts == (0, 10, 50)
+    layout = blocks_of(spec, 5, 60)  # elements 5..64: parameters start at 10 and 50 inside it
+    assert layout.cuts == (0, 5, 45) and layout.firsts == (0, 1, 4) and layout.nblocks == 5
+    assert [layout.block_of(i) for i in (0, 4, 5, 20, 21, 44, 45, 59)] == [0, 0, 1, 1, 2, 3, 4, 4]
+    assert blocks_of(Quantization(QuantBits.INT8, 16), 5, 60).cuts == (0,)  # no parameters: from the start
+    assert spec.within(10).tensor_starts == (40,)
+
+
+def _param_scales(x: torch.Tensor, spec: Quantization, cuts: list[int]) -> torch.Tensor:
+    """Each element's block scale with blocks cut at ``cuts`` (from the definition)."""
+    return torch.cat([_block_scales(x[c:e], spec) for c, e in zip(cuts, cuts[1:] + [x.numel()])])
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.bits.value}-{s.block_size}")
+def test_no_block_holds_two_parameters(spec: Quantization) -> None:
+    """A norm's gain (ones) beside a projection of std 0.008: cut at the parameters, the
+    projection is quantized on its own scale; cut only from the window's start, a block holding
+    both rounds the projection's elements to steps of 1/levels (the test fails that way)."""
+    g = torch.Generator().manual_seed(3)
+    gain, proj = torch.ones(40), torch.randn(700, generator=g) * 0.008
+    x = torch.cat([torch.randn(30, generator=g) * 0.02, gain, proj])
+    at = 13  # the window's start in its buffer, off the block grid
+    cut = spec.cut_at([at, at + 30, at + 70, at + 770])  # a parameter past the window is ignored
+    back = dequantize(quantize(x, cut, at))
+    bound = _param_scales(x, spec, [0, 30, 70]) / 2 + x.abs() * 2 ** -22
+    assert torch.all((back - x).abs() <= bound)
+    assert torch.equal(back[30:70], gain)  # ones: representable on their own scale
+    straddled = (dequantize(quantize(x, spec, at)) - x).abs()
+    assert not torch.all(straddled <= bound)  # blocks from the window's start only break the bound
+    assert to_wire(x, cut, at).numel() == wire_nbytes(cut, at, 770) == spec.wire_bytes(30) + \
+        spec.wire_bytes(40) + spec.wire_bytes(700)
+    assert torch.equal(from_wire(to_wire(x, cut, at), 770, cut, at), back)
+    q = quantize(x, cut, at)
+    for a, b in ((0, 770), (25, 75), (29, 31), (69, 300), (100, 101)):
+        payload = pack_window(q, a, b)
+        assert payload.numel() == window_nbytes(a, b, spec.bits, q.layout)
+        assert torch.equal(unpack_window(payload, a, b, spec.bits, blocks_of(cut, at, 770)), back[a:b])

@@ -14,7 +14,7 @@ import torch
 from poplar.comm import Communicator
 from poplar.comm.hierarchical import node_layout
 from poplar.comm.launch import spawn
-from poplar.comm.quantize import window_nbytes
+from poplar.comm.quantize import blocks_of, window_nbytes, wire_nbytes
 from poplar.types.compression import QuantBits, Quantization, QuantScope
 from poplar.types.topology import Link, Topology
 
@@ -24,6 +24,9 @@ BLOCK = 16
 INT8 = Quantization(QuantBits.INT8, BLOCK)
 INT4 = Quantization(QuantBits.INT4, BLOCK)
 EVERY = Quantization(QuantBits.INT8, BLOCK, QuantScope.EVERY_STEP)
+CUT = INT8.cut_at((0, 7, 30, 45, 61, 100))  # a buffer of parameters: blocks begin at each one too
+SPECS = {"int8": INT8, "int4": INT4, "every": EVERY, "int8-cut": CUT}
+SECONDARY = {"cross_node": INT8, "every_step": EVERY, "every_step-cut": EVERY.cut_at(CUT.tensor_starts)}
 # the shares of a representable reduce-scatter: each node's sum, and each rank's slice, is levels x 2^k
 SHARES = {"2+2": (0.5, 0.5, 0.5, 0.5), "3+1": (0.5, 0.25, 0.25, 1.0)}
 DTYPES = (torch.float32, torch.bfloat16)
@@ -74,11 +77,12 @@ def collective_worker(rank: int, world: int, topology: Topology, name: str) -> d
     for dtype in DTYPES:
         for sizes in SIZES:
             x, part = floats(rank, sum(sizes), dtype), floats(10 + rank, sizes[rank], dtype)
-            for hier, modes in ((True, (INT8, INT4, EVERY)), (False, (INT8,))):
+            for hier, modes in ((True, ("int8", "int4", "every", "int8-cut")), (False, ("int8", "int8-cut"))):
                 comm.use_hierarchy(hier)
-                for q in modes:
+                for label in modes:
+                    q = SPECS[label]
                     comm.ledger.clear()
-                    out[(str(dtype), sizes, hier, q.bits.value, q.scope.value)] = (
+                    out[(str(dtype), sizes, hier, label)] = (
                         _pair(comm, sizes, x, part, q, rs=q.scope is QuantScope.CROSS_NODE), _records(comm))
                 comm.ledger.clear()
                 out[(str(dtype), sizes, hier, "exact")] = (_pair(comm, sizes, x, part, None), _records(comm))
@@ -91,7 +95,7 @@ def collective_worker(rank: int, world: int, topology: Topology, name: str) -> d
             out[("representable", hier, q.bits.value)] = (_pair(comm, sizes, x, part, q), _pair(comm, sizes, x, part,
                                                                                                 None))
     comm.use_hierarchy(True)
-    for q in (INT8, EVERY):  # the secondary shard reproduces the forward's gather inside the node
+    for label, q in SECONDARY.items():  # the secondary shard reproduces the forward's gather inside the node
         sizes = SIZES[0]
         part = floats(20 + rank, sizes[rank], torch.float32)
         keep = torch.zeros(comm.secondary_numel(sizes, 0, 4))
@@ -102,7 +106,7 @@ def collective_worker(rank: int, world: int, topology: Topology, name: str) -> d
         links = {r.link for r in comm.ledger.records}
         plain = torch.zeros(sum(sizes))
         comm.all_gather(plain, part, sizes=sizes, quantization=q)
-        out[("secondary", q.scope.value)] = (full, again, plain, links)
+        out[("secondary", label)] = (full, again, plain, links)
     for hier in (True, False):  # a non-finite value sent quantized stays non-finite at its owner
         comm.use_hierarchy(hier)
         sizes = SIZES[0]
@@ -126,14 +130,18 @@ def _offsets(sizes: tuple) -> list[int]:
 
 
 def _gather_bound(parts: list[torch.Tensor], q: Quantization, dtype: torch.dtype) -> torch.Tensor:
-    """Per element of the gathered buffer: half its block's step (blocks from each part's start),
-    fp32's rounding, and (bf16) the output's rounding."""
-    bounds = []
+    """Per element of the gathered buffer: half its block's step (blocks from each part's start
+    and each parameter's, ``q.tensor_starts``), fp32's rounding, and (bf16) the output's rounding."""
+    bounds, at = [], 0
     for p in parts:
         p = p.float()
         scale = torch.zeros_like(p)
-        for lo in range(0, p.numel(), q.block_size):
-            scale[lo:lo + q.block_size] = p[lo:lo + q.block_size].abs().max() / q.bits.levels
+        cuts = [0] + [c - at for c in q.tensor_starts if at < c < at + p.numel()] + [p.numel()]
+        at += p.numel()
+        for c, e in zip(cuts, cuts[1:]):
+            for lo in range(c, e, q.block_size):
+                hi = min(lo + q.block_size, e)
+                scale[lo:hi] = p[lo:hi].abs().max() / q.bits.levels
         rounding = 2 ** -8 if dtype == torch.bfloat16 else 2 ** -22
         bounds.append(scale / 2 + p.abs() * rounding + scale * rounding)
     return torch.cat(bounds)
@@ -189,9 +197,9 @@ def _check_bytes(name: str, key: tuple, results: list[dict], q: Quantization) ->
     """The ledger records the quantized bytes each rank sent across (values and scales)."""
     sizes, element = key[1], 4 if key[0] == "torch.float32" else 2
     layout = node_layout(tuple(sizes), TOPOLOGIES[name], element)
-    rs = sum(q.wire_bytes(t.length) for t in layout.transfers)
+    rs = sum(wire_nbytes(q, t.at, t.length) for t in layout.transfers)
     ag = sum(window_nbytes(t.at - layout.offsets[t.owner], t.at - layout.offsets[t.owner] + t.length, q.bits,
-                           q.block_size) for t in layout.transfers)
+                           blocks_of(q, layout.offsets[t.owner], sizes[t.owner])) for t in layout.transfers)
     sent = sum(_cross_bytes(res[key][1]) for res in results)
     assert sent == rs + ag, (key, sent, rs + ag)
     exact = sum(_cross_bytes(res[key[:3] + ("exact",)][1]) for res in results)
@@ -205,12 +213,10 @@ def _check_bytes(name: str, key: tuple, results: list[dict], q: Quantization) ->
 @pytest.mark.multiprocess
 def test_quantized_collectives_within_their_bound(name: str) -> None:
     results = spawn(collective_worker, 4, (TOPOLOGIES[name], name), timeout_s=120)
-    specs = {(INT8.bits.value, INT8.scope.value): INT8, (INT4.bits.value, INT4.scope.value): INT4,
-             (EVERY.bits.value, EVERY.scope.value): EVERY}
     for key in results[0]:
-        if not isinstance(key, tuple) or len(key) != 5:
+        if not isinstance(key, tuple) or len(key) != 4 or key[3] == "exact":
             continue
-        q, hier = specs[key[3:]], key[2]
+        q, hier = SPECS[key[3]], key[2]
         _check_gather(name, key, results, q, hier)
         if q.scope is QuantScope.CROSS_NODE:
             _check_reduce(name, key, results, q, hier)
@@ -218,16 +224,17 @@ def test_quantized_collectives_within_their_bound(name: str) -> None:
             _check_bytes(name, key, results, q)
         if not hier:  # flat: the whole buffer, quantized, on the flat link
             flat = [b for op, b, link in results[0][key][1] if link is Link.FLAT]
-            assert flat == [sum(q.wire_bytes(s) for s in key[1])] * 2, (key, flat)
+            offsets = _offsets(key[1])
+            assert flat == [sum(wire_nbytes(q, lo, s) for lo, s in zip(offsets, key[1]))] * 2, (key, flat)
     for rank, res in enumerate(results):
         for hier in (True, False):
             for bits in ("int8", "int4"):
                 (qo, qf), (eo, ef) = res[("representable", hier, bits)]
                 assert torch.equal(qo, eo) and torch.equal(qf, ef), (rank, hier, bits)
-        for scope in ("cross_node", "every_step"):
-            full, again, plain, links = res[("secondary", scope)]
-            assert torch.equal(full, again) and torch.equal(full, plain), (rank, scope)
-            assert links <= {Link.INTRA}, (rank, scope, links)  # the backward gather stays in the node
+        for label in SECONDARY:
+            full, again, plain, links = res[("secondary", label)]
+            assert torch.equal(full, again) and torch.equal(full, plain), (rank, label)
+            assert links <= {Link.INTRA}, (rank, label, links)  # the backward gather stays in the node
         for hier in (True, False):
             got = res[("nonfinite", hier)]
             assert (not torch.isfinite(got[5]).item()) if rank == 0 else torch.isfinite(got).all(), (rank, hier)

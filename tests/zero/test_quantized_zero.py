@@ -3,7 +3,8 @@ ZeRO-3 with int8 weights and gradients (hierarchical with secondary shards, flat
 left out of the step), int8 weights at every step (with secondary shards), ZeRO-2 with int8
 gradients, against single-process training (bf16 compute: against the exact bf16 run) on the whole global batch (SGD with momentum); the
 ledger's cross-node bytes about a quarter of the exact run's; checkpoints saved with quantization
-load without it and the other way round, the master state exact."""
+load without it and the other way round, the master state exact; a block's quantized collectives
+begin their blocks at each parameter."""
 
 from __future__ import annotations
 
@@ -19,7 +20,10 @@ from poplar.engine import PoplarEngine
 from poplar.types.compression import CommPolicy
 from poplar.types.plans import Plan, PlanError
 from poplar.types.topology import Link, Topology
+from poplar.zero.blocks import ShardedBlock
 from poplar.zero.config import ZeroConfig
+from poplar.zero.flat import FlatUnit
+from poplar.zero.shard_layout import Shards
 from tests.toy import (global_batch, loss_fn, make_model, make_optimizer, max_rel_err, plan_of, rank_slice,
                        reference_run, with_shards)
 
@@ -133,3 +137,28 @@ def test_runtime_refuses_quantization_its_stage_does_not_have() -> None:
         PoplarEngine(model, make_optimizer(model, "sgd"), zero_stage=2, plan=one)
     with pytest.raises(PlanError, match="zero_stage=2 or 3"):
         Plan(ranks=one.ranks, zero_stage=1, compression=CommPolicy(gradients="int8"))
+
+
+def test_a_blocks_quantized_collectives_begin_blocks_at_each_parameter() -> None:
+    """``ShardedBlock.tensor_starts``: in the rank-major buffer of a block of two units cut 5:1:2,
+    every place a new parameter's elements begin (and every rank's part), from the layout alone."""
+    shapes = ((7, 3, 11), (5, 9))
+    blocks = []
+    for r in range(3):
+        units = [FlatUnit([nn.Parameter(torch.zeros(n)) for n in sizes], [f"p{i}" for i in range(len(sizes))], k,
+                          Shards((5.0, 1.0, 2.0)), r, k) for k, sizes in enumerate(shapes)]
+        blocks.append(ShardedBlock(0, "b", nn.Module(), units))
+    b = blocks[0]
+    ids = [torch.cat([torch.full((n,), 10.0 * k + i) for i, n in enumerate(sizes)]) for k, sizes in enumerate(shapes)]
+    flats = [torch.full((u.padded_numel,), -1.0) for u in b.units]
+    for flat, values in zip(flats, ids):
+        flat[:values.numel()] = values
+    rank_major = torch.empty(sum(b.rank_sizes))
+    b._pack(flats, rank_major)
+    parts = {sum(b.rank_sizes[:r]) for r in range(3)}
+    changes = {i for i in range(1, rank_major.numel()) if rank_major[i] != rank_major[i - 1]
+               and rank_major[i] != -1.0}  # a new parameter (padding is the last one's tail)
+    assert set(b.tensor_starts) == parts | changes | {0}
+    assert all(x.tensor_starts == b.tensor_starts for x in blocks)
+    q = BOTH.gradient_quantization
+    assert b._cut(q).tensor_starts == tuple(sorted(set(b.tensor_starts))) and b._cut(None) is None

@@ -94,6 +94,28 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, args: tuple, por
             pass
 
 
+# How long ranks that all reported get to leave on their own before they are terminated. A rank
+# leaving runs its exit handlers (the process group's teardown, the release of the named
+# semaphores it created, e.g. a progress bar's lock); a rank terminated in the middle of them
+# leaves those to the resource tracker, which warns of them at the caller's exit.
+EXIT_GRACE_S = 5.0
+
+
+def _stop(procs: list[Any], wait_s: float) -> None:
+    """Wait up to ``wait_s`` for the ranks to exit, then terminate the rest, then kill what is left."""
+    deadline = time.monotonic() + wait_s
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)
+
+
 def spawn(fn: Callable[..., Any], world_size: int, args: tuple = (), *, timeout_s: float = 120.0,
           backend: str = "gloo", collective_timeout_s: float = 60.0, threads_per_rank: int = 1,
           grace_s: float = 10.0) -> list[Any]:
@@ -147,14 +169,7 @@ def spawn(fn: Callable[..., Any], world_size: int, args: tuple = (), *, timeout_
                 failures[rank] = payload
                 first_failure = first_failure or time.monotonic()
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+        _stop(procs, EXIT_GRACE_S if len(outputs) == world_size else 0.0)
     if failures:
         detail = "\n".join(f"--- rank {r}:\n{msg}" for r, msg in sorted(failures.items()))
         raise RankFailure(f"{len(failures)} of {world_size} ranks failed:\n{detail}", failures)

@@ -1,8 +1,11 @@
-"""The multi-process harness: results come back, a failing or dead rank fails the run with its story."""
+"""The multi-process harness: results come back, a failing or dead rank fails the run with its story,
+ranks that reported leave on their own."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -74,3 +77,29 @@ def test_ranks_see_the_callers_environment_at_each_call(monkeypatch: pytest.Monk
     monkeypatch.setenv("POPLAR_TEST_LAUNCH", "second")
     monkeypatch.delenv("POPLAR_TEST_GONE")
     assert spawn(environment_and_threads, 2) == [("second", None, 1)] * 2
+
+
+def holds_a_lock_and_leaves_slowly(rank: int, world: int) -> int:
+    """A rank that creates a named semaphore (as a progress bar's lock does) and whose exit
+    handlers take a second before the semaphore's release runs."""
+    import multiprocessing
+    import multiprocessing.util
+
+    holds_a_lock_and_leaves_slowly.lock = multiprocessing.RLock()  # type: ignore[attr-defined]
+    multiprocessing.util.Finalize(None, time.sleep, (1.0,), exitpriority=10)  # runs before the release
+    return rank
+
+
+@pytest.mark.multiprocess
+def test_ranks_that_reported_leave_on_their_own() -> None:
+    """Ranks that reported get time to run their exit handlers; terminated in the middle of them
+    they would leave their semaphores behind, and the caller would exit with the resource
+    tracker's "leaked semaphore" warning."""
+    script = ("from poplar.comm.launch import spawn\n"
+              "from tests.comm.test_launch import holds_a_lock_and_leaves_slowly\n"
+              "if __name__ == '__main__':\n"
+              "    print(spawn(holds_a_lock_and_leaves_slowly, 2, timeout_s=60))\n")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "[0, 1]", done.stderr
+    assert "leaked semaphore" not in done.stderr, done.stderr

@@ -4,9 +4,12 @@ fp32 and bf16, hierarchical (the exchange quantized), flat on a topology that sp
 weights at every step. Every element within the bound of the block scales, exactly equal where
 the inputs are representable, a rank's own part (and, hierarchical, its node's parts of a
 gather) exact; a non-finite value stays non-finite; the ledger's bytes are the quantized bytes
-sent; a secondary shard gives the backward gather exactly what the forward one gave."""
+sent; a secondary shard gives the backward gather exactly what the forward one gave. The same
+checks run on GPUs over NCCL where there is one (skipped otherwise)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 import torch
@@ -17,7 +20,9 @@ from poplar.comm.launch import spawn
 from poplar.comm.quantize import blocks_of, window_nbytes, wire_nbytes
 from poplar.types.compression import QuantBits, Quantization, QuantScope
 from poplar.types.topology import Link, Topology
+from tests.cuda_ranks import rank_gpu
 
+CPU = torch.device("cpu")
 TOPOLOGIES = {"2+2": Topology.of_sizes([2, 2]), "3+1": Topology.of_sizes([3, 1])}
 SIZES = [(40, 12, 0, 28), (33, 33, 33, 33)]  # parts per rank: uneven with an empty one; even, odd length
 BLOCK = 16
@@ -32,22 +37,22 @@ SHARES = {"2+2": (0.5, 0.5, 0.5, 0.5), "3+1": (0.5, 0.25, 0.25, 1.0)}
 DTYPES = (torch.float32, torch.bfloat16)
 
 
-def floats(rank: int, total: int, dtype: torch.dtype) -> torch.Tensor:
+def floats(rank: int, total: int, dtype: torch.dtype, device: torch.device = CPU) -> torch.Tensor:
     g = torch.Generator().manual_seed(100 + rank)
-    return (torch.randn(total, generator=g) * (1 + rank)).to(dtype)
+    return (torch.randn(total, generator=g) * (1 + rank)).to(device, dtype)
 
 
-def representable_part(rank: int, n: int, levels: int) -> torch.Tensor:
+def representable_part(rank: int, n: int, levels: int, device: torch.device = CPU) -> torch.Tensor:
     """Integers with every block's absmax ``levels``: a gather of them is exact."""
     x = torch.randint(-levels, levels + 1, (n,), generator=torch.Generator().manual_seed(rank)).float()
     x[::BLOCK] = levels
-    return x
+    return x.to(device)
 
 
-def representable_input(rank: int, total: int, name: str, levels: int) -> torch.Tensor:
+def representable_input(rank: int, total: int, name: str, levels: int, device: torch.device = CPU) -> torch.Tensor:
     """A shared ±1 pattern times this rank's share of ``levels``: every partial of it is exact."""
     signs = torch.randint(0, 2, (total,), generator=torch.Generator().manual_seed(7)).float() * 2 - 1
-    return signs * SHARES[name][rank] * levels
+    return (signs * SHARES[name][rank] * levels).to(device)
 
 
 def _wait(works: list) -> None:
@@ -59,7 +64,8 @@ def _wait(works: list) -> None:
 def _pair(comm: Communicator, sizes: tuple, x: torch.Tensor, part: torch.Tensor, q: Quantization | None,
           rs: bool = True) -> tuple:
     """(reduce-scatter of ``x``, all-gather of ``part``), async, both in flight at once."""
-    out, full = torch.zeros(sizes[comm.rank], dtype=x.dtype), torch.zeros(sum(sizes), dtype=part.dtype)
+    out = torch.zeros(sizes[comm.rank], dtype=x.dtype, device=x.device)
+    full = torch.zeros(sum(sizes), dtype=part.dtype, device=x.device)
     works = [comm.reduce_scatter(out, x, async_op=True, sizes=sizes, quantization=q) if rs else None,
              comm.all_gather(full, part, async_op=True, sizes=sizes, quantization=q)]
     _wait(works[::-1])
@@ -70,13 +76,21 @@ def _records(comm: Communicator) -> list:
     return [(r.op, r.bytes, r.link) for r in comm.ledger.records]
 
 
-def collective_worker(rank: int, world: int, topology: Topology, name: str) -> dict:
+def _cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.cpu()
+    return type(obj)(_cpu(o) for o in obj) if isinstance(obj, tuple) else obj
+
+
+def collective_worker(rank: int, world: int, topology: Topology, name: str, gpu: bool = False) -> dict:
+    """Every check's collectives on this rank (``gpu``: on its GPU, over NCCL); CPU results."""
     torch.set_num_threads(1)
-    comm = Communicator(topology=topology)
+    device = rank_gpu(rank, world) if gpu else CPU
+    comm = Communicator(topology=topology, device=device)
     out: dict = {}
     for dtype in DTYPES:
         for sizes in SIZES:
-            x, part = floats(rank, sum(sizes), dtype), floats(10 + rank, sizes[rank], dtype)
+            x, part = floats(rank, sum(sizes), dtype, device), floats(10 + rank, sizes[rank], dtype, device)
             for hier, modes in ((True, ("int8", "int4", "every", "int8-cut")), (False, ("int8", "int8-cut"))):
                 comm.use_hierarchy(hier)
                 for label in modes:
@@ -90,39 +104,39 @@ def collective_worker(rank: int, world: int, topology: Topology, name: str) -> d
         comm.use_hierarchy(hier)
         sizes = SIZES[0]
         for q in (INT8, INT4):
-            x = representable_input(rank, sum(sizes), name, q.bits.levels)
-            part = representable_part(rank, sizes[rank], q.bits.levels)
+            x = representable_input(rank, sum(sizes), name, q.bits.levels, device)
+            part = representable_part(rank, sizes[rank], q.bits.levels, device)
             out[("representable", hier, q.bits.value)] = (_pair(comm, sizes, x, part, q), _pair(comm, sizes, x, part,
                                                                                                 None))
     comm.use_hierarchy(True)
     for label, q in SECONDARY.items():  # the secondary shard reproduces the forward's gather inside the node
         sizes = SIZES[0]
-        part = floats(20 + rank, sizes[rank], torch.float32)
-        keep = torch.zeros(comm.secondary_numel(sizes, 0, 4))
-        full, again = torch.zeros(sum(sizes)), torch.zeros(sum(sizes))
+        part = floats(20 + rank, sizes[rank], torch.float32, device)
+        keep = torch.zeros(comm.secondary_numel(sizes, 0, 4), device=device)
+        full, again = torch.zeros(sum(sizes), device=device), torch.zeros(sum(sizes), device=device)
         comm.all_gather_keeping(full, part, keep, async_op=True, sizes=sizes, quantization=q).wait()
         comm.ledger.clear()
         comm.all_gather_within_nodes(again, part, keep, async_op=True, sizes=sizes, quantization=q).wait()
         links = {r.link for r in comm.ledger.records}
-        plain = torch.zeros(sum(sizes))
+        plain = torch.zeros(sum(sizes), device=device)
         comm.all_gather(plain, part, sizes=sizes, quantization=q)
         out[("secondary", label)] = (full, again, plain, links)
     for hier in (True, False):  # a non-finite value sent quantized stays non-finite at its owner
         comm.use_hierarchy(hier)
         sizes = SIZES[0]
-        x = floats(rank, sum(sizes), torch.float32)
+        x = floats(rank, sum(sizes), torch.float32, device)
         if rank == 3:
             x[5] = float("inf")  # in rank 0's part, from the other node
-        got = torch.zeros(sizes[rank])
+        got = torch.zeros(sizes[rank], device=device)
         comm.reduce_scatter(got, x, sizes=sizes, quantization=INT8)
         out[("nonfinite", hier)] = got
-    one_node = Communicator()  # a topology of one node: nothing crosses, CROSS_NODE is exact
-    x = floats(rank, 20, torch.float32)
-    a, b = torch.zeros(5), torch.zeros(5)
+    one_node = Communicator(device=device)  # a topology of one node: nothing crosses, CROSS_NODE is exact
+    x = floats(rank, 20, torch.float32, device)
+    a, b = torch.zeros(5, device=device), torch.zeros(5, device=device)
     one_node.reduce_scatter(a, x, quantization=INT8)
     one_node.reduce_scatter(b, x)
     out["one node"] = (a, b)
-    return out
+    return {k: _cpu(v) for k, v in out.items()}
 
 
 def _offsets(sizes: tuple) -> list[int]:
@@ -212,7 +226,20 @@ def _check_bytes(name: str, key: tuple, results: list[dict], q: Quantization) ->
 @pytest.mark.parametrize("name", sorted(TOPOLOGIES))
 @pytest.mark.multiprocess
 def test_quantized_collectives_within_their_bound(name: str) -> None:
-    results = spawn(collective_worker, 4, (TOPOLOGIES[name], name), timeout_s=120)
+    _check_results(name, spawn(collective_worker, 4, (TOPOLOGIES[name], name), timeout_s=120))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", sorted(TOPOLOGIES))
+@pytest.mark.multiprocess
+def test_quantized_collectives_on_nccl(name: str) -> None:
+    """The same checks with every rank on a GPU over NCCL (ranks share a GPU where there are
+    fewer than four: ``tests/cuda_ranks.py``): the byte all-gather and the all-to-all of
+    ``batch_isend_irecv`` as NCCL runs them."""
+    _check_results(name, spawn(collective_worker, 4, (TOPOLOGIES[name], name, True), backend="nccl", timeout_s=240))
+
+
+def _check_results(name: str, results: list[dict]) -> None:
     for key in results[0]:
         if not isinstance(key, tuple) or len(key) != 4 or key[3] == "exact":
             continue

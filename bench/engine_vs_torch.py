@@ -18,19 +18,22 @@
   ZeRO-2) (``--no-offload`` leaves these rows out). On CPU the "host" is the device: both sides
   pay the same host AdamW step, and their device-host copies are plain CPU memcpys (FSDP2
   skips its own when the device is the CPU); pinned memory needs a GPU, so it is off on CPU.
-- ``zero1_vs_ddp_zero_by_shape`` (CPU, ``--zero1-shapes``, default ``4x256,8x256,8x384``): after the
+- ``zero1_vs_ddp_zero_by_shape`` (``--zero1-shapes``, default ``4x256,8x256,8x384``; two ranks or more): after the
   main pass, in the same run, one pass per shape (blocks x width) of only ZeRO-1 and DDP +
   ``ZeroRedundancyOptimizer``; ``zero1_vs_ddp_zero_max`` is the largest of them. Beside them each
   pass times ``compute_floor``: the same forward and backward and an AdamW step on about 1/world
   of the parameters, with no communication, the least any ZeRO-1 can take on these cores;
   ``zero1_floor_vs_ddp_zero_by_shape`` is it ÷ the peer, how far below the peer a ratio can go.
-- ``zero0_vs_ddp_by_shape`` (CPU, ``--zero0-shapes``, same default): the same for ZeRO-0 and DDP,
+- ``zero0_vs_ddp_by_shape`` (``--zero0-shapes``, same default): the same for ZeRO-0 and DDP,
   both with their default 25 MB buckets; its ``compute_floor`` steps all the parameters.
 
 By default gloo ranks on CPU (``poplar.comm.launch.spawn``), one thread each, a small transformer
-(~3.3M parameters, 4 blocks). ``--device cuda`` runs a world of one on this machine's GPU with
-NCCL and a larger model (the ``GPU`` sizes below; ``--dim/--layers/--heads/--seq/--batch/--vocab``
-override either preset), timing with ``torch.cuda.synchronize()`` around each block. Every system
+(~3.3M parameters, 4 blocks). ``--device cuda`` runs NCCL ranks on this machine's GPUs and a
+larger model (the ``GPU`` sizes below; ``--dim/--layers/--heads/--seq/--batch/--vocab`` override
+either preset), timing with ``torch.cuda.synchronize()`` around each block: by default a world of
+one (the engine's own step, no collective); with ``--world N`` one process a rank, ranks sharing
+a GPU where there are fewer (``poplar.emulation.gpu_ranks``: NCCL's socket transport joins them,
+so the collectives overlap the compute as they would between machines, only slower). Every system
 trains the same model copy on the same batches; timed blocks of iterations are interleaved
 (A, B, A, B, ...) after a warm-up, each block's time is the slowest rank's, and ratios are of
 medians (ours ÷ torch: < 1 means Poplar is faster). Prints a table and, last, ``RESULT {json}``.
@@ -38,6 +41,7 @@ medians (ours ÷ torch: < 1 means Poplar is faster). Prints a table and, last, `
     python bench/engine_vs_torch.py [--world 2] [--iters 4] [--repeats 5] [--zero1-shapes 4x256,8x256,8x384]
     python bench/engine_vs_torch.py --zero1-only --repeats 9
     python bench/engine_vs_torch.py --zero0-only --zero0-shapes 4x256,8x384 --repeats 9
+    python bench/engine_vs_torch.py --device cuda --world 2 --zero0-only --zero0-shapes 12x768,24x1024
     python bench/engine_vs_torch.py --device cuda [--layers 12]
 """
 
@@ -58,6 +62,7 @@ from torch import nn
 
 from poplar.engine import PoplarEngine
 from poplar.comm.launch import free_port, spawn
+from poplar.emulation.gpu_ranks import rank_gpu
 from poplar.types.plans import Offload, Plan
 from poplar.zero.config import ZeroConfig
 
@@ -278,7 +283,7 @@ def _sync(device: torch.device) -> None:
 
 def worker(rank: int, world: int, c: Shape, iters: int, repeats: int, rows: Rows,
            device_type: str = "cpu") -> dict[str, Any]:
-    device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    device = rank_gpu(rank, world) if device_type == "cuda" else torch.device("cpu")
     systems = make_systems(c, world, rows, device)
     losses = {name: [step(batch(c, rank, it, device)) for it in range(2)] for name, step in systems.items()}  # warm-up
     times: dict[str, list[float]] = {name: [] for name in systems}
@@ -310,9 +315,27 @@ def run_cuda(c: Shape, iters: int, repeats: int, rows: Rows) -> dict[str, Any]:
         dist.destroy_process_group()
 
 
+def run_ranks(args: argparse.Namespace, c: Shape, rows: Rows) -> dict[str, Any]:
+    """``worker`` on every rank, rank 0's result: gloo ranks on CPU; on GPUs over NCCL, a world of
+    one in this process, or one process a rank (sharing GPUs where there are fewer:
+    ``poplar.emulation.gpu_ranks``)."""
+    if args.device == "cuda" and args.world == 1:
+        return run_cuda(c, args.iters, args.repeats, rows)
+    return spawn(worker, args.world, (c, args.iters, args.repeats, rows, args.device),
+                 backend="nccl" if args.device == "cuda" else "gloo", timeout_s=900, collective_timeout_s=300)[0]
+
+
+def where(args: argparse.Namespace) -> str:
+    if args.device == "cpu":
+        return f"{args.world} gloo ranks on CPU"
+    gpus = torch.cuda.device_count()
+    shared = f", sharing {gpus} GPU(s) through NCCL's socket transport" if args.world > gpus else ""
+    return f"{args.world} NCCL rank(s) on {torch.cuda.get_device_name(0)}{shared}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--world", type=int, default=None, help="ranks (default: 2 on CPU, 1 on CUDA)")
     ap.add_argument("--iters", type=int, default=4, help="iterations per timed block")
     ap.add_argument("--repeats", type=int, default=5, help="timed blocks per system (interleaved)")
     ap.add_argument("--no-bf16", dest="bf16", action="store_false", help="leave out the bf16 rows")
@@ -320,32 +343,30 @@ def main() -> None:
     ap.add_argument("--no-compile", dest="compiled", action="store_false",
                     help="leave out the rows with compiled blocks")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                    help="cpu: gloo ranks (--world); cuda: a world of one on GPU 0 over NCCL")
+                    help="cpu: gloo ranks; cuda: NCCL ranks on the GPUs (one by default)")
     ap.add_argument("--zero1-shapes", default="4x256,8x256,8x384",
-                    help="CPU: after the main pass, one ZeRO-1 ÷ DDP+ZeroRedundancyOptimizer pass per "
-                         "BLOCKSxDIM shape ('' for none)")
-    ap.add_argument("--zero1-only", action="store_true", help="CPU: only the --zero1-shapes passes")
+                    help="after the main pass, one ZeRO-1 ÷ DDP+ZeroRedundancyOptimizer pass per "
+                         "BLOCKSxDIM shape ('' for none; two ranks or more)")
+    ap.add_argument("--zero1-only", action="store_true", help="only the --zero1-shapes passes")
     ap.add_argument("--zero0-shapes", default="4x256,8x256,8x384",
-                    help="CPU: after the main pass, one ZeRO-0 ÷ DDP pass per BLOCKSxDIM shape ('' for none)")
-    ap.add_argument("--zero0-only", action="store_true", help="CPU: only the --zero0-shapes passes")
+                    help="after the main pass, one ZeRO-0 ÷ DDP pass per BLOCKSxDIM shape ('' for none; two "
+                         "ranks or more)")
+    ap.add_argument("--zero0-only", action="store_true", help="only the --zero0-shapes passes")
     for field in ("vocab", "dim", "heads", "layers", "seq", "batch"):
         ap.add_argument(f"--{field}", type=int, help=f"override the preset's {field}")
     args = ap.parse_args()
     rows = Rows(args.bf16, args.offload, compiled=args.compiled)
     c = CPU if args.device == "cpu" else GPU
     c = replace(c, **{k: getattr(args, k) for k in asdict(c) if getattr(args, k) is not None})
-    if args.device == "cuda":
-        args.world = 1
-        out = run_cuda(c, args.iters, args.repeats, rows)
-        where = f"1 NCCL rank on {torch.cuda.get_device_name(0)}"
-        result = main_rows(args, c, out, where)
-        result.update(device=torch.cuda.get_device_name(0), shape=asdict(c), peak_gib=out["peak_bytes"] / 2 ** 30)
-    else:
-        result = {"world": args.world}
-        if not (args.zero1_only or args.zero0_only):
-            out = spawn(worker, args.world, (c, args.iters, args.repeats, rows),
-                        timeout_s=900, collective_timeout_s=300)[0]
-            result = main_rows(args, c, out, f"{args.world} gloo ranks on CPU")
+    if args.world is None:
+        args.world = 1 if args.device == "cuda" else 2
+    result: dict[str, Any] = {"world": args.world}
+    if not (args.zero1_only or args.zero0_only):
+        out = run_ranks(args, c, rows)
+        result = main_rows(args, c, out, where(args))
+        if args.device == "cuda":
+            result.update(device=torch.cuda.get_device_name(0), shape=asdict(c), peak_gib=out["peak_bytes"] / 2 ** 30)
+    if args.world > 1:  # a world of one has no collective to compare
         if args.zero1_shapes and not args.zero0_only:
             result.update(pair_passes(args, c, 1))
         if args.zero0_shapes and not args.zero1_only:
@@ -406,8 +427,7 @@ def pair_passes(args: argparse.Namespace, c: Shape, stage: int) -> dict[str, Any
     for spec in (args.zero1_shapes if stage == 1 else args.zero0_shapes).split(","):
         layers, dim = (int(v) for v in spec.lower().split("x"))
         shape = replace(c, layers=layers, dim=dim)
-        out = spawn(worker, args.world, (shape, args.iters, args.repeats, Rows(pair=stage)),
-                    timeout_s=900, collective_timeout_s=300)[0]
+        out = run_ranks(args, shape, Rows(pair=stage))
         med = {name: statistics.median(ts) for name, ts in out["times"].items()}
         psi = sum(p.numel() for p in LM(shape).parameters())
         print(f"ZeRO-{stage} pair, {spec}: {psi / 1e6:.2f}M parameters, {layers} blocks, d={dim}, {c.batch}x{c.seq} "

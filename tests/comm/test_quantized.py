@@ -20,7 +20,7 @@ from poplar.comm.launch import spawn
 from poplar.comm.quantize import blocks_of, window_nbytes, wire_nbytes
 from poplar.types.compression import QuantBits, Quantization, QuantScope
 from poplar.types.topology import Link, Topology
-from tests.cuda_ranks import rank_gpu
+from poplar.emulation.gpu_ranks import rank_gpu
 
 CPU = torch.device("cpu")
 TOPOLOGIES = {"2+2": Topology.of_sizes([2, 2]), "3+1": Topology.of_sizes([3, 1])}
@@ -234,7 +234,7 @@ def test_quantized_collectives_within_their_bound(name: str) -> None:
 @pytest.mark.multiprocess
 def test_quantized_collectives_on_nccl(name: str) -> None:
     """The same checks with every rank on a GPU over NCCL (ranks share a GPU where there are
-    fewer than four: ``tests/cuda_ranks.py``): the byte all-gather and the all-to-all of
+    fewer than four: ``poplar.emulation.gpu_ranks``): the byte all-gather and the all-to-all of
     ``batch_isend_irecv`` as NCCL runs them."""
     _check_results(name, spawn(collective_worker, 4, (TOPOLOGIES[name], name, True), backend="nccl", timeout_s=240))
 

@@ -5,7 +5,7 @@ cards, cuts the shards by memory and trains, and the parameters equal single-pro
 the whole global batch.
 
 Skipped without a GPU (CI has none). On a machine with one GPU both ranks share it
-(``tests/cuda_ranks.py``); the caps hold per process.
+(``poplar.emulation.gpu_ranks``); the caps hold per process.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from poplar.engine import PoplarEngine
 from poplar.profiler.cuda_device import CudaDevice
 from poplar.workloads.configs import LlamaConfig
 from poplar.workloads.models import LlamaModel, llama_loss_fn
-from tests.cuda_ranks import rank_gpu
+from poplar.emulation.gpu_ranks import rank_gpu
 from tests.toy import max_rel_err, train_reference
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"), pytest.mark.multiprocess]

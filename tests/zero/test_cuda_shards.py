@@ -2,7 +2,7 @@
 single-process full-batch training on the same GPU.
 
 Three ranks (``POPLAR_CUDA_RANKS=N`` asks for N), placed on the visible GPUs in turn, sharing them
-where there are fewer (``tests/cuda_ranks.py``). Skipped without a GPU (CI has none); written to
+where there are fewer (``poplar.emulation.gpu_ranks``). Skipped without a GPU (CI has none); written to
 run as is on one.
 """
 
@@ -21,7 +21,7 @@ from poplar.comm.launch import spawn
 from poplar.engine import PoplarEngine
 from poplar.types.plans import Offload, Plan, RankPlan
 from poplar.zero.config import ZeroConfig
-from tests.cuda_ranks import rank_gpu
+from poplar.emulation.gpu_ranks import rank_gpu
 from tests.toy import global_batch, loss_fn, make_model, make_optimizer, max_rel_err, rank_slice, train_reference
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"), pytest.mark.multiprocess]

@@ -1,4 +1,5 @@
-"""Ranks on GPUs for the CUDA tests: one GPU per rank where there are enough, else ranks share.
+"""Ranks on GPUs for the CUDA tests and benches: one GPU per rank where there are enough, else
+ranks share.
 
 NCCL refuses two ranks of one communicator on one GPU ("Duplicate GPU detected"), so where ranks
 share a GPU each names itself a host of its own (``NCCL_HOSTID``) and NCCL joins them through its

@@ -52,7 +52,7 @@ from poplar.types.compression import QuantBits, Quantization
 
 
 class BlockLayout(NamedTuple):
-    """The blocks of an ``numel``-element tensor: segments start at ``cuts`` (0 first; each a
+    """The blocks of a tensor of ``numel`` elements: segments start at ``cuts`` (0 first; each a
     parameter's start or the tensor's), each cut into blocks of ``block`` elements from its start
     (its last block may be shorter); ``firsts[i]`` is the index of segment i's first block."""
 

@@ -164,8 +164,9 @@ class ShardedBlock:
         self.rank_sizes = [sum(u.layout.size(r) for u in units) for r in range(self.world_size)]
         self.even = all(u.layout.even for u in units)
         self.part_sizes = None if self.even else self.rank_sizes  # what the collectives take
-        self._pieces = [] if self.even else self._rank_major_pieces()
-        self.tensor_starts = self._tensor_starts()
+        pieces = self._rank_major_pieces()
+        self._pieces = [] if self.even else pieces  # the even layout packs by rows instead
+        self.tensor_starts = self._tensor_starts(pieces)
         self.full_offsets = [sum(u.padded_numel for u in units[:k]) for k in range(len(units))]
         self.full_numel = sum(u.padded_numel for u in units)
         self.gathered_nbytes = self.full_numel * torch.empty((), dtype=self.compute_dtype).element_size()
@@ -206,17 +207,12 @@ class ShardedBlock:
                 start += hi - lo
         return pieces
 
-    def _tensor_starts(self) -> tuple[int, ...]:
+    def _tensor_starts(self, pieces: list[tuple[int, int, int, int]]) -> tuple[int, ...]:
         """Where each parameter's elements begin in the rank-major buffer of the collectives (a
-        parameter that a shard boundary cuts begins again in the next part): a quantized
-        collective's blocks begin there (``Quantization.tensor_starts``)."""
-        starts, at = [], 0
-        for r in range(self.world_size):
-            for u in self.units:
-                lo, hi = u.layout.range(r)
-                starts += [at] + [at + off - lo for off in u.offsets if lo < off < hi]
-                at += hi - lo
-        return tuple(starts)
+        parameter that a shard boundary cuts begins again in the next piece), sorted, once each:
+        a quantized collective's blocks begin there (``Quantization.tensor_starts``)."""
+        starts = {at + off - lo for k, at, lo, n in pieces for off in self.units[k].offsets if lo < off < lo + n}
+        return tuple(sorted(starts | {at for _, at, _, _ in pieces}))
 
     def _cut(self, quantization: Quantization | None) -> Quantization | None:
         return None if quantization is None else quantization.cut_at(self.tensor_starts)

@@ -44,13 +44,21 @@ asks) on the profile over the slow network and on a second profile over ``--fast
 table says which compression each chose and its predicted saving. It needs a planner that takes
 that request: without one the bench says so and skips it.
 
-The yardstick (``exact-reordered``, unless ``--no-yardstick``): exact again on the other way of
+The yardsticks (unless ``--no-yardstick``): ``exact-reordered``, exact again on the other way of
 running the same collectives (flat <-> hierarchical), which changes fp32's rounding order and
-nothing else (Note: the yardstick at ``YARDSTICK``).
+nothing else (Note: the yardstick at ``YARDSTICK``); and the one-process pair (Note: the
+one-process pair at ``ONE_PROCESS``), the same training in this process on the whole global batch,
+in fp32 (``one-process``) and under bf16 autocast (``one-process-bf16``), unpaced (no time or bytes).
+
+``--runs`` trains a subset (default all): losses are relative to exact, or to ``one-process``
+where exact is not among them, so ``--runs one-process,one-process-bf16 --seed N`` measures what
+bf16 moves at seed N in a minute or two, without the cluster.
 
 RESULT:
 - ``max_eval_loss_rel_diff``: max over the quantized runs of |held-out loss / exact's - 1| (target <= 0.01);
-- ``yardstick_eval_loss_rel_diff`` / ``yardstick_train_loss_rel_diff``: the same for the yardstick;
+- ``yardstick_eval_loss_rel_diff`` / ``yardstick_train_loss_rel_diff``: the same for ``exact-reordered``;
+- ``one_process_eval_loss_rel_diff``: |one-process's held-out loss / exact's - 1|;
+- ``bf16_eval_loss_rel_diff`` / ``bf16_train_loss_rel_diff``: |one-process-bf16's loss / one-process's - 1|;
 - ``speedup_vs_exact_link_bound``: exact's iteration time over both's (target >= 1.3);
 - ``cross_node_bytes_ratio``: both's cross-node bytes per iteration over exact's (target <= 0.3);
 - ``late_step_fraction``: padded micro-steps whose real compute overshot the curve (<= 0.01).
@@ -101,6 +109,13 @@ RUNS = {"exact": CommPolicy(), "weights": CommPolicy(weights="int8"), "gradients
 # perturbation of this size moves this job's trajectory; a quantized run's difference is read
 # against it, not against 0.
 YARDSTICK = "exact-reordered"
+# [Note: the one-process pair] The job as one process trains it on the whole global batch (the
+# step Poplar's engine reproduces), in fp32 and under ``torch.autocast(dtype=torch.bfloat16)``: the
+# bf16 compute GPU users train in. bf16 rounds every weight, activation and gradient it touches by
+# up to 2^-9 of itself; the int8 weight gather moves a parameter by 0.2 % rms (design 3.10.1), the
+# same order. How far bf16 moves the losses is how far a precision loss users accept moves them.
+ONE_PROCESS = {"one-process": None, "one-process-bf16": torch.bfloat16}
+CLUSTER_RUNS = (*RUNS, YARDSTICK)
 TARGETS = {"max_eval_loss_rel_diff": 0.01, "speedup_vs_exact_link_bound": 1.3, "cross_node_bytes_ratio": 0.3,
            "late_step_fraction": LATE_BUDGET}
 TRAINING_PHASES = ("forward", "backward", "step")  # a ledger record's phase: what an iteration sends
@@ -132,6 +147,31 @@ def held_out_loss(model_fn: Any, state: dict[str, torch.Tensor], held_out: torch
         for chunk in held_out.split(64):
             total += float(llama_loss_fn(model, chunk)) * len(chunk)
     return total / len(held_out)
+
+
+def eval_points(iterations: int, rounds: int, every: int) -> list[int]:
+    """The iterations after which ``train`` evaluates: every ``every``-th and each block's end."""
+    bounds = {round(iterations * (r + 1) / rounds) for r in range(rounds)}
+    return sorted(bounds | set(range(every, iterations + 1, every)))
+
+
+def one_process(job: dict, dtype: torch.dtype | None) -> dict[str, Any]:
+    """The job trained in this process on the whole global batch (Note: the one-process pair),
+    under bf16 autocast where ``dtype`` is set; evaluated in fp32 where ``train`` evaluates."""
+    model = job["model_fn"]()
+    optimizer = job["optimizer_fn"](model)
+    points = set(eval_points(job["iterations"], job["rounds"], job["eval_every"]))
+    rec: dict[str, Any] = {"loss": [], "eval": [], "late": 0, "padded": 0}
+    for i in range(job["iterations"]):
+        with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            loss = llama_loss_fn(model, global_batch(job["train"], i, job["gbs"], job["seed"]))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        rec["loss"].append(loss.item())
+        if i + 1 in points:
+            rec["eval"].append((i + 1, held_out_loss(job["model_fn"], model.state_dict(), job["held_out"])))
+    return rec
 
 
 def cross_node_bytes(engine: PoplarEngine, iteration: int, topology: Topology) -> float:
@@ -239,8 +279,9 @@ def worker(rank: int, world: int, job: dict) -> dict:
     if job["train"] is None:
         return out
     plans = {name: dataclasses.replace(exact, compression=policy) for name, policy in RUNS.items()}
-    if job["yardstick"]:  # exact again with the other way's sums: only fp32's rounding order differs
-        plans[YARDSTICK] = dataclasses.replace(exact, hierarchical=not exact.hierarchical, secondary_shards=False)
+    # exact again with the other way's sums: only fp32's rounding order differs
+    plans[YARDSTICK] = dataclasses.replace(exact, hierarchical=not exact.hierarchical, secondary_shards=False)
+    plans = {name: plans[name] for name in job["runs"] if name in plans}
     t1 = time.perf_counter()
     out["runs"] = train(job, device, plans, rank)
     if rank == 0:
@@ -262,11 +303,17 @@ def way(p: Plan) -> str:
     return "secondary" if p.secondary_shards else "hierarchical" if p.hierarchical else "flat"
 
 
-def analyse(results: list[dict], tail: int, initial_eval: float) -> dict[str, Any]:
-    """Per run: losses, time and bytes, each beside exact's (module doc); ``initial_eval`` is the
-    held-out loss of the initial weights (the same for every run)."""
+def baseline(rows: dict[str, Any]) -> str:
+    """The run the others are read against: exact, or one-process where exact did not run."""
+    return "exact" if "exact" in rows else "one-process"
+
+
+def analyse(results: list[dict], local: dict[str, dict], tail: int, initial_eval: float) -> dict[str, Any]:
+    """Per run: losses, time and bytes, each beside the baseline's (module doc); ``local``: the
+    one-process runs (no time or bytes); ``initial_eval`` is the held-out loss of the initial
+    weights (the same for every run)."""
     rows: dict[str, Any] = {}
-    for name in results[0]["runs"]:
+    for name in results[0]["runs"] if results else ():
         runs = [res["runs"][name] for res in results]
         per_iteration = [sum(r["cross"][i] for r in runs) for i in range(len(runs[0]["cross"]))]
         rows[name] = {"compression": Plan.from_dict(results[0]["plans"][name]).compression.describe(),
@@ -275,23 +322,34 @@ def analyse(results: list[dict], tail: int, initial_eval: float) -> dict[str, An
                       "cross_bytes": statistics.median(per_iteration),
                       "late": sum(r["late"] for r in runs), "padded": sum(r["padded"] for r in runs),
                       "loss_curve": runs[0]["loss"], "eval_curve": [(0, initial_eval)] + runs[0]["eval"]}
-    ex = rows["exact"]
+    for name, run in local.items():
+        rows[name] = {"compression": "none, " + ("bf16 autocast" if ONE_PROCESS[name] else "fp32") + ", one process",
+                      "train_loss": statistics.mean(run["loss"][-tail:]), "eval_loss": run["eval"][-1][1],
+                      "iter_s": None, "cross_bytes": None, "late": 0, "padded": 0, "loss_curve": run["loss"],
+                      "eval_curve": [(0, initial_eval)] + run["eval"]}
+    base = rows[baseline(rows)]
     for row in rows.values():
-        row["train_rel"] = row["train_loss"] / ex["train_loss"] - 1
-        row["eval_rel"] = row["eval_loss"] / ex["eval_loss"] - 1
-        row["speedup"] = ex["iter_s"] / row["iter_s"]
-        row["bytes_ratio"] = row["cross_bytes"] / ex["cross_bytes"] if ex["cross_bytes"] else None
+        row["train_rel"] = row["train_loss"] / base["train_loss"] - 1
+        row["eval_rel"] = row["eval_loss"] / base["eval_loss"] - 1
+        row["speedup"] = base["iter_s"] / row["iter_s"] if base["iter_s"] and row["iter_s"] else None
+        row["bytes_ratio"] = row["cross_bytes"] / base["cross_bytes"] if base["cross_bytes"] and \
+            row["cross_bytes"] is not None else None
     return rows
 
 
+def number(x: float | None, spec: str, scale: float = 1.0) -> str:
+    return "-" if x is None else format(x * scale, spec)
+
+
 def table(rows: dict[str, Any]) -> str:
-    lines = ["| run | compression | train loss | vs exact | held-out loss | vs exact | iter (s) | exact/run | "
-             "cross-node KB/iter | vs exact |", "|" + "---|" * 10]
+    base = baseline(rows)
+    lines = [f"| run | compression | train loss | vs {base} | held-out loss | vs {base} | iter (s) | {base}/run | "
+             f"cross-node KB/iter | vs {base} |", "|" + "---|" * 10]
     for name, r in rows.items():
-        ratio = f"{r['bytes_ratio']:.3f}" if r["bytes_ratio"] is not None else "-"
         lines.append(f"| {name} | {r['compression']} | {r['train_loss']:.4f} | {r['train_rel']:+.4f} | "
-                     f"{r['eval_loss']:.4f} | {r['eval_rel']:+.4f} | {r['iter_s']:.3f} | {r['speedup']:.2f} | "
-                     f"{r['cross_bytes'] / 1e3:.1f} | {ratio} |")
+                     f"{r['eval_loss']:.4f} | {r['eval_rel']:+.4f} | {number(r['iter_s'], '.3f')} | "
+                     f"{number(r['speedup'], '.2f')} | {number(r['cross_bytes'], '.1f', 1e-3)} | "
+                     f"{number(r['bytes_ratio'], '.3f')} |")
     return "\n".join(lines)
 
 
@@ -313,8 +371,8 @@ def running_mean(y: list[float], n: int = 10) -> list[float]:
 
 
 def plot(rows: dict[str, Any], path: str, title: str) -> str | None:
-    """Left: the four training-loss curves (a running mean over 10 iterations) and the held-out
-    points; right: each quantized run's losses relative to exact's."""
+    """Left: every run's training-loss curve (a running mean over 10 iterations) and held-out
+    points; right: each run's losses relative to the baseline's."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -322,14 +380,15 @@ def plot(rows: dict[str, Any], path: str, title: str) -> str | None:
     except ImportError:
         return "matplotlib is not installed (the 'plot' extra): the curves are in the JSON only"
     fig, (ax, rel) = plt.subplots(1, 2, figsize=(11, 4.2))
-    exact = running_mean(rows["exact"]["loss_curve"])
-    exact_eval = dict(rows["exact"]["eval_curve"])
+    base = baseline(rows)
+    exact = running_mean(rows[base]["loss_curve"])
+    exact_eval = dict(rows[base]["eval_curve"])
     for name, r in rows.items():
         smooth = running_mean(r["loss_curve"])
         line, = ax.plot(range(1, len(smooth) + 1), smooth, label=f"{name}: train (mean of 10)", lw=1.2)
         xs, ys = zip(*r["eval_curve"])
         ax.plot(xs, ys, "o--", color=line.get_color(), ms=4, lw=0.8, label=f"{name}: held-out")
-        if name != "exact":
+        if name != base:
             rel.plot(range(1, len(smooth) + 1), [a / b - 1 for a, b in zip(smooth, exact)], color=line.get_color(),
                      lw=1.2, label=f"{name}: train")
             rel.plot(xs, [y / exact_eval[x] - 1 for x, y in zip(xs, ys)], "o--", color=line.get_color(), ms=4,
@@ -338,8 +397,8 @@ def plot(rows: dict[str, Any], path: str, title: str) -> str | None:
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7, ncol=2)
     rel.axhline(0.0, color="grey", lw=0.6)
-    rel.set(xlabel="iteration", ylabel="loss / exact's - 1")
-    rel.set_title("relative to exact", fontsize=9)
+    rel.set(xlabel="iteration", ylabel=f"loss / {base}'s - 1")
+    rel.set_title(f"relative to {base}", fontsize=9)
     rel.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -374,10 +433,24 @@ def parse_args() -> argparse.Namespace:
                     help="also show the planner's choice with allow_lossy=True over --network and --fast-network")
     ap.add_argument("--short", action="store_true", help="a smoke run: 12 iterations in 2 rounds, 1 profiler repeat")
     ap.add_argument("--no-yardstick", action="store_true",
-                    help="leave out the exact run on the other way of the collectives (Note: the yardstick)")
+                    help="leave out the yardsticks: exact on the other way of the collectives and the one-process "
+                         "pair (Note: the yardstick)")
+    every = [*CLUSTER_RUNS, *ONE_PROCESS]
+    ap.add_argument("--runs", default=",".join(every),
+                    help=f"the runs to train, comma-separated, among {','.join(every)} (default all); exact or "
+                         "one-process must be among them")
     ap.add_argument("--plot", default="loss.png", help="where the loss curves go ('' for none)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    args.runs = [name.strip() for name in args.runs.split(",") if name.strip()]
+    unknown = [name for name in args.runs if name not in every]
+    if unknown or not {"exact", "one-process"} & set(args.runs):
+        ap.error(f"--runs {','.join(args.runs)}: " + (f"no run named {', '.join(unknown)}" if unknown else
+                 "nothing to read the others against") + f"; give exact or one-process and any of {','.join(every)}")
+    if args.no_yardstick:
+        args.runs = [name for name in args.runs if name != YARDSTICK and name not in ONE_PROCESS]
+        if "exact" not in args.runs:
+            ap.error("--no-yardstick leaves neither exact nor one-process among --runs: add exact")
     if args.short:
         args.iterations, args.rounds, args.repeats, args.tail, args.eval_every = 12, 2, 1, 3, 3
     if args.eval_every < args.warmup + 2:
@@ -418,23 +491,14 @@ def run_network(net: str, spec: ClusterSpec, cal: Any, time_scale: float, job: d
         network.remove()
 
 
-def main() -> None:
-    args = parse_args()
-    t0 = time.perf_counter()
-    spec = ClusterSpec.resolve(args.cluster)
-    model_fn = functools.partial(create_model, "llama-tiny", max_seq_len=args.seq, seed=args.seed)
-    train_set = TextBlocks(seq_len=args.seq, split="train")
-    held_out = torch.stack([b for b in TextBlocks(seq_len=args.seq, split="val")])
-    job = {"model_fn": model_fn, "sample_fn": functools.partial(profile_sample, seq=args.seq),
-           "optimizer_fn": functools.partial(adamw, lr=args.lr), "param_bytes": model_size(model_fn())[1],
-           "repeats": args.repeats, "max_batch": args.max_batch, "gbs": args.gbs, "seed": args.seed,
-           "collectives": args.collectives, "participation": args.participation, "warmup": args.warmup,
-           "eval_every": args.eval_every, "iterations": args.iterations, "rounds": args.rounds, "train": train_set,
-           "held_out": held_out, "lossy_auto": False, "yardstick": not args.no_yardstick}
+def on_cluster(args: argparse.Namespace, spec: ClusterSpec, model_fn: Any, job: dict) -> tuple[list, dict, float]:
+    """The runs on the emulated cluster, and auto mode's lossy choices: (per-rank results, choices,
+    time scale); nothing where ``--runs`` names none of them."""
+    if not set(args.runs) & set(CLUSTER_RUNS):
+        return [], {}, 0.0
     if args.lossy_auto and lossy_request(args.collectives) is None:
         print("# --lossy-auto: this planner has no CollectivesRequest(allow_lossy=...) yet; auto mode's lossy "
-              "choice is skipped",
-              file=sys.stderr, flush=True)
+              "choice is skipped", file=sys.stderr, flush=True)
         args.lossy_auto = False
     job["lossy_auto"] = args.lossy_auto
     cal, time_scale = emulate(args, spec, model_fn, job)
@@ -448,32 +512,62 @@ def main() -> None:
             print("# --lossy-auto: the ranks' planner has no CollectivesRequest(allow_lossy=...); skipped",
                   file=sys.stderr, flush=True)
             choices = {}
-    rows = analyse(results, args.tail, held_out_loss(model_fn, model_fn().state_dict(), held_out))
-    exact = Plan.from_dict(results[0]["plans"]["exact"])
-    late = sum(r["late"] for r in rows.values())
-    padded = sum(r["padded"] for r in rows.values())
-    result = {"max_eval_loss_rel_diff": max(abs(rows[k]["eval_rel"]) for k in RUNS if k != "exact"),
-              "yardstick_eval_loss_rel_diff": abs(rows[YARDSTICK]["eval_rel"]) if YARDSTICK in rows else None,
-              "yardstick_train_loss_rel_diff": abs(rows[YARDSTICK]["train_rel"]) if YARDSTICK in rows else None,
-              "speedup_vs_exact_link_bound": rows["both"]["speedup"],
-              "cross_node_bytes_ratio": rows["both"]["bytes_ratio"],
-              "late_step_fraction": late_fraction(late, padded),
-              "late_collective_fraction": late_fraction(sum(r["late_collectives"] for r in results),
-                                                        sum(r["paced_collectives"] for r in results)),
-              "targets": TARGETS, "short": args.short, "cluster": args.cluster, "network": args.network,
-              "exact_way": way(exact), "iterations": args.iterations, "time_scale": time_scale,
-              "wall_s": round(time.perf_counter() - t0, 1)}
-    title = (f"llama-tiny, {args.cluster} over {args.network}, ZeRO-3 ({way(exact)}), gbs {args.gbs}, "
-             f"{args.iterations} iterations")
+    return results, choices, time_scale
+
+
+def summary(rows: dict[str, Any], results: list[dict]) -> dict[str, Any]:
+    """RESULT's measured keys (module doc)."""
+    def rel(name: str, loss: str, against: str | None = None) -> float | None:
+        if name not in rows or (against is not None and against not in rows):
+            return None
+        value = rows[name][f"{loss}_loss"] / (rows[against][f"{loss}_loss"] if against else 1.0)
+        return abs(value - 1) if against else abs(rows[name][f"{loss}_rel"])
+    quantized = [abs(rows[k]["eval_rel"]) for k in RUNS if k != "exact" and k in rows]
+    both = rows.get("both", {})
+    return {"max_eval_loss_rel_diff": max(quantized) if quantized else None,
+            "yardstick_eval_loss_rel_diff": rel(YARDSTICK, "eval"),
+            "yardstick_train_loss_rel_diff": rel(YARDSTICK, "train"),
+            "one_process_eval_loss_rel_diff": rel("one-process", "eval") if "exact" in rows else None,
+            "bf16_eval_loss_rel_diff": rel("one-process-bf16", "eval", "one-process"),
+            "bf16_train_loss_rel_diff": rel("one-process-bf16", "train", "one-process"),
+            "speedup_vs_exact_link_bound": both.get("speedup"), "cross_node_bytes_ratio": both.get("bytes_ratio"),
+            "late_step_fraction": late_fraction(sum(r["late"] for r in rows.values()),
+                                                sum(r["padded"] for r in rows.values())),
+            "late_collective_fraction": late_fraction(sum(r["late_collectives"] for r in results),
+                                                      sum(r["paced_collectives"] for r in results))}
+
+
+def main() -> None:
+    args = parse_args()
+    t0 = time.perf_counter()
+    spec = ClusterSpec.resolve(args.cluster)
+    model_fn = functools.partial(create_model, "llama-tiny", max_seq_len=args.seq, seed=args.seed)
+    held_out = torch.stack([b for b in TextBlocks(seq_len=args.seq, split="val")])
+    job = {"model_fn": model_fn, "sample_fn": functools.partial(profile_sample, seq=args.seq),
+           "optimizer_fn": functools.partial(adamw, lr=args.lr), "param_bytes": model_size(model_fn())[1],
+           "repeats": args.repeats, "max_batch": args.max_batch, "gbs": args.gbs, "seed": args.seed,
+           "collectives": args.collectives, "participation": args.participation, "warmup": args.warmup,
+           "eval_every": args.eval_every, "iterations": args.iterations, "rounds": args.rounds,
+           "train": TextBlocks(seq_len=args.seq, split="train"), "held_out": held_out, "runs": args.runs}
+    results, choices, time_scale = on_cluster(args, spec, model_fn, job)
+    local = {name: one_process(job, dtype) for name, dtype in ONE_PROCESS.items() if name in args.runs}
+    rows = analyse(results, local, args.tail, held_out_loss(model_fn, model_fn().state_dict(), held_out))
+    exact = Plan.from_dict(results[0]["plans"]["exact"]) if results else None
+    result = {**summary(rows, results), "targets": TARGETS, "short": args.short, "cluster": args.cluster,
+              "network": args.network, "exact_way": way(exact) if exact else None, "iterations": args.iterations,
+              "seed": args.seed, "time_scale": time_scale, "wall_s": round(time.perf_counter() - t0, 1)}
+    title = (f"llama-tiny, {args.cluster} over {args.network}, ZeRO-3 ({way(exact) if exact else 'one process'}), "
+             f"gbs {args.gbs}, {args.iterations} iterations, seed {args.seed}")
     missing = plot(rows, args.plot, title) if args.plot else None
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"version": 1, "rows": rows, "result": result, "links": results[0]["links"],
-                       "plans": results[0]["plans"], "lossy_auto": choices}, f, indent=1)
-    print(f"# exact plan: {way(exact)}, rows (mbs x accum) "
-          + ", ".join(f"{r.micro_batch_size}x{r.accum_steps}" for r in exact.ranks)
-          + f", predicted {exact.predicted_iteration_s:.3f} s per iteration")
-    print(f"# links: {'; '.join(results[0]['links'])}")
+            json.dump({"version": 1, "rows": rows, "result": result, "links": results[0]["links"] if results else [],
+                       "plans": results[0]["plans"] if results else {}, "lossy_auto": choices}, f, indent=1)
+    if exact:
+        print(f"# exact plan: {way(exact)}, rows (mbs x accum) "
+              + ", ".join(f"{r.micro_batch_size}x{r.accum_steps}" for r in exact.ranks)
+              + f", predicted {exact.predicted_iteration_s:.3f} s per iteration")
+        print(f"# links: {'; '.join(results[0]['links'])}")
     print(table(rows))
     if choices:
         print(lossy_table(choices))

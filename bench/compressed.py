@@ -52,7 +52,7 @@ in fp32 (``one-process``) and under bf16 autocast (``one-process-bf16``), unpace
 
 ``--runs`` trains a subset (default all): losses are relative to exact, or to ``one-process``
 where exact is not among them, so ``--runs one-process,one-process-bf16 --seed N`` measures what
-bf16 moves at seed N in a minute or two, without the cluster.
+bf16 moves at seed N in seconds, without the cluster.
 
 RESULT:
 - ``max_eval_loss_rel_diff``: max over the quantized runs of |held-out loss / exact's - 1| (target <= 0.01);

@@ -149,10 +149,14 @@ def held_out_loss(model_fn: Any, state: dict[str, torch.Tensor], held_out: torch
     return total / len(held_out)
 
 
+def block_ends(iterations: int, rounds: int) -> list[int]:
+    """The iteration each round's block of a run ends at."""
+    return [round(iterations * (r + 1) / rounds) for r in range(rounds)]
+
+
 def eval_points(iterations: int, rounds: int, every: int) -> list[int]:
     """The iterations after which ``train`` evaluates: every ``every``-th and each block's end."""
-    bounds = {round(iterations * (r + 1) / rounds) for r in range(rounds)}
-    return sorted(bounds | set(range(every, iterations + 1, every)))
+    return sorted(set(block_ends(iterations, rounds)) | set(range(every, iterations + 1, every)))
 
 
 def one_process(job: dict, dtype: torch.dtype | None) -> dict[str, Any]:
@@ -161,7 +165,7 @@ def one_process(job: dict, dtype: torch.dtype | None) -> dict[str, Any]:
     model = job["model_fn"]()
     optimizer = job["optimizer_fn"](model)
     points = set(eval_points(job["iterations"], job["rounds"], job["eval_every"]))
-    rec: dict[str, Any] = {"loss": [], "eval": [], "late": 0, "padded": 0}
+    rec: dict[str, Any] = {"loss": [], "eval": []}
     for i in range(job["iterations"]):
         with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
             loss = llama_loss_fn(model, global_batch(job["train"], i, job["gbs"], job["seed"]))
@@ -221,7 +225,7 @@ def train(job: dict, device: Any, plans: dict[str, Plan], rank: int) -> dict[str
                                      zero_stage=ZeroConfig(STAGE, topology=job["topology"]))
         out[name] = {"loss": [], "end": [], "timed": [], "late": 0, "padded": 0, "cross": [], "eval": []}
     names = list(plans)
-    bounds = [round(job["iterations"] * (r + 1) / job["rounds"]) for r in range(job["rounds"])]
+    bounds = block_ends(job["iterations"], job["rounds"])
     every = job["eval_every"]
     for r in range(job["rounds"]):
         for name in names[r % len(names):] + names[:r % len(names)]:
@@ -518,16 +522,17 @@ def on_cluster(args: argparse.Namespace, spec: ClusterSpec, model_fn: Any, job: 
 def summary(rows: dict[str, Any], results: list[dict]) -> dict[str, Any]:
     """RESULT's measured keys (module doc)."""
     def rel(name: str, loss: str, against: str | None = None) -> float | None:
-        if name not in rows or (against is not None and against not in rows):
+        """|name's loss / against's - 1| (against: the baseline), None where either did not run."""
+        against = against or baseline(rows)
+        if name not in rows or against not in rows:
             return None
-        value = rows[name][f"{loss}_loss"] / (rows[against][f"{loss}_loss"] if against else 1.0)
-        return abs(value - 1) if against else abs(rows[name][f"{loss}_rel"])
+        return abs(rows[name][f"{loss}_loss"] / rows[against][f"{loss}_loss"] - 1)
     quantized = [abs(rows[k]["eval_rel"]) for k in RUNS if k != "exact" and k in rows]
     both = rows.get("both", {})
     return {"max_eval_loss_rel_diff": max(quantized) if quantized else None,
             "yardstick_eval_loss_rel_diff": rel(YARDSTICK, "eval"),
             "yardstick_train_loss_rel_diff": rel(YARDSTICK, "train"),
-            "one_process_eval_loss_rel_diff": rel("one-process", "eval") if "exact" in rows else None,
+            "one_process_eval_loss_rel_diff": rel("one-process", "eval", "exact"),
             "bf16_eval_loss_rel_diff": rel("one-process-bf16", "eval", "one-process"),
             "bf16_train_loss_rel_diff": rel("one-process-bf16", "train", "one-process"),
             "speedup_vs_exact_link_bound": both.get("speedup"), "cross_node_bytes_ratio": both.get("bytes_ratio"),

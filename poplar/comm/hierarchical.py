@@ -331,9 +331,23 @@ def gather_in_node(output: torch.Tensor, layout: NodeLayout, rank: int, groups: 
         if not size or (also and m == k):
             continue
         a, b = layout.piece(topology, rank, m)
-        source = output[a:b] if in_place else output[a:b].clone()
-        calls.append(uneven.all_gather(output[lo:lo + size], source, layout.step_sizes[k][m], j, group, method))
+        if in_place:
+            calls.append(uneven.all_gather(output[lo:lo + size], output[a:b], layout.step_sizes[k][m], j, group,
+                                           method))
+        else:
+            source = torch.empty_like(output[a:b])
+            call = uneven.all_gather(output[lo:lo + size], source, layout.step_sizes[k][m], j, group, method)
+            calls.append(call._replace(run=_copied_when_run(output[a:b], source, call.run)))
     return in_node_step("all_gather", groups, group, rank, calls) if calls else None
+
+
+def _copied_when_run(piece: torch.Tensor, source: torch.Tensor, run: Callable[[bool], Any]) -> Callable[[bool], Any]:
+    """``run`` with ``piece`` copied into ``source`` first: the piece is written by the step
+    before (the exchange), so it is read when this step is issued, not when it is built."""
+    def copied(async_op: bool) -> Any:
+        source.copy_(piece)
+        return run(async_op)
+    return copied
 
 
 def place_own_part(output: torch.Tensor, input: torch.Tensor, sizes: Sequence[int], rank: int,

@@ -71,7 +71,9 @@ class AllWorks:
 
 class UnevenCall(NamedTuple):
     """An uneven collective ready to issue: ``run(async_op)`` starts it (returns torch's work or
-    None), ``finish()`` completes it once it is done, ``wire_bytes`` is what it sends."""
+    None), ``finish()`` completes it once it is done, ``wire_bytes`` is what it sends. The input
+    is read when ``run`` is called, not when the call is built: a hierarchical collective builds
+    its later steps before the earlier ones have written their inputs."""
 
     run: Callable[[bool], Any]
     finish: Callable[[], None] | None
@@ -130,14 +132,16 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, sizes: Sequence[int], 
         return UnevenCall(run, None, sum(sizes) * element)
     longest, n = max(sizes), len(sizes)
     source = torch.zeros(longest, dtype=input.dtype, device=input.device)
-    source[:sizes[rank]].copy_(input)
     staged = torch.empty(n * longest, dtype=output.dtype, device=output.device)
+
+    def run(async_op: bool) -> Any:
+        source[:sizes[rank]].copy_(input)  # read when issued: a step before it may write the input
+        return all_gather_tensor(staged, source, group=group, async_op=async_op)
 
     def finish() -> None:
         for r, (at, size) in enumerate(zip(offsets(sizes), sizes)):
             output[at:at + size].copy_(staged[r * longest:r * longest + size])
-    return UnevenCall(lambda a: all_gather_tensor(staged, source, group=group, async_op=a), finish,
-                      n * longest * element)
+    return UnevenCall(run, finish, n * longest * element)
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, sizes: Sequence[int], rank: int, group: Any,
@@ -150,11 +154,13 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, sizes: Sequence[in
                                                         async_op=a), None, sum(sizes) * element)
     longest, n = max(sizes), len(sizes)
     staged = torch.zeros(n * longest, dtype=input.dtype, device=input.device)
-    for r, (at, size) in enumerate(zip(offsets(sizes), sizes)):
-        staged[r * longest:r * longest + size].copy_(input[at:at + size])
     mine = torch.empty(longest, dtype=output.dtype, device=output.device)
+
+    def run(async_op: bool) -> Any:
+        for r, (at, size) in enumerate(zip(offsets(sizes), sizes)):  # read when issued, as the all-gather
+            staged[r * longest:r * longest + size].copy_(input[at:at + size])
+        return reduce_scatter_tensor(mine, staged, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
     def finish() -> None:
         output.copy_(mine[:sizes[rank]])
-    return UnevenCall(lambda a: reduce_scatter_tensor(mine, staged, op=dist.ReduceOp.SUM, group=group,
-                                                       async_op=a), finish, n * longest * element)
+    return UnevenCall(run, finish, n * longest * element)

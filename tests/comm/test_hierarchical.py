@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from poplar.comm import Communicator
+from poplar.comm import Communicator, hierarchical
 from poplar.comm.hierarchical import node_layout, pieces, staging_numel
+from poplar.comm.uneven import UnevenMethod
 from poplar.comm.launch import RankFailure, spawn
 from poplar.types.topology import Link, Topology, Wire
 
@@ -132,6 +133,47 @@ def test_hierarchical_collectives_equal_flat(name: str) -> None:
     _check_cross_bytes(results, topology)
     _check_secondary(results, topology)
     _check_observer(results, topology)
+
+
+def method_worker(rank: int, world: int, topology: Topology, cases: list) -> list:
+    """``hierarchical.all_gather`` / ``reduce_scatter`` with each uneven method, steps issued one
+    by one as the communicator issues them (the backend picks one method; this runs them all)."""
+    torch.set_num_threads(1)
+    groups = Communicator(topology=topology).node_groups
+    out = []
+    for sizes, method in cases:
+        gathered, reduced = torch.zeros(sum(sizes)), torch.zeros(sizes[rank])
+        for call in (hierarchical.all_gather(gathered, _floats(rank, sizes[rank]), sizes, rank, groups, method),
+                     hierarchical.reduce_scatter(reduced, _input(rank, sum(sizes), torch.float32), sizes, rank,
+                                                 groups, method)):
+            for step in call.steps:
+                work = step.run(True)
+                if work is not None:
+                    work.wait()
+                if step.finish is not None:
+                    step.finish()
+            if call.finish is not None:
+                call.finish()
+        out.append((gathered, reduced))
+    return out
+
+
+@pytest.mark.multiprocess
+def test_each_uneven_method_reads_what_the_exchange_wrote() -> None:
+    """The in-node gather after the exchange reads the pieces the exchange received: with a method
+    that copies its input (LISTED, NCCL's; PADDED) that copy is taken when the step is issued.
+    gloo lists only equal parts, so LISTED runs on even ones."""
+    cases = [((8, 8, 8, 8), UnevenMethod.LISTED), ((40, 12, 0, 28), UnevenMethod.PADDED),
+             ((40, 12, 0, 28), UnevenMethod.BROADCASTS)]
+    results = spawn(method_worker, 4, (TOPOLOGIES["2+2"], cases), timeout_s=120)
+    for i, (sizes, method) in enumerate(cases):
+        truth = torch.cat([_floats(r, sizes[r]) for r in range(4)])
+        summed = sum(_input(r, sum(sizes), torch.float32) for r in range(4))
+        lo = [sum(sizes[:r]) for r in range(4)]
+        for rank, res in enumerate(results):
+            gathered, reduced = res[i]
+            assert torch.equal(gathered, truth), (method, rank)
+            assert torch.equal(reduced, summed[lo[rank]:lo[rank] + sizes[rank]]), (method, rank)
 
 
 def _check_cross_bytes(results: list[dict], topology: Topology) -> None:

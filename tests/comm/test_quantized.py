@@ -239,8 +239,23 @@ def test_quantized_collectives_on_nccl(name: str) -> None:
     _check_results(name, spawn(collective_worker, 4, (TOPOLOGIES[name], name, True), backend="nccl", timeout_s=240))
 
 
+def _check_exact(key: tuple, results: list[dict]) -> None:
+    """The exact collectives beside the quantized ones: the gather is the parts, the
+    reduce-scatter the sum (to the dtype's rounding)."""
+    dtype, sizes = getattr(torch, key[0].split(".")[1]), key[1]
+    truth = torch.cat([floats(10 + r, sizes[r], dtype) for r in range(4)])
+    summed = torch.stack([floats(r, sum(sizes), dtype).double() for r in range(4)]).sum(0)
+    tol = 2 ** -6 if dtype == torch.bfloat16 else 1e-5
+    for rank, res in enumerate(results):
+        (out, full), lo = res[key][0], _offsets(sizes)[rank]
+        assert torch.equal(full, truth), (key, rank)
+        torch.testing.assert_close(out.double(), summed[lo:lo + sizes[rank]], rtol=tol, atol=tol * 4)
+
+
 def _check_results(name: str, results: list[dict]) -> None:
     for key in results[0]:
+        if isinstance(key, tuple) and len(key) == 4 and key[3] == "exact":
+            _check_exact(key, results)
         if not isinstance(key, tuple) or len(key) != 4 or key[3] == "exact":
             continue
         q, hier = SPECS[key[3]], key[2]

@@ -49,7 +49,6 @@ step issued at a different moment on two ranks meets no other call of its group 
 from __future__ import annotations
 
 import contextlib
-import time
 from collections import deque
 from typing import Any, Callable, ContextManager, Iterator, NamedTuple, Protocol, Sequence
 
@@ -58,7 +57,7 @@ import torch.distributed as dist
 
 from poplar.comm import hierarchical, quantized, uneven
 from poplar.comm.hierarchical import HierarchicalCall, NodeGroups, Step
-from poplar.comm.ledger import CommLedger
+from poplar.comm.ledger import Blocked, BlockedTimer, CommLedger
 from poplar.comm.sigterm_watch import BLOCKED
 from poplar.comm.uneven import all_gather_tensor, reduce_scatter_tensor
 from poplar.types.compression import Quantization, QuantScope
@@ -88,16 +87,16 @@ class PendingCollective:
     """An async collective in flight; ``wait()`` blocks until it is done and records the seconds
     blocked (issue time included) at the position where it was issued."""
 
-    def __init__(self, comm: "Communicator", work: Any, op: str, nbytes: int, issue_s: float, tag: str,
+    def __init__(self, comm: "Communicator", work: Any, op: str, nbytes: int, issue: Blocked, tag: str,
                  observer: CollectiveObserver | None = None, ticket: Any = None,
                  finish: Callable[[], None] | None = None) -> None:
-        self.comm, self.work, self.op, self.nbytes, self.issue_s, self.tag = comm, work, op, nbytes, issue_s, tag
+        self.comm, self.work, self.op, self.nbytes, self.issue, self.tag = comm, work, op, nbytes, issue, tag
         self.observer, self.ticket = observer, ticket  # who heard it issued, and its ticket there
         self.finish = finish  # what completes it once torch's work is done (an uneven call's copy-out)
         self.position = comm.ledger.position
 
     def wait(self) -> None:
-        t0 = self.comm.start_timer()
+        timer = self.comm.start_timer()
         if self.work is not None:
             self.comm.guard(self.op, self.tag, self.work.wait)
         if self.finish is not None:
@@ -106,7 +105,7 @@ class PendingCollective:
         if self.observer is not None:  # the observer that heard it issued, even if its block has ended
             self.observer.done(self.ticket)
             self.observer = None
-        blocked = self.issue_s + self.comm.stop_timer(t0)
+        blocked = self.issue.plus(timer.stop())
         with self.comm.ledger.at(self.position):
             self.comm.ledger.add(self.op, self.nbytes, blocked, self.tag, self.comm.wire.link)
 
@@ -120,7 +119,7 @@ class PendingChain:
         self.comm, self.op, self.call, self.tag = comm, op, call, tag
         self.position = comm.ledger.position
         self.next = 0  # call.steps[:next] have been issued
-        self.current: tuple[Step, Any, CollectiveObserver | None, Any, float] | None = None
+        self.current: tuple[Step, Any, CollectiveObserver | None, Any, Blocked] | None = None
 
     @property
     def issued_all(self) -> bool:
@@ -129,24 +128,24 @@ class PendingChain:
     def issue_next(self) -> None:
         step = self.call.steps[self.next]
         self.next += 1
-        t0 = time.perf_counter()
+        timer = self.comm.start_timer()
         observer = self.comm.observer if step.wire is not None else None
         ticket = observer.issued(step.op, step.observed_bytes, step.wire) if observer is not None else None
         work = self.comm.guard(self.op, self.tag, lambda: step.run(True))
-        self.current = (step, work, observer, ticket, time.perf_counter() - t0)
+        self.current = (step, work, observer, ticket, timer.stop())
 
     def complete_current(self) -> None:
         if self.current is None:
             return
-        (step, work, observer, ticket, issue_s), self.current = self.current, None
-        t0 = self.comm.start_timer()
+        (step, work, observer, ticket, issue), self.current = self.current, None
+        timer = self.comm.start_timer()
         if work is not None:
             self.comm.guard(self.op, self.tag, work.wait)
         if step.finish is not None:
             step.finish()
         if observer is not None:
             observer.done(ticket)
-        blocked = issue_s + self.comm.stop_timer(t0)
+        blocked = issue.plus(timer.stop())
         if step.wire is not None:
             with self.comm.ledger.at(self.position):
                 self.comm.ledger.add(self.op, step.sent_bytes, blocked, self.tag, step.link)
@@ -353,31 +352,24 @@ class Communicator:
             self.observer = outer
 
     # timing: on CUDA synchronise so queued compute is not billed to the collective
-    def start_timer(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
-
-    def stop_timer(self, t0: float) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter() - t0
+    def start_timer(self) -> BlockedTimer:
+        """Times a collective on this rank's clock (Note: blocked time on a GPU, in ``comm.ledger``)."""
+        return BlockedTimer(self.device)
 
     def _run(self, op: str, nbytes: int, fn: Any, async_op: bool, tag: str,
              finish: Callable[[], None] | None = None) -> PendingCollective | None:
         self.settle()
-        t0 = self.start_timer()
+        timer = self.start_timer()
         observer = self.observer if self.world_size > 1 else None
         ticket = observer.issued(op, nbytes, self.wire) if observer is not None else None
         work = self.guard(op, tag, lambda: fn(async_op)) if self.world_size > 1 else None
         if async_op:
-            issue = time.perf_counter() - t0
-            return PendingCollective(self, work, op, nbytes, issue, tag, observer, ticket, finish)
+            return PendingCollective(self, work, op, nbytes, timer.stop(), tag, observer, ticket, finish)
         if finish is not None:
             finish()
         if observer is not None:
             observer.done(ticket)
-        self.ledger.add(op, nbytes, self.stop_timer(t0), tag, self.wire.link)
+        self.ledger.add(op, nbytes, timer.stop(), tag, self.wire.link)
         return None
 
     def guard(self, op: str, tag: str, fn: Any) -> Any:
@@ -572,9 +564,9 @@ class Communicator:
             return [obj]
         out: list[Any] = [None] * self.world_size
         self.settle()
-        t0 = self.start_timer()
+        timer = self.start_timer()
         self.guard("all_gather_object", tag, lambda: dist.all_gather_object(out, obj, group=self.group))
-        self.ledger.add("all_gather_object", 0, self.stop_timer(t0), tag)
+        self.ledger.add("all_gather_object", 0, timer.stop(), tag)
         return out
 
     def agree(self, error: str | None, what: str, value: Any = None, *, mismatch: str | None = None,

@@ -4,6 +4,17 @@ The runtime says where it is (phase, micro-step, iteration) through ``CommLedger
 ``CommLedger.start_iteration``; every collective issued meanwhile is stamped with it. Seconds
 are what the calling rank spent blocked, waiting for slower ranks included: the profiler
 subtracts exactly this from compute time, and benchmarks read communication volume from it.
+
+[Note: blocked time on a GPU]
+On a GPU the host is not what waits: NCCL runs on a stream of its own, and a work's ``wait()``
+only makes the compute stream wait for it. Timing on the host's clock needs a device-wide
+synchronize around each collective, which also waits for the other collectives in flight and
+keeps the host from queueing the next kernels: the collectives issued during backward then run
+one after another instead of beside the compute. So on a GPU a collective's blocked time is the
+compute stream's: a CUDA event recorded on it before the collective (or its wait) and one after,
+their elapsed time read when the ledger is next read (every reader reads at a step's or
+micro-step's end, once the compute stream has passed both events). On CPU it is the host's
+clock, as the work is done by the waiting thread.
 """
 
 from __future__ import annotations
@@ -13,7 +24,9 @@ import time
 from collections import OrderedDict, defaultdict, deque
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
+
+import torch
 
 from poplar.types.topology import Link
 
@@ -45,6 +58,37 @@ class CommRecord:
     link: Link = Link.FLAT  # the link it used (``poplar.types.topology``)
 
 
+class Blocked(NamedTuple):
+    """Seconds a rank was blocked in a collective (Note: blocked time on a GPU): ``host_s`` on
+    the host's clock, plus each CUDA event pair of ``spans`` (start, end) once it has elapsed."""
+
+    host_s: float
+    spans: tuple[tuple[Any, Any], ...] = ()
+
+    def plus(self, other: "Blocked") -> "Blocked":
+        return Blocked(self.host_s + other.host_s, self.spans + other.spans)
+
+
+class BlockedTimer:
+    """Starts timing a collective on ``device``'s clock (Note: blocked time on a GPU); ``stop()``
+    gives the ``Blocked`` time since."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        self.t0 = time.perf_counter()
+        self.start = None
+        if self.stream is not None:
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.start.record(self.stream)
+
+    def stop(self) -> Blocked:
+        if self.stream is None:
+            return Blocked(time.perf_counter() - self.t0)
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(self.stream)
+        return Blocked(0.0, ((self.start, end),))
+
+
 @dataclass(frozen=True)
 class LedgerPosition:
     """A point of the step: what the ledger stamps on the collectives issued there."""
@@ -64,11 +108,40 @@ class CommLedger:
     """
 
     def __init__(self, max_records: int = 20_000, max_iterations: int = 1024) -> None:
-        self.records: deque[CommRecord] = deque(maxlen=max_records)
-        self.total_seconds = 0.0
+        self._records: deque[CommRecord] = deque(maxlen=max_records)
+        self._total_seconds = 0.0
         self._per_iteration: OrderedDict[int, float] = OrderedDict()
         self._max_iterations = max_iterations
         self._position = LedgerPosition(Phase.SETUP, -1, 0)
+        self._unread: list[tuple[CommRecord, tuple[tuple[Any, Any], ...]]] = []  # device spans not yet read
+
+    @property
+    def records(self) -> deque[CommRecord]:
+        self._read_spans()
+        return self._records
+
+    @property
+    def total_seconds(self) -> float:
+        """Seconds of every collective ever recorded."""
+        self._read_spans()
+        return self._total_seconds
+
+    def _read_spans(self) -> None:
+        """Add the device spans recorded since the last read to their records (Note: blocked time
+        on a GPU); each waits, if it must, for its end event."""
+        unread, self._unread = self._unread, []
+        for record, spans in unread:
+            seconds = 0.0
+            for start, end in spans:
+                end.synchronize()
+                seconds += start.elapsed_time(end) / 1e3
+            self._count(record, seconds)
+
+    def _count(self, record: CommRecord, seconds: float) -> None:
+        record.seconds += seconds
+        self._total_seconds += seconds
+        if record.iteration in self._per_iteration:
+            self._per_iteration[record.iteration] += seconds
 
     @property
     def position(self) -> LedgerPosition:
@@ -112,19 +185,25 @@ class CommLedger:
         """The runtime begins ``iteration``: collectives from now on carry its number."""
         self._position = LedgerPosition(self._position.phase, 0, iteration)
 
-    def add(self, op: str, nbytes: int, seconds: float, tag: str = "", link: Link = Link.FLAT) -> None:
+    def add(self, op: str, nbytes: int, seconds: float | Blocked, tag: str = "", link: Link = Link.FLAT) -> None:
+        """Record a collective at the current position; ``seconds`` blocked, or a ``Blocked``
+        whose device spans are read later (Note: blocked time on a GPU)."""
         p = self._position
-        self.total_seconds += seconds
+        blocked = seconds if isinstance(seconds, Blocked) else Blocked(seconds)
         if p.iteration not in self._per_iteration:
             self._per_iteration[p.iteration] = 0.0
             if len(self._per_iteration) > self._max_iterations:
                 self._per_iteration.popitem(last=False)
-        self._per_iteration[p.iteration] += seconds
-        self.records.append(CommRecord(op, nbytes, p.phase.value, p.iteration, p.micro_step, seconds, tag,
-                                       time.time() - seconds, link))
+        record = CommRecord(op, nbytes, p.phase.value, p.iteration, p.micro_step, 0.0, tag,
+                            time.time() - blocked.host_s, link)
+        self._count(record, blocked.host_s)
+        self._records.append(record)
+        if blocked.spans:
+            self._unread.append((record, blocked.spans))
 
     def clear(self) -> None:
-        self.records.clear()
+        self._read_spans()  # they still count in total_seconds
+        self._records.clear()
         self._per_iteration.clear()
 
     def of(self, iteration: int | None = None, op: str | None = None, phase: str | None = None,
@@ -136,6 +215,7 @@ class CommLedger:
 
     def seconds(self, **filters: Any) -> float:
         """Seconds of the records matching ``filters`` (as ``of``)."""
+        self._read_spans()
         if filters.keys() == {"iteration"} and filters["iteration"] in self._per_iteration:
             return self._per_iteration[filters["iteration"]]
         return sum(r.seconds for r in self.of(**filters))

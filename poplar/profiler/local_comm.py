@@ -58,12 +58,12 @@ class LocalCommunicator(Communicator):
         the parts' sizes, which its shard weights give."""
 
     def _local(self, op: str, nbytes: int, fn: Any, async_op: bool, tag: str) -> PendingCollective | None:
-        t0 = self.start_timer()
+        timer = self.start_timer()
         fn()
-        seconds = self.stop_timer(t0)
+        blocked = timer.stop()
         if async_op:  # the runtime's own handle, already complete (no work to wait for)
-            return PendingCollective(self, None, op, nbytes, seconds, tag)
-        self.ledger.add(op, nbytes, seconds, tag)
+            return PendingCollective(self, None, op, nbytes, blocked, tag)
+        self.ledger.add(op, nbytes, blocked, tag)
         return None
 
     def all_reduce(self, tensor: torch.Tensor, tag: str = "", async_op: bool = False) -> PendingCollective | None:

@@ -241,8 +241,8 @@ class ZeroRuntime:
         except Exception as e:  # reported to every rank at the status reduction
             self._abort_micro_step(step, e, k)
             return e
-        if self.comm.device.type == "cuda":
-            torch.cuda.synchronize(self.comm.device)
+        if self.comm.device.type == "cuda":  # the compute stream only: collectives still in flight are
+            torch.cuda.current_stream(self.comm.device).synchronize()  # not compute (comm.ledger's Note)
         self._compute_s += time.perf_counter() - t0 - (self.comm_ledger.total_seconds - comm0)
         return None
 

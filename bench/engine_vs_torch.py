@@ -37,18 +37,22 @@ so the collectives overlap the compute as they would between machines, only slow
 trains the same model copy on the same batches; timed blocks of iterations are interleaved
 (A, B, A, B, ...) after a warm-up, each block's time is the slowest rank's, and ratios are of
 medians (ours ÷ torch: < 1 means Poplar is faster). Prints a table and, last, ``RESULT {json}``.
+``--trace DIR`` then profiles one more block of each system (``trace_block``): where a ratio
+comes from, e.g. how often each system's host waits for its GPU.
 
     python bench/engine_vs_torch.py [--world 2] [--iters 4] [--repeats 5] [--zero1-shapes 4x256,8x256,8x384]
     python bench/engine_vs_torch.py --zero1-only --repeats 9
     python bench/engine_vs_torch.py --zero0-only --zero0-shapes 4x256,8x384 --repeats 9
     python bench/engine_vs_torch.py --device cuda --world 2 --zero0-only --zero0-shapes 12x768,24x1024
     python bench/engine_vs_torch.py --device cuda [--layers 12]
+    python bench/engine_vs_torch.py --device cuda --world 2 --zero0-only --zero0-shapes 4x256 --trace $OUT
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, replace
@@ -281,8 +285,46 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+# the CUDA runtime calls in which a host waits for its GPU, counted in a trace (``--trace``); a
+# tensor's ``.item()`` on the GPU is one of the first (``aten::_local_scalar_dense`` is not counted:
+# on a CPU tensor, such as an optimizer's step count, it waits for nothing)
+HOST_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+def trace_block(name: str, step: Callable[[torch.Tensor], float], xs: list[torch.Tensor], device: torch.device,
+                prefix: str) -> None:
+    """One more block of ``step`` under ``torch.profiler``, after the timed ones (the profiler's
+    cost is in no timing); rank 0 writes where the time went to ``prefix + name + ".txt"``: the
+    block's time an iteration, the calls that make the host wait for the GPU, and the ops by
+    self time (device, then host)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    dist.barrier()
+    _sync(device)
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        for x in xs:
+            step(x)
+        _sync(device)
+    per_iter = (time.perf_counter() - t0) / len(xs)
+    if dist.get_rank() != 0:
+        return
+    events = prof.key_averages()
+    waits = {e.key: e.count for e in events if e.key in HOST_WAITS}
+    with open(f"{prefix}{name}.txt", "w") as f:
+        f.write(f"{name}: {len(xs)} iterations under the profiler, {per_iter:.4f} s each; host waits: {waits}\n\n")
+        for sort in (("self_device_time_total", "self_cpu_time_total") if cuda else ("self_cpu_time_total",)):
+            try:
+                f.write(events.table(sort_by=sort, row_limit=30) + "\n\n")
+            except Exception as e:  # a torch without this sort key: the other tables still come
+                f.write(f"(no table by {sort}: {type(e).__name__}: {e})\n\n")
+
+
 def worker(rank: int, world: int, c: Shape, iters: int, repeats: int, rows: Rows,
-           device_type: str = "cpu") -> dict[str, Any]:
+           device_type: str = "cpu", trace: str | None = None) -> dict[str, Any]:
+    """Every system's warm-up and interleaved timed blocks on this rank; ``trace``: a path prefix
+    for one profiled block of each system after them (``trace_block``)."""
     device = rank_gpu(rank, world) if device_type == "cuda" else torch.device("cpu")
     systems = make_systems(c, world, rows, device)
     losses = {name: [step(batch(c, rank, it, device)) for it in range(2)] for name, step in systems.items()}  # warm-up
@@ -299,29 +341,36 @@ def worker(rank: int, world: int, c: Shape, iters: int, repeats: int, rows: Rows
             slowest = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             times[name].append(float(slowest) / iters)
+    if trace is not None:
+        for name, step in systems.items():
+            trace_block(name, step, [batch(c, rank, 10_000 + it, device) for it in range(iters)], device, trace)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     return {"times": times, "losses": losses, "peak_bytes": peak}
 
 
-def run_cuda(c: Shape, iters: int, repeats: int, rows: Rows) -> dict[str, Any]:
+def run_cuda(c: Shape, iters: int, repeats: int, rows: Rows, trace: str | None = None) -> dict[str, Any]:
     """A world of one on this process's GPU, over NCCL."""
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
                             timeout=timedelta(seconds=300), device_id=device)
     try:
-        return worker(0, 1, c, iters, repeats, rows, "cuda")
+        return worker(0, 1, c, iters, repeats, rows, "cuda", trace)
     finally:
         dist.destroy_process_group()
 
 
-def run_ranks(args: argparse.Namespace, c: Shape, rows: Rows) -> dict[str, Any]:
+def run_ranks(args: argparse.Namespace, c: Shape, rows: Rows, label: str = "main") -> dict[str, Any]:
     """``worker`` on every rank, rank 0's result: gloo ranks on CPU; on GPUs over NCCL, a world of
     one in this process, or one process a rank (sharing GPUs where there are fewer:
-    ``poplar.emulation.gpu_ranks``)."""
+    ``poplar.emulation.gpu_ranks``). ``label`` names the pass's trace files."""
+    trace = None
+    if args.trace is not None:
+        os.makedirs(args.trace, exist_ok=True)
+        trace = os.path.join(args.trace, f"{label}-")
     if args.device == "cuda" and args.world == 1:
-        return run_cuda(c, args.iters, args.repeats, rows)
-    return spawn(worker, args.world, (c, args.iters, args.repeats, rows, args.device),
+        return run_cuda(c, args.iters, args.repeats, rows, trace)
+    return spawn(worker, args.world, (c, args.iters, args.repeats, rows, args.device, trace),
                  backend="nccl" if args.device == "cuda" else "gloo", timeout_s=900, collective_timeout_s=300)[0]
 
 
@@ -352,6 +401,9 @@ def main() -> None:
                     help="after the main pass, one ZeRO-0 ÷ DDP pass per BLOCKSxDIM shape ('' for none; two "
                          "ranks or more)")
     ap.add_argument("--zero0-only", action="store_true", help="only the --zero0-shapes passes")
+    ap.add_argument("--trace", metavar="DIR", default=None,
+                    help="after each pass's timed blocks, profile one more block of each system and write "
+                         "where its time went to DIR/<pass>-<system>.txt (rank 0)")
     for field in ("vocab", "dim", "heads", "layers", "seq", "batch"):
         ap.add_argument(f"--{field}", type=int, help=f"override the preset's {field}")
     args = ap.parse_args()
@@ -427,7 +479,7 @@ def pair_passes(args: argparse.Namespace, c: Shape, stage: int) -> dict[str, Any
     for spec in (args.zero1_shapes if stage == 1 else args.zero0_shapes).split(","):
         layers, dim = (int(v) for v in spec.lower().split("x"))
         shape = replace(c, layers=layers, dim=dim)
-        out = run_ranks(args, shape, Rows(pair=stage))
+        out = run_ranks(args, shape, Rows(pair=stage), f"zero{stage}-{spec}")
         med = {name: statistics.median(ts) for name, ts in out["times"].items()}
         psi = sum(p.numel() for p in LM(shape).parameters())
         print(f"ZeRO-{stage} pair, {spec}: {psi / 1e6:.2f}M parameters, {layers} blocks, d={dim}, {c.batch}x{c.seq} "

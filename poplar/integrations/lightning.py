@@ -147,9 +147,12 @@ class PoplarStrategy(ParallelStrategy):
                                    "(or SLURM), or call torch.distributed.init_process_group before trainer.fit")
             os.environ.setdefault("MASTER_ADDR", env.main_address)
             os.environ.setdefault("MASTER_PORT", str(env.main_port))
-            backend = "nccl" if self.root_device.type == "cuda" else "gloo"
-            dist.init_process_group(backend, rank=env.global_rank(), world_size=env.world_size(),
-                                    timeout=timedelta(seconds=self.timeout_s))
+            # NCCL is told each rank's GPU (its local rank's): left to guess, torch takes the global
+            # rank modulo the GPUs it sees, which on nodes of different GPU counts is another GPU
+            cuda = self.root_device.type == "cuda"
+            dist.init_process_group("nccl" if cuda else "gloo", rank=env.global_rank(), world_size=env.world_size(),
+                                    timeout=timedelta(seconds=self.timeout_s),
+                                    **({"device_id": self.root_device} if cuda else {}))
             end_process_group_at_exit()  # the group this strategy started ends with the script
         else:
             set_collective_timeout(self.timeout_s)

@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 STAMP := .venv/.poplar-installed
 
-.PHONY: demo test test-fast setup clean
+.PHONY: demo test test-fast gpu-checks setup clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -29,6 +29,21 @@ test: $(STAMP)
 # the edit-test loop: every test that runs in this one process (no gloo ranks, no torchrun)
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not multiprocess"
+
+# on a machine with a CUDA GPU (torch with CUDA already there; not part of `make test`): every
+# CUDA and NCCL test, then the engine against torch with collectives on the wire, each step bounded,
+# logs and one trace under $(GPU_OUT). Ranks share the GPUs there are (poplar.emulation.gpu_ranks).
+GPU_OUT ?= gpu-out
+GPU_PY ?= python3
+gpu-checks:
+	mkdir -p $(GPU_OUT)
+	-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $(GPU_OUT)/env.txt
+	-timeout 240 $(GPU_PY) -m pytest -p no:cacheprovider -k "cuda or nccl" tests/comm tests/zero tests/profiler \
+		tests/engine > $(GPU_OUT)/tests.txt 2>&1; tail -3 $(GPU_OUT)/tests.txt
+	-timeout 150 $(GPU_PY) bench/engine_vs_torch.py --device cuda --world 2 --zero0-only \
+		--zero0-shapes 4x256,8x384,12x768 --trace $(GPU_OUT) > $(GPU_OUT)/zero0.txt 2>&1; tail -1 $(GPU_OUT)/zero0.txt
+	-timeout 180 $(GPU_PY) bench/engine_vs_torch.py --device cuda --world 2 --layers 8 --repeats 3 --iters 2 \
+		--zero0-shapes '' --zero1-shapes '' > $(GPU_OUT)/main.txt 2>&1; tail -1 $(GPU_OUT)/main.txt
 
 clean:
 	rm -rf .venv

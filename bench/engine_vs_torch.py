@@ -294,9 +294,9 @@ HOST_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchr
 def trace_block(name: str, step: Callable[[torch.Tensor], float], xs: list[torch.Tensor], device: torch.device,
                 prefix: str) -> None:
     """One more block of ``step`` under ``torch.profiler``, after the timed ones (the profiler's
-    cost is in no timing); rank 0 writes where the time went to ``prefix + name + ".txt"``: the
-    block's time an iteration, the calls that make the host wait for the GPU, and the ops by
-    self time (device, then host)."""
+    cost is in no timing); rank 0 adds where the time went to ``prefix + ".txt"`` (one file a
+    pass): the block's time an iteration, the calls that make the host wait for the GPU, and the
+    ops by self time (device, then host)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
@@ -312,8 +312,8 @@ def trace_block(name: str, step: Callable[[torch.Tensor], float], xs: list[torch
         return
     events = prof.key_averages()
     waits = {e.key: e.count for e in events if e.key in HOST_WAITS}
-    with open(f"{prefix}{name}.txt", "w") as f:
-        f.write(f"{name}: {len(xs)} iterations under the profiler, {per_iter:.4f} s each; host waits: {waits}\n\n")
+    with open(f"{prefix}.txt", "a") as f:
+        f.write(f"=== {name}: {len(xs)} iterations under the profiler, {per_iter:.4f} s each; host waits: {waits}\n\n")
         for sort in (("self_device_time_total", "self_cpu_time_total") if cuda else ("self_cpu_time_total",)):
             try:
                 f.write(events.table(sort_by=sort, row_limit=30) + "\n\n")
@@ -367,7 +367,9 @@ def run_ranks(args: argparse.Namespace, c: Shape, rows: Rows, label: str = "main
     trace = None
     if args.trace is not None:
         os.makedirs(args.trace, exist_ok=True)
-        trace = os.path.join(args.trace, f"{label}-")
+        trace = os.path.join(args.trace, f"trace-{label}")
+        if os.path.exists(trace + ".txt"):
+            os.remove(trace + ".txt")  # this run's systems only
     if args.device == "cuda" and args.world == 1:
         return run_cuda(c, args.iters, args.repeats, rows, trace)
     return spawn(worker, args.world, (c, args.iters, args.repeats, rows, args.device, trace),
@@ -403,7 +405,7 @@ def main() -> None:
     ap.add_argument("--zero0-only", action="store_true", help="only the --zero0-shapes passes")
     ap.add_argument("--trace", metavar="DIR", default=None,
                     help="after each pass's timed blocks, profile one more block of each system and write "
-                         "where its time went to DIR/<pass>-<system>.txt (rank 0)")
+                         "where its time went to DIR/trace-<pass>.txt (rank 0)")
     for field in ("vocab", "dim", "heads", "layers", "seq", "batch"):
         ap.add_argument(f"--{field}", type=int, help=f"override the preset's {field}")
     args = ap.parse_args()

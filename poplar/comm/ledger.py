@@ -58,6 +58,12 @@ class CommRecord:
     link: Link = Link.FLAT  # the link it used (``poplar.types.topology``)
 
 
+# device spans kept unread at most: a training step reads them every micro-step, but a loop of
+# collectives alone (evaluation gathers) may not read the ledger for a long time; past this many,
+# adding one reads them all, which waits for the newest (one synchronize per MAX_UNREAD collectives)
+MAX_UNREAD = 4096
+
+
 class Blocked(NamedTuple):
     """Seconds a rank was blocked in a collective (Note: blocked time on a GPU): ``host_s`` on
     the host's clock, plus each CUDA event pair of ``spans`` (start, end) once it has elapsed."""
@@ -107,13 +113,14 @@ class CommLedger:
     ``max_iterations`` iterations are kept as running totals (``seconds(iteration=i)`` is O(1)).
     """
 
-    def __init__(self, max_records: int = 20_000, max_iterations: int = 1024) -> None:
+    def __init__(self, max_records: int = 20_000, max_iterations: int = 1024, max_unread: int = MAX_UNREAD) -> None:
         self._records: deque[CommRecord] = deque(maxlen=max_records)
         self._total_seconds = 0.0
         self._per_iteration: OrderedDict[int, float] = OrderedDict()
         self._max_iterations = max_iterations
         self._position = LedgerPosition(Phase.SETUP, -1, 0)
         self._unread: list[tuple[CommRecord, tuple[tuple[Any, Any], ...]]] = []  # device spans not yet read
+        self._max_unread = max_unread
 
     @property
     def records(self) -> deque[CommRecord]:
@@ -200,6 +207,8 @@ class CommLedger:
         self._records.append(record)
         if blocked.spans:
             self._unread.append((record, blocked.spans))
+            if len(self._unread) > self._max_unread:  # nobody reads (collectives outside training steps)
+                self._read_spans()
 
     def clear(self) -> None:
         self._read_spans()  # they still count in total_seconds

@@ -98,7 +98,7 @@ class ZeroRuntime:
         self.loss_fn = loss_fn
         self.max_grad_norm = max_grad_norm
         self.iteration = 0
-        self.last_grad_norm: float | None = None  # the last step's global norm before clipping (None: skipped)
+        self._grad_norm: torch.Tensor | float | None = None  # the last step's (``last_grad_norm``)
         self.last_loss_count: float | None = None
         self.last_stats: IterationStats | None = None
         self.observers = Observers()
@@ -334,6 +334,14 @@ class ZeroRuntime:
         self._enter_step()
         return self._finish_iteration(None, None)
 
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The last step's global gradient norm before clipping (None: the step was skipped). The
+        step keeps it on the device (``clip_and_unscale``); the first read here waits for it."""
+        if isinstance(self._grad_norm, torch.Tensor):
+            self._grad_norm = float(self._grad_norm)
+        return self._grad_norm
+
     def _enter_step(self) -> None:
         """From here to the iteration's end its collectives run over the ranks in the step."""
         if not self._stepping:
@@ -353,7 +361,7 @@ class ZeroRuntime:
             if in_step:
                 self.stage.close_micro_steps()
             status = self._agree_status(error, cause)
-            self.last_grad_norm = None  # a skipped step has none
+            self._grad_norm = None  # a skipped step has none
             if status.nonfinite_ranks:
                 self._skip_step(status)
             elif status.empty:
@@ -411,7 +419,7 @@ class ZeroRuntime:
         self.stage.reduce_gradients()
         norm = clip_and_unscale(self.stage.grad_tensors(), self.comm, self.stage.grads_sharded, self.max_grad_norm,
                                 self.loss_scale * divisor)
-        self.last_grad_norm = norm
+        self._grad_norm = norm
         self.stage.optimizer_step()
         self.stage.zero_grad()
         self.nonfinite.on_step()
@@ -501,9 +509,13 @@ NORM_ROW = 1024  # elements per row of the gradient norm's pass (``square_sum``)
 
 
 def clip_and_unscale(grads: list[torch.Tensor], comm: Communicator, sharded: bool, max_norm: float | None,
-                     divisor: float = 1.0) -> float:
+                     divisor: float = 1.0) -> torch.Tensor:
     """Divide ``grads`` by ``divisor`` and clip them to ``max_norm`` (None: no clipping), in place.
-    Returns the global norm of the divided gradients before clipping.
+    Returns the global norm of the divided gradients before clipping: a float64 number on the
+    device. Nothing here waits for the device: the clipping coefficient is computed and applied
+    there, as ``torch.nn.utils.clip_grad_norm_`` does, so on a GPU the optimizer's kernels queue
+    behind these at once instead of after a round trip to the host (``last_grad_norm`` reads the
+    norm when asked).
 
     The gradients a rank holds after ``reduce_gradients`` are the full reduced gradients (stage 0)
     or its shards (stages 1-3, whose squared norms are summed over ranks in one all-reduce). They
@@ -517,12 +529,17 @@ def clip_and_unscale(grads: list[torch.Tensor], comm: Communicator, sharded: boo
     if sharded:
         sq = sq.reshape(1)
         comm.all_reduce(sq, tag="grad_norm")
-    norm = float(sq.sum().sqrt()) / divisor
-    coef = 1.0 if max_norm is None else max_norm / (norm + 1e-6)
-    factor = min(coef, 1.0) / divisor
-    if factor != 1.0:
-        for g in grads:
-            g.mul_(factor)
+    norm = sq.sum().sqrt() / divisor
+    if max_norm is not None:  # float64 as the norm; a multiply by exactly 1 changes no gradient
+        factor: torch.Tensor | float = torch.clamp(max_norm / (norm + 1e-6), max=1.0) / divisor
+    elif divisor != 1.0:
+        factor = 1.0 / divisor
+    else:
+        return norm
+    # a gradient elsewhere (on the host) takes its own copy of the factor; on a GPU a 2-byte gradient
+    # (a model kept in bf16 itself; mixed precision accumulates in fp32) takes it rounded to its dtype
+    for g in grads:
+        g.mul_(factor.to(g.device) if isinstance(factor, torch.Tensor) and factor.device != g.device else factor)
     return norm
 
 

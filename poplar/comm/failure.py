@@ -39,10 +39,11 @@ LOCAL_GRACE_S = 2.0  # after a peer died: how long for ranks alive on this machi
 
 
 class FailureBoard:
-    """Check-ins of the failing ranks of one job attempt, on a key-value store."""
+    """Check-ins of the failing ranks of one job attempt, on a key-value store (at ``address``,
+    host and port, where it is a TCP store)."""
 
-    def __init__(self, store: Any, rank: int, world_size: int) -> None:
-        self.store, self.rank, self.world_size = store, rank, world_size
+    def __init__(self, store: Any, rank: int, world_size: int, address: tuple[str, int] | None = None) -> None:
+        self.store, self.rank, self.world_size, self.address = store, rank, world_size, address
 
     @classmethod
     def from_env(cls, rank: int, world_size: int, timeout_s: float = 5.0) -> "FailureBoard | None":
@@ -56,7 +57,21 @@ class FailureBoard:
             store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
         except Exception:  # noqa: BLE001 - no store: every rank reports for itself
             return None
-        return cls(dist.PrefixStore(f"poplar/failure/{run}/{attempt}", store), rank, world_size)
+        return cls(dist.PrefixStore(f"poplar/failure/{run}/{attempt}", store), rank, world_size, (host, int(port)))
+
+    def reachable(self, timeout_s: float = 1.0) -> bool:
+        """Whether the store's host still takes connections, asked with a plain socket. torchrun
+        keeps the store in one agent (group rank 0, also when the rendezvous runs apart), so it
+        ends with that agent's machine; a store call to it then fails only after c10d has
+        printed the broken connection with a C++ stack trace, in which the failure line would
+        be buried."""
+        if self.address is None:
+            return True
+        try:
+            with socket.create_connection(self.address, timeout=timeout_s):
+                return True
+        except OSError:
+            return False
 
     def register(self) -> None:
         """At start: where this rank's process runs, so that a peer on the same machine can tell
@@ -185,7 +200,8 @@ class FailureReporting:
             self.join()  # a failure before the job started (a bad config) checks in too
         except Exception:  # noqa: BLE001 - no store: report for this rank alone
             self.board = None
-        if self.board is None:
+        if self.board is None or not self.board.reachable():
+            self.board = None  # the store went with its machine: report for this rank alone
             return True
         try:
             return self.board.check_in()

@@ -4,13 +4,15 @@ process ended); a rank whose process ended without checking in is."""
 
 from __future__ import annotations
 
+import signal
 import socket
 import subprocess
 import sys
 
 import torch.distributed as dist
 
-from poplar.comm.failure import FailureBoard, failure_line
+from poplar.comm.failure import FailureBoard, FailureReporting, failure_line
+from poplar.comm.launch import free_port
 
 
 def _ended_pid() -> int:
@@ -75,3 +77,22 @@ def test_after_a_peer_died_a_live_rank_here_is_waited_for_briefly_and_named_as_s
     t0 = time.monotonic()
     assert board.absent(grace_s=30.0, local_grace_s=0.3) == ([2], [1])
     assert time.monotonic() - t0 < 10.0  # not the whole grace
+
+
+def test_a_store_whose_host_is_gone_is_not_used_and_the_rank_reports_alone() -> None:
+    """A store call to a host that is gone prints c10d's C++ stack trace before it fails; the
+    board asks with a plain socket first and leaves the store alone."""
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    board = FailureBoard(dist.HashStore(), 0, 2, ("127.0.0.1", port))
+    assert board.reachable()
+    del server  # its host is gone
+    assert not board.reachable()
+    reporting = FailureReporting()
+    reporting.joined, reporting.board = True, board
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        assert reporting.check_in() and reporting.board is None  # reports for itself
+    finally:
+        signal.signal(signal.SIGTERM, handler)  # check_in ignores SIGTERM from then on
+    assert not board.store.check(["rank0"])  # and never touched the store

@@ -351,7 +351,6 @@ class Communicator:
         finally:
             self.observer = outer
 
-    # timing: on CUDA synchronise so queued compute is not billed to the collective
     def start_timer(self) -> BlockedTimer:
         """Times a collective on this rank's clock (Note: blocked time on a GPU, in ``comm.ledger``)."""
         return BlockedTimer(self.device)

@@ -65,9 +65,12 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, sizes: Sequence[int], 
     wire = torch.empty(sum(nbytes), dtype=torch.uint8, device=output.device)
     at = uneven.offsets(nbytes)
     mine = wire[at[rank]:at[rank] + nbytes[rank]]
-    if nbytes[rank]:
-        mine.copy_(to_wire(input, spec, offsets[rank]))
     call = uneven.all_gather(wire, mine, nbytes, rank, group, method)
+
+    def run(async_op: bool) -> Any:  # the input is read when issued (``UnevenCall``)
+        if nbytes[rank]:
+            mine.copy_(to_wire(input, spec, offsets[rank]))
+        return call.run(async_op)
 
     def finish() -> None:
         if call.finish is not None:
@@ -75,7 +78,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, sizes: Sequence[int], 
         for r, (lo, n) in enumerate(zip(offsets, sizes)):
             if r != rank and n:
                 output[lo:lo + n].copy_(from_wire(wire[at[r]:at[r] + nbytes[r]], n, spec, lo))
-    return UnevenCall(call.run, finish, sum(nbytes))
+    return UnevenCall(run, finish, sum(nbytes))
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, sizes: Sequence[int], rank: int, group: Any,
@@ -84,12 +87,14 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, sizes: Sequence[in
     every rank sends each other rank its slice quantized; the owner adds the dequantized slices,
     in rank order, to its own in fp32 (module doc: flat)."""
     offsets, n = uneven.offsets(sizes), sizes[rank]
-    sends = [(r, to_wire(input[lo:lo + size], spec, lo)) for r, (lo, size) in enumerate(zip(offsets, sizes))
-             if r != rank and size]
     recvs = [(r, torch.empty(wire_nbytes(spec, offsets[rank], n), dtype=torch.uint8, device=input.device))
              for r in range(len(sizes)) if r != rank and n]
 
-    def run(async_op: bool) -> Any:
+    sends: list[tuple[int, torch.Tensor]] = []  # held here until the call is done
+
+    def run(async_op: bool) -> Any:  # the input is read when issued (``UnevenCall``)
+        sends[:] = [(r, to_wire(input[lo:lo + size], spec, lo)) for r, (lo, size) in enumerate(zip(offsets, sizes))
+                    if r != rank and size]
         ops = [dist.P2POp(dist.isend, t, _global(group, r), group) for r, t in sends]
         ops += [dist.P2POp(dist.irecv, t, _global(group, r), group) for r, t in recvs]
         return uneven.run_p2p(ops, async_op)
@@ -99,6 +104,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, sizes: Sequence[in
         for _, payload in recvs:
             total += from_wire(payload, n, spec, offsets[rank])
         output.copy_(total)
+        sends.clear()
     return UnevenCall(run, finish, sum(wire_nbytes(spec, lo, size) for lo, size in zip(offsets, sizes)))
 
 

@@ -2,7 +2,8 @@
 4 gloo ranks declared as two nodes (2 + 2 and 3 + 1), shard weights 2:1:1:2 and an uneven batch
 plan equal single-process full-batch training (SGD with momentum, AdamW with clipping); the
 ledger tags every collective with its link, and with secondary shards no backward all-gather
-crosses a node; the memory the secondary shards cost is in ``memory_report()``."""
+crosses a node; the memory the secondary shards cost is in ``memory_report()``. The same parity on
+NCCL where there is a GPU (skipped otherwise)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from torch import nn
 
 from poplar.checkpoint import load_checkpoint, save_checkpoint
 from poplar.comm.launch import spawn
+from poplar.emulation.gpu_ranks import rank_gpu
 from poplar.engine import PoplarEngine
 from poplar.types.plans import Plan, PlanError
 from poplar.types.topology import Link, Topology
@@ -43,18 +45,20 @@ def zero_config(stage: int, topology: Topology) -> ZeroConfig:
     return ZeroConfig(stage, bucket_size_mb=0.001, topology=topology)  # buckets of 262 elements
 
 
-def parity_worker(rank: int, world: int, topology: Topology) -> dict:
+def parity_worker(rank: int, world: int, topology: Topology, gpu: bool = False) -> dict:
+    """Every stage and config on this rank (``gpu``: on its GPU, over NCCL); states on the CPU."""
     torch.set_num_threads(1)
+    device = rank_gpu(rank, world) if gpu else torch.device("cpu")
     out: dict = {}
     for stage in (1, 2, 3):
         plan = hierarchical_plan(stage)
         for kind, max_norm in CONFIGS:
-            model = make_model(seed=0)
+            model = make_model(seed=0).to(device)
             engine = PoplarEngine(model, make_optimizer(model, kind), zero_stage=zero_config(stage, topology),
                                   plan=plan, max_grad_norm=max_norm)
-            losses = [engine.train_step(rank_slice(global_batch(it, GBS), plan, rank), loss_fn)
+            losses = [engine.train_step(rank_slice(global_batch(it, GBS), plan, rank).to(device), loss_fn)
                       for it in range(ITERATIONS)]
-            out[(stage, kind, max_norm)] = (losses, engine.full_state_dict())
+            out[(stage, kind, max_norm)] = (losses, {k: v.cpu() for k, v in engine.full_state_dict().items()})
             records = [(r.op, r.phase, r.link, r.bytes) for r in engine.comm_ledger.of(iteration=ITERATIONS - 1)]
             out[("ledger", stage, kind)] = records
             out[("memory", stage, kind)] = engine.memory_report()
@@ -64,7 +68,20 @@ def parity_worker(rank: int, world: int, topology: Topology) -> dict:
 @pytest.mark.parametrize("name", sorted(TOPOLOGIES))
 @pytest.mark.multiprocess
 def test_hierarchical_zero_matches_single_process(name: str) -> None:
-    results = spawn(parity_worker, 4, (TOPOLOGIES[name],), timeout_s=240)
+    _check_parity(name, spawn(parity_worker, 4, (TOPOLOGIES[name],), timeout_s=240))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", sorted(TOPOLOGIES))
+@pytest.mark.multiprocess
+def test_hierarchical_zero_on_nccl_matches_single_process(name: str) -> None:
+    """The same on GPUs over NCCL (ranks share a GPU where there are fewer than four:
+    ``poplar.emulation.gpu_ranks``): NCCL's methods (list collectives, tensor collectives on
+    even parts) in the hierarchy, which gloo does not run."""
+    _check_parity(name, spawn(parity_worker, 4, (TOPOLOGIES[name], True), backend="nccl", timeout_s=300))
+
+
+def _check_parity(name: str, results: list[dict]) -> None:
     for stage in (1, 2, 3):
         staged = [{(kind, norm, 0): res[(stage, kind, norm)] for kind, norm in CONFIGS} for res in results]
         assert_runs_match_reference(staged, CONFIGS, 1, GBS, ITERATIONS)

@@ -25,7 +25,7 @@ from poplar.zero.config import ZeroConfig
 
 TOPOLOGY = Topology.of_sizes([2, 2])
 FAST = LinkSpeed(bandwidth_bytes_per_s=2e8, latency_s=1e-3)
-SLOW = LinkSpeed(bandwidth_bytes_per_s=2e6, latency_s=2e-3)  # the model's gradients: ~0.15 s flat
+SLOW = LinkSpeed(bandwidth_bytes_per_s=1e7, latency_s=2e-3)  # the model's gradients: ~0.03 s flat
 GBS = 16
 
 

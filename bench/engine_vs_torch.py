@@ -409,6 +409,9 @@ def main() -> None:
     for field in ("vocab", "dim", "heads", "layers", "seq", "batch"):
         ap.add_argument(f"--{field}", type=int, help=f"override the preset's {field}")
     args = ap.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda needs a CUDA GPU and a torch built with CUDA; this one sees none (run on CPU "
+                 "without --device)")
     rows = Rows(args.bf16, args.offload, compiled=args.compiled)
     c = CPU if args.device == "cpu" else GPU
     c = replace(c, **{k: getattr(args, k) for k in asdict(c) if getattr(args, k) is not None})

@@ -16,6 +16,7 @@ from torch import nn
 
 from poplar.checkpoint import load_checkpoint, save_checkpoint
 from poplar.comm.launch import spawn
+from poplar.emulation.gpu_ranks import rank_gpu
 from poplar.engine import PoplarEngine
 from poplar.types.compression import CommPolicy
 from poplar.types.plans import Plan, PlanError
@@ -35,6 +36,7 @@ BATCHES = plan_of((2, 2, 1), (1, 2, 0), (3, 1, 0), (2, 1, 2))  # n_i = 5, 2, 3, 
 LEFT_OUT = plan_of((2, 2, 1), (0, 0, 0), (3, 1, 2), (2, 1, 2))  # n_i = 5, 0, 5, 4
 LEFT_OUT_WEIGHTS = (2, 0, 1, 2)
 TOPOLOGY = Topology.of_sizes([2, 2])
+CPU = torch.device("cpu")
 BOTH = CommPolicy(weights="int8", gradients="int8", block_size=64)
 # every iteration's loss within this of the reference's (relative): measured at most 9e-4 (ZeRO-3
 # hierarchical), 1.4e-3 (ZeRO-3 flat: every byte quantized) and 1e-4 (ZeRO-2) over the 6
@@ -55,11 +57,12 @@ def _config(stage: int) -> ZeroConfig:
     return ZeroConfig(stage, bucket_size_mb=0.001, topology=TOPOLOGY)
 
 
-def _train(rank: int, stage: int, plan: Plan, iterations: int = ITERATIONS, **kwargs: object
-           ) -> tuple[list[float], PoplarEngine]:
-    model = make_model(seed=0)
+def _train(rank: int, stage: int, plan: Plan, iterations: int = ITERATIONS, device: torch.device = CPU,
+           **kwargs: object) -> tuple[list[float], PoplarEngine]:
+    model = make_model(seed=0).to(device)
     engine = PoplarEngine(model, make_optimizer(model, "sgd"), zero_stage=_config(stage), plan=plan, **kwargs)
-    losses = [engine.train_step(rank_slice(global_batch(it, GBS), plan, rank), loss_fn) for it in range(iterations)]
+    losses = [engine.train_step(rank_slice(global_batch(it, GBS), plan, rank).to(device), loss_fn)
+              for it in range(iterations)]
     return losses, engine
 
 
@@ -67,18 +70,34 @@ def _ledger(engine: PoplarEngine) -> list[tuple[str, str, Link, int]]:
     return [(r.op, str(r.phase), r.link, r.bytes) for r in engine.comm_ledger.of(iteration=ITERATIONS - 1)]
 
 
-def training_worker(rank: int, world: int, directory: str) -> dict:
-    torch.set_num_threads(1)
-    out: dict = {}
-    runs = {"exact": (3, _plan(True, True, CommPolicy())), "zero3": (3, _plan(True, True, BOTH)),
+def _runs() -> dict[str, tuple[int, Plan]]:
+    """The trained runs: exact, and each way of quantizing (name: (stage, plan))."""
+    return {"exact": (3, _plan(True, True, CommPolicy())), "zero3": (3, _plan(True, True, BOTH)),
             "zero3 flat": (3, _plan(False, False, BOTH)),
             "zero3 every step": (3, _plan(True, True, CommPolicy(weights="int8", weights_scope="every_step",
                                                                  block_size=64))),
             "zero2": (2, _plan(True, False, CommPolicy(gradients="int8", block_size=64))),
             "zero3 left out": (3, _plan(True, True, BOTH, LEFT_OUT))}
-    for name, (stage, plan) in runs.items():
-        losses, engine = _train(rank, stage, plan)
-        out[name] = (losses, engine.full_state_dict(), _ledger(engine))
+
+
+def _trained(rank: int, device: torch.device = CPU) -> dict:
+    out: dict = {}
+    for name, (stage, plan) in _runs().items():
+        losses, engine = _train(rank, stage, plan, device=device)
+        out[name] = (losses, {k: v.cpu() for k, v in engine.full_state_dict().items()}, _ledger(engine))
+    return out
+
+
+def nccl_worker(rank: int, world: int) -> dict:
+    """The runs of ``_runs`` on this rank's GPU, over NCCL (ranks share a GPU where there are
+    fewer than four: ``poplar.emulation.gpu_ranks``)."""
+    return _trained(rank, rank_gpu(rank, world))
+
+
+def training_worker(rank: int, world: int, directory: str) -> dict:
+    torch.set_num_threads(1)
+    out = _trained(rank)
+    runs = _runs()
     for name, plan in (("bf16 exact", runs["exact"][1]), ("bf16", runs["zero3"][1])):  # bf16 gathers and sums
         losses, engine = _train(rank, 3, plan, mixed_precision="bf16")
         out[name] = (losses, engine.full_state_dict(), _ledger(engine))
@@ -101,9 +120,9 @@ def _cross_bytes(results: list[dict], name: str) -> int:
     return sum(b for res in results for _, _, link, b in res[name][2] if link is Link.CROSS)
 
 
-@pytest.mark.multiprocess
-def test_quantized_zero_trains_near_the_reference(tmp_path: Path) -> None:
-    results = spawn(training_worker, 4, (str(tmp_path),), timeout_s=240)
+def _check_runs(results: list[dict]) -> None:
+    """``_runs`` against single-process training: exact to 1e-5, quantized within LOSS_TOLERANCE
+    and not exact; the backward's gathers stay in the node; a quarter of the cross-node bytes."""
     ref_losses, ref_state = reference_run("sgd", GBS, ITERATIONS, None)
     for rank, res in enumerate(results):
         losses, state, _ = res["exact"]
@@ -112,21 +131,35 @@ def test_quantized_zero_trains_near_the_reference(tmp_path: Path) -> None:
             losses, state, ledger = res[name]  # rank 1 left out: the step's losses, from the status reduction
             assert losses == pytest.approx(ref_losses, rel=LOSS_TOLERANCE), (name, rank, losses, ref_losses)
             assert losses[1:] != pytest.approx(ref_losses[1:], rel=1e-7), name  # quantized: not the exact step
-        quantized, exact = res["bf16"][0], res["bf16 exact"][0]
-        assert quantized == pytest.approx(exact, rel=LOSS_TOLERANCE) and quantized != exact, (rank, quantized, exact)
         backward = [link for op, phase, link, _ in res["zero3"][2] if op == "all_gather" and phase == "backward"]
         assert backward and Link.CROSS not in backward  # the secondary shard holds the dequantized values
-        for name in ("to exact", "to quantized"):
-            saved_state, loaded_state, compression, loss = res[name]
-            assert all(torch.equal(saved_state[k], loaded_state[k]) for k in saved_state), (name, rank)
-            assert compression == (BOTH if name == "to exact" else CommPolicy())  # the checkpoint records it
-            assert loss == loss  # it trains on
     # the ledger: a quarter of the exact cross-node bytes, and the scales (4 bytes per 64 elements)
     ratio = _cross_bytes(results, "zero3") / _cross_bytes(results, "exact")
     assert 0.25 < ratio < 0.25 + 0.05, ratio
     zero2 = sum(b for res in results for op, _, link, b in res["zero2"][2] if link is Link.CROSS
                 and op == "reduce_scatter")
     assert zero2 > 0
+
+
+@pytest.mark.multiprocess
+def test_quantized_zero_trains_near_the_reference(tmp_path: Path) -> None:
+    results = spawn(training_worker, 4, (str(tmp_path),), timeout_s=240)
+    _check_runs(results)
+    for rank, res in enumerate(results):
+        quantized, exact = res["bf16"][0], res["bf16 exact"][0]
+        assert quantized == pytest.approx(exact, rel=LOSS_TOLERANCE) and quantized != exact, (rank, quantized, exact)
+        for name in ("to exact", "to quantized"):
+            saved_state, loaded_state, compression, loss = res[name]
+            assert all(torch.equal(saved_state[k], loaded_state[k]) for k in saved_state), (name, rank)
+            assert compression == (BOTH if name == "to exact" else CommPolicy())  # the checkpoint records it
+            assert loss == loss  # it trains on
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.multiprocess
+def test_quantized_zero_on_nccl_trains_near_the_reference() -> None:
+    """The same runs and checks on GPUs over NCCL (no bf16 or checkpoint runs)."""
+    _check_runs(spawn(nccl_worker, 4, (), backend="nccl", timeout_s=300))
 
 
 def test_runtime_refuses_quantization_its_stage_does_not_have() -> None:

@@ -128,7 +128,7 @@ class PendingChain:
     def issue_next(self) -> None:
         step = self.call.steps[self.next]
         self.next += 1
-        timer = self.comm.start_timer()
+        timer = self.comm.start_timer(issue_only=True)
         observer = self.comm.observer if step.wire is not None else None
         ticket = observer.issued(step.op, step.observed_bytes, step.wire) if observer is not None else None
         work = self.comm.guard(self.op, self.tag, lambda: step.run(True))
@@ -351,14 +351,15 @@ class Communicator:
         finally:
             self.observer = outer
 
-    def start_timer(self) -> BlockedTimer:
-        """Times a collective on this rank's clock (Note: blocked time on a GPU, in ``comm.ledger``)."""
-        return BlockedTimer(self.device)
+    def start_timer(self, issue_only: bool = False) -> BlockedTimer:
+        """Times a collective (``issue_only``: an async one's issue) on this rank's clock (Note:
+        blocked time on a GPU, in ``comm.ledger``)."""
+        return BlockedTimer(self.device, issue_only)
 
     def _run(self, op: str, nbytes: int, fn: Any, async_op: bool, tag: str,
              finish: Callable[[], None] | None = None) -> PendingCollective | None:
         self.settle()
-        timer = self.start_timer()
+        timer = self.start_timer(issue_only=async_op)
         observer = self.observer if self.world_size > 1 else None
         ticket = observer.issued(op, nbytes, self.wire) if observer is not None else None
         work = self.guard(op, tag, lambda: fn(async_op)) if self.world_size > 1 else None

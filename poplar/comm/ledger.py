@@ -77,19 +77,23 @@ class Blocked(NamedTuple):
 
 class BlockedTimer:
     """Starts timing a collective on ``device``'s clock (Note: blocked time on a GPU); ``stop()``
-    gives the ``Blocked`` time since."""
+    gives the ``Blocked`` time since. ``issue_only``: the timer of an async collective's issue,
+    which holds up no stream on a GPU (there it is 0, with no events recorded)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, issue_only: bool = False) -> None:
         self.stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        self.issue_only = issue_only
         self.t0 = time.perf_counter()
         self.start = None
-        if self.stream is not None:
+        if self.stream is not None and not issue_only:
             self.start = torch.cuda.Event(enable_timing=True)
             self.start.record(self.stream)
 
     def stop(self) -> Blocked:
         if self.stream is None:
             return Blocked(time.perf_counter() - self.t0)
+        if self.issue_only:
+            return Blocked(0.0)
         end = torch.cuda.Event(enable_timing=True)
         end.record(self.stream)
         return Blocked(0.0, ((self.start, end),))

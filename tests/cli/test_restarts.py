@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -126,11 +128,37 @@ def test_sigkill_of_the_launcher_leaves_no_worker_and_the_last_checkpoint_loads(
     assert f"resumed from ckpt at iteration {stopped}" in again.stderr
 
 
+# torchrun's rendezvous, shortened: once one agent is there it waits 3 s (not 30) for others, and a
+# member that stopped beating is dropped after 5 x 1 s (not 3 x 5 s)
+RDZV_CONF = "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=5"
+
+
+def rendezvous_port() -> int:
+    """A free port below the ephemeral range, for the rendezvous store.
+
+    A port from ``free_port`` (the kernel's pick from the ephemeral range) is free when it is
+    picked, and the store binds it seconds later, once torchrun has started. Meanwhile any test
+    beside this one may be given it for a socket of its own: a gloo pair or another job's store.
+    An agent that cannot bind the endpoint it believes it hosts then joins whatever listens there
+    as a client (torch's c10d rendezvous falls back so), and when that store goes away both agents
+    end with ``RendezvousConnectionError ... Failed to recv``. The kernel never hands out a port
+    below the ephemeral range to a socket bound to port 0, and no test binds one by number.
+    """
+    for port in random.Random().sample(range(20000, 29000), 200):  # Linux's ephemeral range starts at 32768
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError("no free port in 20000-29000")
+
+
 def _elastic(tmp: Path, log: Path, port: int, conf: str = "") -> subprocess.Popen:
     """One agent of an elastic job of 1 to 2 agents (two agents on this machine stand for two nodes)."""
     return subprocess.Popen([str(TORCHRUN), "--nnodes", "1:2", "--nproc_per_node", "2", "--rdzv-backend", "c10d",
                              "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic-test", "--max-restarts",
-                             "2", "--rdzv-conf", "last_call_timeout=3" + conf, "-m", "poplar", "train", "--config",
+                             "2", "--rdzv-conf", RDZV_CONF + conf, "-m", "poplar", "train", "--config",
                              "run.json"], cwd=tmp, env=ENV, stdout=subprocess.DEVNULL, stderr=log.open("w"),
                             start_new_session=True)
 
@@ -166,10 +194,8 @@ def test_an_elastic_job_whose_store_runs_apart_survives_losing_its_first_agent(t
     """The README's way to survive the loss of any worker machine: the c10d store in a process of
     its own, every agent told it is not the host. The first agent (the store's host otherwise)
     dies, and the second goes on alone to the end."""
-    from poplar.comm.launch import free_port
-
     _setup(tmp_path, 30)
-    port = free_port()
+    port = rendezvous_port()
     store = subprocess.Popen([sys.executable, "-c", "import time, torch.distributed as d; s = d.TCPStore("
                               f"'127.0.0.1', {port}, is_master=True, wait_for_workers=False); time.sleep(600)"])
     try:
@@ -191,11 +217,9 @@ def test_an_elastic_job_whose_store_runs_apart_survives_losing_its_first_agent(t
 @needs_torchrun
 @pytest.mark.multiprocess
 def test_an_elastic_job_that_loses_a_member_resumes_on_the_smaller_world_with_a_new_plan(tmp_path: Path) -> None:
-    from poplar.comm.launch import free_port
-
     iterations = 30
     _setup(tmp_path, iterations)
-    port = free_port()
+    port = rendezvous_port()
     logs = [tmp_path / "first.log", tmp_path / "second.log"]
     first = _elastic(tmp_path, logs[0], port)
     time.sleep(1.0)  # the first agent hosts the rendezvous

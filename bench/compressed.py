@@ -40,9 +40,12 @@ Per run:
 
 Auto mode with lossy communication allowed (``--lossy-auto``): the planner's choice with
 ``collectives=CollectivesRequest(way, allow_lossy=True)`` (what ``AutoOptions(allow_lossy=True)``
-asks) on the profile over the slow network and on a second profile over ``--fast-network``; the
-table says which compression each chose and its predicted saving. It needs a planner that takes
-that request: without one the bench says so and skips it.
+asks) on the profile over the slow network, and on two more profiles over ``--fast-network``
+(profiled and planned only): the cluster's own machines, and the same GPUs joined inside each
+machine by ``--fast-nodes`` (NVLink by default). On C a flat ring is paced by its slowest hop, the
+V100S machine's PCIe 3, whatever the network, so quantizing a ring that crosses nodes saves time
+over any network; with NVLink inside the machines the network is the ring's slow hop. The table
+says which compression each chose and its predicted saving.
 
 The yardsticks (unless ``--no-yardstick``): ``exact-reordered``, exact again on the other way of
 running the same collectives (flat <-> hierarchical), which changes fp32's rounding order and
@@ -61,7 +64,8 @@ RESULT:
 - ``bf16_eval_loss_rel_diff`` / ``bf16_train_loss_rel_diff``: |one-process-bf16's loss / one-process's - 1|;
 - ``speedup_vs_exact_link_bound``: exact's iteration time over both's (target >= 1.3);
 - ``cross_node_bytes_ratio``: both's cross-node bytes per iteration over exact's (target <= 0.3);
-- ``late_step_fraction``: padded micro-steps whose real compute overshot the curve (<= 0.01).
+- ``late_step_fraction``: padded micro-steps whose real compute overshot the curve (<= 0.01);
+- ``lossy_auto``: with ``--lossy-auto``, what ``allow_lossy`` chose on each case's links.
 
     .venv/bin/python bench/compressed.py [--short] [--cluster C] [--network eth-10g] [--iterations 300]
                                          [--rounds 6] [--gbs 32] [--lossy-auto] [--plot loss.png] [--json PATH]
@@ -84,12 +88,13 @@ import torch.distributed as dist
 from poplar.comm.launch import spawn
 from poplar.emulation.calibration import calibrate_stages
 from poplar.emulation.cluster import ClusterSpec
+from poplar.emulation.presets import get_link
 from poplar.emulation.emulate import EmulatedCluster, cluster_devices
 from poplar.emulation.link_calibration import measure_link
 from poplar.emulation.speed_padding import LATE_BUDGET, late_fraction
 from poplar.emulation.virtual_link import LinkSpec
 from poplar.engine import PoplarEngine
-from poplar.planner import plan
+from poplar.planner import CollectivesRequest, plan
 from poplar.planner.cost_model import bus_bytes
 from poplar.profiler.profile_run import ProfileJob, ProfileOptions, model_size, profile_rank
 from poplar.types.compression import CommPolicy
@@ -242,21 +247,9 @@ def train(job: dict, device: Any, plans: dict[str, Plan], rank: int) -> dict[str
     return out
 
 
-def lossy_request(way: str) -> Any:
-    """The planner's request for auto mode's choice with lossy communication allowed
-    (``CollectivesRequest(way, allow_lossy=True)``), or None from a planner without one."""
-    try:
-        from poplar.planner import CollectivesRequest
-    except ImportError:
-        return None
-    return CollectivesRequest(way, allow_lossy=True)
-
-
-def lossy_choice(prof: Any, job: dict) -> Plan | None:
-    """The planner's choice with lossy communication allowed, or None where it cannot be asked."""
-    request = lossy_request(job["collectives"])
-    if request is None:
-        return None
+def lossy_choice(prof: Any, job: dict) -> Plan:
+    """The planner's choice with lossy communication allowed (what ``AutoOptions(allow_lossy=True)`` asks)."""
+    request = CollectivesRequest(job["collectives"], allow_lossy=True)
     return plan(prof, job["gbs"], STAGE, collectives=request, participation=job["participation"])
 
 
@@ -358,13 +351,13 @@ def table(rows: dict[str, Any]) -> str:
 
 
 def lossy_table(choices: dict[str, Any]) -> str:
-    lines = ["| network | exact plan: way, predicted (s) | allow_lossy: compression | predicted (s) | vs exact |",
+    lines = ["| links | exact plan: way, predicted (s) | allow_lossy: compression | predicted (s) | vs exact |",
              "|---|---|---|---|---|"]
-    for net, (exact, lossy) in choices.items():
+    for case, (exact, lossy) in choices.items():
         e, q = Plan.from_dict(exact), Plan.from_dict(lossy)
-        lines.append(f"| {net} | {way(e)}, {e.predicted_iteration_s:.3f} | {q.compression.describe()} ({way(q)}) | "
+        lines.append(f"| {case} | {way(e)}, {e.predicted_iteration_s:.3f} | {q.compression.describe()} ({way(q)}) | "
                      f"{q.predicted_iteration_s:.3f} | {e.predicted_iteration_s / q.predicted_iteration_s:.2f} |")
-        why = getattr(q.choice, "compression_choice", None)
+        why = q.choice.compression_choice
         if why is not None:
             lines.append(f"| | {why.describe()} | | | |")
     return "\n".join(lines)
@@ -414,7 +407,10 @@ def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cluster", default="C", help="a two-node cluster: C (2 + 2) or C-4+4 (the paper's size)")
     ap.add_argument("--network", default="eth-10g", help="the inter-node link (slow: where it binds)")
-    ap.add_argument("--fast-network", default="ib-200g", help="the fast link of --lossy-auto")
+    ap.add_argument("--fast-network", default="ib-400g", help="the fast link of --lossy-auto")
+    ap.add_argument("--fast-nodes", default="nvlink-a100",
+                    help="--lossy-auto's last case: the same GPUs joined inside each machine by this link preset, "
+                         "over --fast-network ('' leaves it out)")
     ap.add_argument("--collectives", default="auto", help="the exact plan's collectives (auto: the planner's choice)")
     ap.add_argument("--participation", default="all",
                     help="the planner's participation: all (default; a plan that leaves a node out sends nothing "
@@ -482,10 +478,16 @@ def emulate(args: argparse.Namespace, spec: ClusterSpec, model_fn: Any, job: dic
     return cal, cal.time_scale * args.slowdown
 
 
-def run_network(net: str, spec: ClusterSpec, cal: Any, time_scale: float, job: dict) -> list[dict]:
-    emulated = EmulatedCluster(spec.with_network(net), cal.memory_scale, time_scale)
+def links(spec: ClusterSpec) -> str:
+    """``spec``'s links in a line: its nodes' own, and the network between them."""
+    return f"{'/'.join(link.name for link in spec.node_links())} nodes over {spec.network.name}"
+
+
+def run_network(spec: ClusterSpec, cal: Any, time_scale: float, job: dict) -> list[dict]:
+    """The worker on every rank of ``spec`` (its nodes and network) at the calibrated scales."""
+    emulated = EmulatedCluster(spec, cal.memory_scale, time_scale)
     network = emulated.network(job["param_bytes"], job["floor"])
-    print(f"# {spec.name} over {net}: memory scale {cal.memory_scale:.3g}, time scale {time_scale:.3g}; "
+    print(f"# {spec.name}, {links(spec)}: memory scale {cal.memory_scale:.3g}, time scale {time_scale:.3g}; "
           f"{network.describe()}", file=sys.stderr, flush=True)
     try:
         devices = cluster_devices(emulated.spec, cal.memory_scale, time_scale, link=network)
@@ -495,27 +497,32 @@ def run_network(net: str, spec: ClusterSpec, cal: Any, time_scale: float, job: d
         network.remove()
 
 
+def fast_cases(args: argparse.Namespace, spec: ClusterSpec) -> dict[str, ClusterSpec]:
+    """``--lossy-auto``'s fast cases, by label: the cluster over ``--fast-network``, and the same
+    GPUs with ``--fast-nodes`` inside each machine over it (unless ``--fast-nodes`` is '')."""
+    fast = spec.with_network(args.fast_network)
+    cases = [fast]
+    if args.fast_nodes:
+        cases.append(dataclasses.replace(fast, nodes=[dataclasses.replace(n, link=get_link(args.fast_nodes))
+                                                     for n in spec.nodes]))
+    return {links(case): case for case in cases}
+
+
 def on_cluster(args: argparse.Namespace, spec: ClusterSpec, model_fn: Any, job: dict) -> tuple[list, dict, float]:
     """The runs on the emulated cluster, and auto mode's lossy choices: (per-rank results, choices,
     time scale); nothing where ``--runs`` names none of them."""
     if not set(args.runs) & set(CLUSTER_RUNS):
         return [], {}, 0.0
-    if args.lossy_auto and lossy_request(args.collectives) is None:
-        print("# --lossy-auto: this planner has no CollectivesRequest(allow_lossy=...) yet; auto mode's lossy "
-              "choice is skipped", file=sys.stderr, flush=True)
-        args.lossy_auto = False
     job["lossy_auto"] = args.lossy_auto
     cal, time_scale = emulate(args, spec, model_fn, job)
-    results = run_network(args.network, spec, cal, time_scale, job)
+    slow = spec.with_network(args.network)
+    results = run_network(slow, cal, time_scale, job)
     choices = {}
-    if args.lossy_auto:
-        fast = run_network(args.fast_network, spec, cal, time_scale, dict(job, train=None))
-        choices = {net: (res[0]["plans"]["exact"], res[0]["lossy_auto"])
-                   for net, res in ((args.network, results), (args.fast_network, fast)) if res[0]["lossy_auto"]}
-        if len(choices) < 2:
-            print("# --lossy-auto: the ranks' planner has no CollectivesRequest(allow_lossy=...); skipped",
-                  file=sys.stderr, flush=True)
-            choices = {}
+    if args.lossy_auto:  # the fast cases profile and plan only
+        choices[links(slow)] = (results[0]["plans"]["exact"], results[0]["lossy_auto"])
+        for label, case in fast_cases(args, spec).items():
+            res = run_network(case, cal, time_scale, dict(job, train=None))
+            choices[label] = (res[0]["plans"]["exact"], res[0]["lossy_auto"])
     return results, choices, time_scale
 
 
@@ -560,7 +567,8 @@ def main() -> None:
     exact = Plan.from_dict(results[0]["plans"]["exact"]) if results else None
     result = {**summary(rows, results), "targets": TARGETS, "short": args.short, "cluster": args.cluster,
               "network": args.network, "exact_way": way(exact) if exact else None, "iterations": args.iterations,
-              "seed": args.seed, "time_scale": time_scale, "wall_s": round(time.perf_counter() - t0, 1)}
+              "seed": args.seed, "time_scale": time_scale, "wall_s": round(time.perf_counter() - t0, 1),
+              "lossy_auto": {case: Plan.from_dict(lossy).compression.describe() for case, (_, lossy) in choices.items()}}
     title = (f"llama-tiny, {args.cluster} over {args.network}, ZeRO-3 ({way(exact) if exact else 'one process'}), "
              f"gbs {args.gbs}, {args.iterations} iterations, seed {args.seed}")
     missing = plot(rows, args.plot, title) if args.plot else None

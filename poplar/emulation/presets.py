@@ -223,6 +223,7 @@ LINKS: dict[str, LinkPreset] = {p.name: p for p in (
     LinkPreset("nvlink-a100", 230.0, 10.0, "NVLink 3, A100 SXM4: NCCL all-reduce busbw ~230 GB/s"),
     LinkPreset("pcie4", 16.0, 20.0, "PCIe 4.0 x16, no bridge: rings through the host"),
     LinkPreset("pcie3", 8.0, 30.0, "PCIe 3.0 x16, no bridge: rings through the host"),
+    LinkPreset("ib-400g", 50.0, 15.0, "InfiniBand NDR, 400 Gbps per port"),
     LinkPreset("ib-200g", 25.0, 15.0, "InfiniBand HDR, 200 Gbps per port"),
     LinkPreset("ib-100g", 12.5, 15.0, "InfiniBand EDR / HDR100, 100 Gbps per port"),
     LinkPreset("eth-25g", 3.125, 40.0, "25 Gbps Ethernet (TCP)"),

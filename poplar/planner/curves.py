@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
-from scipy.interpolate import CubicSpline
 
 from poplar.types.profiles import ProfileError
 
@@ -121,6 +120,11 @@ def _interpolate(xs: np.ndarray, ts: np.ndarray, mbs: int) -> np.ndarray:
     if xs.size == 2:
         speed = np.interp(batches, xs, speeds_pts)
     else:
+        # imported on the first fit, not with the planner: scipy.interpolate is about 0.35 s of
+        # every process's start (a third of `import poplar` beyond torch), and most processes fit
+        # no curve (ranks given a plan, the command line's --help)
+        from scipy.interpolate import CubicSpline
+
         spline = CubicSpline(np.log2(xs), speeds_pts, bc_type="not-a-knot")
         speed = spline(np.log2(batches))
     speed = np.clip(speed, 0.5 * speeds_pts.min(), speeds_pts.max())

@@ -40,11 +40,17 @@ def model_fingerprint(model: nn.Module, optimizer: torch.optim.Optimizer) -> str
 def store_key(model: nn.Module, optimizer: torch.optim.Optimizer, sample_fn: Callable[[int], Any], *,
               zero_stage: int, stages: tuple[int, ...], checkpointing: Any, rule: str, bucket_size_mb: float,
               policy: MixedPrecision | None) -> StoreKey:
-    """What this job's profiles depend on (every rank computes the same key)."""
+    """What this job's profiles depend on (every rank computes the same key).
+
+    A gradient bucket holds at most the whole model: every bucket size from the model's bytes up
+    runs the same job (one bucket), so the key records the bucket size no larger than that, and a
+    small model's profile serves whatever larger bucket a config names."""
+    params = list(model.parameters())  # as the runtime cuts buckets: every element at the first's size
+    model_mb = sum(p.numel() for p in params) * (params[0].element_size() if params else 4) / 2 ** 20
     setting = "auto" if checkpointing is None and rule != "single" else \
         "off" if checkpointing in (None, False) else "on" if checkpointing is True else repr(checkpointing)
     return StoreKey(model=model_fingerprint(model, optimizer), structure=module_structure(model),
                     config=model_config(model), zero_stage=zero_stage,
                     stages=tuple(sorted(set(stages))), checkpointing=setting, rule=rule,
                     precision=str(precision_of(policy).value), sample=repr(_shapes(sample_fn(1))),
-                    bucket_size_mb=float(bucket_size_mb), torch_version=torch.__version__)
+                    bucket_size_mb=float(min(bucket_size_mb, model_mb)), torch_version=torch.__version__)

@@ -92,6 +92,21 @@ def test_key_follows_model_precision_and_sample() -> None:
     assert longer.digest() != key.digest()
 
 
+def test_every_bucket_that_holds_the_whole_model_has_one_key() -> None:
+    """A bucket as large as the model runs the job a larger one runs (one bucket); a smaller one
+    cuts the gradients and is another job."""
+    model = create_model("llama-tiny", max_seq_len=16)
+    opt = torch.optim.AdamW(model.parameters())
+    model_mb = sum(p.numel() for p in model.parameters()) * 4 / 2 ** 20
+    samples = DatasetSamples(TextBlocks(seq_len=16))
+
+    def key(bucket_mb: float) -> str:
+        return store_key(model, opt, samples, policy=None, zero_stage=2, stages=(2,), checkpointing=None,
+                         rule="fastest", bucket_size_mb=bucket_mb).digest()
+
+    assert key(25.0) == key(6.25) == key(model_mb) != key(model_mb / 2) != key(model_mb / 4)
+
+
 PAIR = ClusterSpec("pair", [{"type": "V100-16G", "count": 1}, {"type": "T4-16G", "count": 1}])
 NEW = ClusterSpec("new", [{"type": "V100-16G", "count": 1}, {"type": "A100-40G", "count": 1}])
 GBS = 24

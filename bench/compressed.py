@@ -88,7 +88,7 @@ import torch.distributed as dist
 from poplar.comm.launch import spawn
 from poplar.emulation.calibration import calibrate_stages
 from poplar.emulation.cluster import ClusterSpec
-from poplar.emulation.presets import get_link
+from poplar.emulation.presets import PresetError, get_link
 from poplar.emulation.emulate import EmulatedCluster, cluster_devices
 from poplar.emulation.link_calibration import measure_link
 from poplar.emulation.speed_padding import LATE_BUDGET, late_fraction
@@ -459,6 +459,11 @@ def parse_args() -> argparse.Namespace:
     if args.iterations < args.rounds * (args.warmup + 2):
         ap.error(f"--iterations {args.iterations} leaves fewer than 2 timed iterations per block: give at least "
                  f"{args.rounds * (args.warmup + 2)} or fewer --rounds")
+    for name in filter(None, (args.network, args.fast_network, args.fast_nodes)):  # before any training
+        try:
+            get_link(name)
+        except PresetError as e:
+            ap.error(str(e))
     if ClusterSpec.resolve(args.cluster).topology().node_count < 2:
         ap.error(f"cluster {args.cluster} is one node: give a cluster of two nodes (C, C-4+4, A, A-4+4)")
     return args

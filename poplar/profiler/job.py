@@ -84,8 +84,8 @@ class ProfileOptions(ProfilingPolicy):
     # the job's nodes (None: one node): on a topology that spans nodes the links are measured per
     # node and across nodes as well (``poplar.profiler.links``)
     topology: Topology | None = None
-    # the buffer bytes the link probes time (None: ``poplar.profiler.links.DEFAULT_COMM_SIZES``,
-    # 16 KB to 4 MB); a slow emulated link probes a small model's sizes faster
+    # the buffer bytes the link probes time (None: ``poplar.profiler.links.probe_sizes``, 16 KB
+    # to 4 MB, none past the model's bytes)
     comm_sizes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:

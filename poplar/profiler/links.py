@@ -39,6 +39,18 @@ from poplar.types.profiles import Links, LinkSpeed
 from poplar.types.topology import Link, Topology
 
 DEFAULT_COMM_SIZES = (2 ** 14, 2 ** 17, 2 ** 20, 2 ** 22)  # bytes of the full (unsharded) buffer
+
+
+def probe_sizes(param_bytes: int) -> tuple[int, ...]:
+    """The buffer sizes the link probes time for a model of ``param_bytes``: ``DEFAULT_COMM_SIZES``
+    up to the model's bytes, and the model's bytes. No collective of the job moves more than one
+    copy of the parameters (a bucket or a gather holds at most all of them), so a larger probe
+    times bytes no plan prices, and the fit is wanted where the job's collectives lie. A model of
+    4 MB or more probes every default size; one below 16 KB the two smallest."""
+    below = tuple(s for s in DEFAULT_COMM_SIZES if s < param_bytes)
+    if len(below) == len(DEFAULT_COMM_SIZES):
+        return DEFAULT_COMM_SIZES
+    return below + (param_bytes,) if below else DEFAULT_COMM_SIZES[:2]
 NO_LINK = LinkSpeed(1e15, 0.0)  # a group of one rank: nothing crosses a link
 
 

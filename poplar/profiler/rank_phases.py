@@ -36,7 +36,7 @@ from poplar.profiler.exposure import ExposureRounds
 from poplar.profiler.job import ProfileJob, ProfileOptions, model_size
 from poplar.profiler.local_comm import local_engine
 from poplar.profiler.lock_step import LockStepTiming, time_rounds, young_garbage_only
-from poplar.profiler.links import DEFAULT_COMM_SIZES
+from poplar.profiler.links import probe_sizes
 from poplar.profiler.offload_cost import measure_offload_cost
 from poplar.profiler.phases import ProfileObserver, ProfilePhase, in_phase, observers_of
 from poplar.profiler.precision import agree_precision_support, precision_meta
@@ -276,7 +276,7 @@ class RankPhases:
             return None
         if self._comm is None:
             with in_phase(self.observers, ProfilePhase.COMM, self.comm):
-                self._comm = measure_comm(self.comm, self.options.comm_sizes or DEFAULT_COMM_SIZES,
+                self._comm = measure_comm(self.comm, self.options.comm_sizes or probe_sizes(self.param_bytes),
                                           topology=self.options.topology)
         return copy.deepcopy(self._comm)
 

@@ -11,7 +11,7 @@ import pytest
 
 from poplar.comm import Communicator
 from poplar.comm.launch import spawn
-from poplar.profiler.links import NO_LINK, fit_link, measure_links
+from poplar.profiler.links import DEFAULT_COMM_SIZES, NO_LINK, fit_link, measure_links, probe_sizes
 from poplar.types.profiles import CommProfile, Links, LinkSpeed, Profile, ProfilePoint, RankProfile
 from poplar.types.topology import Topology
 
@@ -38,6 +38,14 @@ def links_worker(rank: int, world: int) -> list[Links]:
 
 
 @pytest.mark.multiprocess
+def test_the_probes_time_no_buffer_larger_than_the_model() -> None:
+    assert probe_sizes(100 * 2 ** 20) == probe_sizes(2 ** 22 + 1) == DEFAULT_COMM_SIZES
+    assert probe_sizes(2 ** 22) == (2 ** 14, 2 ** 17, 2 ** 20, 2 ** 22)
+    assert probe_sizes(383_000) == (2 ** 14, 2 ** 17, 383_000)  # llama-tiny: the model's bytes last
+    assert probe_sizes(20_000) == (2 ** 14, 20_000)
+    assert probe_sizes(1000) == (2 ** 14, 2 ** 17)  # two sizes at least: a line needs two points
+
+
 def test_nodes_of_2_and_2_measure_two_intra_links_and_a_cross_link() -> None:
     results = spawn(links_worker, 4, timeout_s=120)
     for r in results[1:]:

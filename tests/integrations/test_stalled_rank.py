@@ -18,7 +18,7 @@ import pytest
 
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 REPO = Path(__file__).resolve().parents[2]
-TIMEOUT_S = 15.0  # the doors' collective timeout in this test
+TIMEOUT_S = 10.0  # the doors' collective timeout in this test
 START_S = 240.0  # how long the job may take to reach its second step on a loaded machine
 
 

@@ -39,6 +39,7 @@ from poplar.types.profiles import Links, LinkSpeed
 from poplar.types.topology import Link, Topology
 
 DEFAULT_COMM_SIZES = (2 ** 14, 2 ** 17, 2 ** 20, 2 ** 22)  # bytes of the full (unsharded) buffer
+NO_LINK = LinkSpeed(1e15, 0.0)  # a group of one rank: nothing crosses a link
 
 
 def probe_sizes(param_bytes: int) -> tuple[int, ...]:
@@ -51,7 +52,6 @@ def probe_sizes(param_bytes: int) -> tuple[int, ...]:
     if len(below) == len(DEFAULT_COMM_SIZES):
         return DEFAULT_COMM_SIZES
     return below + (param_bytes,) if below else DEFAULT_COMM_SIZES[:2]
-NO_LINK = LinkSpeed(1e15, 0.0)  # a group of one rank: nothing crosses a link
 
 
 def _pair(link: LinkSpeed) -> torch.Tensor:

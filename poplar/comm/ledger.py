@@ -81,18 +81,18 @@ class BlockedTimer:
     which holds up no stream on a GPU (there it is 0, with no events recorded)."""
 
     def __init__(self, device: torch.device, issue_only: bool = False) -> None:
-        self.stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
-        self.issue_only = issue_only
+        self.on_gpu = device.type == "cuda"
         self.t0 = time.perf_counter()
-        self.start = None
-        if self.stream is not None and not issue_only:
+        self.stream = self.start = None  # on a GPU, the stream and start event of a timed span
+        if self.on_gpu and not issue_only:
+            self.stream = torch.cuda.current_stream(device)
             self.start = torch.cuda.Event(enable_timing=True)
             self.start.record(self.stream)
 
     def stop(self) -> Blocked:
-        if self.stream is None:
+        if not self.on_gpu:
             return Blocked(time.perf_counter() - self.t0)
-        if self.issue_only:
+        if self.start is None:  # an async collective's issue
             return Blocked(0.0)
         end = torch.cuda.Event(enable_timing=True)
         end.record(self.stream)

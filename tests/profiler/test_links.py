@@ -37,7 +37,6 @@ def links_worker(rank: int, world: int) -> list[Links]:
             for topology in (None, Topology.single(4), Topology.of_sizes([2, 2]), Topology.of_sizes([3, 1]))]
 
 
-@pytest.mark.multiprocess
 def test_the_probes_time_no_buffer_larger_than_the_model() -> None:
     assert probe_sizes(100 * 2 ** 20) == probe_sizes(2 ** 22 + 1) == DEFAULT_COMM_SIZES
     assert probe_sizes(2 ** 22) == (2 ** 14, 2 ** 17, 2 ** 20, 2 ** 22)
@@ -46,6 +45,7 @@ def test_the_probes_time_no_buffer_larger_than_the_model() -> None:
     assert probe_sizes(1000) == (2 ** 14, 2 ** 17)  # two sizes at least: a line needs two points
 
 
+@pytest.mark.multiprocess
 def test_nodes_of_2_and_2_measure_two_intra_links_and_a_cross_link() -> None:
     results = spawn(links_worker, 4, timeout_s=120)
     for r in results[1:]:

@@ -178,12 +178,12 @@ def auto_collectives(cfg: TrainConfig, world: int) -> str:
     """Auto mode's ``AutoOptions.collectives`` under the config's hpZ. DeepSpeed's
     ``zero_hpz_partition_size`` is a setting, not a hint: where it asks for secondary shards
     (``secondary_shards_of``, on the config's topology or the launcher's) the planner plans with
-    them and no other way; at 1 (DeepSpeed's default, off) the planner chooses ("auto"), since a
-    config cannot tell a 1 written from none."""
-    topology = cfg.topology or Topology.from_launcher(os.environ, world)
-    if secondary_shards_of(cfg.hpz_partition_size, topology, cfg.zero_stage):
-        return Collectives.SECONDARY_SHARDS.value
-    return "auto"
+    them and no other way; at 1 (DeepSpeed's default: off, what a config without the key says
+    too) the planner chooses ("auto")."""
+    if cfg.hpz_partition_size == 1:
+        return "auto"
+    secondary_shards_of(cfg.hpz_partition_size, cfg.topology or Topology.from_launcher(os.environ, world), cfg.zero_stage)
+    return Collectives.SECONDARY_SHARDS.value
 
 
 def with_compression(cfg: TrainConfig, plan: Plan, stage: Any) -> Plan:

@@ -178,10 +178,11 @@ class Entry:
         try:
             check_entry(d)
             d = {k: v for k, v in d.items() if k != "schema_version"}
-            # the stored rank, checked as a profile of one rank (every field its JSON type)
-            check = Profile(d["zero_stage"], 1, d["param_count"], d["param_bytes"], [{**d["rank"], "rank": 0}],
-                            d["comm"], provenance=d.get("provenance") or Provenance(),
-                            auto_choice=d.get("auto_choice"))
+            # the stored rank, checked as every rank of the run that stored it (every field its JSON
+            # type; the communication profile's links are that run's, its nodes included)
+            ranks = [{**d["rank"], "rank": r, "device_type": t} for r, t in enumerate(d["cluster"])]
+            check = Profile(d["zero_stage"], len(ranks), d["param_count"], d["param_bytes"], ranks, d["comm"],
+                            provenance=d.get("provenance") or Provenance(), auto_choice=d.get("auto_choice"))
             return cls(**{**d, "key": StoreKey.from_dict(d["key"]), "rank": RankProfile(**d["rank"]),
                           "comm": check.comm, "provenance": check.provenance, "auto_choice": check.auto_choice})
         except (TypeError, KeyError, ProfileError) as e:
@@ -206,7 +207,7 @@ ENTRY_FIELDS: dict[str, tuple[tuple[type, ...], str, bool]] = {
     "zero_stage": (_INT, "an integer, 0 to 3", True),
     "activation_checkpointing": ((bool,), "true or false", True),
     "rank": ((dict,), "an object (one rank's profile)", True),
-    "cluster": ((list,), "a list of device type names", True),
+    "cluster": ((list,), "a non-empty list of device type names", True),
     "comm": ((dict,), "an object (the communication profile)", True),
     "param_count": (_INT, "an integer", True),
     "param_bytes": (_INT, "an integer", True),
@@ -254,6 +255,9 @@ def check_entry(d: dict) -> None:
         _field(d[name], types, name, what)
     if not 0 <= d["zero_stage"] <= 3:
         raise ProfileError(f'field "zero_stage" must be an integer, 0 to 3, got {d["zero_stage"]!r}')
+    if not d["cluster"] or d["device_type"] not in d["cluster"]:
+        raise ProfileError(f'field "cluster" must list the device type of every rank of the run that stored the '
+                           f'entry, {d["device_type"]!r} among them, got {d["cluster"]!r}')
     for i, dtype in enumerate(d["cluster"]):
         _field(dtype, (str,), f"cluster[{i}]", "a device type name (a string)")
     if not math.isfinite(d.get("saved_at", 0.0)):

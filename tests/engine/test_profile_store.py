@@ -19,8 +19,9 @@ from poplar.emulation.cluster import ClusterSpec
 from poplar.engine import PoplarEngine
 from poplar.planner import plan as make_plan
 from poplar.profiler.store import ProfileStore, StoreKey, assemble
-from poplar.types.profiles import (PROFILE_SCHEMA, CommProfile, Emulated, Exposure, LedExposure, Links, Profile,
-                                   ProfilePoint, Provenance, RankProfile, StoreRecord)
+from poplar.types.profiles import (PROFILE_SCHEMA, CommProfile, Emulated, Exposure, LedExposure, Links, LinkSpeed,
+                                   Profile, ProfilePoint, Provenance, RankProfile, StoreRecord)
+from poplar.types.topology import Topology
 from poplar.workloads.models import create_model, llama_loss_fn
 from poplar.workloads.text import TextBlocks
 
@@ -284,7 +285,9 @@ def test_an_entry_measured_on_another_device_of_the_type_is_not_reused(tmp_path:
 
 @pytest.mark.parametrize("field, value, needle", [
     ("saved_at", "2026-11-28", 'field "saved_at" must be a number (seconds since the epoch), got \'2026-11-28\' (str)'),
-    ("cluster", 7, 'field "cluster" must be a list of device type names, got 7 (int)'),
+    ("cluster", 7, 'field "cluster" must be a non-empty list of device type names, got 7 (int)'),
+    ("cluster", ["V100-16G"], 'field "cluster" must list the device type of every rank of the run that stored the '
+                              "entry, 'T4-16G' among them"),
     ("activation_checkpointing", "yes", 'field "activation_checkpointing" must be true or false, got \'yes\' (str)'),
     ("zero_stage", 9, 'field "zero_stage" must be an integer, 0 to 3, got 9'),
     ("device", None, 'field "device" must be a string'),
@@ -314,6 +317,19 @@ def test_every_field_of_an_entry_is_checked_where_it_is_read(tmp_path: Path, fie
                                                      f"bad field: {needle}"), warned
     assert again.misses == {"T4-16G": "its entry was skipped (a bad field)"}
     assemble(found, ["V100-16G", "V100-16G"])  # the good entry serves
+
+
+def test_an_entry_of_a_run_that_spans_nodes_reads_back(tmp_path: Path) -> None:
+    """The communication profile of a run on two nodes names its nodes: the entry is checked as
+    that run's ranks, not as a run of one (which refused every such entry)."""
+    two = _profile(["V100-16G", "V100-16G", "T4-16G", "T4-16G"])
+    link = LinkSpeed(1e9, 1e-5)
+    two.comm = replace(two.comm, links=Links.tiered(Topology.of_sizes([2, 2]), (link, link), LinkSpeed(1e8, 1e-4)))
+    store = ProfileStore(tmp_path)
+    store.save(two, KEY, checkpointed=False)
+    found = ProfileStore(tmp_path).lookup(KEY, ["V100-16G", "T4-16G"])
+    assert sorted(found) == ["T4-16G", "V100-16G"] and store.take_warnings() == []
+    assert assemble(found, [r.device_type for r in two.ranks]).comm.links.spans_nodes
 
 
 def test_a_type_measured_again_is_said_with_what_changed(tmp_path: Path) -> None:

@@ -54,8 +54,8 @@ from pathlib import Path
 from typing import Any
 
 from poplar.types.plans import write_text_atomic
-from poplar.types.profiles import (PROFILE_SCHEMA, AutoChoice, CommProfile, Profile, ProfileError, Provenance,
-                                   RankProfile, StoreRecord)
+from poplar.types.profiles import (PROFILE_SCHEMA, AutoChoice, CommProfile, Links, Profile, ProfileError,
+                                   Provenance, RankProfile, StoreRecord)
 
 ENV_VAR = "POPLAR_PROFILE_STORE"  # a directory, or "off"
 
@@ -441,6 +441,11 @@ def assemble(entries: dict[str, Entry], cluster: list[str]) -> Profile:
     if base.cluster != cluster:
         # exposures led by a device type the job lacks do not apply; the cluster named is the storing run's
         comm = replace(comm, exposure=comm.exposure.only_leaders(cluster))
+        links = comm.links
+        if links.topology is not None and links.topology.world_size != len(cluster):
+            # the storing run's nodes are not this job's ranks: its flat ring stands for the job's
+            # collectives (the slowest tier's pace), as on one node; the re-planner corrects it
+            comm = replace(comm, links=Links(links.bandwidth_bytes_per_s, links.latency_s, links.backend))
         if provenance.emulated is not None:
             provenance = replace(provenance, emulated=replace(provenance.emulated, cluster=""))
     ranks = [replace(entries[dtype].rank, rank=r) for r, dtype in enumerate(cluster)]

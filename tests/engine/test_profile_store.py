@@ -321,7 +321,8 @@ def test_every_field_of_an_entry_is_checked_where_it_is_read(tmp_path: Path, fie
 
 def test_an_entry_of_a_run_that_spans_nodes_reads_back(tmp_path: Path) -> None:
     """The communication profile of a run on two nodes names its nodes: the entry is checked as
-    that run's ranks, not as a run of one (which refused every such entry)."""
+    that run's ranks, not as a run of one (which refused every such entry), and a job of another
+    world size assembles from it."""
     two = _profile(["V100-16G", "V100-16G", "T4-16G", "T4-16G"])
     link = LinkSpeed(1e9, 1e-5)
     two.comm = replace(two.comm, links=Links.tiered(Topology.of_sizes([2, 2]), (link, link), LinkSpeed(1e8, 1e-4)))
@@ -329,7 +330,11 @@ def test_an_entry_of_a_run_that_spans_nodes_reads_back(tmp_path: Path) -> None:
     store.save(two, KEY, checkpointed=False)
     found = ProfileStore(tmp_path).lookup(KEY, ["V100-16G", "T4-16G"])
     assert sorted(found) == ["T4-16G", "V100-16G"] and store.take_warnings() == []
-    assert assemble(found, [r.device_type for r in two.ranks]).comm.links.spans_nodes
+    assert assemble(found, [r.device_type for r in two.ranks]).comm.links == two.comm.links
+    # another world (a mix of other sizes, or the stored types alone beside new ones): the stored
+    # run's nodes are not its ranks, and its flat ring stands for its collectives
+    other = assemble(found, ["T4-16G", "V100-16G"]).comm.links
+    assert not other.spans_nodes and other.flat == two.comm.links.flat
 
 
 def test_a_type_measured_again_is_said_with_what_changed(tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ from poplar.profiler.devices import Device
 from poplar.types.plans import Plan
 from poplar.types.precision import MixedPrecision, resolve_precision
 from poplar.types.profiles import Profile
+from poplar.zero.compile_note import CompileNote
 from poplar.zero.config import ZeroConfig, communicator_for
 from poplar.zero.observers import MicroStepTimeline
 from poplar.zero.runtime import LossFn, ZeroRuntime
@@ -72,6 +73,8 @@ class PoplarEngine(ZeroRuntime):
             raise ValueError('zero_stage="auto" and activation_checkpointing="auto" ask auto mode to choose: give '
                              "global_batch_size (and no plan), or a stage and a setting with the plan")
         comm = communicator_for(zero, next(model.parameters()).device)
+        compile_note = CompileNote(model, comm.device.type == "cpu", comm.rank)
+        compile_note.check()  # before profiling, which runs the compiled model too
         self.auto_result: AutoResult | None = None
         device: Device | None = None
         if auto_mode:
@@ -91,6 +94,7 @@ class PoplarEngine(ZeroRuntime):
         self.device: Device | None = device
         self.timeline = MicroStepTimeline()
         self.add_observer(self.timeline)
+        self.add_observer(compile_note)
         self._attached = contextlib.ExitStack()
         if device is not None:
             self._attached.enter_context(device.attach(self))

@@ -6,11 +6,15 @@ a bad value an error naming the key) and takes from it how ZeRO runs:
 
 - ``zero_optimization.stage`` (unless the trainer is given a stage: then they must agree;
   ``"auto"`` or none: auto mode chooses, a fixed plan keeps its own) and ``reduce_bucket_size``;
-- ``zero_hpz_partition_size``: secondary shards on a fixed plan, as ``poplar train`` maps it, on
-  ``poplar.topology`` or the launcher's nodes (in auto mode the planner chooses the collectives);
+- ``zero_hpz_partition_size``: secondary shards, as ``poplar train`` maps it, on
+  ``poplar.topology`` or the launcher's nodes: a fixed plan's, and in auto mode the only way the
+  planner plans (``AutoOptions.collectives``);
 - ``zero_quantized_weights`` / ``zero_quantized_gradients``: the plan's quantized collectives
   (a fixed plan's ``Plan.compression``; in auto mode ``AutoOptions.compression``), and
-  ``poplar.allow_lossy`` (``AutoOptions.allow_lossy``).
+  ``poplar.allow_lossy`` (``AutoOptions.allow_lossy``);
+- ``offload_optimizer``, ``offload_param`` (its nearest in Poplar, said once: ``mapped_line``)
+  and ``poplar.offload``: each rank's optimizer placement (a fixed plan's rows; in auto mode
+  ``AutoOptions.offload``), as ``poplar train`` reads them.
 
 The batch sizes, optimizer, scheduler and precision are the framework's own arguments' (the
 Trainer's ``TrainingArguments``), as its DeepSpeed integration fills a config's ``"auto"`` from
@@ -25,7 +29,8 @@ from typing import Any
 
 from poplar.auto import AutoOptions
 from poplar.train.config import ConfigError, TrainConfig
-from poplar.train.from_config import with_collectives
+from poplar.train.deepspeed_hints import mapped_line
+from poplar.train.from_config import auto_collectives, offload_setting, with_collectives
 from poplar.types.plans import Plan, read_json
 from poplar.zero.config import ZeroConfig
 
@@ -67,19 +72,29 @@ class DeepSpeedZero:
         return ZeroConfig(stage, self.config.bucket_size_mb, topology=self.config.topology)
 
     def on_plan(self, plan: Plan, stage: Any) -> Plan:
-        """A fixed plan with the config's secondary shards and quantized collectives."""
+        """A fixed plan with the config's secondary shards, quantized collectives and offload."""
+        offloads = offload_setting(self.config, plan.world_size, auto=False)
+        if offloads is not None:
+            plan = plan.with_offloads(offloads)
         return with_collectives(self.config, plan, plan.world_size, stage)
 
-    def on_auto(self, auto: AutoOptions) -> AutoOptions:
-        """Auto mode's options with the config's quantized collectives (where given) and
-        ``poplar.allow_lossy`` (either of the two allows)."""
+    def on_auto(self, auto: AutoOptions, world_size: int) -> AutoOptions:
+        """Auto mode's options for ``world_size`` ranks with the config's quantized collectives
+        (where given), ``poplar.allow_lossy`` (either of the two allows), offload (where given)
+        and hpZ's secondary shards (where asked for)."""
         given = self.config.compression
+        offloads = offload_setting(self.config, world_size, auto=True)
+        offload = offloads if offloads is not None else "auto" if self.config.offload == "auto" else auto.offload
+        hpz = auto_collectives(self.config, world_size)
         return replace(auto, compression=given if given is not None else auto.compression,
-                       allow_lossy=auto.allow_lossy or self.config.allow_lossy)
+                       allow_lossy=auto.allow_lossy or self.config.allow_lossy, offload=offload,
+                       collectives=hpz if hpz != "auto" else auto.collectives)
 
-    def note(self) -> str | None:
-        """The line that says which of the config's keys the framework's arguments decide."""
+    def notes(self) -> list[str]:
+        """The lines that say which of the config's keys the framework's arguments decide, and
+        what the keys Poplar has no equal of became."""
+        said = [mapped_line(self.config.deepspeed_mapped)] if self.config.deepspeed_mapped else []
         if not self.unused:
-            return None
-        return (f"DeepSpeed config: {', '.join(self.unused)} come from the trainer's own arguments "
-                "(TrainingArguments), not from the config; its zero_optimization section is Poplar's")
+            return said
+        return [f"DeepSpeed config: {', '.join(self.unused)} come from the trainer's own arguments "
+                "(TrainingArguments), not from the config; its zero_optimization section is Poplar's"] + said

@@ -25,7 +25,8 @@ How the Trainer's pieces map onto Poplar's:
   dynamic loss scaling). ``gradient_accumulation_steps`` must stay 1: the plan accumulates.
 - A DeepSpeed config (``deepspeed=``, a dict or a JSON path): its ZeRO section is read
   (stage, bucket size, ``zero_hpz_partition_size``, ``zero_quantized_weights`` /
-  ``zero_quantized_gradients``, ``poplar.allow_lossy``: ``poplar.integrations.deepspeed_config``);
+  ``zero_quantized_gradients``, ``poplar.allow_lossy``, the offload keys:
+  ``poplar.integrations.deepspeed_config``);
   the batches, optimizer, scheduler and precision stay the ``TrainingArguments``'.
 - Saving. ``save_model(dir)`` gathers the full state (every rank) and writes the HF layout
   (``save_pretrained``). A checkpoint (``save_steps``) also holds ``poplar/``, a Poplar
@@ -202,9 +203,9 @@ class PoplarTrainer(Trainer):
         activation_checkpointing: as ``PoplarEngine``'s.
         deepspeed: a DeepSpeed config (a dict or a JSON path; not ``args.deepspeed``, which starts
             DeepSpeed's own engine): its ZeRO
-            stage and bucket size, ``zero_hpz_partition_size`` (secondary shards on a fixed plan),
-            ``zero_quantized_weights`` / ``zero_quantized_gradients`` (quantized collectives) and
-            ``poplar.allow_lossy`` (``poplar.integrations.deepspeed_config``).
+            stage and bucket size, ``zero_hpz_partition_size`` (secondary shards),
+            ``zero_quantized_weights`` / ``zero_quantized_gradients`` (quantized collectives),
+            ``poplar.allow_lossy`` and the offload keys (``poplar.integrations.deepspeed_config``).
         collective_timeout_s: how long a rank waits for a hung peer before the job ends; None: the
             ``TrainingArguments``' ``ddp_timeout`` where it was changed from its default, else
             ``poplar train``'s default (300 s).
@@ -221,7 +222,7 @@ class PoplarTrainer(Trainer):
             raise ValueError("TrainingArguments(deepspeed=...) sets up DeepSpeed's own engine in Accelerate; Poplar "
                              "runs ZeRO itself: give the config to PoplarTrainer(deepspeed=...) instead (its ZeRO "
                              "section is read there) and leave TrainingArguments' deepspeed unset")
-        plan, zero_stage, auto = _with_deepspeed(deepspeed, plan, zero_stage, auto,
+        plan, zero_stage, auto = _with_deepspeed(deepspeed, plan, zero_stage, auto, targs.world_size,
                                                  say=getattr(targs, "process_index", 0) == 0)
         self.collective_timeout_s = collective_timeout_s if collective_timeout_s is not None else \
             collective_timeout_of(targs)
@@ -328,19 +329,20 @@ class PoplarTrainer(Trainer):
 
 
 def _with_deepspeed(source: Any, plan: Plan | None, zero_stage: int | ZeroConfig | None, auto: AutoOptions | None,
-                    say: bool) -> tuple[Plan | None, int | str | ZeroConfig, AutoOptions | None]:
-    """(the plan, the stage, auto mode's options) under a DeepSpeed config (``deepspeed_config``:
-    its ZeRO section), or as given (stage 0 where none is) without one; ``say``: log which of its
-    keys the Trainer's arguments decide (rank 0)."""
+                    world_size: int, say: bool) -> tuple[Plan | None, int | str | ZeroConfig, AutoOptions | None]:
+    """(the plan, the stage, auto mode's options) of a job of ``world_size`` ranks under a
+    DeepSpeed config (``deepspeed_config``: its ZeRO section), or as given (stage 0 where none
+    is) without one; ``say``: log which of its keys the Trainer's arguments decide and what the
+    keys Poplar has no equal of became (rank 0)."""
     if source is None:
         return plan, 0 if zero_stage is None else zero_stage, auto
     ds = DeepSpeedZero.read(source)
     stage = ds.zero_stage(zero_stage, plan)
-    if (note := ds.note()) is not None and say:
+    for note in ds.notes() if say else ():
         log.info(note)
     if plan is not None:
         return ds.on_plan(plan, stage.stage if isinstance(stage, ZeroConfig) else stage), stage, auto
-    return None, stage, ds.on_auto(AutoOptions() if auto is None else auto)
+    return None, stage, ds.on_auto(AutoOptions() if auto is None else auto, world_size)
 
 
 def collective_timeout_of(args: Any) -> float:

@@ -187,7 +187,7 @@ class ProfileRun:
             say(warning)
         directory = self.store.store.directory
         if not lookup.entries:
-            say(f"profile store {directory}: nothing stored for this model and settings; profiling")
+            say(f"profile store {directory}: nothing to reuse ({lookup.why_measured(lookup.new_types)}); profiling")
         elif lookup.configuration is None:
             say("profile store: the stored device types were chosen at different configurations; profiling again")
         elif not lookup.new_types:
@@ -197,7 +197,8 @@ class ProfileRun:
         else:
             say(f"profile store {directory}: reusing the profiles of {', '.join(sorted(lookup.entries))}; "
                 f"profiling only {', '.join(lookup.new_types)} at "
-                f"{lookup.stored_configuration(self.store.checkpointing).name} (the stored configuration)")
+                f"{lookup.stored_configuration(self.store.checkpointing).name} (the stored configuration): "
+                f"{lookup.why_measured(lookup.new_types)}")
         return lookup
 
     def _reuse_all(self, lookup: StoreLookup) -> Profile:

@@ -16,18 +16,23 @@ also where it leaves every shape alone:
 and each entry is checked against two more parts of it: the device (its name and capacity,
 ``Device.identity``) and the profile schema (``PROFILE_SCHEMA``, bumped when the profile format
 or the profiler changes). An entry measured on another device of the same type name, or by a
-profiler of another schema, is measured again, with one line saying why. The communication
-costs are measured on one mix of devices and world size and kept with each entry
-(``Entry.cluster``).
+profiler of another schema, is measured again. Every type a start measures again is named in its
+store line with why (``ProfileStore.misses``): nothing of that type stored; stored for other
+jobs only, with what differs between the nearest stored key and the job's (``key_changes``: the
+model's fingerprint, each setting with both values); another schema; another device; too old.
+The communication costs are measured on one mix of devices and world size and kept with each
+entry (``Entry.cluster``).
 
 On disk (JSON): ``<dir>/<key digest>/<device type>.json``, one ``Entry`` per device type: the key
 (checked on read, so a digest collision or a hand-copied file cannot be taken for another key),
 the device, the schema, the configuration the run chose, one rank's ``RankProfile`` of that
 type, and the cluster-wide parts of the profile it came from (communication, model size,
 precision, provenance, auto mode's choice). Written atomically by one process (rank 0), read by
-any. The store is a cache: a file that cannot be read or has a bad field is skipped, and a
-directory that cannot be read or written is passed over, each with a warning naming the path
-and the reason (``ProfileStore.warnings``); the job goes on and profiles what it needs.
+any. Every field is checked where it is read (``check_entry``; a schema version must be a
+number, not text). The store is a cache: a file that cannot be read or has a bad field is
+skipped, and a directory that cannot be read or written is passed over, each with a warning
+naming the path, the field and the reason (``ProfileStore.warnings``); the job goes on and
+profiles what it needs.
 
 ``assemble`` makes a whole ``Profile`` for a job from one entry per device type of its ranks:
 the communication profile is the entry's whose mix is the job's, else the most recent entry's,
@@ -40,6 +45,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import re
 import time
@@ -48,8 +54,8 @@ from pathlib import Path
 from typing import Any
 
 from poplar.types.plans import write_text_atomic
-from poplar.types.profiles import (PROFILE_SCHEMA, AutoChoice, CommProfile, Profile, ProfileError, Provenance,
-                                   RankProfile, StoreRecord)
+from poplar.types.profiles import (PROFILE_SCHEMA, AutoChoice, CommProfile, Links, Profile, ProfileError,
+                                   Provenance, RankProfile, StoreRecord)
 
 ENV_VAR = "POPLAR_PROFILE_STORE"  # a directory, or "off"
 
@@ -158,23 +164,29 @@ class Entry:
     @classmethod
     def from_dict(cls, d: Any, path: Path) -> "Entry":
         """The entry of the JSON object read from ``path``; a ``StaleEntry`` if another schema
-        wrote it, a ``ProfileError`` naming ``path`` and the field if a field is bad."""
+        wrote it, a ``ProfileError`` naming ``path`` and the field if a field is bad. Every field
+        is checked here, where it is read (``check_entry``)."""
         if not isinstance(d, dict):
             raise ProfileError(f"stored profile {path} is not a JSON object")
-        version = d.get("schema_version", 1)  # entries before typed records: schema 1
-        if version != PROFILE_SCHEMA:
-            raise StaleEntry(f"stored profile {path} is of profile schema {version}, this Poplar's is "
-                             f"{PROFILE_SCHEMA}: profiling {d.get('device_type', 'that device type')} again")
         try:
+            version = check_schema(d)
+        except ProfileError as e:
+            raise ProfileError(f"stored profile {path} has a bad field: {e}") from None
+        if version != PROFILE_SCHEMA:
+            raise StaleEntry(f"its entry {path} was written by profile schema {version}, this Poplar's is "
+                             f"{PROFILE_SCHEMA}")
+        try:
+            check_entry(d)
             d = {k: v for k, v in d.items() if k != "schema_version"}
-            # the stored rank, checked as a profile of one rank (every field its JSON type)
-            check = Profile(d["zero_stage"], 1, d["param_count"], d["param_bytes"], [{**d["rank"], "rank": 0}],
-                            d["comm"], provenance=d.get("provenance") or Provenance(),
-                            auto_choice=d.get("auto_choice"))
+            # the stored rank, checked as every rank of the run that stored it (every field its JSON
+            # type; the communication profile's links are that run's, its nodes included)
+            ranks = [{**d["rank"], "rank": r, "device_type": t} for r, t in enumerate(d["cluster"])]
+            check = Profile(d["zero_stage"], len(ranks), d["param_count"], d["param_bytes"], ranks, d["comm"],
+                            provenance=d.get("provenance") or Provenance(), auto_choice=d.get("auto_choice"))
             return cls(**{**d, "key": StoreKey.from_dict(d["key"]), "rank": RankProfile(**d["rank"]),
                           "comm": check.comm, "provenance": check.provenance, "auto_choice": check.auto_choice})
         except (TypeError, KeyError, ProfileError) as e:
-            raise ProfileError(f"stored profile {path} is malformed: {e}") from None
+            raise ProfileError(f"stored profile {path} has a bad field: {e}") from None
 
     @property
     def configuration(self) -> tuple[int, bool]:
@@ -183,6 +195,105 @@ class Entry:
 
 class StaleEntry(ProfileError):
     """A stored entry written by a profiler of another profile schema."""
+
+
+# an entry's own fields on disk (its rank, communication, provenance and choice are checked as a
+# profile's): the JSON types each may have, in words, and whether it must be there
+_INT, _NUMBER, _NULL = (int,), (int, float), (type(None),)
+ENTRY_FIELDS: dict[str, tuple[tuple[type, ...], str, bool]] = {
+    "key": ((dict,), "an object (the store key)", True),
+    "device_type": ((str,), "a string", True),
+    "device": ((str,), "a string (the device's name and capacity)", True),
+    "zero_stage": (_INT, "an integer, 0 to 3", True),
+    "activation_checkpointing": ((bool,), "true or false", True),
+    "rank": ((dict,), "an object (one rank's profile)", True),
+    "cluster": ((list,), "a non-empty list of device type names", True),
+    "comm": ((dict,), "an object (the communication profile)", True),
+    "param_count": (_INT, "an integer", True),
+    "param_bytes": (_INT, "an integer", True),
+    "model_name": ((str,), "a string", False),
+    "precision": ((str,), "a string", False),
+    "mixed_precision": ((dict,) + _NULL, "an object or null", False),
+    "provenance": ((dict,) + _NULL, "an object or null", False),
+    "auto_choice": ((dict,) + _NULL, "an object or null", False),
+    "saved_at": (_NUMBER, "a number (seconds since the epoch)", False),
+}
+# the store key's fields (``StoreKey``), likewise
+KEY_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
+    "model": ((str,), "a string"), "structure": ((str,), "a string"), "config": ((str,), "a string"),
+    "zero_stage": (_INT, "an integer"), "stages": ((list,), "a list of integers"),
+    "checkpointing": ((str,), "a string"), "rule": ((str,), "a string"), "precision": ((str,), "a string"),
+    "sample": ((str,), "a string"), "bucket_size_mb": (_NUMBER, "a number"), "torch_version": ((str,), "a string"),
+}
+
+
+def _field(value: Any, types: tuple[type, ...], name: str, what: str) -> None:
+    """A ``ProfileError`` naming field ``name`` where ``value`` is none of ``types`` (a bool is no number)."""
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+        raise ProfileError(f'field "{name}" must be {what}, got {value!r} ({type(value).__name__})')
+
+
+def check_schema(d: dict) -> int:
+    """The entry's profile schema (1 where none is written: entries before schema versions); a
+    ``ProfileError`` naming the field where it is not an integer (text such as "3" included)."""
+    version = d.get("schema_version", 1)
+    _field(version, _INT, "schema_version", "an integer (the profile schema that wrote it)")
+    return version
+
+
+def check_entry(d: dict) -> None:
+    """Every field of an entry's JSON object its type (``ENTRY_FIELDS``, ``KEY_FIELDS``); a
+    ``ProfileError`` naming the first field that is missing, unknown or bad."""
+    unknown = sorted(set(d) - set(ENTRY_FIELDS) - {"schema_version"})
+    if unknown:
+        raise ProfileError(f'unknown field "{unknown[0]}"')
+    for name, (types, what, required) in ENTRY_FIELDS.items():
+        if name not in d:
+            if required:
+                raise ProfileError(f'field "{name}" is missing')
+            continue
+        _field(d[name], types, name, what)
+    if not 0 <= d["zero_stage"] <= 3:
+        raise ProfileError(f'field "zero_stage" must be an integer, 0 to 3, got {d["zero_stage"]!r}')
+    if not d["cluster"] or d["device_type"] not in d["cluster"]:
+        raise ProfileError(f'field "cluster" must list the device type of every rank of the run that stored the '
+                           f'entry, {d["device_type"]!r} among them, got {d["cluster"]!r}')
+    for i, dtype in enumerate(d["cluster"]):
+        _field(dtype, (str,), f"cluster[{i}]", "a device type name (a string)")
+    if not math.isfinite(d.get("saved_at", 0.0)):
+        raise ProfileError(f'field "saved_at" must be a finite number, got {d["saved_at"]!r}')
+    key = d["key"]
+    if set(key) != set(KEY_FIELDS):
+        odd = sorted(set(key) ^ set(KEY_FIELDS))
+        raise ProfileError(f'field "key.{odd[0]}" is {"unknown" if odd[0] in key else "missing"}')
+    for name, (types, what) in KEY_FIELDS.items():
+        _field(key[name], types, f"key.{name}", what)
+    for i, stage in enumerate(key["stages"]):
+        _field(stage, _INT, f"key.stages[{i}]", "an integer")
+
+
+# what each part of a store key is, in a line that says what changed
+_MODEL_PARTS = {"model": "model fingerprint (parameters, buffers, optimizer class)", "structure": "module classes",
+                "config": "model configuration"}
+_SETTINGS = {"zero_stage": "ZeRO stage", "stages": "stages to choose among", "checkpointing": "activation checkpointing",
+             "rule": "choice rule", "precision": "precision", "sample": "sample shape", "bucket_size_mb": "bucket MB",
+             "torch_version": "torch version"}
+
+
+def key_changes(stored: StoreKey, wanted: StoreKey) -> list[str]:
+    """What differs between a stored key and the job's, in words: the model's parts (its
+    fingerprint), then each setting with both values; [] where they are equal."""
+    model = [words for name, words in _MODEL_PARTS.items() if getattr(stored, name) != getattr(wanted, name)]
+    out = [", ".join(model)] if model else []
+    for name, words in _SETTINGS.items():
+        was, now = getattr(stored, name), getattr(wanted, name)
+        if was != now:
+            out.append(f"{words} {_said(was)} (this job's {_said(now)})")
+    return out
+
+
+def _said(value: Any) -> str:
+    return f"{list(value)}" if isinstance(value, tuple) else f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def entries_of(profile: Profile, key: StoreKey, checkpointed: bool) -> list[Entry]:
@@ -209,10 +320,16 @@ class ProfileStore:
     def __init__(self, directory: str | os.PathLike, max_age_s: float | None = None) -> None:
         self.directory, self.max_age_s = Path(directory), max_age_s
         self.warnings: list[str] = []  # entries skipped and paths that could not be read or written
+        self.misses: dict[str, str] = {}  # device types looked up and not found -> why (``why_missing``)
 
     def take_warnings(self) -> list[str]:
         """The warnings since the last call (each reported once)."""
         out, self.warnings = self.warnings, []
+        return out
+
+    def take_misses(self) -> dict[str, str]:
+        """Why each device type looked up since the last call had no entry to reuse."""
+        out, self.misses = self.misses, {}
         return out
 
     def path(self, key: StoreKey, device_type: str) -> Path:
@@ -220,31 +337,60 @@ class ProfileStore:
 
     def get(self, key: StoreKey, device_type: str, device: str | None = None) -> Entry | None:
         """The fresh entry of ``device_type`` under ``key``, measured on ``device`` (an identity,
-        ``Device.identity``; None: any), or None."""
+        ``Device.identity``; None: any), or None, with why in ``misses``."""
+        entry, why = self._read(key, device_type)
+        if entry is not None and device is not None and entry.device != device:
+            entry, why = None, f"its entry was measured on {entry.device or 'another device'}, this job's is {device}"
+        if entry is not None and self.max_age_s is not None and time.time() - entry.saved_at > self.max_age_s:
+            entry, why = None, f"its entry is older than the store's {self.max_age_s:g} s"
+        if entry is None:
+            self.misses[device_type] = why
+        return entry
+
+    def _read(self, key: StoreKey, device_type: str) -> tuple[Entry | None, str]:
+        """The entry at ``key``'s path for ``device_type``, or None and why."""
         path = self.path(key, device_type)
         try:
             if not path.is_file():
-                return None
+                return None, self.why_missing(key, device_type)
             entry = Entry.from_dict(json.loads(path.read_text()), path)
         except StaleEntry as e:
-            self.warnings.append(str(e))
-            return None
+            return None, str(e)
         except OSError as e:
             self.warnings.append(f"profile store: cannot read {path} ({e.strerror or e}); profiling "
                                  f"{device_type} instead")
-            return None
-        except ValueError as e:  # not JSON, or a bad field: ProfileError names the file
-            self.warnings.append(f"ignoring the stored profile {path}: {e}")
-            return None
-        if entry.key != key or entry.device_type != device_type:
-            return None
-        if device is not None and entry.device != device:
-            self.warnings.append(f"stored profile {path} was measured on {entry.device or 'another device'}, this "
-                                 f"job's {device_type} is {device}: profiling it again")
-            return None
-        if self.max_age_s is not None and time.time() - entry.saved_at > self.max_age_s:
-            return None
-        return entry
+            return None, "its entry cannot be read"
+        except ValueError as e:  # not JSON, or a bad field: the message names the file (and the field)
+            what = str(e) if isinstance(e, ProfileError) else f"stored profile {path} is not JSON ({e})"
+            self.warnings.append(f"profile store: skipping an entry: {what}")
+            return None, "its entry was skipped (a bad field)"
+        if entry.key != key or entry.device_type != device_type:  # a hand-copied file
+            changed = key_changes(entry.key, key) or [f"device type {entry.device_type}"]
+            return None, f"its file {path} holds another job's entry ({'; '.join(changed)})"
+        return entry, ""
+
+    def why_missing(self, key: StoreKey, device_type: str) -> str:
+        """Why ``key`` has no entry of ``device_type``: the nearest stored key of that type (the
+        fewest fields apart, then the newest) and what differs (``key_changes``), or that none
+        of that type is stored. Files that cannot be read are passed over here."""
+        best: tuple[tuple[int, float], list[str]] | None = None
+        try:
+            paths = sorted(self.directory.glob(f"*/{_file_name(device_type)}"))
+        except OSError:
+            paths = []
+        for path in paths:
+            try:
+                d = json.loads(path.read_text())
+                check_entry({k: v for k, v in d.items() if k != "schema_version"})
+            except (OSError, ValueError, TypeError, AttributeError):
+                continue
+            changes = key_changes(StoreKey.from_dict(d["key"]), key)
+            order = (len(changes), -float(d.get("saved_at", 0.0)))
+            if changes and (best is None or order < best[0]):
+                best = (order, changes)
+        if best is None:
+            return "nothing stored for this device type"
+        return f"stored for other jobs only, the nearest differs in {'; '.join(best[1])}"
 
     def lookup(self, key: StoreKey, device_types: list[str], devices: dict[str, str] | None = None) -> dict[str, Entry]:
         """The fresh entries among ``device_types`` (each once); ``devices``: each type's device identity."""
@@ -295,6 +441,11 @@ def assemble(entries: dict[str, Entry], cluster: list[str]) -> Profile:
     if base.cluster != cluster:
         # exposures led by a device type the job lacks do not apply; the cluster named is the storing run's
         comm = replace(comm, exposure=comm.exposure.only_leaders(cluster))
+        links = comm.links
+        if links.topology is not None and links.topology.world_size != len(cluster):
+            # the storing run's nodes are not this job's ranks: its flat ring stands for the job's
+            # collectives (the slowest tier's pace), as on one node; the re-planner corrects it
+            comm = replace(comm, links=Links(links.bandwidth_bytes_per_s, links.latency_s, links.backend))
         if provenance.emulated is not None:
             provenance = replace(provenance, emulated=replace(provenance.emulated, cluster=""))
     ranks = [replace(entries[dtype].rank, rank=r) for r, dtype in enumerate(cluster)]

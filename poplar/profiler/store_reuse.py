@@ -20,7 +20,7 @@ looked up as if not stored, so they are measured again and their entries replace
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
 
@@ -66,6 +66,11 @@ class StoreLookup:
     cluster: list[str]  # every rank's device type
     entries: dict[str, Entry]  # the fresh ones
     warnings: list[str]
+    misses: dict[str, str] = field(default_factory=dict)  # device types looked up, not found -> why
+
+    def why_measured(self, types: list[str]) -> str:
+        """Why each of ``types`` is measured, in words: its miss, or set aside (``refresh``)."""
+        return "; ".join(f"{t}: {self.misses.get(t, 'set aside to be measured again')}" for t in types)
 
     @property
     def configuration(self) -> tuple[int, bool] | None:
@@ -94,12 +99,12 @@ def look_up(comm: Communicator, store: ProfileStore, key: StoreKey, device: Devi
     """Every rank: the job's device types and rank 0's fresh entries for them (not those of ``refresh``)."""
     devices = comm.all_gather_object((device.device_type, device.identity()), tag="auto:store types")
     cluster = [t for t, _ in devices]
-    found: tuple[dict[str, Entry], list[str]] = ({}, [])
+    found: tuple[dict[str, Entry], list[str], dict[str, str]] = ({}, [], {})
     if comm.rank == 0:
         fresh = store.lookup(key, [t for t in cluster if t not in refresh], dict(reversed(devices)))
-        found = (fresh, store.take_warnings())
-    entries, warnings = comm.all_gather_object(found, tag="auto:store entries")[0]
-    return StoreLookup(cluster, entries, warnings)
+        found = (fresh, store.take_warnings(), store.take_misses())
+    entries, warnings, misses = comm.all_gather_object(found, tag="auto:store entries")[0]
+    return StoreLookup(cluster, entries, warnings, misses)
 
 
 def _stored_capacity(entry: Entry, stage: int) -> CapacityResult:

@@ -1,7 +1,8 @@
 """The JSON config of ``poplar train``: DeepSpeed's keys where they mean the same thing, and a
 ``poplar`` section for the rest. Every key is checked; an unknown or unsupported one is an
-error that names it (a typo must not silently change a run). Paths are relative to the current
-directory, as DeepSpeed's are.
+error that names it (a typo must not silently change a run). Every problem of a config is said
+at once, in one error (``ConfigProblems``): a bad key hides no other. Paths are relative to the
+current directory, as DeepSpeed's are.
 
     {
       "train_batch_size": 64,                      global batch (samples per optimizer step)
@@ -55,8 +56,9 @@ ranks); without it the launcher's are used. DeepSpeed's ``zero_optimization.zero
 (hpZ) maps to node-local secondary shards at ZeRO-3 (``Plan.secondary_shards``, on hierarchical
 collectives): 1 (DeepSpeed's default) is off; the size of every node is on; any other value is an
 error, since Poplar's secondary shards are always one per node (ZeRO++'s hpZ partitions over the
-ranks of a node too). A fixed plan (a plan file, DeepSpeed's even plan) takes it as given; in auto
-mode the planner chooses the collectives.
+ranks of a node too). It is a setting, as in DeepSpeed: a fixed plan (a plan file, DeepSpeed's even
+plan) takes it as given, and auto mode's planner plans with secondary shards and no other way
+(``AutoOptions.collectives``); at 1 auto mode's planner chooses the collectives.
 
 Quantized collectives (lossy: the step is no longer exactly the step of the whole global batch;
 ``poplar.types.compression``): DeepSpeed's ``zero_optimization.zero_quantized_weights`` (ZeRO-3's
@@ -93,8 +95,10 @@ instead. Any other unknown key is an error that names the closest known key.
 optimizer's and scheduler's parameters, ``fp16`` / ``bf16`` ``enabled``, ``reduce_bucket_size``),
 is read here: each rank's batches from the plan, the global batch from the other batch keys (else
 8 per rank, the Trainer's default), the rest from Poplar's defaults; the run logs once what each
-became (``poplar.train.deepspeed_auto``). ``offload_param`` (parameters in host memory) is refused
-with what Poplar offers instead (``offload_optimizer``); ``{"device": "none"}`` is accepted.
+became (``poplar.train.deepspeed_auto``). ``offload_param`` ``{"device": "cpu"}`` (parameters in
+host memory, which Poplar does not offload) becomes what Poplar offloads instead, every rank's
+optimizer state and fp32 master weights, as ``offload_optimizer`` does, and the run says so once
+(``poplar.train.placement_config``); ``{"device": "none"}`` moves nothing.
 
 Precision (DeepSpeed's keys, DeepSpeed's meaning): ``"bf16": {"enabled": true}`` computes in
 bf16; ``"fp16": {"enabled": true, ...}`` in fp16 with loss scaling: ``loss_scale`` 0 (default)
@@ -112,9 +116,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from poplar.comm.timeouts import COLLECTIVE_TIMEOUT_S
+from poplar.train.config_errors import ConfigError, ConfigProblems
 from poplar.train.deepspeed_auto import GLOBAL_BATCH, OPTIMIZERS, TOTAL_STEPS, auto_global_batch, replace_autos
 from poplar.train.deepspeed_hints import NOT_YET, TOP_HINTS, ZERO_HINTS, did_you_mean
-from poplar.train.placement_config import OffloadSetting, read_offload, read_shards
+from poplar.train.placement_config import PARAM_OFFLOAD, OffloadSetting, moves_parameters, read_offload, read_shards
 from poplar.train.schedule import LRSchedule
 from poplar.types.compression import CommPolicy
 from poplar.types.plans import read_json
@@ -128,8 +133,8 @@ DATA_KEYS = {"path", "seq_len", "tokenizer", "packing", "text_key", "eval_fracti
 TOP_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
             "gradient_clipping", "steps_per_print", "seed", "zero_optimization", "optimizer", "scheduler", "poplar",
             "fp16", "bf16"}
-ZERO_KEYS = {"stage", "reduce_bucket_size", "offload_optimizer", "zero_hpz_partition_size", "zero_quantized_weights",
-             "zero_quantized_gradients"}
+ZERO_KEYS = {"stage", "reduce_bucket_size", "offload_optimizer", "offload_param", "zero_hpz_partition_size",
+             "zero_quantized_weights", "zero_quantized_gradients"}
 # DeepSpeed's quantized-communication keys -> the CommPolicy direction each turns to int8
 QUANTIZED_KEYS = {"zero_quantized_weights": "weights", "zero_quantized_gradients": "gradients"}
 BF16_KEYS = {"enabled"}
@@ -143,10 +148,6 @@ NO_MODEL = ('the config names no model: add a "poplar" section with "model": a b
             '"llama-tiny", "bert-tiny", ...), {"hf_config": "config.json"} (a Hugging Face config, randomly '
             'initialised), {"hf_pretrained": "dir"} (a save_pretrained directory, fine-tuned) or '
             '"package.module:function" (your own factory), e.g. "poplar": {"model": "llama-small", "iterations": 100}')
-
-
-class ConfigError(ValueError):
-    """A config that cannot be run; the message names the key and the fix."""
 
 
 @dataclass
@@ -199,50 +200,50 @@ class TrainConfig:
     allow_lossy: bool = False  # "poplar.allow_lossy": auto mode may quantize collectives
     deepspeed_hints: dict[str, str] = field(default_factory=dict)  # DeepSpeed hint keys met -> what Poplar does
     auto_notes: dict[str, str] = field(default_factory=dict)  # keys given "auto" -> what each became (deepspeed_auto)
+    # DeepSpeed keys Poplar has no equal of, mapped to the nearest thing it does -> what each became (logged once)
+    deepspeed_mapped: dict[str, str] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ reading
     @classmethod
     def load(cls, path: str | os.PathLike) -> "TrainConfig":
         """The config file of a run: read, and checked to name a model before any rank starts."""
-        cfg = cls.from_dict(read_json(path, "config file", ConfigError))
-        cfg.check_model()
-        return cfg
+        return cls.from_dict(read_json(path, "config file", ConfigError), require_model=True)
 
     @classmethod
-    def from_dict(cls, raw: Any) -> "TrainConfig":
+    def from_dict(cls, raw: Any, *, require_model: bool = False) -> "TrainConfig":
+        """The config of the JSON object ``raw``; ``require_model``: a config that names no model
+        is a problem too. Every part is read, so one problem hides no other: a ``ConfigError``
+        lists them all (``ConfigProblems``)."""
         if not isinstance(raw, dict):
             raise ConfigError(f"the config must be a JSON object, got {type(raw).__name__}")
-        cfg = cls()
+        cfg, problems = cls(), ConfigProblems()
         raw, cfg.auto_notes = replace_autos(raw)
-        cfg.deepspeed_hints.update(_no_unknown(raw, TOP_KEYS, "the config", TOP_HINTS))
-        cfg.mixed_precision = read_precision(raw)
-        cfg.train_batch_size = _int(raw, "train_batch_size", None)
-        cfg.micro_batch_size = _int(raw, "train_micro_batch_size_per_gpu", None)
-        cfg.accum_steps = _int(raw, "gradient_accumulation_steps", None)
-        clip = raw.get("gradient_clipping")
-        if clip is not None and (not isinstance(clip, (int, float)) or isinstance(clip, bool) or clip < 0):
-            raise ConfigError(f'"gradient_clipping" must be a number >= 0, got {clip!r}')
-        cfg.gradient_clipping = float(clip) if clip else None  # DeepSpeed: 0 means off
-        cfg.log_every = _int(raw, "steps_per_print", 10, minimum=0)
-        cfg.seed = _int(raw, "seed", 0, minimum=0)
-        zero = dict(_get(raw, "zero_optimization", dict, {}) or {})
-        if _offloads_nothing(zero.get("offload_param")):  # DeepSpeed's way of saying no parameter offload
-            del zero["offload_param"]
-        for key in sorted(set(zero) & set(NOT_YET)):
-            raise ConfigError(f'"zero_optimization.{key}": {NOT_YET[key]}')
-        cfg.deepspeed_hints.update(_no_unknown(zero, ZERO_KEYS, '"zero_optimization"', ZERO_HINTS))
-        stage = zero.get("stage", "auto")
-        if stage != "auto" and (isinstance(stage, bool) or stage not in (0, 1, 2, 3)):
-            raise ConfigError(f'"zero_optimization.stage" must be 0, 1, 2, 3 or "auto" (auto mode chooses), '
-                              f'got {stage!r}')
-        cfg.zero_stage = None if stage == "auto" else int(stage)
-        cfg.hpz_partition_size = _int(zero, "zero_hpz_partition_size", 1, where='"zero_optimization"')
-        cfg.compression = read_compression(zero, cfg.zero_stage)
-        if "reduce_bucket_size" in zero:  # DeepSpeed counts elements; a bucket holds fp32 gradients
-            cfg.bucket_size_mb = _int(zero, "reduce_bucket_size", 0, minimum=1, where='"zero_optimization"') * 4 / 2**20
-        _read_optimizer(cfg, raw)
-        _read_poplar(cfg, _get(raw, "poplar", dict, {}))
-        cfg.offload = read_offload(zero, _get(raw, "poplar", dict, {}), ConfigError)
+        with problems.check():
+            cfg.deepspeed_hints.update(_no_unknown(raw, TOP_KEYS, "the config", TOP_HINTS))
+        with problems.check():
+            cfg.mixed_precision = read_precision(raw)
+        _read_batch_keys(cfg, raw, problems)
+        zero, poplar = problems.section(raw, "zero_optimization", ""), problems.section(raw, "poplar", "")
+        _read_zero(cfg, zero, problems)
+        with problems.check():
+            _read_optimizer(cfg, raw)
+        with problems.check():
+            _no_unknown(poplar, POPLAR_KEYS, '"poplar"')
+        if "model" in poplar:
+            with problems.check():
+                _read_model(cfg, poplar["model"])
+        with problems.check():
+            _read_data(cfg, problems.section(poplar, "data", "poplar."))
+        with problems.check():
+            _read_poplar(cfg, poplar)
+        with problems.check():
+            cfg.offload = read_offload(zero, poplar, ConfigError)
+            if moves_parameters(zero):
+                cfg.deepspeed_mapped["zero_optimization.offload_param"] = PARAM_OFFLOAD
+        if require_model and "model" not in poplar:  # a model given but bad is its own problem
+            with problems.check():
+                cfg.check_model()
+        problems.raise_all()
         return cfg
 
     def check_model(self) -> None:
@@ -282,6 +283,46 @@ class TrainConfig:
         return None if schedule is None else schedule(iteration)
 
 
+def _read_batch_keys(cfg: TrainConfig, raw: dict, problems: ConfigProblems) -> None:
+    """The batch, clipping, logging and seed keys, each checked on its own."""
+    with problems.check():
+        cfg.train_batch_size = _int(raw, "train_batch_size", None)
+    with problems.check():
+        cfg.micro_batch_size = _int(raw, "train_micro_batch_size_per_gpu", None)
+    with problems.check():
+        cfg.accum_steps = _int(raw, "gradient_accumulation_steps", None)
+    with problems.check():
+        clip = raw.get("gradient_clipping")
+        if clip is not None and (not isinstance(clip, (int, float)) or isinstance(clip, bool) or clip < 0):
+            raise ConfigError(f'"gradient_clipping" must be a number >= 0, got {clip!r}')
+        cfg.gradient_clipping = float(clip) if clip else None  # DeepSpeed: 0 means off
+    with problems.check():
+        cfg.log_every = _int(raw, "steps_per_print", 10, minimum=0)
+    with problems.check():
+        cfg.seed = _int(raw, "seed", 0, minimum=0)
+
+
+def _read_zero(cfg: TrainConfig, zero: dict, problems: ConfigProblems) -> None:
+    """The ``zero_optimization`` section but its offload keys (``read_offload``), each checked on its own."""
+    with problems.check():
+        for key in sorted(set(zero) & set(NOT_YET)):
+            raise ConfigError(f'"zero_optimization.{key}": {NOT_YET[key]}')
+        cfg.deepspeed_hints.update(_no_unknown(zero, ZERO_KEYS, '"zero_optimization"', ZERO_HINTS))
+    with problems.check():
+        stage = zero.get("stage", "auto")
+        if stage != "auto" and (isinstance(stage, bool) or stage not in (0, 1, 2, 3)):
+            raise ConfigError(f'"zero_optimization.stage" must be 0, 1, 2, 3 or "auto" (auto mode chooses), '
+                              f'got {stage!r}')
+        cfg.zero_stage = None if stage == "auto" else int(stage)
+    with problems.check():
+        cfg.hpz_partition_size = _int(zero, "zero_hpz_partition_size", 1, where='"zero_optimization"')
+    with problems.check():
+        cfg.compression = read_compression(zero, cfg.zero_stage)
+    with problems.check():
+        if "reduce_bucket_size" in zero:  # DeepSpeed counts elements; a bucket holds fp32 gradients
+            cfg.bucket_size_mb = _int(zero, "reduce_bucket_size", 0, minimum=1, where='"zero_optimization"') * 4 / 2**20
+
+
 def _no_unknown(d: dict, known: set[str], where: str, hints: dict[str, str] | None = None) -> dict[str, str]:
     """Raise on a key neither ``known`` nor a DeepSpeed hint (naming the closest known key);
     returns the hints met, each with what Poplar does instead."""
@@ -291,11 +332,6 @@ def _no_unknown(d: dict, known: set[str], where: str, hints: dict[str, str] | No
         raise ConfigError(f"{where} has keys Poplar does not know: {unknown}{did_you_mean(unknown, known | set(hints))}"
                           f"; known keys: {sorted(known)}")
     return {key: hints[key] for key in d if key in hints}
-
-
-def _offloads_nothing(section: Any) -> bool:
-    """An ``offload_param`` section that moves nothing: ``{"device": "none"}``."""
-    return isinstance(section, dict) and section.get("device") == "none"
 
 
 def _get(d: dict, key: str, kind: type, default: Any) -> Any:
@@ -386,11 +422,8 @@ def _read_optimizer(cfg: TrainConfig, raw: dict) -> None:
 
 
 def _read_poplar(cfg: TrainConfig, p: dict) -> None:
-    _no_unknown(p, POPLAR_KEYS, '"poplar"')
+    """The ``poplar`` section's keys but its model and data (``from_dict`` reads those)."""
     cfg.iterations = _int(p, "iterations", cfg.iterations, minimum=0, where='"poplar"')
-    if "model" in p:
-        _read_model(cfg, p["model"])
-    _read_data(cfg, _get(p, "data", dict, {}) or {})
     cfg.eval_every = _int(p, "eval_every", None, where='"poplar"')
     cfg.tensorboard = p.get("tensorboard")
     if cfg.tensorboard not in (None, True, False):
@@ -487,8 +520,9 @@ def secondary_shards_of(hpz_partition_size: int, topology: Topology, zero_stage:
                           f"{topology.describe()} ({', '.join(map(str, topology.sizes))} ranks); Poplar keeps one "
                           "secondary shard per node: give the size of every node (all nodes alike), or 1 (off)")
     if zero_stage != 3:
+        given = "not given (auto mode would choose)" if zero_stage is None else zero_stage
         raise ConfigError(f'"zero_optimization.zero_hpz_partition_size" asks for secondary shards, which are '
-                          f'ZeRO-3\'s, but "stage" is {zero_stage!r}: set "stage": 3, or drop the key')
+                          f'ZeRO-3\'s, but "stage" is {given}: set "stage": 3, or drop the key')
     return True
 
 

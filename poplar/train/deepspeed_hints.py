@@ -3,8 +3,9 @@ what Poplar does about each: its own equivalent, or nothing. ``poplar train`` ac
 DeepSpeed config runs unchanged, and logs once which ones it met (``hint_line``).
 
 Keys that change what is computed or where state lives (offload, communication dtype) are not
-here: they stay errors until Poplar does the same. The quantized weights and gradients keys are
-read by the config (``poplar.train.config``: the plan's ``CommPolicy``).
+here: the config reads them (``poplar.train.config``: the quantized weights and gradients keys
+become the plan's ``CommPolicy``; ``poplar.train.placement_config``: the offload keys), or they
+are errors until Poplar does the same (``NOT_YET``).
 """
 
 from __future__ import annotations
@@ -37,11 +38,6 @@ ZERO_HINTS = {
 
 # "zero_optimization" keys that move state off the GPU in ways Poplar does not: an error says so
 NOT_YET = {
-    "offload_param": "Poplar keeps every rank's parameters on its GPU (at ZeRO-3 its shard and the block being "
-                     "computed); it moves the optimizer state and fp32 master weights to host memory instead, "
-                     "which at ZeRO-3 are most of a rank's model state: write \"offload_optimizer\": {\"device\": "
-                     "\"cpu\"} (every rank) or \"poplar\": {\"offload\": [ranks]} / \"auto\" (the ranks that "
-                     "need it), and drop \"offload_param\" (or give it \"device\": \"none\")",
     "cpu_offload": "the key of older DeepSpeed versions: write \"offload_optimizer\": {\"device\": \"cpu\"}",
 }
 
@@ -53,6 +49,12 @@ TOP_HINTS = {
     "prescale_gradients": "each micro-batch's loss is scaled by its share of the global batch",
     "gradient_predivide_factor": "each micro-batch's loss is scaled by its share of the global batch",
 }
+
+
+def mapped_line(mapped: dict[str, str]) -> str:
+    """One log line naming each DeepSpeed key Poplar has no equal of and what it became."""
+    what = "; ".join(f"{key} {note}" for key, note in sorted(mapped.items()))
+    return f"config: DeepSpeed keys mapped to the nearest thing Poplar does: {what}"
 
 
 def hint_line(hints: dict[str, str]) -> str:

@@ -8,7 +8,8 @@ The road, in order:
 2. the plan's source: ``poplar.plan`` (a plan file), auto mode (a GPU to profile, an emulated
    cluster's device, or a saved ``poplar.profile``), or DeepSpeed's even plan on a plain CPU;
 3. the global batch, checked once against that source (``global_batch``);
-4. the placement keys, ``poplar.shards`` and ``poplar.offload``, which mean the same whatever the
+4. the placement keys, ``poplar.shards`` and ``poplar.offload`` (DeepSpeed's offload keys mapped to
+   it), which mean the same whatever the
    plan's source (``placed``): a list is one entry per rank (another length is an error), auto
    mode plans with it, an even plan takes it, and a plan file must agree with it (a disagreement
    is an error naming both); ``"auto"`` asks auto mode to choose, and without auto mode keeps the
@@ -35,6 +36,7 @@ from poplar.train.deepspeed_auto import auto_line, global_batch_source
 from poplar.train.placement_config import offload_rows
 from poplar.train.run_parts import RunParts
 from poplar.logs import log
+from poplar.planner.link_pricing import Collectives
 from poplar.types.plans import Offload, Plan, shares_of
 from poplar.types.topology import Topology
 
@@ -172,6 +174,18 @@ def with_collectives(cfg: TrainConfig, plan: Plan, world: int, stage: Any) -> Pl
     return replace(plan, meta=dict(plan.meta), hierarchical=True, secondary_shards=True)
 
 
+def auto_collectives(cfg: TrainConfig, world: int) -> str:
+    """Auto mode's ``AutoOptions.collectives`` under the config's hpZ. DeepSpeed's
+    ``zero_hpz_partition_size`` is a setting, not a hint: where it asks for secondary shards
+    (``secondary_shards_of``, on the config's topology or the launcher's) the planner plans with
+    them and no other way; at 1 (DeepSpeed's default: off, what a config without the key says
+    too) the planner chooses ("auto")."""
+    if cfg.hpz_partition_size == 1:
+        return "auto"
+    secondary_shards_of(cfg.hpz_partition_size, cfg.topology or Topology.from_launcher(os.environ, world), cfg.zero_stage)
+    return Collectives.SECONDARY_SHARDS.value
+
+
 def with_compression(cfg: TrainConfig, plan: Plan, stage: Any) -> Plan:
     """A fixed plan with the config's ``zero_quantized_weights`` / ``zero_quantized_gradients``
     (none given: the plan's own); ``poplar.allow_lossy`` asks a planner for a choice that a fixed
@@ -219,7 +233,8 @@ def _auto_options(cfg: TrainConfig, parts: RunParts, world: int, auto_device: De
                           shards=shard_setting(cfg, world), profile=profile, store=profile_store_dir(cfg),
                           offload=offloads if offloads is not None else "auto" if cfg.offload == "auto" else "none",
                           profile_output=os.path.join(cfg.report_dir, "profile.json") if cfg.report_dir else None,
-                          remedies=CONFIG_REMEDIES, compression=cfg.compression, allow_lossy=cfg.allow_lossy)
+                          remedies=CONFIG_REMEDIES, compression=cfg.compression, allow_lossy=cfg.allow_lossy,
+                          collectives=auto_collectives(cfg, world))
     return options, fingerprint
 
 

@@ -9,6 +9,14 @@ offloads, ``{"device": "none"}`` none. Poplar decides per rank: ``poplar.offload
 optimizer on the device), or ``"auto"``: auto mode's planner offloads a rank only where that lets
 the model fit or is predicted faster (``poplar.planner.offload_pricing``); it needs auto mode (no
 plan file). Giving both keys is an error: they could disagree.
+
+DeepSpeed's ``zero_optimization.offload_param`` (parameters in host memory, ZeRO-3) has no
+equal in Poplar: a rank keeps the parameters it computes with on its GPU (at ZeRO-3 its shard and
+the block being computed). What Poplar offloads is a rank's optimizer state and fp32 master
+weights, most of its model state at ZeRO-3, so ``{"device": "cpu"}`` maps to that, every rank,
+as ``offload_optimizer`` ``{"device": "cpu"}`` does; the run says so once (``PARAM_OFFLOAD``).
+``{"device": "none"}`` moves nothing. ``offload_param`` to the host with ``offload_optimizer``
+``{"device": "none"}`` asks for something Poplar does not do: an error naming both.
 """
 
 from __future__ import annotations
@@ -23,6 +31,12 @@ OffloadSetting = str | tuple[int, ...]
 
 # DeepSpeed's offload_optimizer keys beyond "device" and "pin_memory": NVMe tuning, no meaning on the CPU
 NVME_KEYS = {"nvme_path", "buffer_count", "pipeline_read", "pipeline_write", "fast_init"}
+# DeepSpeed's offload_param keys beyond "device" and "pin_memory": NVMe and buffer tuning
+PARAM_KEYS = {"nvme_path", "buffer_count", "buffer_size", "max_in_cpu"}
+# what offload_param {"device": "cpu"} becomes (module doc), said once by the run
+PARAM_OFFLOAD = ('{"device": "cpu"} became every rank\'s optimizer state and fp32 master weights in host memory '
+                 '(as "offload_optimizer": {"device": "cpu"}): Poplar has no parameter offload, a rank keeps the '
+                 "parameters it computes with on its GPU (at ZeRO-3 its shard and the block being computed)")
 
 
 def read_shards(shards: Any, error: type[Exception]) -> str | tuple[float, ...]:
@@ -38,12 +52,13 @@ def read_shards(shards: Any, error: type[Exception]) -> str | tuple[float, ...]:
 def read_offload(zero: dict, poplar: dict, error: type[Exception]) -> OffloadSetting | None:
     """The offload setting of a config's ``zero_optimization`` and ``poplar`` sections; ``error``
     (the config's error type) names a bad key and its fix."""
-    deepspeed = _read_deepspeed(zero.get("offload_optimizer"), error)
+    deepspeed = _deepspeed_setting(zero, error)
     if "offload" not in poplar:
         return deepspeed
-    if "offload_optimizer" in zero:
-        raise error('"zero_optimization.offload_optimizer" and "poplar.offload" are both given; keep one '
-                    '("poplar.offload" chooses per rank)')
+    for key in ("offload_optimizer", "offload_param"):
+        if key in zero and (key == "offload_optimizer" or moves_parameters(zero)):
+            raise error(f'"zero_optimization.{key}" and "poplar.offload" are both given; keep one '
+                        '("poplar.offload" chooses per rank)')
     value = poplar["offload"]
     if value in ("none", "all", "auto"):
         return value
@@ -54,13 +69,33 @@ def read_offload(zero: dict, poplar: dict, error: type[Exception]) -> OffloadSet
                 f'and 2 keep their optimizer state in host memory), got {value!r}')
 
 
-def _read_deepspeed(section: Any, error: type[Exception]) -> OffloadSetting | None:
-    where = '"zero_optimization.offload_optimizer"'
+def moves_parameters(zero: dict) -> bool:
+    """Whether a ``zero_optimization`` section's ``offload_param`` asks for host memory."""
+    section = zero.get("offload_param")
+    return isinstance(section, dict) and section.get("device", "none") != "none"
+
+
+def _deepspeed_setting(zero: dict, error: type[Exception]) -> OffloadSetting | None:
+    """The offload DeepSpeed's two keys ask for (module doc); None where neither says."""
+    optimizer = _read_deepspeed(zero.get("offload_optimizer"), "offload_optimizer", error)
+    if _read_deepspeed(zero.get("offload_param"), "offload_param", error) != "all":
+        return optimizer
+    if optimizer == "none":
+        raise error('"zero_optimization.offload_param" asks for parameters in host memory but "offload_optimizer" '
+                    'says "device": "none": Poplar has no parameter offload, it offloads the optimizer state and '
+                    'fp32 master weights instead; set "offload_optimizer": {"device": "cpu"} (the nearest to '
+                    'parameter offload), or "offload_param": {"device": "none"}')
+    return "all"
+
+
+def _read_deepspeed(section: Any, key: str, error: type[Exception]) -> OffloadSetting | None:
+    where = f'"zero_optimization.{key}"'
     if section is None:
         return None
     if not isinstance(section, dict):
         raise error(f'{where} must be a dict such as {{"device": "cpu", "pin_memory": true}}, got {section!r}')
-    unknown = sorted(set(section) - {"device", "pin_memory", "ratio"} - NVME_KEYS)
+    tuning = NVME_KEYS | {"ratio"} if key == "offload_optimizer" else PARAM_KEYS
+    unknown = sorted(set(section) - {"device", "pin_memory"} - tuning)
     if unknown:
         raise error(f"{where} has keys Poplar does not know: {unknown}; it reads \"device\" and \"pin_memory\"")
     device = section.get("device", "none")

@@ -96,7 +96,7 @@ class Trainer:
         ``trainer.fit(cfg.iterations)`` trains it; ``close()`` also closes the engine."""
         import torch
 
-        from poplar.train.deepspeed_hints import hint_line
+        from poplar.train.deepspeed_hints import hint_line, mapped_line
         from poplar.train.from_config import build_engine, fit_config, world_and_rank
         from poplar.train.run_parts import build_parts
 
@@ -107,6 +107,8 @@ class Trainer:
             log.info(f"data: {parts.about_data}")
             if cfg.deepspeed_hints:
                 log.info(hint_line(cfg.deepspeed_hints))
+            if cfg.deepspeed_mapped:
+                log.info(mapped_line(cfg.deepspeed_mapped))
         engine = build_engine(cfg, parts, auto_device)
         try:
             trainer = cls(engine, parts.train_data, fit_config(cfg, parts))

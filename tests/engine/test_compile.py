@@ -143,3 +143,43 @@ def test_compiled_training_equals_eager_with_the_graph_breaks_counted(mode: str)
             assert max_rel_err(compiled["state"], ref_state) <= 1e-5, (rank, stage)
             assert compiled["breaks"] == BREAKS[mode][stage], (rank, stage)
             assert compiled["graphs"] == graphs_expected(rank), (rank, stage)
+
+
+@pytest.mark.parametrize("when", ["before", "after", "never"])
+def test_a_cpu_run_that_compiles_says_what_it_costs_once(when: str) -> None:
+    """A run on a CPU with compiled modules says once what compiling costs there (a 10-step CPU
+    run took minutes compiled against seconds eager), whether the model was compiled before the
+    engine was built (per block) or after it (whole model); an eager run says nothing. The
+    compiled calls run eagerly here (``set_stance("force_eager")``): the note is about the
+    model, and the test pays no compile."""
+    import logging
+
+    from tests.log_lines import Lines
+
+    lines, logger = Lines(), logging.getLogger("poplar")
+    logger.addHandler(lines)
+    level, logger.level = logger.level, logging.INFO
+    one = plan_of((2, 1, 1))
+    try:
+        with torch.compiler.set_stance("force_eager"):
+            model = make_model()
+            if when == "before":
+                for block in model.layers:
+                    block.compile(backend="eager")
+            engine = PoplarEngine(model, make_optimizer(model), plan=one)
+            if when == "after":
+                model.compile(backend="eager")
+            for it in range(2):
+                engine.train_step(global_batch(it)[:one.global_batch_size], loss_fn)
+            engine.close()
+    finally:
+        logger.removeHandler(lines)
+        logger.level = level
+    said = [line for line in lines.lines if line.startswith("torch.compile on CPU")]
+    if when == "never":
+        assert said == []
+        return
+    assert len(said) == 1, lines.lines
+    named = "2 compiled modules (layers.0, layers.1)" if when == "before" else "1 compiled module (the model)"
+    assert said[0].startswith(f"torch.compile on CPU: {named}; each compiles at its first call") and \
+        "dominates a short run" in said[0]

@@ -19,8 +19,9 @@ from poplar.emulation.cluster import ClusterSpec
 from poplar.engine import PoplarEngine
 from poplar.planner import plan as make_plan
 from poplar.profiler.store import ProfileStore, StoreKey, assemble
-from poplar.types.profiles import (PROFILE_SCHEMA, CommProfile, Emulated, Exposure, LedExposure, Links, Profile,
-                                   ProfilePoint, Provenance, RankProfile, StoreRecord)
+from poplar.types.profiles import (PROFILE_SCHEMA, CommProfile, Emulated, Exposure, LedExposure, Links, LinkSpeed,
+                                   Profile, ProfilePoint, Provenance, RankProfile, StoreRecord)
+from poplar.types.topology import Topology
 from poplar.workloads.models import create_model, llama_loss_fn
 from poplar.workloads.text import TextBlocks
 
@@ -55,7 +56,8 @@ def test_store_hit_miss_and_keying(tmp_path: Path) -> None:
     store.path(KEY, "T4-16G").write_text("{not json")
     again = ProfileStore(tmp_path)
     assert list(again.lookup(KEY, ["T4-16G", "V100-16G"])) == ["V100-16G"]
-    assert "ignoring the stored profile" in again.warnings[0]
+    assert again.warnings[0].startswith(f"profile store: skipping an entry: stored profile {store.path(KEY, 'T4-16G')} "
+                                        "is not JSON")
 
 
 def test_assemble_for_another_mix(tmp_path: Path) -> None:
@@ -247,11 +249,17 @@ def test_an_entry_of_another_schema_is_measured_again_with_a_line_saying_why(tmp
     path.write_text(json.dumps(old))
     again = ProfileStore(tmp_path)
     assert list(again.lookup(KEY, ["V100-16G", "T4-16G"])) == ["V100-16G"]
-    assert again.warnings == [f"stored profile {path} is of profile schema {PROFILE_SCHEMA - 1}, this Poplar's is "
-                              f"{PROFILE_SCHEMA}: profiling T4-16G again"]
+    assert again.warnings == [] and again.take_misses() == {
+        "T4-16G": f"its entry {path} was written by profile schema {PROFILE_SCHEMA - 1}, this Poplar's is {PROFILE_SCHEMA}"}
     del old["schema_version"]  # an entry from before schema versions (its "format": 1)
     path.write_text(json.dumps(old))
-    assert list(ProfileStore(tmp_path).lookup(KEY, ["T4-16G"])) == []
+    assert list(again.lookup(KEY, ["T4-16G"])) == [] and "written by profile schema 1," in again.misses["T4-16G"]
+    old["schema_version"] = str(PROFILE_SCHEMA)  # text, not a number: a bad field, said as such
+    path.write_text(json.dumps(old))
+    assert list(again.lookup(KEY, ["T4-16G"])) == []
+    assert again.warnings == [f"profile store: skipping an entry: stored profile {path} has a bad field: field "
+                              f"\"schema_version\" must be an integer (the profile schema that wrote it), got "
+                              f"'{PROFILE_SCHEMA}' (str)"]
 
 
 def test_an_entry_with_a_bad_field_is_skipped_naming_the_file(tmp_path: Path) -> None:
@@ -272,7 +280,79 @@ def test_an_entry_measured_on_another_device_of_the_type_is_not_reused(tmp_path:
     store.save(_profile(["V100-16G", "T4-16G"]), KEY, checkpointed=False)
     devices = {"V100-16G": "V100-16G, 16 bytes", "T4-16G": "T4-16G, 8 bytes"}  # a T4 of less memory
     assert list(store.lookup(KEY, ["V100-16G", "T4-16G"], devices)) == ["V100-16G"]
-    assert "was measured on T4-16G, 16 bytes, this job's T4-16G is T4-16G, 8 bytes" in store.warnings[0]
+    assert store.misses == {"T4-16G": "its entry was measured on T4-16G, 16 bytes, this job's is T4-16G, 8 bytes"}
+
+
+@pytest.mark.parametrize("field, value, needle", [
+    ("saved_at", "2026-11-28", 'field "saved_at" must be a number (seconds since the epoch), got \'2026-11-28\' (str)'),
+    ("cluster", 7, 'field "cluster" must be a non-empty list of device type names, got 7 (int)'),
+    ("cluster", ["V100-16G"], 'field "cluster" must list the device type of every rank of the run that stored the '
+                              "entry, 'T4-16G' among them"),
+    ("activation_checkpointing", "yes", 'field "activation_checkpointing" must be true or false, got \'yes\' (str)'),
+    ("zero_stage", 9, 'field "zero_stage" must be an integer, 0 to 3, got 9'),
+    ("device", None, 'field "device" must be a string'),
+    ("mixed_precision", [], 'field "mixed_precision" must be an object or null'),
+    ("key.zero_stage", "1", 'field "key.zero_stage" must be an integer, got \'1\' (str)'),
+    ("key.stages", [1, "2"], 'field "key.stages[1]" must be an integer'),
+    ("param_count", True, 'field "param_count" must be an integer, got True (bool)'),
+    ("surprise", 1, 'unknown field "surprise"'),
+])
+def test_every_field_of_an_entry_is_checked_where_it_is_read(tmp_path: Path, field: str, value: Any,
+                                                              needle: str) -> None:
+    """A bad field skips its entry with one warning naming the file and the field; the job
+    profiles that type (a string saved_at once reached the profile's assembly, a TypeError on
+    every rank)."""
+    store = ProfileStore(tmp_path)
+    store.save(_profile(["V100-16G", "T4-16G"]), KEY, checkpointed=False)
+    path = store.path(KEY, "T4-16G")
+    bad = json.loads(path.read_text())
+    head, _, tail = field.partition(".")
+    (bad[head] if tail else bad)[tail or head] = value
+    path.write_text(json.dumps(bad))
+    again = ProfileStore(tmp_path)
+    found = again.lookup(KEY, ["V100-16G", "T4-16G"])
+    assert list(found) == ["V100-16G"]
+    warned = again.take_warnings()
+    assert len(warned) == 1 and warned[0].startswith(f"profile store: skipping an entry: stored profile {path} has a "
+                                                     f"bad field: {needle}"), warned
+    assert again.misses == {"T4-16G": "its entry was skipped (a bad field)"}
+    assemble(found, ["V100-16G", "V100-16G"])  # the good entry serves
+
+
+def test_an_entry_of_a_run_that_spans_nodes_reads_back(tmp_path: Path) -> None:
+    """The communication profile of a run on two nodes names its nodes: the entry is checked as
+    that run's ranks, not as a run of one (which refused every such entry), and a job of another
+    world size assembles from it."""
+    two = _profile(["V100-16G", "V100-16G", "T4-16G", "T4-16G"])
+    link = LinkSpeed(1e9, 1e-5)
+    two.comm = replace(two.comm, links=Links.tiered(Topology.of_sizes([2, 2]), (link, link), LinkSpeed(1e8, 1e-4)))
+    store = ProfileStore(tmp_path)
+    store.save(two, KEY, checkpointed=False)
+    found = ProfileStore(tmp_path).lookup(KEY, ["V100-16G", "T4-16G"])
+    assert sorted(found) == ["T4-16G", "V100-16G"] and store.take_warnings() == []
+    assert assemble(found, [r.device_type for r in two.ranks]).comm.links == two.comm.links
+    # another world (a mix of other sizes, or the stored types alone beside new ones): the stored
+    # run's nodes are not its ranks, and its flat ring stands for its collectives
+    other = assemble(found, ["T4-16G", "V100-16G"]).comm.links
+    assert not other.spans_nodes and other.flat == two.comm.links.flat
+
+
+def test_a_type_measured_again_is_said_with_what_changed(tmp_path: Path) -> None:
+    """The line of a start that profiles a stored type says why: the nearest stored key and what
+    differs from the job's (its model fingerprint, each setting with both values), or that
+    nothing of the type is stored."""
+    store = ProfileStore(tmp_path)
+    store.save(_profile(["V100-16G", "T4-16G"]), KEY, checkpointed=False)
+    store.save(_profile(["T4-16G"], stage=2), replace(KEY, zero_stage=2, precision="bf16"), checkpointed=False)
+    assert store.lookup(replace(KEY, model="other"), ["T4-16G", "A100-40G"]) == {}
+    assert store.take_misses() == {
+        "T4-16G": "stored for other jobs only, the nearest differs in model fingerprint (parameters, buffers, "
+                  "optimizer class)",
+        "A100-40G": "nothing stored for this device type"}
+    job = replace(KEY, zero_stage=3, precision="bf16", bucket_size_mb=6.25)
+    assert store.lookup(job, ["T4-16G"]) == {}
+    assert store.take_misses() == {"T4-16G": "stored for other jobs only, the nearest differs in ZeRO stage 2 "
+                                             "(this job's 3); bucket MB 25 (this job's 6.25)"}
 
 
 @pytest.mark.parametrize("where", ["under_a_file", "entry_path_is_a_directory"])
@@ -330,18 +410,22 @@ def cache_rank(rank: int, world: int, root: str) -> dict:
 @pytest.mark.multiprocess
 def test_the_store_is_a_cache_the_job_goes_on_without(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("a regular file where the store's directory would be")
-    r0, _ = spawn(cache_rank, 2, (str(tmp_path),), timeout_s=300, collective_timeout_s=150)
+    r0, r1 = spawn(cache_rank, 2, (str(tmp_path),), timeout_s=300, collective_timeout_s=150)
     said = r0["unwritable"]["lines"]
     assert r0["unwritable"]["use"] is StoreUse.MEASURED
     assert any(line.startswith(f"profile store: cannot write {tmp_path / 'file' / 'store'}") for line in said), said
     assert not any(line.startswith("profile store: kept") for line in said)
     assert r0["first"]["use"] is StoreUse.MEASURED
     assert any("profile store: kept roomy" in x for x in r0["first"]["lines"])
+    assert f"profile store {tmp_path / 'store'}: nothing to reuse (roomy: nothing stored for this device type); " \
+           "profiling" in r0["first"]["lines"]
     stale = r0["stale"]["lines"]
     assert r0["stale"]["use"] is StoreUse.MEASURED
     why = [x for x in stale if "profile schema" in x]
-    assert len(why) == 1 and why[0].startswith(f"stored profile {tmp_path / 'store'}") and why[0].endswith(
-        f"is of profile schema {PROFILE_SCHEMA - 1}, this Poplar's is {PROFILE_SCHEMA}: profiling roomy again"), stale
+    assert len(why) == 1 and why[0].startswith(f"profile store {tmp_path / 'store'}: nothing to reuse (roomy: its "
+                                               f"entry {tmp_path / 'store'}") and why[0].endswith(
+        f"was written by profile schema {PROFILE_SCHEMA - 1}, this Poplar's is {PROFILE_SCHEMA}); profiling"), stale
+    assert not any("profile store" in x for run in r1.values() for x in run["lines"])  # said once: rank 0
     assert all(r["loss"] == r["loss"] for r in r0.values())  # every job trained
 
 

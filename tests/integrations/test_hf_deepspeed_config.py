@@ -17,6 +17,7 @@ from poplar.auto import AutoOptions  # noqa: E402
 from poplar.integrations.hf import PoplarTrainer  # noqa: E402
 from poplar.train.config import ConfigError  # noqa: E402
 from poplar.types.compression import CommPolicy  # noqa: E402
+from poplar.types.plans import Offload  # noqa: E402
 from poplar.zero.config import ZeroConfig  # noqa: E402
 from tests import toy  # noqa: E402
 from tests.integrations import hf_jobs as jobs  # noqa: E402
@@ -55,6 +56,33 @@ def test_auto_mode_gets_the_policy_and_allow_lossy(tmp_path) -> None:
     assert got.zero_stage.stage == "auto"
     lossy = trainer(tmp_path, deepspeed={"zero_optimization": {"stage": 2}, "poplar": {"allow_lossy": True}}).poplar
     assert lossy.auto.allow_lossy and lossy.auto.compression is None and lossy.zero_stage.stage == 2
+
+
+def test_offload_and_hpz_reach_the_plan_and_auto_mode_with_the_mapping_said(tmp_path) -> None:
+    """The Hugging Face ZeRO-3 offload template: parameter offload becomes Poplar's optimizer
+    offload on every rank (said once), and hpZ is a setting auto mode's planner keeps."""
+    import logging
+
+    from tests.log_lines import Lines
+
+    ds = {"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2, "offload_param": {"device": "cpu"},
+                                "stage3_prefetch_bucket_size": "auto"},
+          "poplar": {"topology": [[0, 1], [2, 3]]}}
+    fixed = trainer(tmp_path, plan=toy.plan_of(*ROWS), deepspeed=ds).poplar
+    assert fixed.plan.offloads == (Offload.OPTIMIZER,) * 4 and fixed.plan.secondary_shards
+    lines, logger = Lines(), logging.getLogger("poplar")
+    logger.addHandler(lines)
+    level, logger.level = logger.level, logging.INFO
+    try:
+        auto = trainer(tmp_path, auto=AutoOptions(progress=False), deepspeed=ds).poplar.auto
+    finally:
+        logger.removeHandler(lines)
+        logger.level = level
+    assert auto.collectives == "secondary_shards" and set(auto.offload) == {Offload.OPTIMIZER}
+    said = [line for line in lines.lines if "offload_param" in line]
+    assert len(said) == 1 and "Poplar has no parameter offload" in said[0], said
+    plain = trainer(tmp_path, auto=AutoOptions(progress=False), deepspeed={"zero_optimization": {"stage": 3}}).poplar
+    assert plain.auto.collectives == "auto" and plain.auto.offload == "none"  # nothing asked: the planner chooses
 
 
 @pytest.mark.parametrize("ds, kwargs, message", [

@@ -10,6 +10,7 @@ import pytest
 
 from poplar.train.config import ConfigError, TrainConfig
 from poplar.train.deepspeed_auto import auto_line, global_batch_source
+from poplar.train.deepspeed_hints import mapped_line
 
 MODEL = {"iterations": 2, "model": {"name": "llama-tiny", "n_layers": 1}, "data": {"seq_len": 8}}
 
@@ -88,17 +89,68 @@ def test_auto_where_nothing_fills_it_is_an_error_naming_the_key(patch: dict, nee
     assert needle in str(e.value)
 
 
-def test_parameter_offload_is_refused_with_the_reason_and_what_poplar_offers() -> None:
-    """The Hugging Face ZeRO-3 example offloads parameters too; Poplar keeps them on the GPU."""
+def test_the_hf_zero3_offload_template_reads_with_parameter_offload_mapped_and_said() -> None:
+    """The Hugging Face ZeRO-3 example offloads parameters and optimizer; Poplar has no parameter
+    offload and maps it to the nearest thing it does: every rank's optimizer state and fp32
+    master weights in host memory, with one line saying so."""
     zero3 = {**HF_ZERO3_SECTION, "offload_optimizer": {"device": "cpu", "pin_memory": True},
              "offload_param": {"device": "cpu", "pin_memory": True}}
+    cfg = TrainConfig.from_dict({**HF_ZERO2, "zero_optimization": zero3, "poplar": MODEL})
+    assert cfg.zero_stage == 3 and cfg.offload == "all"
+    assert list(cfg.deepspeed_mapped) == ["zero_optimization.offload_param"]
+    line = mapped_line(cfg.deepspeed_mapped)
+    assert "\n" not in line and line.startswith("config: DeepSpeed keys mapped to the nearest thing Poplar does: "
+                                                "zero_optimization.offload_param {\"device\": \"cpu\"} became every "
+                                                "rank's optimizer state and fp32 master weights in host memory")
+    assert "Poplar has no parameter offload" in line
+    alone = {**HF_ZERO3_SECTION, "offload_param": {"device": "cpu", "buffer_size": 1e8, "max_in_cpu": 1e9}}
+    assert TrainConfig.from_dict({"zero_optimization": alone}).offload == "all"  # the nearest thing, alone too
+    zero3["offload_param"] = {"device": "none"}  # moves nothing: read as DeepSpeed reads it, and nothing said
+    none = TrainConfig.from_dict({**HF_ZERO2, "zero_optimization": zero3, "poplar": MODEL})
+    assert none.offload == "all" and none.deepspeed_mapped == {}
+
+
+@pytest.mark.parametrize("zero, poplar, needle", [
+    ({"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "none"}},
+     {}, 'offload_param" asks for parameters in host memory but "offload_optimizer" says "device": "none"'),
+    ({"offload_param": {"device": "cpu"}}, {"offload": [1]}, '"zero_optimization.offload_param" and "poplar.offload"'),
+    ({"offload_param": {"device": "nvme"}}, {}, '"zero_optimization.offload_param": Poplar offloads to the CPU'),
+    ({"offload_param": {"device": "cpu", "ratio": 0.5}}, {}, '"zero_optimization.offload_param" has keys Poplar does '
+                                                             "not know: ['ratio']"),
+])
+def test_parameter_offload_poplar_cannot_map_is_an_error_naming_the_fix(zero: dict, poplar: dict, needle: str) -> None:
     with pytest.raises(ConfigError) as e:
-        TrainConfig.from_dict({**HF_ZERO2, "zero_optimization": zero3, "poplar": MODEL})
+        TrainConfig.from_dict({"zero_optimization": {"stage": 3, **zero}, "poplar": {**MODEL, **poplar}})
+    assert needle in str(e.value)
+    param_none = {**zero, "offload_param": {"device": "none"}}  # offload_param moving nothing: no problem
+    if "poplar.offload" in needle:
+        assert TrainConfig.from_dict({"zero_optimization": param_none, "poplar": poplar}).offload == (1,)
+
+
+def test_every_problem_of_a_config_is_said_at_once(tmp_path) -> None:
+    """A bad key hides no other: the config door reads every part and names every problem, the
+    missing model included, in one error."""
+    import json
+
+    raw = {**HF_ZERO2, "zero_optimization": {**HF_ZERO3_SECTION, "offload_param": {"device": "nvme"}},
+           "seed": -1, "gradient_clipping": "big", "fp16": {"enabled": True, "hysteresis": 0}}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ConfigError) as e:
+        TrainConfig.load(path)
     text = str(e.value)
-    assert text.startswith('"zero_optimization.offload_param": Poplar keeps every rank\'s parameters on its GPU')
-    assert '"offload_optimizer": {"device": "cpu"}' in text and '"poplar": {"offload": [ranks]}' in text
-    zero3["offload_param"] = {"device": "none"}  # moves nothing: read as DeepSpeed reads it
-    assert TrainConfig.from_dict({**HF_ZERO2, "zero_optimization": zero3, "poplar": MODEL}).offload == "all"
+    assert text.startswith("the config has 5 problems:\n  1. ")
+    for needle in ('"hysteresis" must be an integer >= 1', '"gradient_clipping" must be a number >= 0',
+                   '"seed" must be an integer >= 0', '"zero_optimization.offload_param": Poplar offloads to the CPU',
+                   "the config names no model"):
+        assert text.count(needle) == 1, (needle, text)
+    bad_model = {"poplar": {"model": 5, "iterations": -1}}  # a model given but bad: not also "names no model"
+    with pytest.raises(ConfigError) as e:
+        TrainConfig.from_dict(bad_model, require_model=True)
+    assert str(e.value).startswith("the config has 2 problems:") and "names no model" not in str(e.value)
+    with pytest.raises(ConfigError) as e:  # one problem: its own message, as before
+        TrainConfig.from_dict({"seed": -1})
+    assert str(e.value) == 'the config: "seed" must be an integer >= 0, got -1'
 
 
 @pytest.mark.parametrize("name, local", [("gpt2", "gpt2"), ("meta-llama/Llama-3.2-1B", "Llama-3.2-1B")])

@@ -14,7 +14,10 @@ ones with node-local secondary shards, and the way the planner chooses (which ma
 a device type out of the step where that is predicted faster: ``planner.participation``).
 ``--allow-lossy`` adds, per row, what quantized collectives (lossy) would be predicted to take:
 each option's iteration (int8 weights at ZeRO-3, int8 gradients at ZeRO-2/3, both) beside exact,
-and the one the planner would keep with ``allow_lossy`` (``planner.compression_choice``).
+and the one the planner would keep with ``allow_lossy`` (``planner.compression_choice``); the
+verdict on the last node then weighs the lossy plans too. Ranks a plan leaves out are named with
+the reason: the compute they would take off the others against the time they would add on the
+links.
 """
 
 from __future__ import annotations
@@ -157,7 +160,8 @@ def lossy_lines(rows: list[dict[str, Any]]) -> str:
         priced = ", ".join(f"{c.policy.describe().removeprefix('quantized ').split(' (')[0]} "
                            + (f"{c.predicted_s:.4f} s" if c.predicted_s is not None else "no plan")
                            for c in record.candidates)
-        out.append(f"{r['cluster']}, allow_lossy: {priced}; {record.describe()}")
+        out.append(f"{r['cluster']}, allow_lossy: {priced}; {record.describe()}"
+                   + (f"; ranks {','.join(map(str, found.left_out))} out" if found.left_out else ""))
     return "\n".join(out)
 
 
@@ -175,22 +179,95 @@ def _way(found: Plan) -> str:
     return way + (f", ranks {','.join(map(str, found.left_out))} out" if found.left_out else "")
 
 
+def _every_gpu_plan(row: dict[str, Any]) -> Plan:
+    """The row's fastest exact plan with every GPU at work (its choice may leave some out)."""
+    return max((p for p in (row[w.value] for w in ORDER) if isinstance(p, Plan)),
+               key=lambda p: p.predicted_samples_per_s)
+
+
 def _every_gpu(row: dict[str, Any]) -> float:
     """The row's fastest throughput with every GPU at work (its choice may leave some out)."""
-    return max(p.predicted_samples_per_s for p in (row[w.value] for w in ORDER) if isinstance(p, Plan))
+    return _every_gpu_plan(row).predicted_samples_per_s
 
 
-def table(rows: list[dict[str, Any]]) -> str:
+def _lossy_every_gpu(row: dict[str, Any], gbs: int) -> float | None:
+    """The throughput of the row's plan with ``allow_lossy`` with every GPU at work: the plan
+    itself, or where it leaves ranks out, its policy's plan on every rank as the planner priced it
+    (``participation_candidates``); None without ``--allow-lossy`` or such a plan."""
+    found: Plan | None = row.get("lossy")
+    if found is None:
+        return None
+    if not found.left_out:
+        return found.predicted_samples_per_s
+    every = [c["predicted_s"] for c in found.choice.participation_candidates or () if not c["left_out"]]
+    return gbs / every[0] if every and every[0] else None
+
+
+def _compute_s(found: Plan) -> float:
+    """The slowest rank's predicted compute in the step."""
+    return max(r.predicted_compute_s or 0.0 for r in found.ranks if not r.left_out)
+
+
+def left_out_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """Per row whose choice leaves ranks out: which, and why, as the cost model prices it (the
+    iteration beyond the slowest rank's compute is the time the links add to the step)."""
+    out = []
+    for r in rows:
+        chosen: Plan = r["chosen"]
+        if not chosen.left_out:
+            continue
+        every = _every_gpu_plan(r)
+        compute_in, compute_out = _compute_s(every), _compute_s(chosen)
+        links_in = every.predicted_iteration_s - compute_in
+        links_out = chosen.predicted_iteration_s - compute_out
+        subset = next((c["subset"] for c in chosen.choice.participation_candidates or () if c.get("chosen")), "")
+        which = f"ranks {','.join(map(str, chosen.left_out))}" + \
+            (f" ({subset.removeprefix('without ')})" if subset.startswith("without ") else "")
+        taken = f"take {compute_out - compute_in:.2f} s of compute off the others" if compute_out > compute_in \
+            else "take no compute off the others"
+        out.append(f"{r['cluster']}: {which} left out: in the step they would {taken} (slowest rank "
+                   f"{compute_out:.2f} s -> {compute_in:.2f} s) and add {links_in - links_out:.2f} s on the links "
+                   f"({links_out:.2f} s -> {links_in:.2f} s with the fastest way, {_way(every)})")
+    return out
+
+
+def _worth(gain: float) -> str:
+    """A gain as printed (two decimals): worth it above 1.00x, a tie at 1.00x."""
+    shown = round(gain, 2)
+    return "worth it" if shown > 1 else "not worth it" if shown < 1 else "a tie"
+
+
+def verdict(rows: list[dict[str, Any]], gbs: int) -> str:
+    """Whether adding the last node is worth it: the whole cluster with every GPU at work
+    against the cluster without the node, each with its fastest collectives; with
+    ``--allow-lossy``, also each with its fastest plan where lossy collectives are allowed."""
+    alone = rows[1]["chosen"].predicted_samples_per_s
+    exact = _every_gpu(rows[0]) / alone
+    head = f"adding the last node: {exact:.2f}x the throughput, each cluster with its fastest collectives"
+    lossy_all = _lossy_every_gpu(rows[0], gbs)
+    if lossy_all is None:
+        return f"{head} ({_worth(exact)} at this link and batch)"
+    alone_lossy = rows[1]["lossy"].predicted_samples_per_s if rows[1].get("lossy") is not None else alone
+    lossy = max(lossy_all, _every_gpu(rows[0])) / max(alone, alone_lossy)
+    if _worth(exact) == _worth(lossy):
+        tail = f"{_worth(exact)} at this link and batch, with exact or lossy collectives"
+    elif _worth(lossy) == "worth it":
+        tail = "worth it at this link and batch only with lossy collectives"
+    else:
+        tail = f"{_worth(exact)} with exact collectives, {_worth(lossy)} with lossy ones, at this link and batch"
+    return f"{head}, {lossy:.2f}x with lossy ones allowed: {tail}"
+
+
+def table(rows: list[dict[str, Any]], gbs: int | None = None) -> str:
     heads = ["", "ranks", "nodes"] + [f"{w.value} (s/iter, samples/s)" for w in ORDER] + ["chosen", "samples/s"]
     lines = [[r["cluster"], str(r["ranks"]), r["nodes"]] + [_cell(r[w.value]) for w in ORDER]
              + [_way(r["chosen"]), f"{r['chosen'].predicted_samples_per_s:.2f}"] for r in rows]
     widths = [max(len(x) for x in col) for col in zip(heads, *lines)]
     out = "\n".join("  ".join(x.ljust(w) for x, w in zip(row, widths)).rstrip() for row in [heads, *lines])
+    out += "".join(f"\n{line}" for line in left_out_lines(rows))
     if len(rows) > 1:
         # every GPU of the grown cluster at work (its choice may leave the node out again)
-        gain = _every_gpu(rows[0]) / rows[1]["chosen"].predicted_samples_per_s
-        out += (f"\nadding the last node: {gain:.2f}x the throughput, each cluster with its fastest collectives "
-                f"({'worth it' if gain > 1 else 'not worth it'} at this link and batch)")
+        out += "\n" + verdict(rows, gbs if gbs is not None else rows[0]["chosen"].global_batch_size)
     return out
 
 
@@ -211,7 +288,7 @@ def simulate_nodes(args: argparse.Namespace, spec: ClusterSpec, model: ModelSpec
             + ", ".join(f"{x.bandwidth_bytes_per_s / 1e9:g}" for x in nodes.intra) + " GB/s"
             + (f", between nodes {links.cross.bandwidth_bytes_per_s / 1e9:g} GB/s" if links.cross else "")
             + f"; ZeRO-{args.stage}, global batch {args.gbs}")
-    return head + "\n" + table(rows) + ("\n" + lossy_lines(rows) if lossy else ""), rows
+    return head + "\n" + table(rows, args.gbs) + ("\n" + lossy_lines(rows) if lossy else ""), rows
 
 
 def rows_json(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -7,22 +7,38 @@ that the collective broke. ``FailureBoard`` uses the rendezvous store that torch
 (``MASTER_ADDR:MASTER_PORT``; it outlives the workers): each failing rank checks in under its
 rank, the first to check in is the one that reports. Each rank also registers its machine and pid
 at start, so the reporter knows a rank on its machine whose process has ended to be dead at once;
-it waits a short grace for the others and names those that never checked in as not reporting. A failure every rank raised together (a bad batch, a
-corrupt checkpoint) has every rank check in, so the line is the error alone, printed once.
-Without a reachable store each rank prints its own line, as before.
+it waits a short grace for the others and names those that never checked in as not reporting. A
+failure every rank raised together (a bad batch, a corrupt checkpoint) has every rank check in, so
+the line is the error alone, printed once. Without a reachable store each rank prints its own
+line.
 
 ``FailureReporting`` is one rank's part in it, shared by every door (``poplar train``,
 ``PoplarStrategy``, ``PoplarTrainer``): join the board when the job starts, check in on failure,
 let the group go (so peers blocked on this rank fail now, not at a timeout), and print the line
-if this rank reports. Under torchrun each failing rank also writes its line to torchrun's error
-file (``TORCHELASTIC_ERROR_FILE``, the file ``torch.distributed.elastic``'s ``record`` writes),
-so the launcher's summary shows the error instead of ``error_file: <N/A>``.
+if this rank reports. Under torchrun every failing rank also writes torchrun's error file
+(``TORCHELASTIC_ERROR_FILE``, the file ``torch.distributed.elastic``'s ``record`` writes), so the
+launcher's summary shows the error instead of ``error_file: <N/A>``, once: [Note: one record per
+failure].
+
+[Note: one record per failure]
+torchrun's summary lists every worker that exited with a nonzero status, each with its error
+file, and names the one with the earliest timestamp (whole seconds; a tie goes to the lowest rank)
+as the root cause. Only the reporting rank writes the failure line there. Every other failing
+rank writes a pointer to the reporter's record instead of repeating the line: with no error file,
+torchrun would print "To enable traceback see ..." for it and stamp it with the second it saw the
+exit, which can tie with the reporter's and win by a lower rank. The reporter's stamp is its
+check-in time rounded down, the others' their own later time rounded up, so the reporter's record
+is strictly earliest (on one clock: ranks on other machines may differ by their clocks' skew).
+The other ranks still exit with status 1, not 0: a torchrun agent whose workers all exit 0 takes
+its part of the job as done and leaves, and the job could then not restart
+(``--max-restarts``) with every machine.
 """
 
 from __future__ import annotations
 
 import gc
 import json
+import math
 import os
 import signal
 import socket
@@ -79,16 +95,27 @@ class FailureBoard:
         self.store.set(f"process{self.rank}", f"{socket.gethostname()} {os.getpid()}")
 
     def check_in(self) -> bool:
-        """Say this rank failed; True for the first rank to do so (the one that reports)."""
+        """Say this rank failed; True for the first rank to do so (the one that reports, whose
+        rank the board keeps: ``reporter``)."""
         self.store.set(f"rank{self.rank}", "1")
-        return int(self.store.add("reporters", 1)) == 1
+        self.store.add("reporters", 1)
+        # one atomic step decides and records the reporter: a later rank reads who it was
+        return self.store.compare_set("reporter", "", str(self.rank)).decode() == str(self.rank)
+
+    def reporter(self) -> int | None:
+        """The rank that reports the job's failure (None before any rank checked in)."""
+        if not self.store.check(["reporter"]):
+            return None
+        return int(self.store.get("reporter").decode())
 
     def absent(self, grace_s: float, local_grace_s: float | None = None) -> tuple[list[int], list[int]]:
         """(ranks known dead, ranks alive or unknown that did not check in), waiting up to
         ``grace_s`` for the ranks that may still check in; ``local_grace_s``: a shorter wait once
         every rank not accounted for is alive on this machine (after a peer died, such a rank is
         blocked in a collective with a rank that has not exited yet: waiting longer only holds
-        it)."""
+        it). Once a rank is known dead, a rank alive on this machine that has not checked in yet
+        is not in the second list: it is blocked by the death (it checks in when its collective
+        breaks), not at fault, and the line blames only ranks that failed or cannot be seen."""
         start = time.monotonic()
         deadline = start + grace_s
         while True:
@@ -101,7 +128,8 @@ class FailureBoard:
             local = local_grace_s is not None and now >= start + local_grace_s and \
                 all(r in dead or self._alive_here(r) for r in missing)
             if len(dead) == len(missing) or now >= deadline or local:
-                return dead, [r for r in missing if r not in dead]
+                silent = [r for r in missing if r not in dead]
+                return dead, [r for r in silent if not (dead and self._alive_here(r))]
             time.sleep(0.05)
 
     def reported(self) -> bool:
@@ -170,7 +198,8 @@ class FailureReporting:
         self.door = door
         self.board: Any = None  # a FailureBoard, once joined (None outside torchrun)
         self.joined = False
-        self.failed_at = 0  # when this rank checked in (seconds since the epoch): torchrun's error-file stamp
+        self.failed_at = 0.0  # when this rank checked in (seconds since the epoch): its error record's time
+        self.reporter: int | None = None  # the rank that reports the job's failure, once known
 
     def join(self) -> None:
         if self.joined:
@@ -195,7 +224,7 @@ class FailureReporting:
         from here on: torchrun SIGTERMs the survivors once it sees a rank die (it waits 30 s
         before it kills), and the line must come out first."""
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        self.failed_at = int(time.time())
+        self.failed_at = time.time()
         try:
             self.join()  # a failure before the job started (a bad config) checks in too
         except Exception:  # noqa: BLE001 - no store: report for this rank alone
@@ -204,10 +233,13 @@ class FailureReporting:
             self.board = None  # the store went with its machine: report for this rank alone
             return True
         try:
-            return self.board.check_in()
+            if self.board.check_in():
+                return True
+            self.reporter = self.board.reporter()
         except Exception:  # noqa: BLE001 - the store is gone too: report for this rank alone
             self.board = None
             return True
+        return False
 
     def report(self, error: BaseException | str, reporter: bool, wait: bool, peer: bool = False) -> None:
         """The reporter prints the failure once for the whole job, led by the ranks that died or
@@ -216,7 +248,8 @@ class FailureReporting:
         every rank meets while starting, so that none is still exposed to torchrun's SIGTERM
         (which would end it with 143) when the first of them exits. After a peer died a
         non-reporter leaves at once: its exit is what frees ranks still blocked on it. Every
-        rank writes what it knows to torchrun's error file."""
+        rank writes torchrun's error file: the reporter its line, the others a pointer to it
+        ([Note: one record per failure])."""
         dead: list[int] = []
         silent: list[int] = []
         try:
@@ -224,10 +257,14 @@ class FailureReporting:
                 dead, silent = self.board.absent(FAILURE_GRACE_S, LOCAL_GRACE_S if peer else None)
         except Exception:  # noqa: BLE001 - the store is gone too: report for this rank alone
             pass
-        line = f"{self.door}: {failure_line(str(error), dead, silent)}"
         if reporter:
+            line = f"{self.door}: {failure_line(str(error), dead, silent)}"
             print(line, file=sys.stderr, flush=True)
-        write_error_file(line, self.failed_at or int(time.time()))
+            write_error_file(line, math.floor(self.failed_at or time.time()))
+            return
+        whose = f"rank {self.reporter}'s" if self.reporter is not None else "another rank's"
+        write_error_file(f"{self.door}: rank {os.environ.get('RANK', '?')} stopped because the job failed; the "
+                         f"error is {whose} record", math.ceil(time.time()))
 
     def end(self, error: BaseException | str, peer: bool) -> None:
         """This rank failed (``peer``: because a peer did): check in, let the process group go,

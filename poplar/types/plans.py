@@ -167,9 +167,10 @@ class CompressionChoice:
         if not priced or self.exact_s is None:
             return "exact collectives (allow_lossy: no quantized option could be planned)"
         best = min(priced, key=lambda c: c.predicted_s)  # type: ignore[arg-type, return-value]
-        gain = (self.exact_s - best.predicted_s) / self.exact_s  # type: ignore[operator]
-        by = f"{100 * gain:.1f}% faster, not more than the tie ({100 * self.tie:.1f}%)" if gain > 0 else \
-            f"{-100 * gain:.1f}% slower"
+        percent = round(100 * (self.exact_s - best.predicted_s) / self.exact_s, 1)  # type: ignore[operator]
+        # by the sign of the gain as printed: a gain that rounds to 0.0 % is a tie, never "-0.0% slower"
+        by = f"{percent:.1f}% faster, not more than the tie ({100 * self.tie:.1f}%)" if percent > 0 else \
+            f"{-percent:.1f}% slower" if percent < 0 else "to take as long as exact (a tie)"
         return f"exact collectives kept (allow_lossy): the best quantized option, {best.policy.describe()}, is " \
                f"predicted {by}"
 

@@ -121,4 +121,5 @@ def test_a_killed_rank_gives_one_line_that_names_it(tmp_path: Path) -> None:
     lines = [line for line in text.splitlines() if line.startswith("poplar train:")]
     assert code != 0 and len(lines) == 1, text[-4000:]
     assert lines[0].startswith("poplar train: rank 1 died (its process ended); "), lines
+    assert "did not report" not in lines[0], lines  # the live ranks, blocked by the death, are not blamed
     assert "another rank probably died" in lines[0] and "frame #" not in lines[0]

@@ -210,3 +210,45 @@ def test_bad_nodes_and_links_are_named(capsys: pytest.CaptureFixture, tmp_path: 
                                        message: str) -> None:
     code, _, err = _run(capsys, "simulate", "--cluster", _c8(tmp_path), "--gbs", "256", "--stage", "3", *argv)
     assert code != 0 and message in err, err
+
+
+def test_nodes_verdict_weighs_lossy_plans_and_names_the_ranks_left_out_with_the_reason(
+        capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    """At 10 Gbit/s between the nodes, the V100S node is not worth adding with exact collectives
+    (the planner leaves it out) but is with lossy ones: the verdict says both, and the line on the
+    ranks left out gives the compute they would take off against the link time they would add."""
+    import re
+
+    out_json = tmp_path / "lossy.json"
+    code, out, err = _run(capsys, "simulate", "--cluster", "C-4+4", "--stage", "3", "--nodes", "4,4", "--intra-gbps",
+                          "16,8", "--inter-gbps", "10gbit", "--gbs", "4096", "--allow-lossy", "--json", str(out_json))
+    assert code == 0, err
+    whole, alone = json.loads(out_json.read_text())
+    exact_gain = whole["every_gpu_samples_per_s"] / alone["chosen_samples_per_s"]
+    lossy = whole["allow_lossy"]
+    assert lossy["plan"]["compression"]["weights"] == "int8" and not any(
+        r["micro_batch_size"] == 0 and r["shard_weight"] == 0 for r in lossy["plan"]["ranks"])  # every GPU at work
+    lossy_gain = lossy["samples_per_s"] / alone["chosen_samples_per_s"]
+    assert exact_gain < 1 < lossy_gain
+    assert (f"adding the last node: {exact_gain:.2f}x the throughput, each cluster with its fastest collectives, "
+            f"{lossy_gain:.2f}x with lossy ones allowed: worth it at this link and batch only with lossy "
+            "collectives") in out, out
+    # the ranks left out, and why: against the fastest plan with every GPU, by the plans' own numbers
+    assert whole["left_out"] == [4, 5, 6, 7]
+    best = min(("flat", "hierarchical", "secondary_shards"), key=lambda w: whole[w]["iteration_s"])
+
+    def compute(plan: dict) -> float:
+        return max(r["predicted_compute_s"] for r in plan["ranks"] if r["predicted_compute_s"] is not None)
+
+    every = whole[best]
+    chosen_s = 4096 / whole["chosen_samples_per_s"]
+    line = re.search(r"all nodes: ranks 4,5,6,7 \(node 1\) left out: in the step they would take ([\d.]+) s of compute "
+                     r"off the others \(slowest rank ([\d.]+) s -> ([\d.]+) s\) and add ([\d.]+) s on the links "
+                     r"\(([\d.]+) s -> ([\d.]+) s with the fastest way, " + best + r"\)", out)
+    assert line, out
+    taken, slowest_out, slowest_in, added, links_out, links_in = map(float, line.groups())
+    assert slowest_in == pytest.approx(compute(every["plan"]), abs=0.005)
+    assert links_in == pytest.approx(every["iteration_s"] - compute(every["plan"]), abs=0.005)
+    assert slowest_out + links_out == pytest.approx(chosen_s, abs=0.01)
+    assert taken == pytest.approx(slowest_out - slowest_in, abs=0.01) and added > taken  # why they are out
+    assert not re.search(r"-[\d.]+% slower", out)

@@ -64,7 +64,9 @@ def test_a_rank_that_ended_without_checking_in_is_dead_and_a_finished_one_is_not
     assert failure_line("boom", dead, silent) == "rank 1 died (its process ended); boom"
 
 
-def test_after_a_peer_died_a_live_rank_here_is_waited_for_briefly_and_named_as_silent() -> None:
+def test_after_a_peer_died_a_live_rank_here_is_waited_for_briefly_and_not_blamed() -> None:
+    """After a SIGKILL of rank 2, rank 1 (alive on this machine, still blocked in a collective
+    with a rank that has not left yet) is not named: only the dead rank is."""
     import os
     import time
 
@@ -75,8 +77,60 @@ def test_after_a_peer_died_a_live_rank_here_is_waited_for_briefly_and_named_as_s
     store.set("process2", f"{socket.gethostname()} {_ended_pid()}")
     board.check_in()
     t0 = time.monotonic()
-    assert board.absent(grace_s=30.0, local_grace_s=0.3) == ([2], [1])
+    dead, silent = board.absent(grace_s=30.0, local_grace_s=0.3)
+    assert (dead, silent) == ([2], [])
     assert time.monotonic() - t0 < 10.0  # not the whole grace
+    assert failure_line("boom", dead, silent) == "rank 2 died (its process ended); boom"
+
+
+def test_with_no_rank_dead_a_live_rank_that_never_checks_in_is_named_and_so_is_one_elsewhere() -> None:
+    """A hang: every other rank's collective timed out, and the rank that never checked in is the
+    one to blame; a rank on another machine cannot be seen and is named as not reporting too."""
+    import os
+
+    store = dist.HashStore()
+    board = FailureBoard(store, 0, 4)
+    store.set("process0", f"{socket.gethostname()} {os.getpid()}")
+    store.set("process1", f"{socket.gethostname()} {os.getppid()}")  # alive, hung outside a collective
+    store.set("process2", f"elsewhere-{socket.gethostname()} 1")
+    FailureBoard(store, 3, 4).check_in()
+    board.check_in()
+    assert board.absent(grace_s=0.5, local_grace_s=0.1) == ([], [1, 2])
+    store.set("process3", f"{socket.gethostname()} {_ended_pid()}")  # and with a death: rank 2 is still unseen
+    store.delete_key("rank3")
+    assert board.absent(grace_s=0.3, local_grace_s=0.1) == ([3], [2])
+
+
+def test_only_the_reporter_writes_the_failure_into_torchruns_record_and_it_is_the_earliest(tmp_path, monkeypatch,
+                                                                                           capsys) -> None:
+    """[Note: one record per failure]: the reporter's record holds the line; every other failing
+    rank's holds a pointer to it, stamped later in whole seconds (torchrun's root cause is the
+    earliest stamp, a tie going to the lowest rank)."""
+    import json
+
+    store = dist.HashStore()
+    handler = signal.getsignal(signal.SIGTERM)
+    records = {}
+    ranks = {}
+    try:
+        for rank in (2, 0, 1):  # rank 2 fails first
+            ranks[rank] = reporting = FailureReporting()
+            reporting.joined, reporting.board = True, FailureBoard(store, rank, 3)
+            reporter = reporting.check_in()
+            assert reporter == (rank == 2) and reporting.reporter == (None if reporter else 2)
+        for rank, reporting in ranks.items():
+            monkeypatch.setenv("RANK", str(rank))
+            monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / f"{rank}.json"))
+            reporting.report("error: the config is bad", rank == 2, wait=True)
+            records[rank] = json.loads((tmp_path / f"{rank}.json").read_text())["message"]
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    assert capsys.readouterr().err.count("the config is bad") == 1
+    assert records[2]["extraInfo"]["py_callstack"] == "poplar train: error: the config is bad"
+    for rank in (0, 1):
+        assert records[rank]["message"] == \
+            f"poplar train: rank {rank} stopped because the job failed; the error is rank 2's record"
+        assert int(records[rank]["extraInfo"]["timestamp"]) > int(records[2]["extraInfo"]["timestamp"])
 
 
 def test_a_store_whose_host_is_gone_is_not_used_and_the_rank_reports_alone() -> None:

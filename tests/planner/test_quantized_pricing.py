@@ -153,3 +153,21 @@ def test_one_node_and_zero1_are_never_quantized_and_a_given_policy_is_used_as_gi
     assert "quantized weights int8 and gradients int8" in got.table()
     with pytest.raises(PlanError, match="allow_lossy must be True or False"):
         CollectivesRequest(allow_lossy="yes")
+
+
+@pytest.mark.parametrize("lossy_s, says", [(10.0, "to take as long as exact (a tie)"),
+                                           (10.000001, "to take as long as exact (a tie)"),
+                                           (9.9999, "to take as long as exact (a tie)"),
+                                           (10.5, "5.0% slower"),
+                                           (9.95, "0.5% faster, not more than the tie (2.0%)")])
+def test_exact_kept_says_faster_or_slower_by_the_sign_and_a_tie_as_a_tie(lossy_s: float, says: str) -> None:
+    """The line of a choice that kept exact: never a negative "slower" (a lossy option priced
+    as exact once read "predicted -0.0% slower")."""
+    from poplar.types.compression import QuantBits
+    from poplar.types.plans import CompressionCandidate, CompressionChoice
+
+    option = CommPolicy(weights=QuantBits.INT8)
+    record = CompressionChoice(EXACT, 10.0, 10.0, 0.02, (CompressionCandidate(EXACT, 10.0),
+                                                         CompressionCandidate(option, lossy_s)))
+    line = record.describe()
+    assert line.endswith(f"{option.describe()}, is predicted {says}") and "-" not in line.split("predicted")[-1], line

@@ -62,3 +62,75 @@ def test_save_pretrained_needs_a_transformers_model(tmp_path: Path) -> None:
         with pytest.raises(TypeError, match=r"needs a transformers model.*save a checkpoint instead"):
             trainer.save_pretrained(tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_byte_level_run_saves_a_tokenizer_auto_tokenizer_loads_with_the_pipelines_ids(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The README's byte-level GPT-2 run, shortened to one process and 2 iterations: its folder's
+    tokenizer (AutoTokenizer) encodes text to the ids the data pipeline trained on and decodes
+    them back; a temporary a killed write left is gone, and the folder has the umask's mode."""
+    import json
+    import os
+
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("tokenizers")
+    from poplar.cli import main
+    from poplar.workloads.tokenized import TextTokenizer, TokenizedText
+
+    corpus = (Path(__import__("poplar.workloads").workloads.__file__).parent / "data" / "corpus.txt").read_text()
+    text = corpus[:3000] + "\nnon-ASCII: héllo wörld — 中文 🙂, tabs\tand literal </s> <s> <pad>\n"
+    (tmp_path / "corpus.txt").write_text(text, encoding="utf-8")
+    (tmp_path / "gpt2-config.json").write_text(json.dumps(
+        {"model_type": "gpt2", "vocab_size": 260, "n_positions": 64, "n_embd": 32, "n_layer": 1, "n_head": 2,
+         "bos_token_id": 257, "eos_token_id": 258}))
+    (tmp_path / "run.json").write_text(json.dumps(
+        {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 4,
+         "optimizer": {"type": "SGD", "params": {"lr": 0.01, "momentum": 0.9}},
+         "poplar": {"iterations": 2, "model": {"hf_config": "gpt2-config.json"},
+                    "data": {"path": "corpus.txt", "seq_len": 32, "eval_fraction": 0}, "report_dir": "runs"}}))
+    killed = tmp_path / "runs" / ".model.tmp-k1ll3d00"
+    killed.mkdir(parents=True)
+    (killed / "model.safetensors").write_bytes(b"half a file")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    old = os.umask(0o027)
+    try:
+        assert main(["train", "--config", "run.json"]) == 0
+    finally:
+        os.umask(old)
+    out = tmp_path / "runs" / "model"
+    assert (out / "model.safetensors").is_file() and not killed.exists()
+    assert sorted(p.name for p in out.parent.iterdir() if p.name.startswith(".")) == []
+    assert (out.stat().st_mode & 0o777) == 0o750  # 0o777 less the umask, not mkdtemp's 0o700
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    pipeline = TextTokenizer(None)
+    assert len(tokenizer) == pipeline.vocab_size == 260
+    assert (tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.mask_token_id) == \
+        (256, 257, 258, 259)
+    ids = tokenizer(text)["input_ids"]
+    assert ids == pipeline.encode(text) and tokenizer.decode(ids) == text
+    # the ids of a training sample (packed: the document, then EOS) read back as its text
+    sample = TokenizedText("corpus.txt", seq_len=32, tokenizer=pipeline)[0]["input_ids"].tolist()
+    assert sample == ids[:32] and tokenizer.decode(sample) == text.encode()[:32].decode("utf-8", errors="replace")
+
+
+def test_no_tokenizer_is_saved_for_ids_tokenized_elsewhere(tmp_path: Path) -> None:
+    """A ``datasets`` directory's ``input_ids`` came from a tokenizer the run never saw: the byte
+    tokenizer would be wrong for them, so none is saved (and the folder's line says so); its text
+    column is tokenized byte-level, and the byte tokenizer is saved."""
+    import json
+
+    pytest.importorskip("transformers")
+    from poplar.train.config import TrainConfig
+    from poplar.train.hf_output import run_tokenizer
+
+    def config(features: dict) -> TrainConfig:
+        (tmp_path / "set").mkdir(exist_ok=True)
+        (tmp_path / "set" / "dataset_info.json").write_text(json.dumps({"features": features}))
+        (tmp_path / "set" / "state.json").write_text("{}")
+        return TrainConfig.from_dict({"poplar": {"model": {"hf_config": "c.json"},
+                                                 "data": {"path": str(tmp_path / "set")}}})
+
+    assert run_tokenizer(config({"input_ids": {"_type": "Sequence"}, "text": {"_type": "Value"}})) is None
+    assert run_tokenizer(config({"text": {"_type": "Value"}})).name_or_path == "byte-level"

@@ -17,12 +17,11 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-import tempfile
+import uuid
 from pathlib import Path
 from typing import Any
 
-from poplar.checkpoint.hf_layout import shard_bytes, write_model
-from poplar.checkpoint.save import unshared_cpu
+from poplar.checkpoint.export import export_model
 from poplar.logs import log
 from poplar.train.config import TrainConfig
 
@@ -38,26 +37,25 @@ def output_dir(cfg: TrainConfig) -> Path | None:
 
 
 def save_hf_folder(engine: Any, directory: str | os.PathLike, tokenizer: Any = None) -> None:
-    """Every rank (the full weights are a collective at ZeRO-3); rank 0 writes ``directory``
-    whole: into a temporary sibling, then renamed over any older folder. ``tokenizer`` (anything
-    with ``save_pretrained(dir)``, e.g. a ``transformers`` tokenizer; None: none) is saved beside
-    the weights."""
+    """Every rank (the weights are streamed one block at a time, a collective at ZeRO-3); rank 0
+    writes ``directory`` whole: into a temporary sibling, then renamed over any older folder.
+    ``tokenizer`` (anything with ``save_pretrained(dir)``, e.g. a ``transformers`` tokenizer;
+    None: none) is saved beside the weights."""
     check_hf_model(engine.module)
     directory = Path(directory)
-    full = engine.full_state_dict()
-    if engine.rank != 0:
-        return
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
+    tmp = directory.parent / f".{directory.name}.tmp-{uuid.uuid4().hex[:8]}"  # rank 0's export makes it
     try:
-        write_model(tmp, unshared_cpu(full), engine.module, shard_bytes(None))
+        export_model(engine, tmp)  # every rank; never the whole model at once (checkpoint.export)
+        if engine.rank != 0:
+            return
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
         if directory.exists():
             shutil.rmtree(directory)
         tmp.rename(directory)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if engine.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
     name = (getattr(tokenizer, "name_or_path", "") or "given") if tokenizer is not None else "none"
     log.info(f"model folder {directory} (from_pretrained loads it; tokenizer {name})")

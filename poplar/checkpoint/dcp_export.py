@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from poplar.checkpoint.hf_layout import shard_bytes
@@ -93,15 +94,15 @@ def export_dcp(checkpoint: str | Path, out: str | Path, *, hf: bool = False,
         raise FileNotFoundError(f"{checkpoint} carries no config.json, which from_pretrained needs; export without "
                                 "--hf for model.safetensors alone, or put the model's config.json beside the checkpoint")
     limit = shard_bytes(max_shard_bytes)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"output {out} exists and is not a directory; give a directory (made if missing)")
     out.mkdir(parents=True, exist_ok=True)
     files = ModelFiles(out, specs, limit)
     peak = 0
     try:
         for spec in specs:
             value = torch.empty(spec.shape, dtype=spec.dtype)
-            with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-                warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
-                dcp.load({MODEL_KEY: {spec.name: value}}, storage_reader=reader, no_dist=True)
+            _load_one(reader, checkpoint, spec.name, value)
             files.write(spec.name, value)
             peak = max(peak, spec.nbytes)
             del value
@@ -112,3 +113,19 @@ def export_dcp(checkpoint: str | Path, out: str | Path, *, hf: bool = False,
     for name in carried:
         shutil.copyfile(checkpoint / name, out / name)
     return DcpExport(entry, len(specs), files.total_bytes, peak, tuple(carried))
+
+
+def _load_one(reader: dcp.FileSystemReader, checkpoint: Path, name: str, value: torch.Tensor) -> None:
+    """Load ``"model"``'s tensor ``name`` into ``value``; a checkpoint that cannot give it (a
+    missing or damaged shard file) is a ValueError naming the tensor."""
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+            dcp.load({MODEL_KEY: {name: value}}, storage_reader=reader, no_dist=True)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's is a BaseException; one line for the CLI
+        failures = list(getattr(e, "failures", {}).values())  # DCP's: per rank, the exception it wraps
+        cause = failures[0] if failures else e
+        cause = cause[0] if isinstance(cause, tuple) else cause  # (exception, its stack)
+        reason = (str(cause).strip().splitlines() or [""])[0][:200]
+        raise ValueError(f"{checkpoint}: reading {name!r} failed ({type(cause).__name__}: {reason}); the checkpoint's "
+                         "shard files are missing or damaged") from e

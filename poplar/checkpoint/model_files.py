@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from poplar.checkpoint.layout import FORMAT, HF_INDEX_FILE, MODEL_FILE, shard_file_name
+from poplar.checkpoint.layout import (FORMAT, HF_CONFIG_FILES, HF_INDEX_FILE, MODEL_FILE, is_model_file,
+                                      shard_file_name)
 from poplar.checkpoint.storage import file_facts, umask_mode, write_json
 from poplar.checkpoint.streaming_safetensors import StreamingSafetensorsWriter, TensorSpec
 
@@ -28,6 +29,7 @@ class ModelFiles:
         self.total_bytes = sum(s.nbytes for s in specs)
         by_name = {s.name: s for s in specs}
         groups = split_by_bytes(specs, max_shard_bytes)
+        remove_weights(self.directory)  # an older export's shards must not outlive it
         names = [MODEL_FILE] if len(groups) == 1 else [shard_file_name(i, len(groups)) for i in range(len(groups))]
         self.writers: list[StreamingSafetensorsWriter] = []
         self.file_of: dict[str, StreamingSafetensorsWriter] = {}
@@ -62,6 +64,13 @@ class ModelFiles:
         for w in self.writers:
             w.abort()
             w.path.unlink(missing_ok=True)
+
+
+def remove_weights(directory: Path) -> None:
+    """Remove the weight files of the Hugging Face layout from ``directory`` (its config stays)."""
+    for path in directory.iterdir():
+        if is_model_file(path.name) and path.name not in HF_CONFIG_FILES and path.is_file():
+            path.unlink()
 
 
 def split_by_bytes(specs: list[TensorSpec], max_bytes: int) -> list[list[str]]:

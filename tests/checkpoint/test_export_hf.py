@@ -129,3 +129,22 @@ def test_hf_export_needs_the_config(tmp_path: Path, capsys) -> None:
     assert "carries no config.json" in capsys.readouterr().err
     assert main(["export", str(tmp_path / "ck"), str(tmp_path / "out")]) == 0
     assert torch.equal(load_file(str(tmp_path / "out" / "model.safetensors"))["w"], torch.arange(6.0).view(2, 3))
+
+
+def test_export_names_a_damaged_checkpoint_and_replaces_older_weights(tmp_path: Path, capsys) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"model": {"w": torch.ones(4), "v": torch.zeros(2)}}, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    out = tmp_path / "out"
+    assert main(["export", str(tmp_path / "ck"), str(out), "--max-shard-size", "16"]) == 0  # two shards
+    assert len(list(out.glob("model-*.safetensors"))) == 2
+    assert main(["export", str(tmp_path / "ck"), str(out)]) == 0  # one file: the shards and their index go
+    assert sorted(os.listdir(out)) == ["model.safetensors"]
+    (tmp_path / "file").write_text("")
+    assert main(["export", str(tmp_path / "ck"), str(tmp_path / "file")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+    for shard in (tmp_path / "ck").glob("*.distcp"):
+        shard.write_bytes(b"damaged")
+    assert main(["export", str(tmp_path / "ck"), str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "reading 'w' failed" in err and "missing or damaged" in err, err

@@ -74,8 +74,11 @@ def read_metadata(checkpoint: Path) -> tuple[dcp.FileSystemReader, Metadata]:
     if not checkpoint.is_dir():
         raise FileNotFoundError(f"checkpoint directory {checkpoint} does not exist")
     if not (checkpoint / DCP_METADATA_FILE).is_file():
+        inside = sorted(p.name for p in checkpoint.iterdir() if (p / DCP_METADATA_FILE).is_file())
+        fix = f"give one of the checkpoints in it ({', '.join(inside[-3:])}), e.g. {checkpoint / inside[-1]}" \
+            if inside else "give the directory a sharded save wrote"
         raise FileNotFoundError(f"{checkpoint} holds no torch.distributed.checkpoint checkpoint (no "
-                                f"{DCP_METADATA_FILE} file); give the directory a sharded save wrote")
+                                f"{DCP_METADATA_FILE} file); {fix}")
     reader = dcp.FileSystemReader(str(checkpoint))
     return reader, reader.read_metadata()
 

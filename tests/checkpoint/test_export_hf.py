@@ -119,6 +119,11 @@ def test_export_refuses_what_is_not_a_sharded_checkpoint(tmp_path: Path, capsys)
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no torch.distributed.checkpoint checkpoint" in err
     assert not (tmp_path / "out").exists()
+    for step in ("step-00000010", "step-00000020"):  # a run's directory of checkpoints: name them
+        (tmp_path / "plain" / step).mkdir()
+        (tmp_path / "plain" / step / ".metadata").write_bytes(b"")
+    assert main(["export", str(tmp_path / "plain"), str(tmp_path / "out")]) == 2
+    assert f"e.g. {tmp_path / 'plain' / 'step-00000020'}" in capsys.readouterr().err
 
 
 def test_hf_export_needs_the_config(tmp_path: Path, capsys) -> None:

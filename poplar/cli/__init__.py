@@ -19,6 +19,7 @@ import sys
 
 COMMAND_MODULES = [
     "poplar.cli.demo",
+    "poplar.cli.export",
     "poplar.cli.plan",
     "poplar.cli.profile",
     "poplar.cli.simulate",

@@ -28,10 +28,11 @@ How the Trainer's pieces map onto Poplar's:
   ``zero_quantized_gradients``, ``poplar.allow_lossy``, the offload keys:
   ``poplar.integrations.deepspeed_config``);
   the batches, optimizer, scheduler and precision stay the ``TrainingArguments``'.
-- Saving. ``save_model(dir)`` gathers the full state (every rank) and writes the HF layout
-  (``save_pretrained``). A checkpoint (``save_steps``) also holds ``poplar/``, a Poplar
-  checkpoint (sharded optimizer state, iteration, RNG); ``train(resume_from_checkpoint=...)``
-  loads it, so the run continues exactly, on any world size, stage or plan.
+- Saving. ``save_model(dir)`` streams the weights one block at a time (every rank; rank 0
+  writes) into the HF layout ``save_pretrained`` writes. A checkpoint (``save_steps``) also
+  holds ``poplar/``, a Poplar checkpoint (sharded optimizer state, iteration, RNG);
+  ``train(resume_from_checkpoint=...)`` loads it, so the run continues exactly, on any world
+  size, stage or plan.
 
 A rank that dies or hangs ends the job as ``poplar train`` ends it: the others' collectives fail
 (a hung rank's after the collective timeout: ``collective_timeout_s``, else a ``ddp_timeout`` the
@@ -314,15 +315,16 @@ class PoplarTrainer(Trainer):
             log.info(f"PoplarTrainer: resumed from {directory} at iteration {loaded.iteration}")
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Every rank: the full state is gathered; the main process writes it with ``save_pretrained``."""
+        """Every rank: the weights are streamed one block at a time (``checkpoint.export``) and rank 0
+        writes them with ``config.json``, the layout ``save_pretrained`` writes; the main process
+        adds the tokenizer and the arguments."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         engine = self.engine
         if engine is None:
             return super().save_model(output_dir, _internal_call)
-        state = engine.full_state_dict()
+        checkpoint.export_model(engine, output_dir)  # every rank, one block at a time; rank 0 writes weights and config
         if self.args.should_save:
             os.makedirs(output_dir, exist_ok=True)
-            self.model.save_pretrained(output_dir, state_dict=state)
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
             torch.save(self.args, os.path.join(output_dir, "training_args.bin"))

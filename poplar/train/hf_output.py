@@ -36,19 +36,18 @@ import os
 import re
 import shutil
 import sys
-import tempfile
+import uuid
 from pathlib import Path
 from typing import Any
 
-from poplar.checkpoint.hf_layout import shard_bytes, write_model
-from poplar.checkpoint.save import unshared_cpu
+from poplar.checkpoint.export import export_model
 from poplar.checkpoint.storage import publish, remove_replaced
 from poplar.logs import log
 from poplar.train.config import TrainConfig
 from poplar.workloads.text import BOS, EOS, MASK, PAD
 
 BYTE_SPECIALS = {PAD: "<pad>", BOS: "<s>", EOS: "</s>", MASK: "<mask>"}  # [Note: the byte tokenizer ...]
-_TEMPORARY_SUFFIX = re.compile(r"[a-z0-9_]{8}")  # tempfile.mkdtemp's random part
+_TEMPORARY_SUFFIX = re.compile(r"[a-z0-9_]{8}")  # 8 hex digits (save_hf_folder); mkdtemp's 8 characters (earlier versions)
 
 
 def output_dir(cfg: TrainConfig) -> Path | None:
@@ -62,25 +61,24 @@ def output_dir(cfg: TrainConfig) -> Path | None:
 
 
 def save_hf_folder(engine: Any, directory: str | os.PathLike, tokenizer: Any = None) -> None:
-    """Every rank (the full weights are a collective at ZeRO-3); rank 0 writes ``directory``
-    whole: into a temporary sibling, then renamed over any older folder. ``tokenizer`` (anything
-    with ``save_pretrained(dir)``, e.g. a ``transformers`` tokenizer; None: none) is saved beside
-    the weights."""
+    """Every rank (the weights are streamed one block at a time, a collective at ZeRO-3); rank 0
+    writes ``directory`` whole: into a temporary sibling, then renamed over any older folder.
+    ``tokenizer`` (anything with ``save_pretrained(dir)``, e.g. a ``transformers`` tokenizer;
+    None: none) is saved beside the weights."""
     check_hf_model(engine.module)
     directory = Path(directory)
-    full = engine.full_state_dict()
-    if engine.rank != 0:
-        return
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    leftovers = killed_writes(directory)  # before this write makes its own temporary
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
+    leftovers = killed_writes(directory) if engine.rank == 0 else []  # before this write makes its own temporary
+    tmp = directory.parent / f".{directory.name}.tmp-{uuid.uuid4().hex[:8]}"  # rank 0's export makes it
     try:
-        write_model(tmp, unshared_cpu(full), engine.module, shard_bytes(None))
+        export_model(engine, tmp)  # every rank; never the whole model at once (checkpoint.export)
+        if engine.rank != 0:
+            return
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
-        publish(tmp, directory)  # the umask's mode (mkdtemp's is 0700), then moved over any older folder
+        publish(tmp, directory)  # the umask's mode, then moved over any older folder
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if engine.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
     for path in leftovers:
         shutil.rmtree(path, ignore_errors=True)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import weakref
 from abc import ABC, abstractmethod
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 from torch import nn
@@ -35,6 +35,7 @@ from poplar.zero.offload import OptimizerOffload
 from poplar.zero.optim import optimizer_state_bytes
 from poplar.zero.precision import ModelCast, StagePrecision, cast_inputs
 from poplar.zero.shard_layout import Shards
+from poplar.zero.state_parts import StatePart, StateSpec
 
 
 def on_grad_accumulated(param: torch.Tensor, method: Callable[..., Any], *args: int) -> RemovableHandle:
@@ -230,6 +231,20 @@ class ZeroStage(ABC):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    def state_specs(self) -> dict[str, StateSpec]:
+        """``full_state_dict``'s names, shapes and dtypes, with nothing gathered (``zero.state_parts``)."""
+        return {k: StateSpec(tuple(v.shape), v.dtype) for k, v in self.model.state_dict().items()}
+
+    def state_parts(self) -> Iterator[StatePart]:
+        """``full_state_dict``'s values one part at a time (``zero.state_parts``): here every rank
+        holds every tensor, so a part is one of them, not copied."""
+        for k, v in self.model.state_dict().items():
+            yield {k: v.detach()}
+
+    def unsharded_dtype(self, tensor: torch.Tensor) -> torch.dtype:
+        """The dtype ``unsharded_value`` gives ``tensor``."""
+        return tensor.dtype if self.model_cast is None else self.model_cast.original_dtype(tensor)
 
     def unsharded_value(self, tensor: torch.Tensor) -> torch.Tensor:
         """A copy of a tensor of the model no stage holds (a buffer, a frozen parameter), in the

@@ -91,6 +91,12 @@ class ModelCast:
         dtype = self.buffer_dtypes.get(id(tensor), tensor.dtype)
         return tensor.detach().to(dtype, copy=True)
 
+    def original_dtype(self, tensor: torch.Tensor) -> torch.dtype:
+        """The dtype ``original`` gives ``tensor``."""
+        if id(tensor) in self.frozen:
+            return self.frozen[id(tensor)].dtype
+        return self.buffer_dtypes.get(id(tensor), tensor.dtype)
+
     def load(self, tensor: torch.Tensor, value: torch.Tensor) -> None:
         """Set ``tensor`` (a model parameter or buffer) from ``value``, originals included."""
         if id(tensor) in self.frozen:

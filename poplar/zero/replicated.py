@@ -27,7 +27,7 @@ host step's values are cast into this rank's slice of the compute copy, which th
 from __future__ import annotations
 
 from abc import abstractmethod
-from typing import Any, NamedTuple
+from typing import Any, Iterator, NamedTuple
 
 import torch
 from torch import nn
@@ -41,6 +41,7 @@ from poplar.zero.precision import StagePrecision
 from poplar.zero.reduce_queue import ReduceHandle, ReduceQueue
 from poplar.zero.reshard import cut_state, gather_state, shard_from
 from poplar.zero.shard_layout import Shards
+from poplar.zero.state_parts import StatePart, StateSpec, unsharded_parts, unsharded_specs
 
 
 class ReplicatedParams(ZeroStage):
@@ -170,6 +171,34 @@ class ReplicatedParams(ZeroStage):
                     self._release(full.numel() * full.element_size())
         return {k: values[id(v)] if id(v) in values else self.unsharded_value(v)
                 for k, v in self.model.state_dict(keep_vars=True).items()}
+
+    def state_specs(self) -> dict[str, StateSpec]:
+        """Under mixed precision the parameters' dtype is the master's (``zero.state_parts``)."""
+        if not self.masters:
+            return super().state_specs()
+        dtype = {id(p): m.dtype for u, m in zip(self.units, self.masters) for p in u.params}
+        rest = unsharded_specs(self, set(dtype))
+        return {k: StateSpec(tuple(v.shape), dtype[id(v)]) if id(v) in dtype else rest[k]
+                for k, v in self.model.state_dict(keep_vars=True).items()}
+
+    def state_parts(self) -> Iterator[StatePart]:
+        """Under mixed precision one unit's whole fp32 master per part (stages 1/2: gathered, a
+        collective every rank runs to its end between iterations), then buffers and frozen
+        parameters one at a time."""
+        if not self.masters:
+            yield from super().state_parts()
+            return
+        sd = self.model.state_dict(keep_vars=True)
+        for ui, u in enumerate(self.units):
+            with self.comm.ledger.scope(Phase.STATE):
+                full = self._whole_master(ui)
+            value = {id(p): u.slot(full, i) for i, p in enumerate(u.params)}
+            yield {k: value[id(v)] for k, v in sd.items() if id(v) in value}
+            del value
+            if full is not self.masters[ui]:
+                self._release(full.numel() * full.element_size())
+            del full
+        yield from unsharded_parts(self, {id(p) for u in self.units for p in u.params})
 
     def _whole_master(self, ui: int) -> torch.Tensor:
         if not self.master_sharded:

@@ -17,7 +17,7 @@ import contextlib
 import hashlib
 import time
 from enum import Enum
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -41,6 +41,7 @@ from poplar.zero.precision import StagePrecision
 from poplar.zero.setup import (agree_setup, build_stage, check_arguments, check_policies, compression_problem,
                                plan_problem)
 from poplar.zero.shard_layout import Shards
+from poplar.zero.state_parts import StatePart, StateSpec
 
 # returns the mean loss of the micro-batch, or a pair (loss_sum, count) (docs/design.md §2)
 LossFn = Callable[[nn.Module, Any], Any]
@@ -496,6 +497,16 @@ class ZeroRuntime:
         """The complete unsharded model state (keys as ``model.state_dict()``), on every rank."""
         self._refresh_replicas()
         return self.stage.full_state_dict()
+
+    def state_specs(self) -> dict[str, StateSpec]:
+        """``full_state_dict``'s names, shapes and dtypes, with nothing gathered."""
+        return self.stage.state_specs()
+
+    def state_parts(self) -> Iterator[StatePart]:
+        """``full_state_dict``'s values one part (at most one ZeRO-3 block) at a time: a collective
+        every rank runs to its end, between iterations (``poplar.zero.state_parts``)."""
+        self._refresh_replicas()
+        return self.stage.state_parts()
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds: ``params`` (the copy the model computes with), ``master_params``

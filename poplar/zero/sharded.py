@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import warnings
 from functools import partial
-from typing import Any, Collection
+from typing import Any, Collection, Iterator
 
 import torch
 from torch import nn
@@ -64,6 +64,7 @@ from poplar.zero.eager_hooks import eager_hook
 from poplar.zero.blocks import BlockState, GatherHandle, GradState, ShardedBlock, build_blocks
 from poplar.comm import Communicator, DistributedError, Phase
 from poplar.zero import sharded_state
+from poplar.zero.state_parts import StatePart, StateSpec, sharded_parts, sharded_specs
 from poplar.zero.optim import repoint_optimizer
 from poplar.zero.precision import StagePrecision
 from poplar.zero.prefetch import Pass, PassKind, PassState, Schedule, backward_items, forward_items
@@ -412,6 +413,13 @@ class Stage3(ZeroStage):
         """Every block gathered in turn (a collective: all ranks call it, between iterations);
         under mixed precision the fp32 master shards are gathered."""
         return sharded_state.full_state_dict(self)
+
+    def state_specs(self) -> dict[str, StateSpec]:
+        return sharded_specs(self)
+
+    def state_parts(self) -> Iterator[StatePart]:
+        """One gathered block at a time (a collective, between iterations: ``zero.state_parts``)."""
+        return sharded_parts(self)
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Set each rank's shards (and the unsharded tensors: buffers, frozen parameters) from a

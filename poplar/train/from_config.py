@@ -36,6 +36,7 @@ from poplar.train.placement_config import offload_rows
 from poplar.train.run_parts import RunParts
 from poplar.logs import log
 from poplar.types.plans import Offload, Plan, shares_of
+from poplar.types.route import Collectives
 from poplar.types.topology import Topology
 
 if TYPE_CHECKING:
@@ -169,7 +170,7 @@ def with_collectives(cfg: TrainConfig, plan: Plan, world: int, stage: Any) -> Pl
     topology = cfg.topology or Topology.from_launcher(os.environ, world)
     if not secondary_shards_of(cfg.hpz_partition_size, topology, stage):
         return plan
-    return replace(plan, meta=dict(plan.meta), hierarchical=True, secondary_shards=True)
+    return replace(plan, meta=dict(plan.meta), collectives=Collectives.SECONDARY_SHARDS)
 
 
 def with_compression(cfg: TrainConfig, plan: Plan, stage: Any) -> Plan:

@@ -25,7 +25,7 @@ node k's region once: (1 - s_k) of the buffer, s_k being node k's share of it (t
 ranks' shard weights over all of them). At the all-gather node k sends its region once to every
 other node and receives the (1 - s_k) it does not own. A flat ring moves (N-1)/N of the buffer
 over every node boundary instead: for 2 nodes of 4 ranks with even shares, 0.875 of the buffer
-against 0.5. docs/design.md §3.10 has the table.
+against 0.5. docs/design.md §3.10.3 has the table.
 
 [Note: pieces, not whole parts]
 A foreign region is cut into pieces by bytes, across part boundaries, rather than into groups of

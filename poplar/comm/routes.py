@@ -315,15 +315,17 @@ class PretendWorld(CollectiveRoute):
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, sizes: Sequence[int] | None,
                    quantization: Quantization | None) -> Call:
+        nbytes = output.numel() * output.element_size()
         if sizes is None:
             output.view(self.size, -1).copy_(input.reshape(1, -1).expand(self.size, -1))
-        for part in () if sizes is None else output.split(list(sizes)):  # this rank's values, repeated to fit
+            return UnevenCall(None, None, nbytes)
+        for part in output.split(list(sizes)):  # each part: this rank's values, repeated to fit
             n = part.numel()
             if n and input.numel():
                 part.copy_(input.reshape(-1).repeat(-(-n // input.numel()))[:n])
             else:
                 part.zero_()
-        return UnevenCall(None, None, output.numel() * output.element_size())
+        return UnevenCall(None, None, nbytes)
 
 
 # the hierarchical ways, by the ``Collectives`` member they run (flat is ``build``'s default)

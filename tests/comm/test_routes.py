@@ -77,6 +77,25 @@ def route_worker(rank: int, world: int) -> dict:
             comm.reduce_scatter(part, x, sizes=sizes if route.step_ranks else None)
         sums.append(part.tolist())
     out["sums"] = sums
+    # the flat way of NCCL (torch's tensor collectives for parts of one length) run on gloo, beside
+    # gloo's own: the same values and the same bytes recorded
+    members = Members.of_group(None, Link.FLAT)
+    flat, uneven = FlatRoute(members, TWO_NODES), UnevenRoute(members, TWO_NODES)
+    same = []
+    for sizes in (None, [3, 3, 3, 3], [4, 3, 0, 5]):
+        got = []
+        for route in (flat, uneven):
+            part, whole, sent = torch.zeros(3 if sizes is None else sizes[rank]), torch.zeros(12), []
+            for build_call in (lambda: route.reduce_scatter(part, torch.arange(12.0) * (rank + 1), sizes, None),
+                               lambda: route.all_gather(whole, part + rank, sizes, None)):
+                call = build_call()
+                call.run(False)
+                if call.finish is not None:
+                    call.finish()
+                sent.append(call.wire_bytes)
+            got.append((part.tolist(), whole.tolist(), sent))
+        same.append(got[0] == got[1])
+    out["flat"] = same
     return out
 
 
@@ -86,7 +105,7 @@ def test_a_route_switched_back_and_forth_keeps_its_groups_and_its_sums() -> None
     total = torch.arange(12.0) * sum(r + 1 for r in (0, 1, 3))  # the step's ranks
     everyone = torch.arange(12.0) * 10
     for rank, res in enumerate(results):
-        assert all(res["again"]), rank
+        assert all(res["again"]) and res["flat"] == [True] * 3, rank
         if rank == 2:
             assert [step for _, step in res["kinds"]] == ["NoneType", "NoneType", "UnevenRoute", "NoneType"]
             assert res["sums"] == [everyone[6:9].tolist()] * 2

@@ -101,6 +101,7 @@ from poplar.profiler.profile_run import ProfileJob, ProfileOptions, model_size, 
 from poplar.types.compression import CommPolicy
 from poplar.types.plans import Plan
 from poplar.types.profiles import LinkSpeed
+from poplar.types.route import Collectives
 from poplar.types.topology import Link, Topology
 from poplar.workloads.models import create_model, llama_loss_fn
 from poplar.workloads.text import TextBlocks
@@ -280,7 +281,8 @@ def worker(rank: int, world: int, job: dict) -> dict:
         return out
     plans = {name: dataclasses.replace(exact, compression=policy) for name, policy in RUNS.items()}
     # exact again with the other way's sums: only fp32's rounding order differs
-    plans[YARDSTICK] = dataclasses.replace(exact, hierarchical=not exact.hierarchical, secondary_shards=False)
+    other = Collectives.FLAT if exact.collectives.hierarchical else Collectives.HIERARCHICAL
+    plans[YARDSTICK] = dataclasses.replace(exact, collectives=other)
     plans = {name: plans[name] for name in job["runs"] if name in plans}
     t1 = time.perf_counter()
     out["runs"] = train(job, device, plans, rank)
@@ -300,7 +302,7 @@ def median_period(runs: list[dict]) -> float:
 
 
 def way(p: Plan) -> str:
-    return "secondary" if p.secondary_shards else "hierarchical" if p.hierarchical else "flat"
+    return "secondary" if p.collectives is Collectives.SECONDARY_SHARDS else p.collectives.value
 
 
 def baseline(rows: dict[str, Any]) -> str:

@@ -26,16 +26,18 @@ import torch.distributed as dist
 
 from poplar.comm import Communicator
 from poplar.comm.launch import spawn
+from poplar.types.route import Collectives, Route
 from poplar.types.topology import Link, Topology
 from poplar.zero.shard_layout import ShardLayout
 
+FLAT, SECONDARY = Route(), Route(collectives=Collectives.SECONDARY_SHARDS)
 CASES = ("reduce_scatter flat", "reduce_scatter hierarchical", "all_gather flat", "all_gather hierarchical",
          "all_gather within nodes")
 
 
 def _run(comm: Communicator, name: str, flat: torch.Tensor, part: torch.Tensor, keep: torch.Tensor,
          sizes: tuple[int, ...]) -> None:
-    comm.use_hierarchy(not name.endswith("flat"))
+    comm.configure(FLAT if name.endswith("flat") else SECONDARY)
     if name.startswith("reduce_scatter"):
         comm.reduce_scatter(part, flat, tag=name, sizes=sizes)
     elif name.endswith("within nodes"):
@@ -51,7 +53,7 @@ def worker(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     sizes = ShardLayout.of(args["numel"], args["weights"]).sizes
     comm = Communicator(topology=topology)
     flat, part = torch.randn(sum(sizes)), torch.randn(sizes[rank])
-    comm.use_hierarchy(True)
+    comm.configure(SECONDARY)
     keep = torch.zeros(comm.secondary_numel(sizes, 0, 4))
     times: dict[str, list[float]] = {name: [] for name in CASES}
     for repeat in range(args["repeats"] + 1):

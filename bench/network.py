@@ -84,6 +84,7 @@ from poplar.planner import participation, plan
 from poplar.profiler.profile_run import ProfileJob, ProfileOptions, default_optimizer, model_size, profile_rank
 from poplar.types.plans import Plan, PlanError
 from poplar.types.profiles import LinkSpeed
+from poplar.types.route import Collectives
 from poplar.types.topology import Link, Topology
 from poplar.workloads.models import create_model, llama_loss_fn
 from poplar.zero.config import ZeroConfig
@@ -105,7 +106,7 @@ def sample(batch: int, seq: int) -> torch.Tensor:
 
 
 def way(p: Plan) -> str:
-    return "secondary" if p.secondary_shards else "hierarchical" if p.hierarchical else "flat"
+    return "secondary" if p.collectives is Collectives.SECONDARY_SHARDS else p.collectives.value
 
 
 def same_program(a: Plan, b: Plan) -> bool:
@@ -230,7 +231,7 @@ def median_period(runs: list[dict], ranks: list[int]) -> float:
 
 def bytes_ratio(p: Plan, runs: list[dict], topology: Topology, param_bytes: int) -> float | None:
     """The largest over nodes of a node's cross-node bytes per iteration over its minimum."""
-    if not p.hierarchical:
+    if not p.collectives.hierarchical:
         return None
     weights = [r.shard_weight for r in p.ranks]
     worst = 0.0

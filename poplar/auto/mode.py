@@ -36,7 +36,7 @@ from torch import nn
 from poplar.comm import Communicator
 from poplar.planner import plan as make_plan
 from poplar.planner.planning import batch_using_every_rank, load_profile
-from poplar.planner.link_pricing import Collectives
+from poplar.types.route import Collectives
 from poplar.planner.planning import CollectivesRequest
 from poplar.auto.choice import Choice, ConfigurationSearch, PlanLimits
 from poplar.auto.samples import sample_fn_of

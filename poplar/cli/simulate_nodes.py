@@ -29,7 +29,7 @@ from typing import Any
 from poplar.emulation.cluster import ClusterSpec
 from poplar.emulation.synthetic import ModelSpec, synthetic_profile
 from poplar.planner.collective_choice import ORDER
-from poplar.planner.link_pricing import Collectives
+from poplar.types.route import Collectives
 from poplar.planner.planning import CollectivesRequest, plan
 from poplar.types.plans import Plan, PlanError
 from poplar.types.profiles import Links, LinkSpeed, Profile
@@ -175,7 +175,7 @@ def _cell(found: Plan | str | None) -> str:
 
 def _way(found: Plan) -> str:
     """The chosen way, and the ranks the plan leaves out of the step (``planner.participation``)."""
-    way = Collectives.of(found.hierarchical, found.secondary_shards).value
+    way = found.collectives.value
     return way + (f", ranks {','.join(map(str, found.left_out))} out" if found.left_out else "")
 
 
@@ -299,7 +299,7 @@ def rows_json(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "plan": found.to_dict()}
     return [{"cluster": r["cluster"], "ranks": r["ranks"], "nodes": r["nodes"],
              **{w.value: one(r[w.value]) for w in ORDER},
-             "chosen": Collectives.of(r["chosen"].hierarchical, r["chosen"].secondary_shards).value,
+             "chosen": r["chosen"].collectives.value,
              "left_out": list(r["chosen"].left_out), "chosen_samples_per_s": r["chosen"].predicted_samples_per_s,
              "every_gpu_samples_per_s": _every_gpu(r),
              "allow_lossy": one(r["lossy"]) if r.get("lossy") is not None else None} for r in rows]

@@ -1,7 +1,8 @@
 """Communication: the one door to ``torch.distributed`` (``Communicator``), the record of every
 collective (``CommLedger``), and the process launcher for tests and benchmarks."""
 
-from poplar.comm.communicator import CollectiveObserver, Communicator, PendingChain, PendingCollective
+from poplar.comm.communicator import Communicator
+from poplar.comm.pending import CollectiveObserver, PendingChain, PendingCollective
 from poplar.comm.ledger import CommLedger, CommRecord, LedgerPosition, Phase
 from poplar.types.errors import DistributedError
 

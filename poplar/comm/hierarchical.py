@@ -25,7 +25,7 @@ node k's region once: (1 - s_k) of the buffer, s_k being node k's share of it (t
 ranks' shard weights over all of them). At the all-gather node k sends its region once to every
 other node and receives the (1 - s_k) it does not own. A flat ring moves (N-1)/N of the buffer
 over every node boundary instead: for 2 nodes of 4 ranks with even shares, 0.875 of the buffer
-against 0.5. docs/design.md §3.10 has the table.
+against 0.5. docs/design.md §3.10.3 has the table.
 
 [Note: pieces, not whole parts]
 A foreign region is cut into pieces by bytes, across part boundaries, rather than into groups of
@@ -54,7 +54,7 @@ import torch.distributed as dist
 
 from poplar.comm import uneven
 from poplar.comm.uneven import UnevenCall, UnevenMethod
-from poplar.types.topology import Link, Topology, Wire
+from poplar.types.topology import Link, Topology, TopologyError, Wire
 
 ALIGN_BYTES = 16  # pieces start on 16-byte boundaries, as shards do
 
@@ -86,6 +86,13 @@ class NodeGroups(NamedTuple):
             for group in cross:  # a first call with every rank: NCCL's point-to-point batches need one
                 dist.barrier(group=group)
         return cls(topology, first, later, *cross, ranks=None if ranks is None else glob)
+
+    @staticmethod
+    def check_agreed(nodes: Sequence[Any]) -> None:
+        """A ``TopologyError`` unless every rank's ``nodes`` (gathered, in rank order) are the same."""
+        if any(n != nodes[0] for n in nodes):
+            lines = "\n".join(f"  rank {r}: {n!r}" for r, n in enumerate(nodes))
+            raise TopologyError(f"ranks were given different topologies; give every rank the same:\n{lines}")
 
     def global_rank(self, rank: int) -> int:
         """The world's number of the topology's ``rank``."""

@@ -2,7 +2,7 @@
 ``QuantScope.EVERY_STEP``, every byte) sent block-quantized (``poplar.comm.quantize``), the
 rest exact. ``poplar.types.compression`` says which collectives use them and why.
 
-Hierarchical (``Plan.hierarchical`` on a topology that spans nodes), built as the exact ones
+Hierarchical (``routes.HierarchicalRoute`` on a topology that spans nodes), built as the exact ones
 (``poplar.comm.hierarchical``) are, with the exchange quantized:
 
 - reduce-scatter: the in-node reduce-scatters are exact; each holder quantizes the pieces of its

@@ -73,9 +73,10 @@ class UnevenCall(NamedTuple):
     """An uneven collective ready to issue: ``run(async_op)`` starts it (returns torch's work or
     None), ``finish()`` completes it once it is done, ``wire_bytes`` is what it sends. The input
     is read when ``run`` is called, not when the call is built: a hierarchical collective builds
-    its later steps before the earlier ones have written their inputs."""
+    its later steps before the earlier ones have written their inputs. A route's call of one rank
+    alone has ``run`` None: it was done where it was built (``poplar.comm.routes``)."""
 
-    run: Callable[[bool], Any]
+    run: Callable[[bool], Any] | None
     finish: Callable[[], None] | None
     wire_bytes: int
 

@@ -20,13 +20,14 @@ import math
 from dataclasses import replace
 from typing import Callable, Sequence
 
-from poplar.planner.link_pricing import Collectives, secondary_shard_bytes
+from poplar.planner.link_pricing import secondary_shard_bytes
 from poplar.planner.shard_memory import activation_bytes
 from poplar.planner.shards import with_mbs
 from poplar.types.plans import Plan, PlanError
 from poplar.types.profiles import Profile
+from poplar.types.route import Collectives
 
-ORDER = (Collectives.FLAT, Collectives.HIERARCHICAL, Collectives.SECONDARY_SHARDS)
+ORDER = tuple(Collectives)  # the enum's order: simpler ways first within the tie
 
 
 def collectives_setting(value: str | Collectives) -> Collectives | None:
@@ -63,8 +64,8 @@ def with_secondary_shards(profile: Profile) -> Profile | None:
     bytes of a sample). None where the profile cannot say (no bytes per sample, or no topology)
     or a rank would fit no sample. A profile measured with secondary shards already holds them."""
     topology = profile.comm.links.topology
-    if topology is None or profile.comm.secondary_shards:
-        return profile if profile.comm.secondary_shards else None
+    if topology is None or profile.comm.collectives.secondary_shards:
+        return profile if profile.comm.collectives.secondary_shards else None
     if not all(r.bytes_per_sample for r in profile.ranks):
         return None
     per_sample = activation_bytes(profile)
@@ -111,5 +112,5 @@ def fastest(candidates: Sequence[Collectives], planned: Callable[[Collectives], 
     for row in rows:
         row["chosen"] = row["collectives"] == way.value
     table = rows if len(candidates) > 1 else chosen.choice.collective_candidates
-    return replace(chosen, hierarchical=way.hierarchical, secondary_shards=way.secondary_shards,
+    return replace(chosen, collectives=way,
                    choice=replace(chosen.choice, collective_candidates=table))

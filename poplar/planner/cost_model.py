@@ -59,8 +59,9 @@ import numpy as np
 
 from poplar.planner.curves import SpeedCurve
 from poplar.planner.lead import lead_change
-from poplar.planner.link_pricing import Collectives, LinkPricing
+from poplar.planner.link_pricing import LinkPricing
 from poplar.planner.quantized_pricing import NO_COMPRESSION, Compression
+from poplar.types.route import Collectives
 
 
 def bus_bytes(op: str, nbytes: float, world_size: int) -> float:
@@ -118,7 +119,7 @@ class CommModel:
         if not links.spans_nodes:
             return model.priced_as(Collectives.FLAT, compression) if compression.lossy else model
         pricing = LinkPricing.of(links, profile.world_size, profile.shard_weights)
-        measured = Collectives.of(profile.comm.hierarchical, profile.comm.secondary_shards)
+        measured = profile.comm.collectives
         return replace(model, pricing=pricing, collectives=measured,
                        measured_collectives=measured).priced_as(collectives, compression)
 

@@ -23,42 +23,12 @@ or a node out is priced by the ``LinkPricing`` of the nodes that take part (``wi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 from typing import Sequence
 
 from poplar.planner.quantized_pricing import QuantizedWire
 from poplar.types.plans import PlanError
 from poplar.types.profiles import Links, LinkSpeed
-
-
-class Collectives(str, Enum):
-    """How a plan's reduce-scatters and all-gathers cross nodes (compares equal to its value)."""
-
-    FLAT = "flat"  # one ring over every rank
-    HIERARCHICAL = "hierarchical"  # a step inside each node, one across nodes
-    SECONDARY_SHARDS = "secondary_shards"  # hierarchical; ZeRO-3's backward re-gather stays inside each node
-
-    @property
-    def hierarchical(self) -> bool:
-        return self is not Collectives.FLAT
-
-    @property
-    def secondary_shards(self) -> bool:
-        return self is Collectives.SECONDARY_SHARDS
-
-    @classmethod
-    def of(cls, hierarchical: bool, secondary_shards: bool) -> "Collectives":
-        if secondary_shards and not hierarchical:
-            raise PlanError("secondary shards need hierarchical collectives (hierarchical=True)")
-        return cls.SECONDARY_SHARDS if secondary_shards else cls.HIERARCHICAL if hierarchical else cls.FLAT
-
-    def applies(self, stage: int) -> bool:
-        """Whether the collectives of ``stage`` can run so: hierarchical from ZeRO-1 (ZeRO-0's
-        all-reduce stays flat), secondary shards at ZeRO-3 only."""
-        return self is Collectives.FLAT or (stage >= 1 and (not self.secondary_shards or stage == 3))
-
-    def __str__(self) -> str:
-        return self.value
+from poplar.types.route import Collectives
 
 
 def ring_s(link: LinkSpeed, op: str, nbytes: float, ranks: int) -> float:

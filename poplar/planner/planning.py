@@ -27,7 +27,7 @@ from poplar.planner.baselines import even_rows, flops_rows
 from poplar.planner.cost_model import CommModel, Evaluation, evaluate_rows
 from poplar.planner import collective_choice, compression_choice, offload_pricing
 from poplar.planner import participation as participation_choice
-from poplar.planner.link_pricing import Collectives
+from poplar.types.route import Collectives
 from poplar.planner.quantized_pricing import Compression
 from poplar.planner.placement_choice import fastest_placement, offload_setting
 from poplar.planner import shards as shard_choice

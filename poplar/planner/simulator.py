@@ -16,7 +16,7 @@ from typing import Any, Iterable, Mapping
 
 from poplar.types.plans import Plan, PlanError, write_text_atomic
 from poplar.planner import collective_choice
-from poplar.planner.link_pricing import Collectives
+from poplar.types.route import Collectives
 from poplar.planner.planning import STRATEGIES, make_problem, plan_problem
 from poplar.types.profiles import Profile
 
@@ -79,7 +79,7 @@ class Simulation:
                 lines.append(f"{r.strategy:<8} {'-':>10}  ({r.error})")
                 continue
             vs = f"{r.samples_per_s / base.samples_per_s:.3f}x" if base else "-"
-            way = " secondary shards" if r.plan.secondary_shards else " hierarchical" if r.plan.hierarchical else ""
+            way = "" if r.plan.collectives is Collectives.FLAT else " " + r.plan.collectives.value.replace("_", " ")
             lines.append(f"{r.strategy:<8} {r.samples_per_s:>10.2f} {r.iteration_s:>12.4f} "
                          f"{r.plan.predicted_comm_s:>8.4f} {r.plan.max_micro_steps:>11} {vs:>8}{way}")
         planned = [r for r in self.results if r.plan]

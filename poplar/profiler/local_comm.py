@@ -4,7 +4,7 @@ The capacity search must not run collectives (docs/design.md §4, the deadlock t
 rank in the middle of a ZeRO-2/3 step would leave the others waiting in a collective). It still
 needs the memory of the real runtime at world size N: shards of size 1/N, stage-2 buckets,
 stage-3 gathered blocks of full size. ``LocalCommunicator`` gives the runtime exactly that: the
-same buffers, and collectives that are local copies:
+same buffers, and collectives that are local copies (its route, ``poplar.comm.routes.PretendWorld``):
 
 - all-gather: every slice of the output receives this rank's input (the other ranks' shards are
   unknown; tiling keeps the gathered weights finite and of the right magnitude);
@@ -22,83 +22,30 @@ collective stages are counted by ``staging_bytes``, as on a real communicator).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
 from poplar.types.plans import Offload, Plan, RankPlan
 from poplar.types.precision import MixedPrecision
-from poplar.comm import CommLedger, Communicator, PendingCollective
-from poplar.types.compression import Quantization
-from poplar.types.topology import Wire
+from poplar.comm import CommLedger, Communicator
+from poplar.comm.routes import PretendWorld
 from poplar.zero.config import ZeroConfig
 from poplar.zero.runtime import ZeroRuntime
 
 
 class LocalCommunicator(Communicator):
-    """Rank ``rank`` of a pretend world of ``world_size``: right-sized buffers, no peers."""
+    """Rank ``rank`` of a pretend world of ``world_size``: right-sized buffers, no peers. Its
+    route is a ``PretendWorld`` whatever the plan's: a plan that leaves ranks out makes no process
+    group (``dist.new_group`` here would be a collective over the real world that only this rank
+    joins, and would wait for ever), and changes only the parts' sizes, which its shard weights give."""
 
     def __init__(self, world_size: int, rank: int, device: torch.device | None = None,
-                 ledger: CommLedger | None = None) -> None:  # noqa: D107 - no super().__init__: no process group
+                 ledger: CommLedger | None = None) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world of {world_size}")
-        self.distributed = False
-        self.group = None
-        self.rank, self.world_size = rank, world_size
-        self.device = device or torch.device("cpu")
-        self.ledger = ledger or CommLedger()
-        self.backend = "local"
-        self.wire = Wire.world(world_size)
-
-    def set_step_ranks(self, ranks: Sequence[int]) -> None:
-        """Nothing to make: a pretend world has no process groups (``dist.new_group`` here would be
-        a collective over the real world that only this rank joins, and would wait for ever), and
-        every collective is already this rank's own copy. A plan that leaves ranks out changes only
-        the parts' sizes, which its shard weights give."""
-
-    def _local(self, op: str, nbytes: int, fn: Any, async_op: bool, tag: str) -> PendingCollective | None:
-        timer = self.start_timer()
-        fn()
-        blocked = timer.stop()
-        if async_op:  # the runtime's own handle, already complete (no work to wait for)
-            return PendingCollective(self, None, op, nbytes, blocked, tag)
-        self.ledger.add(op, nbytes, blocked, tag)
-        return None
-
-    def all_reduce(self, tensor: torch.Tensor, tag: str = "", async_op: bool = False) -> PendingCollective | None:
-        return self._local("all_reduce", tensor.numel() * tensor.element_size(), lambda: None, async_op, tag)
-
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, tag: str = "",
-                       async_op: bool = False, sizes: Sequence[int] | None = None,
-                       quantization: Quantization | None = None) -> PendingCollective | None:
-        def run() -> None:
-            if sizes is None:
-                output.copy_(input.view(self.world_size, -1)[self.rank].view_as(output))
-            else:
-                output.copy_(input.split(list(sizes))[self.rank])
-        return self._local("reduce_scatter", input.numel() * input.element_size(), run, async_op, tag)
-
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, tag: str = "",
-                   async_op: bool = False, sizes: Sequence[int] | None = None,
-                   quantization: Quantization | None = None) -> PendingCollective | None:
-        def run() -> None:
-            if sizes is None:
-                output.view(self.world_size, -1).copy_(input.reshape(1, -1).expand(self.world_size, -1))
-                return
-            for part in output.split(list(sizes)):  # each part: this rank's values, repeated to fit
-                n = part.numel()
-                if n and input.numel():
-                    part.copy_(input.reshape(-1).repeat(-(-n // input.numel()))[:n])
-                else:
-                    part.zero_()
-        return self._local("all_gather", output.numel() * output.element_size(), run, async_op, tag)
-
-    def all_gather_object(self, obj: Any, tag: str = "") -> list[Any]:
-        return [obj] * self.world_size
-
-    def barrier(self) -> None:
-        pass
+        super().__init__(device=device, ledger=ledger, world=PretendWorld(world_size, rank))
 
 
 def search_plan(world_size: int, rank: int, batch: int, shard_weights: tuple[float, ...] | None = None,

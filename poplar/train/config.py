@@ -53,7 +53,7 @@ current directory, as DeepSpeed's are.
 
 Clusters that span nodes: ``poplar.topology`` declares the nodes (each a list of consecutive
 ranks); without it the launcher's are used. DeepSpeed's ``zero_optimization.zero_hpz_partition_size``
-(hpZ) maps to node-local secondary shards at ZeRO-3 (``Plan.secondary_shards``, on hierarchical
+(hpZ) maps to node-local secondary shards at ZeRO-3 (``Collectives.SECONDARY_SHARDS``, on hierarchical
 collectives): 1 (DeepSpeed's default) is off; the size of every node is on; any other value is an
 error, since Poplar's secondary shards are always one per node (ZeRO++'s hpZ partitions over the
 ranks of a node too). It is a setting, as in DeepSpeed: a fixed plan (a plan file, DeepSpeed's even

@@ -38,6 +38,7 @@ from poplar.train.run_parts import RunParts
 from poplar.logs import log
 from poplar.planner.link_pricing import Collectives
 from poplar.types.plans import Offload, Plan, shares_of
+from poplar.types.route import Collectives
 from poplar.types.topology import Topology
 
 if TYPE_CHECKING:
@@ -171,7 +172,7 @@ def with_collectives(cfg: TrainConfig, plan: Plan, world: int, stage: Any) -> Pl
     topology = cfg.topology or Topology.from_launcher(os.environ, world)
     if not secondary_shards_of(cfg.hpz_partition_size, topology, stage):
         return plan
-    return replace(plan, meta=dict(plan.meta), hierarchical=True, secondary_shards=True)
+    return replace(plan, meta=dict(plan.meta), collectives=Collectives.SECONDARY_SHARDS)
 
 
 def auto_collectives(cfg: TrainConfig, world: int) -> str:

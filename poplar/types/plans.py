@@ -6,12 +6,12 @@ At ZeRO-1/2/3 rank r also holds a share ``shard_weight_r / sum of weights`` of e
 state (optimizer state, gradients, parameters): equal weights are ZeRO's even shards. A rank
 whose ``offload`` is ``Offload.OPTIMIZER`` keeps its optimizer state and fp32 master shard in
 host memory and steps them there (ZeRO-1/2/3).
-A plan also records how its collectives run when the job spans nodes (``poplar.Topology``):
-``hierarchical`` (a step inside each node and one exchange across, docs/design.md §3.10) and, at
-ZeRO-3, ``secondary_shards`` (each rank keeps its node-local shard of a block's parameters after
-the forward gather, so the backward gather stays inside the node). On one node both run as the
-flat collectives. ``compression`` (``poplar.types.compression.CommPolicy``) says which collectives
-send block-quantized values; exact unless a user turns it on.
+A plan also records how its collectives cross nodes when the job spans them (``poplar.Topology``):
+``collectives`` (``poplar.types.route.Collectives``: flat, hierarchical, or at ZeRO-3 hierarchical
+with secondary shards, docs/design.md §3.10); on one node every way runs as the flat collectives.
+``compression`` (``poplar.types.compression.CommPolicy``) says which collectives send
+block-quantized values; exact unless a user turns it on. ``route`` is the three a communicator
+needs as one value: the ranks in the step, the way, the compression.
 Plans are saved as JSON so that people can read and edit them.
 """
 
@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from poplar.types.compression import EXACT, CommPolicy, CompressionError
+from poplar.types.route import Collectives, Route, read_collectives
 
 class PlanError(ValueError):
     """A plan that cannot be run, with the reason and the fix in its message."""
@@ -230,12 +231,13 @@ class Plan:
     predicted_comm_s: float | None = None
     meta: dict[str, Any] = field(default_factory=dict)
     choice: PlanChoice = field(default_factory=PlanChoice)
-    hierarchical: bool = False  # collectives in two tiers on a topology that spans nodes
-    secondary_shards: bool = False  # ZeRO-3: node-local secondary shards (needs hierarchical)
+    collectives: Collectives = Collectives.FLAT  # how they cross nodes on a topology that spans nodes
     compression: CommPolicy = EXACT  # quantized collectives (lossy; off unless a user turns them on)
 
     def __post_init__(self) -> None:
         self.ranks = [r if isinstance(r, RankPlan) else RankPlan(**r) for r in self.ranks]
+        if isinstance(self.collectives, str):
+            self.collectives = Collectives.named(self.collectives, PlanError)
         if isinstance(self.choice, dict):
             self.choice = PlanChoice(**self.choice)
         if isinstance(self.compression, dict):
@@ -244,6 +246,21 @@ class Plan:
             except CompressionError as e:
                 raise PlanError(f"plan compression: {e}") from None
         self.validate()
+
+    @property
+    def route(self) -> Route:
+        """How this plan's collectives run: the ranks in the step, the way, the compression."""
+        return Route(self.step_ranks, self.collectives, self.compression)
+
+    @property
+    def hierarchical(self) -> bool:
+        """Whether the collectives cross nodes in two tiers (read-only; the way is ``collectives``)."""
+        return self.collectives.hierarchical
+
+    @property
+    def secondary_shards(self) -> bool:
+        """Whether ZeRO-3 keeps node-local secondary shards (read-only; the way is ``collectives``)."""
+        return self.collectives.secondary_shards
 
     @property
     def predicted_samples_per_s(self) -> float | None:
@@ -266,15 +283,13 @@ class Plan:
                             "(1.0 on every rank gives even shards)")
         if self.zero_stage is not None and self.zero_stage not in (0, 1, 2, 3):
             raise PlanError(f"plan zero_stage must be 0-3, got {self.zero_stage}")
-        for name in ("hierarchical", "secondary_shards"):
-            if not isinstance(getattr(self, name), bool):
-                raise PlanError(f"plan {name} must be true or false, got {getattr(self, name)!r}")
-        if self.secondary_shards and not self.hierarchical:
-            raise PlanError("plan has secondary_shards=True but hierarchical=False; secondary shards are kept by "
-                            "the hierarchical all-gather: set hierarchical=True too, or secondary_shards=False")
-        if self.secondary_shards and self.zero_stage not in (None, 3):
-            raise PlanError(f"plan has secondary_shards=True at zero_stage={self.zero_stage}; secondary shards are "
-                            "ZeRO-3's (parameters sharded): use zero_stage=3, or secondary_shards=False")
+        if not isinstance(self.collectives, Collectives):
+            raise PlanError(f"plan collectives must be one of {', '.join(repr(c.value) for c in Collectives)}, "
+                            f"got {self.collectives!r}")
+        if self.collectives.secondary_shards and self.zero_stage not in (None, 3):
+            raise PlanError(f"plan has collectives=\"secondary_shards\" at zero_stage={self.zero_stage}; "
+                            "secondary shards are ZeRO-3's (parameters sharded): use zero_stage=3, or "
+                            "collectives=\"hierarchical\"")
         if not isinstance(self.compression, CommPolicy):
             raise PlanError(f"plan compression must be a CommPolicy, got {self.compression!r}")
         if (problem := self.compression.problem(self.zero_stage)) is not None:
@@ -369,6 +384,7 @@ class Plan:
             row["offload"] = Offload(row["offload"]).value
         if self.choice.offload_pricing is not None:
             d["choice"]["offload_pricing"] = self.choice.offload_pricing.value
+        d["collectives"] = self.collectives.value
         d["compression"] = self.compression.to_dict()
         if self.choice.compression_choice is not None:
             d["choice"]["compression_choice"] = self.choice.compression_choice.to_dict()
@@ -377,7 +393,7 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Plan":
-        d = dict(d)
+        d = read_collectives(d, PlanError)  # a plan written before routes: its two booleans
         gbs = d.pop("global_batch_size", None)
         try:
             plan = cls(**d)
@@ -415,8 +431,8 @@ class Plan:
         tail = f"global batch {self.global_batch_size}"
         if self.left_out:
             tail += f", ranks {list(self.left_out)} left out"
-        if self.hierarchical:
-            tail += ", hierarchical collectives" + (" with secondary shards" if self.secondary_shards else "")
+        if self.collectives.hierarchical:
+            tail += ", hierarchical collectives" + (" with secondary shards" if self.collectives.secondary_shards else "")
         if self.choice.compression_choice is not None:
             tail += f", {self.choice.compression_choice.describe()}"
         elif self.compression.lossy:

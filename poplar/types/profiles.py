@@ -20,6 +20,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from poplar.types.plans import read_json, shard_weights_problem, write_text_atomic
+from poplar.types.route import Collectives, read_collectives
 from poplar.types.topology import Topology, TopologyError
 
 
@@ -219,7 +220,7 @@ class CommProfile:
     issued at ``collectives_stage`` while it was timed, as ``[op, bytes]`` pairs: those of one
     micro-step (``micro_step``) and those of the iteration's end (``iteration``); and what of them
     compute did not hide (``exposure``), with the iteration's fixed overhead, as the collectives
-    ran then (flat, or ``hierarchical`` with or without ``secondary_shards``). The cost model uses
+    ran then (``collectives``: flat, hierarchical, or with secondary shards). The cost model uses
     these when it plans at that stage."""
 
     links: Links
@@ -227,12 +228,10 @@ class CommProfile:
     micro_step: list[list] = field(default_factory=list)
     iteration: list[list] = field(default_factory=list)
     exposure: Exposure = field(default_factory=Exposure)
-    # how the collectives ran while the exposure was measured (``Plan.hierarchical`` /
-    # ``Plan.secondary_shards``): the planner prices other ways from these
-    hierarchical: bool = False
-    secondary_shards: bool = False
+    collectives: Collectives = Collectives.FLAT  # the way they ran then; the planner prices others from it
 
     def __post_init__(self) -> None:
+        self.collectives = Collectives.named(self.collectives, ProfileError)
         if isinstance(self.links, dict):
             self.links = Links.from_json(self.links)
         _require(isinstance(self.links, Links), "comm.links", self.links, "an object")
@@ -366,7 +365,7 @@ class Profile:
                         _mapping(point, f"ranks[{i}].{name}[{j}]")
         self.ranks = [r if isinstance(r, RankProfile) else RankProfile(**r) for r in self.ranks]
         if isinstance(self.comm, dict):
-            self.comm = CommProfile(**_mapping(self.comm, "comm"))
+            self.comm = CommProfile(**read_collectives(_mapping(self.comm, "comm"), ProfileError))  # older: two bools
         _require(isinstance(self.comm, CommProfile), "comm", self.comm, "an object")
         self.provenance = _record(self.provenance, Provenance, "provenance")
         if isinstance(self.provenance.emulated, dict):

@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from poplar.comm import Communicator
+from poplar.comm.routes import Routes
 from poplar.types.compression import EXACT, CommPolicy
 from poplar.types.plans import Offload
 from poplar.zero.flat import FlatUnit
@@ -65,7 +66,7 @@ class ZeroStage(ABC):
     communicates_in_micro_steps: bool = False  # True for 2 and 3: every rank must join each micro-step
     grads_sharded: bool = True  # False when every rank holds the full reduced gradient (stage 0)
     gathered_bytes: int = 0  # stage 3: gathered parameter bytes alive now
-    compression: CommPolicy = EXACT  # which collectives send quantized values (``quantize_collectives``)
+    compression: CommPolicy = EXACT  # which collectives send quantized values (``use_route``)
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: Communicator,
                  units: list[FlatUnit], precision: StagePrecision = StagePrecision(),
@@ -165,16 +166,14 @@ class ZeroStage(ABC):
         """Give ranks that sat out the iterations where the ranks in the step agreed on something
         (ZeRO-3: the blocks' order) what was agreed (every rank together, between iterations)."""
 
-    def quantize_collectives(self, policy: CommPolicy) -> None:
-        """Quantize the collectives ``policy`` names from the next iteration on (between
-        iterations): ZeRO-3's parameter gathers (``weight_quantization``), ZeRO-2/3's gradient
-        reduce-scatters (``gradient_quantization``). Every other collective stays exact: ZeRO-1/2's
-        all-gather of updated parameters, the state collectives, the master state."""
-        self.compression = policy
-
-    def keep_secondary_shards(self, on: bool) -> None:
-        """Keep node-local secondary shards of the gathered parameters from the next iteration on
-        (ZeRO-3 on hierarchical collectives; other stages gather no parameters in a step)."""
+    def use_route(self, routes: Routes) -> None:
+        """Run the collectives as the plan's route from the next iteration on (between
+        iterations). Its compression quantizes ZeRO-3's parameter gathers
+        (``weight_quantization``) and ZeRO-2/3's gradient reduce-scatters
+        (``gradient_quantization``); every other collective stays exact: ZeRO-1/2's all-gather of
+        updated parameters, the state collectives, the master state. ZeRO-3 also keeps node-local
+        secondary shards where the step's route does (``Routes.keeps_secondary``)."""
+        self.compression = routes.route.compression
 
     def place_optimizer(self, offload: Offload) -> None:
         """Keep the optimizer state (and the fp32 master shard it steps) on the device or in host

@@ -23,7 +23,7 @@ fp32's. Gradients arrive in the compute dtype and are added into fp32 flat buffe
 master lives on the host only: ``shard``'s storage is freed and the block keeps ``compute_shard``,
 the shard in the compute dtype, which the gathers send as it is.
 
-Secondary shards (hierarchical collectives, ``Plan.secondary_shards``): ``secondary`` holds this
+Secondary shards (``Collectives.SECONDARY_SHARDS``): ``secondary`` holds this
 rank's node-local pieces of the block's gathered buffer (``poplar.comm.hierarchical``), in the
 compute dtype. Every gather but the backward's writes it; the backward's gathers from it and
 this rank's shard inside the node only: parameters do not change between a micro-step's forward

@@ -176,11 +176,9 @@ class ZeroRuntime:
             self.shards = shards
         self.plan, self.rank_plan, self.global_batch_size = plan, plan.ranks[self.rank], plan.global_batch_size
         self.stage.place_optimizer(self.rank_plan.offload)
-        self.comm.set_step_ranks(plan.step_ranks)  # every rank together; a group made once per set of ranks
-        # on one node the flat collectives; with ranks left out, the step's own nodes' (§3.12)
-        self.comm.use_hierarchy(plan.hierarchical)
-        self.stage.keep_secondary_shards(plan.secondary_shards and self.comm.steps_hierarchically)
-        self.stage.quantize_collectives(plan.compression)
+        # every rank together: the route's objects built once per route, a step's groups once per set
+        # of ranks; on one node the flat collectives, with ranks left out the step's own nodes' (§3.12)
+        self.stage.use_route(self.comm.configure(plan.route))
 
     def _left_out_problem(self, plan: Plan) -> str | None:
         """Why this runtime cannot leave ``plan``'s ranks out of the step, or None (§3.12)."""
@@ -512,7 +510,7 @@ class ZeroRuntime:
         """Bytes this rank holds: ``params`` (the copy the model computes with), ``master_params``
         (fp32 masters kept apart under mixed precision), ``grads``, ``optimizer``, ``buffers`` and
         ``comm_buffers`` (peak of temporary communication buffers); stage 3: ``gathered_params``
-        and ``secondary_params`` (the node-local secondary shards kept, ``Plan.secondary_shards``)."""
+        and ``secondary_params`` (the node-local secondary shards kept, ``Collectives.SECONDARY_SHARDS``)."""
         return self.stage.memory_report()
 
 

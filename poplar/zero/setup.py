@@ -152,9 +152,10 @@ def left_out_problem(plan: Plan, zero_stage: int) -> str | None:
 
 def secondary_problem(plan: Plan, zero_stage: int) -> str | None:
     """Why ``plan``'s secondary shards cannot run at ``zero_stage`` (they are ZeRO-3's), or None."""
-    if plan.secondary_shards and zero_stage != 3:
-        return (f"the plan keeps secondary shards (secondary_shards=True) but the stage is ZeRO-{zero_stage}; "
-                "secondary shards are of ZeRO-3's sharded parameters: use zero_stage=3, or secondary_shards=False")
+    if plan.collectives.secondary_shards and zero_stage != 3:
+        return (f"the plan keeps secondary shards (collectives=\"secondary_shards\") but the stage is "
+                f"ZeRO-{zero_stage}; secondary shards are of ZeRO-3's sharded parameters: use zero_stage=3, or "
+                "collectives=\"hierarchical\"")
     return None
 
 

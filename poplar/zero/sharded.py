@@ -36,7 +36,7 @@ Limits: one forward of the model per micro-step, a block runs once per forward (
 recomputation), parameters are used only inside their block's forward, and the model's
 parameters are empty between uses: read them with ``full_state_dict()``.
 
-Secondary shards (``Plan.secondary_shards``, hierarchical collectives only): each block keeps this
+Secondary shards (``Collectives.SECONDARY_SHARDS``, on hierarchical collectives): each block keeps this
 rank's node-local secondary shard from its forward gather (``poplar.zero.blocks``), so the
 backward schedule's gathers run inside the node and never cross one; the shards cost about
 (1 - the node's share) / (ranks in the node) of the parameters (``memory_report``'s
@@ -63,6 +63,7 @@ from poplar.zero.base import StageHooks, ZeroStage, on_grad_accumulated
 from poplar.zero.eager_hooks import eager_hook
 from poplar.zero.blocks import BlockState, GatherHandle, GradState, ShardedBlock, build_blocks
 from poplar.comm import Communicator, DistributedError, Phase
+from poplar.comm.routes import Routes
 from poplar.zero import sharded_state
 from poplar.zero.state_parts import StatePart, StateSpec, sharded_parts, sharded_specs
 from poplar.zero.optim import repoint_optimizer
@@ -91,7 +92,7 @@ class Stage3(ZeroStage):
         self.point_optimizer()
 
         self.prefetch = prefetch
-        self.secondary_shards = False  # blocks keep node-local secondary shards (``keep_secondary_shards``)
+        self.secondary_shards = False  # blocks keep node-local secondary shards (``use_route``)
         self._on_gathered = self.hooks.transient_allocated  # after each gather allocation (memory-cap checks)
         self.gathered_bytes = 0  # gathered parameter bytes alive now
         self.peak_gathered_bytes = 0
@@ -130,9 +131,13 @@ class Stage3(ZeroStage):
         for b in self.blocks:  # the secondary shards' lengths follow the new cut
             b.keep_secondary(self.comm if self.secondary_shards else None)
 
-    def keep_secondary_shards(self, on: bool) -> None:
-        """Each block keeps its secondary shard from the next pass on (True), or none (between
-        iterations; only on hierarchical collectives: ``Communicator.use_hierarchy``)."""
+    def use_route(self, routes: Routes) -> None:
+        """Besides the compression, each block keeps its secondary shard from the next pass on
+        where the step's route keeps them (``Routes.keeps_secondary``), or none."""
+        super().use_route(routes)
+        self._keep_secondary_shards(routes.keeps_secondary)
+
+    def _keep_secondary_shards(self, on: bool) -> None:
         if on == self.secondary_shards:
             return
         if self.in_pass:
@@ -173,7 +178,7 @@ class Stage3(ZeroStage):
 
     # ------------------------------------------------------------------ collectives (Schedule's Gatherer)
     def start_gather(self, b: ShardedBlock, again: bool = False, exact: bool = False) -> GatherHandle:
-        """Issue ``b``'s gather: for compute, quantized as the plan says (``quantize_collectives``);
+        """Issue ``b``'s gather: for compute, quantized as the plan says (``use_route``);
         ``exact``: the values as they are (the state: ``full_state_dict``)."""
         quantization = None if exact else self.compression.weight_quantization
         handle = b.start_gather(self.comm, async_op=True, again=again, quantization=quantization)

@@ -13,6 +13,7 @@ from poplar.comm import Communicator, hierarchical
 from poplar.comm.hierarchical import node_layout, pieces, staging_numel
 from poplar.comm.uneven import UnevenMethod
 from poplar.comm.launch import RankFailure, spawn
+from poplar.types.route import Collectives, Route
 from poplar.types.topology import Link, Topology, Wire
 
 TOPOLOGIES = {"2+2": Topology.of_sizes([2, 2]), "3+1": Topology.of_sizes([3, 1])}
@@ -71,16 +72,16 @@ def collective_worker(rank: int, world: int, topology: Topology) -> dict:
     for dtype in (torch.float32, torch.bfloat16):
         for sizes in SIZES:
             for asynchronous in (False, True):
-                comm.use_hierarchy(False)
+                comm.configure(Route())
                 flat = _run(comm, sizes, rank, dtype, asynchronous)
-                comm.use_hierarchy(True)
+                comm.configure(Route(collectives=Collectives.HIERARCHICAL))
                 comm.ledger.clear()
                 with comm.observed(recorder):
                     hier = _run(comm, sizes, rank, dtype, asynchronous)
                 records = [(r.op, r.bytes, r.link, r.tag) for r in comm.ledger.records]
                 out[(str(dtype), sizes, asynchronous)] = (flat, hier, records)
     # the secondary shard kept by a gather, and the gather from it that stays in the node
-    comm.use_hierarchy(True)
+    comm.configure(Route(collectives=Collectives.SECONDARY_SHARDS))
     sizes = SIZES[0]
     part = _floats(rank, sizes[rank])
     keep = torch.zeros(comm.secondary_numel(sizes, 0, 4))

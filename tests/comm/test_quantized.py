@@ -19,6 +19,7 @@ from poplar.comm.hierarchical import node_layout
 from poplar.comm.launch import spawn
 from poplar.comm.quantize import blocks_of, window_nbytes, wire_nbytes
 from poplar.types.compression import QuantBits, Quantization, QuantScope
+from poplar.types.route import Collectives, Route
 from poplar.types.topology import Link, Topology
 from poplar.emulation.gpu_ranks import rank_gpu
 
@@ -92,7 +93,7 @@ def collective_worker(rank: int, world: int, topology: Topology, name: str, gpu:
         for sizes in SIZES:
             x, part = floats(rank, sum(sizes), dtype, device), floats(10 + rank, sizes[rank], dtype, device)
             for hier, modes in ((True, ("int8", "int4", "every", "int8-cut")), (False, ("int8", "int8-cut"))):
-                comm.use_hierarchy(hier)
+                comm.configure(Route(collectives=Collectives.HIERARCHICAL if hier else Collectives.FLAT))
                 for label in modes:
                     q = SPECS[label]
                     comm.ledger.clear()
@@ -101,14 +102,14 @@ def collective_worker(rank: int, world: int, topology: Topology, name: str, gpu:
                 comm.ledger.clear()
                 out[(str(dtype), sizes, hier, "exact")] = (_pair(comm, sizes, x, part, None), _records(comm))
     for hier in (True, False):  # representable inputs: exactly the exact collectives
-        comm.use_hierarchy(hier)
+        comm.configure(Route(collectives=Collectives.HIERARCHICAL if hier else Collectives.FLAT))
         sizes = SIZES[0]
         for q in (INT8, INT4):
             x = representable_input(rank, sum(sizes), name, q.bits.levels, device)
             part = representable_part(rank, sizes[rank], q.bits.levels, device)
             out[("representable", hier, q.bits.value)] = (_pair(comm, sizes, x, part, q), _pair(comm, sizes, x, part,
                                                                                                 None))
-    comm.use_hierarchy(True)
+    comm.configure(Route(collectives=Collectives.SECONDARY_SHARDS))
     for label, q in SECONDARY.items():  # the secondary shard reproduces the forward's gather inside the node
         sizes = SIZES[0]
         part = floats(20 + rank, sizes[rank], torch.float32, device)
@@ -122,7 +123,7 @@ def collective_worker(rank: int, world: int, topology: Topology, name: str, gpu:
         comm.all_gather(plain, part, sizes=sizes, quantization=q)
         out[("secondary", label)] = (full, again, plain, links)
     for hier in (True, False):  # a non-finite value sent quantized stays non-finite at its owner
-        comm.use_hierarchy(hier)
+        comm.configure(Route(collectives=Collectives.HIERARCHICAL if hier else Collectives.FLAT))
         sizes = SIZES[0]
         x = floats(rank, sum(sizes), torch.float32, device)
         if rank == 3:

@@ -14,7 +14,8 @@ import pytest
 from poplar.planner import plan as plan_any, simulate
 from poplar.planner.collective_choice import with_secondary_shards
 from poplar.planner.cost_model import CommModel
-from poplar.planner.link_pricing import Collectives, LinkPricing, ring_s
+from poplar.planner.link_pricing import LinkPricing, ring_s
+from poplar.types.route import Collectives
 from poplar.types.plans import Plan, PlanError
 from poplar.types.profiles import (CommProfile, Exposure, LinkSpeed, Links, Profile, ProfileError, ProfilePoint,
                                    RankProfile)
@@ -130,7 +131,8 @@ def test_a_measured_exposure_is_scaled_by_the_serial_seconds_of_the_way_priced()
     assert hier.led_micro_step_s(2, 0.3, 0.1, "fast") == pytest.approx(0.2 * ratio)
     assert hier.per_iteration_s(2) == pytest.approx(0.01 + 0.05 * ratio)  # the overhead is no collective
     # measured hierarchical: priced flat, scaled the other way
-    measured_hier = profile(two_nodes(), stage=2, exposure=x, collectives_stage=2, hierarchical=True,
+    measured_hier = profile(two_nodes(), stage=2, exposure=x, collectives_stage=2,
+                            collectives=Collectives.HIERARCHICAL,
                             micro_step=[["reduce_scatter", 4e7]], iteration=[["all_gather", 4e7]])
     assert CommModel.from_profile(measured_hier, Collectives.HIERARCHICAL).per_micro_step_s(2) == 0.2
     assert CommModel.from_profile(measured_hier).per_micro_step_s(2) == pytest.approx(0.2 / ratio)

@@ -12,7 +12,8 @@ import pytest
 
 from poplar.planner import CollectivesRequest, plan
 from poplar.planner.cost_model import CommModel
-from poplar.planner.link_pricing import Collectives, LinkPricing
+from poplar.planner.link_pricing import LinkPricing
+from poplar.types.route import Collectives
 from poplar.planner.quantized_pricing import CONVERSION_BYTES_PER_S, Compression, QuantizedWire
 from poplar.types.compression import EXACT, CommPolicy, Quantization, QuantScope
 from poplar.types.plans import Plan, PlanError

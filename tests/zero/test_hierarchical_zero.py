@@ -18,6 +18,7 @@ from poplar.comm.launch import spawn
 from poplar.emulation.gpu_ranks import rank_gpu
 from poplar.engine import PoplarEngine
 from poplar.types.plans import Plan, PlanError
+from poplar.types.route import Collectives
 from poplar.types.topology import Link, Topology
 from poplar.zero.config import ZeroConfig
 from tests.toy import (assert_runs_match_reference, global_batch, loss_fn, make_model, make_optimizer, max_rel_err,
@@ -34,7 +35,7 @@ BATCHES = plan_of((2, 2, 1), (1, 2, 0), (3, 1, 0), (2, 1, 2))
 
 def hierarchical_plan(stage: int) -> Plan:
     plan = with_shards(BATCHES, WEIGHTS)
-    plan.hierarchical, plan.secondary_shards = True, stage == 3
+    plan.collectives = Collectives.SECONDARY_SHARDS if stage == 3 else Collectives.HIERARCHICAL
     plan.validate()
     return plan
 
@@ -107,19 +108,19 @@ def _check_parity(name: str, results: list[dict]) -> None:
 
 def test_secondary_shards_need_hierarchical_collectives_and_zero3() -> None:
     plan = with_shards(BATCHES, WEIGHTS)
-    plan.secondary_shards = True
-    with pytest.raises(PlanError, match="hierarchical=True too"):
-        plan.validate()
-    plan.hierarchical, plan.zero_stage = True, 2
+    before_routes = {k: v for k, v in plan.to_dict().items() if k != "collectives"}
+    with pytest.raises(PlanError, match="hierarchical=True too"):  # a plan file written before routes
+        Plan.from_dict({**before_routes, "hierarchical": False, "secondary_shards": True})
+    plan.collectives, plan.zero_stage = Collectives.SECONDARY_SHARDS, 2
     with pytest.raises(PlanError, match="use zero_stage=3"):
         plan.validate()
     plan.zero_stage = 3
     plan.validate()
     again = Plan.from_dict(plan.to_dict())
-    assert again.hierarchical and again.secondary_shards
+    assert again.collectives is Collectives.SECONDARY_SHARDS and again.route.collectives is again.collectives
     assert "hierarchical collectives with secondary shards" in again.table()
-    assert not Plan.from_dict({k: v for k, v in plan.to_dict().items()
-                               if k not in ("hierarchical", "secondary_shards")}).hierarchical  # older files
+    assert Plan.from_dict(before_routes).collectives is Collectives.FLAT  # older files: neither key
+    assert Plan.from_dict({**before_routes, "zero_stage": 3, "hierarchical": True, "secondary_shards": True}) == again
 
 
 NAN_AT = 1  # the iteration whose loss is NaN on rank 2
@@ -164,7 +165,7 @@ def features_worker(rank: int, world: int, directory: str) -> dict:
     losses = []
     for it, weights in enumerate((WEIGHTS, (1, 1, 1, 1), (0, 1, 2, 1))):
         plan = with_shards(BATCHES, weights)
-        plan.hierarchical = plan.secondary_shards = True
+        plan.collectives = Collectives.SECONDARY_SHARDS
         engine.set_plan(plan)
         losses.append(engine.train_step(rank_slice(global_batch(it, GBS), plan, rank), loss_fn))
     out["resharded"] = (losses, engine.full_state_dict())
@@ -176,8 +177,8 @@ def features_worker(rank: int, world: int, directory: str) -> dict:
                            zero_stage=ZeroConfig(3, wrap_policy={nn.Linear, nn.LayerNorm}))
     saved = load_checkpoint(resumed, directory).plan
     loss = resumed.train_step(rank_slice(global_batch(2, GBS), BATCHES, rank), loss_fn)
-    out["resumed"] = (loss, resumed.full_state_dict(), resumed.comm.hierarchical)
-    out["saved plan"] = (saved.hierarchical, saved.secondary_shards, saved.shard_weights)
+    out["resumed"] = (loss, resumed.full_state_dict(), resumed.comm.routes.route.collectives)
+    out["saved plan"] = (saved.collectives, saved.shard_weights)
     return out
 
 
@@ -195,7 +196,7 @@ def test_hierarchical_zero3_precision_skips_checkpointing_offload_and_resume(tmp
             losses, state = res[key]
             assert max_rel_err(state, ref_state) <= 1e-5, (key, rank)
             assert losses == pytest.approx(ref_losses, rel=1e-5), (key, rank)
-        loss, state, hierarchical = res["resumed"]
-        assert not hierarchical
-        assert res["saved plan"] == (True, True, tuple(map(float, WEIGHTS)))  # the checkpoint keeps the choice
+        loss, state, way = res["resumed"]
+        assert way is Collectives.FLAT
+        assert res["saved plan"] == (Collectives.SECONDARY_SHARDS, tuple(map(float, WEIGHTS)))  # the checkpoint keeps it
         assert max_rel_err(state, ref_state) <= 1e-5 and loss == pytest.approx(ref_losses[2], rel=1e-5), rank

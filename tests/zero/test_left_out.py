@@ -20,6 +20,7 @@ from poplar.comm import DistributedError, Phase
 from poplar.comm.launch import spawn
 from poplar.engine import PoplarEngine
 from poplar.types.plans import Plan, PlanError, RankPlan
+from poplar.types.route import Collectives
 from poplar.types.topology import Topology
 from poplar.zero.config import ZeroConfig
 from poplar.zero.failures import IterationFailed
@@ -35,10 +36,11 @@ LEFT_OUT = Plan([RankPlan(2, 2, 1, shard_weight=2), RankPlan(3, 1, 0, shard_weig
                  RankPlan(0, 0, 0, shard_weight=0), RankPlan(2, 1, 2, shard_weight=1)])
 # the same rows on hierarchical collectives over 2 + 2 nodes: ranks 0, 1 | 3 in the step (ZeRO-3:
 # with secondary shards)
-SPANNING = Plan(LEFT_OUT.ranks, hierarchical=True)
+SPANNING = Plan(LEFT_OUT.ranks, collectives=Collectives.HIERARCHICAL)
 # node [2, 3] sits out: n_i = 7, 5
 NODE_OUT = Plan([RankPlan(3, 2, 1, shard_weight=2), RankPlan(2, 2, 1, shard_weight=1),
-                 RankPlan(0, 0, 0, shard_weight=0), RankPlan(0, 0, 0, shard_weight=0)], hierarchical=True)
+                 RankPlan(0, 0, 0, shard_weight=0), RankPlan(0, 0, 0, shard_weight=0)],
+                collectives=Collectives.HIERARCHICAL)
 # every rank works, even shards: n_i = 3, 3, 3, 3
 EVERY = Plan([RankPlan(1, 3, 0), RankPlan(3, 1, 0), RankPlan(1, 3, 0), RankPlan(2, 1, 1)])
 TOPOLOGY = Topology.of_sizes([2, 2])
@@ -79,7 +81,7 @@ def parity_worker(rank: int, world: int) -> dict:
         for name, plan, topology in [("flat", LEFT_OUT, None), ("node", NODE_OUT, TOPOLOGY),
                                      ("hier", SPANNING, TOPOLOGY)]:
             if name == "hier" and stage == 3:
-                plan = Plan(plan.ranks, hierarchical=True, secondary_shards=True)
+                plan = Plan(plan.ranks, collectives=Collectives.SECONDARY_SHARDS)
             engine = _engine(stage, plan, topology)
             heard = Heard()
             with engine.comm.observed(heard):  # the step's collectives run on the step's own communicator
@@ -159,7 +161,8 @@ def test_a_left_out_rank_rejoins_from_a_checkpoint_or_a_new_plan(tmp_path: Path)
 
 # rank 1 sits out of 2 + 2 nodes: n_i = 5, 0, 6, 4 (15 samples)
 ROWS_15 = Plan([RankPlan(2, 2, 1, shard_weight=2), RankPlan(0, 0, 0, shard_weight=0),
-                RankPlan(3, 2, 0, shard_weight=2), RankPlan(2, 1, 2, shard_weight=1)], hierarchical=True)
+                RankPlan(3, 2, 0, shard_weight=2), RankPlan(2, 1, 2, shard_weight=1)],
+               collectives=Collectives.HIERARCHICAL)
 
 
 def _nan_on_rank_0(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:

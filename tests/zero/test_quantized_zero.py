@@ -20,6 +20,7 @@ from poplar.emulation.gpu_ranks import rank_gpu
 from poplar.engine import PoplarEngine
 from poplar.types.compression import CommPolicy
 from poplar.types.plans import Plan, PlanError
+from poplar.types.route import Collectives
 from poplar.types.topology import Link, Topology
 from poplar.zero.blocks import ShardedBlock
 from poplar.zero.config import ZeroConfig
@@ -46,7 +47,8 @@ LOSS_TOLERANCE = 5e-3
 
 def _plan(hierarchical: bool, secondary: bool, compression: CommPolicy, batches: Plan = BATCHES) -> Plan:
     plan = with_shards(batches, WEIGHTS if batches is BATCHES else LEFT_OUT_WEIGHTS)
-    plan.hierarchical, plan.secondary_shards, plan.compression = hierarchical, secondary, compression
+    plan.collectives = Collectives.of(hierarchical, secondary)
+    plan.compression = compression
     plan.validate()
     return plan
 

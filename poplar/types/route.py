@@ -1,0 +1,123 @@
+"""Routes: how a plan's collectives run, as one typed value (docs/design.md §3.10).
+
+A ``Route`` says three things, all chosen by the plan and fixed for it: which ranks take part in
+the training step (a plan may leave ranks out, §3.12), how the reduce-scatters and all-gathers
+cross nodes (``Collectives``), and what they send quantized (``CommPolicy``). The planner
+chooses the way, the plan carries it (``Plan.collectives``, ``Plan.route``), the profile records
+the way its exposure was measured under (``CommProfile.collectives``), the cost model prices it
+and the communicator builds the route object of that way once per plan
+(``Communicator.configure``, ``poplar.comm.routes``). The value is the same enum everywhere.
+
+[Note: files written before routes]
+Plans, profiles and checkpoint indexes written before held the way as two booleans,
+``hierarchical`` and ``secondary_shards``. ``read_collectives`` reads them into the enum when a
+file is read; it is the one place their pair is checked (secondary shards without hierarchical
+collectives is no way at all).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Mapping
+
+from poplar.types.compression import EXACT, CommPolicy
+
+
+class RouteError(ValueError):
+    """A way of running the collectives that does not exist; the message names the fix."""
+
+
+class Collectives(str, Enum):
+    """How a plan's reduce-scatters and all-gathers cross nodes (compares equal to its value).
+    The order of the members is the planner's order of preference within its tie: simpler first."""
+
+    FLAT = "flat"  # one ring over every rank
+    HIERARCHICAL = "hierarchical"  # a step inside each node, one across nodes
+    SECONDARY_SHARDS = "secondary_shards"  # hierarchical; ZeRO-3's backward re-gather stays inside each node
+
+    @property
+    def hierarchical(self) -> bool:
+        """Whether the collectives cross nodes in two tiers (inside each node, then across)."""
+        return self is not Collectives.FLAT
+
+    @property
+    def secondary_shards(self) -> bool:
+        """Whether each rank keeps its node-local shard of ZeRO-3's gathered parameters."""
+        return self is Collectives.SECONDARY_SHARDS
+
+    @classmethod
+    def of(cls, hierarchical: bool, secondary_shards: bool, error: type[Exception] = RouteError) -> "Collectives":
+        """The way two booleans of a file written before routes name (Note: files written before
+        routes); ``error`` (a ``RouteError`` unless given) for the invalid pair."""
+        if secondary_shards and not hierarchical:
+            raise error("secondary_shards=True but hierarchical=False; secondary shards are kept by the "
+                             "hierarchical all-gather: set hierarchical=True too (collectives=\"secondary_shards\"), "
+                             "or secondary_shards=False")
+        return cls.SECONDARY_SHARDS if secondary_shards else cls.HIERARCHICAL if hierarchical else cls.FLAT
+
+    @classmethod
+    def named(cls, value: Any, error: type[Exception] = RouteError) -> "Collectives":
+        """The way named ``value`` (a member or its value), or ``error`` listing them."""
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls(value)
+        except ValueError:
+            raise error(f"collectives must be one of {', '.join(repr(c.value) for c in cls)}, "
+                             f"got {value!r}") from None
+
+    def applies(self, stage: int) -> bool:
+        """Whether the collectives of ``stage`` can run so: hierarchical from ZeRO-1 (ZeRO-0's
+        all-reduce stays flat), secondary shards at ZeRO-3 only."""
+        return self is Collectives.FLAT or (stage >= 1 and (not self.secondary_shards or stage == 3))
+
+    def __str__(self) -> str:
+        return self.value
+
+
+_OLD_KEYS = ("hierarchical", "secondary_shards")
+
+
+def read_collectives(d: Mapping[str, Any], error: type[Exception] = RouteError) -> dict[str, Any]:
+    """``d`` (a plan's or a ``CommProfile``'s JSON object) with its way as ``collectives``, read
+    from the two booleans of a file written before routes where it has them (Note: files written
+    before routes); ``error`` for the invalid pair, or for both forms at once."""
+    out = dict(d)
+    if not any(k in out for k in _OLD_KEYS):
+        return out
+    if "collectives" in out:
+        raise error("give the way as collectives alone, not with hierarchical / secondary_shards")
+    old = [out.pop(k, False) for k in _OLD_KEYS]
+    if not all(isinstance(v, bool) for v in old):
+        raise error(f"hierarchical and secondary_shards must be true or false, got {old[0]!r}, {old[1]!r}")
+    out["collectives"] = Collectives.of(*old, error=error)
+    return out
+
+
+@dataclass(frozen=True)
+class Route:
+    """How one plan's collectives run: over the ranks ``step_ranks`` (None: every rank) during
+    the training step, crossing nodes as ``collectives``, quantized as ``compression``. The
+    communicator builds its route object once per route (``Communicator.configure``)."""
+
+    step_ranks: tuple[int, ...] | None = None
+    collectives: Collectives = Collectives.FLAT
+    compression: CommPolicy = EXACT
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "collectives", Collectives.named(self.collectives))
+        if self.step_ranks is not None:
+            ranks = tuple(sorted(self.step_ranks))
+            if not ranks or ranks[0] < 0 or len(set(ranks)) != len(ranks):
+                raise RouteError(f"step ranks must be distinct ranks >= 0, at least one, got {self.step_ranks}")
+            object.__setattr__(self, "step_ranks", ranks)
+        if not isinstance(self.compression, CommPolicy):
+            raise RouteError(f"a route's compression must be a CommPolicy, got {self.compression!r}")
+
+    def ranks_in_step(self, world_size: int) -> tuple[int, ...]:
+        """The ranks in the step on a world of ``world_size`` (a ``RouteError`` for a rank outside it)."""
+        ranks = tuple(range(world_size)) if self.step_ranks is None else self.step_ranks
+        if ranks[-1] >= world_size:
+            raise RouteError(f"step ranks must be ranks of the world of {world_size}, got {ranks}")
+        return ranks

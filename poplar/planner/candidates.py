@@ -172,7 +172,8 @@ def recorded_candidates(profile: Profile, gbs: int, **limits: Any) -> list[Candi
         if r.timed:
             r = best
         elif r.predicted_s is not None:
-            r = replace(r, reason=f"lower bound {r.predicted_s:.4f} s >= the choice" if r.predicted_s >= best.predicted_s
-                        else f"lower bound {r.predicted_s:.4f} s < the choice: profile again at this global batch")
+            bound = f"lower bound {r.predicted_s:.4f} s"
+            r = replace(r, reason=f"{bound} >= the choice" if r.predicted_s >= best.predicted_s  # type: ignore[operator]
+                        else f"{bound} < the choice: profile again at this global batch")
         out.append(r)
     return out

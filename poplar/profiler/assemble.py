@@ -15,8 +15,8 @@ from poplar.profiler.capacity import trial_budget
 from poplar.profiler.escalation import StageCapacity
 from poplar.profiler.lock_step import LockStepTiming
 from poplar.profiler.precision import precision_meta
-from poplar.types.profiles import CapacityNotes, CommProfile, Emulated, Links, Measurement, OomRecord, Profile, Provenance, \
-    RankProfile
+from poplar.types.profiles import (CapacityNotes, CommProfile, Emulated, Links, Measurement, OomRecord, Profile,
+                                   Provenance, RankProfile)
 
 
 def poplar_version() -> str:

@@ -144,8 +144,9 @@ def validate(profile: Any) -> None:
         if problem is not None or len(profile.shard_weights) != profile.world_size:
             raise ProfileError(f"profile shard_weights must be one weight per rank ({profile.world_size}): "
                                f"{problem or profile.shard_weights}; re-run the profiler")
-    if profile.offloads is not None and (not isinstance(profile.offloads, list) or len(profile.offloads) != profile.world_size
-                                      or any(o not in ("none", "optimizer") for o in profile.offloads)):
+    offloads = profile.offloads
+    if offloads is not None and (not isinstance(offloads, list) or len(offloads) != profile.world_size
+                                 or any(o not in ("none", "optimizer") for o in offloads)):
         raise ProfileError(f"profile offloads must be one of \"none\" / \"optimizer\" per rank ({profile.world_size}), "
                            f"got {profile.offloads!r}; re-run the profiler")
     if not profile.comm.links.bandwidth_bytes_per_s > 0:

@@ -86,6 +86,15 @@ class LinkSpeed:
     latency_s: float = 0.0
 
 
+def slowest_tier(intra: Sequence[LinkSpeed], sizes: Sequence[int], cross: LinkSpeed) -> LinkSpeed:
+    """The link a flat ring over nodes of ``sizes`` ranks (node k on ``intra[k]``, the nodes joined
+    by ``cross``) runs at where it was not measured: the slowest bandwidth and the largest latency
+    of the tiers it crosses (a node's link where it has more than one rank, and the cross-node
+    link), since a ring runs at the pace of its slowest hop."""
+    used = [x for x, n in zip(intra, sizes) if n > 1] + [cross]
+    return LinkSpeed(min(x.bandwidth_bytes_per_s for x in used), max(x.latency_s for x in used))
+
+
 @dataclass(frozen=True)
 class Links:
     """The fitted collective links, on ``backend``.
@@ -139,8 +148,7 @@ class Links:
         if cross is None:
             raise ProfileError(f"links: {topology.describe()} spans nodes and needs a cross-node link")
         if flat is None:
-            used = [x for x, n in zip(intra, topology.sizes) if n > 1] + [cross]
-            flat = LinkSpeed(min(x.bandwidth_bytes_per_s for x in used), max(x.latency_s for x in used))
+            flat = slowest_tier(intra, topology.sizes, cross)
         return cls(flat.bandwidth_bytes_per_s, flat.latency_s, backend, topology, intra, cross)
 
     @classmethod

@@ -39,6 +39,7 @@ def readable(d: Any, source: str) -> tuple[int, dict[str, Any]]:
 
 
 def require(ok: bool, where: str, value: Any, what: str) -> None:
+    """A ``ProfileError`` naming the field ``where`` unless ``ok``: it must be ``what``."""
     if not ok:
         raise ProfileError(f"profile field {where} must be {what}, got {value!r} ({type(value).__name__})")
 
@@ -54,6 +55,7 @@ def record(value: Any, kind: type, where: str) -> Any:
 
 
 def mapping(value: Any, where: str) -> dict[str, Any]:
+    """``value``, a JSON object (else a ``ProfileError`` naming ``where``)."""
     require(isinstance(value, dict), where, value, "an object")
     return value
 
@@ -68,7 +70,7 @@ def check(value: Any, where: str, kind: type, optional: bool = False) -> None:
 
 
 def check_types(profile: Any) -> None:
-    """Every field has its JSON type; a ``ProfileError`` names the first one that does not."""
+    """Every field of a ``Profile`` has its JSON type; a ``ProfileError`` names the first one that does not."""
     for name in ("zero_stage", "world_size", "param_count", "param_bytes"):
         check(getattr(profile, name), name, int)
     for i, r in enumerate(profile.ranks):
@@ -115,6 +117,8 @@ def check_types(profile: Any) -> None:
 
 
 def validate(profile: Any) -> None:
+    """A ``Profile`` a plan can use: its field types, then its values (ranks, stage, points, shard
+    weights, placements, links, exposure); a ``ProfileError`` names the first at fault and the fix."""
     check_types(profile)
     if not profile.ranks:
         raise ProfileError("profile has no ranks; run `poplar profile` on the cluster first")

@@ -21,8 +21,8 @@ from poplar.types import profile_json
 from poplar.types.configuration import CandidateRow
 from poplar.types.errors import ProfileError
 from poplar.types.plans import read_json, write_text_atomic
-from poplar.types.profile_json import PROFILE_SCHEMA, READABLE_SCHEMAS, mapping as _mapping, record as _record, \
-    require as _require
+from poplar.types.profile_json import PROFILE_SCHEMA, mapping as _mapping, record as _record, require as _require
+from poplar.types.profile_json import READABLE_SCHEMAS  # noqa: F401  (importable from here, as before)
 from poplar.types.topology import Topology, TopologyError
 
 

@@ -32,6 +32,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -113,14 +114,15 @@ def rank_main(rank: int, world: int, cluster: str, gbs: int, iterations: int, re
     rows, measured = [], {}
     for cap in caps:
         row = CandidateRow(cap.config.stage, cap.config.checkpointed, cap.fits, mbs_by_type(types, cap.mbs))
-        rows.append(row)
         if not cap.fits:
-            row.reason = "batch 1 does not fit"
+            rows.append(replace(row, reason="batch 1 does not fit"))
             continue
-        plan, row.reason = predict(prof.time(cap), gbs, cap.config.stage)
+        plan, reason = predict(prof.time(cap), gbs, cap.config.stage)
+        row = replace(row, reason=reason) if plan is None else \
+            replace(row, reason=reason, predicted_s=plan.predicted_iteration_s, timed=True)
+        rows.append(row)
         if plan is None:
             continue
-        row.predicted_s, row.timed = plan.predicted_iteration_s, True
         m = model_fn()
         engine = PoplarEngine(m, default_optimizer(m), zero_stage=cap.config.stage, plan=plan,
                               activation_checkpointing=cap.config.checkpointing, loss_fn=llama_loss_fn)
@@ -141,7 +143,7 @@ def rank_main(rank: int, world: int, cluster: str, gbs: int, iterations: int, re
     return {"rows": [r.to_dict() for r in rows], "measured": measured, "auto": chosen, "first_fit": first_fit,
             "auto_profiling_s": auto_s, "single_profile_s": single_s, "chosen_single_s": chosen_single_s,
             "auto_split": auto.plan.choice.profiling_s,
-            "single_split": single.measurement.ranks[rank]["phase_seconds"],
+            "single_split": single.measurement.ranks[rank].phase_seconds,
             "rounds": (auto.profile.auto_choice.timing_rounds, single.measurement.timing_rounds),
             "auto_table": format_table(auto.candidates or []),
             "late": late}

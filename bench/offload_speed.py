@@ -41,6 +41,7 @@ from poplar.emulation.cluster import ClusterSpec
 from poplar.emulation.speed_padding import late_fraction
 from poplar.planner import plan
 from poplar.profiler.profile_run import ProfileOptions, default_optimizer, profile_rank
+from poplar.types.plan_choice import row_dicts
 from poplar.types.plans import Offload, Plan
 from poplar.workloads.models import llama_loss_fn
 
@@ -81,7 +82,7 @@ def analyse(cluster: str, stage: int, regime: str, results: list[dict], gbs: int
     row["ratio"] = pp["auto"]["samples_per_s"] / pp["none"]["samples_per_s"]
     row["predicted_ratio"] = pp["none"]["predicted_s"] / pp["auto"]["predicted_s"]
     row["late_step_fraction"] = late_fraction(row["late_steps"], row["padded_steps"])
-    row["placement_candidates"] = plans["auto"].choice.placement_candidates
+    row["placement_candidates"] = row_dicts(plans["auto"].choice.placement_candidates)
     row["costs"] = [vars(c) if c is not None else None for c in results[0]["costs"]]
     return row
 

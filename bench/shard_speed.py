@@ -62,6 +62,7 @@ from poplar.emulation.speed_padding import LATE_BUDGET, late_fraction
 from poplar.planner import plan
 from poplar.profiler.profile_run import ProfileJob, ProfileOptions, default_optimizer, profile_rank
 from poplar.types.configuration import Configuration
+from poplar.types.plan_choice import row_dicts
 from poplar.types.plans import Plan
 from poplar.workloads.configs import LlamaConfig
 from poplar.workloads.models import LlamaModel, llama_loss_fn
@@ -115,7 +116,7 @@ def analyse(cluster: str, stage: int, regime: str, results: list[dict], gbs: int
     row["predicted_speedup"] = pp["even"]["predicted_s"] / pp["planned"]["predicted_s"]
     row["max_loss_diff"] = max(abs(a - b) for a, b in zip(pp["even"]["loss"], pp["planned"]["loss"]))
     row["late_step_fraction"] = late_fraction(row["late_steps"], row["padded_steps"])
-    row["shard_candidates"] = plans["planned"].choice.shard_candidates
+    row["shard_candidates"] = row_dicts(plans["planned"].choice.shard_candidates)
     row["profile"] = results[0]["profile"]  # to re-plan offline from the JSON
     row["memory"] = [{k: r.get(k) for k in ("device_type", "mbs", "base_bytes", "bytes_per_sample", "shard_bytes")}
                      for r in results[0]["profile"]["ranks"]]

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Callable, NamedTuple
 
-from poplar.planner.candidates import CandidateRow, choose, estimate_profile, format_table, mbs_by_type, predict, \
+from poplar.planner.candidates import CandidateRow, estimate_profile, format_table, marked, mbs_by_type, predict, \
     with_probe
 from poplar.planner.shards import weights_to_fit
 from poplar.profiler.candidate_run import ChoiceRecord, TimingRequest
@@ -90,9 +90,13 @@ class ConfigurationSearch:
         self.fitting: list[Candidate] = []  # the candidates that fit every rank, checkpointing off first, stages up
         self.timed: list[Candidate] = []  # in the order they were timed
         self.probed: list[Candidate] = []  # in the order they were probed
-        self.rows: list[CandidateRow] | None = None
         self.chosen_config: Configuration | None = None
         self.bar: Any = None
+
+    @property
+    def rows(self) -> list[CandidateRow]:
+        """The candidate table: every candidate's row, in order."""
+        return [c.row for c in self.candidates]
 
     # ---- capacity ----
     def configurations(self, higher: bool = False) -> list[Configuration]:
@@ -109,10 +113,9 @@ class ConfigurationSearch:
             row = CandidateRow(cap.config.stage, cap.config.checkpointed, cap.fits, mbs_by_type(device_types, cap.mbs))
             bad = [r for r, m in enumerate(cap.mbs) if m < 1]
             if bad:
-                row.reason = f"batch 1 does not fit on rank {bad[0]} ({device_types[bad[0]]})" + \
-                    (f" and {len(bad) - 1} more" if len(bad) > 1 else "")
+                row = replace(row, reason=f"batch 1 does not fit on rank {bad[0]} ({device_types[bad[0]]})"
+                              + (f" and {len(bad) - 1} more" if len(bad) > 1 else ""))
             self.candidates.append(Candidate(i, cap, row))
-        self.rows = [c.row for c in self.candidates]
         self.fitting = sorted((c for c in self.candidates if c.row.fits),
                               key=lambda c: (c.row.checkpointing, c.row.stage))
         if self.fitting:  # one bar over the fitting candidates: each is timed, or decided by its bound (rank 0)
@@ -146,7 +149,8 @@ class ConfigurationSearch:
         best = min((c.row.predicted_s for c in self.timed if c.row.predicted_s is not None), default=float("inf"))
         for c in self.fitting:
             if c.profile is None:
-                c.row.predicted_s, c.row.reason = self._bound(c, best)
+                bound = self._bound(c, best)
+                c.row = replace(c.row, predicted_s=bound.predicted_s, reason=bound.reason)
         hopeful = [c for c in self.fitting if c.profile is None and c.row.predicted_s is not None
                    and c.row.predicted_s < best * (1 - self.noise)]
         if not hopeful:
@@ -170,16 +174,17 @@ class ConfigurationSearch:
         c.profile = profile
         self.timed.append(c)
         plan, why = self.limits.predict(profile, self.choice.gbs, c.row.stage)
-        c.row.predicted_s, c.row.timed, c.row.reason = (plan.predicted_iteration_s if plan else None), True, why
+        c.row = replace(c.row, predicted_s=plan.predicted_iteration_s if plan else None, timed=True, reason=why)
         self.bar.update(1)
 
     def chosen(self) -> tuple[int, Profile]:
         """The rule's pick among the timed candidates."""
         self.bar.update(len(self.fitting) - len(self.timed))  # the rest, decided by their bounds
         self.bar.close()
-        rows = [c.row for c in self.candidates]
-        pick = choose([c.row for c in self.candidates if c.profile is not None] or rows, self.choice.rule)
-        chosen = self.candidates[rows.index(pick)]
+        among = [c for c in self.candidates if c.profile is not None] or self.candidates
+        for c, row in zip(among, marked([c.row for c in among], self.choice.rule)):
+            c.row = row
+        chosen = next(c for c in among if c.row.chosen)
         self.chosen_config = chosen.capacity.config
         assert chosen.profile is not None
         return chosen.index, chosen.profile
@@ -188,8 +193,8 @@ class ConfigurationSearch:
         """The chosen profile with the choice recorded (``Profile.auto_choice``), and its table (rank 0)."""
         rows, seconds = [c.row for c in self.candidates], record.seconds
         chosen = replace(profile, auto_choice=AutoChoice(
-            self.choice.rule, [r.to_dict() for r in rows], {k: round(v, 3) for k, v in seconds.items()},
-            len(self.timed), len(self.probed), record.rounds, record.offload_escalations))
+            self.choice.rule, tuple(rows), {k: round(v, 3) for k, v in seconds.items()},
+            len(self.timed), len(self.probed), record.rounds, tuple(record.offload_escalations)))
         self.say(f"configurations ({self.choice.rule}; profiling {sum(seconds.values()):.1f} s, {record.wall_s:.1f} s "
                  f"of wall time with set-up: capacity {seconds['capacity_s']:.1f} s, timing "
                  f"{seconds['timing_s']:.1f} s ({record.rounds} rounds), collectives {seconds['comm_s']:.1f} s; "

@@ -430,13 +430,13 @@ def lossy_stages(options: AutoOptions, stages: tuple[int, ...],
                  error: str | None) -> tuple[tuple[int, ...], str | None]:
     """(the stages auto mode may run at with ``options.compression``: those it admits; what is
     wrong with the lossy options or ``error``)."""
-    if not isinstance(options.allow_lossy, bool):
-        return stages, f"AutoOptions.allow_lossy must be True or False, got {options.allow_lossy!r}"
+    try:
+        options.collectives_request  # noqa: B018  (the request checks allow_lossy and compression)
+    except PlanError as e:
+        return stages, f"AutoOptions: {e}"
     given = options.compression
     if given is None or error is not None:
         return stages, error
-    if not isinstance(given, CommPolicy):
-        return stages, f"AutoOptions.compression must be a poplar CommPolicy or None, got {given!r}"
     admitted = tuple(s for s in stages if given.problem(s) is None)
     if not admitted:
         return stages, f"AutoOptions.compression: {given.problem(stages[-1])}"

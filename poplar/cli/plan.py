@@ -88,7 +88,7 @@ def _plan(args: argparse.Namespace) -> int:
     result = plan(args.profile, args.gbs, stage, args.strategy, shards=args.shards, offload=args.offload,
                   collectives=CollectivesRequest(allow_lossy=args.allow_lossy), **limits)
     if rows is not None:
-        result.choice = replace(result.choice, candidates=[r.to_dict() for r in rows])
+        result.choice = replace(result.choice, candidates=tuple(rows))
     print(f"strategy {result.strategy}, ZeRO-{result.zero_stage}")
     print(result.table())
     print(f"predicted {result.predicted_samples_per_s:.2f} samples/s, communication "

@@ -21,7 +21,6 @@ flat against hierarchical collectives, with and without it.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 from typing import Any
 
@@ -31,7 +30,7 @@ from poplar.cli.simulate_nodes import add_node_args, rows_json, simulate_nodes
 from poplar.emulation.cluster import BUILTIN_CLUSTERS, ClusterSpec
 from poplar.emulation.presets import get_preset
 from poplar.emulation.what_if import preset_candidates, simulate
-from poplar.planner.candidates import CandidateRow, choose, format_table, recorded_candidates
+from poplar.planner.candidates import CandidateRow, choose, format_table, marked, recorded_candidates
 from poplar.planner.planning import STRATEGIES, load_profile
 from poplar.planner.simulator import Simulation
 from poplar.types.plans import write_text_atomic
@@ -101,9 +100,8 @@ def _candidates(spec: ClusterSpec, args: argparse.Namespace, model: PlanningMode
                 limits: dict[str, Any]) -> tuple[list[CandidateRow], str]:
     """The cluster's candidate rows, the fastest chosen, and the first fit's name."""
     rows = preset_candidates(spec, args.gbs, model.plain, model.checkpointed, **limits)
-    first = choose(copy.deepcopy(rows), "first_fit").name if any(r.fits and r.predicted_s for r in rows) else "-"
-    choose(rows, "fastest")
-    return rows, first
+    first = choose(rows, "first_fit").name if any(r.fits and r.predicted_s for r in rows) else "-"
+    return marked(rows, "fastest"), first
 
 
 def _cluster_case(spec: ClusterSpec, args: argparse.Namespace, model: PlanningModel, strategies: list[str],

@@ -22,11 +22,6 @@ class HostMemoryError(ClusterError):
     """The host ran out of memory while emulating a cluster; the message names the model and the fix."""
 
 
-def is_host_oom(exc: BaseException | None) -> bool:
-    """True if ``exc`` or anything in its cause/context chain is the host's allocator failing."""
-    return _allocator_error(exc) is not None
-
-
 def _allocator_error(exc: BaseException | None) -> BaseException | None:
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:

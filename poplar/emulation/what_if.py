@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -79,14 +80,13 @@ def preset_candidates(cluster: ClusterSpec | str, gbs: int, plain: ModelSpec, ch
             mbs = {t: max(0, math.floor((get_preset(t).capacity_bytes() - states) / model.activation_bytes_per_sample))
                    for t in dict.fromkeys(types)}
             row = CandidateRow(stage, ckpt, all(m >= 1 for m in mbs.values()), mbs, source="presets")
-            rows.append(row)
             if not row.fits:
                 bad = [t for t, m in mbs.items() if m < 1]
-                row.reason = (f"batch 1 does not fit on {', '.join(bad)} "
-                              f"({states / 2 ** 30:.1f} GiB of model states and reserve)")
+                rows.append(replace(row, reason=f"batch 1 does not fit on {', '.join(bad)} "
+                                                f"({states / 2 ** 30:.1f} GiB of model states and reserve)"))
                 continue
-            plan, row.reason = predict(synthetic_profile(spec, stage, model), gbs, stage, **limits)
-            row.predicted_s = plan.predicted_iteration_s if plan else None
+            plan, reason = predict(synthetic_profile(spec, stage, model), gbs, stage, **limits)
+            rows.append(replace(row, reason=reason, predicted_s=plan.predicted_iteration_s if plan else None))
     return rows
 
 

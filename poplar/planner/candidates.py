@@ -16,43 +16,15 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import replace
 from typing import Any
 
 from poplar.planner.planning import plan as make_plan
-from poplar.types.configuration import Configuration
+from poplar.types.configuration import CandidateRow
 from poplar.types.plans import Offload, Plan, PlanError
 from poplar.types.profiles import Profile, ProfileError, ProfilePoint
 
 RULES = ("fastest", "first_fit")
-
-
-@dataclass
-class CandidateRow:
-    stage: int
-    checkpointing: bool
-    fits: bool
-    mbs: dict[str, int] = field(default_factory=dict)  # per device type (smallest over its ranks)
-    predicted_s: float | None = None  # predicted iteration seconds
-    timed: bool = False  # predicted from its own timing rounds (else an estimate, a lower bound)
-    reason: str = ""  # why it was rejected ("" for the choice)
-    chosen: bool = False
-    source: str = ""  # where the prediction comes from, when neither timed nor a bound ("presets")
-
-    @property
-    def configuration(self) -> Configuration:
-        return Configuration(self.stage, self.checkpointing)
-
-    @property
-    def name(self) -> str:
-        return self.configuration.name
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "CandidateRow":
-        return cls(**d)
 
 
 def mbs_by_type(device_types: list[str], mbs: list[int]) -> dict[str, int]:
@@ -119,8 +91,9 @@ def with_probe(plain: Profile, probe: Profile) -> Profile:
     return out
 
 
-def choose(rows: list[CandidateRow], rule: str = "fastest") -> CandidateRow:
-    """Mark and return the chosen row (``rule``: "fastest" or "first_fit"); reasons for the others."""
+def marked(rows: list[CandidateRow], rule: str = "fastest") -> list[CandidateRow]:
+    """``rows`` with the rule's choice marked (``rule``: "fastest" or "first_fit") and, on the
+    others that fit, why they were not chosen."""
     if rule not in RULES:
         raise ValueError(f"unknown rule {rule!r}; choose from {', '.join(RULES)}")
     fitting = [r for r in rows if r.fits and r.predicted_s is not None]
@@ -130,14 +103,21 @@ def choose(rows: list[CandidateRow], rule: str = "fastest") -> CandidateRow:
         best = min(fitting, key=lambda r: (r.checkpointing, r.stage))
     else:
         best = min(fitting, key=lambda r: (r.predicted_s, r.stage, r.checkpointing))
+    out = []
     for r in rows:
-        r.chosen = r is best
+        reason = r.reason
         if r is best:
-            r.reason = ""
+            reason = ""
         elif r.fits and r.predicted_s is not None and not r.reason:
-            r.reason = (f"slower: {r.predicted_s / best.predicted_s:.2f}x the choice" if rule == "fastest"
-                        else "not the first fit")
-    return best
+            reason = (f"slower: {r.predicted_s / best.predicted_s:.2f}x the choice" if rule == "fastest"
+                      else "not the first fit")
+        out.append(replace(r, chosen=r is best, reason=reason))
+    return out
+
+
+def choose(rows: list[CandidateRow], rule: str = "fastest") -> CandidateRow:
+    """The chosen row, marked (``marked``)."""
+    return next(r for r in marked(rows, rule) if r.chosen)
 
 
 def format_table(rows: list[CandidateRow], measured: dict[str, float] | None = None) -> str:
@@ -173,21 +153,27 @@ def recorded_candidates(profile: Profile, gbs: int, **limits: Any) -> list[Candi
         raise ValueError(f"this profile holds one configuration (ZeRO-{profile.zero_stage}), not auto mode's "
                          "candidates: profile in auto mode with AutoOptions(profile_output=...), or ask "
                          "`poplar simulate --cluster ... --stage auto` for a preset-based table")
-    rows = [CandidateRow.from_dict(d) for d in saved]
-    own = next((r for r in rows if r.chosen), None)
+    own = next((r for r in saved if r.chosen), None)
     if own is None:
         raise ValueError("the profile's candidate table marks no choice; profile again in auto mode")
     types = [r.device_type for r in profile.ranks]
+    rows = []
+    for r in saved:
+        r = replace(r, chosen=False, timed=r is own, source="")
+        if r.fits:
+            est = profile if r.timed else estimate_profile(profile, r.stage, [r.mbs.get(t, 0) for t in types])
+            plan, reason = predict(est, gbs, r.stage, **limits)
+            r = replace(r, reason=reason, predicted_s=plan.predicted_iteration_s if plan else None)
+        rows.append(r)
+    best = next(r for r in rows if r.timed)
+    best = choose([best], "fastest")
+    out = []
     for r in rows:
-        r.chosen, r.timed, r.source = False, r is own, ""
-        if not r.fits:
-            continue
-        est = profile if r is own else estimate_profile(profile, r.stage, [r.mbs.get(t, 0) for t in types])
-        plan, r.reason = predict(est, gbs, r.stage, **limits)
-        r.predicted_s = plan.predicted_iteration_s if plan else None
-    best = choose([own], "fastest")
-    for r in rows:
-        if r is not own and r.predicted_s is not None:
-            r.reason = (f"lower bound {r.predicted_s:.4f} s >= the choice" if r.predicted_s >= best.predicted_s else
-                        f"lower bound {r.predicted_s:.4f} s < the choice: profile again at this global batch")
-    return rows
+        if r.timed:
+            r = best
+        elif r.predicted_s is not None:
+            bound = f"lower bound {r.predicted_s:.4f} s"
+            r = replace(r, reason=f"{bound} >= the choice" if r.predicted_s >= best.predicted_s  # type: ignore[operator]
+                        else f"{bound} < the choice: profile again at this global batch")
+        out.append(r)
+    return out

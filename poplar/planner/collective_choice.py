@@ -20,9 +20,12 @@ import math
 from dataclasses import replace
 from typing import Callable, Sequence
 
+from poplar.planner.fastest import Candidate
+from poplar.planner.fastest import fastest as choose
 from poplar.planner.link_pricing import secondary_shard_bytes
 from poplar.planner.shard_memory import activation_bytes
 from poplar.planner.shards import with_mbs
+from poplar.types.plan_choice import CollectivesRow
 from poplar.types.plans import Plan, PlanError
 from poplar.types.profiles import Profile
 from poplar.types.route import Collectives
@@ -92,25 +95,26 @@ def profile_as(profile: Profile, way: Collectives) -> Profile:
 
 def fastest(candidates: Sequence[Collectives], planned: Callable[[Collectives], Plan]) -> Plan:
     """Each way's plan (``planned``), the fastest predicted kept, earlier ways first within the
-    tie; the plan records its way and the table of ways."""
-    rows: list[dict] = []
-    found: list[tuple[Collectives, Plan]] = []
+    tie (Note: flat first within the tie); the plan records its way and the table of ways."""
+    found: list[Candidate[CollectivesRow]] = []
     errors: list[PlanError] = []
-    for way in candidates:
+    for preference, way in enumerate(candidates):
         try:
             plan = planned(way)
         except PlanError as e:
             errors.append(e)
-            rows.append({"collectives": way.value, "predicted_s": None, "reason": str(e)})
+            found.append(Candidate(CollectivesRow(way.value, reason=str(e))))
             continue
-        rows.append({"collectives": way.value, "predicted_s": plan.predicted_iteration_s})
-        found.append((way, plan))
-    if not found:
+        found.append(Candidate(CollectivesRow(way.value, plan.predicted_iteration_s), plan, preference))
+    if all(c.plan is None for c in found):
         raise errors[0]
-    best = min(p.predicted_iteration_s for _, p in found)
-    way, chosen = next((w, p) for w, p in found if p.predicted_iteration_s <= best * (1 + (p.choice.plan_tie or 0.0)))
-    for row in rows:
-        row["chosen"] = row["collectives"] == way.value
+    # every way is planned on the profile's exposure (secondary shards move memory, not its error),
+    # so every plan has the same tie
+    tie = next(c.plan for c in found if c.plan is not None).choice.plan_tie
+    kept = choose(found, tie or 0.0)
+    chosen, way = kept.plan, Collectives(kept.row.collectives)
+    assert chosen is not None
+    rows = tuple(replace(c.row, chosen=c.row.collectives == way.value) for c in found)
     table = rows if len(candidates) > 1 else chosen.choice.collective_candidates
     return replace(chosen, collectives=way,
                    choice=replace(chosen.choice, collective_candidates=table))

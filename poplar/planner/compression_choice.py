@@ -24,6 +24,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Callable
 
+from poplar.planner.fastest import Candidate
+from poplar.planner.fastest import fastest as choose
 from poplar.types.compression import EXACT, CommPolicy, QuantBits
 from poplar.types.plans import CompressionCandidate, CompressionChoice, Plan, PlanError
 
@@ -42,26 +44,23 @@ def lossy_options(stage: int, spans_nodes: bool) -> list[CommPolicy]:
 
 def fastest(exact: Plan, options: list[CommPolicy], planned: Callable[[CommPolicy], Plan]) -> Plan:
     """``exact`` (the fastest exact plan) or the plan of a lossy option (``planned``), whichever
-    is predicted fastest, exact first within the tie; the plan records every option planned."""
+    is predicted fastest, exact first within the tie (exact's own: a gain the cost model cannot
+    resolve is not worth a step that is no longer exact), else the fastest option; the plan
+    records every option planned."""
     if not options:
         return exact
-    rows = [CompressionCandidate(EXACT, exact.predicted_iteration_s)]
-    found: list[Plan] = []
+    found = [Candidate(CompressionCandidate(EXACT, exact.predicted_iteration_s), exact, preference=0)]
     for option in options:
         try:
             plan = planned(option)
         except PlanError as e:
-            rows.append(CompressionCandidate(option, None, str(e)))
+            found.append(Candidate(CompressionCandidate(option, None, str(e))))
             continue
-        rows.append(CompressionCandidate(option, plan.predicted_iteration_s))
-        found.append(plan)
+        found.append(Candidate(CompressionCandidate(option, plan.predicted_iteration_s), plan, preference=1))
     tie = exact.choice.plan_tie or 0.0
-    best = min(found, key=lambda p: p.predicted_iteration_s, default=None)
     exact_s = exact.predicted_iteration_s
-    if best is None or exact_s is None or best.predicted_iteration_s is None \
-            or exact_s <= best.predicted_iteration_s * (1 + tie):
-        chosen = exact
-    else:
-        chosen = best
-    record = CompressionChoice(chosen.compression, exact_s, chosen.predicted_iteration_s, tie, tuple(rows))
+    chosen = exact if exact_s is None else choose(found, tie).plan
+    assert chosen is not None
+    record = CompressionChoice(chosen.compression, exact_s, chosen.predicted_iteration_s, tie,
+                               tuple(c.row for c in found))
     return replace(chosen, meta=dict(chosen.meta), choice=replace(chosen.choice, compression_choice=record))

@@ -27,7 +27,7 @@ from typing import Sequence
 
 from poplar.planner.quantized_pricing import QuantizedWire
 from poplar.types.plans import PlanError
-from poplar.types.profiles import Links, LinkSpeed
+from poplar.types.profiles import Links, LinkSpeed, slowest_tier
 from poplar.types.route import Collectives
 
 
@@ -83,9 +83,8 @@ class LinkPricing:
         shares = tuple(self.shares[k] / total for k in keep)
         if len(keep) == 1:
             return LinkPricing(intra[0], sizes, intra, shares)
-        used = [x for x, n in zip(intra, sizes) if n > 1] + [self.cross]
-        flat = LinkSpeed(min(x.bandwidth_bytes_per_s for x in used), max(x.latency_s for x in used))
-        return LinkPricing(flat, sizes, intra, shares, self.cross)
+        assert self.cross is not None  # more than one node
+        return LinkPricing(slowest_tier(intra, sizes, self.cross), sizes, intra, shares, self.cross)
 
     def flat_s(self, op: str, nbytes: float) -> float:
         """A ring over every rank, on the flat link."""

@@ -39,7 +39,10 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Callable, NamedTuple, Sequence
 
+from poplar.planner.fastest import Candidate
+from poplar.planner.fastest import fastest as choose
 from poplar.planner.shard_memory import knows_shard_memory, mbs_at, measured_shares, sharded_bytes
+from poplar.types.plan_choice import SubsetRow
 from poplar.types.plans import Plan, PlanError, RankPlan, shares_of
 from poplar.types.profiles import CommProfile, Exposure, Links, Profile, RankProfile
 from poplar.types.topology import Topology
@@ -133,26 +136,22 @@ def widened(found: Plan, keep: Sequence[int], profile: Profile) -> Plan:
 
 def fastest(profile: Profile, everyone: Plan, planned: Callable[[Profile], Plan]) -> Plan:
     """``everyone`` (the plan on every rank) or the plan of a subset (``planned`` on its
-    profile), whichever is predicted fastest, every rank first within the tie; the plan records
-    each subset planned (name, ranks left out, predicted seconds, chosen)."""
-    candidates = subsets(profile)
-    if len(candidates) == 1:
+    profile), whichever is predicted fastest, every rank first within the tie (its own: leaving
+    GPUs idle must win by more than the cost model's resolution; Note: a subset's exposure); the
+    plan records each subset planned (name, ranks left out, predicted seconds, chosen)."""
+    subsets_ = subsets(profile)
+    if len(subsets_) == 1:
         return everyone
-    rows = [{"subset": "all", "left_out": [], "predicted_s": everyone.predicted_iteration_s}]
-    found: list[tuple[str, Plan]] = [("all", everyone)]
-    for subset in candidates[1:]:
-        left_out = [r for r in range(profile.world_size) if r not in subset.keep]
+    found = [Candidate(SubsetRow("all", (), everyone.predicted_iteration_s), everyone, preference=0)]
+    for subset in subsets_[1:]:
+        left_out = tuple(r for r in range(profile.world_size) if r not in subset.keep)
         try:
             plan = widened(planned(on_ranks(profile, subset.keep)), subset.keep, profile)
         except PlanError as e:
-            rows.append({"subset": subset.name, "left_out": left_out, "predicted_s": None, "reason": str(e)})
+            found.append(Candidate(SubsetRow(subset.name, left_out, reason=str(e))))
             continue
-        rows.append({"subset": subset.name, "left_out": left_out, "predicted_s": plan.predicted_iteration_s})
-        found.append((subset.name, plan))
-    tie = everyone.choice.plan_tie or 0.0
-    best = min(p.predicted_iteration_s for _, p in found)
-    name, chosen = ((found[0]) if found[0][1].predicted_iteration_s <= best * (1 + tie)
-                    else min(found, key=lambda x: x[1].predicted_iteration_s))
-    for row in rows:
-        row["chosen"] = row["subset"] == name
-    return replace(chosen, choice=replace(chosen.choice, participation_candidates=rows))
+        found.append(Candidate(SubsetRow(subset.name, left_out, plan.predicted_iteration_s), plan, preference=1))
+    kept = choose(found, everyone.choice.plan_tie or 0.0)
+    assert kept.plan is not None
+    rows = tuple(replace(c.row, chosen=c.row.subset == kept.row.subset) for c in found)
+    return replace(kept.plan, choice=replace(kept.plan.choice, participation_candidates=rows))

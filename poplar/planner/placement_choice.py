@@ -7,10 +7,12 @@ first), so a rank offloads only where that lets the model fit or makes the itera
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 from poplar.planner import offload_pricing
+from poplar.planner.fastest import Candidate, fastest
 from poplar.planner.shards import ShardCandidate
+from poplar.types.plan_choice import PlacementRow
 from poplar.types.plans import Offload, OffloadPricing, Plan, PlanError
 from poplar.types.profiles import Profile
 
@@ -37,43 +39,48 @@ def fastest_placement(prof: Profile, shard_cands: list[ShardCandidate],
                        planned: Planned) -> Plan:
     """Every (shard weights, offload placement) candidate's plan, priced with its offload
     seconds; the fastest, unless one without offload is within the tie (even shards first)."""
-    rows: list[dict[str, Any]] = []
-    found_all: list[tuple[str, Plan]] = []
+    found: list[Candidate[PlacementRow]] = []
     for sc in shard_cands:
+        weights = tuple(sc.weights)
         try:
             places = offload_pricing.candidates(prof, sc.weights) if placement == "auto" else \
                 [offload_pricing.OffloadCandidate("given", placement)]  # type: ignore[arg-type]
         except PlanError as e:
-            rows.append({"shards": sc.name, "weights": list(sc.weights), "predicted_s": None, "reason": str(e)})
+            found.append(Candidate(PlacementRow(sc.name, weights, reason=str(e))))
             continue
         for oc in places:
-            row: dict[str, Any] = {"shards": sc.name, "weights": list(sc.weights), "offload": oc.name,
-                                   "offloads": [o.value for o in oc.offloads], "predicted_s": None}
-            rows.append(row)
-            try:
-                found = planned(sc.weights, offload_pricing.reshaped(prof, sc.weights, oc.offloads))
-            except PlanError as e:
-                row["reason"] = str(e)
-                continue
-            if found is None:
-                row["reason"] = "a rank fits no sample"
-                continue
-            seconds = offload_pricing.offload_seconds(prof, sc.weights, oc.offloads)
-            found = found.with_offloads(oc.offloads)
-            found.predicted_iteration_s += max(seconds)
-            found.choice = replace(found.choice, offload_s=list(seconds), offload_pricing=OffloadPricing.PRICED)
-            row.update(predicted_s=found.predicted_iteration_s, offload_s=max(seconds),
-                       mbs=offload_pricing.mbs_with(prof, sc.weights, oc.offloads))
-            found_all.append((sc.name, found))
-    if not found_all:
+            found.append(_placed(prof, sc, oc, planned))
+    if not any(c.plan is not None for c in found):
         raise PlanError("no shard weights and offload placement fit every rank a sample: " + "; ".join(
-            f"{r['shards']}/{r.get('offload', '-')}: {r['reason']}" for r in rows))
-    best = min((p for _, p in found_all), key=lambda p: p.predicted_iteration_s)
-    limit = best.predicted_iteration_s * (1 + (best.choice.plan_tie or 0.0))
-    kept = [(name, p) for name, p in found_all if not any(o is not Offload.NONE for o in p.offloads)
-            and p.predicted_iteration_s <= limit]
-    if kept:  # no offload within the tie: even shards if they are, else the fastest without offload
-        even = [p for name, p in kept if name == "even"]
-        best = even[0] if even else min((p for _, p in kept), key=lambda p: p.predicted_iteration_s)
-    best.choice = replace(best.choice, placement_candidates=rows)
+            f"{c.row.shards}/{c.row.offload or '-'}: {c.row.reason}" for c in found))
+    # the tie of the fastest plan: every candidate is planned on the profile's exposure (reshaping
+    # moves memory, not the exposure's error), so every plan has the same tie
+    tie = min((c.plan for c in found if c.plan is not None), key=lambda p: p.predicted_iteration_s).choice.plan_tie
+    best = fastest(found, tie or 0.0).plan
+    assert best is not None
+    best.choice = replace(best.choice, placement_candidates=tuple(c.row for c in found))
     return best
+
+
+def _placed(prof: Profile, sc: ShardCandidate, oc: offload_pricing.OffloadCandidate,
+            planned: Planned) -> Candidate[PlacementRow]:
+    """The candidate of shard weights ``sc`` with placement ``oc``: its plan, priced with its
+    offload seconds. Within the tie a plan without offload wins, even shards first: a rank
+    offloads only where that lets the model fit or is predicted faster than the cost model's
+    resolution, since the host step and the copies are priced from a measurement the plan's
+    batches did not run."""
+    row = PlacementRow(sc.name, tuple(sc.weights), oc.name, tuple(o.value for o in oc.offloads))
+    try:
+        found = planned(sc.weights, offload_pricing.reshaped(prof, sc.weights, oc.offloads))
+    except PlanError as e:
+        return Candidate(replace(row, reason=str(e)))
+    if found is None:
+        return Candidate(replace(row, reason="a rank fits no sample"))
+    seconds = offload_pricing.offload_seconds(prof, sc.weights, oc.offloads)
+    found = found.with_offloads(oc.offloads)
+    found.predicted_iteration_s += max(seconds)
+    found.choice = replace(found.choice, offload_s=list(seconds), offload_pricing=OffloadPricing.PRICED)
+    row = replace(row, predicted_s=found.predicted_iteration_s, offload_s=max(seconds),
+                  mbs=tuple(offload_pricing.mbs_with(prof, sc.weights, oc.offloads)))
+    offloaded = any(o is not Offload.NONE for o in oc.offloads)
+    return Candidate(row, found, preference=2 if offloaded else 0 if sc.name == "even" else 1)

@@ -22,9 +22,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from poplar.types.plan_choice import AllocatorSearch, DeviceTypeRow, KeptPlan, PlanChoice, ShardRow
 from poplar.types.plans import Offload, OffloadPricing, Plan, PlanError, RankPlan
 from poplar.planner.baselines import even_rows, flops_rows
 from poplar.planner.cost_model import CommModel, Evaluation, evaluate_rows
+from poplar.planner.fastest import Candidate, fastest
 from poplar.planner import collective_choice, compression_choice, offload_pricing
 from poplar.planner import participation as participation_choice
 from poplar.types.route import Collectives
@@ -84,7 +86,7 @@ class Problem:
         return evaluate_rows(self.flatten(rows), self.curves, self.stage, self.comm)
 
 
-def _poplar(p: Problem) -> tuple[list, dict[str, Any]]:
+def _poplar(p: Problem) -> tuple[list, AllocatorSearch | None]:
     """The allocator's plan, unless a conventional one is predicted within ``plan_tie`` of it: a
     gain below the cost model's resolution is not one a run shows, and a run then gets the plan a
     user would set by hand. ``flops`` (where the profile has spec ratings) comes before ``even``,
@@ -107,15 +109,14 @@ def _poplar(p: Problem) -> tuple[list, dict[str, Any]]:
         if seconds <= own * (1 + p.plan_tie):
             if p.flatten(other) == p.flatten(rows):
                 break
-            return other, {**info, "kept": {"strategy": name, "predicted_s": seconds, "own_predicted_s": own,
-                                            "tie": p.plan_tie}}
+            return other, replace(info, kept=KeptPlan(name, seconds, own, p.plan_tie))
     return rows, info
 
 
-STRATEGY_ROWS: dict[str, Callable[[Problem], tuple[list, dict[str, Any]]]] = {
+STRATEGY_ROWS: dict[str, Callable[[Problem], tuple[list, AllocatorSearch | None]]] = {
     "poplar": _poplar,
-    "even": lambda p: (even_rows(p.groups, p.gbs, p.stage, p.max_micro_steps), {}),
-    "flops": lambda p: (flops_rows(p.groups, p.gbs, p.stage, p.require_all_ranks, p.max_micro_steps), {}),
+    "even": lambda p: (even_rows(p.groups, p.gbs, p.stage, p.max_micro_steps), None),
+    "flops": lambda p: (flops_rows(p.groups, p.gbs, p.stage, p.require_all_ranks, p.max_micro_steps), None),
 }
 
 
@@ -188,18 +189,12 @@ def plan_problem(problem: Problem, strategy: str = "poplar", shard_weights: Sequ
     total = sum(r.num_samples for r in ranks)
     if total != problem.gbs:
         raise PlanError(f"strategy {strategy!r} produced {total} samples, not {problem.gbs}; this is a bug")
-    meta = {
-        "global_batch_size": problem.gbs,
-        "micro_steps": ev.micro_steps,
-        "comm_per_micro_step_s": problem.comm.per_micro_step_s(problem.stage),
-        "comm_per_iteration_s": problem.comm.per_iteration_s(problem.stage),
-        "device_types": {g.device_type: {"count": g.count, "mbs": g.mbs, "peak_batch": g.curve.peak_batch,
-                                         "peak_samples_per_s": g.curve.peak_speed}
-                         for g in problem.groups},
-        "search": info,
-    }
+    choice = PlanChoice(search=info, device_types=tuple(
+        DeviceTypeRow(g.device_type, g.count, g.mbs, g.curve.peak_batch, g.curve.peak_speed) for g in problem.groups),
+        comm_per_micro_step_s=problem.comm.per_micro_step_s(problem.stage),
+        comm_per_iteration_s=problem.comm.per_iteration_s(problem.stage))
     return Plan(ranks, zero_stage=problem.stage, strategy=strategy, predicted_iteration_s=ev.iteration_s,
-                predicted_comm_s=ev.comm_s, meta=meta, compression=problem.compression)
+                predicted_comm_s=ev.comm_s, choice=choice, compression=problem.compression)
 
 
 def plan(profile: Profile | Mapping[str, Any] | str | os.PathLike, global_batch_size: int,
@@ -374,33 +369,28 @@ def _planned_shards(prof: Profile, stage: int, shards: str | Sequence[float],
 
 
 def _fastest_shards(prof: Profile, planned: Callable[[Sequence[float], Profile | None], Plan | None]) -> Plan:
-    """Every shard candidate's plan; the fastest predicted, unless even shards are within the tie."""
-    rows: list[dict[str, Any]] = []
-    best: Plan | None = None
-    even: Plan | None = None
+    """Every shard candidate's plan; the fastest predicted, unless even shards are within the tie
+    (even's own): within the cost model's resolution the plan a user would set by hand wins."""
+    found: list[Candidate[ShardRow]] = []
     for cand in shard_choice.candidates(prof):
+        weights = tuple(cand.weights)
         try:
-            found = planned(cand.weights, shard_choice.reshaped(prof, cand.weights))
+            plan_ = planned(cand.weights, shard_choice.reshaped(prof, cand.weights))
         except PlanError as e:  # e.g. a global batch these mbs cannot meet within max_micro_steps
-            rows.append({"name": cand.name, "weights": list(cand.weights), "predicted_s": None, "reason": str(e)})
+            found.append(Candidate(ShardRow(cand.name, weights, reason=str(e))))
             continue
-        if found is None:
-            rows.append({"name": cand.name, "weights": list(cand.weights), "predicted_s": None,
-                         "reason": "a rank fits no sample"})
+        if plan_ is None:
+            found.append(Candidate(ShardRow(cand.name, weights, reason="a rank fits no sample")))
             continue
-        rows.append({"name": cand.name, "weights": list(cand.weights), "predicted_s": found.predicted_iteration_s,
-                     "mbs": shard_choice.mbs_at(prof, cand.weights)})
-        if cand.name == "even":
-            even = found
-        if best is None or found.predicted_iteration_s < best.predicted_iteration_s:
-            best = found
-    if best is None:
+        row = ShardRow(cand.name, weights, plan_.predicted_iteration_s, mbs=tuple(shard_choice.mbs_at(prof, weights)))
+        found.append(Candidate(row, plan_, preference=0 if cand.name == "even" else 1))
+    if not any(c.plan is not None for c in found):
         raise PlanError("no shard weights fit every rank a sample: " + "; ".join(
-            f"{r['name']}: {r['reason']}" for r in rows))
-    tie = (even.choice.plan_tie or 0.0) if even is not None else 0.0
-    if even is not None and even.predicted_iteration_s <= best.predicted_iteration_s * (1 + tie):
-        best = even
-    best.choice = replace(best.choice, shard_candidates=rows)
+            f"{c.row.name}: {c.row.reason}" for c in found))
+    even = next((c.plan for c in found if c.row.name == "even" and c.plan is not None), None)
+    best = fastest(found, (even.choice.plan_tie or 0.0) if even is not None else 0.0).plan
+    assert best is not None
+    best.choice = replace(best.choice, shard_candidates=tuple(c.row for c in found))
     return best
 
 

@@ -3,7 +3,7 @@
 Rank i with n_i samples runs gas_i micro-steps of b_i plus a last one of lbs_i <= mbs_i (usually
 the remainder, < b_i; larger when one bigger last micro-step beats a tiny extra one); the
 iteration lasts max_i C_i + c_s (see ``cost_model``). Two allocators run and the cheaper plan
-under the cost model wins, the paper's on a tie (``meta`` records both):
+under the cost model wins, the paper's on a tie (``AllocatorSearch`` records both):
 
 1. ``paper`` -- Algorithm 2, first branch. Every type runs at its peak-speed batch p_g;
    time_opt = gbs / sum_i speed_i; rank i gets floor(time_opt * speed_i) samples, split into
@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 
+from poplar.types.plan_choice import AllocatorSearch
 from poplar.types.plans import PlanError
 from poplar.planner.curves import SpeedCurve
 from poplar.planner.groups import DeviceGroup, TypeShares, shift_samples
@@ -194,11 +195,10 @@ def threshold_allocation(groups: list[DeviceGroup], gbs: int, require_all_ranks:
 
 def allocate_zero01(groups: list[DeviceGroup], gbs: int, require_all_ranks: bool = False,
                     max_micro_steps: int | None = None,
-                    evaluate: Callable[[list], float] | None = None) -> tuple[list, dict[str, Any]]:
+                    evaluate: Callable[[list], float] | None = None) -> tuple[list, AllocatorSearch]:
     """Rows per rank of each group for stages 0/1: the cheaper of the two allocators."""
     found = {"paper": paper_allocation(groups, gbs, require_all_ranks, max_micro_steps),
              "threshold": threshold_allocation(groups, gbs, require_all_ranks, max_micro_steps)}
     scores = {name: (evaluate(res[0]) if evaluate else res[1]) for name, res in found.items() if res}
     winner = min(scores, key=lambda name: (scores[name], name != "paper"))
-    meta = {"allocator": winner, **{f"{name}_predicted_s": s for name, s in scores.items()}}
-    return found[winner][0], meta
+    return found[winner][0], AllocatorSearch(winner, scores.get("paper"), scores.get("threshold"))

@@ -45,10 +45,11 @@ own plan wins, exactly as above.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 
+from poplar.types.plan_choice import AllocatorSearch
 from poplar.types.plans import PlanError
 from poplar.planner.cost_model import CommModel
 from poplar.planner.groups import DeviceGroup, TypeShares, shift_samples
@@ -70,7 +71,7 @@ class Priced(NamedTuple):
 
 def allocate_zero23(groups: list[DeviceGroup], gbs: int, stage: int, comm: CommModel,
                     require_all_ranks: bool = False, max_micro_steps: int | None = None,
-                    evaluate: Callable[[Rows], float] | None = None) -> tuple[Rows, dict[str, Any]]:
+                    evaluate: Callable[[Rows], float] | None = None) -> tuple[Rows, AllocatorSearch]:
     """Rows (b, gas, lbs) per rank of each group for stages 2/3, and what the search chose;
     ``evaluate`` (seconds of rows by the full cost model): led last steps priced too."""
     c_m, c_s = comm.per_micro_step_s(stage), comm.per_iteration_s(stage)
@@ -132,14 +133,9 @@ def allocate_zero23(groups: list[DeviceGroup], gbs: int, stage: int, comm: CommM
         search_s, rows, chosen = cheapest.seconds, cheapest.rows, cheapest.candidate
     k = int(steps[chosen])
     in_last = [(g, lbs if lbs else b if gas == k else 0) for g, grp in zip(groups, rows) for b, gas, lbs in grp]
-    meta = {
-        "full_step_s": float(cand[chosen]) if k > 1 else None,
-        "last_step_s": max(g.curve.time(n) for g, n in in_last),
-        "micro_steps": k,
-        "candidates": int(cand.size),
-        "search_predicted_s": search_s,
-    }
-    return rows, meta
+    return rows, AllocatorSearch(micro_steps=k, full_step_s=float(cand[chosen]) if k > 1 else None,
+                                 last_step_s=max(g.curve.time(n) for g, n in in_last), candidates=int(cand.size),
+                                 search_predicted_s=search_s)
 
 
 def _key(rows: Rows) -> tuple:

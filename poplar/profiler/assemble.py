@@ -15,7 +15,8 @@ from poplar.profiler.capacity import trial_budget
 from poplar.profiler.escalation import StageCapacity
 from poplar.profiler.lock_step import LockStepTiming
 from poplar.profiler.precision import precision_meta
-from poplar.types.profiles import CommProfile, Emulated, Links, Measurement, Profile, Provenance, RankProfile
+from poplar.types.profiles import (CapacityNotes, CommProfile, Emulated, Links, Measurement, OomRecord, Profile,
+                                   Provenance, RankProfile)
 
 
 def poplar_version() -> str:
@@ -50,13 +51,12 @@ def assemble_profile(run: Any, fit: StageCapacity, timing: LockStepTiming,
                        base_bytes=result.base_bytes, bytes_per_sample=result.bytes_per_sample,
                        shard_bytes=result.shard_bytes, nominal_tflops=device.nominal_tflops, trial_steps=result.trial_steps,
                        offload_cost=run.offload_cost)
-    notes = {"estimate": result.estimate, "trials": result.trials, "trial_budget": trial_budget(result.mbs),
-             "trial_steps_per_stage": fit.trials_per_stage,
-             "state_bytes": result.state_bytes, "capped": result.capped,
-             "oom_events": [vars(e) for e in result.oom_events], "device": device.describe(),
-             "timing_comm_s": timing.comm_seconds,
-             "overflowing_trials": result.overflowing_trials + timing.overflowing_rounds,
-             "phase_seconds": {k: round(v, 3) for k, v in run.phase_seconds.items()}}
+    notes = CapacityNotes(estimate=result.estimate, trials=tuple(result.trials), trial_budget=trial_budget(result.mbs),
+                          trial_steps_per_stage=dict(fit.trials_per_stage), state_bytes=result.state_bytes,
+                          capped=result.capped, oom_events=tuple(OomRecord(**vars(e)) for e in result.oom_events),
+                          device=device.describe(), timing_comm_s=timing.comm_seconds,
+                          overflowing_trials=result.overflowing_trials + timing.overflowing_rounds,
+                          phase_seconds={k: round(v, 3) for k, v in run.phase_seconds.items()})
     parts = comm.all_gather_object((part, notes), tag="profile:assemble")
     links = comm_profile.links if comm_profile is not None else Links(bandwidth_bytes_per_s=1e15, backend=comm.backend)
     micro_step, iteration = timing.collectives
@@ -65,7 +65,7 @@ def assemble_profile(run: Any, fit: StageCapacity, timing: LockStepTiming,
     measurement = Measurement(requested_stage=options.zero_stage, escalations=list(fit.escalations),
                               seconds=round(time.perf_counter() - run.started, 3), timing_rounds=timing.rounds,
                               repeats=options.repeats,
-                              overflowing_trials=sum(rank_notes["overflowing_trials"] for _, rank_notes in parts),
+                              overflowing_trials=sum(rank_notes.overflowing_trials for _, rank_notes in parts),
                               ranks=[rank_notes for _, rank_notes in parts])
     precision = precision_meta(options.mixed_precision)
     weights = options.shard_weights

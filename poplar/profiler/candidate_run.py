@@ -27,7 +27,7 @@ from poplar.profiler.job import ProfileJob
 from poplar.profiler.rank_phases import RankPhases, Timed
 from poplar.profiler.timing import Confirmation, TimingGrid
 from poplar.types.configuration import Configuration
-from poplar.types.profiles import Profile, ProfileError
+from poplar.types.profiles import OffloadSearch, Profile, ProfileError
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ class ChoiceRecord:
     seconds: dict[str, float]  # capacity_s, timing_s, comm_s
     rounds: int  # lock-step timing rounds
     wall_s: float  # from the run's set-up to the choice
-    offload_escalations: list[dict[str, Any]]  # the searches again with short ranks' optimizers offloaded
+    offload_escalations: list[OffloadSearch]  # the searches again with short ranks' optimizers offloaded
 
 
 class CandidateChoice(Protocol):
@@ -85,7 +85,7 @@ class Candidates:
     def __init__(self, choice: CandidateChoice) -> None:
         self.choice = choice
         self.started = time.perf_counter()
-        self.offloaded: list[dict[str, Any]] = []  # the searches again with short ranks' optimizers offloaded
+        self.offloaded: list[OffloadSearch] = []  # the searches again with short ranks' optimizers offloaded
         self.prof: CandidateProfiler | None = None
 
     def job_for(self, job: ProfileJob) -> ProfileJob:
@@ -167,8 +167,7 @@ class Candidates:
         def announce(c: ConfigCapacity, short: list[int], more: Placements) -> None:
             phases.log(f"{c.config.name}: batch 1 does not fit ranks {short}; searching again with their "
                        "optimizer offloaded to host memory")
-            self.offloaded.append({"configuration": c.config.name, "ranks": short,
-                                   "offload": [o.value for o in more]})
+            self.offloaded.append(OffloadSearch(c.config.name, list(short), [o.value for o in more]))
 
         def escalated(c: ConfigCapacity) -> ConfigCapacity:
             if not c.config.stage == top >= 1:

@@ -36,7 +36,6 @@ from poplar.train.deepspeed_auto import auto_line, global_batch_source
 from poplar.train.placement_config import offload_rows
 from poplar.train.run_parts import RunParts
 from poplar.logs import log
-from poplar.planner.link_pricing import Collectives
 from poplar.types.plans import Offload, Plan, shares_of
 from poplar.types.route import Collectives
 from poplar.types.topology import Topology

@@ -7,7 +7,7 @@ them speak of this one type.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
 
@@ -26,6 +26,38 @@ class Configuration:
     @property
     def name(self) -> str:
         return f"ZeRO-{self.stage}{' +ckpt' if self.checkpointed else ''}"
+
+
+@dataclass(frozen=True)
+class CandidateRow:
+    """One configuration in auto mode's table (docs/design.md §7.1): whether it fits every rank,
+    its mbs per device type, its predicted iteration (from its own timing rounds, or an estimate:
+    a lower bound), whether it was chosen, and why not."""
+
+    stage: int
+    checkpointing: bool
+    fits: bool
+    mbs: dict[str, int] = field(default_factory=dict)  # per device type (smallest over its ranks)
+    predicted_s: float | None = None  # predicted iteration seconds
+    timed: bool = False  # predicted from its own timing rounds (else an estimate, a lower bound)
+    reason: str = ""  # why it was rejected ("" for the choice)
+    chosen: bool = False
+    source: str = ""  # where the prediction comes from, when neither timed nor a bound ("presets")
+
+    @property
+    def configuration(self) -> Configuration:
+        return Configuration(self.stage, self.checkpointing)
+
+    @property
+    def name(self) -> str:
+        return self.configuration.name
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "CandidateRow":
+        return cls(**d)
 
 
 def heaviest(configurations: Sequence[Configuration]) -> Configuration | None:

@@ -28,10 +28,10 @@ from pathlib import Path
 from typing import Any
 
 from poplar.types.compression import EXACT, CommPolicy, CompressionError
+from poplar.types.errors import PlanError
+from poplar.types.plan_choice import (  # noqa: F401  (the plan's records, importable from here)
+    CompressionCandidate, CompressionChoice, OffloadPricing, PlanChoice)
 from poplar.types.route import Collectives, Route, read_collectives
-
-class PlanError(ValueError):
-    """A plan that cannot be run, with the reason and the fix in its message."""
 
 
 def _check_count(name: str, value: Any, where: str) -> int:
@@ -109,120 +109,11 @@ class RankPlan:
         return sizes
 
 
-class OffloadPricing(str, Enum):
-    """Whether the planner priced the optimizer placements (offload copies and host step)."""
-
-    PRICED = "priced"  # each placement candidate planned and priced from the profile's offload cost
-    NO_OFFLOAD_COST = "no_offload_cost"  # not priced: the profile has no offload cost; nothing offloaded
-    OTHER_STAGE = "other_stage"  # not priced: planned at another stage than the profile measured
-    AS_GIVEN = "as_given"  # the placements given, not priced (the profile has no offload cost)
-
-
-@dataclass(frozen=True)
-class CompressionCandidate:
-    """One option of quantized collectives priced with ``allow_lossy``: its policy and predicted
-    iteration (None: no plan, ``reason`` says why)."""
-
-    policy: CommPolicy
-    predicted_s: float | None
-    reason: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"policy": self.policy.to_dict(), "predicted_s": self.predicted_s, "reason": self.reason}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "CompressionCandidate":
-        return cls(CommPolicy.from_dict(d["policy"]), d.get("predicted_s"), d.get("reason"))
-
-
-@dataclass(frozen=True)
-class CompressionChoice:
-    """How the plan's quantized collectives were chosen with ``allow_lossy``: the policy kept
-    (``chosen``: exact unless a lossy one was predicted faster by more than ``tie``), the
-    predicted iteration of the fastest exact plan and of the plan kept, and every option priced."""
-
-    chosen: CommPolicy
-    exact_s: float | None
-    chosen_s: float | None
-    tie: float
-    candidates: tuple[CompressionCandidate, ...] = ()
-
-    @property
-    def saving_s(self) -> float:
-        """Predicted seconds per iteration the chosen policy saves over exact (0: exact kept)."""
-        if self.exact_s is None or self.chosen_s is None:
-            return 0.0
-        return self.exact_s - self.chosen_s
-
-    @property
-    def saving(self) -> float:
-        """``saving_s`` as a fraction of the exact plan's predicted iteration."""
-        return self.saving_s / self.exact_s if self.exact_s else 0.0
-
-    def describe(self) -> str:
-        """A line for the plan table: what was chosen and the predicted saving, or why exact."""
-        if self.chosen.lossy:
-            return (f"{self.chosen.describe()} chosen (allow_lossy): predicted {100 * self.saving:.1f}% faster than "
-                    f"exact ({self.chosen_s:.4f} s vs {self.exact_s:.4f} s)")
-        priced = [c for c in self.candidates if c.policy.lossy and c.predicted_s is not None]
-        if not priced or self.exact_s is None:
-            return "exact collectives (allow_lossy: no quantized option could be planned)"
-        best = min(priced, key=lambda c: c.predicted_s)  # type: ignore[arg-type, return-value]
-        percent = round(100 * (self.exact_s - best.predicted_s) / self.exact_s, 1)  # type: ignore[operator]
-        # by the sign of the gain as printed: a gain that rounds to 0.0 % is a tie, never "-0.0% slower"
-        by = f"{percent:.1f}% faster, not more than the tie ({100 * self.tie:.1f}%)" if percent > 0 else \
-            f"{-percent:.1f}% slower" if percent < 0 else "to take as long as exact (a tie)"
-        return f"exact collectives kept (allow_lossy): the best quantized option, {best.policy.describe()}, is " \
-               f"predicted {by}"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"chosen": self.chosen.to_dict(), "exact_s": self.exact_s, "chosen_s": self.chosen_s, "tie": self.tie,
-                "saving_s": self.saving_s, "candidates": [c.to_dict() for c in self.candidates]}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "CompressionChoice":
-        try:
-            return cls(CommPolicy.from_dict(d["chosen"]), d.get("exact_s"), d.get("chosen_s"), float(d["tie"]),
-                       tuple(CompressionCandidate.from_dict(c) for c in d.get("candidates", ())))
-        except (KeyError, TypeError, ValueError) as e:
-            raise PlanError(f"malformed choice.compression_choice record: {e}; give chosen, exact_s, chosen_s, tie "
-                            "and candidates") from None
-
-
-@dataclass
-class PlanChoice:
-    """How a plan was chosen among alternatives: tables and numbers for a reader (``plan.json``,
-    the log); the runtime reads none of it. None: that choice was not made."""
-
-    plan_tie: float | None = None  # a predicted gain below this fraction keeps the conventional plan
-    offload_pricing: OffloadPricing | None = None
-    offload_s: list[float] | None = None  # per rank: predicted seconds of its offload copies and host step
-    shard_candidates: list[dict[str, Any]] | None = None  # the shard weights planned (name, weights, predicted_s)
-    placement_candidates: list[dict[str, Any]] | None = None  # shard weights x optimizer placements planned
-    # auto mode: the configurations it compared, its rule, its profiling seconds, the profile store's use
-    candidates: list[dict[str, Any]] | None = None
-    choice_rule: str | None = None
-    profiling_s: dict[str, float] | None = None
-    profile_store: str | None = None
-    shard_trial_failed_on: list[int] | None = None  # ranks where the planned shard weights did not fit a step
-    # on a job that spans nodes: each way of running the collectives planned (collectives, predicted_s)
-    collective_candidates: list[dict[str, Any]] | None = None
-    # on a job that spans nodes: each set of GPUs planned (subset, left_out, predicted_s, chosen)
-    participation_candidates: list[dict[str, Any]] | None = None
-    # allow_lossy: the quantized collectives chosen, the options priced and the predicted saving
-    compression_choice: CompressionChoice | None = None
-
-    def __post_init__(self) -> None:
-        if self.offload_pricing is not None:
-            self.offload_pricing = OffloadPricing(self.offload_pricing)
-        if isinstance(self.compression_choice, dict):
-            self.compression_choice = CompressionChoice.from_dict(self.compression_choice)
-
-
 @dataclass
 class Plan:
     """One row per rank, plus what the planner predicted for it (if it came from a planner):
-    ``choice`` says how it was chosen, ``meta`` holds the allocator's search record."""
+    ``choice`` says how it was chosen (its tables and numbers, typed); ``meta`` holds a user's
+    own notes, carried as they are: the planner writes nothing there."""
 
     ranks: list[RankPlan]
     zero_stage: int | None = None

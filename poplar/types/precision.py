@@ -12,7 +12,7 @@ does not. ``resolve_precision`` turns the engine's ``mixed_precision=`` argument
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
@@ -110,9 +110,6 @@ class MixedPrecision:
     def low_precision(self) -> bool:
         """True when compute runs below fp32 (the runtime keeps separate fp32 master weights)."""
         return self.param_dtype != torch.float32
-
-    def with_loss_scale(self, config: LossScaleConfig | None) -> "MixedPrecision":
-        return replace(self, loss_scale=config)
 
     def to_dict(self) -> dict[str, Any]:
         scale = self.loss_scale

@@ -17,15 +17,14 @@ import os
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Sequence
 
-import numpy as np
-
-from poplar.types.plans import read_json, shard_weights_problem, write_text_atomic
+from poplar.types import profile_json
+from poplar.types.configuration import CandidateRow
+from poplar.types.errors import ProfileError
+from poplar.types.plans import read_json, write_text_atomic
+from poplar.types.profile_json import PROFILE_SCHEMA, mapping as _mapping, record as _record, require as _require
+from poplar.types.profile_json import READABLE_SCHEMAS  # noqa: F401  (importable from here, as before)
 from poplar.types.route import Collectives, read_collectives
 from poplar.types.topology import Topology, TopologyError
-
-
-class ProfileError(ValueError):
-    """A profile that cannot be used, with the reason and the fix in its message."""
 
 
 @dataclass
@@ -78,14 +77,6 @@ class RankProfile:
                 raise ProfileError(f"rank {self.rank}: malformed offload_cost: {e}; re-run the profiler") from None
 
 
-# The profile format's version, written in every profile and store entry. Bumped when the format
-# or the profiler's measurement changes, so that a stored profile measured by another profiler is
-# measured again rather than reused. 1: the format before typed records (no ``schema_version``
-# on disk: flat ``exposed_*`` fields and a ``meta`` dict), which ``from_schema_1`` converts.
-# 2: one flat link (``Links`` without tiers), read as it is: a job on one node. 3: links per tier
-# where the job spans nodes (``Links.topology``, ``intra``, ``cross``).
-PROFILE_SCHEMA = 3
-READABLE_SCHEMAS = (1, 2, PROFILE_SCHEMA)
 
 
 @dataclass(frozen=True)
@@ -94,6 +85,15 @@ class LinkSpeed:
 
     bandwidth_bytes_per_s: float
     latency_s: float = 0.0
+
+
+def slowest_tier(intra: Sequence[LinkSpeed], sizes: Sequence[int], cross: LinkSpeed) -> LinkSpeed:
+    """The link a flat ring over nodes of ``sizes`` ranks (node k on ``intra[k]``, the nodes joined
+    by ``cross``) runs at where it was not measured: the slowest bandwidth and the largest latency
+    of the tiers it crosses (a node's link where it has more than one rank, and the cross-node
+    link), since a ring runs at the pace of its slowest hop."""
+    used = [x for x, n in zip(intra, sizes) if n > 1] + [cross]
+    return LinkSpeed(min(x.bandwidth_bytes_per_s for x in used), max(x.latency_s for x in used))
 
 
 @dataclass(frozen=True)
@@ -149,8 +149,7 @@ class Links:
         if cross is None:
             raise ProfileError(f"links: {topology.describe()} spans nodes and needs a cross-node link")
         if flat is None:
-            used = [x for x, n in zip(intra, topology.sizes) if n > 1] + [cross]
-            flat = LinkSpeed(min(x.bandwidth_bytes_per_s for x in used), max(x.latency_s for x in used))
+            flat = slowest_tier(intra, topology.sizes, cross)
         return cls(flat.bandwidth_bytes_per_s, flat.latency_s, backend, topology, intra, cross)
 
     @classmethod
@@ -290,6 +289,52 @@ class PastMbs:
     seconds: float = 0.0
 
 
+@dataclass(frozen=True)
+class OomRecord:
+    """An out-of-memory trial step of the capacity search and what the release left: the memory in
+    use before the step and after it was released, and at ZeRO-3 the gathered parameter bytes."""
+
+    batch: int
+    message: str
+    memory_before: int
+    memory_after: int
+    gathered_before: int
+    gathered_after: int
+    at: dict[str, Any] | None = None  # a virtual device's view at the failure: where, saved, gathered bytes
+    rebuilt: bool = False  # the runtime did not clean up after the OOM and was rebuilt
+
+
+@dataclass(frozen=True)
+class CapacityNotes:
+    """One rank's capacity search and timing as they ran: diagnostics for a reader."""
+
+    estimate: int | None = None  # Algorithm 1's bound from batch 1
+    trials: tuple[tuple[int, bool], ...] = ()  # (batch, fitted) in order
+    trial_budget: int | None = None
+    trial_steps_per_stage: dict[str, int] = field(default_factory=dict)
+    state_bytes: int | None = None
+    capped: bool = False  # every batch up to the search's largest fitted
+    oom_events: tuple[OomRecord, ...] = ()
+    device: str = ""
+    timing_comm_s: float = 0.0
+    overflowing_trials: int = 0
+    phase_seconds: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def read(cls, value: Any, where: str) -> "CapacityNotes":
+        """The notes of a JSON object (fields another profiler wrote and this one does not: left out)."""
+        if isinstance(value, cls):
+            return value
+        d = {k: v for k, v in _mapping(value, where).items() if k in _NOTES}
+        d["trials"] = tuple(tuple(t) for t in d.get("trials", ()))
+        d["oom_events"] = tuple(_record(e, OomRecord, f"{where}.oom_events[{i}]")
+                                for i, e in enumerate(d.get("oom_events", ())))
+        return cls(**d)
+
+
+_NOTES = frozenset(CapacityNotes.__dataclass_fields__)
+
+
 @dataclass
 class Measurement:
     """How the profile was measured: diagnostics for a reader; the planner reads none of it."""
@@ -300,13 +345,24 @@ class Measurement:
     timing_rounds: int = 0
     repeats: int = 0
     overflowing_trials: int = 0  # fp16 trial steps and rounds skipped for an overflow, all ranks
-    ranks: list[dict[str, Any]] = field(default_factory=list)  # per rank: its capacity search's notes
+    ranks: list[CapacityNotes] = field(default_factory=list)  # per rank: its capacity search's notes
     past_mbs: PastMbs | None = None
 
     def __post_init__(self) -> None:
         self.escalations = [e if isinstance(e, Escalation) else Escalation(**e) for e in self.escalations]
+        self.ranks = [CapacityNotes.read(x, f"measurement.ranks[{i}]") for i, x in enumerate(self.ranks)]
         if isinstance(self.past_mbs, dict):
             self.past_mbs = PastMbs(**self.past_mbs)
+
+
+@dataclass(frozen=True)
+class OffloadSearch:
+    """A configuration's capacity searched again with the optimizer of ``ranks`` offloaded to host
+    memory (``offload``: every rank's placement, the values of ``Offload``), by auto mode."""
+
+    configuration: str
+    ranks: list[int]
+    offload: list[str]
 
 
 @dataclass(frozen=True)
@@ -314,13 +370,27 @@ class AutoChoice:
     """Auto mode's choice of configuration, made on this profile (``poplar.auto.choice``)."""
 
     rule: str  # "fastest" or "first_fit"
-    candidates: list[dict[str, Any]]  # the candidate table (``Candidate.to_dict``), chosen row marked
+    candidates: tuple[CandidateRow, ...]  # the candidate table, the chosen row marked
     profiling_s: dict[str, float] = field(default_factory=dict)  # capacity_s, timing_s, comm_s
     timed: int = 0
     probed: int = 0
     timing_rounds: int = 0
-    # the capacity searches run again with short ranks' optimizers offloaded: configuration, ranks, offload
-    offload_escalations: list[dict[str, Any]] = field(default_factory=list)
+    # the capacity searches run again with short ranks' optimizers offloaded
+    offload_escalations: tuple[OffloadSearch, ...] = ()
+
+    @classmethod
+    def read(cls, value: Any) -> "AutoChoice | None":
+        """The choice of a JSON object (itself, or None, as it is)."""
+        if value is None or isinstance(value, cls):
+            return value
+        d = dict(_mapping(value, "auto_choice"))
+        candidates = d.get("candidates", ())
+        _require(isinstance(candidates, (list, tuple)), "auto_choice.candidates", candidates, "a list of rows")
+        d["candidates"] = tuple(_record(c, CandidateRow, f"auto_choice.candidates[{i}]")
+                                for i, c in enumerate(candidates))
+        d["offload_escalations"] = tuple(_record(x, OffloadSearch, f"auto_choice.offload_escalations[{i}]")
+                                         for i, x in enumerate(d.get("offload_escalations", ())))
+        return _record(d, cls, "auto_choice")
 
 
 @dataclass(frozen=True)
@@ -372,116 +442,16 @@ class Profile:
             self.provenance = replace(self.provenance, emulated=Emulated(**self.provenance.emulated))
         self.measurement = _record(self.measurement, Measurement, "measurement")
         self.store = _record(self.store, StoreRecord, "store")
-        self.auto_choice = _record(self.auto_choice, AutoChoice, "auto_choice")
+        self.auto_choice = AutoChoice.read(self.auto_choice)
         self.validate()
 
     def check_types(self) -> None:
         """Every field has its JSON type; a ``ProfileError`` names the first one that does not."""
-        for name in ("zero_stage", "world_size", "param_count", "param_bytes"):
-            _check(getattr(self, name), name, int)
-        for i, r in enumerate(self.ranks):
-            where = f"ranks[{i}]"
-            for name in ("rank", "mbs", "trial_steps"):
-                _check(getattr(r, name), f"{where}.{name}", int)
-            _check(r.device_type, f"{where}.device_type", str)
-            _check(r.capacity_bytes, f"{where}.capacity_bytes", int, optional=True)
-            for name in ("base_bytes", "bytes_per_sample", "shard_bytes", "nominal_tflops"):
-                _check(getattr(r, name), f"{where}.{name}", float, optional=True)
-            cost = r.offload_cost
-            if cost is not None:
-                _require(isinstance(cost, OffloadCost), f"{where}.offload_cost", cost, "an object or null")
-                for name in ("d2h_bytes_per_s", "h2d_bytes_per_s", "host_step_s_per_element",
-                             "state_bytes_per_element", "master_bytes_per_element"):
-                    _check(getattr(cost, name), f"{where}.offload_cost.{name}", float)
-                _require(cost.d2h_bytes_per_s > 0 and cost.h2d_bytes_per_s > 0 and cost.host_step_s_per_element >= 0
-                         and cost.state_bytes_per_element >= 0 and cost.master_bytes_per_element >= 0,
-                         f"{where}.offload_cost", cost, "bandwidths > 0 and the rest >= 0")
-            for name in ("points", "points_past_mbs"):
-                for j, pt in enumerate(getattr(r, name)):
-                    _check(pt.batch, f"{where}.{name}[{j}].batch", int)
-                    _check(pt.compute_s, f"{where}.{name}[{j}].compute_s", float)
-                    _check(pt.comm_s, f"{where}.{name}[{j}].comm_s", float)
-        links, exposure = self.comm.links, self.comm.exposure
-        _check(links.bandwidth_bytes_per_s, "comm.links.bandwidth_bytes_per_s", float)
-        _check(links.latency_s, "comm.links.latency_s", float)
-        for name in ("micro_step_s", "iteration_s", "switch_s", "overhead_s", "error"):
-            _check(getattr(exposure, name), f"comm.exposure.{name}", float, optional=True)
-        for i, led in enumerate(exposure.leaders):
-            _check(led.device_type, f"comm.exposure.leaders[{i}].device_type", str)
-            for name in ("micro_step_s", "iteration_s", "small_lead", "micro_step_small_lead_s",
-                         "iteration_small_lead_s"):
-                _check(getattr(led, name), f"comm.exposure.leaders[{i}].{name}", float, optional=True)
-        at = exposure.step_compute_s
-        for name in ("step_s", "end_s"):  # each level's exposure, beside its compute (end_s may be absent)
-            level = getattr(exposure, name)
-            if level is not None or (name == "step_s" and at is not None):
-                _require(isinstance(at, tuple) and isinstance(level, tuple) and len(at) == len(level),
-                         f"comm.exposure.step_compute_s / {name}", (at, level), "two lists of equal length")
-                for j, (x, y) in enumerate(zip(at, level)):
-                    _check(x, f"comm.exposure.step_compute_s[{j}]", float)
-                    _check(y, f"comm.exposure.{name}[{j}]", float)
+        profile_json.check_types(self)
 
     def validate(self) -> None:
-        self.check_types()
-        if not self.ranks:
-            raise ProfileError("profile has no ranks; run `poplar profile` on the cluster first")
-        if self.world_size != len(self.ranks):
-            raise ProfileError(f"profile says world_size={self.world_size} but lists {len(self.ranks)} ranks")
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise ProfileError(f"profile zero_stage must be 0-3, got {self.zero_stage}")
-        for r in self.ranks:
-            if r.mbs < 1:
-                raise ProfileError(
-                    f"rank {r.rank} ({r.device_type}) fits no batch (mbs={r.mbs}) at stage {self.zero_stage}; "
-                    "profile at a higher ZeRO stage or leave this rank out")
-            if not r.points:
-                raise ProfileError(f"rank {r.rank} ({r.device_type}) has no timed points; re-run the profiler")
-            for p in r.points:
-                if p.batch < 1 or p.batch > r.mbs or not p.compute_s > 0:
-                    raise ProfileError(
-                        f"rank {r.rank}: bad point batch={p.batch}, compute_s={p.compute_s} "
-                        f"(need 1 <= batch <= mbs={r.mbs} and compute_s > 0)")
-            for p in r.points_past_mbs:
-                if p.batch <= r.mbs or not p.compute_s > 0:
-                    raise ProfileError(
-                        f"rank {r.rank}: bad point past mbs batch={p.batch}, compute_s={p.compute_s} "
-                        f"(need batch > mbs={r.mbs} and compute_s > 0)")
-        if self.shard_weights is not None:
-            problem = shard_weights_problem(self.shard_weights)
-            if problem is not None or len(self.shard_weights) != self.world_size:
-                raise ProfileError(f"profile shard_weights must be one weight per rank ({self.world_size}): "
-                                   f"{problem or self.shard_weights}; re-run the profiler")
-        if self.offloads is not None and (not isinstance(self.offloads, list) or len(self.offloads) != self.world_size
-                                          or any(o not in ("none", "optimizer") for o in self.offloads)):
-            raise ProfileError(f"profile offloads must be one of \"none\" / \"optimizer\" per rank ({self.world_size}), "
-                               f"got {self.offloads!r}; re-run the profiler")
-        if not self.comm.links.bandwidth_bytes_per_s > 0:
-            raise ProfileError(f"comm bandwidth must be > 0, got {self.comm.links.bandwidth_bytes_per_s}")
-        self._validate_tiers()
-        error = self.comm.exposure.error
-        if error is not None and not 0 <= error < 1:
-            raise ProfileError(f"comm.exposure.error must be a fraction in [0, 1), got {error}; re-run the profiler")
-        for led in self.comm.exposure.leaders:
-            if led.small_lead is not None and not 0 <= led.small_lead < 1:
-                raise ProfileError(f"comm.exposure small_lead of {led.device_type!r} must be a fraction in [0, 1), "
-                                   f"got {led.small_lead}; re-run the profiler")
-
-    def _validate_tiers(self) -> None:
-        links = self.comm.links
-        if links.topology is None:
-            if links.intra or links.cross is not None:
-                raise ProfileError("comm.links has intra-node or cross-node links but no topology; re-run the profiler")
-            return
-        problem = links.topology.problem(self.world_size)
-        if problem is not None:
-            raise ProfileError(f"comm.links.topology: {problem}; re-run the profiler")
-        if len(links.intra) != links.topology.node_count or (links.topology.spans_nodes and links.cross is None):
-            raise ProfileError(f"comm.links needs one intra-node link per node of {links.topology.describe()} "
-                               "and a cross-node link; re-run the profiler")
-        for where, x in [(f"intra[{k}]", x) for k, x in enumerate(links.intra)] + [("cross", links.cross)]:
-            if x is not None and not (x.bandwidth_bytes_per_s > 0 and x.latency_s >= 0):
-                raise ProfileError(f"comm.links.{where} must have bandwidth > 0 and latency >= 0, got {x}; "
-                                   "re-run the profiler")
+        """The field types and values a plan needs; a ``ProfileError`` names the first one at fault."""
+        profile_json.validate(self)
 
     def device_types(self) -> list[str]:
         """Distinct device types, in order of first appearance."""
@@ -494,20 +464,12 @@ class Profile:
     def from_dict(cls, d: dict[str, Any], source: str = "profile") -> "Profile":
         """The profile of a JSON object written by ``to_dict``. ``source`` names it in errors
         (a file path, say). A profile of another schema is refused: measure it again."""
-        if not isinstance(d, dict):
-            raise ProfileError(f"{source} must be a JSON object, got {type(d).__name__}")
-        version = d.get("schema_version", 1)
-        again = "profile the cluster again (`poplar profile`, or auto mode)"
-        if version not in READABLE_SCHEMAS:
-            raise ProfileError(f"{source} has profile schema {version}, this Poplar reads schemas "
-                               f"{', '.join(map(str, READABLE_SCHEMAS))}; {again}")
+        version = d.get("schema_version", 1) if isinstance(d, dict) else None
         try:
-            if version == 1:
-                d = from_schema_1(d)
-            d = {k: v for k, v in d.items() if k != "schema_version"}
-            return cls(**d)
+            version, fields_ = profile_json.readable(d, source)
+            return cls(**fields_)
         except (TypeError, KeyError, AttributeError) as e:
-            raise ProfileError(f"malformed {source} (schema {version}): {e}; {again}") from None
+            raise ProfileError(f"malformed {source} (schema {version}): {e}; {profile_json.AGAIN}") from None
 
     def save(self, path: str | os.PathLike) -> None:
         write_text_atomic(path, json.dumps(self.to_dict(), indent=2) + "\n")
@@ -518,82 +480,3 @@ class Profile:
         return cls.from_dict(d, source=f"profile file {path}")
 
 
-def _require(ok: bool, where: str, value: Any, what: str) -> None:
-    if not ok:
-        raise ProfileError(f"profile field {where} must be {what}, got {value!r} ({type(value).__name__})")
-
-
-# the exposure fields of a schema-1 CommProfile, by their ``Exposure`` / ``LedExposure`` names
-_SCHEMA_1_EXPOSURE = {"exposed_micro_step_s": "micro_step_s", "exposed_iteration_s": "iteration_s",
-                      "exposed_step_compute_s": "step_compute_s", "exposed_step_s": "step_s",
-                      "exposed_switch_s": "switch_s", "iteration_overhead_s": "overhead_s", "exposed_error": "error"}
-_SCHEMA_1_LED = {"exposed_micro_step_lead_s": "micro_step_s", "exposed_iteration_lead_s": "iteration_s",
-                 "exposed_small_lead": "small_lead", "exposed_micro_step_small_lead_s": "micro_step_small_lead_s",
-                 "exposed_iteration_small_lead_s": "iteration_small_lead_s"}
-
-
-def from_schema_1(d: dict[str, Any]) -> dict[str, Any]:
-    """A schema-1 profile (before typed records: flat ``exposed_*`` fields and a ``meta`` dict) as
-    a schema-2 one. Every measured number has one place in the new records; ``meta``'s prose and
-    diagnostics that have none are left out."""
-    d = dict(d)
-    comm = dict(_mapping(d.get("comm"), "comm"))
-    links = {k: comm.pop(k) for k in ("bandwidth_bytes_per_s", "latency_s", "backend") if k in comm}
-    exposure: dict[str, Any] = {new: comm.pop(old) for old, new in _SCHEMA_1_EXPOSURE.items() if old in comm}
-    leaders: dict[str, dict[str, Any]] = {}
-    for old, new in _SCHEMA_1_LED.items():
-        for dtype, x in (comm.pop(old, None) or {}).items():
-            leaders.setdefault(dtype, {"device_type": dtype})[new] = x
-    exposure["leaders"] = list(leaders.values())
-    d["comm"] = {**comm, "links": links, "exposure": exposure}
-    legacy = dict(_mapping(d.pop("meta", None) or {}, "meta"))
-    d["precision"] = legacy.get("precision", "fp32")
-    d["mixed_precision"] = legacy.get("mixed_precision")
-    d["activation_checkpointing"] = bool(legacy.get("activation_checkpointing"))
-    emulated = None
-    if legacy.get("emulated") or legacy.get("synthetic"):
-        cluster = legacy.get("cluster")
-        emulated = Emulated(memory_scale=legacy["memory_scale"], time_scale=legacy.get("time_scale"),
-                            cluster=cluster.get("name", "") if isinstance(cluster, dict) else "",
-                            synthetic=bool(legacy.get("synthetic")), calibration=legacy.get("calibration"))
-    d["provenance"] = Provenance(schema_version=1, emulated=emulated)
-    notes = legacy.get("ranks") or {}
-    past = legacy.get("points_past_mbs")
-    d["measurement"] = Measurement(
-        requested_stage=legacy.get("requested_stage"),
-        escalations=[Escalation(e["from"], e["to"], e["ranks"], e.get("reasons", {}), e.get("offload"))
-                     for e in legacy.get("escalations", [])],
-        seconds=legacy.get("seconds", 0.0), timing_rounds=legacy.get("timing_rounds", 0),
-        repeats=legacy.get("repeats", 0), overflowing_trials=legacy.get("overflowing_trials", 0),
-        ranks=[notes[k] for k in sorted(notes, key=int)],
-        past_mbs=PastMbs(past["shard_weights"], past["batches"], past.get("seconds", 0.0)) if past else None)
-    choice = legacy.get("auto_choice")
-    if choice:
-        d["auto_choice"] = AutoChoice(choice["rule"], choice["candidates"], choice.get("profiling_s", {}),
-                                      choice.get("timed", 0), choice.get("probed", 0), choice.get("timing_rounds", 0),
-                                      choice.get("offload_escalations", []))
-    return d
-
-
-def _record(value: Any, kind: type, where: str) -> Any:
-    """``value`` as a ``kind`` record: itself, or built from its JSON object (None stays None)."""
-    if value is None or isinstance(value, kind):
-        return value
-    try:
-        return kind(**_mapping(value, where))
-    except TypeError as e:
-        raise ProfileError(f"profile field {where} is malformed: {e}; re-run the profiler") from None
-
-
-def _mapping(value: Any, where: str) -> dict[str, Any]:
-    _require(isinstance(value, dict), where, value, "an object")
-    return value
-
-
-def _check(value: Any, where: str, kind: type, optional: bool = False) -> None:
-    """``value`` is a ``kind`` (an int for float fields too; never a bool), or None if optional."""
-    if value is None and optional:
-        return
-    kinds = (int, float) if kind is float else (kind,)
-    what = {int: "an integer", float: "a number", str: "a string"}[kind] + (" or null" if optional else "")
-    _require(isinstance(value, kinds) and not isinstance(value, bool), where, value, what)

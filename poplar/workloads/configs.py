@@ -3,7 +3,7 @@ without building a model, and a JSON-safe form for checkpoints."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from poplar.workloads.text import VOCAB_SIZE
@@ -125,8 +125,3 @@ def count_params(config: LlamaConfig | BertConfig) -> int:
         head = (d * d + d) + 2 * d + c.vocab_size + (0 if c.tie_embeddings else c.vocab_size * d)
         return emb + c.n_layers * block + head
     raise TypeError(f"not a model config: {type(config).__name__}")
-
-
-def config_dict(config: LlamaConfig | BertConfig) -> dict[str, Any]:
-    """A config as a JSON-safe dict (for checkpoints' ``extra``)."""
-    return {"family": "llama" if isinstance(config, LlamaConfig) else "bert", **asdict(config)}

@@ -73,7 +73,7 @@ def test_the_search_times_the_first_fit_bounds_the_rest_and_picks_the_fastest(cl
             before = search.candidates[r.index]
             assert before.row.checkpointing or before.row.stage == 3
     assert profile.auto_choice.timed == len(timed)
-    assert [row["stage"] for row in profile.auto_choice.candidates] == [c.stage for c in search.rows]
+    assert [row.stage for row in profile.auto_choice.candidates] == [c.stage for c in search.rows]
 
 
 def test_a_checkpointed_candidate_is_probed_before_it_is_timed() -> None:

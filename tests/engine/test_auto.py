@@ -64,8 +64,8 @@ def test_auto_mode_profiles_plans_and_trains(tmp_path: Path) -> None:
     assert profile.provenance.emulated is not None and profile.provenance.emulated.memory_scale > 0
     plan = Plan.from_dict(json.loads(json.dumps(r0["plan"])))  # a copy: its choice is cleared below
     assert plan.global_batch_size == GBS and plan.strategy == "poplar" and plan.zero_stage == r0["stage"] >= 1
-    chosen = [r for r in plan.choice.candidates if r["chosen"]]  # auto mode's choice, recorded
-    assert len(chosen) == 1 and chosen[0]["stage"] == plan.zero_stage and plan.choice.choice_rule == "fastest"
+    chosen = [r for r in plan.choice.candidates if r.chosen]  # auto mode's choice, recorded
+    assert len(chosen) == 1 and chosen[0].stage == plan.zero_stage and plan.choice.choice_rule == "fastest"
     assert plan.choice.profiling_s["capacity_s"] > 0
     plan.choice = replace(plan.choice, candidates=None, choice_rule=None, profiling_s=None)
     # what the planner says, shard weights chosen with the batches (auto mode's default)
@@ -76,7 +76,7 @@ def test_auto_mode_profiles_plans_and_trains(tmp_path: Path) -> None:
     # each rank measured its share of the sharded state, so the planner can price shard weights;
     # two 16 GB cards have the same room: even shards stay
     assert all(r.shard_bytes and r.shard_bytes > 0 for r in profile.ranks) and plan.even_shards
-    assert plan.choice.shard_candidates[0]["name"] == "even"
+    assert plan.choice.shard_candidates[0].name == "even"
     assert r0["losses"] == r1["losses"] and len(r0["losses"]) == 3 and all(x == x for x in r0["losses"])
     assert r0["device"]["device_type"] == "V100-16G" and r1["device"]["device_type"] == "T4-16G"
     assert r0["fit_ranks"] == 2

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from poplar.planner.candidates import (CandidateRow, choose, estimate_profile, format_table, optimistic_time,
+from poplar.planner.candidates import (CandidateRow, choose, estimate_profile, format_table, marked, optimistic_time,
                                         with_probe)
 from poplar.profiler.capacity_model import guided_mbs
 from poplar.profiler.profile_run import ProfileJob, ProfileOptions, default_optimizer, search_capacity
@@ -54,6 +54,7 @@ def test_choose_fastest_and_first_fit() -> None:
             CandidateRow(2, True, True, {"T4": 9}, 0.7, True),
             CandidateRow(3, False, True, {"T4": 4}, 0.9, False)]
     assert choose(rows, "fastest").name == "ZeRO-2 +ckpt"
+    rows = marked(rows, "fastest")  # the table's rows, the choice marked
     assert "slower" in rows[1].reason and "CHOSEN" in format_table(rows)
     assert choose(rows, "first_fit").name == "ZeRO-1"
     with pytest.raises(PlanError, match="no configuration fits"):

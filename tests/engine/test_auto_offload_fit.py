@@ -41,7 +41,7 @@ def offload_fit_rank(rank: int, world: int, offload: str, stage: int | str = "au
                                            store=None, choose=choose))
     losses = [engine.train_step(rank_slice(global_batch(it, GBS), engine.plan, rank)) for it in range(ITERATIONS)]
     profile = engine.profile
-    escalated = profile.auto_choice.offload_escalations if profile.auto_choice is not None else \
+    escalated = [asdict(e) for e in profile.auto_choice.offload_escalations] if profile.auto_choice is not None else \
         [asdict(e) for e in profile.measurement.escalations]
     out = {"plan": engine.plan.to_dict(), "stage": engine.zero_stage, "measured": engine.profile.offloads,
            "mbs": [r.mbs for r in engine.profile.ranks], "escalated": escalated,

@@ -156,7 +156,7 @@ def plan(*args, participation: str = "all", **kwargs) -> Plan:
 def test_the_planner_chooses_by_predicted_time_and_keeps_flat_where_the_link_does_not_bind() -> None:
     slow = plan(profile(two_nodes()), 1000, 3)
     assert slow.hierarchical and slow.secondary_shards
-    rows = {r["collectives"]: r["predicted_s"] for r in slow.choice.collective_candidates}
+    rows = {r.collectives: r.predicted_s for r in slow.choice.collective_candidates}
     assert rows["secondary_shards"] < rows["hierarchical"] < rows["flat"] == \
         plan(profile(two_nodes()), 1000, 3, collectives="flat").predicted_iteration_s
     assert slow.predicted_iteration_s == rows["secondary_shards"]
@@ -171,7 +171,7 @@ def test_the_planner_chooses_by_predicted_time_and_keeps_flat_where_the_link_doe
     # secondary shards that leave no room are no candidate; hierarchical is chosen
     tight = plan(profile(two_nodes(), bytes_per_sample=1e5), 1000, 3)
     assert tight.hierarchical and not tight.secondary_shards
-    assert [r["predicted_s"] is None for r in tight.choice.collective_candidates] == [False, False, True]
+    assert [r.predicted_s is None for r in tight.choice.collective_candidates] == [False, False, True]
     again = Plan.from_dict(json.loads(json.dumps(slow.to_dict())))
     assert again.hierarchical and again.secondary_shards
 
@@ -193,7 +193,7 @@ def test_the_simulator_plans_each_strategy_with_its_fastest_way() -> None:
     for name in ("poplar", "even"):
         got = sim.result(name).plan
         assert got.secondary_shards and got.predicted_iteration_s == min(
-            r["predicted_s"] for r in got.choice.collective_candidates if r["predicted_s"] is not None)
+            r.predicted_s for r in got.choice.collective_candidates if r.predicted_s is not None)
     assert "secondary shards" in sim.table().splitlines()[2]
     one = simulate(profile(Links(100 * GB, 10e-6)), 1000, 3)
     assert not one.result("poplar").plan.hierarchical and one.result("poplar").plan.choice.collective_candidates is None

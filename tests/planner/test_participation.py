@@ -24,14 +24,14 @@ def test_a_very_slow_link_leaves_the_slower_node_out_and_a_fast_one_keeps_every_
     assert slow.left_out == (4, 5, 6, 7) and slow.step_ranks == (0, 1, 2, 3)
     assert all(r.num_samples == 0 and r.shard_weight == 0 and r.device_type == "slow" for r in slow.ranks[4:])
     assert slow.global_batch_size == 512 and slow.problem(8) is None and not slow.hierarchical
-    rows = {r["subset"]: r for r in slow.choice.participation_candidates}
+    rows = {r.subset: r for r in slow.choice.participation_candidates}
     assert set(rows) == {"all", "without node 0", "without node 1"}  # the types are the nodes: planned once
-    assert rows["without node 1"]["chosen"] and rows["without node 1"]["left_out"] == [4, 5, 6, 7]
-    assert slow.predicted_iteration_s == rows["without node 1"]["predicted_s"] < rows["all"]["predicted_s"]
-    assert rows["all"]["predicted_s"] == plan(profile(two_nodes(cross=CRAWL)), 512, 3,
+    assert rows["without node 1"].chosen and rows["without node 1"].left_out == (4, 5, 6, 7)
+    assert slow.predicted_iteration_s == rows["without node 1"].predicted_s < rows["all"].predicted_s
+    assert rows["all"].predicted_s == plan(profile(two_nodes(cross=CRAWL)), 512, 3,
                                               participation="all").predicted_iteration_s
     fast = plan(profile(two_nodes(cross=FAST)), 512, 3)
-    assert fast.left_out == () and fast.choice.participation_candidates[0]["chosen"]
+    assert fast.left_out == () and fast.choice.participation_candidates[0].chosen
 
 
 def test_each_subset_is_planned_on_its_own_ranks_and_links() -> None:
@@ -81,5 +81,5 @@ def test_a_subset_holds_the_whole_sharded_state_so_its_ranks_fit_smaller_batches
     tight = _with_shards(profile(two_nodes(cross=CRAWL)), 1300 * 10**6)
     with pytest.raises(PlanError, match="batch 1 does not fit"):
         on_ranks(tight, range(4))
-    rows = {r["subset"]: r for r in plan(tight, 512, 3).choice.participation_candidates or []}
-    assert rows and rows["without node 1"]["predicted_s"] is None and "batch 1" in rows["without node 1"]["reason"]
+    rows = {r.subset: r for r in plan(tight, 512, 3).choice.participation_candidates or []}
+    assert rows and rows["without node 1"].predicted_s is None and "batch 1" in rows["without node 1"].reason

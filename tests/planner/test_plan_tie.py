@@ -31,17 +31,17 @@ def test_a_near_tie_keeps_the_flops_plan(stage: int) -> None:
     assert shares(own) == [201, 99]
     got = plan_problem(problem, "poplar")
     assert shares(got) == shares(plan_problem(problem, "flops")) == [200, 100]
-    kept = got.meta["search"]["kept"]
-    assert kept["strategy"] == "flops"
-    assert kept["own_predicted_s"] == pytest.approx(own.predicted_iteration_s)
-    assert got.predicted_iteration_s == pytest.approx(kept["predicted_s"]) == pytest.approx(0.202)
+    kept = got.choice.search.kept
+    assert kept.strategy == "flops"
+    assert kept.own_predicted_s == pytest.approx(own.predicted_iteration_s)
+    assert got.predicted_iteration_s == pytest.approx(kept.predicted_s) == pytest.approx(0.202)
 
 
 def test_a_clear_gain_keeps_the_allocators_plan() -> None:
     # Y at 2.2 ms: flops' 200 + 100 ends at 0.22 s, the allocator's plan about 7 % sooner
     problem = Problem(two_types(0.0022), CommModel(2, 0.0, 1e9), 0, 300)
     got = plan_problem(problem, "poplar")
-    assert "kept" not in got.meta["search"]
+    assert got.choice.search.kept is None
     assert got.predicted_iteration_s < plan_problem(problem, "flops").predicted_iteration_s * 0.95
 
 
@@ -49,7 +49,7 @@ def test_without_spec_ratings_the_tie_falls_back_to_even() -> None:
     groups = [DeviceGroup("X", [0], SpeedCurve("X", 0.001 * np.arange(1, 301))),
               DeviceGroup("Y", [1], SpeedCurve("Y", 0.001005 * np.arange(1, 301)))]
     got = plan_problem(Problem(groups, CommModel(2, 0.0, 1e9), 0, 300), "poplar")
-    assert shares(got) == [150, 150] and got.meta["search"]["kept"]["strategy"] == "even"
+    assert shares(got) == [150, 150] and got.choice.search.kept.strategy == "even"
 
 
 @pytest.mark.parametrize("exposed_error, kept", [(None, False), (0.004, False), (0.006, True), (0.01, True)])
@@ -64,10 +64,10 @@ def test_a_profile_that_knew_its_exposure_less_well_widens_the_tie(exposed_error
                    CommProfile(Links(1e12), exposure=Exposure(error=exposed_error)))
     got = plan(prof, 300, 0)
     assert shares(got) == ([200, 100] if kept else [202, 98])
-    assert ("kept" in got.meta["search"]) == kept
+    assert (got.choice.search.kept is not None) == kept
     if kept:
-        assert got.meta["search"]["kept"]["tie"] == pytest.approx(math.sqrt(8) * exposed_error)
-        assert got.meta["search"]["kept"]["own_predicted_s"] == pytest.approx(0.202, rel=1e-3)
+        assert got.choice.search.kept.tie == pytest.approx(math.sqrt(8) * exposed_error)
+        assert got.choice.search.kept.own_predicted_s == pytest.approx(0.202, rel=1e-3)
 
 
 def test_a_profile_with_an_exposure_error_outside_a_fraction_is_refused() -> None:
@@ -86,5 +86,5 @@ def test_within_the_tie_flops_comes_before_even_even_when_even_is_the_allocators
     own = plan_problem(Problem(groups, link, 0, 300, plan_tie=0.0), "poplar")
     assert shares(own) == [150, 150] == shares(plan_problem(Problem(groups, link, 0, 300), "even"))
     got = plan_problem(Problem(groups, link, 0, 300), "poplar")
-    assert shares(got) == [200, 100] and got.meta["search"]["kept"]["strategy"] == "flops"
+    assert shares(got) == [200, 100] and got.choice.search.kept.strategy == "flops"
     assert got.predicted_iteration_s == pytest.approx(own.predicted_iteration_s + 0.05)

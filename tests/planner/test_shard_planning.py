@@ -75,7 +75,7 @@ def test_even_shards_where_memory_does_not_bind() -> None:
         prof = _profile(cluster, stage, 125e6)
         auto = plan(prof, 256, stage, shards="auto")
         assert auto.even_shards, (cluster, stage, auto.shard_weights)
-        assert auto.choice.shard_candidates[0]["name"] == "even"
+        assert auto.choice.shard_candidates[0].name == "even"
 
 
 def test_memory_bound_rows_move_state_to_the_roomy_cards() -> None:

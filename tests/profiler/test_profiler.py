@@ -139,11 +139,11 @@ def test_profile_finds_true_mbs_and_curve(stage: int, truth: dict[int, list[int]
     for rank, rp in enumerate(prof.ranks):
         extra = prof.measurement.ranks[rank]
         assert rp.mbs == expected[rank], (rank, rp.mbs, expected)
-        assert rp.trial_steps <= trial_budget(rp.mbs), (rank, rp.trial_steps, extra["trials"])
-        assert rp.trial_steps == len(extra["trials"])
-        for ev in extra["oom_events"]:  # every OOM released all of its memory
-            assert ev["memory_after"] == ev["memory_before"], ev
-            assert ev["gathered_after"] == ev["gathered_before"] == 0, ev
+        assert rp.trial_steps <= trial_budget(rp.mbs), (rank, rp.trial_steps, extra.trials)
+        assert rp.trial_steps == len(extra.trials)
+        for ev in extra.oom_events:  # every OOM released all of its memory
+            assert ev.memory_after == ev.memory_before, ev
+            assert ev.gathered_after == ev.gathered_before == 0, ev
         assert rp.capacity_bytes == CAPACITIES[rank] and rp.device_type == NAMES[rank]
         assert rp.bytes_per_sample and rp.base_bytes
         # timed at powers of two, midpoints and mbs, compute within 5 % of the device's curve; above
@@ -175,10 +175,10 @@ def test_profile_finds_true_mbs_and_curve(stage: int, truth: dict[int, list[int]
     assert x.micro_step_s >= 0 and x.iteration_s > 0 and x.overhead_s >= 0
     assert (x.micro_step_s > 0) == (stage >= 2)
     if stage == 3:
-        events = prof.measurement.ranks[1]["oom_events"]
-        injected = [e for e in events if "injected" in e["message"]]
-        assert injected and injected[0]["at"]["where"] == "gather" and injected[0]["at"]["gathered"] > 0
-        assert injected[0]["at"]["saved"] > 0  # mid-forward: activations of earlier blocks were alive
+        events = prof.measurement.ranks[1].oom_events
+        injected = [e for e in events if "injected" in e.message]
+        assert injected and injected[0].at["where"] == "gather" and injected[0].at["gathered"] > 0
+        assert injected[0].at["saved"] > 0  # mid-forward: activations of earlier blocks were alive
 
 
 def scenario_worker(rank: int, world: int, scenarios: list[tuple[list[VirtualDevice], int]]) -> list[dict]:

@@ -40,7 +40,7 @@ def test_fp16_profiling_counts_overflows_and_training_reports_them() -> None:
         skipped = [line for line in lines.lines if "skipped" in line]
         assert skipped == [], skipped
         notes = profile.measurement.ranks[0]
-        assert profile.measurement.overflowing_trials == notes["overflowing_trials"] > 0, notes
+        assert profile.measurement.overflowing_trials == notes.overflowing_trials > 0, notes
 
         model = WORKLOAD.model_fn()
         runtime = ZeroRuntime(model, default_optimizer(model), plan=Plan.even(1, 4, 4),

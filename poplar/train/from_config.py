@@ -38,7 +38,7 @@ from poplar.train.run_parts import RunParts
 from poplar.logs import log
 from poplar.types.plans import Offload, Plan, shares_of
 from poplar.types.route import Collectives
-from poplar.types.topology import Topology
+from poplar.zero.config import job_topology
 
 if TYPE_CHECKING:
     from poplar.engine import PoplarEngine
@@ -168,7 +168,7 @@ def with_collectives(cfg: TrainConfig, plan: Plan, world: int, stage: Any) -> Pl
     on hierarchical collectives, on the config's topology or the launcher's; and with its
     quantized collectives (``zero_quantized_*``, ``with_compression``)."""
     plan = with_compression(cfg, plan, stage)
-    topology = cfg.topology or Topology.from_launcher(os.environ, world)
+    topology = job_topology(cfg.topology, world)
     if not secondary_shards_of(cfg.hpz_partition_size, topology, stage):
         return plan
     return replace(plan, meta=dict(plan.meta), collectives=Collectives.SECONDARY_SHARDS)
@@ -182,7 +182,7 @@ def auto_collectives(cfg: TrainConfig, world: int) -> str:
     too) the planner chooses ("auto")."""
     if cfg.hpz_partition_size == 1:
         return "auto"
-    secondary_shards_of(cfg.hpz_partition_size, cfg.topology or Topology.from_launcher(os.environ, world), cfg.zero_stage)
+    secondary_shards_of(cfg.hpz_partition_size, job_topology(cfg.topology, world), cfg.zero_stage)
     return Collectives.SECONDARY_SHARDS.value
 
 

@@ -69,5 +69,12 @@ def communicator_for(config: ZeroConfig, device: torch.device) -> Communicator:
         raise TypeError(f"ZeroConfig(topology=...) takes a poplar.Topology, e.g. Topology(nodes=[[0, 1], [2, 3]]), "
                         f"got {topology!r}")
     if topology is None and config.process_group is None and dist.is_available() and dist.is_initialized():
-        topology = Topology.from_launcher(os.environ, dist.get_world_size())
+        topology = job_topology(None, dist.get_world_size())
     return Communicator(config.process_group, device, topology=topology)
+
+
+def job_topology(declared: Topology | None, world: int) -> Topology:
+    """The nodes of a job of ``world`` ranks: the ``declared`` topology, else the launcher's
+    (``Topology.from_launcher``: torchrun's node rank and local world size). The one place a job
+    asks the launcher, so the runtime and the config door never see two answers."""
+    return declared if declared is not None else Topology.from_launcher(os.environ, world)

@@ -199,7 +199,7 @@ def _lossy_every_gpu(row: dict[str, Any], gbs: int) -> float | None:
         return None
     if not found.left_out:
         return found.predicted_samples_per_s
-    every = [c["predicted_s"] for c in found.choice.participation_candidates or () if not c["left_out"]]
+    every = [c.predicted_s for c in found.choice.participation_candidates or () if not c.left_out]
     return gbs / every[0] if every and every[0] else None
 
 
@@ -220,7 +220,7 @@ def left_out_lines(rows: list[dict[str, Any]]) -> list[str]:
         compute_in, compute_out = _compute_s(every), _compute_s(chosen)
         links_in = every.predicted_iteration_s - compute_in
         links_out = chosen.predicted_iteration_s - compute_out
-        subset = next((c["subset"] for c in chosen.choice.participation_candidates or () if c.get("chosen")), "")
+        subset = next((c.subset for c in chosen.choice.participation_candidates or () if c.chosen), "")
         which = f"ranks {','.join(map(str, chosen.left_out))}" + \
             (f" ({subset.removeprefix('without ')})" if subset.startswith("without ") else "")
         taken = f"take {compute_out - compute_in:.2f} s of compute off the others" if compute_out > compute_in \

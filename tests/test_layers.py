@@ -21,25 +21,28 @@ LAYERS: dict[str, set[str]] = {
     "types": {"logs"},
     "planner": {"logs", "types"},
     "workloads": {"logs", "types"},
-    "comm": {"logs", "types"},
-    "zero": {"logs", "types", "comm"},
+    # a process's life in a distributed job (launch, timeouts, failure lines, signals)
+    "process": {"logs", "types"},
+    "comm": {"logs", "types", "process"},
+    "zero": {"logs", "types", "comm", "process"},
     # the planner is pure (types only): the profiler uses its shard memory and lead terms
-    "profiler": {"logs", "types", "comm", "zero", "planner"},
-    "auto": {"logs", "types", "comm", "zero", "profiler", "planner"},
-    "engine": {"logs", "types", "comm", "zero", "profiler", "planner", "auto"},
-    "checkpoint": {"logs", "types", "comm", "zero"},
+    "profiler": {"logs", "types", "comm", "process", "zero", "planner"},
+    "auto": {"logs", "types", "comm", "process", "zero", "profiler", "planner"},
+    "engine": {"logs", "types", "comm", "process", "zero", "profiler", "planner", "auto"},
+    "checkpoint": {"logs", "types", "comm", "process", "zero"},
     # the loop, and a run built from a config: its built-in models and data (workloads) too
-    "train": {"logs", "types", "comm", "zero", "profiler", "planner", "auto", "engine", "checkpoint", "workloads"},
+    "train": {"logs", "types", "comm", "process", "zero", "profiler", "planner", "auto", "engine", "checkpoint",
+              "workloads"},
     # above the training loop: the doors of other frameworks' loops (optional dependencies)
-    "integrations": {"logs", "types", "comm", "zero", "profiler", "planner", "auto", "engine", "checkpoint", "train",
-                     "workloads"},
-    "cli": {"logs", "types", "comm", "zero", "profiler", "planner", "auto", "engine", "checkpoint", "train",
-            "workloads", "facade", "emulation", "integrations"},
-    "facade": {"logs", "types", "comm", "zero", "profiler", "planner", "auto", "engine", "checkpoint", "train",
-               "workloads"},
+    "integrations": {"logs", "types", "comm", "process", "zero", "profiler", "planner", "auto", "engine", "checkpoint",
+                     "train", "workloads"},
+    "cli": {"logs", "types", "comm", "process", "zero", "profiler", "planner", "auto", "engine", "checkpoint",
+            "train", "workloads", "facade", "emulation", "integrations"},
+    "facade": {"logs", "types", "comm", "process", "zero", "profiler", "planner", "auto", "engine", "checkpoint",
+               "train", "workloads"},
     # beside the product: it may use any product layer; only the command line (and tests, benches) use it
-    "emulation": {"logs", "types", "comm", "zero", "profiler", "planner", "auto", "engine", "checkpoint", "train",
-                  "workloads"},
+    "emulation": {"logs", "types", "comm", "process", "zero", "profiler", "planner", "auto", "engine", "checkpoint",
+                  "train", "workloads"},
 }
 PRODUCT = set(LAYERS) - {"cli", "emulation"}
 MAX_PARAMETERS = 10

@@ -58,7 +58,7 @@ import torch.distributed as dist
 from poplar.comm import hierarchical, quantized, uneven
 from poplar.comm.hierarchical import HierarchicalCall, NodeGroups, Step
 from poplar.comm.ledger import Blocked, BlockedTimer, CommLedger
-from poplar.comm.sigterm_watch import BLOCKED
+from poplar.process.sigterm_watch import BLOCKED
 from poplar.comm.uneven import all_gather_tensor, reduce_scatter_tensor
 from poplar.types.compression import Quantization, QuantScope
 from poplar.types.errors import DistributedError
@@ -374,7 +374,7 @@ class Communicator:
 
     def guard(self, op: str, tag: str, fn: Any) -> Any:
         """Run a collective; a peer that died or timed out becomes a clear error on this rank.
-        While it runs, ``BLOCKED`` says so (``poplar.comm.sigterm_watch``)."""
+        While it runs, ``BLOCKED`` says so (``poplar.process.sigterm_watch``)."""
         BLOCKED.enter(f"{op} ({tag or 'untagged'})")
         try:
             return fn()

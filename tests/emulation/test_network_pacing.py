@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from poplar.comm.launch import RankFailure, spawn
+from poplar.process.launch import RankFailure, spawn
 from poplar.emulation.virtual_network import NetworkSpec, VirtualNetwork, link_seconds
 from poplar.planner.cost_model import bus_bytes
 from poplar.types.profiles import LinkSpeed

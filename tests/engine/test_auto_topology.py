@@ -12,7 +12,7 @@ import torch
 
 import poplar
 from poplar.auto import AutoOptions
-from poplar.comm.launch import spawn
+from poplar.process.launch import spawn
 from poplar.emulation import cluster_devices
 from poplar.emulation.virtual_network import NetworkSpec
 from poplar.engine import PoplarEngine

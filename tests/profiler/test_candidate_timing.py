@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from poplar.comm.launch import spawn
+from poplar.process.launch import spawn
 from poplar.emulation import SaturatingCurve, VirtualDevice
 from poplar.profiler.configurations import CandidateProfiler, Reuse, uncovered
 from poplar.profiler.exposure import MAX_STEADY_ROUNDS, STEADY_ROUNDS, ExposureRounds

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from poplar.comm import Communicator
-from poplar.comm.launch import spawn
+from poplar.process.launch import spawn
 from poplar.profiler.links import DEFAULT_COMM_SIZES, NO_LINK, fit_link, measure_links, probe_sizes
 from poplar.types.profiles import CommProfile, Links, LinkSpeed, Profile, ProfilePoint, RankProfile
 from poplar.types.topology import Topology

@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 
-from poplar.comm.launch import spawn
+from poplar.process.launch import spawn
 from poplar.emulation import VirtualDevice
 from poplar.emulation.synthetic import GIB, ModelSpec, synthetic_profile
 from poplar.planner import shards

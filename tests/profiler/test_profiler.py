@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from poplar.comm.launch import spawn
+from poplar.process.launch import spawn
 from poplar.types.plans import Plan, RankPlan
 from poplar.emulation import SaturatingCurve, VirtualDevice
 from poplar.profiler import search_mbs, trial_budget

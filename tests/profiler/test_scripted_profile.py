@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from poplar.comm.launch import spawn
+from poplar.process.launch import spawn
 from poplar.planner import plan
 from poplar.profiler.profile_run import ProfileOptions, profile_rank
 from poplar.types.profiles import Profile

@@ -13,7 +13,7 @@ import torch
 
 from poplar.auto import AutoOptions
 from poplar.comm import Communicator
-from poplar.comm.launch import spawn
+from poplar.process.launch import spawn
 from poplar.engine import PoplarEngine
 from poplar.emulation.faults import FaultSchedule
 from poplar.profiler.profile_run import ProfileJob, ProfileOptions, search_capacity

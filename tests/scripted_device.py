@@ -99,10 +99,11 @@ class LinkScript:
 
 class ScriptedLink:
     """A ``CollectiveObserver`` that moves ``clock`` on by the scripted seconds of each tensor
-    collective when it is done (``links``: the script of each ``Link`` a collective may run on;
-    a link with no script costs nothing). ``heard`` keeps (op, bytes, link, seconds) of each."""
+    collective when it is done. ``links``: the script of each ``Link`` a collective may run on,
+    or of a link and the exact ranks on it (``(Link.INTRA, (0, 1))``: one node's own), which comes
+    first; a link with no script costs nothing. ``heard`` keeps (op, bytes, link, seconds)."""
 
-    def __init__(self, clock: ScriptedClock, links: dict[Link, LinkScript]) -> None:
+    def __init__(self, clock: ScriptedClock, links: dict[Any, LinkScript]) -> None:
         self.clock, self.links = clock, links
         self.heard: list[tuple[str, int, Link, float]] = []
 
@@ -111,7 +112,7 @@ class ScriptedLink:
 
     def done(self, ticket: tuple[str, int, Wire]) -> None:
         op, nbytes, wire = ticket
-        script = self.links.get(wire.link)
+        script = self.links.get((wire.link, tuple(wire.ranks)), self.links.get(wire.link))
         seconds = script.seconds(op, nbytes, len(wire.ranks)) if script is not None else 0.0
         self.heard.append((op, nbytes, wire.link, seconds))
         self.clock.advance(seconds)

@@ -10,6 +10,7 @@ The doors stay small: no public function or method in ``poplar/`` takes more tha
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -65,11 +66,22 @@ def module_name(path: Path, root: Path) -> str:
     return ".".join(parts)
 
 
+@functools.lru_cache(maxsize=None)
+def _nodes(text: str, filename: str) -> tuple[ast.AST, ...]:
+    return tuple(ast.walk(ast.parse(text, filename)))
+
+
+def nodes(path: Path) -> tuple[ast.AST, ...]:
+    """Every node of the file's syntax tree, parsed once per content for all the checks here (the
+    tests of the checkers write files of their own, so the key is the text, not the path)."""
+    return _nodes(path.read_text(), str(path))
+
+
 def imports_of(path: Path, module: str) -> list[tuple[int, str]]:
     """Every module ``path`` imports anywhere in the file, resolved to absolute names."""
     is_package = path.name == "__init__.py"
     out = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in nodes(path):
         if isinstance(node, ast.Import):
             out += [(node.lineno, a.name) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -181,7 +193,7 @@ def wide_public_functions(root: Path, limit: int = MAX_PARAMETERS) -> list[str]:
     ``limit`` named parameters (positional and keyword-only, ``self`` / ``cls`` left out)."""
     found = []
     for path in sorted(root.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in nodes(path):
             if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
             if node.name.startswith("_") and node.name != "__init__":
@@ -199,7 +211,7 @@ def wide_public_functions(root: Path, limit: int = MAX_PARAMETERS) -> list[str]:
 def loop_registrations(root: Path) -> list[str]:
     """Functions named ``register_*loop*``: callbacks that hold an upper layer to a lower one."""
     return [f"{path}:{node.lineno} {node.name}" for path in sorted(root.rglob("*.py"))
-            for node in ast.walk(ast.parse(path.read_text(), str(path)))
+            for node in nodes(path)
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("register_")
             and "loop" in node.name]
 

@@ -4,7 +4,7 @@ runtime really holds.
 
 Ground truth comes from the devices themselves: the largest fitting batch is found by trying
 every batch 1, 2, 3, ... on a local engine (no collectives) until one does not fit. No time is
-bounded here: what the profiler measures of a device's compute and of the collectives is checked
+bounded here, so the devices run unpadded, at the machine's speed: what the profiler measures of a device's compute and of the collectives is checked
 against scripted devices (``test_scripted_profile.py``, ``test_candidate_timing.py``), the
 emulator's own pacing in ``tests/emulation``.
 """
@@ -41,7 +41,11 @@ NAMES = ["big", "mid", "small"]
 
 
 def make_devices() -> list[VirtualDevice]:
-    return [VirtualDevice(n, c, time_fn=t) for n, c, t in zip(NAMES, CAPACITIES, CURVES)]
+    """The three cards, unpadded: no time is bounded here, so compute runs at the machine's speed."""
+    devices = [VirtualDevice(n, c, time_fn=t) for n, c, t in zip(NAMES, CAPACITIES, CURVES)]
+    for device in devices:
+        device.pad = False
+    return devices
 
 
 def true_mbs(device: VirtualDevice, rank: int, stage: int, limit: int = 400) -> int:
@@ -49,15 +53,11 @@ def true_mbs(device: VirtualDevice, rank: int, stage: int, limit: int = 400) -> 
     model = WORKLOAD.model_fn()
     engine = local_engine(model, default_optimizer(model), world_size=WORLD, rank=rank, zero_stage=ZeroConfig(stage, bucket_size_mb=BUCKET_MB),
                           device=torch.device("cpu"))
-    device.pad = False
-    try:
-        with device.attach(engine):
-            search = CapacitySearch(engine, device, WORKLOAD.sample_fn, WORKLOAD.loss_fn, stage)
-            for b in range(1, limit):
-                if not search.trial(b):
-                    return b - 1
-    finally:
-        device.pad = True
+    with device.attach(engine):
+        search = CapacitySearch(engine, device, WORKLOAD.sample_fn, WORKLOAD.loss_fn, stage)
+        for b in range(1, limit):
+            if not search.trial(b):
+                return b - 1
     raise AssertionError("no OOM up to the limit")
 
 
@@ -78,7 +78,7 @@ def profile_and_train(rank: int, world: int, devices_by_stage: dict[int, list[Vi
         plan = Plan([RankPlan(m, 2, 0) for m in mbs])
         model = WORKLOAD.model_fn()
         engine = PoplarEngine(model, default_optimizer(model), zero_stage=ZeroConfig(prof.zero_stage, bucket_size_mb=BUCKET_MB), plan=plan)
-        device.raise_oom, device.pad = True, False
+        device.raise_oom = True
         with device.attach(engine):
             for it in range(2):
                 engine.train_step(WORKLOAD.sample_fn(2 * mbs[rank]), WORKLOAD.loss_fn)
@@ -109,6 +109,7 @@ def cluster() -> tuple[dict[int, int], list[dict]]:
     escalating[2] = VirtualDevice("tiny", (peaks[1] + peaks[2]) // 2, time_fn=CURVES[2])
     hopeless = make_devices()
     hopeless[1] = VirtualDevice("crumb", 50 * KB, time_fn=CURVES[1])
+    escalating[2].pad = hopeless[1].pad = False
     return peaks, spawn(cluster_worker, WORLD, ([(escalating, 0), (hopeless, 1)],), timeout_s=600,
                         collective_timeout_s=200)
 

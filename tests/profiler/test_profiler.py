@@ -4,9 +4,10 @@ runtime really holds.
 
 Ground truth comes from the devices themselves: the largest fitting batch is found by trying
 every batch 1, 2, 3, ... on a local engine (no collectives) until one does not fit. No time is
-bounded here, so the devices run unpadded, at the machine's speed: what the profiler measures of a device's compute and of the collectives is checked
-against scripted devices (``test_scripted_profile.py``, ``test_candidate_timing.py``), the
-emulator's own pacing in ``tests/emulation``.
+bounded here, so the devices run unpadded, at the machine's speed: what the profiler measures of
+a device's compute and of the collectives is checked against scripted devices
+(``test_scripted_profile.py``, ``test_candidate_timing.py``), the emulator's own pacing in
+``tests/emulation``.
 """
 
 from __future__ import annotations

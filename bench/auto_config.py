@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from poplar.auto import AutoOptions, auto_plan  # noqa: E402
 from poplar.comm import Communicator  # noqa: E402
-from poplar.comm.launch import spawn  # noqa: E402
+from poplar.process.launch import spawn  # noqa: E402
 from poplar.engine import PoplarEngine  # noqa: E402
 from poplar.planner.candidates import CandidateRow, format_table, mbs_by_type, predict  # noqa: E402
 from poplar.emulation import Scales, cluster_device  # noqa: E402

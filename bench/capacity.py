@@ -59,7 +59,7 @@ from typing import Any
 import torch
 
 import shard_speed  # bench/ is on the path of a script run from it
-from poplar.comm.launch import spawn
+from poplar.process.launch import spawn
 from poplar.emulation import VirtualDevice
 from poplar.emulation.presets import get_preset
 from poplar.engine import PoplarEngine

@@ -86,7 +86,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from poplar.comm.launch import spawn
+from poplar.process.launch import spawn
 from poplar.emulation.calibration import calibrate_stages
 from poplar.emulation.cluster import ClusterSpec
 from poplar.emulation.presets import PresetError, get_link

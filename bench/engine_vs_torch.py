@@ -27,7 +27,7 @@
 - ``zero0_vs_ddp_by_shape`` (``--zero0-shapes``, same default): the same for ZeRO-0 and DDP,
   both with their default 25 MB buckets; its ``compute_floor`` steps all the parameters.
 
-By default gloo ranks on CPU (``poplar.comm.launch.spawn``), one thread each, a small transformer
+By default gloo ranks on CPU (``poplar.process.launch.spawn``), one thread each, a small transformer
 (~3.3M parameters, 4 blocks). ``--device cuda`` runs NCCL ranks on this machine's GPUs and a
 larger model (the ``GPU`` sizes below; ``--dim/--layers/--heads/--seq/--batch/--vocab`` override
 either preset), timing with ``torch.cuda.synchronize()`` around each block: by default a world of
@@ -65,7 +65,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from poplar.engine import PoplarEngine
-from poplar.comm.launch import free_port, spawn
+from poplar.process.launch import free_port, spawn
 from poplar.emulation.gpu_ranks import rank_gpu
 from poplar.types.plans import Offload, Plan
 from poplar.zero.config import ZeroConfig

@@ -81,7 +81,7 @@ import torch.distributed as dist
 
 from poplar.emulation.cluster import ClusterError, ClusterSpec
 from poplar.engine import PoplarEngine
-from poplar.comm.launch import spawn
+from poplar.process.launch import spawn
 from poplar.workloads.models import LLAMA_SIZES, create_model, llama_loss_fn
 from poplar.planner import plan
 from poplar.planner.cost_model import CommModel, evaluate_rows

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from poplar.comm import Communicator
-from poplar.comm.launch import spawn
+from poplar.process.launch import spawn
 from poplar.types.route import Collectives, Route
 from poplar.types.topology import Link, Topology
 from poplar.zero.shard_layout import ShardLayout

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from poplar.engine import PoplarEngine
-from poplar.comm.launch import spawn
+from poplar.process.launch import spawn
 from poplar.types.plans import Plan
 from poplar.zero.config import ZeroConfig
 

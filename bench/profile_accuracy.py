@@ -35,7 +35,7 @@ import time
 import numpy as np
 
 from poplar.emulation.cluster import ClusterSpec
-from poplar.comm.launch import spawn
+from poplar.process.launch import spawn
 from poplar.planner.curves import SpeedCurve
 from poplar.emulation.calibration import calibrate_stages
 from poplar.emulation.emulate import cluster_devices

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from poplar.auto import AutoOptions
-from poplar.comm.launch import spawn
+from poplar.process.launch import spawn
 from poplar.engine import PoplarEngine
 from poplar.planner import plan as make_plan
 from poplar.emulation.calibration import calibrate

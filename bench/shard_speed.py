@@ -53,7 +53,7 @@ from typing import Any
 
 from hetero import cluster_link, rows_of, sample, train  # bench/ is on the path of a script run from it
 
-from poplar.comm.launch import spawn
+from poplar.process.launch import spawn
 from poplar.emulation.calibration import calibrate
 from poplar.emulation.cluster import ClusterSpec
 from poplar.emulation.emulate import cluster_devices

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from poplar.comm import Communicator
 from poplar.comm import uneven
-from poplar.comm.launch import spawn
+from poplar.process.launch import spawn
 from poplar.zero.shard_layout import ShardLayout
 
 METHODS = {"all_gather": [uneven.UnevenMethod.LISTED, uneven.UnevenMethod.BROADCASTS, uneven.UnevenMethod.PADDED],

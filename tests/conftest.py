@@ -1,5 +1,6 @@
 """Shared test settings."""
 
+import gc
 import os
 
 import pytest
@@ -13,6 +14,21 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """[Note: the collector sees only what the tests make]
+    Every recovery from an out-of-memory error collects reference cycles (``Device.release``, the
+    capacity search's rebuild): a full ``gc.collect()``, which walks every object in the process.
+    After collection that is torch, torch._dynamo (imported by the first optimizer), the HF and
+    Lightning stacks and every test module: millions of objects, a second or more a call on a
+    busy 2-core machine, and a capacity search recovers many times. Those objects live for the
+    whole session, so they are moved out of the collector's sight once (``gc.freeze``): a
+    collection then walks only what the tests made since, and frees the same cycles."""
+    import torch._dynamo  # noqa: F401 - imported here so that it is frozen with the rest
+
+    gc.collect()
+    gc.freeze()
 
 
 # Tests are hermetic: auto mode keeps no profiles in the user's cache unless a test gives a

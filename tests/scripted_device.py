@@ -2,13 +2,20 @@
 micro-step are given by a formula, so a test feeds known numbers in and checks what comes out.
 
 - memory: ``base_bytes`` of model states (``static_bytes``) and, while a micro-step's forward
-  has run, ``bytes_per_sample`` per sample of activations; a forward whose activations pass
-  ``capacity_bytes`` raises the one out-of-memory error every device raises. The largest batch
-  that fits is therefore ``(capacity_bytes - base_bytes) // bytes_per_sample``.
+  has run, ``activation_bytes(b) = bytes_per_sample * b + bytes_per_sample_squared * b * b`` of
+  activations; a forward whose activations pass ``capacity_bytes`` raises the one out-of-memory
+  error every device raises. The largest batch that fits is ``Script.mbs`` (linear memory:
+  ``(capacity_bytes - base_bytes) // bytes_per_sample``; a square term makes batch 1's estimate
+  too large, so the search meets out-of-memory errors and must recover from them).
 - time: a micro-step of ``b`` samples takes ``seconds(b) = fixed_s + per_sample_s * b``. No
   sleep: the device moves the process's ``time.perf_counter`` on by that much when the step's
   backward ends (``ScriptedClock``), so every clock of the profiler and the runtime reads the
   scripted compute, plus the real (tiny) compute of the model, which is at most ``noise_s``.
+
+- communication: with a ``ScriptedLink``, every tensor collective of the attached runtime takes
+  ``latency_s + bus bytes / bandwidth`` more on the clock (the ring's bus bytes,
+  ``poplar.planner.cost_model.bus_bytes``), inside the collective: what the comm ledger records
+  and a micro-step's wall time both include it, so the profiler must subtract it from compute.
 
 It plugs into the profiler like a real GPU (``poplar.profiler.devices.Device``, no profiling
 observer) beside the emulator's ``VirtualDevice``, which instead counts real tensors and sleeps.
@@ -23,7 +30,9 @@ from typing import Any, Iterator
 
 import torch
 
+from poplar.planner.cost_model import bus_bytes
 from poplar.profiler.devices import OOM_ERROR, Device
+from poplar.types.topology import Link, Wire
 
 
 @dataclass(frozen=True)
@@ -36,10 +45,17 @@ class Script:
     bytes_per_sample: int
     fixed_s: float
     per_sample_s: float
+    bytes_per_sample_squared: int = 0
+
+    def activation_bytes(self, batch: int) -> int:
+        return self.bytes_per_sample * batch + self.bytes_per_sample_squared * batch * batch
 
     @property
     def mbs(self) -> int:
-        return (self.capacity_bytes - self.base_bytes) // self.bytes_per_sample
+        batch = 0
+        while self.base_bytes + self.activation_bytes(batch + 1) <= self.capacity_bytes:
+            batch += 1
+        return batch
 
     def seconds(self, batch: int) -> float:
         return self.fixed_s + self.per_sample_s * batch
@@ -70,12 +86,46 @@ class ScriptedClock:
             time.perf_counter = self._real
 
 
-class ScriptedDevice(Device):
-    """A device whose memory and compute time follow ``script`` (see the module doc)."""
+@dataclass(frozen=True)
+class LinkScript:
+    """A link's numbers: a collective of ``bus`` bytes takes ``latency_s + bus / bandwidth``."""
 
-    def __init__(self, script: Script, clock: ScriptedClock, name: str | None = None) -> None:
+    bandwidth_bytes_per_s: float
+    latency_s: float
+
+    def seconds(self, op: str, nbytes: int, ranks: int) -> float:
+        return self.latency_s + bus_bytes(op, nbytes, ranks) / self.bandwidth_bytes_per_s
+
+
+class ScriptedLink:
+    """A ``CollectiveObserver`` that moves ``clock`` on by the scripted seconds of each tensor
+    collective when it is done. ``links``: the script of each ``Link`` a collective may run on,
+    or of a link and the exact ranks on it (``(Link.INTRA, (0, 1))``: one node's own), which comes
+    first; a link with no script costs nothing. ``heard`` keeps (op, bytes, link, seconds)."""
+
+    def __init__(self, clock: ScriptedClock, links: dict[Any, LinkScript]) -> None:
+        self.clock, self.links = clock, links
+        self.heard: list[tuple[str, int, Link, float]] = []
+
+    def issued(self, op: str, nbytes: int, wire: Wire) -> tuple[str, int, Wire]:
+        return op, nbytes, wire
+
+    def done(self, ticket: tuple[str, int, Wire]) -> None:
+        op, nbytes, wire = ticket
+        script = self.links.get((wire.link, tuple(wire.ranks)), self.links.get(wire.link))
+        seconds = script.seconds(op, nbytes, len(wire.ranks)) if script is not None else 0.0
+        self.heard.append((op, nbytes, wire.link, seconds))
+        self.clock.advance(seconds)
+
+
+class ScriptedDevice(Device):
+    """A device whose memory and compute time follow ``script`` (see the module doc), and whose
+    runtime's collectives ride ``link`` while attached (None: they cost their real time)."""
+
+    def __init__(self, script: Script, clock: ScriptedClock, name: str | None = None,
+                 link: ScriptedLink | None = None) -> None:
         super().__init__(name or script.device_type, script.device_type, torch.device("cpu"))
-        self.script, self.clock = script, clock
+        self.script, self.clock, self.link = script, clock, link
         self._activations = 0
         self._peak = script.base_bytes
         self.started: list[int] = []  # batch of every micro-step whose forward ran
@@ -100,6 +150,11 @@ class ScriptedDevice(Device):
     def static_bytes(self) -> int | None:
         return self.script.base_bytes
 
+    @contextlib.contextmanager
+    def _attached(self, runtime: Any) -> Iterator[None]:
+        with runtime.comm.observed(self.link):
+            yield
+
     def abort_step(self) -> None:
         super().abort_step()
         self._activations = 0
@@ -111,12 +166,12 @@ class ScriptedDevice(Device):
     def _forward_end(self) -> None:
         batch = self._open.batch if self._open is not None else 0
         self.started.append(batch)
-        self._activations = self.script.bytes_per_sample * batch
+        self._activations = self.script.activation_bytes(batch)
         self._peak = max(self._peak, self.memory_in_use())
         if self.memory_in_use() > self.capacity_bytes:
             self._open, self._activations = None, 0
             self.last_failure = {"where": "forward end", "batch": batch,
-                                 "usage": self.script.base_bytes + self.script.bytes_per_sample * batch}
+                                 "usage": self.script.base_bytes + self.script.activation_bytes(batch)}
             raise OOM_ERROR(f"scripted device {self.name}: batch {batch} needs "
                             f"{self.last_failure['usage']} bytes > capacity {self.capacity_bytes}")
 

@@ -10,6 +10,7 @@ The doors stay small: no public function or method in ``poplar/`` takes more tha
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -21,25 +22,28 @@ LAYERS: dict[str, set[str]] = {
     "types": {"logs"},
     "planner": {"logs", "types"},
     "workloads": {"logs", "types"},
-    "comm": {"logs", "types"},
-    "zero": {"logs", "types", "comm"},
+    # a process's life in a distributed job (launch, timeouts, failure lines, signals)
+    "process": {"logs", "types"},
+    "comm": {"logs", "types", "process"},
+    "zero": {"logs", "types", "comm", "process"},
     # the planner is pure (types only): the profiler uses its shard memory and lead terms
-    "profiler": {"logs", "types", "comm", "zero", "planner"},
-    "auto": {"logs", "types", "comm", "zero", "profiler", "planner"},
-    "engine": {"logs", "types", "comm", "zero", "profiler", "planner", "auto"},
-    "checkpoint": {"logs", "types", "comm", "zero"},
+    "profiler": {"logs", "types", "comm", "process", "zero", "planner"},
+    "auto": {"logs", "types", "comm", "process", "zero", "profiler", "planner"},
+    "engine": {"logs", "types", "comm", "process", "zero", "profiler", "planner", "auto"},
+    "checkpoint": {"logs", "types", "comm", "process", "zero"},
     # the loop, and a run built from a config: its built-in models and data (workloads) too
-    "train": {"logs", "types", "comm", "zero", "profiler", "planner", "auto", "engine", "checkpoint", "workloads"},
+    "train": {"logs", "types", "comm", "process", "zero", "profiler", "planner", "auto", "engine", "checkpoint",
+              "workloads"},
     # above the training loop: the doors of other frameworks' loops (optional dependencies)
-    "integrations": {"logs", "types", "comm", "zero", "profiler", "planner", "auto", "engine", "checkpoint", "train",
-                     "workloads"},
-    "cli": {"logs", "types", "comm", "zero", "profiler", "planner", "auto", "engine", "checkpoint", "train",
-            "workloads", "facade", "emulation", "integrations"},
-    "facade": {"logs", "types", "comm", "zero", "profiler", "planner", "auto", "engine", "checkpoint", "train",
-               "workloads"},
+    "integrations": {"logs", "types", "comm", "process", "zero", "profiler", "planner", "auto", "engine", "checkpoint",
+                     "train", "workloads"},
+    "cli": {"logs", "types", "comm", "process", "zero", "profiler", "planner", "auto", "engine", "checkpoint",
+            "train", "workloads", "facade", "emulation", "integrations"},
+    "facade": {"logs", "types", "comm", "process", "zero", "profiler", "planner", "auto", "engine", "checkpoint",
+               "train", "workloads"},
     # beside the product: it may use any product layer; only the command line (and tests, benches) use it
-    "emulation": {"logs", "types", "comm", "zero", "profiler", "planner", "auto", "engine", "checkpoint", "train",
-                  "workloads"},
+    "emulation": {"logs", "types", "comm", "process", "zero", "profiler", "planner", "auto", "engine", "checkpoint",
+                  "train", "workloads"},
 }
 PRODUCT = set(LAYERS) - {"cli", "emulation"}
 MAX_PARAMETERS = 10
@@ -62,11 +66,22 @@ def module_name(path: Path, root: Path) -> str:
     return ".".join(parts)
 
 
+@functools.lru_cache(maxsize=None)
+def _nodes(text: str, filename: str) -> tuple[ast.AST, ...]:
+    return tuple(ast.walk(ast.parse(text, filename)))
+
+
+def nodes(path: Path) -> tuple[ast.AST, ...]:
+    """Every node of the file's syntax tree, parsed once per content for all the checks here (the
+    tests of the checkers write files of their own, so the key is the text, not the path)."""
+    return _nodes(path.read_text(), str(path))
+
+
 def imports_of(path: Path, module: str) -> list[tuple[int, str]]:
     """Every module ``path`` imports anywhere in the file, resolved to absolute names."""
     is_package = path.name == "__init__.py"
     out = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in nodes(path):
         if isinstance(node, ast.Import):
             out += [(node.lineno, a.name) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -178,7 +193,7 @@ def wide_public_functions(root: Path, limit: int = MAX_PARAMETERS) -> list[str]:
     ``limit`` named parameters (positional and keyword-only, ``self`` / ``cls`` left out)."""
     found = []
     for path in sorted(root.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in nodes(path):
             if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
             if node.name.startswith("_") and node.name != "__init__":
@@ -196,7 +211,7 @@ def wide_public_functions(root: Path, limit: int = MAX_PARAMETERS) -> list[str]:
 def loop_registrations(root: Path) -> list[str]:
     """Functions named ``register_*loop*``: callbacks that hold an upper layer to a lower one."""
     return [f"{path}:{node.lineno} {node.name}" for path in sorted(root.rglob("*.py"))
-            for node in ast.walk(ast.parse(path.read_text(), str(path)))
+            for node in nodes(path)
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("register_")
             and "loop" in node.name]
 

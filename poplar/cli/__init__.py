@@ -6,7 +6,7 @@ subcommands and sets ``func`` (taking the parsed args, returning an exit code) o
 Under torchrun (only there), the entry point runs inside torchrun's ``record``
 (``torch.distributed.elastic.multiprocessing.errors``): an error that escapes a command is written
 to the worker's error file, and ``poplar train``'s one failure line is written there too
-(``poplar.comm.failure``), so torchrun's failure summary shows the real error rather than
+(``poplar.process.failure``), so torchrun's failure summary shows the real error rather than
 ``error_file: <N/A>``.
 """
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from poplar.comm.launch import spawn
+from poplar.process.launch import spawn
 from poplar.emulation.speed_padding import LATE_BUDGET, late_fraction
 
 

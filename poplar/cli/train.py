@@ -9,7 +9,7 @@ from them.
 
 A failure on any rank (a dead peer, a bad batch, a corrupt checkpoint) ends every rank with exit
 status 1 and one error on stderr, printed once by the first rank that failed, naming the ranks
-that died where that can be known (``poplar.comm.failure``); the last complete checkpoint stays as
+that died where that can be known (``poplar.process.failure``); the last complete checkpoint stays as
 it was. SIGTERM or SIGINT (preemption; torchrun forwards them) stops every rank after the same
 iteration, which is checkpointed and reported; rank 0 prints one line and every rank exits with
 128 + the signal's number (``poplar.train.preemption``).
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from poplar.comm.failure import FailureReporting
+from poplar.process.failure import FailureReporting
 from poplar.logs import log
 from poplar.types.precision import MixedPrecision
 from poplar.train.config import ConfigError, TrainConfig
@@ -55,7 +55,7 @@ def init_distributed(timeout_s: float) -> torch.device:
     if backend == "nccl":
         kwargs["device_id"] = device
     from poplar.comm import DistributedError
-    from poplar.comm.attempts import attempt_store
+    from poplar.process.attempts import attempt_store
     try:
         store = attempt_store(timeout_s)  # None outside torchrun: env:// as usual
         if store is not None:
@@ -106,8 +106,8 @@ def run(cfg: TrainConfig, failures: "FailureReporting | None" = None, plan_only:
     """Join the job, claim the checkpoint directory, build and train (every rank); ``plan_only``:
     stop once the plan is made (``poplar profile --config``: the profile store is then filled)."""
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a worker whose launcher is gone stops by itself
-        from poplar.comm.launcher_watch import LauncherWatch
-        from poplar.comm.sigterm_watch import SigtermWatch
+        from poplar.process.launcher_watch import LauncherWatch
+        from poplar.process.sigterm_watch import SigtermWatch
         LauncherWatch(cfg.collective_timeout_s).start()
         SigtermWatch("poplar train").start()  # blocked in a collective, it still answers SIGTERM
     init_distributed(cfg.collective_timeout_s)

@@ -1,5 +1,5 @@
-"""Communication: the one door to ``torch.distributed`` (``Communicator``), the record of every
-collective (``CommLedger``), and the process launcher for tests and benchmarks."""
+"""Communication: the one door to ``torch.distributed`` (``Communicator``) and the record of every
+collective (``CommLedger``). How ranks start, wait and end is ``poplar.process``."""
 
 from poplar.comm.communicator import Communicator
 from poplar.comm.pending import CollectiveObserver, PendingChain, PendingCollective

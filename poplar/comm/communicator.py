@@ -39,7 +39,7 @@ from poplar.comm.hierarchical import HierarchicalCall, NodeGroups
 from poplar.comm.ledger import BlockedTimer, CommLedger
 from poplar.comm.pending import CollectiveObserver, PendingChain, PendingCollective
 from poplar.comm.routes import Call, CollectiveRoute, Members, Routes
-from poplar.comm.sigterm_watch import BLOCKED
+from poplar.process.sigterm_watch import BLOCKED
 from poplar.comm.uneven import UnevenCall
 from poplar.types.compression import Quantization
 from poplar.types.errors import DistributedError
@@ -221,7 +221,7 @@ class Communicator:
 
     def guard(self, op: str, tag: str, fn: Any) -> Any:
         """Run a collective; a peer that died or timed out becomes a clear error on this rank.
-        While it runs, ``BLOCKED`` says so (``poplar.comm.sigterm_watch``)."""
+        While it runs, ``BLOCKED`` says so (``poplar.process.sigterm_watch``)."""
         BLOCKED.enter(f"{op} ({tag or 'untagged'})")
         try:
             return fn()

@@ -30,7 +30,7 @@ scale satisfies both, so fp32 and bf16/fp16 runs of one model emulate the same G
 scale comes from the fp32 pass (a GPU's memory does not shrink with the dtype).
 
 Where the ranks come from: ``calibrate`` (one process, before a cluster is spawned) spawns a
-short job of world-size processes for the concurrent timing (``poplar.comm.launch.spawn``);
+short job of world-size processes for the concurrent timing (``poplar.process.launch.spawn``);
 inside a running job (``emulate.emulate_cluster_together``) the job's own ranks time together
 through ``time_trials`` with the job's communicator as barrier.
 """
@@ -255,7 +255,7 @@ def _timing_rank(rank: int, world: int, job: TimingJob) -> dict[str, dict[int, l
 
 def spawn_timing(job: TimingJob, timeout_s: float = 600.0) -> dict[str, dict[int, float]]:
     """``time_trials`` on ``job.world`` spawned processes; ``combine``'s result."""
-    from poplar.comm.launch import spawn
+    from poplar.process.launch import spawn
 
     return combine(spawn(_timing_rank, job.world, (job,), timeout_s=timeout_s, collective_timeout_s=timeout_s))
 

@@ -88,7 +88,7 @@ def measure_link(world: int, model_bytes: int, *, reps: int = REPS, quantile: fl
                  margin: float = LINK_MARGIN, timeout_s: float = 300.0) -> dict[str, Any]:
     """Measure this machine's collectives on ``world`` spawned processes and fit a link:
     {"latency_s", "bandwidth_bytes_per_s", "quantile", "margin", "median_s"}."""
-    from poplar.comm.launch import spawn
+    from poplar.process.launch import spawn
 
     scratch = LinkSpec.create(0.0, 1e15, world)
     try:

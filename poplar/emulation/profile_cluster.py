@@ -1,5 +1,5 @@
 """Profile an emulated cluster on one CPU machine: one process per rank, each with the virtual
-device of its GPU, spawned here (``poplar.comm.launch.spawn``); the ``Profile`` is the one a
+device of its GPU, spawned here (``poplar.process.launch.spawn``); the ``Profile`` is the one a
 real cluster of those GPUs would give, with the scales it was emulated at in its provenance.
 
 A cluster that spans nodes is profiled on its network (``cluster_network``): each rank's
@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from poplar.comm.launch import spawn
+from poplar.process.launch import spawn
 from poplar.emulation.calibration import Scales
 from poplar.emulation.cluster import ClusterSpec
 from poplar.emulation.cluster_network import machine_floor

@@ -64,8 +64,8 @@ from transformers import Trainer, TrainerCallback
 
 import poplar.checkpoint as checkpoint
 from poplar.auto import AutoOptions
-from poplar.comm.group_exit import end_process_group_at_exit
-from poplar.comm.timeouts import COLLECTIVE_TIMEOUT_S, set_collective_timeout
+from poplar.process.group_exit import end_process_group_at_exit
+from poplar.process.timeouts import COLLECTIVE_TIMEOUT_S, set_collective_timeout
 from poplar.engine import PoplarEngine
 from poplar.integrations.deepspeed_config import DeepSpeedZero
 from poplar.integrations.rank_failure import run_as_one_job

@@ -63,8 +63,8 @@ from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 
 import poplar.checkpoint as checkpoint
 from poplar.auto import AutoOptions
-from poplar.comm.group_exit import end_process_group_at_exit
-from poplar.comm.timeouts import COLLECTIVE_TIMEOUT_S, set_collective_timeout
+from poplar.process.group_exit import end_process_group_at_exit
+from poplar.process.timeouts import COLLECTIVE_TIMEOUT_S, set_collective_timeout
 from poplar.engine import PoplarEngine
 from poplar.integrations.global_batches import RankDataLoader, rank_dataloader
 from poplar.integrations.rank_failure import run_as_one_job

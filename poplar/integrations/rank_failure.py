@@ -1,17 +1,17 @@
 """How the doors of other frameworks' loops end a rank whose job failed: as ``poplar train`` does.
 
 A peer that dies or hangs fails this rank's next collective (at once for a dead peer, after the
-collective timeout for a hung one, ``poplar.comm.timeouts``). Left to the framework, every rank
+collective timeout for a hung one, ``poplar.process.timeouts``). Left to the framework, every rank
 would then print its own raw gloo traceback, none of which can say which rank was at fault.
 ``run_as_one_job`` runs the framework's entry point (``PoplarStrategy``'s fit / validate / test
-/ predict, ``PoplarTrainer.train``) under ``poplar.comm.failure``'s reporting instead: on a
+/ predict, ``PoplarTrainer.train``) under ``poplar.process.failure``'s reporting instead: on a
 collective's failure the rank checks in, lets the process group go, the first rank to fail prints
 one line naming the ranks that died or never reported, and every failing rank leaves with exit
 status 1. Under torchrun it leaves at once (``os._exit``), as ``poplar train`` does: the
 framework's objects still hold the group's gloo resources, and freeing them at interpreter
 shutdown waits seconds on the hung peer (and can abort the process, [Note: gloo at interpreter
 exit]); elsewhere it raises ``SystemExit(1)``. While it runs, a SIGTERM reaches a rank blocked in a collective
-(``poplar.comm.sigterm_watch``). Any other exception (a bug in the user's script, raised before or after the
+(``poplar.process.sigterm_watch``). Any other exception (a bug in the user's script, raised before or after the
 collectives) goes on as raised.
 """
 
@@ -24,8 +24,8 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from poplar.comm.failure import FailureReporting
-from poplar.comm.sigterm_watch import SigtermWatch
+from poplar.process.failure import FailureReporting
+from poplar.process.sigterm_watch import SigtermWatch
 from poplar.types.errors import DistributedError
 
 # what the message of a bare backend error from torch.distributed starts or contains (gloo's

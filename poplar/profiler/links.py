@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from poplar.comm import Communicator
-from poplar.comm.timeouts import COLLECTIVE_TIMEOUT_S
+from poplar.process.timeouts import COLLECTIVE_TIMEOUT_S
 from poplar.planner.cost_model import bus_bytes
 from poplar.types.profiles import Links, LinkSpeed
 from poplar.types.topology import Link, Topology

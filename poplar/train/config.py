@@ -115,7 +115,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from poplar.comm.timeouts import COLLECTIVE_TIMEOUT_S
+from poplar.process.timeouts import COLLECTIVE_TIMEOUT_S
 from poplar.train.config_errors import ConfigError, ConfigProblems
 from poplar.train.deepspeed_auto import GLOBAL_BATCH, OPTIMIZERS, TOTAL_STEPS, auto_global_batch, replace_autos
 from poplar.train.deepspeed_hints import NOT_YET, TOP_HINTS, ZERO_HINTS, did_you_mean

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from poplar.checkpoint import CheckpointError, load_checkpoint, read_index, save_checkpoint
 from poplar.train.data import LoaderOptions, PlanLoader
 from poplar.engine import PoplarEngine
-from poplar.comm.launch import spawn
+from poplar.process.launch import spawn
 from poplar.workloads.models import create_model, llama_loss_fn
 from poplar.types.plans import Plan
 from poplar.workloads.text import TextBlocks

@@ -18,7 +18,7 @@ import poplar.checkpoint.save as save_module
 from poplar.checkpoint import load_checkpoint, read_index, save_checkpoint
 from poplar.checkpoint.storage import STALE_TEMPORARY_S
 from poplar.engine import PoplarEngine
-from poplar.comm.launch import RankFailure, spawn
+from poplar.process.launch import RankFailure, spawn
 from poplar.types.plans import Plan
 from tests.toy import global_batch, loss_fn, make_model, make_optimizer, max_rel_err, plan_of, rank_slice
 

@@ -27,7 +27,7 @@ import poplar.checkpoint.hf_layout as hf_layout_module
 import poplar.checkpoint.save as save_module
 from poplar.checkpoint import CheckpointError, find_latest, load_checkpoint, read_index, save_checkpoint
 from poplar.checkpoint.kept import Source, step_name
-from poplar.comm.launch import RankFailure, spawn
+from poplar.process.launch import RankFailure, spawn
 from poplar.engine import PoplarEngine
 from poplar.train import CheckpointOptions, ReportOptions
 from poplar.types.plans import Plan

@@ -23,7 +23,7 @@ from poplar.checkpoint.errors import CheckpointError
 from poplar.checkpoint.export import export_model
 from poplar.checkpoint.model_files import ModelFiles
 from poplar.checkpoint.streaming_safetensors import StreamingSafetensorsWriter, TensorSpec
-from poplar.comm.launch import spawn
+from poplar.process.launch import spawn
 from poplar.engine import PoplarEngine
 from poplar.zero.config import ZeroConfig
 from poplar.types.plans import Offload, Plan, RankPlan

@@ -20,7 +20,7 @@ from safetensors.torch import load_file  # noqa: E402
 from poplar.checkpoint.dcp_export import export_dcp, read_metadata  # noqa: E402
 from poplar.checkpoint.export import export_model  # noqa: E402
 from poplar.cli import main  # noqa: E402
-from poplar.comm.launch import spawn  # noqa: E402
+from poplar.process.launch import spawn  # noqa: E402
 from poplar.engine import PoplarEngine  # noqa: E402
 from tests.checkpoint.test_export import LiveAllocations, bitwise_equal  # noqa: E402
 from tests.toy import plan_of, with_shards  # noqa: E402

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from poplar.checkpoint import load_checkpoint, read_index, save_checkpoint
-from poplar.comm.launch import spawn
+from poplar.process.launch import spawn
 from poplar.engine import PoplarEngine
 from poplar.workloads.models import create_model, llama_loss_fn
 from tests.checkpoint.test_checkpoint import PLAN2, SMALL, loader, train

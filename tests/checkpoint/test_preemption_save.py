@@ -16,7 +16,7 @@ import poplar
 import poplar.checkpoint.save as save_module
 from poplar.checkpoint import find_latest
 from poplar.checkpoint.kept import step_name
-from poplar.comm.launch import spawn
+from poplar.process.launch import spawn
 from poplar.train import CheckpointOptions, FitConfig, ReportOptions
 from poplar.train.preemption import Preempted
 from tests.checkpoint.test_checkpoint_kept import PLAN, PLAN1, COLLECTIVE_TIMEOUT_S, Tokens, make_engine

@@ -1,5 +1,7 @@
 """The emulator (``poplar.emulation``) is imported only when the config names an emulated
-cluster: a real run (here an even plan on CPU, a world of one) trains without it."""
+cluster: a real run (here an even plan on CPU, a world of one) trains without it. The run is a
+fresh interpreter (a subprocess: this one has imported the emulator already), so the test is in
+the multi-process tier."""
 
 from __future__ import annotations
 
@@ -8,6 +10,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 RUN = """
@@ -22,6 +26,7 @@ print("after a cluster:", "poplar.emulation" in sys.modules)
 """
 
 
+@pytest.mark.multiprocess
 def test_a_real_run_does_not_import_the_emulator(tmp_path: Path) -> None:
     cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1},
            "poplar": {"iterations": 1, "model": {"name": "llama-tiny", "n_layers": 1}, "data": {"seq_len": 8},

@@ -12,7 +12,7 @@ import torch
 from poplar.comm import Communicator, hierarchical
 from poplar.comm.hierarchical import node_layout, pieces, staging_numel
 from poplar.comm.uneven import UnevenMethod
-from poplar.comm.launch import RankFailure, spawn
+from poplar.process.launch import RankFailure, spawn
 from poplar.types.route import Collectives, Route
 from poplar.types.topology import Link, Topology, Wire
 

@@ -16,7 +16,7 @@ import torch
 
 from poplar.comm import Communicator
 from poplar.comm.hierarchical import node_layout
-from poplar.comm.launch import spawn
+from poplar.process.launch import spawn
 from poplar.comm.quantize import blocks_of, window_nbytes, wire_nbytes
 from poplar.types.compression import QuantBits, Quantization, QuantScope
 from poplar.types.route import Collectives, Route

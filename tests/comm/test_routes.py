@@ -9,7 +9,7 @@ import torch
 
 from poplar.comm import Communicator
 from poplar.comm.hierarchical import NodeGroups
-from poplar.comm.launch import spawn
+from poplar.process.launch import spawn
 from poplar.comm.routes import (WAYS, FlatRoute, HierarchicalRoute, Members, OneRank, SecondaryShardsRoute,
                                 UnevenRoute, build)
 from poplar.types.compression import CommPolicy

@@ -8,7 +8,7 @@ import torch
 
 from poplar.comm import Communicator
 from poplar.comm import uneven
-from poplar.comm.launch import spawn
+from poplar.process.launch import spawn
 
 SIZES = [(10, 2, 4), (0, 3, 5)]
 

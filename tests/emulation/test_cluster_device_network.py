@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from poplar.comm import Communicator
-from poplar.comm.launch import spawn
+from poplar.process.launch import spawn
 from poplar.emulation.calibration import Scales
 from poplar.emulation.cluster import ClusterSpec
 from poplar.emulation.cluster_device import cluster_device

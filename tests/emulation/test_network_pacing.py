@@ -13,10 +13,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from poplar.comm.launch import RankFailure, spawn
+from poplar.comm import Communicator
+from poplar.process.launch import RankFailure, spawn
+from poplar.profiler.links import measure_links
 from poplar.emulation.virtual_network import NetworkSpec, VirtualNetwork, link_seconds
 from poplar.planner.cost_model import bus_bytes
-from poplar.types.profiles import LinkSpeed
+from poplar.types.profiles import Links, LinkSpeed
 from poplar.types.topology import Link, Topology, Wire
 from tests.timing_reference import sleep_lateness
 
@@ -123,3 +125,34 @@ def test_a_rank_done_before_an_empty_part_was_issued_waits_for_its_issue() -> No
         spec.remove()
     # both leave at rank 1's issue + the cross link's time, not at rank 0's real end (long before)
     assert end0 > issue1 + CROSS.latency_s - 0.001 and abs(end0 - end1) < 0.005 + SLACK, (issue0, end0, issue1, end1)
+
+
+# the profiler's link probes on an emulated network whose links are far slower than this
+# machine's gloo: the probes time the network, not gloo (the profiler's part, each probe on its
+# own group's link, is checked on scripted links in tests/profiler/test_links.py)
+PROBE_NODE0 = LinkSpeed(bandwidth_bytes_per_s=4e6, latency_s=5e-3)
+PROBE_NODE1 = LinkSpeed(bandwidth_bytes_per_s=2e6, latency_s=5e-3)
+PROBE_CROSS = LinkSpeed(bandwidth_bytes_per_s=1e6, latency_s=10e-3)
+PROBE_SIZES = (2 ** 14, 2 ** 16)
+
+
+def observed_links_worker(rank: int, world: int, spec: NetworkSpec) -> Links:
+    comm = Communicator()
+    with comm.observed(VirtualNetwork(spec, rank)):
+        return measure_links(comm, spec.topology, PROBE_SIZES, reps=2, timeout_s=60)
+
+
+@pytest.mark.multiprocess
+def test_the_profilers_link_probes_time_the_emulated_links() -> None:
+    spec = NetworkSpec.create(Topology.of_sizes([2, 2]), (PROBE_NODE0, PROBE_NODE1), PROBE_CROSS)
+    try:
+        results = spawn(observed_links_worker, 4, (spec,), timeout_s=180)
+    finally:
+        spec.remove()
+    links = results[0]
+    assert all(r == links for r in results[1:])
+    # each probe is heard on its own group's global ranks and link: each node its own speed,
+    # the pair of first ranks the cross-node one, the flat ring the cross-node link that paces it
+    for measured, declared in ((links.intra[0], PROBE_NODE0), (links.intra[1], PROBE_NODE1),
+                               (links.cross, PROBE_CROSS), (links.flat, PROBE_CROSS)):
+        assert measured.bandwidth_bytes_per_s == pytest.approx(declared.bandwidth_bytes_per_s, rel=0.25)

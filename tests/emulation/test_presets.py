@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from poplar.emulation.cluster import BUILTIN_CLUSTERS, ClusterError, ClusterSpec
-from poplar.emulation.presets import GIB, PRESETS, PresetError, get_preset
+from poplar.emulation.presets import GIB, PCIE_GEN3_X16, PCIE_GEN4_X16, PRESETS, PresetError, get_preset
+from poplar.emulation.virtual_device import VirtualDevice
 
 PAPER_GPUS = ["A100-80G", "A100-40G", "V100-16G", "T4-16G", "A800-80G", "V100S-32G", "RTX3060-12G", "RTX4090-24G"]
 
@@ -175,3 +176,12 @@ def test_cluster_precision_check_names_devices_and_ranks():
     ClusterSpec.builtin("A").check_precision("bf16")  # A100s have bf16
     with pytest.raises(ClusterError, match=r"on V100S-32G \(ranks 2, 3\)\D"):
         ClusterSpec.builtin("C").check_precision("bf16")
+
+
+def test_a_preset_device_states_its_host_link_at_the_emulation_scales():
+    """What the profiler's offload cost takes instead of timing copies (``measure_offload_cost``)."""
+    assert get_preset("T4-16G").host_link_bytes_per_s == PCIE_GEN3_X16
+    for name, link in (("T4-16G", PCIE_GEN3_X16), ("A100-80G", PCIE_GEN4_X16)):
+        device = VirtualDevice.from_preset(name, 1e-3, 2.0)
+        assert device.host_link_bytes_per_s() == pytest.approx(link * 1e-3 / 2.0)
+    assert VirtualDevice("cpu-like", 1 << 30).host_link_bytes_per_s() is None  # no preset: no stated link

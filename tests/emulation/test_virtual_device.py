@@ -277,7 +277,7 @@ def lockstep_rank(rank: int, world: int, stage: int) -> tuple[list[float], list[
 def test_emulated_micro_steps_synchronise_like_gpus(stage: int) -> None:
     """At stages 2/3 each micro-step's collectives follow the emulated compute, so the fast rank
     waits for the slow one in every micro-step (not once at the iteration's end)."""
-    from poplar.comm.launch import spawn
+    from poplar.process.launch import spawn
 
     (fast, fast_compute, fast_late, fast_start), (slow, slow_compute, slow_late, slow_start) = spawn(
         lockstep_rank, 2, (stage,), timeout_s=120)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from poplar.comm import Communicator
-from poplar.comm.launch import RankFailure, spawn
+from poplar.process.launch import RankFailure, spawn
 from poplar.emulation.virtual_link import LinkSpec, VirtualLink
 from tests.timing_reference import latest_wake_up, sleep_lateness
 

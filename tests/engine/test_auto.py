@@ -16,7 +16,7 @@ from poplar.auto import AutoOptions, clone_optimizer
 from poplar.emulation import cluster_device
 from poplar.emulation.cluster import ClusterSpec
 from poplar.engine import PoplarEngine
-from poplar.comm.launch import spawn
+from poplar.process.launch import spawn
 from poplar.workloads.models import create_model, llama_loss_fn
 from poplar.planner import plan as make_plan
 from poplar.train import ReportOptions

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from poplar.auto import AutoOptions
-from poplar.comm.launch import spawn
+from poplar.process.launch import spawn
 from poplar.engine import PoplarEngine
 from poplar.types.profiles import CommProfile, Links, LinkSpeed, Profile, ProfilePoint, RankProfile
 from poplar.types.topology import Topology

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from poplar.auto import AutoOptions
-from poplar.comm.launch import spawn
+from poplar.process.launch import spawn
 from poplar.emulation import VirtualDevice
 from poplar.engine import PoplarEngine
 from poplar.types.plans import Offload

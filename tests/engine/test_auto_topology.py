@@ -12,7 +12,7 @@ import torch
 
 import poplar
 from poplar.auto import AutoOptions
-from poplar.comm.launch import spawn
+from poplar.process.launch import spawn
 from poplar.emulation import cluster_devices
 from poplar.emulation.virtual_network import NetworkSpec
 from poplar.engine import PoplarEngine
@@ -58,9 +58,9 @@ def test_auto_mode_measures_each_link_and_runs_hierarchical_collectives_over_a_s
         network.remove()
     links = results[0]["links"]
     assert links.topology == TOPOLOGY and links.cross is not None and len(links.intra) == 2
-    # measured on the emulated links: the cross-node link is the slow one, each node's the fast one
+    # measured on the emulated links (20x apart): the cross-node link is the slow one, each node's
+    # the fast one (how close each probe comes to its link: tests/emulation/test_network_pacing.py)
     assert links.cross.bandwidth_bytes_per_s < 0.5 * min(x.bandwidth_bytes_per_s for x in links.intra)
-    assert links.cross.bandwidth_bytes_per_s == pytest.approx(SLOW.bandwidth_bytes_per_s, rel=0.5)
     for res in results:
         assert res["plan"].hierarchical and res["plan"].predicted_iteration_s > 0
         assert all(math.isfinite(x) for x in res["losses"])

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from poplar.auto import AutoOptions
-from poplar.comm.launch import spawn
+from poplar.process.launch import spawn
 from poplar.emulation import VirtualDevice
 from poplar.engine import PoplarEngine
 from tests.toy import SEQ, VOCAB, global_batch, loss_fn, make_model, max_rel_err, rank_slice, train_reference

@@ -11,7 +11,7 @@ import pytest
 
 from poplar.auto import AutoOptions, auto_plan
 from poplar.comm import Communicator
-from poplar.comm.launch import spawn
+from poplar.process.launch import spawn
 from poplar.emulation import VirtualDevice
 from poplar.profiler.profile_run import ProfileOptions, default_optimizer, profile_rank
 from poplar.types.profiles import ProfileError

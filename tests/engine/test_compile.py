@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from poplar.comm.launch import spawn
+from poplar.process.launch import spawn
 from poplar.engine import PoplarEngine
 from poplar.zero.config import ZeroConfig
 from tests.toy import max_rel_err, plan_of, rank_slice, train_reference

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from poplar.auto import AutoOptions
-from poplar.comm.launch import spawn
+from poplar.process.launch import spawn
 from poplar.engine import PoplarEngine
 from poplar.profiler.cuda_device import CudaDevice
 from poplar.workloads.configs import LlamaConfig

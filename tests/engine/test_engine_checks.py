@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from poplar.engine import PoplarEngine
-from poplar.comm.launch import spawn
+from poplar.process.launch import spawn
 from poplar.types.plans import Plan
 from tests.toy import global_batch, loss_fn, make_model, make_optimizer, max_rel_err, plan_of, rank_slice
 
@@ -125,7 +125,7 @@ def dies_mid_training(rank: int, world: int, stage: int) -> None:
 @pytest.mark.multiprocess
 def test_dead_rank_makes_the_others_fail_clearly(stage: int) -> None:
     import time
-    from poplar.comm.launch import RankFailure
+    from poplar.process.launch import RankFailure
     t0 = time.monotonic()
     with pytest.raises(RankFailure) as info:
         spawn(dies_mid_training, 2, (stage,), timeout_s=60, collective_timeout_s=20, grace_s=30)

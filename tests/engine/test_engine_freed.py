@@ -11,7 +11,7 @@ import weakref
 
 import torch
 
-from poplar.comm.launch import spawn
+from poplar.process.launch import spawn
 from poplar.engine import PoplarEngine
 from tests.toy import global_batch, loss_fn, make_model, make_optimizer, plan_of, rank_slice
 

@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 
 from poplar.engine import PoplarEngine
-from poplar.comm.launch import spawn
+from poplar.process.launch import spawn
 from tests.toy import global_batch, loss_fn, make_model, make_optimizer, plan_of, rank_slice
 from poplar.zero.config import ZeroConfig
 

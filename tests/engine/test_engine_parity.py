@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from poplar.engine import PoplarEngine
-from poplar.comm.launch import spawn
+from poplar.process.launch import spawn
 from tests.toy import (global_batch, loss_fn, make_model, make_optimizer, max_rel_err, plan_of, rank_slice,
                        reference_run)
 from poplar.zero.config import ZeroConfig

@@ -13,7 +13,7 @@ import torch
 
 from poplar.auto import AutoOptions, DatasetSamples
 from poplar.auto.stored import StoreUse, model_fingerprint, store_key
-from poplar.comm.launch import spawn
+from poplar.process.launch import spawn
 from poplar.emulation import cluster_device
 from poplar.emulation.cluster import ClusterSpec
 from poplar.engine import PoplarEngine

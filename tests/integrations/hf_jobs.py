@@ -1,6 +1,6 @@
 """Hugging Face jobs of the integration tests: a tiny GPT-2, token data whose samples count
 different numbers of labelled tokens, the one-process ``Trainer`` reference and the per-rank
-``PoplarTrainer`` runs (importable by name for ``poplar.comm.launch.spawn``)."""
+``PoplarTrainer`` runs (importable by name for ``poplar.process.launch.spawn``)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Lightning jobs of the integration tests: a LightningModule around the toy model, its data, and
-the per-rank functions ``poplar.comm.launch.spawn`` runs (importable by name)."""
+the per-rank functions ``poplar.process.launch.spawn`` runs (importable by name)."""
 
 from __future__ import annotations
 

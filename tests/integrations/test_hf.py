@@ -15,7 +15,7 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-from poplar.comm.launch import free_port, spawn  # noqa: E402
+from poplar.process.launch import free_port, spawn  # noqa: E402
 from tests import toy  # noqa: E402
 from tests.integrations import hf_jobs as jobs  # noqa: E402
 

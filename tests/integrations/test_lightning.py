@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("lightning")
 
-from poplar.comm.launch import spawn  # noqa: E402
+from poplar.process.launch import spawn  # noqa: E402
 from tests import toy  # noqa: E402
 from tests.integrations import lightning_jobs as jobs  # noqa: E402
 

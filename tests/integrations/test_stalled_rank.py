@@ -83,7 +83,7 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout_with_one_line(tmp_path: 
 
 
 def test_the_doors_default_timeout_is_the_command_lines(tmp_path: Path) -> None:
-    from poplar.comm.timeouts import COLLECTIVE_TIMEOUT_S
+    from poplar.process.timeouts import COLLECTIVE_TIMEOUT_S
     from poplar.train.config import TrainConfig
 
     assert TrainConfig.collective_timeout_s == COLLECTIVE_TIMEOUT_S == 300.0

@@ -1,19 +1,19 @@
 """The profiler measures each link: the fit of latency and bandwidth on synthetic timings, and on
 4 gloo ranks declared as nodes of 2 + 2 (and 3 + 1) one link per node and the cross-node link,
-the same on every rank; with one node, the flat link alone, as always."""
+the same on every rank; with one node, the flat link alone, as always. On scripted links
+(``tests.scripted_device.ScriptedLink``) each probe gives back its own link's line."""
 
 from __future__ import annotations
-
-from typing import Any
 
 import numpy as np
 import pytest
 
 from poplar.comm import Communicator
-from poplar.comm.launch import spawn
+from poplar.process.launch import spawn
 from poplar.profiler.links import DEFAULT_COMM_SIZES, NO_LINK, fit_link, measure_links, probe_sizes
 from poplar.types.profiles import CommProfile, Links, LinkSpeed, Profile, ProfilePoint, RankProfile
-from poplar.types.topology import Topology
+from poplar.types.topology import Link, Topology
+from tests.scripted_device import LinkScript, ScriptedClock, ScriptedLink
 
 SIZES = (2 ** 12, 2 ** 16)
 
@@ -75,35 +75,32 @@ def test_the_links_are_described_per_tier() -> None:
                                 "  between nodes: bus bandwidth 1.000 GB/s, latency 40 us"]
 
 
-# a network whose links are far slower than this machine's gloo: the probes time it, not gloo
-NODE0 = LinkSpeed(bandwidth_bytes_per_s=4e6, latency_s=5e-3)
-NODE1 = LinkSpeed(bandwidth_bytes_per_s=2e6, latency_s=5e-3)
-CROSS = LinkSpeed(bandwidth_bytes_per_s=1e6, latency_s=10e-3)
+# scripted links far slower than this machine's gloo (seconds a probe): the probes time them
+NODE0 = LinkScript(bandwidth_bytes_per_s=4e5, latency_s=0.5)
+NODE1 = LinkScript(bandwidth_bytes_per_s=2e5, latency_s=0.5)
+CROSS = LinkScript(bandwidth_bytes_per_s=1e5, latency_s=1.0)
+FLAT = LinkScript(bandwidth_bytes_per_s=5e4, latency_s=2.0)
 PROBE_SIZES = (2 ** 14, 2 ** 16)
 
 
-def observed_links_worker(rank: int, world: int, spec: Any) -> Links:
-    from poplar.emulation.virtual_network import VirtualNetwork
-
+def scripted_links_worker(rank: int, world: int) -> Links:
+    clock = ScriptedClock()
+    link = ScriptedLink(clock, {(Link.INTRA, (0, 1)): NODE0, (Link.INTRA, (2, 3)): NODE1, Link.CROSS: CROSS,
+                                Link.FLAT: FLAT})
     comm = Communicator()
-    with comm.observed(VirtualNetwork(spec, rank)):
-        return measure_links(comm, spec.topology, PROBE_SIZES, reps=2, timeout_s=60)
+    with clock.installed(), comm.observed(link):
+        return measure_links(comm, Topology.of_sizes([2, 2]), PROBE_SIZES, reps=2, timeout_s=60)
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timing
-def test_on_an_emulated_network_every_link_probe_times_the_emulated_link() -> None:
-    from poplar.emulation.virtual_network import NetworkSpec
-
-    spec = NetworkSpec.create(Topology.of_sizes([2, 2]), (NODE0, NODE1), CROSS)
-    try:
-        results = spawn(observed_links_worker, 4, (spec,), timeout_s=180)
-    finally:
-        spec.remove()
+def test_every_link_probe_times_its_own_link() -> None:
+    """Each probe is heard on its own group's link: each node's, the first ranks' cross-node one,
+    and the flat ring; the fit gives back each scripted line (the real gloo time is a
+    thousandth of a scripted probe)."""
+    results = spawn(scripted_links_worker, 4, timeout_s=180)
     links = results[0]
     assert all(r == links for r in results[1:])
-    # each probe is heard on its own group's global ranks and link: each node its own speed,
-    # the pair of first ranks the cross-node one, the flat ring the cross-node link that paces it
-    for measured, declared in ((links.intra[0], NODE0), (links.intra[1], NODE1), (links.cross, CROSS),
-                               (links.flat, CROSS)):
-        assert measured.bandwidth_bytes_per_s == pytest.approx(declared.bandwidth_bytes_per_s, rel=0.25)
+    for measured, script in ((links.intra[0], NODE0), (links.intra[1], NODE1), (links.cross, CROSS),
+                             (links.flat, FLAT)):
+        assert measured.bandwidth_bytes_per_s == pytest.approx(script.bandwidth_bytes_per_s, rel=0.03), measured
+        assert measured.latency_s == pytest.approx(script.latency_s, abs=0.05), measured

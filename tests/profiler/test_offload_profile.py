@@ -11,7 +11,7 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from poplar.comm.launch import spawn
+from poplar.process.launch import spawn
 from poplar.emulation import VirtualDevice
 from poplar.profiler.escalation import OffloadEscalation, escalate_offload, next_offloads
 from poplar.profiler.profile_run import ProfileOptions, profile_rank

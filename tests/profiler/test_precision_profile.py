@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from poplar.comm import Communicator
-from poplar.comm.launch import spawn
+from poplar.process.launch import spawn
 from poplar.emulation import PresetCurve, VirtualDevice
 from poplar.emulation import Scales, calibrate, cluster_device, cluster_devices, emulate_cluster, profile_cluster
 from poplar.profiler.local_comm import local_engine, search_plan

@@ -1,8 +1,13 @@
-"""The profiler on a heterogeneous 3-rank emulated cluster (virtual devices, gloo), stages 0-3.
+"""The profiler on a heterogeneous 3-rank emulated cluster (virtual devices, gloo), stages 0-3:
+the devices count the real tensors of each stage, so the capacity search meets the memory the
+runtime really holds.
 
 Ground truth comes from the devices themselves: the largest fitting batch is found by trying
-every batch 1, 2, 3, ... on a local engine (no collectives) until one does not fit, and the
-compute time of a micro-step is the device's padded curve.
+every batch 1, 2, 3, ... on a local engine (no collectives) until one does not fit. No time is
+bounded here, so the devices run unpadded, at the machine's speed: what the profiler measures of
+a device's compute and of the collectives is checked against scripted devices
+(``test_scripted_profile.py``, ``test_candidate_timing.py``), the emulator's own pacing in
+``tests/emulation``.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import math
 import pytest
 import torch
 
-from poplar.comm.launch import spawn
+from poplar.process.launch import spawn
 from poplar.types.plans import Plan, RankPlan
 from poplar.emulation import SaturatingCurve, VirtualDevice
 from poplar.profiler import search_mbs, trial_budget
@@ -23,7 +28,6 @@ from poplar.types.profiles import Profile, ProfileError
 from poplar.workloads import get_workload
 from poplar.zero.config import ZeroConfig
 from poplar.zero.runtime import PlanCheck
-from tests.timing_reference import latest_wake_up
 
 # the profiler's fast workload: the capacities and curves below are calibrated for it
 WORKLOAD = get_workload("token-mlp")
@@ -38,7 +42,11 @@ NAMES = ["big", "mid", "small"]
 
 
 def make_devices() -> list[VirtualDevice]:
-    return [VirtualDevice(n, c, time_fn=t) for n, c, t in zip(NAMES, CAPACITIES, CURVES)]
+    """The three cards, unpadded: no time is bounded here, so compute runs at the machine's speed."""
+    devices = [VirtualDevice(n, c, time_fn=t) for n, c, t in zip(NAMES, CAPACITIES, CURVES)]
+    for device in devices:
+        device.pad = False
+    return devices
 
 
 def true_mbs(device: VirtualDevice, rank: int, stage: int, limit: int = 400) -> int:
@@ -46,15 +54,11 @@ def true_mbs(device: VirtualDevice, rank: int, stage: int, limit: int = 400) -> 
     model = WORKLOAD.model_fn()
     engine = local_engine(model, default_optimizer(model), world_size=WORLD, rank=rank, zero_stage=ZeroConfig(stage, bucket_size_mb=BUCKET_MB),
                           device=torch.device("cpu"))
-    device.pad = False
-    try:
-        with device.attach(engine):
-            search = CapacitySearch(engine, device, WORKLOAD.sample_fn, WORKLOAD.loss_fn, stage)
-            for b in range(1, limit):
-                if not search.trial(b):
-                    return b - 1
-    finally:
-        device.pad = True
+    with device.attach(engine):
+        search = CapacitySearch(engine, device, WORKLOAD.sample_fn, WORKLOAD.loss_fn, stage)
+        for b in range(1, limit):
+            if not search.trial(b):
+                return b - 1
     raise AssertionError("no OOM up to the limit")
 
 
@@ -65,27 +69,22 @@ def profile_and_train(rank: int, world: int, devices_by_stage: dict[int, list[Vi
     out = {}
     for stage, devices in devices_by_stage.items():
         device = devices[rank]
-        # the fewest steady rounds and no timing past mbs: these tests check capacities and curves
-        # up to mbs, not the exposure's precision
+        # the fewest steady rounds and no timing past mbs: these tests check capacities and what
+        # the profile records, not the exposure's precision
         options = ProfileOptions(zero_stage=stage, bucket_size_mb=BUCKET_MB, repeats=3, exposure_precision=0,
                                  time_past_mbs=False)
-        late = latest_wake_up(CURVES[rank](1))  # bare sleeps as long as a step, before and after: the reference
-        late_steps = device.late_steps
         prof = profile_rank(WORKLOAD.model_fn, WORKLOAD.loss_fn, WORKLOAD.sample_fn, device, options=options,
                             log=lambda m: None)
-        late = max(late, latest_wake_up(CURVES[rank](1)))
-        late_steps = device.late_steps - late_steps
         mbs = [r.mbs for r in prof.ranks]
         plan = Plan([RankPlan(m, 2, 0) for m in mbs])
         model = WORKLOAD.model_fn()
         engine = PoplarEngine(model, default_optimizer(model), zero_stage=ZeroConfig(prof.zero_stage, bucket_size_mb=BUCKET_MB), plan=plan)
-        device.raise_oom, device.pad = True, False
+        device.raise_oom = True
         with device.attach(engine):
             for it in range(2):
                 engine.train_step(WORKLOAD.sample_fn(2 * mbs[rank]), WORKLOAD.loss_fn)
             peak = device.peak()
-        out[stage] = {"profile": prof.to_dict(), "train_peak": peak, "capacity": device.capacity_bytes, "late_s": late,
-                     "late_steps": late_steps}
+        out[stage] = {"profile": prof.to_dict(), "train_peak": peak, "capacity": device.capacity_bytes}
     return out
 
 
@@ -111,6 +110,7 @@ def cluster() -> tuple[dict[int, int], list[dict]]:
     escalating[2] = VirtualDevice("tiny", (peaks[1] + peaks[2]) // 2, time_fn=CURVES[2])
     hopeless = make_devices()
     hopeless[1] = VirtualDevice("crumb", 50 * KB, time_fn=CURVES[1])
+    escalating[2].pad = hopeless[1].pad = False
     return peaks, spawn(cluster_worker, WORLD, ([(escalating, 0), (hopeless, 1)],), timeout_s=600,
                         collective_timeout_s=200)
 
@@ -128,11 +128,10 @@ def cluster_run(cluster: tuple[dict[int, int], list[dict]]) -> list[dict]:
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.multiprocess
-def test_profile_finds_true_mbs_and_curve(stage: int, truth: dict[int, list[int]], cluster_run: list[dict]) -> None:
+def test_profile_finds_true_mbs(stage: int, truth: dict[int, list[int]], cluster_run: list[dict]) -> None:
     expected = truth[stage]
     assert len(set(expected)) == 3 and min(expected) >= 4, expected  # heterogeneous, and a real search
     results = [r[stage] for r in cluster_run]
-    late = max(r["late_s"] for r in results)  # the latest wake-up of a bare sleep on any rank
     prof = Profile.from_dict(results[0]["profile"])
     assert prof.zero_stage == stage and prof.measurement.escalations == []
     assert all(Profile.from_dict(r["profile"]).ranks == prof.ranks for r in results)
@@ -146,24 +145,17 @@ def test_profile_finds_true_mbs_and_curve(stage: int, truth: dict[int, list[int]
             assert ev.gathered_after == ev.gathered_before == 0, ev
         assert rp.capacity_bytes == CAPACITIES[rank] and rp.device_type == NAMES[rank]
         assert rp.bytes_per_sample and rp.base_bytes
-        # timed at powers of two, midpoints and mbs, compute within 5 % of the device's curve; above
-        # it, also by what this machine added to a bare sleep just before and after the profile
-        # (the 5 % target on a quiet machine is bench/profile_accuracy.py's)
+        # timed at powers of two, midpoints and mbs
         batches = [p.batch for p in rp.points]
         assert {1, 2, 4, rp.mbs} <= set(batches) and max(batches) == rp.mbs
-        # a rank whose real compute overshot its curve in some micro-step (``late_steps``: the
-        # machine's load, not the profiler) may have measured that overshoot: 25 % then
-        above = 1.05 if results[rank]["late_steps"] == 0 else 1.25
-        for p in rp.points:
-            curve_s = CURVES[rank](p.batch)
-            assert 0.95 * curve_s <= p.compute_s <= above * curve_s + late, (stage, rank, p, curve_s, late)
+        assert all(p.compute_s > 0 for p in rp.points)
         # the found mbs trained without OOM under real collectives
         assert results[rank]["train_peak"] <= results[rank]["capacity"]
-    waits = [p.comm_s / CURVES[r](p.batch) for r, rp in enumerate(prof.ranks) for p in rp.points]
-    if stage >= 2:  # ranks waited inside collectives for slower ranks, and that was subtracted
-        assert max(waits) > 0.2, waits
+    comm = [p.comm_s for rp in prof.ranks for p in rp.points]
+    if stage >= 2:  # collectives inside the micro-step were timed (and taken out of compute)
+        assert min(comm) > 0, comm
     else:
-        assert max(waits) == 0.0
+        assert max(comm) == 0.0, comm
     assert prof.comm.links.bandwidth_bytes_per_s > 0
     # what the engine issued at this stage, and what of it compute did not hide, for the cost model
     c = prof.comm

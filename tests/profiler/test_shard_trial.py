@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from poplar.comm import Communicator
-from poplar.comm.launch import spawn
+from poplar.process.launch import spawn
 from poplar.emulation import VirtualDevice
 from poplar.profiler.local_comm import local_engine
 from poplar.profiler.profile_run import ProfileJob, ProfileOptions, confirm_plan_memory

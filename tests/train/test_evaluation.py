@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from poplar.comm.launch import spawn
+from poplar.process.launch import spawn
 from poplar.engine import PoplarEngine
 from poplar.train.evaluation import eval_shards, evaluate
 from tests.toy import SEQ, VOCAB, make_model, plan_of

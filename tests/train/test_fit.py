@@ -13,7 +13,7 @@ import torch
 
 from poplar.engine import PoplarEngine
 from poplar.train import CheckpointOptions, FitConfig, LoaderOptions, ReportOptions, fit
-from poplar.comm.launch import spawn
+from poplar.process.launch import spawn
 from poplar.workloads.models import create_model, llama_loss_fn
 from poplar.workloads.text import TextBlocks
 from tests.toy import plan_of

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from poplar.comm.launch import spawn
+from poplar.process.launch import spawn
 from poplar.engine import PoplarEngine
 from poplar.train import CheckpointOptions, FitConfig, LoaderOptions, ReportOptions, fit
 from poplar.types.plans import Plan, RankPlan

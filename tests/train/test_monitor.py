@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from poplar.comm.launch import spawn
+from poplar.process.launch import spawn
 from poplar.engine import PoplarEngine
 from poplar.train import EvalOptions, FitConfig, ReportOptions, fit
 from poplar.train.config import TrainConfig

@@ -13,7 +13,7 @@ import torch
 
 from poplar.auto import AutoOptions
 from poplar.comm import Communicator
-from poplar.comm.launch import spawn
+from poplar.process.launch import spawn
 from poplar.engine import PoplarEngine
 from poplar.emulation.faults import FaultSchedule
 from poplar.profiler.profile_run import ProfileJob, ProfileOptions, search_capacity
@@ -162,6 +162,7 @@ def speed_rank(rank: int, world: int, stage: int) -> dict:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.timing  # the re-plan follows the emulated slowdown as measured: run alone, after the parallel pass
 def test_a_slowed_rank_gets_a_new_plan_with_the_same_math() -> None:
     results = spawn(speed_rank, 2, (1,), timeout_s=120, collective_timeout_s=60)
     fixed, replanned = results[0][False], results[0][True]

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from poplar.engine import PoplarEngine
-from poplar.comm.launch import spawn
+from poplar.process.launch import spawn
 from poplar.train.report import chrome_trace, rank_timeline, write_trace
 from tests.toy import global_batch, loss_fn, make_model, make_optimizer, plan_of, rank_slice
 

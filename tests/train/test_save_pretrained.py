@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from poplar.comm.launch import spawn
+from poplar.process.launch import spawn
 from poplar.engine import PoplarEngine
 from poplar.train import FitConfig, ReplanOptions, ReportOptions, Trainer
 from poplar.workloads.hf import causal_lm_loss_fn

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import poplar
-from poplar.comm.launch import spawn
+from poplar.process.launch import spawn
 from poplar.engine import PoplarEngine
 from poplar.train import (CheckpointOptions, EvalOptions, FitConfig, LoaderOptions, ReportOptions, ThroughputOptions,
                           Trainer)

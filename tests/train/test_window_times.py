@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from poplar.comm.launch import spawn
+from poplar.process.launch import spawn
 from poplar.engine import PoplarEngine
 from poplar.train import ReportOptions, fit
 from poplar.workloads.models import create_model, llama_loss_fn

@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from poplar.comm.launch import spawn  # noqa: E402
+from poplar.process.launch import spawn  # noqa: E402
 from poplar.engine import PoplarEngine  # noqa: E402
 from tests.toy import plan_of  # noqa: E402
 from tests.workloads.hf_tiny import (global_batch, loss_fn_of, make_model, optimizer, rank_part,  # noqa: E402

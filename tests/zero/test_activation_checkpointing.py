@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from poplar.comm import DistributedError
-from poplar.comm.launch import spawn
+from poplar.process.launch import spawn
 from poplar.engine import PoplarEngine
 from tests.toy import global_batch, loss_fn, make_model, make_optimizer, max_rel_err, plan_of, rank_slice, with_shards
 from tests.zero.test_stage3_common import Block, tiny_lm

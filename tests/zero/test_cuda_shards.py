@@ -17,7 +17,7 @@ from torch import nn
 
 from poplar.checkpoint import load_checkpoint, save_checkpoint
 from poplar.comm import Communicator, uneven
-from poplar.comm.launch import spawn
+from poplar.process.launch import spawn
 from poplar.engine import PoplarEngine
 from poplar.types.plans import Offload, Plan, RankPlan
 from poplar.zero.config import ZeroConfig

@@ -17,7 +17,7 @@ from torch import nn
 
 from poplar.checkpoint import load_checkpoint, save_checkpoint
 from poplar.comm import DistributedError, Phase
-from poplar.comm.launch import spawn
+from poplar.process.launch import spawn
 from poplar.engine import PoplarEngine
 from poplar.types.plans import Plan, PlanError, RankPlan
 from poplar.types.route import Collectives

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from poplar.comm import Phase
-from poplar.comm.launch import spawn
+from poplar.process.launch import spawn
 from poplar.engine import PoplarEngine
 from poplar.types.plans import Plan
 from poplar.types.precision import MixedPrecision

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from poplar.comm import DistributedError
-from poplar.comm.launch import spawn
+from poplar.process.launch import spawn
 from poplar.engine import PoplarEngine
 from poplar.types.precision import LossScaleConfig, MixedPrecision
 from poplar.zero.loss_scaler import LossScaler

@@ -15,7 +15,7 @@ from torch import nn
 
 from poplar.checkpoint import load_checkpoint, save_checkpoint
 from poplar.comm import DistributedError
-from poplar.comm.launch import spawn
+from poplar.process.launch import spawn
 from poplar.engine import PoplarEngine
 from poplar.profiler.local_comm import LocalCommunicator
 from poplar.types.plans import Offload, Plan, PlanError, RankPlan

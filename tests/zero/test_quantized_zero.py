@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from poplar.checkpoint import load_checkpoint, save_checkpoint
-from poplar.comm.launch import spawn
+from poplar.process.launch import spawn
 from poplar.emulation.gpu_ranks import rank_gpu
 from poplar.engine import PoplarEngine
 from poplar.types.compression import CommPolicy

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from poplar.comm.launch import spawn
+from poplar.process.launch import spawn
 from poplar.engine import PoplarEngine
 from poplar.zero.config import ZeroConfig
 from tests.toy import global_batch, loss_fn, make_model, make_optimizer, max_rel_err, rank_slice, reference_run

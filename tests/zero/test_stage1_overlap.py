@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from poplar.comm.launch import spawn
+from poplar.process.launch import spawn
 from poplar.engine import PoplarEngine
 from poplar.zero.config import ZeroConfig
 from poplar.zero.observers import StepObserver

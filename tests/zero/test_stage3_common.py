@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from poplar.comm.launch import spawn
+from poplar.process.launch import spawn
 from poplar.workloads import ResidualMLP
 from tests.toy import DIM, HIDDEN, VOCAB, global_batch, loss_fn, make_optimizer
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from poplar.comm import DistributedError
-from poplar.comm.launch import spawn
+from poplar.process.launch import spawn
 from poplar.engine import PoplarEngine
 from poplar.types.precision import LossScaleConfig, MixedPrecision
 from tests.toy import VOCAB, global_batch, make_model, make_optimizer, max_rel_err, plan_of, train_reference, with_shards

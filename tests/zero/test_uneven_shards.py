@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from poplar.checkpoint import load_checkpoint, save_checkpoint
-from poplar.comm.launch import spawn
+from poplar.process.launch import spawn
 from poplar.engine import PoplarEngine
 from poplar.profiler.local_comm import LocalCommunicator
 from poplar.types.plans import Plan, PlanError, RankPlan

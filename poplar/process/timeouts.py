@@ -2,7 +2,7 @@
 someone else created.
 
 A collective whose peer hangs (stopped, deadlocked, on a machine that went away) blocks until this
-timeout; then the rank fails with one line naming the peer (``poplar.comm.failure``). ``poplar
+timeout; then the rank fails with one line naming the peer (``poplar.process.failure``). ``poplar
 train`` (``"poplar.collective_timeout_s"``), ``PoplarStrategy`` and ``PoplarTrainer`` share the
 default: long enough for a first step that profiles or compiles, short enough that a hung job
 ends within minutes rather than the half hour of torch's and Hugging Face's defaults.

@@ -11,8 +11,8 @@ import sys
 
 import torch.distributed as dist
 
-from poplar.comm.failure import FailureBoard, FailureReporting, failure_line
-from poplar.comm.launch import free_port
+from poplar.process.failure import FailureBoard, FailureReporting, failure_line
+from poplar.process.launch import free_port
 
 
 def _ended_pid() -> int:

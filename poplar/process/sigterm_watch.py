@@ -11,7 +11,7 @@ What it does then follows from what the rank can still finish. A preemption stop
 the next step boundary and saves a checkpoint (``poplar.train.preemption``); a rank waiting there
 for a peer that is still computing or writing its part of the checkpoint must go on waiting. A
 rank waiting for a peer that died or hangs never gets anywhere. So after a SIGTERM each rank
-beats on the job's failure board (``poplar.comm.failure``) while it is not blocked in a
+beats on the job's failure board (``poplar.process.failure``) while it is not blocked in a
 collective (it computes, writes, or is about to reach the next collective), and a rank blocked
 in one (``Communicator`` marks each one, ``BLOCKED``) for ``grace_s`` with no beat from any peer
 and no data moving meanwhile (this process used almost no CPU: a collective that transfers, on a
@@ -116,7 +116,7 @@ class SigtermWatch:
             reader.close()
 
     def _after_sigterm(self) -> None:
-        from poplar.comm.failure import FailureBoard
+        from poplar.process.failure import FailureBoard
 
         board = FailureBoard.from_env(self.rank, self.world_size)
         if board is None:

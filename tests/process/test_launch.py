@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from poplar.comm.launch import RankFailure, spawn
+from poplar.process.launch import RankFailure, spawn
 
 
 def sum_ranks(rank: int, world: int) -> float:
@@ -95,8 +95,8 @@ def test_ranks_that_reported_leave_on_their_own() -> None:
     """Ranks that reported get time to run their exit handlers; terminated in the middle of them
     they would leave their semaphores behind, and the caller would exit with the resource
     tracker's "leaked semaphore" warning."""
-    script = ("from poplar.comm.launch import spawn\n"
-              "from tests.comm.test_launch import holds_a_lock_and_leaves_slowly\n"
+    script = ("from poplar.process.launch import spawn\n"
+              "from tests.process.test_launch import holds_a_lock_and_leaves_slowly\n"
               "if __name__ == '__main__':\n"
               "    print(spawn(holds_a_lock_and_leaves_slowly, 2, timeout_s=60))\n")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -137,7 +137,7 @@ class FailureBoard:
         return int(self.store.add("reporters", 0)) > 0
 
     def beat(self) -> None:
-        """After a SIGTERM: this rank is working, not blocked (``poplar.comm.sigterm_watch``)."""
+        """After a SIGTERM: this rank is working, not blocked (``poplar.process.sigterm_watch``)."""
         self.store.add("beats", 1)
 
     def beats(self) -> int:

@@ -11,7 +11,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 LEAVE = """
 import sys
-from poplar.comm.sigterm_watch import SigtermWatch
+from poplar.process.sigterm_watch import SigtermWatch
 
 class Board:
     def reported(self):

@@ -26,9 +26,10 @@ test: $(STAMP)
 	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder -m "not timing"
 	$(PY) -m pytest -m timing --durations=5
 
-# the edit-test loop: every test that runs in this one process (no gloo ranks, no torchrun)
+# the edit-test loop: every test that runs in this one process (no gloo ranks, no torchrun) and bounds no
+# wall time (the emulator's pacing tests need a machine to themselves: `make test` runs them alone)
 test-fast: $(STAMP)
-	$(PY) -m pytest -m "not multiprocess"
+	$(PY) -m pytest -m "not multiprocess and not timing"
 
 # on a machine with a CUDA GPU (torch with CUDA already there; not part of `make test`): every
 # CUDA and NCCL test, then the engine against torch with collectives on the wire, each step bounded,

@@ -39,8 +39,8 @@ from poplar.comm.hierarchical import HierarchicalCall, NodeGroups
 from poplar.comm.ledger import BlockedTimer, CommLedger
 from poplar.comm.pending import CollectiveObserver, PendingChain, PendingCollective
 from poplar.comm.routes import Call, CollectiveRoute, Members, Routes
-from poplar.process.sigterm_watch import BLOCKED
 from poplar.comm.uneven import UnevenCall
+from poplar.process.sigterm_watch import BLOCKED
 from poplar.types.compression import Quantization
 from poplar.types.errors import DistributedError
 from poplar.types.route import Route

@@ -78,10 +78,10 @@ def test_out_of_memory_in_the_search_is_recovered_from_and_the_largest_batch_fou
     assert rank.mbs == 6
     failed = [b for b in device.started if b not in device.steps]
     assert failed and all(b > 6 for b in failed), device.started  # it met the errors, and only past mbs
-    events = prof.measurement.ranks[0]["oom_events"]
-    assert sorted(e["batch"] for e in events) == sorted(failed)
+    events = prof.measurement.ranks[0].oom_events
+    assert sorted(e.batch for e in events) == sorted(failed)
     for event in events:  # every error gave all of its memory back
-        assert event["memory_after"] == event["memory_before"] == 10 * MB, event
+        assert event.memory_after == event.memory_before == 10 * MB, event
     assert rank.trial_steps <= trial_budget(6)
     assert 6 in device.steps[:rank.trial_steps]  # the answer was a trial that ran to its end
     assert [p.batch for p in rank.points] == [1, 2, 3, 4, 6]
@@ -157,5 +157,5 @@ def test_communication_is_taken_out_of_compute_at_zero3() -> None:
             # compute is the script's alone: without the subtraction it would be seconds over
             assert script.seconds(p.batch) <= p.compute_s <= script.seconds(p.batch) + TRIO_NOISE_S, (script, p)
             assert scripted_comm_s <= p.comm_s <= scripted_comm_s + TRIO_NOISE_S, (p, scripted_comm_s)
-    events = prof.measurement.ranks[2]["oom_events"]  # the small card's estimate overshot
-    assert events and all(e["memory_after"] == e["memory_before"] for e in events), events
+    events = prof.measurement.ranks[2].oom_events  # the small card's estimate overshot
+    assert events and all(e.memory_after == e.memory_before for e in events), events

@@ -104,6 +104,14 @@ def test_every_mark_is_known_and_named(page: str) -> None:
     assert len(marks) == sum(b.kind is not None for b in blocks(page)), f"{page}: a mark without its block"
 
 
+@pytest.mark.parametrize("page", PAGES)
+def test_every_fence_closes(page: str) -> None:
+    """A stray fence turns the prose after it into a block (and hides the blocks there from the
+    tests): every fence line opens or closes a block the tests read."""
+    fences = sum(bool(re.match(r" *```", line)) for line in (REPO / page).read_text().splitlines())
+    assert fences == 2 * len(blocks(page)), f"{page}: {fences} fence lines, {len(blocks(page))} blocks"
+
+
 def test_the_readme_runs_a_script_and_commands() -> None:
     kinds = {b.kind for b in blocks("README.md")}
     assert {"python", "shell", "gpu"} <= kinds

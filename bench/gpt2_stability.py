@@ -1,6 +1,6 @@
-"""Is the README's GPT-2 example stable in one process, whatever the micro-batch?
+"""Is the GPT-2 example (docs/checkpoints.md) stable in one process, whatever the micro-batch?
 
-The README's example (a 2-layer GPT-2 from ``gpt2-config.json``, dropout 0.1, the shipped
+The example (a 2-layer GPT-2 from ``gpt2-config.json``, dropout 0.1, the shipped
 corpus packed in blocks of 64 byte-level tokens, global batch 32, AdamW with weight decay 0.01,
 gradient clipping 1.0, ``WarmupCosineLR`` over 300 iterations) trained by plain torch in one
 process on the whole global batch, cut into micro-batches of ``b`` samples (32 / b accumulated
@@ -37,7 +37,7 @@ LIMIT = 1.5  # a ratio above it is a spike
 
 
 def run_config(model_path: str, lr: float, warmup: int, iterations: int) -> dict:
-    """The README's gpt2-run.json with this lr and warm-up (the corpus shipped with Poplar)."""
+    """gpt2-run.json of docs/checkpoints.md with this lr and warm-up (the corpus shipped with Poplar)."""
     from poplar.workloads.text import default_corpus_path
 
     return {"train_batch_size": 32, "gradient_clipping": 1.0, "zero_optimization": {"stage": 2},

@@ -1,6 +1,6 @@
 """From launch to the first trained iteration: how much a warm profile store saves.
 
-The README's quick-start job (llama-tiny, sequence 32, AdamW, ZeRO-2, global batch 32) on
+The quick-start job of docs/engine.md (llama-tiny, sequence 32, AdamW, ZeRO-2, global batch 32) on
 emulated cluster B (2 x V100-16G + 2 x T4-16G), 4 ranks launched with torchrun, each start a
 fresh ``torchrun`` process tree timed from launch to the end of its first trained iteration:
 

@@ -191,7 +191,7 @@ def _lose_agent(agents: list[subprocess.Popen], logs: list[Path], lost: int) -> 
 @needs_torchrun
 @pytest.mark.multiprocess
 def test_an_elastic_job_whose_store_runs_apart_survives_losing_its_first_agent(tmp_path: Path) -> None:
-    """The README's way to survive the loss of any worker machine: the c10d store in a process of
+    """The way docs/checkpoints.md gives to survive the loss of any worker machine: the c10d store in a process of
     its own, every agent told it is not the host. The first agent (the store's host otherwise)
     dies, and the second goes on alone to the end."""
     _setup(tmp_path, 30)

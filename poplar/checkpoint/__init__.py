@@ -66,10 +66,10 @@ directory: ``D/poplar.lock``, taken by ``fit`` before anything in D is deleted) 
 from poplar.checkpoint.errors import CheckpointError, DamagedCheckpoint
 from poplar.checkpoint.kept import Latest, NoCompleteCheckpoint, find_latest, read_index, save_kept
 from poplar.checkpoint.layout import FORMAT_VERSION, optim_file_name
-from poplar.checkpoint.load import LoadedCheckpoint, load_checkpoint
+from poplar.checkpoint.load import LoadedCheckpoint, load_checkpoint, load_torch_checkpoint
 from poplar.checkpoint.save import save_checkpoint
 
-__all__ = ["save_checkpoint", "load_checkpoint", "LoadedCheckpoint", "read_index", "save_kept", "find_latest", "Latest",
+__all__ = ["save_checkpoint", "load_checkpoint", "load_torch_checkpoint", "LoadedCheckpoint", "read_index", "save_kept", "find_latest", "Latest",
            "CheckpointError",
            "DamagedCheckpoint", "NoCompleteCheckpoint",
            "FORMAT_VERSION", "optim_file_name"]

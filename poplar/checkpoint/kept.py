@@ -45,15 +45,15 @@ from pathlib import Path
 from typing import Any
 
 from poplar.checkpoint.errors import CheckpointError, Invalid
-from poplar.checkpoint.layout import (FORMAT, INDEX_FILE, POINTER_FORMAT, POINTER_VERSION, check_files, parse_index,
-                                      read_sealed_json, sealed)
+from poplar.checkpoint.layout import (FORMAT, INDEX_FILE, POINTER_FORMAT, POINTER_VERSION, check_files, data_files,
+                                      parse_index, read_sealed_json, sealed)
 from poplar.checkpoint.save import save_checkpoint
 from poplar.checkpoint.storage import fsync_dir, publish, temporary_prefix, write_json
 
 _STEP = re.compile(r"step-(\d{8,})")
 _TEMPORARY = re.compile(r"\.step-\d{8,}\.tmp-[a-z0-9_]{8}")
 _REPLACED = re.compile(r"\.(step-\d{8,})\.old-[0-9a-f]{8}")
-_SINGLE_FILES = re.compile(r"model\.safetensors|optim-rank\d+-of\d+\.safetensors")
+_SINGLE_FILES = re.compile(r"model\.safetensors|(optim|rng)-rank\d+-of\d+\.safetensors|__\d+_\d+\.distcp|\.metadata")
 
 
 class Source(Enum):
@@ -352,7 +352,7 @@ def _move_single_into_step(root: Path) -> None:
     step = root / step_name(iteration)
     if not _is_complete(step):
         tmp = Path(tempfile.mkdtemp(prefix=temporary_prefix(step), dir=root))
-        for entry in [index["model"], *index["ranks"]]:
+        for entry in data_files(index):
             _link_or_copy(root / entry["file"], tmp / entry["file"])
         _link_or_copy(root / INDEX_FILE, tmp / INDEX_FILE)  # last: the step is complete once it is there
         publish(tmp, step)

@@ -1,5 +1,6 @@
-"""Saving a checkpoint: every rank writes its optimizer state cut by parameter name and element
-range, rank 0 writes the full model and the index last, and the directory is moved into place."""
+"""Saving a checkpoint: every rank writes its own shards (fp32 master parameters and optimizer
+state, cut by parameter name and element range) with ``torch.distributed.checkpoint``, with no
+gather; rank 0 writes the index last and the directory is moved into place."""
 
 from __future__ import annotations
 
@@ -8,16 +9,21 @@ import os
 import shutil
 import tempfile
 import time
+import warnings
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 
+from poplar.checkpoint.cut import Piece, dcp_value, param_shapes, pieces_of
 from poplar.checkpoint.errors import CheckpointError
-from poplar.checkpoint.hf_layout import shard_bytes, write_model
-from poplar.checkpoint.layout import (FORMAT, FORMAT_VERSION, INDEX_FILE, SHARDED_FORMAT_VERSION, dtype_name,
-                                      encode_scalar, group_hyperparams, optim_file_name, sealed, ties)
+from poplar.checkpoint.layout import (DCP_FORMAT_VERSION, DCP_METADATA_FILE, FORMAT, INDEX_FILE, dcp_file_names,
+                                      dtype_name, group_hyperparams, rng_file_name, sealed, ties)
 from poplar.checkpoint.storage import (check_replaceable, file_facts, publish, remove_replaced,
                                        remove_stale_temporaries, temporary_prefix, write_json)
 
@@ -26,32 +32,57 @@ def save_checkpoint(engine: Any, directory: str | os.PathLike, *, extra: dict | 
                     max_shard_bytes: int | str | None = None) -> Path:
     """Write a checkpoint of ``engine`` (model, optimizer state, iteration, RNG) to ``directory``.
 
-    Call on every rank between iterations. ``extra`` (rank 0's is kept) must be JSON-serialisable.
-    The model's weights are in the Hugging Face layout (``checkpoint.hf_layout``): one
-    ``model.safetensors``, or shards of at most ``max_shard_bytes`` (bytes or e.g. "500MB";
-    default 5 GB) with ``model.safetensors.index.json``; a ``transformers.PreTrainedModel`` also
-    gets its ``config.json``, so ``from_pretrained(directory)`` loads the trained weights.
-    Returns the directory. Raises ``CheckpointError`` on every rank if any rank fails, and on
-    every surviving rank if one dies. ``directory`` never holds a partial checkpoint: after a
-    failure it holds the previous one (if any), or the new one if rank 0 had already moved it
-    into place when another rank died. To keep several checkpoints of a run, see ``save_kept``.
+    Call on every rank between iterations. Every rank writes its own shards (a DCP checkpoint:
+    ``docs/checkpoint-format.md``); nothing is gathered. ``extra`` (rank 0's is kept) must be
+    JSON-serialisable. Returns the directory. Raises ``CheckpointError`` on every rank if any rank
+    fails, and on every surviving rank if one dies. ``directory`` never holds a partial
+    checkpoint: after a failure it holds the previous one (if any), or the new one if rank 0 had
+    already moved it into place when another rank died. To keep several checkpoints of a run, see
+    ``save_kept``. ``max_shard_bytes`` belongs to the whole-model export, not to a checkpoint.
     """
     comm = engine.comm
-    rank, world = comm.rank, comm.world_size
     directory = Path(directory)
     what = f"save checkpoint {directory}"
+    problem = "the engine is in the middle of an iteration; save between iterations" if engine.in_iteration else None
+    if max_shard_bytes is not None:
+        problem = ("max_shard_bytes sizes the files of a whole-model export; a checkpoint is sharded by rank "
+                   "(leave it unset)")
+    comm.agree(problem, what, None, error_type=CheckpointError)
+    tmp = _make_temporary(comm, directory, extra, what)
     try:
-        shard_limit, bad_size = shard_bytes(max_shard_bytes), None
-    except ValueError as e:
-        shard_limit, bad_size = 0, str(e)
-    mid = "the engine is in the middle of an iteration; save between iterations" \
-        if engine.in_iteration else None
-    comm.agree(mid or bad_size, what, None, error_type=CheckpointError)
-    full = engine.full_state_dict()  # every rank: a collective at stage 3
+        tmp_dir = Path(tmp[0])
+        everyone = write_shards(engine, tmp_dir, what)
+        info, error = None, None
+        try:
+            info = _rank_files(engine, tmp_dir)
+        except Exception as e:  # noqa: BLE001 - reported on every rank
+            error = f"{type(e).__name__}: {e}"
+        infos = comm.agree(error, what, info, error_type=CheckpointError)
+        error = None
+        if comm.rank == 0:
+            try:
+                index = checkpoint_index(engine, everyone, infos, file_facts(tmp_dir / DCP_METADATA_FILE), extra)
+                write_json(tmp_dir / INDEX_FILE, sealed(index))
+                publish(tmp_dir, directory)
+                remove_replaced(directory)
+            except Exception as e:  # noqa: BLE001
+                error = f"{type(e).__name__}: {e}"
+        comm.agree(error, what, None, error_type=CheckpointError)
+    except BaseException:
+        # a failed save leaves nothing behind: rank 0 made the temporary directory and removes it
+        # (after a successful publish it no longer exists); if rank 0 itself died, a later save
+        # removes it once it is stale
+        if comm.rank == 0 and tmp[1]:
+            shutil.rmtree(tmp[0], ignore_errors=True)
+        raise
+    return directory
 
-    # 1. rank 0 makes the temporary directory and tells the others its name
+
+def _make_temporary(comm: Any, directory: Path, extra: dict | None, what: str) -> tuple[str, bool]:
+    """Rank 0 makes the temporary directory next to ``directory`` and tells the others its name;
+    (name, whether this rank made it)."""
     error, tmp = None, None
-    if rank == 0:
+    if comm.rank == 0:
         try:
             json.dumps(extra, allow_nan=False)
         except (TypeError, ValueError) as e:
@@ -64,57 +95,147 @@ def save_checkpoint(engine: Any, directory: str | os.PathLike, *, extra: dict | 
                 tmp = tempfile.mkdtemp(prefix=temporary_prefix(directory), dir=directory.parent)
             except Exception as e:  # noqa: BLE001 - reported on every rank
                 error = f"{type(e).__name__}: {e}"
+    return comm.agree(error, what, tmp, error_type=CheckpointError)[0], comm.rank == 0 and tmp is not None
+
+
+def write_shards(engine: Any, tmp_dir: Path, what: str) -> dict[str, list[Piece]]:
+    """Every rank writes its shards into ``tmp_dir`` (a DCP save, collective); returns every
+    rank's pieces by parameter name."""
+    held = held_pieces(engine)
+    everyone = gather_pieces(engine.comm, [pc for _, ps in held for pc in ps], what)
+    error = None
     try:
-        tmp_dir = Path(comm.agree(error, what, tmp, error_type=CheckpointError)[0])
-
-        # 2. every rank writes its optimizer state
-        info, error = None, None
-        try:
-            tensors, info = _optimizer_pieces(engine)
-            name = optim_file_name(rank, world)
-            save_file(tensors, str(tmp_dir / name), metadata={"format": FORMAT, "rank": str(rank)})
-            info.update(file=name, **file_facts(tmp_dir / name))
-        except Exception as e:  # noqa: BLE001
-            error = f"{type(e).__name__}: {e}"
-        infos = comm.agree(error, what, info, error_type=CheckpointError)
-
-        # 3. rank 0 writes the model and the index (last), then moves the directory into place
-        error = None
-        if rank == 0:
-            try:
-                model_entry = write_model(tmp_dir, unshared_cpu(full), engine.module, shard_limit)
-                index = _index(engine, full, model_entry, infos, extra)
-                write_json(tmp_dir / INDEX_FILE, sealed(index))
-                publish(tmp_dir, directory)
-                remove_replaced(directory)
-            except Exception as e:  # noqa: BLE001
-                error = f"{type(e).__name__}: {e}"
-        comm.agree(error, what, None, error_type=CheckpointError)
-    except BaseException:
-        # a failed save leaves nothing behind: rank 0 made the temporary directory and removes it
-        # (after a successful publish it no longer exists); if rank 0 itself died, a later save
-        # removes it once it is stale
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return directory
+        state = shard_state(engine, held, everyone)
+        with quiet_dcp():
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_dir), thread_count=1),
+                     process_group=engine.comm.group if engine.comm.distributed else None,
+                     no_dist=not engine.comm.distributed)
+    except Exception as e:  # noqa: BLE001 - DCP raises on every rank; agreed again for one message
+        error = f"{type(e).__name__}: {e}"
+    engine.comm.agree(error, what, None, error_type=CheckpointError)
+    return everyone
 
 
-def _index(engine: Any, full: dict[str, torch.Tensor], model_entry: dict[str, Any], infos: list[dict],
-           extra: dict | None) -> dict[str, Any]:
-    params = {k: {"shape": list(v.shape), "dtype": dtype_name(v.dtype)} for k, v in full.items()}
+@contextmanager
+def quiet_dcp() -> Iterator[None]:
+    """DCP warns that ``ShardedTensor`` (how it takes local shards of any size, ``checkpoint.cut``)
+    will give way to DTensor, and that a world of one saves without a process group; both are
+    expected here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor.*", category=FutureWarning)
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
+def held_pieces(engine: Any) -> list[tuple[torch.Tensor, list[Piece]]]:
+    """This rank's optimizer parameters and their pieces; ZeRO-0 replicates them, and rank 0's
+    copy is the checkpoint's."""
+    held = pieces_of(engine.stage, engine.comm.rank)
+    if engine.zero_stage == 0 and engine.comm.rank != 0:
+        return [(p, []) for p, _ in held]
+    return held
+
+
+def gather_pieces(comm: Any, mine: list[Piece], what: str) -> dict[str, list[Piece]]:
+    """Every rank's pieces by parameter name (metadata only)."""
+    by_name: dict[str, list[Piece]] = defaultdict(list)
+    for pieces in comm.agree(None, what, mine, error_type=CheckpointError):
+        for pc in pieces:
+            by_name[pc.name].append(pc)
+    return dict(by_name)
+
+
+def shard_state(engine: Any, held: list[tuple[torch.Tensor, list[Piece]]],
+                everyone: dict[str, list[Piece]]) -> dict[str, Any]:
+    """This rank's part of the state in torch's convention (``get_state_dict`` of an FSDP2 model):
+    ``{"model": {name: tensor}, "optim": {"state": {name: {key: tensor}}, "param_groups": [...]}}``,
+    every tensor a view of the shard (no copy)."""
+    opt, group = engine.optimizer, engine.comm.group if engine.comm.distributed else None
+    model: dict[str, Any] = {}
+    state: dict[str, dict[str, Any]] = {}
+    for p, pieces in held:
+        values = opt.state.get(p, {})
+        per_element = {k: v.detach().reshape(-1) for k, v in values.items() if is_per_element(k, v, p)}
+        flat = p.detach().reshape(-1)
+        for pc in pieces:
+            model[pc.name] = dcp_value(pc, flat, everyone[pc.name], group)
+            entry = {k: dcp_value(pc, f, everyone[pc.name], group) for k, f in per_element.items()}
+            entry.update({k: v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v
+                          for k, v in values.items() if k not in per_element})
+            if entry:
+                state[pc.name] = entry
+    if engine.comm.rank == 0:
+        model.update(unsharded_tensors(engine))
+    name_of = {id(p): n for u in engine.stage.units for p, n in zip(u.params, u.names)}
+    model.update({k: model[name_of[id(v)]] for k, v in engine.module.state_dict(keep_vars=True).items()
+                  if id(v) in name_of and name_of[id(v)] != k and name_of[id(v)] in model})  # tied: under each key
+    return {"model": model, "optim": {"state": state, "param_groups": param_groups(engine)}}
+
+
+def unsharded_tensors(engine: Any) -> dict[str, torch.Tensor]:
+    """The tensors of the model no optimizer parameter holds (buffers, frozen parameters), whole."""
+    trained = {id(p) for u in engine.stage.units for p in u.params}
+    return {k: engine.stage.unsharded_value(v) for k, v in engine.module.state_dict(keep_vars=True).items()
+            if id(v) not in trained}
+
+
+def param_groups(engine: Any) -> list[dict[str, Any]]:
+    """The optimizer's groups as ``get_state_dict`` gives them: hyper-parameters, and ``params``
+    the names of the model parameters in the group."""
+    order = {name: i for i, (name, _) in enumerate(engine.module.named_parameters())}
+    names: dict[int, list[str]] = defaultdict(list)
+    for u in engine.stage.units:
+        names[u.group_index].extend(u.names)
+    return [{**{k: v for k, v in g.items() if k != "params"}, "params": sorted(names[gi], key=order.__getitem__)}
+            for gi, g in enumerate(engine.optimizer.param_groups)]
+
+
+def is_per_element(key: str, value: Any, param: torch.Tensor) -> bool:
+    if not torch.is_tensor(value) or value.shape != param.shape:
+        return False
+    return value.dim() > 0 or key != "step"  # a 0-d parameter's 0-d "step" is a counter
+
+
+def _rank_files(engine: Any, tmp_dir: Path) -> dict[str, Any]:
+    """This rank's RNG file, and the size and sha256 of every file it wrote."""
+    rank, world = engine.comm.rank, engine.comm.world_size
+    tensors, rng = {"rng/cpu": torch.get_rng_state()}, ["cpu"]
+    device = engine.comm.device
+    if device.type == "cuda":
+        tensors["rng/cuda"] = torch.cuda.get_rng_state(device).cpu()
+        rng.append("cuda")
+    name = rng_file_name(rank, world)
+    save_file(tensors, str(tmp_dir / name), metadata={"format": FORMAT, "rank": str(rank)})
+    shards = [{"file": f, **file_facts(tmp_dir / f)} for f in dcp_file_names(tmp_dir, rank)]
+    return {"file": name, **file_facts(tmp_dir / name), "rng": rng, "shards": shards}
+
+
+def checkpoint_index(engine: Any, everyone: dict[str, list[Piece]], infos: list[dict], metadata: dict[str, Any],
+                     extra: dict | None) -> dict[str, Any]:
+    """The index: the run's record, the parameter table, the cut (every rank's pieces) and every
+    file with its size and sha256."""
+    shapes = param_shapes(engine.stage, engine.module)
+    dtypes = {k: v.dtype for k, v in engine.module.state_dict(keep_vars=True).items()}
+    params = {k: {"shape": list(s), "dtype": dtype_name(torch.float32 if k in everyone else dtypes[k])}
+              for k, s in shapes.items()}
+    ranks = []
+    for r, info in enumerate(infos):
+        pieces = [pc.to_dict() for name in sorted(everyone, key=list(shapes).index) for pc in everyone[name]
+                  if pc.rank == r]
+        ranks.append({**info, "pieces": pieces})
     return {
-        "format": FORMAT, "version": SHARDED_FORMAT_VERSION if "shards" in model_entry else FORMAT_VERSION,
+        "format": FORMAT, "version": DCP_FORMAT_VERSION, "layout": "dcp",
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "torch": torch.__version__,
         "iteration": engine.iteration,
         "world_size": engine.comm.world_size,
         "zero_stage": engine.zero_stage,
         "plan": engine.plan.to_dict() if engine.plan is not None else None,
-        "model": {**model_entry, "params": params, "tied": ties(engine.module)},
+        "model": {"params": params, "tied": ties(engine.module), "dcp_metadata": {"file": DCP_METADATA_FILE,
+                                                                                  **metadata}},
         "optimizer": {"class": type(engine.optimizer).__name__,
                       "param_groups": [group_hyperparams(g) for g in engine.optimizer.param_groups]},
-        "ranks": infos,
+        "ranks": ranks,
         "precision": precision_state(engine),
         "extra": extra,
     }
@@ -128,45 +249,6 @@ def precision_state(engine: Any) -> dict[str, Any]:
     return {"policy": None if policy is None else policy.to_dict(),
             "loss_scaler": None if scaler is None else scaler.state_dict(),
             "nonfinite": engine.nonfinite.state_dict()}
-
-
-def _optimizer_pieces(engine: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """This rank's optimizer state cut into (name, range) pieces, plus its RNG states."""
-    opt = engine.optimizer
-    group_of = {id(p): gi for gi, g in enumerate(opt.param_groups) for p in g["params"]}
-    tensors: dict[str, torch.Tensor] = {}
-    pieces = []
-    # ZeRO-0 replicates the optimizer state on every rank: rank 0's copy is the checkpoint's
-    replicated_copy = engine.zero_stage == 0 and engine.comm.rank != 0
-    for p, segments in [] if replicated_copy else engine.stage.optimizer_segments():
-        state = opt.state.get(p, {})
-        per_element, scalars = {}, {}
-        for key, value in state.items():
-            if _is_per_element(key, value, p):
-                per_element[key] = value.detach().reshape(-1)
-            else:
-                scalars[key] = encode_scalar(key, value, p)
-        for name, offset, length, at in segments:
-            keys = {}
-            for key, flat in per_element.items():
-                tkey = f"{key}/{name}/{offset}"
-                tensors[tkey] = flat[at:at + length].to("cpu", copy=True).contiguous()
-                keys[key] = tkey
-            pieces.append({"name": name, "offset": offset, "length": length, "group": group_of[id(p)],
-                           "keys": keys, "scalars": scalars})
-    rng = ["cpu"]
-    tensors["rng/cpu"] = torch.get_rng_state()
-    device = engine.comm.device
-    if device.type == "cuda":
-        tensors["rng/cuda"] = torch.cuda.get_rng_state(device).cpu()
-        rng.append("cuda")
-    return tensors, {"pieces": pieces, "rng": rng}
-
-
-def _is_per_element(key: str, value: Any, param: torch.Tensor) -> bool:
-    if not torch.is_tensor(value) or value.shape != param.shape:
-        return False
-    return value.dim() > 0 or key != "step"  # a 0-d parameter's 0-d "step" is a counter
 
 
 def unshared_cpu(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -81,12 +81,27 @@ def flat_offset(shape: Sequence[int], offsets: Sequence[int]) -> int:
     return index
 
 
+def own_storage(view: torch.Tensor) -> torch.Tensor:
+    """``view`` as a tensor over the same host memory whose storage is exactly its bytes.
+
+    DCP's file writer copies a tensor whose storage is larger than it (a view of a shard) and
+    keeps every copy until the rank's file is closed: a whole extra shard. Over its own storage
+    it is written from where it is. A device tensor, or a dtype numpy lacks, stays a view (DCP
+    stages it to the host, one file per tensor: ``save.writer_for``)."""
+    if view.device.type != "cpu" or view.untyped_storage().nbytes() == view.nbytes:
+        return view
+    try:
+        return torch.from_numpy(view.detach().numpy())
+    except TypeError:
+        return view
+
+
 def local_views(piece: Piece, flat: torch.Tensor) -> list[tuple[Box, torch.Tensor]]:
     """The piece's rectangles as views of ``flat`` (the 1-d tensor that holds the piece at ``at``)."""
     out = []
     for box in boxes(piece.shape, piece.offset, piece.offset + piece.length):
         begin = piece.at + flat_offset(piece.shape, box[0]) - piece.offset
-        out.append((box, flat[begin:begin + math.prod(box[1])].view(box[1])))
+        out.append((box, own_storage(flat[begin:begin + math.prod(box[1])].view(box[1]))))
     return out
 
 
@@ -96,7 +111,7 @@ def dcp_value(piece: Piece, flat: torch.Tensor, everyone: Sequence[Piece], group
     piece is all of it, else a ``ShardedTensor`` of the piece's rectangles whose global metadata
     has every rank's (``everyone``: all ranks' pieces of this parameter)."""
     if piece.whole:
-        return flat[piece.at:piece.at + piece.length].view(piece.shape)
+        return own_storage(flat[piece.at:piece.at + piece.length].view(piece.shape))
     device = flat.device
     local = [Shard(view, _shard_md(box, piece.rank, device)) for box, view in local_views(piece, flat)]
     shards = [_shard_md(box, p.rank, device if p.rank == piece.rank else torch.device("cpu"))

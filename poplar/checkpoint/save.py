@@ -107,7 +107,7 @@ def write_shards(engine: Any, tmp_dir: Path, what: str) -> dict[str, list[Piece]
     try:
         state = shard_state(engine, held, everyone)
         with quiet_dcp():
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_dir), thread_count=1),
+            dcp.save(state, storage_writer=writer_for(engine, tmp_dir),
                      process_group=engine.comm.group if engine.comm.distributed else None,
                      no_dist=not engine.comm.distributed)
     except Exception as e:  # noqa: BLE001 - DCP raises on every rank; agreed again for one message
@@ -125,6 +125,13 @@ def quiet_dcp() -> Iterator[None]:
         warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor.*", category=FutureWarning)
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         yield
+
+
+def writer_for(engine: Any, tmp_dir: Path) -> dcp.FileSystemWriter:
+    """DCP's file writer: one file per rank from host memory; one file per tensor from a device,
+    as DCP keeps the host copy of every tensor of a file until it is closed."""
+    on_host = engine.comm.device.type == "cpu"
+    return dcp.FileSystemWriter(str(tmp_dir), thread_count=1, single_file_per_rank=on_host)
 
 
 def held_pieces(engine: Any) -> list[tuple[torch.Tensor, list[Piece]]]:

@@ -155,7 +155,7 @@ def memory_worker(rank: int, world: int, root: str) -> dict:
     fresh = engine_of(3, PLAN4, "adamw", BIG, seed=2)
     loaded = peak_growth(lambda: load_checkpoint(fresh, Path(root) / "c"))
     return {"params": params, "state": state, "block": block, "save": saved, "load": loaded,
-            "model": sum(p.numel() for p in fresh.module.parameters()) * 4}
+            "model": sum(u.numel for u in fresh.stage.units) * 4}
 
 
 @pytest.mark.multiprocess

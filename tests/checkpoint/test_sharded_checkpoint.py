@@ -12,6 +12,7 @@ the checkpoint code holds at once.
 from __future__ import annotations
 
 import gc
+import json
 import math
 import random
 from pathlib import Path
@@ -332,3 +333,31 @@ def test_fsdp2_loads_poplar_checkpoints_and_poplar_loads_fsdp2s(tmp_path: Path) 
     assert _max_abs_diff(fsdp[0]["saved"], saved, ("param",)) > 0  # FSDP2 moved the weights
     for r in back:
         assert _max_abs_diff(r, fsdp[0]["saved"], keys) == 0.0
+
+
+# ---------------------------------------------------------------------------- earlier checkpoints
+LEGACY = Path(__file__).parent / "data" / "v1-stage1"  # written by Poplar before sharded checkpoints
+
+
+def test_a_checkpoint_of_an_earlier_version_loads_and_saves_sharded(tmp_path: Path) -> None:
+    """An index-version-1 checkpoint (the whole model in model.safetensors, optimizer pieces per
+    rank) loads exactly, at ZeRO-3 and at ZeRO-1; saved again, it is sharded and holds the same."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+    saved_model = load_file(str(LEGACY / "model.safetensors"))
+    index = json.loads((LEGACY / "index.json").read_text())
+    with safe_open(str(LEGACY / "optim-rank0-of1.safetensors"), framework="pt") as f:
+        saved_state = {(p["name"], k): f.get_tensor(t) for p in index["ranks"][0]["pieces"] for k, t in p["keys"].items()}
+    tiny = {"dim": 16, "n_layers": 1, "n_heads": 2, "hidden_dim": 32, "max_seq_len": 8}
+    for stage in (3, 1):
+        engine = engine_of(stage, plan_of((2, 1, 0)), "adamw", tiny, seed=4)
+        with torch.random.fork_rng(devices=[]):
+            meta = load_checkpoint(engine, LEGACY)
+        assert meta.iteration == 2 and meta.extra["note"].startswith("written by Poplar") and engine.iteration == 2
+        state = engine.full_state_dict()
+        assert state.keys() == saved_model.keys() and all(torch.equal(state[k], saved_model[k]) for k in state)
+        save_checkpoint(engine, tmp_path / f"again{stage}")
+        again = whole(tmp_path / f"again{stage}")
+        assert all(torch.equal(again["model"][k], saved_model[k]) for k in saved_model)
+        for (name, key), value in saved_state.items():
+            assert torch.equal(again["optim"]["state"][name][key].reshape(-1), value), (stage, name, key)

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from poplar.checkpoint.cut import Piece, dcp_value, param_shapes, pieces_of
 from poplar.checkpoint.errors import Damaged, Invalid
 from poplar.checkpoint.layout import DCP_METADATA_FILE, IMPLEMENTATION_KEYS
-from poplar.checkpoint.save import gather_pieces
+from poplar.checkpoint.snapshot import gather_pieces
 from poplar.checkpoint.storage import sha256
 
 MODEL, STATE, GROUPS = "model.", "optim.state.", "optim.param_groups."

@@ -120,8 +120,8 @@ def _arm(point: Point, rank: int, root: Path) -> None:
                 path.parent.name.startswith(f".{DYING}.tmp-"):
             _die(point.how)
 
-    def write_shards(engine, tmp_dir, what):
-        out = real_write_shards(engine, tmp_dir, what)
+    def write_shards(comm, snap, tmp_dir, what):
+        out = real_write_shards(comm, snap, tmp_dir, what)
         if point.at is At.SHARDS and Path(tmp_dir).name.startswith(f".{DYING}.tmp-"):
             _die(point.how)
         return out

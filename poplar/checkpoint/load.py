@@ -69,9 +69,11 @@ def load_checkpoint(engine: Any, directory: str | os.PathLike, *, verify_hashes:
     ``plan`` (a ``Plan``) of the saving run, ``extra``, ``rng_restored`` (this rank's RNG came from
     the checkpoint), ``created`` and ``path`` (the checkpoint directory loaded). Raises
     ``CheckpointError`` on every rank, having changed nothing, if the checkpoint is missing,
-    incomplete, corrupt or does not fit the engine (everything is checked and read before
-    anything is set); ``DamagedCheckpoint`` (a ``CheckpointError``) when a data file does not
-    match its sha256. ``verify_hashes=False`` checks file sizes only.
+    incomplete, corrupt or does not fit the engine (everything is checked before anything is
+    read); ``DamagedCheckpoint`` (a ``CheckpointError``) when a data file does not match its
+    sha256. ``verify_hashes=False`` checks file sizes only. A sharded checkpoint is read at
+    ZeRO-3 straight into the shards: a read that fails after the checks (a file removed or
+    unreadable meanwhile) leaves them partly loaded, and the error says so.
     """
     what = f"load checkpoint {Path(directory)}"
     directory, index = _agree_on_index(engine, Path(directory), what)

@@ -45,15 +45,17 @@ from pathlib import Path
 from typing import Any
 
 from poplar.checkpoint.errors import CheckpointError, Invalid
-from poplar.checkpoint.layout import (FORMAT, INDEX_FILE, POINTER_FORMAT, POINTER_VERSION, check_files, parse_index,
-                                      read_sealed_json, sealed)
-from poplar.checkpoint.save import save_checkpoint
+from poplar.checkpoint.layout import (FORMAT, INDEX_FILE, POINTER_FORMAT, POINTER_VERSION, check_files, data_files,
+                                      parse_index, read_sealed_json, sealed)
+from poplar.checkpoint.background import PendingSave
+from poplar.checkpoint.save import check_can_save, save_checkpoint, write_checkpoint
+from poplar.checkpoint.snapshot import take_snapshot
 from poplar.checkpoint.storage import fsync_dir, publish, temporary_prefix, write_json
 
 _STEP = re.compile(r"step-(\d{8,})")
 _TEMPORARY = re.compile(r"\.step-\d{8,}\.tmp-[a-z0-9_]{8}")
 _REPLACED = re.compile(r"\.(step-\d{8,})\.old-[0-9a-f]{8}")
-_SINGLE_FILES = re.compile(r"model\.safetensors|optim-rank\d+-of\d+\.safetensors")
+_SINGLE_FILES = re.compile(r"model\.safetensors|(optim|rng)-rank\d+-of\d+\.safetensors|__\d+_\d+\.distcp|\.metadata")
 
 
 class Source(Enum):
@@ -126,6 +128,29 @@ def save_kept(engine: Any, directory: str | os.PathLike, *, keep: int = 2, extra
     error = _on_rank0(comm.rank, commit, root, step, engine.iteration, keep)
     comm.agree(error, what, error_type=CheckpointError)
     return step
+
+
+def start_save_kept(engine: Any, directory: str | os.PathLike, comm: Any, *, keep: int = 2,
+                    extra: dict | None = None) -> PendingSave:
+    """``save_kept`` written while training goes on: between iterations every rank copies its
+    shards to host memory; a background thread then writes them over ``comm`` (a
+    ``background.checkpoint_comm``), points index.json at the new step directory and prunes, as
+    ``save_kept`` does. Call on every rank; poll the returned save at each iteration boundary
+    (``PendingSave.poll``) and wait for it before the next save or the end."""
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise ValueError(f"keep must be an int >= 1 (how many checkpoints to keep), got {keep!r}")
+    root = Path(directory)
+    step = root / step_name(engine.iteration)
+    what = f"save checkpoint {step}"
+    check_can_save(engine, what)
+    engine.comm.agree(_on_rank0(engine.comm.rank, prepare, root, step), what, error_type=CheckpointError)
+    snap = take_snapshot(engine, what, comm.group if comm.distributed else None, copy=True)
+    iteration = engine.iteration
+
+    def write() -> None:
+        write_checkpoint(comm, snap, step, extra)
+        comm.agree(_on_rank0(comm.rank, commit, root, step, iteration, keep), what, error_type=CheckpointError)
+    return PendingSave(write, str(step))
 
 
 def agree_on_latest(comm: Any, directory: str | os.PathLike, below: int | None = None) -> Latest | None:
@@ -352,7 +377,7 @@ def _move_single_into_step(root: Path) -> None:
     step = root / step_name(iteration)
     if not _is_complete(step):
         tmp = Path(tempfile.mkdtemp(prefix=temporary_prefix(step), dir=root))
-        for entry in [index["model"], *index["ranks"]]:
+        for entry in data_files(index):
             _link_or_copy(root / entry["file"], tmp / entry["file"])
         _link_or_copy(root / INDEX_FILE, tmp / INDEX_FILE)  # last: the step is complete once it is there
         publish(tmp, step)

@@ -18,9 +18,14 @@ from poplar.checkpoint.errors import Invalid
 FORMAT = "poplar-checkpoint"
 # version 2: the model's weights may be Hugging Face shards (the index's model entry lists
 # "shards"); a checkpoint with one model file is still written as version 1
+# version 3: every rank's shards in torch.distributed.checkpoint's format (the "layout": "dcp"
+# index; ``checkpoint.cut``), no whole-model file; versions 1 and 2 still load
 FORMAT_VERSION = 1
 SHARDED_FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+DCP_FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
+DCP_METADATA_FILE = ".metadata"
+_DCP_FILE = re.compile(r"__\d+_\d+\.distcp")
 INDEX_FILE = "index.json"
 MODEL_FILE = "model.safetensors"
 # the Hugging Face layout (checkpoint.hf_layout): sharded weights, their index, the model's config
@@ -39,6 +44,31 @@ IMPLEMENTATION_KEYS = {"params", "param_names", "foreach", "fused", "capturable"
 
 def optim_file_name(rank: int, world_size: int) -> str:
     return f"optim-rank{rank}-of{world_size}.safetensors"
+
+
+def rng_file_name(rank: int, world_size: int) -> str:
+    return f"rng-rank{rank}-of{world_size}.safetensors"
+
+
+def dcp_file_names(directory: Path, rank: int) -> list[str]:
+    """The data files DCP wrote for ``rank`` in ``directory``."""
+    return sorted(p.name for p in directory.glob(f"__{rank}_*.distcp"))
+
+
+def is_dcp_file(name: str) -> bool:
+    return name == DCP_METADATA_FILE or _DCP_FILE.fullmatch(name) is not None
+
+
+def is_dcp_index(index: dict[str, Any]) -> bool:
+    return index.get("layout") == "dcp"
+
+
+def data_files(index: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every file an index lists (``file``, ``bytes``, ``sha256``): the model and rank files of
+    versions 1-2; the DCP metadata, every rank's DCP files and RNG file of version 3."""
+    if not is_dcp_index(index):
+        return [*model_file_entries(index["model"]), *index["ranks"]]
+    return [index["model"]["dcp_metadata"], *index["ranks"], *(s for r in index["ranks"] for s in r["shards"])]
 
 
 def shard_file_name(i: int, count: int) -> str:
@@ -81,7 +111,7 @@ def parse_index(directory: Path) -> dict[str, Any]:
 
 def check_files(directory: Path, index: dict[str, Any]) -> None:
     """Every file the index lists is there with its size (the cheap half of checking them)."""
-    for entry in [*model_file_entries(index["model"]), *index["ranks"]]:
+    for entry in data_files(index):
         path = directory / entry["file"]
         if not path.is_file():
             raise Invalid(f"checkpoint file {path} is missing")

@@ -13,11 +13,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 
 from poplar.checkpoint.errors import CheckpointError, Damaged, DamagedCheckpoint, Invalid
 from poplar.checkpoint.kept import resolve
-from poplar.checkpoint.layout import check_files, parse_index, ties
+from poplar.checkpoint.cut import param_shapes
+from poplar.checkpoint.layout import DCP_METADATA_FILE, INDEX_FILE, check_files, is_dcp_index, parse_index, ties
 from poplar.checkpoint.reshard import CheckpointFiles, assemble_optimizer
+from poplar.checkpoint.save import quiet_dcp
+from poplar.checkpoint.sharded_load import Targets, check_against, check_hashes, read_metadata
 from poplar.types.plans import Plan
 
 
@@ -65,12 +69,18 @@ def load_checkpoint(engine: Any, directory: str | os.PathLike, *, verify_hashes:
     ``plan`` (a ``Plan``) of the saving run, ``extra``, ``rng_restored`` (this rank's RNG came from
     the checkpoint), ``created`` and ``path`` (the checkpoint directory loaded). Raises
     ``CheckpointError`` on every rank, having changed nothing, if the checkpoint is missing,
-    incomplete, corrupt or does not fit the engine (everything is checked and read before
-    anything is set); ``DamagedCheckpoint`` (a ``CheckpointError``) when a data file does not
-    match its sha256. ``verify_hashes=False`` checks file sizes only.
+    incomplete, corrupt or does not fit the engine (everything is checked before anything is
+    read); ``DamagedCheckpoint`` (a ``CheckpointError``) when a data file does not match its
+    sha256. ``verify_hashes=False`` checks file sizes only. A sharded checkpoint is read at
+    ZeRO-3 straight into the shards: a read that fails after the checks (a file removed or
+    unreadable meanwhile) leaves them partly loaded, and the error says so.
     """
     what = f"load checkpoint {Path(directory)}"
     directory, index = _agree_on_index(engine, Path(directory), what)
+    if is_dcp_index(index):
+        rng = load_sharded(engine, directory, index, verify_hashes, what)
+        _finish(engine, index, rng, what)
+        return _meta(index, _LoadedState({}, {}, rng), directory)
     loaded = _read_state(engine, directory, index, verify_hashes, what)
     _apply(engine, index, loaded, what)
     return _meta(index, loaded, directory)
@@ -112,7 +122,7 @@ def _read_state(engine: Any, directory: Path, index: dict, verify_hashes: bool, 
     file on any rank is a ``DamagedCheckpoint`` on every rank (a caller may go back to an older
     checkpoint), any other problem a ``CheckpointError``."""
     comm = engine.comm
-    expected = _expected_params(engine)  # every rank: a collective at stage 3
+    expected = _expected_params(engine)
     error, damaged, loaded = None, None, None
     try:
         loaded = _check_and_read(engine, directory, index, expected, verify_hashes)
@@ -144,6 +154,90 @@ def _check_and_read(engine: Any, directory: Path, index: dict, expected: dict, v
         return _LoadedState(model, optimizer, _read_rng(engine, index, files))
 
 
+def load_sharded(engine: Any, directory: Path, index: dict | None, verify_hashes: bool,
+                 what: str) -> dict[str, torch.Tensor]:
+    """Load a DCP checkpoint's model and optimizer state into ``engine``, each rank reading only
+    what its shards need (``checkpoint.sharded_load``); ``index``: Poplar's (None for one torch
+    wrote). Returns this rank's saved RNG states (none without an index)."""
+    comm = engine.comm
+    error, damaged, rng, md = None, None, {}, None
+    try:
+        if engine.in_iteration:
+            raise Invalid("the engine is in the middle of an iteration; load a checkpoint between iterations")
+        if index is not None:
+            if index["model"]["tied"] != ties(engine.module):
+                raise Invalid(f"tied weights differ: the checkpoint ties {index['model']['tied']} and the model "
+                              f"ties {ties(engine.module)}")
+            if index["optimizer"]["class"] != type(engine.optimizer).__name__:
+                raise Invalid(f"the checkpoint's optimizer is {index['optimizer']['class']} but the engine's is "
+                              f"{type(engine.optimizer).__name__}")
+            check_files(directory, index)
+            if verify_hashes:
+                check_hashes(directory, index, comm.rank, comm.world_size)
+            with ExitStack() as stack:
+                rng = _read_rng(engine, index, CheckpointFiles(directory, index, False, stack))
+        md = read_metadata(directory)
+        check_against(engine, md)
+    except Damaged as e:
+        damaged = str(e)
+    except Invalid as e:
+        error = str(e)
+    except Exception as e:  # noqa: BLE001 - reported on every rank
+        error = f"{type(e).__name__}: {e} (reading {directory})"
+    damage = [f"  rank {r}: {d}" for r, d in enumerate(comm.agree(error, what, damaged, error_type=CheckpointError))
+              if d is not None]
+    if damage:
+        raise DamagedCheckpoint(f"{what} failed on {len(damage)} of {comm.world_size} ranks:\n" + "\n".join(damage))
+    with quiet_dcp():
+        targets = Targets(engine, md, what)
+    error = None
+    try:
+        with quiet_dcp():
+            dcp.load(targets.state_dict(), storage_reader=dcp.FileSystemReader(str(directory)),
+                     process_group=comm.group if comm.distributed else None, no_dist=not comm.distributed)
+        targets.set_model()
+        engine.optimizer.load_state_dict(targets.optimizer_state())
+    except Exception as e:  # noqa: BLE001
+        error = (f"{type(e).__name__}: {e}; the engine's state is now partly loaded: load a checkpoint again "
+                 "or build the engine anew")
+    comm.agree(error, what, error_type=CheckpointError)
+    return rng
+
+
+def load_torch_checkpoint(engine: Any, directory: str | os.PathLike) -> None:
+    """Load the model and optimizer state of a ``torch.distributed.checkpoint`` directory that
+    torch wrote (FSDP2, torchtitan: ``{"model": ..., "optim": ...}`` as ``get_state_dict``
+    gives them) into ``engine``, on any world size, stage or plan; its iteration, RNG and plan
+    stay. Call on every rank between iterations. Raises ``CheckpointError`` on every rank."""
+    directory = Path(directory)
+    what = f"load torch checkpoint {directory}"
+    if not (directory / DCP_METADATA_FILE).is_file() or (directory / INDEX_FILE).is_file():
+        problem = (f"{directory} is a Poplar checkpoint: load it with load_checkpoint" if (directory / INDEX_FILE)
+                   .is_file() else f"{directory} has no {DCP_METADATA_FILE}: not a torch.distributed.checkpoint")
+        engine.comm.agree(problem, what, error_type=CheckpointError)
+    load_sharded(engine, directory, None, False, what)
+
+
+def _finish(engine: Any, index: dict, rng: dict[str, torch.Tensor], what: str) -> None:
+    """After a sharded load: the iteration, the precision state and the RNG."""
+    error = None
+    try:
+        engine.restore_iteration(int(index["iteration"]))
+        restore_precision_state(engine, index.get("precision"))
+        _set_rng(engine, rng)
+    except Exception as e:  # noqa: BLE001
+        error = f"{type(e).__name__}: {e}"
+    engine.comm.agree(error, what, error_type=CheckpointError)
+
+
+def _set_rng(engine: Any, rng: dict[str, torch.Tensor]) -> None:
+    for kind, state in rng.items():
+        if kind == "cpu":
+            torch.set_rng_state(state)
+        else:
+            torch.cuda.set_rng_state(state, engine.comm.device)
+
+
 def _apply(engine: Any, index: dict, loaded: _LoadedState, what: str) -> None:
     """Step 3: set the engine's model, optimizer, iteration, precision state and RNG; every rank
     agrees that it succeeded."""
@@ -153,11 +247,7 @@ def _apply(engine: Any, index: dict, loaded: _LoadedState, what: str) -> None:
         engine.optimizer.load_state_dict(loaded.optimizer)
         engine.restore_iteration(int(index["iteration"]))
         restore_precision_state(engine, index.get("precision"))
-        for kind, state in loaded.rng.items():
-            if kind == "cpu":
-                torch.set_rng_state(state)
-            else:
-                torch.cuda.set_rng_state(state, engine.comm.device)
+        _set_rng(engine, loaded.rng)
     except Exception as e:  # noqa: BLE001
         error = f"{type(e).__name__}: {e}"
     engine.comm.agree(error, what, error_type=CheckpointError)
@@ -181,11 +271,8 @@ def _saved_plan(index: dict[str, Any]) -> Plan | None:
 
 def _expected_params(engine: Any) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Name → (shape, dtype) of the full model state the engine holds."""
-    if engine.zero_stage == 3:  # parameters are shards; the full state is gathered
-        state = engine.full_state_dict()
-    else:
-        state = engine.module.state_dict()
-    return {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
+    dtypes = {k: v.dtype for k, v in engine.module.state_dict(keep_vars=True).items()}
+    return {k: (shape, dtypes[k]) for k, shape in param_shapes(engine.stage, engine.module).items()}
 
 
 def _check_params(index: dict, expected: dict) -> None:

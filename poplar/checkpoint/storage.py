@@ -14,7 +14,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from poplar.checkpoint.layout import INDEX_FILE, POINTER_FORMAT, is_model_file
+from poplar.checkpoint.layout import INDEX_FILE, POINTER_FORMAT, is_dcp_file, is_model_file
 
 
 def check_replaceable(directory: Path) -> None:
@@ -114,11 +114,15 @@ def umask_mode(path: Path, mode: int) -> None:
     os.chmod(path, mode & ~umask)
 
 
-def sha256(path: Path) -> str:
+def sha256(path: Path, chunk_bytes: int = 1 << 20) -> str:
+    """The file's sha256, read through one reused buffer of ``chunk_bytes`` (a checkpoint file
+    is a rank's whole shard; the check holds no more of it than that)."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
+    buffer = bytearray(chunk_bytes)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            h.update(view[:n])
     return h.hexdigest()
 
 
@@ -131,7 +135,7 @@ def sha256(path: Path) -> str:
 STALE_TEMPORARY_S = 3600.0
 _TEMPORARY_SUFFIX = re.compile(r"[a-z0-9_]{8}")  # tempfile.mkdtemp's random part
 _INDEX_PART = INDEX_FILE + ".part"
-_OPTIM_FILE = re.compile(r"optim-rank\d+-of\d+\.safetensors")
+_RANK_FILE = re.compile(r"(optim|rng)-rank\d+-of\d+\.safetensors")
 
 
 def temporary_prefix(directory: Path) -> str:
@@ -171,7 +175,8 @@ def remove_stale_temporaries(directory: Path, stale_after_s: float = STALE_TEMPO
 def _is_stale_partial_save(path: Path, stale_after_s: float) -> bool:
     newest = path.lstat().st_mtime
     for entry in path.iterdir():
-        if entry.name != _INDEX_PART and not is_model_file(entry.name) and not _OPTIM_FILE.fullmatch(entry.name):
+        if (entry.name != _INDEX_PART and not is_model_file(entry.name) and not _RANK_FILE.fullmatch(entry.name)
+                and not is_dcp_file(entry.name)):
             return False
         if entry.is_symlink() or not entry.is_file():
             return False

@@ -20,6 +20,7 @@ from typing import Any
 
 import poplar.checkpoint as checkpoint
 from poplar.checkpoint import kept, lock
+from poplar.checkpoint.background import PendingSave, checkpoint_comm
 from poplar.train.data import PlanLoader
 from poplar.train.options import CheckpointOptions
 from poplar.logs import log
@@ -62,12 +63,31 @@ class Checkpointer:
         self.engine, self.options = engine, options
         claim(engine.comm, options.dir)
         self.claimed = True
+        self.pending: PendingSave | None = None  # a save being written in the background
+        self.writer_comm: Any = None  # its communicator, made at the first background save
 
     def close(self) -> None:
-        """Release the directory's lock (the lock of a process that dies is stale, and taken over)."""
+        """Release the directory's lock (the lock of a process that dies is stale, and taken
+        over). A save still written in the background is left to its thread (a run ends with a
+        synchronous last save, so this is a run that failed): not waited for, as the ranks it
+        waits on may be gone; the previous checkpoint stays complete, and the next save removes
+        what an unfinished one left."""
+        self.pending = None
         if self.claimed:
             self.claimed = False
             let_go(self.engine.comm, self.options.dir)
+
+    def poll(self) -> None:
+        """At each iteration boundary (collective while a save is written in the background):
+        ``CheckpointError`` on every rank if a rank's write failed."""
+        if self.pending is not None and self.pending.poll(self.engine.comm):
+            self.pending = None
+
+    def finish(self) -> None:
+        """Wait for the save written in the background, if any (collective)."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending.wait(self.engine.comm)
 
     def resume(self, loader: PlanLoader) -> dict[str, Any] | None:
         """Load the latest checkpoint into the engine and ``loader``; returns its ``extra``
@@ -111,15 +131,23 @@ class Checkpointer:
         every = self.options.every
         return done or stopping or bool(every and self.engine.iteration % every == 0)
 
-    def save(self, loader: PlanLoader, extra: dict[str, Any]) -> str:
+    def save(self, loader: PlanLoader, extra: dict[str, Any], last: bool = True) -> str:
         """Save at the engine's iteration with the loader's position and ``extra``; returns
-        ``"dir@iteration"`` (``FitResult.checkpoints``)."""
+        ``"dir@iteration"`` (``FitResult.checkpoints``). With ``async_save`` a save that is not
+        the ``last`` is written in the background (the previous one finished first)."""
         directory = self.options.dir
         if not self.claimed:  # closed, then asked to go on: claim the directory again (collective, as the save)
             claim(self.engine.comm, directory)
             self.claimed = True
-        kept.save_kept(self.engine, directory, keep=self.options.keep_checkpoints,
-                  extra={"data": loader.state_dict(), **extra})
+        self.finish()
+        extra = {"data": loader.state_dict(), **extra}
+        if self.options.async_save and not last:
+            if self.writer_comm is None:
+                self.writer_comm = checkpoint_comm(self.engine.comm)
+            self.pending = kept.start_save_kept(self.engine, directory, self.writer_comm,
+                                                keep=self.options.keep_checkpoints, extra=extra)
+        else:
+            kept.save_kept(self.engine, directory, keep=self.options.keep_checkpoints, extra=extra)
         return f"{directory}@{self.engine.iteration}"
 
     def path_at(self, iteration: int) -> str:

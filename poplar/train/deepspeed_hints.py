@@ -32,8 +32,9 @@ ZERO_HINTS = {
     "ignore_unused_parameters": "unused parameters get zero gradients",
     "use_multi_rank_bucket_allreduce": "ignored",
     "memory_efficient_linear": "ignored",
-    "stage3_gather_16bit_weights_on_model_save": "a checkpoint always holds the whole model (model.safetensors, "
-                                                 "fp32 master weights), gathered from the shards at every stage",
+    "stage3_gather_16bit_weights_on_model_save": "a checkpoint holds the fp32 master weights sharded by rank, "
+                                                 "in torch.distributed.checkpoint's format, at every stage; "
+                                                 "the whole model is an export",
 }
 
 # "zero_optimization" keys that move state off the GPU in ways Poplar does not: an error says so

@@ -47,12 +47,15 @@ class CheckpointOptions:
     its own step directory of ``dir`` with ``index.json`` naming the latest; the newest
     ``keep_checkpoints`` are kept (``poplar.checkpoint.kept``). With ``resume`` the run first
     loads the latest complete checkpoint there (or ``dir`` itself if it is a single checkpoint):
-    any plan, stage or world size."""
+    any plan, stage or world size. With ``async_save`` a save between iterations only copies the
+    shards to host memory and training goes on while a background thread writes them
+    (``poplar.checkpoint.background``); the last save of a run is written before ``fit`` returns."""
 
     dir: str | os.PathLike
     every: int | None = None
     keep_checkpoints: int = 2
     resume: bool = True
+    async_save: bool = False
 
     def __post_init__(self) -> None:
         if not _is_path(self.dir):
@@ -66,6 +69,8 @@ class CheckpointOptions:
                              f"{self.keep_checkpoints!r}")
         if not isinstance(self.resume, bool):
             raise TypeError(f"CheckpointOptions.resume must be True or False, got {self.resume!r}")
+        if not isinstance(self.async_save, bool):
+            raise TypeError(f"CheckpointOptions.async_save must be True or False, got {self.async_save!r}")
 
 
 @dataclass(frozen=True)

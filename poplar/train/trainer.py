@@ -184,6 +184,8 @@ class Trainer:
         engine, stopping = self.engine, run.signum is not None
         log_every = self.config.report.log_every
         log_now = done or bool(log_every and (engine.iteration - run.start) % log_every == 0)
+        if self.checkpointer is not None:
+            self.checkpointer.poll()  # a save written in the background: a failed write stops every rank here
         save_now = self.checkpointer is not None and self.checkpointer.due(done, stopping)
         # the metrics written at a save, or at a stop, cover it
         if log_now or ((save_now or stopping) and self.reports is not None):
@@ -197,7 +199,7 @@ class Trainer:
                 run.bar.write("[poplar] " + window_message(engine, window, run.iterations, rates), file=sys.stderr)
             run.logged = len(run.records)
         if save_now:
-            run.checkpoints.append(self.checkpointer.save(self.loader, self.monitor.state()))
+            run.checkpoints.append(self.checkpointer.save(self.loader, self.monitor.state(), last=done or stopping))
             if self.reports is not None and engine.rank == 0:  # a run resumed from this checkpoint has the
                 self.reports.write_metrics(self._summary(run))  # metrics up to it
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file
+import torch.distributed.checkpoint
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from poplar.checkpoint import CheckpointError, load_checkpoint, read_index, save_checkpoint
 from poplar.train.data import LoaderOptions, PlanLoader
@@ -29,6 +30,14 @@ PLAN3 = plan_of((3, 2, 1), (2, 1, 0), (1, 3, 0))  # n_i = 7, 2, 3: gbs 12
 PLAN3_ON_2 = plan_of((4, 2, 0), (1, 3, 1))  # n_i = 8, 4: the same gbs 12, cut differently
 BUCKET_MB = 0.02  # ~5200 floats per unit: 7 units, parameters cut across shards differently per world size
 _DATASET: TextBlocks | None = None
+
+
+def whole_model(directory: Path) -> dict[str, torch.Tensor]:
+    """The model a sharded checkpoint holds, put together offline by torch's own converter."""
+    out = directory.parent / f"{directory.name}.whole.pt"
+    if not out.exists():
+        dcp_to_torch_save(directory, out)
+    return torch.load(out, weights_only=True)["model"]
 
 
 def dataset() -> TextBlocks:
@@ -154,10 +163,10 @@ def test_resume_is_bitwise(runs: dict) -> None:
     """2 gloo ranks at stages 0 and 2: 4 iterations straight = 2, save, new engine, load, 2
     (at stage 0 every rank holds the whole optimizer state; rank 0 alone writes it)."""
     _check_bitwise([r["bitwise"] for r in runs["results"]], (0, 2), PLAN2)
-    # the layout: one consolidated model, one optimizer file per rank, an index; no temporary left
+    # the layout: each rank's DCP shard file and RNG file, DCP's metadata, the index; no temporary left
     bitwise = runs["root"] / "bitwise"
-    assert sorted(os.listdir(bitwise / "stage2")) == ["index.json", "model.safetensors",
-                                                      "optim-rank0-of2.safetensors", "optim-rank1-of2.safetensors"]
+    assert sorted(os.listdir(bitwise / "stage2")) == [".metadata", "__0_0.distcp", "__1_0.distcp", "index.json",
+                                                      "rng-rank0-of2.safetensors", "rng-rank1-of2.safetensors"]
     assert sorted(os.listdir(bitwise)) == ["stage0", "stage2"]
 
 
@@ -180,7 +189,7 @@ def test_resume_on_two_ranks_at_stages_0_and_1(runs: dict) -> None:
         _check_continuation(runs, stage)
     # not trivially close: the parameters moved after the checkpoint
     moved = max_rel_err(runs["results"][0]["reshard"][1]["state"],
-                        load_file(str(runs["three_dir"] / "model.safetensors")))
+                        whole_model(runs["three_dir"]))
     assert moved > 1e-3
 
 
@@ -204,8 +213,8 @@ def test_stage_3_checkpoints(runs: dict) -> None:
 
 @pytest.mark.multiprocess
 def test_resume_in_one_process(runs: dict) -> None:
-    """A world of one (no process group) continues the 3-rank run too, and the model file loads
-    into a plain module."""
+    """A world of one (no process group) continues the 3-rank run too, and torch's offline
+    converter puts the sharded model together for a plain module (tied weights under each key)."""
     directory, reference = runs["three_dir"], runs["reference"]
     plan = plan_of((5, 2, 2))
     engine = make_engine(1, plan, seed=9)
@@ -218,9 +227,9 @@ def test_resume_in_one_process(runs: dict) -> None:
     assert max_rel_err(engine.full_state_dict(), reference["state"]) <= 1e-5
 
     plain = create_model("llama-tiny", seed=5, **SMALL)
-    plain.load_state_dict(load_file(str(directory / "model.safetensors")))  # tied weights under each key
+    plain.load_state_dict(whole_model(directory))  # tied weights under each key
     assert plain.head.weight is plain.embed.weight
-    assert torch.equal(plain.head.weight, load_file(str(directory / "model.safetensors"))["embed.weight"])
+    assert torch.equal(plain.head.weight, whole_model(directory)["embed.weight"])
 
 
 # ---------------------------------------------------------------------------- refusals
@@ -240,15 +249,15 @@ def refusals(rank: int, root: Path) -> dict:
         for case in ("no_index", "truncated", "flipped", "bad_json", "short_model"):
             shutil.copytree(good, root / case)
         (root / "no_index" / "index.json").unlink()
-        with open(root / "truncated" / "optim-rank1-of2.safetensors", "r+b") as f:
+        with open(root / "truncated" / "__1_0.distcp", "r+b") as f:
             f.truncate(os.path.getsize(f.name) - 64)
-        with open(root / "flipped" / "optim-rank1-of2.safetensors", "r+b") as f:  # same size, other bytes
+        with open(root / "flipped" / "__1_0.distcp", "r+b") as f:  # same size, other bytes
             f.seek(os.path.getsize(f.name) // 2)
             byte = f.read(1)
             f.seek(-1, os.SEEK_CUR)
             f.write(bytes([byte[0] ^ 0xFF]))
         (root / "bad_json" / "index.json").write_text('{"format": "poplar-checkpoint", "vers')
-        with open(root / "short_model" / "model.safetensors", "r+b") as f:
+        with open(root / "short_model" / ".metadata", "r+b") as f:
             f.truncate(100)
     dist.barrier()
 
@@ -272,13 +281,13 @@ def refusals(rank: int, root: Path) -> dict:
 
 NEEDLES = {
     "no_index": "has no index.json",
-    "truncated": "optim-rank1-of2.safetensors has",  # ... N bytes but the index says M: truncated
-    "flipped": "rank 1: checkpoint file",  # only rank 1 reads rank 1's file; rank 0 must raise too
+    "truncated": "__1_0.distcp has",  # ... N bytes but the index says M: truncated
+    "flipped": "rank 1: checkpoint file",  # only rank 1 checks rank 1's file; rank 0 must raise too
     "bad_json": "is not valid JSON",
     "short_model": "truncated or corrupt",
     "missing_dir": "does not exist",
     "shape": "shapes differ",
-    "names": "checkpoint parameters the model does not have: ['layers.1.attn_norm.weight'",
+    "names": "checkpoint parameters the model does not have: ['layers.1.",
     "tied": "tied weights differ: the checkpoint ties [['embed.weight', 'head.weight']] and the model ties []",
     "optimizer": "optimizer is AdamW but the engine's is SGD",
 }
@@ -304,15 +313,21 @@ def test_index_contents_and_hyperparameters(tmp_path: Path) -> None:
     engine.optimizer.param_groups[1]["betas"] = (0.8, 0.99)
     save_checkpoint(engine, tmp_path / "c", extra={"note": "hello", "data": {"iteration": 2}})
     index = json.loads((tmp_path / "c" / "index.json").read_text())
-    assert index["format"] == "poplar-checkpoint" and index["version"] == 1
+    assert index["format"] == "poplar-checkpoint" and index["version"] == 3 and index["layout"] == "dcp"
     assert index["world_size"] == 1 and index["zero_stage"] == 0 and index["iteration"] == 2
     assert Plan.from_dict(index["plan"]).to_dict() == plan.to_dict()
     assert index["model"]["params"]["embed.weight"] == {"shape": [260, 32], "dtype": "float32"}
     assert "head.weight" in index["model"]["params"]  # tied: under each key
     rank0 = index["ranks"][0]
-    assert rank0["file"] == "optim-rank0-of1.safetensors" and len(rank0["sha256"]) == 64 and rank0["rng"] == ["cpu"]
-    assert {"exp_avg", "exp_avg_sq"} == set(rank0["pieces"][0]["keys"])
-    assert rank0["pieces"][0]["scalars"]["step"]["tensor"] == 2.0
+    assert rank0["file"] == "rng-rank0-of1.safetensors" and len(rank0["sha256"]) == 64 and rank0["rng"] == ["cpu"]
+    assert [s["file"] for s in rank0["shards"]] == ["__0_0.distcp"] and len(rank0["shards"][0]["sha256"]) == 64
+    # the cut: one rank holds every parameter whole
+    assert rank0["pieces"][0] == {"name": "embed.weight", "offset": 0, "length": 260 * 32, "group": 0}
+    held = {p["name"] for p in rank0["pieces"]}
+    assert held == {k for k in index["model"]["params"] if k != "head.weight"}  # tied: held once
+    keys = torch.distributed.checkpoint.FileSystemReader(str(tmp_path / "c")).read_metadata().state_dict_metadata
+    assert {"optim.state.embed.weight.exp_avg", "optim.state.embed.weight.exp_avg_sq", "optim.state.embed.weight.step",
+            "model.embed.weight", "model.head.weight", "optim.param_groups.0.lr"} <= set(keys)
     assert index["extra"] == {"note": "hello", "data": {"iteration": 2}}
     assert index["optimizer"]["class"] == "AdamW"
 

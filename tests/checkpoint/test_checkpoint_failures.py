@@ -107,7 +107,7 @@ def dying_world(rank: int, world: int, root: str, victim: int, when: str) -> Non
 
         def dying_save_file(tensors, filename, metadata=None):  # right after its own rank file
             real_save_file(tensors, filename, metadata=metadata)
-            if Path(filename).name.startswith(f"optim-rank{rank}-"):
+            if Path(filename).name.startswith(f"rng-rank{rank}-"):
                 os._exit(EXIT_CODE)
             raise AssertionError(f"rank {rank} wrote {filename} before its rank file")
         save_module.save_file = dying_save_file
@@ -180,8 +180,8 @@ def check_loaded(root: Path, result: dict) -> None:
     assert max_rel_err(continued, saved_model) > 1e-3  # not trivially close: training moved on from the save
 
 
-CHECKPOINT_FILES = ["index.json", "model.safetensors", "optim-rank0-of3.safetensors", "optim-rank1-of3.safetensors",
-                    "optim-rank2-of3.safetensors"]
+CHECKPOINT_FILES = [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "index.json",
+                    "rng-rank0-of3.safetensors", "rng-rank1-of3.safetensors", "rng-rank2-of3.safetensors"]
 
 
 @pytest.mark.multiprocess
@@ -218,7 +218,7 @@ def test_rank_dies_in_save(tmp_path: Path, victim: int) -> None:
     check_loaded(tmp_path, r)
     assert r["after_save"] == sorted(["c", *leftovers])  # a leftover that may be in use stays
     assert r["after_stale_save"] == ["c"] and r["saved_iteration"] == SAVED_AT + 1
-    assert sorted(os.listdir(directory)) == ["index.json", "model.safetensors", "optim-rank0-of1.safetensors"]
+    assert sorted(os.listdir(directory)) == [".metadata", "__0_0.distcp", "index.json", "rng-rank0-of1.safetensors"]
 
 
 def test_only_abandoned_temporaries_of_the_same_target_are_removed(tmp_path: Path) -> None:
@@ -241,7 +241,8 @@ def test_only_abandoned_temporaries_of_the_same_target_are_removed(tmp_path: Pat
         return path
 
     removed = [leftover(".c.tmp-aaaaaaaa"), leftover(".c.tmp-bbbbbbbb", files=()),
-               leftover(".c.tmp-cccccccc", files=("optim-rank3-of4.safetensors", "index.json.part"))]
+               leftover(".c.tmp-cccccccc", files=("optim-rank3-of4.safetensors", "index.json.part")),
+               leftover(".c.tmp-kkkkkkkk", files=("__3_0.distcp", ".metadata", "rng-rank3-of4.safetensors"))]
     kept = [leftover(".c.tmp-dddddddd", age=False),  # may be a save in progress
             leftover(".c.tmp-eeeeeeee", young_file="optim-rank1-of2.safetensors"),
             leftover(".c.tmp-ffffffff", files=("index.json", "model.safetensors")),  # maybe the only finished copy

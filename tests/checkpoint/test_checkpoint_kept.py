@@ -63,8 +63,8 @@ def fit(engine: PoplarEngine, iterations: int, directory: Path, every: int, *, k
 
 
 class At(Enum):
-    RANK_FILE = "right after writing its own rank file"
-    MODEL_FILE = "right after writing the model file"
+    RANK_FILE = "right after writing its own rank file (its RNG, after its shards)"
+    SHARDS = "right after the ranks wrote their shards (rank 0: and DCP's metadata)"
     BEFORE_PUBLISH = "just before the step directory is renamed into place"
     AFTER_PUBLISH = "just after the step directory is renamed into place (the pointer still names the previous)"
     AFTER_SAVE = "after save_checkpoint returned, before the pointer is agreed"
@@ -94,11 +94,11 @@ POINTS = {
     "rank0-after-pointer": Point(0, At.AFTER_POINTER, resumes_at=4),
     "rank0-between-renames": Point(0, At.BETWEEN_RENAMES, resumes_at=4),
     "rank1-sigterm": Point(1, At.RANK_FILE, How.SIGTERM),
-    "rank0-sigterm": Point(0, At.MODEL_FILE, How.SIGTERM),
+    "rank0-sigterm": Point(0, At.SHARDS, How.SIGTERM),
 }
 DYING = step_name(4)  # the save that is interrupted
 # rank 0 removes its temporary directory on any failure it survives
-LEAVE_LEFTOVERS = {At.RANK_FILE, At.MODEL_FILE, At.BEFORE_PUBLISH, At.BETWEEN_RENAMES}
+LEAVE_LEFTOVERS = {At.RANK_FILE, At.SHARDS, At.BEFORE_PUBLISH, At.BETWEEN_RENAMES}
 
 
 def _die(how: How) -> None:
@@ -111,14 +111,20 @@ def _die(how: How) -> None:
 def _arm(point: Point, rank: int, root: Path) -> None:
     """Make this rank die at ``point`` of the save into step 4 (and nowhere else)."""
     real_save_file, real_replace, real_save = save_module.save_file, os.replace, kept_module.save_checkpoint
+    real_write_shards = save_module.write_shards
 
     def save_file(tensors, filename, metadata=None):
         real_save_file(tensors, filename, metadata=metadata)
         path = Path(filename)
-        written = {At.RANK_FILE: path.name.startswith(f"optim-rank{rank}-"),
-                   At.MODEL_FILE: path.name == "model.safetensors"}.get(point.at, False)
-        if written and path.parent.name.startswith(f".{DYING}.tmp-"):
+        if point.at is At.RANK_FILE and path.name.startswith(f"rng-rank{rank}-") and \
+                path.parent.name.startswith(f".{DYING}.tmp-"):
             _die(point.how)
+
+    def write_shards(comm, snap, tmp_dir, what):
+        out = real_write_shards(comm, snap, tmp_dir, what)
+        if point.at is At.SHARDS and Path(tmp_dir).name.startswith(f".{DYING}.tmp-"):
+            _die(point.how)
+        return out
 
     def replace(src, dst):
         src, dst = Path(src), Path(dst)
@@ -137,9 +143,9 @@ def _arm(point: Point, rank: int, root: Path) -> None:
             _die(point.how)
         return out
 
-    if rank == point.rank:  # the model files are written by hf_layout, the rank files by save
+    if rank == point.rank:
         save_module.save_file, os.replace, kept_module.save_checkpoint = save_file, replace, save_checkpoint
-        hf_layout_module.save_file = save_file
+        save_module.write_shards = write_shards
 
 
 def _record_saves(root: Path) -> None:
@@ -298,7 +304,7 @@ def test_a_bad_pointer_falls_back_to_the_newest_complete_step(tmp_path: Path, po
     latest = find_latest(directory)
     assert (latest.iteration, latest.source, latest.passed_over) == (4, Source.NEWEST_COMPLETE, ())
     pointer.write_text(text)
-    (directory / step_name(4) / "model.safetensors").unlink()  # the pointed-to step is incomplete
+    (directory / step_name(4) / ".metadata").unlink()  # the pointed-to step is incomplete
     latest = find_latest(directory)
     assert (latest.iteration, latest.source) == (2, Source.NEWEST_COMPLETE)
     result = resume_and_save(directory, 3)

@@ -98,7 +98,7 @@ def test_holding_nests_within_a_process_and_release_keeps_a_taken_over_lock(tmp_
 def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_with_a_warning(tmp_path: Path,
                                                                                poplar_log: list[str]) -> None:
     directory = _two_kept(tmp_path)  # steps 2 and 4
-    rank_file = directory / step_name(4) / "optim-rank0-of1.safetensors"
+    rank_file = directory / step_name(4) / "__0_0.distcp"
     data = bytearray(rank_file.read_bytes())
     data[-1] ^= 0xFF  # same size, other bytes: only the sha256 tells
     rank_file.write_bytes(bytes(data))
@@ -116,7 +116,7 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_with_a_warning(t
 def test_damage_in_every_kept_checkpoint_is_an_error(tmp_path: Path) -> None:
     directory = _two_kept(tmp_path)
     for step in (2, 4):
-        path = directory / step_name(step) / "model.safetensors"
+        path = directory / step_name(step) / "__0_0.distcp"
         data = bytearray(path.read_bytes())
         data[-1] ^= 0xFF
         path.write_bytes(bytes(data))
@@ -131,7 +131,7 @@ def test_damage_in_every_kept_checkpoint_is_an_error(tmp_path: Path) -> None:
 def test_no_complete_checkpoint_names_the_api_fix(tmp_path: Path) -> None:
     directory = _two_kept(tmp_path)
     for step in (2, 4):
-        (directory / step_name(step) / "model.safetensors").unlink()
+        (directory / step_name(step) / ".metadata").unlink()
     with pytest.raises(NoCompleteCheckpoint, match=r"holds no complete checkpoint(.|\n)*CheckpointOptions\(resume=False\)"):
         fit(make_engine(1, PLAN1), 5, directory, 1)
     assert not (directory / lock.LOCK_FILE).exists()  # a failed resume lets go of the directory

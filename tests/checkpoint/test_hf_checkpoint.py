@@ -1,6 +1,8 @@
-"""A checkpoint of a Hugging Face model is a model directory: ``from_pretrained(checkpoint_dir)``
-reproduces ``engine.full_state_dict()`` exactly, tied weights tied, for one ``model.safetensors``
-and for sharded safetensors with ``model.safetensors.index.json``; Poplar resumes from both."""
+"""Hugging Face models: a sharded checkpoint of one resumes exactly at another stage, and the
+Hugging Face layout (``checkpoint.hf_layout``, what a whole-model export writes) of its weights
+is a model directory: ``from_pretrained(dir)`` reproduces ``engine.full_state_dict()`` exactly,
+tied weights tied, for one ``model.safetensors`` and for sharded safetensors with
+``model.safetensors.index.json``."""
 
 from __future__ import annotations
 
@@ -12,8 +14,11 @@ import torch
 
 pytest.importorskip("transformers")
 
-from poplar.checkpoint import CheckpointError, load_checkpoint, read_index, save_checkpoint  # noqa: E402
-from poplar.checkpoint.hf_layout import shard_bytes  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from poplar.checkpoint import CheckpointError, load_checkpoint, save_checkpoint  # noqa: E402
+from poplar.checkpoint.hf_layout import shard_bytes, write_model  # noqa: E402
+from poplar.checkpoint.save import unshared_cpu  # noqa: E402
 from poplar.process.launch import spawn  # noqa: E402
 from poplar.engine import PoplarEngine  # noqa: E402
 from tests.toy import plan_of  # noqa: E402
@@ -30,15 +35,16 @@ def worker(rank: int, world: int, root: str) -> dict:
         model = make_model(kind)
         engine = PoplarEngine(model, optimizer(model), zero_stage=3, plan=PLAN, loss_fn=loss_fn_of(kind))
         engine.train_step(rank_part(global_batch(kind, 0, PLAN.global_batch_size), PLAN, rank))
-        save_checkpoint(engine, os.path.join(root, kind, "single"))
-        save_checkpoint(engine, os.path.join(root, kind, "sharded"), max_shard_bytes=SHARD)
+        save_checkpoint(engine, os.path.join(root, kind, "ckpt"))
         full = engine.full_state_dict()
-        resumed = {}
-        for layout in ("single", "sharded"):  # Poplar reads the same files, at another stage
-            fresh = make_model(kind, seed=1)
-            other = PoplarEngine(fresh, optimizer(fresh), zero_stage=1, plan=PLAN, loss_fn=loss_fn_of(kind))
-            load_checkpoint(other, os.path.join(root, kind, layout))
-            resumed[layout] = all(torch.equal(v, full[k]) for k, v in other.full_state_dict().items())
+        if rank == 0:  # the whole model in the Hugging Face layout, as an export writes it
+            for layout, limit in (("single", None), ("sharded", SHARD)):
+                Path(root, kind, layout).mkdir(parents=True)
+                write_model(Path(root, kind, layout), unshared_cpu(full), engine.module, shard_bytes(limit))
+        fresh = make_model(kind, seed=1)  # Poplar resumes from its checkpoint at another stage
+        other = PoplarEngine(fresh, optimizer(fresh), zero_stage=1, plan=PLAN, loss_fn=loss_fn_of(kind))
+        load_checkpoint(other, os.path.join(root, kind, "ckpt"))
+        resumed = all(torch.equal(v, full[k]) for k, v in other.full_state_dict().items())
         out[kind] = (full, resumed)
     return out
 
@@ -72,24 +78,21 @@ def test_from_pretrained_reproduces_the_engine_state(kind: str, layout: str, sav
         assert model.lm_head.weight is model.transformer.wte.weight  # tied again
     if kind == "bert":
         assert model.cls.predictions.decoder.weight is model.bert.embeddings.word_embeddings.weight
-    assert resumed[layout] and results[1][kind][1][layout]
+    assert resumed and results[1][kind][1]
 
     files = sorted(os.listdir(directory))
     config = json.loads(open(os.path.join(directory, "config.json")).read())
     assert config["architectures"] == [type(make_model(kind)).__name__]
     assert ("generation_config.json" in files) == (kind != "bert")  # BERT does not generate
-    index = read_index(directory)
     if layout == "single":
         assert "model.safetensors" in files and "model.safetensors.index.json" not in files
-        assert index["version"] == 1
         return
     shards = [f for f in files if f.startswith("model-")]
-    assert len(shards) >= 3 and "model.safetensors" not in files and index["version"] == 2
+    assert len(shards) >= 3 and "model.safetensors" not in files
     assert shards == [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     hf_index = json.loads(open(os.path.join(directory, "model.safetensors.index.json")).read())
     assert set(hf_index["weight_map"]) == set(full) and set(hf_index["weight_map"].values()) == set(shards)
     assert hf_index["metadata"]["total_size"] == sum(v.numel() * v.element_size() for v in full.values())
-    assert [s["file"] for s in index["model"]["shards"]] == shards
     for name in shards:  # each shard at most the limit, unless one tensor alone is larger
         size = os.path.getsize(os.path.join(directory, name))
         assert size <= SHARD + 4096 or name in [hf_index["weight_map"][k] for k in full
@@ -102,11 +105,11 @@ def test_a_missing_shard_is_a_checkpoint_error(saved: tuple[str, list[dict]], tm
 
     root, _ = saved
     copy = tmp_path / "copy"
-    shutil.copytree(os.path.join(root, "gpt2", "sharded"), copy)
-    os.remove(copy / "model-00002-of-{:05d}.safetensors".format(len(list(copy.glob("model-*")))))
+    shutil.copytree(os.path.join(root, "gpt2", "ckpt"), copy)
+    os.remove(copy / "__1_0.distcp")
     model = make_model("gpt2")
     engine = PoplarEngine(model, optimizer(model), zero_stage=0, plan=plan_of((2, 1, 0)))
-    with pytest.raises(CheckpointError, match="model-00002-of-.* is missing"):
+    with pytest.raises(CheckpointError, match="__1_0.distcp is missing"):
         load_checkpoint(engine, copy)
 
 

@@ -32,7 +32,7 @@ def preempted_world(rank: int, world: int, root: str) -> dict:
     def save_file(tensors, filename, metadata=None):
         real_save_file(tensors, filename, metadata=metadata)
         path = Path(filename)
-        if rank == 1 and path.name.startswith("optim-rank1-") and path.parent.name.startswith(f".{SIGNALLED_IN}.tmp-"):
+        if rank == 1 and path.name.startswith("rng-rank1-") and path.parent.name.startswith(f".{SIGNALLED_IN}.tmp-"):
             os.kill(os.getpid(), signal.SIGTERM)
     save_module.save_file = save_file
     engine = make_engine(3, PLAN)

@@ -120,7 +120,7 @@ def test_no_complete_checkpoint_names_the_config_key(tmp_path: Path) -> None:
     first = subprocess.run([sys.executable, "-m", "poplar", "train", "--config", "run.json"], cwd=tmp_path, env=ENV,
                            capture_output=True, text=True, timeout=DEADLINE_S)
     assert first.returncode == 0, first.stderr[-3000:]
-    (tmp_path / "ckpt" / "step-00000002" / "model.safetensors").unlink()
+    (tmp_path / "ckpt" / "step-00000002" / ".metadata").unlink()
     again = subprocess.run([sys.executable, "-m", "poplar", "train", "--config", "run.json"], cwd=tmp_path, env=ENV,
                            capture_output=True, text=True, timeout=DEADLINE_S)
     assert again.returncode == 1, again.stderr[-3000:]

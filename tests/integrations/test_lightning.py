@@ -52,7 +52,7 @@ def test_clipped_run_killed_after_step_3_resumes_from_its_checkpoint_exactly(tmp
     uninterrupted single-process run."""
     spawn(jobs.fit_rank, 3, (3, 3, 0.05, str(tmp_path / "ckpt"), None), timeout_s=240, collective_timeout_s=120)
     ckpt = tmp_path / "ckpt" / "step=2.ckpt"
-    assert (ckpt / "poplar" / "model.safetensors").exists() and (ckpt / "lightning.pt").exists()
+    assert (ckpt / "poplar" / ".metadata").exists() and (ckpt / "lightning.pt").exists()
     out = spawn(jobs.fit_rank, 3, (3, 5, 0.05, None, str(ckpt)), timeout_s=240, collective_timeout_s=120)
     want = jobs.reference(5, max_grad_norm=0.05)
     assert toy.max_rel_err(out[0]["state"], want) < 1e-5

@@ -189,6 +189,7 @@ class TrainConfig:
     checkpoint_dir: str | None = None
     checkpoint_every: int | None = None
     checkpoint_keep: int = 2  # the newest checkpoints kept in checkpoint_dir
+    checkpoint_async: bool = False  # write checkpoints in the background (CheckpointOptions.async_save)
     resume: bool = True
     report_dir: str | None = None
     output_dir: str | None = None  # the finished run's Hugging Face folder (None: <report_dir>/model)
@@ -445,11 +446,15 @@ def _read_poplar(cfg: TrainConfig, p: dict) -> None:
         raise ConfigError(f'"poplar.strategy" must be "poplar", "even" or "flops", got {cfg.strategy!r}')
     cfg.shards = read_shards(p.get("shards", cfg.shards), ConfigError)
     ckpt = _get(p, "checkpoint", dict, {}) or {}
-    _no_unknown(ckpt, {"dir", "every", "resume", "keep"}, '"poplar.checkpoint"')
+    _no_unknown(ckpt, {"dir", "every", "resume", "keep", "async"}, '"poplar.checkpoint"')
     cfg.checkpoint_dir = ckpt.get("dir")
     cfg.checkpoint_every = _int(ckpt, "every", None, where='"poplar.checkpoint"')
     cfg.checkpoint_keep = _int(ckpt, "keep", 2, where='"poplar.checkpoint"')
     cfg.resume = bool(ckpt.get("resume", True))
+    cfg.checkpoint_async = ckpt.get("async", False)
+    if not isinstance(cfg.checkpoint_async, bool):
+        raise ConfigError(f'"poplar.checkpoint.async" must be true or false (write checkpoints in the background '
+                          f'while training goes on), got {cfg.checkpoint_async!r}')
     if cfg.checkpoint_every and not cfg.checkpoint_dir:
         raise ConfigError('"poplar.checkpoint.every" needs "poplar.checkpoint.dir"')
     timeout = p.get("collective_timeout_s", cfg.collective_timeout_s)

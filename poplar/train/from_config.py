@@ -285,6 +285,6 @@ def fit_config(cfg: TrainConfig, parts: RunParts) -> FitConfig:
         else EvalOptions(parts.eval_data, every=cfg.eval_every),
         checkpoint=None if cfg.checkpoint_dir is None
         else CheckpointOptions(cfg.checkpoint_dir, every=cfg.checkpoint_every, keep_checkpoints=cfg.checkpoint_keep,
-                               resume=cfg.resume),
+                               resume=cfg.resume, async_save=cfg.checkpoint_async),
         report=ReportOptions(cfg.report_dir, log_every=cfg.log_every, tensorboard=cfg.tensorboard),
         loader=LoaderOptions(seed=cfg.seed), stop_on_signals=True)

@@ -25,8 +25,10 @@ def test_reads_deepspeed_keys_and_the_poplar_section() -> None:
     assert (cfg.train_batch_size, cfg.zero_stage, cfg.bucket_size_mb, cfg.gradient_clipping) == (32, 2, 16.0, 1.0)
     assert cfg.optimizer == "AdamW" and cfg.optimizer_params == {"lr": 3e-4, "betas": (0.9, 0.95)}
     assert (cfg.iterations, cfg.model, cfg.model_overrides, cfg.seq_len) == (7, "bert-tiny", {"n_layers": 2}, 32)
-    assert (cfg.checkpoint_dir, cfg.checkpoint_every, cfg.resume) == ("c", 3, True)
+    assert (cfg.checkpoint_dir, cfg.checkpoint_every, cfg.resume, cfg.checkpoint_async) == ("c", 3, True, False)
     assert cfg.global_batch_size(4) == 32
+    background = {**BASE, "poplar": {**BASE["poplar"], "checkpoint": {"dir": "c", "async": True}}}
+    assert TrainConfig.from_dict(background).checkpoint_async is True
     assert TrainConfig.from_dict({**BASE, "gradient_clipping": 0}).gradient_clipping is None  # 0 = off
 
 
@@ -54,6 +56,7 @@ def test_reads_deepspeed_keys_and_the_poplar_section() -> None:
     ({"poplar": {"iteratons": 3}}, "['iteratons']"),
     ({"poplar": {"strategy": "fastest"}}, '"poplar.strategy" must be'),
     ({"poplar": {"checkpoint": {"every": 2}}}, "needs \"poplar.checkpoint.dir\""),
+    ({"poplar": {"checkpoint": {"dir": "c", "async": "yes"}}}, '"poplar.checkpoint.async" must be true or false'),
     ({"poplar": {"shards": "proportional"}}, '"poplar.shards" must be "even", "auto" or a list'),
     ({"poplar": {"shards": [1, -1]}}, '"poplar.shards" must be'),
     ({"poplar": {"shards": [0, 0]}}, "not all 0"),

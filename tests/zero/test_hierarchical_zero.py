@@ -146,13 +146,14 @@ def _train(rank: int, plan: Plan, config: ZeroConfig, kind: str = "sgd", iterati
     return losses, engine
 
 
-def features_worker(rank: int, world: int, directory: str) -> dict:
-    """ZeRO-3 with secondary shards on 2 + 2 nodes: bf16, a non-finite skip (each beside the same
-    run on flat collectives), activation checkpointing, offload and shards re-cut between
-    iterations (beside the reference), and a checkpoint resumed by a flat engine with even shards."""
+def features_worker(rank: int, world: int, directory: str, way: Collectives) -> dict:
+    """ZeRO-3 on 2 + 2 nodes, collectives ``way`` (secondary shards, or once per iteration): bf16,
+    a non-finite skip (each beside the same run on flat collectives), activation checkpointing,
+    offload and shards re-cut between iterations (beside the reference), and a checkpoint resumed
+    by a flat engine with even shards."""
     torch.set_num_threads(1)
     topology, out = TOPOLOGIES["2+2"], {}
-    hier = hierarchical_plan(3)
+    hier = hierarchical_plan(3, way)
     flat = with_shards(BATCHES, WEIGHTS)
     config = zero_config(3, topology)
     for name, plan in (("hier", hier), ("flat", flat)):
@@ -172,7 +173,7 @@ def features_worker(rank: int, world: int, directory: str) -> dict:
     losses = []
     for it, weights in enumerate((WEIGHTS, (1, 1, 1, 1), (0, 1, 2, 1))):
         plan = with_shards(BATCHES, weights)
-        plan.collectives = Collectives.SECONDARY_SHARDS
+        plan.collectives = way
         engine.set_plan(plan)
         losses.append(engine.train_step(rank_slice(global_batch(it, GBS), plan, rank), loss_fn))
     out["resharded"] = (losses, engine.full_state_dict())
@@ -189,9 +190,10 @@ def features_worker(rank: int, world: int, directory: str) -> dict:
     return out
 
 
+@pytest.mark.parametrize("way", [Collectives.SECONDARY_SHARDS, Collectives.ONCE_PER_ITERATION], ids=str)
 @pytest.mark.multiprocess
-def test_hierarchical_zero3_precision_skips_checkpointing_offload_and_resume(tmp_path: Path) -> None:
-    results = spawn(features_worker, 4, (str(tmp_path / "ckpt"),), timeout_s=240)
+def test_hierarchical_zero3_precision_skips_checkpointing_offload_and_resume(tmp_path: Path, way: Collectives) -> None:
+    results = spawn(features_worker, 4, (str(tmp_path / "ckpt"), way), timeout_s=240)
     ref_losses, ref_state = reference_run("sgd", GBS, ITERATIONS, None)
     for rank, res in enumerate(results):
         (hl, hs), (fl, fs) = res[("bf16", "hier")], res[("bf16", "flat")]
@@ -203,9 +205,9 @@ def test_hierarchical_zero3_precision_skips_checkpointing_offload_and_resume(tmp
             losses, state = res[key]
             assert max_rel_err(state, ref_state) <= 1e-5, (key, rank)
             assert losses == pytest.approx(ref_losses, rel=1e-5), (key, rank)
-        loss, state, way = res["resumed"]
-        assert way is Collectives.FLAT
-        assert res["saved plan"] == (Collectives.SECONDARY_SHARDS, tuple(map(float, WEIGHTS)))  # the checkpoint keeps it
+        loss, state, resumed_way = res["resumed"]
+        assert resumed_way is Collectives.FLAT
+        assert res["saved plan"] == (way, tuple(map(float, WEIGHTS)))  # the checkpoint keeps it
         assert max_rel_err(state, ref_state) <= 1e-5 and loss == pytest.approx(ref_losses[2], rel=1e-5), rank
 
 

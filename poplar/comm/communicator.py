@@ -245,6 +245,16 @@ class Communicator:
         return self._run("all_reduce", route.wire, UnevenCall(run, None, tensor.numel() * tensor.element_size()),
                          async_op, tag)
 
+    def all_reduce_gradients(self, tensor: torch.Tensor, tag: str = "",
+                             async_op: bool = False) -> PendingCollective | PendingChain | None:
+        """ZeRO-0's gradient sum over ranks, in place: hierarchical where the route crosses nodes
+        once per iteration (``routes.OncePerIterationRoute``), else ``all_reduce``."""
+        route = self._route()
+        call = route.all_reduce_gradients(tensor)
+        if call is None:
+            return self.all_reduce(tensor, tag=tag, async_op=async_op)
+        return self._run_chain("all_reduce", call, async_op, tag)
+
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, tag: str = "",
                        async_op: bool = False, sizes: Sequence[int] | None = None,
                        quantization: Quantization | None = None) -> PendingCollective | PendingChain | None:

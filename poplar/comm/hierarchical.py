@@ -508,3 +508,26 @@ def exchange_accumulated(output: torch.Tensor, acc: torch.Tensor, sizes: Sequenc
         acc.zero_()
     observed = observed_exchange(layout, topology, acc.element_size())
     return HierarchicalCall([exchange_step(groups, groups.cross_first, observed, sends, recvs, add_partials)], None)
+
+
+def all_reduce(tensor: torch.Tensor, rank: int, groups: NodeGroups, scatter: UnevenMethod,
+               gather: UnevenMethod) -> HierarchicalCall:
+    """``tensor`` summed over every rank, in place, crossing nodes once: ``reduce_scatter`` of it
+    cut into one part per rank (about equal, aligned), then ``all_gather`` of the parts: in-node
+    reduce-scatters, the exchange, the exchange back, in-node all-gathers. Node k sends (1 - s_k)
+    of the buffer across and then its region to every other node; a flat ring sends 2 (N-1)/N of
+    it over every boundary."""
+    topology = groups.topology
+    parts = pieces(tensor.numel(), topology.world_size, max(1, ALIGN_BYTES // tensor.element_size()))
+    lo = sum(parts[:rank])
+    own = tensor[lo:lo + parts[rank]]
+    summed = torch.empty_like(own)
+    scattered = reduce_scatter(summed, tensor, parts, rank, groups, scatter)
+    gathered = all_gather(tensor, own, parts, rank, groups, gather)  # sends ``own`` once it holds the sum
+    last = scattered.steps[-1]
+
+    def own_sum() -> None:
+        if last.finish is not None:
+            last.finish()
+        own.copy_(summed)
+    return HierarchicalCall(scattered.steps[:-1] + [last._replace(finish=own_sum)] + gathered.steps, None)

@@ -21,7 +21,8 @@ The ways:
   shard, and the gather of the same values again stays inside the node.
 - ``OncePerIterationRoute``: secondary shards kept for the whole iteration, and gradients
   reduce-scattered inside the node each micro-step into a node accumulator, crossing nodes once
-  per iteration (``poplar.comm.hierarchical``, Note: node partials, accumulated).
+  per iteration (``poplar.comm.hierarchical``, Note: node partials, accumulated); ZeRO-0's
+  gradient all-reduce hierarchical, crossing nodes once.
 - ``PretendWorld``: the capacity search's rank r of N that talks to no one (``poplar.profiler.local_comm``).
 
 [Note: compression is the route's policy]
@@ -175,6 +176,11 @@ class CollectiveRoute:
         """The all-gather of ``all_gather_keeping`` again, from the ``secondary`` shard it kept."""
         return self.all_gather_keeping(output, input, secondary, sizes, quantization)
 
+    def all_reduce_gradients(self, tensor: torch.Tensor) -> HierarchicalCall | None:
+        """ZeRO-0's gradient all-reduce of ``tensor`` as a chain of steps, or None: the flat
+        all-reduce (``Communicator.all_reduce``), as every other way runs it."""
+        return None
+
     def accumulates(self, quantization: Quantization | None) -> bool:
         """Whether gradient reduce-scatters given ``quantization`` run in two halves here: inside
         the node each micro-step into a node accumulator (``reduce_scatter_in_node``), across
@@ -323,6 +329,11 @@ class OncePerIterationRoute(SecondaryShardsRoute):
     per micro-step, as ``SecondaryShardsRoute`` does: their exchange quantizes each partial sent."""
 
     secondary_for_iteration = True
+
+    def all_reduce_gradients(self, tensor: torch.Tensor) -> HierarchicalCall | None:
+        """ZeRO-0: the all-reduce crosses nodes once, hierarchically (``hierarchical.all_reduce``)."""
+        return hierarchical.all_reduce(tensor, self.members.rank, self.groups, self.method("reduce_scatter"),
+                                       self.method("all_gather"))
 
     def accumulates(self, quantization: Quantization | None) -> bool:
         return self.quantized(quantization) is None

@@ -80,8 +80,11 @@ class Collectives(str, Enum):
 
     def applies(self, stage: int) -> bool:
         """Whether the collectives of ``stage`` can run so: hierarchical from ZeRO-1 (ZeRO-0's
-        all-reduce stays flat; once per iteration is hierarchical at ZeRO-1, whose reduce-scatter
-        runs once per iteration already), secondary shards at ZeRO-3 only."""
+        all-reduce stays flat), secondary shards at ZeRO-3 only; once per iteration at every stage
+        (ZeRO-0: its all-reduce hierarchical; ZeRO-1, which reduces once per iteration already:
+        hierarchical)."""
+        if self is Collectives.ONCE_PER_ITERATION:
+            return True
         return self is Collectives.FLAT or (stage >= 1 and (not self.secondary_shards or stage == 3))
 
     def __str__(self) -> str:

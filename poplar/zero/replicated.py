@@ -373,7 +373,7 @@ class Stage0(LocalGrads):
         if wire is not g:
             self._hold(wire.numel() * wire.element_size())
         with self.comm.ledger.scope(Phase.STEP, micro_step=-1):  # the iteration's closing reduction
-            work = self.comm.all_reduce(wire, tag=f"unit{u.index}", async_op=True)
+            work = self.comm.all_reduce_gradients(wire, tag=f"unit{u.index}", async_op=True)
         self._in_flight.append(SentSum(work, g, wire))
         self._next = ui + 1
 

@@ -53,7 +53,7 @@ def parity_worker(rank: int, world: int, topology: Topology, gpu: bool = False, 
     torch.set_num_threads(1)
     device = rank_gpu(rank, world) if gpu else torch.device("cpu")
     out: dict = {}
-    for stage in (1, 2, 3):
+    for stage in stages(way):
         plan = hierarchical_plan(stage, way)
         for kind, max_norm in CONFIGS:
             model = make_model(seed=0).to(device)
@@ -68,6 +68,11 @@ def parity_worker(rank: int, world: int, topology: Topology, gpu: bool = False, 
     return out
 
 
+def stages(way: Collectives | None) -> tuple[int, ...]:
+    """The stages a way runs its own collectives at: once per iteration from ZeRO-0 (its all-reduce)."""
+    return (0, 1, 2, 3) if way is Collectives.ONCE_PER_ITERATION else (1, 2, 3)
+
+
 WAYS = [None, Collectives.ONCE_PER_ITERATION]  # each stage's per-micro-step way; across nodes once per iteration
 
 
@@ -75,7 +80,7 @@ WAYS = [None, Collectives.ONCE_PER_ITERATION]  # each stage's per-micro-step way
 @pytest.mark.parametrize("name", sorted(TOPOLOGIES))
 @pytest.mark.multiprocess
 def test_hierarchical_zero_matches_single_process(name: str, way: Collectives | None) -> None:
-    _check_parity(name, spawn(parity_worker, 4, (TOPOLOGIES[name], False, way), timeout_s=240))
+    _check_parity(name, spawn(parity_worker, 4, (TOPOLOGIES[name], False, way), timeout_s=240), stages(way))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -86,13 +91,21 @@ def test_hierarchical_zero_on_nccl_matches_single_process(name: str, way: Collec
     """The same on GPUs over NCCL (ranks share a GPU where there are fewer than four:
     ``poplar.emulation.gpu_ranks``): NCCL's methods (list collectives, tensor collectives on
     even parts) in the hierarchy, which gloo does not run."""
-    _check_parity(name, spawn(parity_worker, 4, (TOPOLOGIES[name], True, way), backend="nccl", timeout_s=300))
+    _check_parity(name, spawn(parity_worker, 4, (TOPOLOGIES[name], True, way), backend="nccl", timeout_s=300),
+                  stages(way))
 
 
-def _check_parity(name: str, results: list[dict]) -> None:
-    for stage in (1, 2, 3):
+def _check_parity(name: str, results: list[dict], stages: tuple[int, ...]) -> None:
+    topology = TOPOLOGIES[name]
+    for stage in stages:
         staged = [{(kind, norm, 0): res[(stage, kind, norm)] for kind, norm in CONFIGS} for res in results]
         assert_runs_match_reference(staged, CONFIGS, 1, GBS, ITERATIONS)
+        if stage == 0:  # once per iteration: the gradients' all-reduce crosses nodes once, each element each way
+            crossed = sum(b for res in results for op, _, link, b in res[("ledger", 0, "sgd")]
+                          if op == "all_reduce" and link is Link.CROSS)
+            grads = sum(p.numel() for p in make_model().parameters()) * 4
+            assert grads <= crossed / (2 * (topology.node_count - 1)) <= grads * 1.01, (crossed, grads)
+            continue
         for rank, res in enumerate(results):
             records = res[("ledger", stage, "sgd")]
             sharded = [(op, phase, link) for op, phase, link, _ in records if op in ("all_gather", "reduce_scatter")]

@@ -203,7 +203,8 @@ def test_once_per_iteration_is_priced_per_call_as_at_one_micro_step_and_chosen_o
     even = LinkPricing.of(two_nodes(), 8, [2, 1, 1, 2, 1, 1, 1, 1])
     once, sec = Collectives.ONCE_PER_ITERATION, Collectives.SECONDARY_SHARDS
     for op, backward in (("reduce_scatter", False), ("all_gather", False), ("all_gather", True)):
-        assert even.call_s(op, 8e9, once, backward_gather=backward) == even.call_s(op, 8e9, sec, backward_gather=backward)
+        assert even.call_s(op, 8e9, once, backward_gather=backward) == \
+            even.call_s(op, 8e9, sec, backward_gather=backward)
     auto = plan(profile(two_nodes()), 1000, 3)
     assert once.value not in {r["collectives"] for r in auto.choice.collective_candidates}
     asked = plan(profile(two_nodes()), 1000, 3, collectives="once_per_iteration")

@@ -245,6 +245,16 @@ class Communicator:
         return self._run("all_reduce", route.wire, UnevenCall(run, None, tensor.numel() * tensor.element_size()),
                          async_op, tag)
 
+    def all_reduce_gradients(self, tensor: torch.Tensor, tag: str = "",
+                             async_op: bool = False) -> PendingCollective | PendingChain | None:
+        """ZeRO-0's gradient sum over ranks, in place: hierarchical where the route crosses nodes
+        once per iteration (``routes.OncePerIterationRoute``), else ``all_reduce``."""
+        route = self._route()
+        call = route.all_reduce_gradients(tensor)
+        if call is None:
+            return self.all_reduce(tensor, tag=tag, async_op=async_op)
+        return self._run_chain("all_reduce", call, async_op, tag)
+
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, tag: str = "",
                        async_op: bool = False, sizes: Sequence[int] | None = None,
                        quantization: Quantization | None = None) -> PendingCollective | PendingChain | None:
@@ -298,6 +308,29 @@ class Communicator:
         route = self._route()
         call = route.all_gather_within_nodes(output, input, secondary, self._parts(route, sizes), quantization)
         return self._run_chain("all_gather", call, async_op, tag)
+
+    # -- node accumulators: across nodes once per iteration (``routes.OncePerIterationRoute``) --
+    def accumulator_numel(self, sizes: Sequence[int] | None, part_numel: int) -> int:
+        """The length of this rank's node accumulator of the step's reduce-scatters of parts
+        ``sizes`` (None: every part ``part_numel`` long); 0 where the route keeps none."""
+        step = self.routes.step
+        return 0 if step is None else step.accumulator_numel(self._parts(step, sizes), part_numel)
+
+    def reduce_scatter_in_node(self, partials: torch.Tensor, input: torch.Tensor, tag: str = "",
+                               async_op: bool = False, sizes: Sequence[int] | None = None) -> PendingChain | None:
+        """A reduce-scatter's in-node step alone: ``partials`` (``accumulator_numel`` long) gets
+        this rank's node partial sums of ``input``; nothing crosses a node."""
+        route = self._route()
+        call = route.reduce_scatter_in_node(partials, input, self._parts(route, sizes))
+        return self._run_chain("reduce_scatter", call, async_op, tag)
+
+    def exchange_accumulated(self, output: torch.Tensor, acc: torch.Tensor, tag: str = "",
+                             async_op: bool = False, sizes: Sequence[int] | None = None) -> PendingChain | None:
+        """The exchange of the node partials accumulated in ``acc``: ``output`` (this rank's part)
+        has the sum over every rank added to it; ``acc`` is zero once it is done."""
+        route = self._route()
+        call = route.exchange_accumulated(output, acc, self._parts(route, sizes))
+        return self._run_chain("reduce_scatter", call, async_op, tag)
 
     @property
     def gathers_in_place(self) -> bool:

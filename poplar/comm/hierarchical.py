@@ -40,6 +40,16 @@ its node-local *secondary shard* (ZeRO++'s hpZ, exact). Kept until the backward 
 gather is the in-node step alone (``all_gather_within``): it never crosses a node. It costs the
 pieces, about (1 - s_k) / L_k of the buffer per rank.
 
+[Note: node partials, accumulated]
+Crossing nodes once per iteration (``Collectives.ONCE_PER_ITERATION``) splits the reduce-scatter
+in two: each micro-step runs its in-node step alone (``reduce_scatter_in_node``), and the rank
+adds the node partials it holds (its own part, its pieces of the other regions: the cut of the
+secondary shard, aligned for fp32) into a node accumulator in fp32; once per iteration the
+exchange runs from the accumulator (``exchange_accumulated``). The sum of a micro-step's sums is
+the sum of the node partials' sums: the same sums, summed in another order. Node k then sends
+(1 - s_k) of the buffer across per iteration, not per micro-step; the accumulator costs its
+length in fp32: its own part and its pieces, about 1 / L_k of the buffer.
+
 Each collective here is a short chain of ``Step`` s; the communicator issues them in order
 (``poplar.comm.communicator``), the first at once, the next when the one before is done.
 """
@@ -416,3 +426,108 @@ def copy_secondary(output: torch.Tensor, secondary: torch.Tensor, layout: NodeLa
         else:
             output[a:b].copy_(secondary[at:at + b - a])
         at += b - a
+
+
+# -- crossing nodes once per iteration (Note: node partials, accumulated) --
+
+ACCUMULATOR_DTYPE = torch.float32  # node partials are summed over micro-steps in fp32
+
+
+def accumulator_layout(sizes: Sequence[int], topology: Topology) -> NodeLayout:
+    """The cut of a node accumulator of parts ``sizes``: one layout for every micro-step's in-node
+    step and the exchange, whatever dtype the in-node step runs in (pieces aligned for fp32)."""
+    return node_layout(tuple(sizes), topology, ACCUMULATOR_DTYPE.itemsize)
+
+
+def accumulator_numel(layout: NodeLayout, topology: Topology, rank: int) -> int:
+    """The length of ``rank``'s node accumulator: its own part and its pieces of the other regions."""
+    k, j = topology.node_of(rank), topology.local_rank(rank)
+    return layout.step_sizes[k][k][j] + layout.secondary_numel(topology, rank)
+
+
+def accumulator_views(acc: torch.Tensor, layout: NodeLayout, topology: Topology, rank: int) -> dict[int, torch.Tensor]:
+    """``acc`` cut into this rank's piece of each node m's region (its own part for its own node,
+    first; then the other nodes' pieces in node order)."""
+    k, j = topology.node_of(rank), topology.local_rank(rank)
+    own = layout.step_sizes[k][k][j]
+    views, at = {k: acc[:own]}, own
+    for m in range(topology.node_count):
+        if m != k:
+            a, b = layout.piece(topology, rank, m)
+            views[m], at = acc[at:at + b - a], at + b - a
+    return views
+
+
+def reduce_scatter_in_node(partials: torch.Tensor, input: torch.Tensor, sizes: Sequence[int], rank: int,
+                           groups: NodeGroups, method: UnevenMethod) -> HierarchicalCall:
+    """The first step of ``reduce_scatter`` alone: ``partials`` (``accumulator_numel`` long, in
+    ``input``'s dtype) gets this rank's node partial sums of its own part and of its pieces of
+    every other region. Nothing crosses a node."""
+    topology = groups.topology
+    layout = accumulator_layout(sizes, topology)
+    k, j = topology.node_of(rank), topology.local_rank(rank)
+    node, group = topology.nodes[k], groups.node_first[k]
+    views = accumulator_views(partials, layout, topology, rank)
+    regions = {m: input[lo:lo + size] for m, (lo, size) in enumerate(zip(layout.region_offsets, layout.region_sizes))}
+    if len(node) == 1:  # a node of one: its partials are its input
+        def copy() -> None:
+            for m, view in views.items():
+                view.copy_(regions[m])
+        return HierarchicalCall([Step("reduce_scatter", Link.INTRA, None, 0, 0, lambda a: None, copy)], None)
+    calls = [uneven.reduce_scatter(views[m], regions[m], layout.step_sizes[k][m], j, group, method)
+             for m in range(topology.node_count) if layout.region_sizes[m]]
+    return HierarchicalCall([in_node_step("reduce_scatter", groups, group, rank, calls)] if calls else [], None)
+
+
+def exchange_accumulated(output: torch.Tensor, acc: torch.Tensor, sizes: Sequence[int], rank: int,
+                         groups: NodeGroups) -> HierarchicalCall:
+    """The second step of ``reduce_scatter`` from a node accumulator: every holder sends its
+    pieces' overlaps with each owner's part; ``output`` (``sizes[rank]`` long) has added to it
+    this rank's node partial and the other nodes' partials, in node order; ``acc`` is zero after."""
+    topology = groups.topology
+    layout = accumulator_layout(sizes, topology)
+    k = topology.node_of(rank)
+    views = accumulator_views(acc, layout, topology, rank)
+    others = [m for m in range(topology.node_count) if m != k]
+    incoming = torch.empty(len(others), sizes[rank], dtype=acc.dtype, device=acc.device)
+    sends, recvs = [], []
+    for t in layout.transfers:
+        if t.holder == rank:
+            m = topology.node_of(t.owner)
+            at = t.at - layout.piece(topology, rank, m)[0]
+            sends.append((t.owner, views[m][at:at + t.length]))
+        if t.owner == rank:
+            at = t.at - layout.offsets[rank]
+            recvs.append((t.holder, incoming[others.index(topology.node_of(t.holder)), at:at + t.length]))
+
+    def add_partials() -> None:
+        total = views[k].clone()
+        for row in incoming:
+            total.add_(row)
+        output.add_(total.to(output.dtype))
+        acc.zero_()
+    observed = observed_exchange(layout, topology, acc.element_size())
+    return HierarchicalCall([exchange_step(groups, groups.cross_first, observed, sends, recvs, add_partials)], None)
+
+
+def all_reduce(tensor: torch.Tensor, rank: int, groups: NodeGroups, scatter: UnevenMethod,
+               gather: UnevenMethod) -> HierarchicalCall:
+    """``tensor`` summed over every rank, in place, crossing nodes once: ``reduce_scatter`` of it
+    cut into one part per rank (about equal, aligned), then ``all_gather`` of the parts: in-node
+    reduce-scatters, the exchange, the exchange back, in-node all-gathers. Node k sends (1 - s_k)
+    of the buffer across and then its region to every other node; a flat ring sends 2 (N-1)/N of
+    it over every boundary."""
+    topology = groups.topology
+    parts = pieces(tensor.numel(), topology.world_size, max(1, ALIGN_BYTES // tensor.element_size()))
+    lo = sum(parts[:rank])
+    own = tensor[lo:lo + parts[rank]]
+    summed = torch.empty_like(own)
+    scattered = reduce_scatter(summed, tensor, parts, rank, groups, scatter)
+    gathered = all_gather(tensor, own, parts, rank, groups, gather)  # sends ``own`` once it holds the sum
+    last = scattered.steps[-1]
+
+    def own_sum() -> None:
+        if last.finish is not None:
+            last.finish()
+        own.copy_(summed)
+    return HierarchicalCall(scattered.steps[:-1] + [last._replace(finish=own_sum)] + gathered.steps, None)

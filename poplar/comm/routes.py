@@ -19,6 +19,10 @@ The ways:
 - ``HierarchicalRoute``: a step inside each node and one exchange across (``poplar.comm.hierarchical``).
 - ``SecondaryShardsRoute``: hierarchical; an all-gather can keep this rank's node-local secondary
   shard, and the gather of the same values again stays inside the node.
+- ``OncePerIterationRoute``: secondary shards kept for the whole iteration, and gradients
+  reduce-scattered inside the node each micro-step into a node accumulator, crossing nodes once
+  per iteration (``poplar.comm.hierarchical``, Note: node partials, accumulated); ZeRO-0's
+  gradient all-reduce hierarchical, crossing nodes once.
 - ``PretendWorld``: the capacity search's rank r of N that talks to no one (``poplar.profiler.local_comm``).
 
 [Note: compression is the route's policy]
@@ -83,6 +87,7 @@ class CollectiveRoute:
     what a way without secondary shards says (none kept, 0 elements)."""
 
     keeps_secondary = False  # an all-gather can keep this rank's node-local secondary shard
+    secondary_for_iteration = False  # the kept shard serves every gather of the iteration, not only backward's
     alone = False  # no peer to talk to: every collective is this rank's own (no process group used)
 
     def __init__(self, members: Members, topology: Topology) -> None:
@@ -170,6 +175,29 @@ class CollectiveRoute:
                                 sizes: Sequence[int] | None, quantization: Quantization | None) -> HierarchicalCall:
         """The all-gather of ``all_gather_keeping`` again, from the ``secondary`` shard it kept."""
         return self.all_gather_keeping(output, input, secondary, sizes, quantization)
+
+    def all_reduce_gradients(self, tensor: torch.Tensor) -> HierarchicalCall | None:
+        """ZeRO-0's gradient all-reduce of ``tensor`` as a chain of steps, or None: the flat
+        all-reduce (``Communicator.all_reduce``), as every other way runs it."""
+        return None
+
+    def accumulates(self, quantization: Quantization | None) -> bool:
+        """Whether gradient reduce-scatters given ``quantization`` run in two halves here: inside
+        the node each micro-step into a node accumulator (``reduce_scatter_in_node``), across
+        nodes once per iteration (``exchange_accumulated``). Not on this way."""
+        return False
+
+    def accumulator_numel(self, sizes: Sequence[int] | None, part_numel: int) -> int:
+        """The length of this rank's node accumulator of parts ``sizes``: 0 on a way without one."""
+        return 0
+
+    def reduce_scatter_in_node(self, partials: torch.Tensor, input: torch.Tensor,
+                               sizes: Sequence[int] | None) -> HierarchicalCall:
+        raise RuntimeError(f"{type(self).__name__} keeps no node accumulator (Collectives.ONCE_PER_ITERATION)")
+
+    def exchange_accumulated(self, output: torch.Tensor, acc: torch.Tensor,
+                             sizes: Sequence[int] | None) -> HierarchicalCall:
+        raise RuntimeError(f"{type(self).__name__} keeps no node accumulator (Collectives.ONCE_PER_ITERATION)")
 
 
 class OneRank(CollectiveRoute):
@@ -291,6 +319,41 @@ class SecondaryShardsRoute(HierarchicalRoute):
         return hierarchical.all_gather_within(output, input, secondary, parts, rank, self.groups, method)
 
 
+class OncePerIterationRoute(SecondaryShardsRoute):
+    """Across nodes once per iteration (docs/design.md §3.10.12). ZeRO-3's parameters: a block's
+    first gather of the iteration crosses nodes and keeps its secondary shard, every later one
+    (forward or backward, any micro-step) runs inside the node from it, until the optimizer step
+    changes the parameters (``secondary_for_iteration``: the stage drops it then). Gradients
+    (ZeRO-2/3): each micro-step's reduce-scatter runs inside the node into the rank's node
+    accumulator, the exchange once per iteration (``accumulates``). Quantized gradients reduce
+    per micro-step, as ``SecondaryShardsRoute`` does: their exchange quantizes each partial sent."""
+
+    secondary_for_iteration = True
+
+    def all_reduce_gradients(self, tensor: torch.Tensor) -> HierarchicalCall | None:
+        """ZeRO-0: the all-reduce crosses nodes once, hierarchically (``hierarchical.all_reduce``)."""
+        return hierarchical.all_reduce(tensor, self.members.rank, self.groups, self.method("reduce_scatter"),
+                                       self.method("all_gather"))
+
+    def accumulates(self, quantization: Quantization | None) -> bool:
+        return self.quantized(quantization) is None
+
+    def accumulator_numel(self, sizes: Sequence[int] | None, part_numel: int) -> int:
+        layout = hierarchical.accumulator_layout(self.parts(sizes, part_numel), self.topology)
+        return hierarchical.accumulator_numel(layout, self.topology, self.members.rank)
+
+    def reduce_scatter_in_node(self, partials: torch.Tensor, input: torch.Tensor,
+                               sizes: Sequence[int] | None) -> HierarchicalCall:
+        parts = self.parts(sizes, input.numel() // self.size)
+        return hierarchical.reduce_scatter_in_node(partials, input, parts, self.members.rank, self.groups,
+                                                   self.method("reduce_scatter"))
+
+    def exchange_accumulated(self, output: torch.Tensor, acc: torch.Tensor,
+                             sizes: Sequence[int] | None) -> HierarchicalCall:
+        return hierarchical.exchange_accumulated(output, acc, self.parts(sizes, output.numel()), self.members.rank,
+                                                 self.groups)
+
+
 class PretendWorld(CollectiveRoute):
     """Rank r of a pretend world of N (the capacity search, ``poplar.profiler.local_comm``): the
     buffers of the real world and collectives that are local copies. An all-gather tiles this
@@ -332,6 +395,7 @@ class PretendWorld(CollectiveRoute):
 WAYS: dict[Collectives, type[HierarchicalRoute]] = {
     Collectives.HIERARCHICAL: HierarchicalRoute,
     Collectives.SECONDARY_SHARDS: SecondaryShardsRoute,
+    Collectives.ONCE_PER_ITERATION: OncePerIterationRoute,
 }
 
 
@@ -361,6 +425,16 @@ class Routes(NamedTuple):
     def keeps_secondary(self) -> bool:
         """Whether this rank's step gathers keep node-local secondary shards (ZeRO-3)."""
         return self.step is not None and self.step.keeps_secondary
+
+    @property
+    def secondary_for_iteration(self) -> bool:
+        """Whether this rank's secondary shards serve every gather of an iteration (ZeRO-3)."""
+        return self.step is not None and self.step.secondary_for_iteration
+
+    def accumulates(self, quantization: Quantization | None) -> bool:
+        """Whether this rank's step reduce-scatters gradients given ``quantization`` into a node
+        accumulator, crossing nodes once per iteration (ZeRO-2/3)."""
+        return self.step is not None and self.step.accumulates(quantization)
 
     def current(self, stepping: bool, rank: int) -> CollectiveRoute:
         """The route object a collective runs on: the step's while ``stepping``, else the world's."""

@@ -30,7 +30,9 @@ from poplar.types.plans import Plan, PlanError
 from poplar.types.profiles import Profile
 from poplar.types.route import Collectives
 
-ORDER = tuple(Collectives)  # the enum's order: simpler ways first within the tie
+# the enum's order: simpler ways first within the tie; a way the planner does not choose yet
+# (``Collectives.chosen_by_planner``) is planned only when asked for by name
+ORDER = tuple(c for c in Collectives if c.chosen_by_planner)
 
 
 def collectives_setting(value: str | Collectives) -> Collectives | None:

@@ -14,6 +14,8 @@ hierarchical reduce-scatter or all-gather of a buffer of B bytes runs in two ste
   node with the most bytes either way (even shares: (K-1)/K B, the cross link's bus bytes).
 
 With node-local secondary shards at ZeRO-3, the backward re-gather is the intra-node step alone.
+Across nodes once per iteration is priced per call as secondary shards: exact at one micro-step,
+an upper bound at more (its cross steps do not repeat per micro-step).
 All-reduces (ZeRO-0's gradients, the small status reductions) stay flat.
 
 Everything is priced from node sizes and shares, not from the world: a plan that leaves a rank
@@ -118,7 +120,11 @@ class LinkPricing:
         if not self.spans_nodes or collectives is Collectives.FLAT or op == "all_reduce":
             return self.flat_s(op, sent) + extra
         inside = sent if wire is not None and wire.every_step else nbytes
-        if backward_gather and collectives.secondary_shards and op == "all_gather":
+        # once per iteration: priced per call at one micro-step, where it runs as secondary shards
+        # (its crossings happen once per iteration, so over more micro-steps this is an upper
+        # bound; the planner chooses it only when asked: ``Collectives.chosen_by_planner``)
+        keeps = collectives.secondary_shards or collectives is Collectives.ONCE_PER_ITERATION
+        if backward_gather and keeps and op == "all_gather":
             return self.intra_s(op, inside) + (extra if inside != nbytes else 0.0)
         return self.intra_s(op, inside) + self.cross_s(sent) + extra
 

@@ -35,6 +35,15 @@ class Collectives(str, Enum):
     FLAT = "flat"  # one ring over every rank
     HIERARCHICAL = "hierarchical"  # a step inside each node, one across nodes
     SECONDARY_SHARDS = "secondary_shards"  # hierarchical; ZeRO-3's backward re-gather stays inside each node
+    ONCE_PER_ITERATION = "once_per_iteration"  # hierarchical; across nodes once per iteration, not per micro-step
+
+    @property
+    def chosen_by_planner(self) -> bool:
+        """Whether ``plan(collectives="auto")`` considers this way. Crossing nodes once per
+        iteration is asked for by name: its price per collective (``LinkPricing.call_s``) is
+        its cost at one micro-step, an upper bound where there are more, and the planner's memory
+        check does not yet hold its node accumulator."""
+        return self is not Collectives.ONCE_PER_ITERATION
 
     @property
     def hierarchical(self) -> bool:
@@ -43,7 +52,9 @@ class Collectives(str, Enum):
 
     @property
     def secondary_shards(self) -> bool:
-        """Whether each rank keeps its node-local shard of ZeRO-3's gathered parameters."""
+        """Whether each rank keeps its node-local shard of ZeRO-3's gathered parameters from
+        forward to backward (``ONCE_PER_ITERATION`` keeps it longer, through its route objects:
+        ``Routes.keeps_secondary``; this stays False for it, so a plan of it at ZeRO-2 is valid)."""
         return self is Collectives.SECONDARY_SHARDS
 
     @classmethod
@@ -69,7 +80,11 @@ class Collectives(str, Enum):
 
     def applies(self, stage: int) -> bool:
         """Whether the collectives of ``stage`` can run so: hierarchical from ZeRO-1 (ZeRO-0's
-        all-reduce stays flat), secondary shards at ZeRO-3 only."""
+        all-reduce stays flat), secondary shards at ZeRO-3 only; once per iteration at every stage
+        (ZeRO-0: its all-reduce hierarchical; ZeRO-1, which reduces once per iteration already:
+        hierarchical)."""
+        if self is Collectives.ONCE_PER_ITERATION:
+            return True
         return self is Collectives.FLAT or (stage >= 1 and (not self.secondary_shards or stage == 3))
 
     def __str__(self) -> str:

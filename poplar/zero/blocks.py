@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from poplar.comm import Communicator, PendingChain, PendingCollective
+from poplar.comm.hierarchical import ACCUMULATOR_DTYPE
 from poplar.types.compression import Quantization
 from poplar.zero.flat import FlatUnit
 from poplar.zero.precision import StagePrecision
@@ -131,11 +132,24 @@ class ShardedBlock:
         self._allocate(flats)
         self.late_flats: list[torch.Tensor] | None = None
         self.secondary: torch.Tensor | None = None
+        self.secondary_current = False  # ``secondary`` holds this iteration's parameters (once per iteration)
+        self.accumulator: torch.Tensor | None = None  # node partials of the iteration's gradients (fp32)
         self.reset_grads()
+
+    def keep_accumulator(self, comm: Communicator | None) -> None:
+        """Hold a node accumulator for ``comm``'s in-node reduce-scatters (None: hold none)."""
+        self.accumulator = None
+        if comm is not None:
+            numel = comm.accumulator_numel(self.part_sizes, self.shard_numel)
+            self.accumulator = torch.zeros(numel, dtype=ACCUMULATOR_DTYPE, device=self.device)
+
+    @property
+    def accumulator_nbytes(self) -> int:
+        return 0 if self.accumulator is None else self.accumulator.numel() * self.accumulator.element_size()
 
     def keep_secondary(self, comm: Communicator | None) -> None:
         """Hold a secondary shard for ``comm``'s hierarchical gathers (None: hold none)."""
-        self.secondary = None
+        self.secondary, self.secondary_current = None, False
         if comm is not None:
             element = torch.empty((), dtype=self.compute_dtype).element_size()
             numel = comm.secondary_numel(self.part_sizes, self.shard_numel, element)
@@ -341,11 +355,14 @@ class ShardedBlock:
         return self.ready == self.num_params, new
 
     def start_reduce(self, comm: Communicator, flats: list[torch.Tensor] | None, zeros: torch.Tensor | None,
-                     quantization: Quantization | None = None) -> ReduceHandle:
+                     quantization: Quantization | None = None, in_node: bool = False) -> ReduceHandle:
         """Issue the async reduce-scatter of ``flats`` (the block's gradient; None: ``zeros``, a
         read-only zero buffer of at least the block's elements, in the reduce dtype) into
-        ``shard_grad``, quantized by ``quantization`` (``CommPolicy.gradient_quantization``). The handle's ``held_bytes`` are the transient bytes it keeps alive: the
-        output, the gradient (``grad_nbytes``, held since it arrived) and a cast copy, if any."""
+        ``shard_grad``, quantized by ``quantization`` (``CommPolicy.gradient_quantization``);
+        ``in_node``: its in-node step alone, into ``accumulator`` (across nodes once per
+        iteration, ``exchange_accumulated``). The handle's ``held_bytes`` are the transient bytes
+        it keeps alive: the output, the gradient (``grad_nbytes``, held since it arrived) and a
+        cast copy, if any."""
         sn, total = self.shard_numel, self.full_numel
         wire = self.precision.reduce_dtype(self.dtype)
         wire_size = torch.empty((), dtype=wire).element_size()
@@ -360,6 +377,12 @@ class ShardedBlock:
             inp = torch.empty(total, dtype=wire, device=self.device)
             self._pack(flats, inp)
             held += self.grad_nbytes
+        if in_node and self.accumulator is not None:
+            partials = torch.empty(self.accumulator.numel(), dtype=wire, device=self.device)
+            held += partials.numel() * wire_size - sn * wire_size
+            work = comm.reduce_scatter_in_node(partials, inp, tag=f"block{self.index}", async_op=True,
+                                               sizes=self.part_sizes)
+            return ReduceHandle(work, partials, inp, self.accumulator, held)
         held += comm.staging_bytes("reduce_scatter", self.part_sizes, sn, wire_size, quantization)
         out = torch.empty(sn, dtype=wire, device=self.device)
         work = comm.reduce_scatter(out, inp, tag=f"block{self.index}", async_op=True, sizes=self.part_sizes,

@@ -12,7 +12,11 @@ hands each gradient over to its unit's flat gradient buffer through a post-accum
   soon as its gradients (and those of every earlier unit) are ready in backward, so the
   collective order is the fixed unit order on every rank; what is not ready when backward
   returns (unused parameters) is sent as zeros. A rank with fewer micro-steps sends zeros.
-  At most two reduce-scatters are left in flight (``poplar.zero.reduce_queue``).
+  At most two reduce-scatters are left in flight (``poplar.zero.reduce_queue``). Across nodes
+  once per iteration (``Collectives.ONCE_PER_ITERATION``), each reduce-scatter runs inside the
+  node into the unit's node accumulator (fp32) and the exchange across nodes runs once, when the
+  rank's micro-steps are over (``close_micro_steps``); a rank with fewer micro-steps sends zeros
+  inside its node only.
 
 Mixed precision (``StagePrecision.compute`` set): the flat buffers the model's parameters view
 hold the low-precision copy; the fp32 master is kept apart (``masters``): whole at stage 0, where
@@ -34,6 +38,8 @@ from torch import nn
 
 from poplar.zero.base import StageHooks, ZeroStage, on_grad_accumulated
 from poplar.comm import Communicator, PendingCollective, Phase
+from poplar.comm.hierarchical import ACCUMULATOR_DTYPE
+from poplar.comm.routes import Routes
 from poplar.zero.flat import FlatUnit
 from poplar.zero.nonfinite import grad_summary
 from poplar.zero.optim import repoint_optimizer
@@ -367,7 +373,7 @@ class Stage0(LocalGrads):
         if wire is not g:
             self._hold(wire.numel() * wire.element_size())
         with self.comm.ledger.scope(Phase.STEP, micro_step=-1):  # the iteration's closing reduction
-            work = self.comm.all_reduce(wire, tag=f"unit{u.index}", async_op=True)
+            work = self.comm.all_reduce_gradients(wire, tag=f"unit{u.index}", async_op=True)
         self._in_flight.append(SentSum(work, g, wire))
         self._next = ui + 1
 
@@ -421,6 +427,7 @@ class Stage2(ReplicatedParams):
     stage = 2
     communicates_in_micro_steps = True
     reduces_in_flight = 2  # reduce-scatters overlapping backward; each holds one full bucket
+    accumulates = False  # reduce-scatters run inside the node into node accumulators (``use_route``)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -431,6 +438,19 @@ class Stage2(ReplicatedParams):
 
     def _new_grad_buffers(self) -> None:
         self.shard_grads = [u.new_shard() for u in self.units]
+        self._new_accumulators()
+
+    def _new_accumulators(self) -> None:
+        self.accumulators = [torch.zeros(self.comm.accumulator_numel(u.part_sizes, u.shard_numel),
+                                         dtype=ACCUMULATOR_DTYPE, device=u.device)
+                             for u in self.units] if self.accumulates else []
+
+    def use_route(self, routes: Routes) -> None:
+        """Besides the compression, a node accumulator per unit where the step's route crosses
+        nodes once per iteration (``Routes.accumulates``)."""
+        super().use_route(routes)
+        self.accumulates = routes.accumulates(self.compression.gradient_quantization)
+        self._new_accumulators()  # of the step's parts (between iterations: they are zero)
 
     def _reset_micro_step(self) -> None:
         self._buckets: list[torch.Tensor | None] = [None] * len(self.units)
@@ -471,10 +491,19 @@ class Stage2(ReplicatedParams):
         if wire is not bucket:  # only the copy stays alive
             self._hold(wire_bytes)
             self._release(bucket.numel() * bucket.element_size())
-        work = self.comm.reduce_scatter(out, wire, tag=f"unit{u.index}", async_op=True, sizes=u.part_sizes,
-                                        quantization=quantization)
         self._buckets[ui] = None
         self._next = ui + 1
+        if self.accumulates:  # the in-node step alone, into the node accumulator
+            acc = self.accumulators[ui]
+            partials = torch.empty(acc.numel(), dtype=wire.dtype, device=wire.device)
+            extra = partials.numel() * partials.element_size() - out_bytes
+            self._hold(extra)
+            work = self.comm.reduce_scatter_in_node(partials, wire, tag=f"unit{u.index}", async_op=True,
+                                                    sizes=u.part_sizes)
+            self._reduces.push(ReduceHandle(work, partials, wire, acc, out_bytes + extra + wire_bytes + staging))
+            return
+        work = self.comm.reduce_scatter(out, wire, tag=f"unit{u.index}", async_op=True, sizes=u.part_sizes,
+                                        quantization=quantization)
         self._reduces.push(ReduceHandle(work, out, wire, self.shard_grads[ui], out_bytes + wire_bytes + staging))
 
     def end_micro_step(self) -> None:
@@ -485,6 +514,18 @@ class Stage2(ReplicatedParams):
 
     def empty_micro_step(self) -> None:
         self.end_micro_step()
+
+    def close_micro_steps(self) -> None:
+        """Across nodes once per iteration: each unit's node partials cross nodes now, into its
+        gradient shard, before the status reduction checks them."""
+        if not self.accumulates:
+            return
+        with self.comm.ledger.scope(Phase.BACKWARD):
+            works = [self.comm.exchange_accumulated(g, acc, tag=f"unit{u.index}", async_op=True, sizes=u.part_sizes)
+                     for u, g, acc in zip(self.units, self.shard_grads, self.accumulators)]
+            for work in works:
+                if work is not None:
+                    work.wait()
 
     def reduce_gradients(self) -> None:
         for s, g in zip(self.shard_params, self.shard_grads):
@@ -504,6 +545,14 @@ class Stage2(ReplicatedParams):
         for s, g in zip(self.shard_params, self.shard_grads):
             g.zero_()
             s.grad = None
+        for acc in self.accumulators:  # an iteration abandoned before its exchange
+            acc.zero_()
 
     def grad_bytes(self) -> int:
         return sum(g.numel() * g.element_size() for g in self.shard_grads)
+
+    def memory_report(self) -> dict[str, int]:
+        """As for every stage, plus ``node_accumulator``: the node partials of the iteration's
+        gradients (across nodes once per iteration; 0 otherwise)."""
+        return {**super().memory_report(),
+                "node_accumulator": sum(a.numel() * a.element_size() for a in self.accumulators)}

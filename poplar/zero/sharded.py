@@ -42,6 +42,16 @@ backward schedule's gathers run inside the node and never cross one; the shards 
 (1 - the node's share) / (ranks in the node) of the parameters (``memory_report``'s
 ``secondary_params``).
 
+Across nodes once per iteration (``Collectives.ONCE_PER_ITERATION``, docs/design.md §3.10.12):
+a block's secondary shard, once its first gather of the iteration kept it, serves every later
+gather of the block in the iteration (forward and backward, every micro-step, the replays of a
+rank with fewer micro-steps), inside the node; it is current until the optimizer step, a
+re-shard or a load changes the parameters, and every iteration's first gather crosses again.
+Each micro-step's reduce-scatter runs inside the node into the block's node accumulator (fp32,
+``memory_report``'s ``node_accumulator``); the exchange across nodes runs once, when the rank's
+micro-steps are over (``close_micro_steps``). Gradients that come after their block's
+reduce-scatter (blocks run out of the recorded order) are reduce-scattered whole at the end.
+
 Mixed precision: each block's shard is its fp32 master, sent cast to the compute dtype by the
 all-gathers (half of fp32's bytes for bf16/fp16) and gathered as it is by ``full_state_dict``; an
 offloading rank keeps the master on the host and a compute-dtype shard on the device.
@@ -93,6 +103,8 @@ class Stage3(ZeroStage):
 
         self.prefetch = prefetch
         self.secondary_shards = False  # blocks keep node-local secondary shards (``use_route``)
+        self.secondary_for_iteration = False  # ... current for the whole iteration (once per iteration)
+        self.accumulates = False  # blocks reduce-scatter inside the node into node accumulators (``use_route``)
         self._on_gathered = self.hooks.transient_allocated  # after each gather allocation (memory-cap checks)
         self.gathered_bytes = 0  # gathered parameter bytes alive now
         self.peak_gathered_bytes = 0
@@ -128,14 +140,28 @@ class Stage3(ZeroStage):
     def _reshard(self, shards: Shards) -> None:
         """Cut every block by new ``shards``, between iterations (every rank together)."""
         sharded_state.reshard(self, shards)
-        for b in self.blocks:  # the secondary shards' lengths follow the new cut
+        for b in self.blocks:  # the secondary shards' and accumulators' lengths follow the new cut
             b.keep_secondary(self.comm if self.secondary_shards else None)
+            b.keep_accumulator(self.comm if self.accumulates else None)
 
     def use_route(self, routes: Routes) -> None:
         """Besides the compression, each block keeps its secondary shard from the next pass on
         where the step's route keeps them (``Routes.keeps_secondary``), or none."""
         super().use_route(routes)
         self._keep_secondary_shards(routes.keeps_secondary)
+        self.secondary_for_iteration = routes.secondary_for_iteration
+        accumulates = routes.accumulates(self.compression.gradient_quantization)
+        if accumulates != self.accumulates or accumulates:
+            self.accumulates = accumulates
+            for b in self.blocks:
+                b.keep_accumulator(self.comm if accumulates else None)
+        self._parameters_changed()
+
+    def _parameters_changed(self) -> None:
+        """The blocks' secondary shards no longer hold the parameters (a step, a load, a new
+        route): the next gather of each block crosses nodes again and keeps them."""
+        for b in self.blocks:
+            b.secondary_current = False
 
     def _keep_secondary_shards(self, on: bool) -> None:
         if on == self.secondary_shards:
@@ -181,7 +207,11 @@ class Stage3(ZeroStage):
         """Issue ``b``'s gather: for compute, quantized as the plan says (``use_route``);
         ``exact``: the values as they are (the state: ``full_state_dict``)."""
         quantization = None if exact else self.compression.weight_quantization
+        training = self._pass is not None and self._pass.train
+        again = again or (b.secondary_current and training and not exact)
         handle = b.start_gather(self.comm, async_op=True, again=again, quantization=quantization)
+        if not again and b.secondary is not None:  # this gather keeps the shard: current from now on?
+            b.secondary_current = self.secondary_for_iteration and training and not exact
         self._gathered[b.index] = b
         self.gathered_bytes += b.gathered_nbytes
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
@@ -217,7 +247,7 @@ class Stage3(ZeroStage):
         gradients that arrive after it are ``late_flats``."""
         flats, b.grad_flats = b.grad_flats, None  # the handle keeps what the collective needs
         b.grad_state = GradState.REDUCED
-        self._start_reduce(b, flats)
+        self._start_reduce(b, flats, in_node=self.accumulates)
 
     def _reduce_late_flats(self, b: ShardedBlock) -> None:
         """Issue ``b``'s reduce-scatter of the gradients that came after its micro-step's one
@@ -225,12 +255,12 @@ class Stage3(ZeroStage):
         flats, b.late_flats = b.late_flats, None
         self._start_reduce(b, flats)
 
-    def _start_reduce(self, b: ShardedBlock, flats: list[torch.Tensor] | None) -> None:
+    def _start_reduce(self, b: ShardedBlock, flats: list[torch.Tensor] | None, in_node: bool = False) -> None:
         if flats is None and self._zeros is None:
             wire = self.precision.reduce_dtype(b.dtype)
             self._zeros = torch.zeros(max(x.full_numel for x in self.blocks), dtype=wire, device=b.device)
             self._hold(self._zeros.numel() * self._zeros.element_size())
-        handle = b.start_reduce(self.comm, flats, self._zeros, self.compression.gradient_quantization)
+        handle = b.start_reduce(self.comm, flats, self._zeros, self.compression.gradient_quantization, in_node)
         self._hold(handle.held_bytes - (b.grad_nbytes if flats is not None else 0))  # gradients: held as they came
         self._reduces.push(handle)
 
@@ -370,6 +400,18 @@ class Stage3(ZeroStage):
         self._pass = self._new_pass(PassKind.TRAIN)
         self.end_micro_step()
 
+    def close_micro_steps(self) -> None:
+        """Across nodes once per iteration: every block's node partials cross nodes now, into its
+        gradient shard, before the status reduction checks them."""
+        if not self.accumulates:
+            return
+        with self.comm.ledger.scope(Phase.BACKWARD):
+            works = [self.comm.exchange_accumulated(b.shard_grad, b.accumulator, tag=f"block{b.index}", async_op=True,
+                                                    sizes=b.part_sizes) for b in self.blocks]
+            for work in works:
+                if work is not None:
+                    work.wait()
+
     def reduce_gradients(self) -> None:
         if not self._agreed:
             self._agree_order()
@@ -396,9 +438,13 @@ class Stage3(ZeroStage):
 
     def optimizer_step(self) -> None:
         self.offload.step()
+        self._parameters_changed()
 
     def zero_grad(self) -> None:
+        self._parameters_changed()  # the next iteration's first gathers cross again
         for b in self.blocks:
+            if b.accumulator is not None:  # an iteration abandoned before its exchange
+                b.accumulator.zero_()
             b.shard_grad.zero_()
             if b.late_flats is not None:
                 b.late_flats = None
@@ -430,6 +476,7 @@ class Stage3(ZeroStage):
         """Set each rank's shards (and the unsharded tensors: buffers, frozen parameters) from a
         complete state, without a collective; ValueError before any change if it does not fit."""
         sharded_state.load_full_state_dict(self, state)
+        self._parameters_changed()
 
     compute_copies = sharded_state.compute_copies  # offloaded master: a compute-dtype shard on the device
     drop_compute_copies = sharded_state.drop_compute_copies
@@ -444,7 +491,9 @@ class Stage3(ZeroStage):
         return sum(b.shard_grad.numel() * b.element_size for b in self.blocks)
 
     def memory_report(self) -> dict[str, int]:
-        """As for stages 0-2, plus ``gathered_params`` (the peak of gathered parameter bytes) and
-        ``secondary_params`` (the node-local secondary shards kept, 0 without them)."""
+        """As for stages 0-2, plus ``gathered_params`` (the peak of gathered parameter bytes),
+        ``secondary_params`` (the node-local secondary shards kept, 0 without them) and
+        ``node_accumulator`` (the node partials of the iteration's gradients, once per iteration)."""
         return {**super().memory_report(), "gathered_params": self.peak_gathered_bytes,
-                "secondary_params": sum(b.secondary_nbytes for b in self.blocks)}
+                "secondary_params": sum(b.secondary_nbytes for b in self.blocks),
+                "node_accumulator": sum(b.accumulator_nbytes for b in self.blocks)}

@@ -2,7 +2,9 @@
 nodes (2 + 2 and 3 + 1): the same values as the flat collectives on the same inputs (uneven parts,
 an empty part, fp32 and bf16, sync and async, several in flight at once), each ledger record
 tagged with its link, a node's cross-node bytes (1 - its own share) of the buffer, and the
-secondary-shard gather that stays inside the node. The layouts themselves without processes."""
+secondary-shard gather that stays inside the node; across nodes once per iteration, in-node steps
+into a node accumulator and one exchange, and ZeRO-0's hierarchical all-reduce, equal the flat
+sums. The layouts themselves without processes."""
 
 from __future__ import annotations
 
@@ -281,3 +283,47 @@ def test_staging_is_the_pieces_and_the_partials_received() -> None:
     assert staging_numel("all_gather", layout, two, 0, False) == 16 + 40  # else copies of its pieces
     alone = node_layout(sizes, lone, 4)
     assert staging_numel("reduce_scatter", alone, lone, 3, True) == 28  # a node of one holds views, receives one
+
+
+def once_worker(rank: int, world: int, topology: Topology) -> dict:
+    """Across nodes once per iteration: three in-node reduce-scatters summed into a node accumulator
+    and one exchange, against the flat reduce-scatter of the three inputs' sum; ZeRO-0's
+    hierarchical all-reduce against the flat one (integer inputs: bit-equal)."""
+    torch.set_num_threads(1)
+    comm = Communicator(topology=topology)
+    out: dict = {}
+    for sizes in SIZES:
+        xs = [_input(10 * i + rank, sum(sizes), torch.float32) for i in range(3)]
+        comm.configure(Route())
+        want = torch.zeros(sizes[rank])
+        comm.reduce_scatter(want, xs[0] + xs[1] + xs[2], sizes=sizes)
+        summed = (xs[0] + xs[1]).clone()
+        comm.all_reduce(summed)
+        routes = comm.configure(Route(collectives=Collectives.ONCE_PER_ITERATION))
+        comm.ledger.clear()
+        acc = torch.zeros(comm.accumulator_numel(sizes, 0))
+        for x in xs:
+            partials = torch.empty_like(acc)
+            _wait([comm.reduce_scatter_in_node(partials, x, async_op=True, sizes=sizes)])
+            acc.add_(partials)
+        in_node = {r.link for r in comm.ledger.records}
+        got = torch.zeros(sizes[rank])
+        _wait([comm.exchange_accumulated(got, acc, async_op=True, sizes=sizes)])
+        reduced = (xs[0] + xs[1]).clone()
+        _wait([comm.all_reduce_gradients(reduced, async_op=True)])
+        out[sizes] = (torch.equal(got, want), bool((acc == 0).all()), in_node, torch.equal(reduced, summed),
+                      routes.accumulates(None), {r.link for r in comm.ledger.records if r.op == "all_reduce"})
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(TOPOLOGIES))
+@pytest.mark.multiprocess
+def test_node_partials_accumulated_cross_once_and_equal_the_flat_sums(name: str) -> None:
+    node_sizes = TOPOLOGIES[name].sizes
+    for rank, res in enumerate(spawn(once_worker, 4, (TOPOLOGIES[name],), timeout_s=120)):
+        alone = node_sizes[TOPOLOGIES[name].node_of(rank)] == 1
+        for sizes, (equal, zeroed, in_node, reduced, accumulates, all_reduce_links) in res.items():
+            assert equal and zeroed and reduced and accumulates, (rank, sizes)
+            assert in_node <= {Link.INTRA} and (alone or in_node == {Link.INTRA}), (rank, sizes, in_node)
+            assert Link.CROSS in all_reduce_links, (rank, all_reduce_links)
+            assert alone or Link.INTRA in all_reduce_links, (rank, all_reduce_links)

@@ -197,3 +197,16 @@ def test_the_simulator_plans_each_strategy_with_its_fastest_way() -> None:
     assert "secondary shards" in sim.table().splitlines()[2]
     one = simulate(profile(Links(100 * GB, 10e-6)), 1000, 3)
     assert not one.result("poplar").plan.hierarchical and one.result("poplar").plan.choice.collective_candidates is None
+
+
+def test_once_per_iteration_is_priced_per_call_as_at_one_micro_step_and_chosen_only_when_asked() -> None:
+    even = LinkPricing.of(two_nodes(), 8, [2, 1, 1, 2, 1, 1, 1, 1])
+    once, sec = Collectives.ONCE_PER_ITERATION, Collectives.SECONDARY_SHARDS
+    for op, backward in (("reduce_scatter", False), ("all_gather", False), ("all_gather", True)):
+        assert even.call_s(op, 8e9, once, backward_gather=backward) == \
+            even.call_s(op, 8e9, sec, backward_gather=backward)
+    auto = plan(profile(two_nodes()), 1000, 3)
+    assert once.value not in {r["collectives"] for r in auto.choice.collective_candidates}
+    asked = plan(profile(two_nodes()), 1000, 3, collectives="once_per_iteration")
+    assert asked.collectives is once and Plan.from_dict(json.loads(json.dumps(asked.to_dict()))).collectives is once
+    assert plan(profile(two_nodes(), stage=2), 256, 2, collectives="once_per_iteration").collectives is once

@@ -33,9 +33,10 @@ WEIGHTS = (2, 1, 1, 2)
 BATCHES = plan_of((2, 2, 1), (1, 2, 0), (3, 1, 0), (2, 1, 2))
 
 
-def hierarchical_plan(stage: int) -> Plan:
+def hierarchical_plan(stage: int, way: Collectives | None = None) -> Plan:
+    """The per-micro-step way of ``stage`` (secondary shards at ZeRO-3), or ``way``."""
     plan = with_shards(BATCHES, WEIGHTS)
-    plan.collectives = Collectives.SECONDARY_SHARDS if stage == 3 else Collectives.HIERARCHICAL
+    plan.collectives = way or (Collectives.SECONDARY_SHARDS if stage == 3 else Collectives.HIERARCHICAL)
     plan.validate()
     return plan
 
@@ -46,13 +47,14 @@ def zero_config(stage: int, topology: Topology) -> ZeroConfig:
     return ZeroConfig(stage, bucket_size_mb=0.001, topology=topology)  # buckets of 262 elements
 
 
-def parity_worker(rank: int, world: int, topology: Topology, gpu: bool = False) -> dict:
-    """Every stage and config on this rank (``gpu``: on its GPU, over NCCL); states on the CPU."""
+def parity_worker(rank: int, world: int, topology: Topology, gpu: bool = False, way: Collectives | None = None) -> dict:
+    """Every stage and config on this rank (``gpu``: on its GPU, over NCCL; ``way``: the
+    collectives, else each stage's per-micro-step way); states on the CPU."""
     torch.set_num_threads(1)
     device = rank_gpu(rank, world) if gpu else torch.device("cpu")
     out: dict = {}
-    for stage in (1, 2, 3):
-        plan = hierarchical_plan(stage)
+    for stage in stages(way):
+        plan = hierarchical_plan(stage, way)
         for kind, max_norm in CONFIGS:
             model = make_model(seed=0).to(device)
             engine = PoplarEngine(model, make_optimizer(model, kind), zero_stage=zero_config(stage, topology),
@@ -66,26 +68,44 @@ def parity_worker(rank: int, world: int, topology: Topology, gpu: bool = False) 
     return out
 
 
+def stages(way: Collectives | None) -> tuple[int, ...]:
+    """The stages a way runs its own collectives at: once per iteration from ZeRO-0 (its all-reduce)."""
+    return (0, 1, 2, 3) if way is Collectives.ONCE_PER_ITERATION else (1, 2, 3)
+
+
+WAYS = [None, Collectives.ONCE_PER_ITERATION]  # each stage's per-micro-step way; across nodes once per iteration
+
+
+@pytest.mark.parametrize("way", WAYS, ids=lambda w: w.value if w else "per_micro_step")
 @pytest.mark.parametrize("name", sorted(TOPOLOGIES))
 @pytest.mark.multiprocess
-def test_hierarchical_zero_matches_single_process(name: str) -> None:
-    _check_parity(name, spawn(parity_worker, 4, (TOPOLOGIES[name],), timeout_s=240))
+def test_hierarchical_zero_matches_single_process(name: str, way: Collectives | None) -> None:
+    _check_parity(name, spawn(parity_worker, 4, (TOPOLOGIES[name], False, way), timeout_s=240), stages(way))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("way", WAYS, ids=lambda w: w.value if w else "per_micro_step")
 @pytest.mark.parametrize("name", sorted(TOPOLOGIES))
 @pytest.mark.multiprocess
-def test_hierarchical_zero_on_nccl_matches_single_process(name: str) -> None:
+def test_hierarchical_zero_on_nccl_matches_single_process(name: str, way: Collectives | None) -> None:
     """The same on GPUs over NCCL (ranks share a GPU where there are fewer than four:
     ``poplar.emulation.gpu_ranks``): NCCL's methods (list collectives, tensor collectives on
     even parts) in the hierarchy, which gloo does not run."""
-    _check_parity(name, spawn(parity_worker, 4, (TOPOLOGIES[name], True), backend="nccl", timeout_s=300))
+    _check_parity(name, spawn(parity_worker, 4, (TOPOLOGIES[name], True, way), backend="nccl", timeout_s=300),
+                  stages(way))
 
 
-def _check_parity(name: str, results: list[dict]) -> None:
-    for stage in (1, 2, 3):
+def _check_parity(name: str, results: list[dict], stages: tuple[int, ...]) -> None:
+    topology = TOPOLOGIES[name]
+    for stage in stages:
         staged = [{(kind, norm, 0): res[(stage, kind, norm)] for kind, norm in CONFIGS} for res in results]
         assert_runs_match_reference(staged, CONFIGS, 1, GBS, ITERATIONS)
+        if stage == 0:  # once per iteration: the gradients' all-reduce crosses nodes once, each element each way
+            crossed = sum(b for res in results for op, _, link, b in res[("ledger", 0, "sgd")]
+                          if op == "all_reduce" and link is Link.CROSS)
+            grads = sum(p.numel() for p in make_model().parameters()) * 4
+            assert grads <= crossed / (2 * (topology.node_count - 1)) <= grads * 1.01, (crossed, grads)
+            continue
         for rank, res in enumerate(results):
             records = res[("ledger", stage, "sgd")]
             sharded = [(op, phase, link) for op, phase, link, _ in records if op in ("all_gather", "reduce_scatter")]
@@ -139,13 +159,14 @@ def _train(rank: int, plan: Plan, config: ZeroConfig, kind: str = "sgd", iterati
     return losses, engine
 
 
-def features_worker(rank: int, world: int, directory: str) -> dict:
-    """ZeRO-3 with secondary shards on 2 + 2 nodes: bf16, a non-finite skip (each beside the same
-    run on flat collectives), activation checkpointing, offload and shards re-cut between
-    iterations (beside the reference), and a checkpoint resumed by a flat engine with even shards."""
+def features_worker(rank: int, world: int, directory: str, way: Collectives) -> dict:
+    """ZeRO-3 on 2 + 2 nodes, collectives ``way`` (secondary shards, or once per iteration): bf16,
+    a non-finite skip (each beside the same run on flat collectives), activation checkpointing,
+    offload and shards re-cut between iterations (beside the reference), and a checkpoint resumed
+    by a flat engine with even shards."""
     torch.set_num_threads(1)
     topology, out = TOPOLOGIES["2+2"], {}
-    hier = hierarchical_plan(3)
+    hier = hierarchical_plan(3, way)
     flat = with_shards(BATCHES, WEIGHTS)
     config = zero_config(3, topology)
     for name, plan in (("hier", hier), ("flat", flat)):
@@ -165,7 +186,7 @@ def features_worker(rank: int, world: int, directory: str) -> dict:
     losses = []
     for it, weights in enumerate((WEIGHTS, (1, 1, 1, 1), (0, 1, 2, 1))):
         plan = with_shards(BATCHES, weights)
-        plan.collectives = Collectives.SECONDARY_SHARDS
+        plan.collectives = way
         engine.set_plan(plan)
         losses.append(engine.train_step(rank_slice(global_batch(it, GBS), plan, rank), loss_fn))
     out["resharded"] = (losses, engine.full_state_dict())
@@ -182,9 +203,10 @@ def features_worker(rank: int, world: int, directory: str) -> dict:
     return out
 
 
+@pytest.mark.parametrize("way", [Collectives.SECONDARY_SHARDS, Collectives.ONCE_PER_ITERATION], ids=str)
 @pytest.mark.multiprocess
-def test_hierarchical_zero3_precision_skips_checkpointing_offload_and_resume(tmp_path: Path) -> None:
-    results = spawn(features_worker, 4, (str(tmp_path / "ckpt"),), timeout_s=240)
+def test_hierarchical_zero3_precision_skips_checkpointing_offload_and_resume(tmp_path: Path, way: Collectives) -> None:
+    results = spawn(features_worker, 4, (str(tmp_path / "ckpt"), way), timeout_s=240)
     ref_losses, ref_state = reference_run("sgd", GBS, ITERATIONS, None)
     for rank, res in enumerate(results):
         (hl, hs), (fl, fs) = res[("bf16", "hier")], res[("bf16", "flat")]
@@ -196,7 +218,56 @@ def test_hierarchical_zero3_precision_skips_checkpointing_offload_and_resume(tmp
             losses, state = res[key]
             assert max_rel_err(state, ref_state) <= 1e-5, (key, rank)
             assert losses == pytest.approx(ref_losses, rel=1e-5), (key, rank)
-        loss, state, way = res["resumed"]
-        assert way is Collectives.FLAT
-        assert res["saved plan"] == (Collectives.SECONDARY_SHARDS, tuple(map(float, WEIGHTS)))  # the checkpoint keeps it
+        loss, state, resumed_way = res["resumed"]
+        assert resumed_way is Collectives.FLAT
+        assert res["saved plan"] == (way, tuple(map(float, WEIGHTS)))  # the checkpoint keeps it
         assert max_rel_err(state, ref_state) <= 1e-5 and loss == pytest.approx(ref_losses[2], rel=1e-5), rank
+
+
+# one iteration of 4 micro-steps on the slowest rank (fewer on others) against one of 1 micro-step
+MANY_STEPS = with_shards(plan_of((2, 3, 1), (1, 2, 1), (1, 0, 1), (1, 2, 1)), WEIGHTS)  # in 4, 3, 1, 3 micro-steps
+ONE_STEP = with_shards(plan_of((5, 1, 0), (3, 1, 0), (2, 1, 0), (4, 1, 0)), WEIGHTS)
+
+
+def cross_bytes_worker(rank: int, world: int, topology: Topology) -> dict:
+    """Bytes this rank sent across nodes (the exchanges, and the flat all-reduces, which cross
+    too) in the second iteration, per stage, way and plan."""
+    torch.set_num_threads(1)
+    out = {}
+    for stage in (2, 3):
+        for way in (Collectives.SECONDARY_SHARDS if stage == 3 else Collectives.HIERARCHICAL,
+                    Collectives.ONCE_PER_ITERATION):
+            for name, rows in (("many", MANY_STEPS), ("one", ONE_STEP)):
+                plan = Plan(rows.ranks, collectives=way)
+                _, engine = _train(rank, plan, zero_config(stage, topology), iterations=2)
+                records = engine.comm_ledger.of(iteration=1)
+                out[(stage, way, name)] = sum(r.bytes for r in records if r.link in (Link.CROSS, Link.FLAT))
+                out[(stage, way, "memory")] = engine.memory_report()
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(TOPOLOGIES))
+@pytest.mark.multiprocess
+def test_once_per_iteration_crosses_nodes_once(name: str) -> None:
+    """Across nodes once per iteration: the bytes a rank sends across nodes in an iteration of 4
+    micro-steps are those of an iteration of 1 (ZeRO-2 and ZeRO-3), where the per-micro-step ways
+    send more with every micro-step; the node accumulator shows in ``memory_report()``."""
+    results = spawn(cross_bytes_worker, 4, (TOPOLOGIES[name],), timeout_s=240)
+    topology = TOPOLOGIES[name]
+    for rank, res in enumerate(results):
+        for stage in (2, 3):
+            old = Collectives.SECONDARY_SHARDS if stage == 3 else Collectives.HIERARCHICAL
+            once = Collectives.ONCE_PER_ITERATION
+            ratio = res[(stage, once, "many")] / res[(stage, once, "one")]
+            old_ratio = res[(stage, old, "many")] / res[(stage, old, "one")]
+            print(f"{name} rank {rank} ZeRO-{stage}: cross-node bytes 4 micro-steps / 1: once per iteration "
+                  f"{ratio:.3f}, {old.value} {old_ratio:.3f}")
+            assert ratio <= 1.05 and old_ratio > 1.5, (stage, rank, ratio, old_ratio)
+            memory = res[(stage, once, "memory")]
+            node = topology.nodes[topology.node_of(rank)]
+            params = sum(p.numel() for p in make_model().parameters()) * 4
+            # fp32 node partials of its part and its pieces: about 1 / (ranks in the node) of the model
+            assert memory["node_accumulator"] == pytest.approx(params / len(node), rel=0.5), (stage, rank, memory)
+            assert res[(stage, old, "memory")]["node_accumulator"] == 0
+            if stage == 3:
+                assert memory["secondary_params"] > 0

@@ -37,6 +37,8 @@ LEFT_OUT = Plan([RankPlan(2, 2, 1, shard_weight=2), RankPlan(3, 1, 0, shard_weig
 # the same rows on hierarchical collectives over 2 + 2 nodes: ranks 0, 1 | 3 in the step (ZeRO-3:
 # with secondary shards)
 SPANNING = Plan(LEFT_OUT.ranks, collectives=Collectives.HIERARCHICAL)
+# the same, crossing nodes once per iteration (the step's own nodes 0, 1 | 3)
+ONCE = Plan(LEFT_OUT.ranks, collectives=Collectives.ONCE_PER_ITERATION)
 # node [2, 3] sits out: n_i = 7, 5
 NODE_OUT = Plan([RankPlan(3, 2, 1, shard_weight=2), RankPlan(2, 2, 1, shard_weight=1),
                  RankPlan(0, 0, 0, shard_weight=0), RankPlan(0, 0, 0, shard_weight=0)],
@@ -79,7 +81,7 @@ def parity_worker(rank: int, world: int) -> dict:
     out: dict = {}
     for stage in (1, 2, 3):
         for name, plan, topology in [("flat", LEFT_OUT, None), ("node", NODE_OUT, TOPOLOGY),
-                                     ("hier", SPANNING, TOPOLOGY)]:
+                                     ("hier", SPANNING, TOPOLOGY), ("once", ONCE, TOPOLOGY)]:
             if name == "hier" and stage == 3:
                 plan = Plan(plan.ranks, collectives=Collectives.SECONDARY_SHARDS)
             engine = _engine(stage, plan, topology)
@@ -107,11 +109,11 @@ def _remaining_batch_reference(plan: Plan) -> tuple[list[float], dict[str, torch
 def test_ranks_in_the_step_equal_the_reference_and_the_left_out_rank_issues_no_step_collective() -> None:
     results = spawn(parity_worker, 4, (), timeout_s=300)
     for stage in (1, 2, 3):
-        for name, plan in [("flat", LEFT_OUT), ("node", NODE_OUT), ("hier", SPANNING)]:
+        for name, plan in [("flat", LEFT_OUT), ("node", NODE_OUT), ("hier", SPANNING), ("once", ONCE)]:
             ref_losses, ref_state = _remaining_batch_reference(plan)
             for rank, res in enumerate(results):
                 losses, state, step_collectives, iteration, links = res[(stage, name)]
-                if name == "hier" and rank not in plan.left_out:  # the step's own nodes: 0, 1 | 3
+                if name in ("hier", "once") and rank not in plan.left_out:  # the step's own nodes: 0, 1 | 3
                     assert "cross-node" in links and ("intra-node" in links) == (rank < 2), (stage, rank, links)
                     assert (res[(stage, name, "secondary")] > 0) == (stage == 3), (stage, rank)
                 assert iteration == ITERATIONS, (stage, name, rank)

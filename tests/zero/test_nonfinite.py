@@ -18,7 +18,10 @@ from poplar.engine import PoplarEngine
 from poplar.types.precision import LossScaleConfig, MixedPrecision
 from poplar.zero.loss_scaler import LossScaler
 from poplar.zero.nonfinite import NonFiniteGuard, NonFinitePolicy, Verdict
-from tests.toy import global_batch, loss_fn, make_model, make_optimizer, plan_of, rank_slice, with_shards
+from poplar.types.plans import Plan
+from poplar.types.route import Collectives
+from poplar.types.topology import Topology
+from tests.toy import global_batch, loss_fn, make_model, make_optimizer, max_rel_err, plan_of, rank_slice, with_shards
 from tests.zero.test_stage3_common import tiny_lm
 from poplar.zero.config import ZeroConfig
 
@@ -63,10 +66,13 @@ def same(a: Any, b: Any) -> bool:
     return a == b
 
 
-def engine_for(stage: int, nonfinite: str = "skip", **kwargs: Any) -> PoplarEngine:
+def engine_for(stage: int, nonfinite: str = "skip", way: Collectives = Collectives.FLAT, **kwargs: Any) -> PoplarEngine:
+    """``way``: the plan's collectives; other than flat, over the two ranks as two nodes of one."""
     model = make_model() if stage < 3 else tiny_lm()
-    return PoplarEngine(model, make_optimizer(model, "sgd"), plan=PLAN,
-                        zero_stage=ZeroConfig(stage, bucket_size_mb=0.001, nonfinite=nonfinite), **kwargs)
+    topology = None if way is Collectives.FLAT else Topology.of_sizes([1, 1])
+    return PoplarEngine(model, make_optimizer(model, "sgd"), plan=Plan(PLAN.ranks, collectives=way),
+                        zero_stage=ZeroConfig(stage, bucket_size_mb=0.001, nonfinite=nonfinite, topology=topology),
+                        **kwargs)
 
 
 def train(engine: PoplarEngine, rank: int, iterations: int, loss: Any) -> tuple[list[float], list[bool]]:
@@ -110,11 +116,16 @@ def skip_runs(rank: int, world: int) -> dict:
     return out
 
 
+FP16_RUNS = [0, 1, 2, 3, (2, Collectives.ONCE_PER_ITERATION), (3, Collectives.ONCE_PER_ITERATION)]
+
+
 def fp16_runs(rank: int, world: int) -> dict:
     out = {}
-    for stage in (0, 1, 2, 3):
+    for run in FP16_RUNS:
+        stage, way = run if isinstance(run, tuple) else (run, Collectives.FLAT)
         config = LossScaleConfig(initial_scale=2.0 ** 10, growth_interval=3, hysteresis=1)
-        engine = engine_for(stage, mixed_precision=MixedPrecision(param_dtype=torch.float16, loss_scale=config))
+        engine = engine_for(stage, way=way,
+                            mixed_precision=MixedPrecision(param_dtype=torch.float16, loss_scale=config))
         scales = []
         injected = Injected(engine, 1, {2}, float("inf"))
         losses, unchanged = [], []
@@ -123,7 +134,8 @@ def fp16_runs(rank: int, world: int) -> dict:
             losses.append(engine.train_step(rank_slice(global_batch(it, 8), PLAN, rank), injected))
             unchanged.append(same(before, snapshot(engine)))
             scales.append(engine.loss_scale)
-        out[stage] = (losses, unchanged, scales, engine.skipped_steps, engine.loss_scaler.state_dict())
+        out[run] = (losses, unchanged, scales, engine.skipped_steps, engine.loss_scaler.state_dict(),
+                    engine.full_state_dict())
     for stage in (1, 3):  # gradients reduced in fp16: too large a scale overflows the reduction
         policy = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float16,
                                 loss_scale=LossScaleConfig(initial_scale=2.0 ** 20, hysteresis=1))
@@ -184,12 +196,17 @@ def test_raise_policy_raises_at_once(stage: int) -> None:
         assert unchanged
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("stage", FP16_RUNS, ids=str)
 @pytest.mark.multiprocess
-def test_fp16_overflow_skips_and_backs_off(stage: int) -> None:
+def test_fp16_overflow_skips_and_backs_off(stage: int | tuple[int, Collectives]) -> None:
+    """Also across nodes once per iteration (two nodes of one rank): the same skip, and the same
+    training as on flat collectives (the sums in another order)."""
     first = results()[0]["fp16"][stage]
     for rank, res in enumerate(results()):
-        losses, unchanged, scales, skipped, state = res["fp16"][stage]
+        losses, unchanged, scales, skipped, state, weights = res["fp16"][stage]
+        if isinstance(stage, tuple):
+            flat = res["fp16"][stage[0]]
+            assert losses == pytest.approx(flat[0], rel=1e-5, nan_ok=True) and max_rel_err(weights, flat[5]) <= 1e-5
         assert skipped == 1 and unchanged == [False, False, True] + [False] * 5, (rank, unchanged)
         # 2 good steps, overflow: halve; 3 good steps: grow; 2 more good steps
         assert scales == [1024, 1024, 512, 512, 512, 1024, 1024, 1024], scales

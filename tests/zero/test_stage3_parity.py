@@ -1,15 +1,21 @@
 """ZeRO-3 on 2 and 3 gloo ranks under uneven plans equals single-process full-batch training:
 tied weights, parameter sizes that divide by neither world size, blocks spanning two optimizer
 groups, nested blocks, SGD-momentum (with and without clipping) and AdamW, ranks with fewer
-micro-steps or none; plus evaluation under no_grad and the engine.backward()/step() loop."""
+micro-steps or none, on 3 ranks also across nodes once per iteration (nodes 2 + 1); plus
+evaluation under no_grad and the engine.backward()/step() loop."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
 from torch import nn
 
 from poplar.engine import PoplarEngine
+from poplar.types.plans import Plan
+from poplar.types.route import Collectives
+from poplar.types.topology import Topology
 from tests.zero.test_stage3_common import Block, one_thread, part_results, reference, tiny_lm
 from tests.toy import global_batch, loss_fn, make_model, make_optimizer, max_rel_err, plan_of, rank_slice
 from poplar.zero.config import ZeroConfig
@@ -32,21 +38,28 @@ MODELS = {
     "lm-nested": (tiny_lm, {Block, "Linear"}, CONFIGS[:1]),
 }
 PROBE = global_batch(99, 4)[:, :-1]
+# the collectives each model runs under, by world: flat; at 3 ranks, TinyLM also across nodes once
+# per iteration over nodes 2 + 1 (secondary shards kept the whole iteration, node accumulators)
+ONCE = (Collectives.ONCE_PER_ITERATION, Topology.of_sizes([2, 1]))
+
+
+def ways(world: int, mname: str) -> list[tuple[Collectives, Topology | None]]:
+    return [(Collectives.FLAT, None)] + ([ONCE] if world == 3 and mname == "lm-default" else [])
 
 
 def worker(rank: int, world: int) -> dict:
     out = {}
     for mname, (make, policy, configs) in MODELS.items():
-        for kind, max_norm in configs:
-            for pi, plan in enumerate(PLANS[world]):
-                model = make()
-                engine = PoplarEngine(model, make_optimizer(model, kind), zero_stage=ZeroConfig(3, wrap_policy=policy), plan=plan,
-                                      max_grad_norm=max_norm)
+        for (way, topology), (kind, max_norm) in itertools.product(ways(world, mname), configs):
+            for pi, rows in enumerate(PLANS[world]):
+                model, plan = make(), Plan(rows.ranks, collectives=way)
+                engine = PoplarEngine(model, make_optimizer(model, kind), plan=plan, max_grad_norm=max_norm,
+                                      zero_stage=ZeroConfig(3, wrap_policy=policy, topology=topology))
                 losses = [engine.train_step(rank_slice(global_batch(it, GBS), plan, rank), loss_fn)
                           for it in range(ITERATIONS)]
                 with torch.no_grad():
                     probe = engine.module(PROBE)
-                out[(mname, kind, max_norm, pi)] = (losses, engine.full_state_dict(), probe)
+                out[(mname, kind, max_norm, pi, way)] = (losses, engine.full_state_dict(), probe)
     # the engine.backward()/step() loop of one's own, on the plan with an idle rank / fewer micro-steps
     plan = PLANS[world][-1]
     model = tiny_lm()
@@ -79,10 +92,10 @@ def test_stage3_uneven_plans_match_single_process(world: int) -> None:
                 ref_losses, ref_state, ref_model = reference(make, kind, GBS, ITERATIONS, max_norm)
                 with torch.no_grad():
                     ref_probe = ref_model(PROBE)
-            for pi in range(len(PLANS[world])):
+            for (way, _), pi in itertools.product(ways(world, mname), range(len(PLANS[world]))):
                 for rank, res in enumerate(results):
-                    losses, state, probe = res[(mname, kind, max_norm, pi)]
-                    where = (mname, kind, max_norm, pi, rank)
+                    losses, state, probe = res[(mname, kind, max_norm, pi, way)]
+                    where = (mname, kind, max_norm, pi, way, rank)
                     assert max_rel_err(state, ref_state) <= 1e-5, where
                     assert losses == pytest.approx(ref_losses, rel=1e-5), where
                     assert float((probe - ref_probe).norm() / ref_probe.norm()) <= 1e-5, where

@@ -12,12 +12,11 @@ each owning its process groups, applying the compression policy), and each such 
 built by the route object in use and issued here, recorded with the link of each step. They take
 per-rank ``sizes`` for parts of different lengths (uneven shards, ``poplar.comm.uneven``).
 
-Built with a ``Topology`` that spans nodes, the communicator creates the node process groups once
-(``poplar.comm.hierarchical.NodeGroups``). A route that leaves ranks out of the training step
-(docs/design.md §3.12) gets the groups of the ranks in the step once per set of ranks; inside
-``step_collectives()`` the tensor collectives and object gathers run on the step's route object
-(``sizes`` are given over the world, as the shard layout has them; a rank left out holds a part of
-0 elements). Outside, every collective is over the world: the state collectives.
+Built with a ``Topology`` that spans nodes, it creates the node process groups once
+(``NodeGroups``), and those of the ranks in the step once per set of ranks a route keeps
+(docs/design.md §3.12). Inside ``step_collectives()`` the tensor collectives and object gathers run
+on the step's route object (``sizes`` given over the world, a rank left out holding 0 elements);
+outside, on the world's: the state collectives.
 
 A ``CollectiveObserver`` (``observed``) hears of every tensor collective when it is issued and
 when it is done on this rank, before the rank's blocked seconds are stopped, so what it does
@@ -29,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
-from typing import Any, Callable, ContextManager, Iterator, Sequence
+from typing import Any, ContextManager, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -37,10 +36,9 @@ import torch.distributed as dist
 from poplar.comm import routes
 from poplar.comm.hierarchical import HierarchicalCall, NodeGroups
 from poplar.comm.ledger import BlockedTimer, CommLedger
-from poplar.comm.pending import CollectiveObserver, PendingChain, PendingCollective
+from poplar.comm.pending import CollectiveObserver, PendingChain, PendingCollective, guarded
 from poplar.comm.routes import Call, CollectiveRoute, Members, Routes
 from poplar.comm.uneven import UnevenCall
-from poplar.process.sigterm_watch import BLOCKED
 from poplar.types.compression import Quantization
 from poplar.types.errors import DistributedError
 from poplar.types.route import Route
@@ -70,7 +68,7 @@ class Communicator:
         self.observer: CollectiveObserver | None = None  # hears of tensor collectives while set (``observed``)
         self.node_groups: NodeGroups | None = None  # a topology that spans nodes: its process groups
         self._chains: deque[PendingChain] = deque()  # hierarchical collectives not issued to their last step
-        self._step_members: dict[tuple[int, ...], tuple[Members | None, NodeGroups | None, Topology]] = {}
+        self._step_groups = routes.StepGroups()  # the groups of each set of step ranks, made once
         self._built: dict[Route, Routes] = {}  # each route's objects, built once (``configure``)
         self._stepping = False  # inside step_collectives()
         self.routes: Routes = self._build(Route())  # flat over the world until its nodes are known
@@ -84,6 +82,11 @@ class Communicator:
             NodeGroups.check_agreed(self.all_gather_object(topology.nodes, tag="topology"))
             self.node_groups = NodeGroups.create(topology)
         self.configure(Route())
+
+    @property
+    def distributed(self) -> bool:
+        """Whether a process group is initialised (else a world of one, where nothing leaves this process)."""
+        return dist.is_available() and dist.is_initialized()
 
     @property
     def topology(self) -> Topology:
@@ -109,15 +112,7 @@ class Communicator:
         world = routes.build(route.collectives, self._members, self.topology, self.node_groups)
         if len(ranks) == self.world_size:
             return Routes(route, world, world)
-        if ranks not in self._step_members:
-            group = dist.new_group(list(ranks))
-            # the step's own node groups, where its ranks span nodes (every rank creates them)
-            sizes = [n for n in (sum(1 for r in node if r in ranks) for node in self.topology.nodes) if n]
-            topology = Topology.of_sizes(sizes) if len(sizes) > 1 else Topology.single(len(ranks))
-            groups = NodeGroups.create(topology, ranks) if len(sizes) > 1 else None
-            members = Members.of_group(group, Link.FLAT) if self.rank in ranks else None
-            self._step_members[ranks] = (members, groups, topology)
-        members, groups, topology = self._step_members[ranks]
+        members, groups, topology = self._step_groups.of(ranks, self.rank, self.topology)
         step = None if members is None else routes.build(route.collectives, members, topology, groups)
         return Routes(route, world, step)
 
@@ -148,9 +143,6 @@ class Communicator:
     def _route(self) -> CollectiveRoute:
         """The route object the next collective runs on: the step's inside ``step_collectives``."""
         return self.routes.current(self._stepping, self.rank)
-
-    def _parts(self, route: CollectiveRoute, sizes: Sequence[int] | None) -> Sequence[int] | None:
-        return self.routes.parts(route, sizes)
 
     @contextlib.contextmanager
     def observed(self, observer: CollectiveObserver | None) -> Iterator["Communicator"]:
@@ -185,9 +177,11 @@ class Communicator:
         blocked time on a GPU, in ``comm.ledger``)."""
         return BlockedTimer(self.device, issue_only)
 
-    def _issue(self, op: str, wire: Wire, call: Call, async_op: bool, tag: str) -> PendingCollective | PendingChain | None:
+    def _issue(self, op: str, route: CollectiveRoute, call: Call, async_op: bool,
+               tag: str) -> PendingCollective | PendingChain | None:
+        """``call``, built by the route object ``route``, issued: a chain of steps, or one call on its wire."""
         return self._run_chain(op, call, async_op, tag) if isinstance(call, HierarchicalCall) \
-            else self._run(op, wire, call, async_op, tag)
+            else self._run(op, route.wire, call, async_op, tag)
 
     def _run_chain(self, op: str, call: HierarchicalCall, async_op: bool, tag: str) -> PendingChain | None:
         chain = PendingChain(self, op, call, tag)
@@ -208,7 +202,7 @@ class Communicator:
         observer = self.observer if call.run is not None else None
         ticket = observer.issued(op, call.wire_bytes, wire) if observer is not None else None
         run = call.run
-        work = self.guard(op, tag, lambda: run(async_op)) if run is not None else None
+        work = guarded(self.rank, op, tag, lambda: run(async_op)) if run is not None else None
         if async_op:
             return PendingCollective(self, work, op, call.wire_bytes, timer.stop(), tag, observer, ticket, call.finish,
                                      wire.link)
@@ -219,41 +213,18 @@ class Communicator:
         self.ledger.add(op, call.wire_bytes, timer.stop(), tag, wire.link)
         return None
 
-    def guard(self, op: str, tag: str, fn: Any) -> Any:
-        """Run a collective; a peer that died or timed out becomes a clear error on this rank.
-        While it runs, ``BLOCKED`` says so (``poplar.process.sigterm_watch``)."""
-        BLOCKED.enter(f"{op} ({tag or 'untagged'})")
-        try:
-            return fn()
-        except (RuntimeError, dist.DistBackendError) as e:
-            if isinstance(e, DistributedError):
-                raise
-            raise DistributedError(
-                f"rank {self.rank}: collective {op} ({tag or 'untagged'}) failed — another rank probably died, "
-                f"raised outside a collective, or timed out ({type(e).__name__}: {str(e).splitlines()[0][:300]})"
-            ) from e
-        finally:
-            BLOCKED.leave()
-
     # -- the collectives --
     def all_reduce(self, tensor: torch.Tensor, tag: str = "", async_op: bool = False) -> PendingCollective | None:
         """Sum ``tensor`` over ranks, in place."""
         route = self._route()
-        group = route.members.group
-        run: Callable[[bool], Any] | None = None if route.alone else \
-            (lambda a: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=a))
-        return self._run("all_reduce", route.wire, UnevenCall(run, None, tensor.numel() * tensor.element_size()),
-                         async_op, tag)
+        return self._issue("all_reduce", route, route.all_reduce(tensor), async_op, tag)  # type: ignore[return-value]
 
     def all_reduce_gradients(self, tensor: torch.Tensor, tag: str = "",
                              async_op: bool = False) -> PendingCollective | PendingChain | None:
         """ZeRO-0's gradient sum over ranks, in place: hierarchical where the route crosses nodes
         once per iteration (``routes.OncePerIterationRoute``), else ``all_reduce``."""
         route = self._route()
-        call = route.all_reduce_gradients(tensor)
-        if call is None:
-            return self.all_reduce(tensor, tag=tag, async_op=async_op)
-        return self._run_chain("all_reduce", call, async_op, tag)
+        return self._issue("all_reduce", route, route.all_reduce_gradients(tensor), async_op, tag)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, tag: str = "",
                        async_op: bool = False, sizes: Sequence[int] | None = None,
@@ -262,8 +233,8 @@ class Communicator:
         order) gets this rank's part of the sum of ``input`` over ranks. ``quantization``: send
         what it quantizes block-quantized (``poplar.comm.quantized``; None: exact)."""
         route = self._route()
-        call = route.reduce_scatter(output, input, self._parts(route, sizes), quantization)
-        return self._issue("reduce_scatter", route.wire, call, async_op, tag)
+        call = route.reduce_scatter(output, input, self.routes.parts(route, sizes), quantization)
+        return self._issue("reduce_scatter", route, call, async_op, tag)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, tag: str = "",
                    async_op: bool = False, sizes: Sequence[int] | None = None,
@@ -272,8 +243,8 @@ class Communicator:
         every rank's ``input``, in rank order. ``quantization``: send what it quantizes
         block-quantized (``poplar.comm.quantized``; None: exact)."""
         route = self._route()
-        call = route.all_gather(output, input, self._parts(route, sizes), quantization)
-        return self._issue("all_gather", route.wire, call, async_op, tag)
+        call = route.all_gather(output, input, self.routes.parts(route, sizes), quantization)
+        return self._issue("all_gather", route, call, async_op, tag)
 
     # -- node-local secondary shards (ZeRO-3, ``routes.SecondaryShardsRoute``) --
     def secondary_numel(self, sizes: Sequence[int] | None, part_numel: int, element_size: int) -> int:
@@ -281,7 +252,7 @@ class Communicator:
         (None: every part ``part_numel`` long) of ``element_size`` bytes; 0 where the route keeps
         none (and on a rank left out)."""
         step = self.routes.step
-        return 0 if step is None else step.secondary_numel(self._parts(step, sizes), part_numel, element_size)
+        return 0 if step is None else step.secondary_numel(self.routes.parts(step, sizes), part_numel, element_size)
 
     def staging_bytes(self, op: str, sizes: Sequence[int] | None, part_numel: int, element_size: int,
                       quantization: Quantization | None = None) -> int:
@@ -289,7 +260,7 @@ class Communicator:
         ``sizes`` (None: every part ``part_numel`` long) allocates on this rank while it runs; 0
         when flat and exact."""
         route = self._route()
-        return route.staging_bytes(op, self._parts(route, sizes), part_numel, element_size, quantization)
+        return route.staging_bytes(op, self.routes.parts(route, sizes), part_numel, element_size, quantization)
 
     def all_gather_keeping(self, output: torch.Tensor, input: torch.Tensor, secondary: torch.Tensor, tag: str = "",
                            async_op: bool = False, sizes: Sequence[int] | None = None,
@@ -297,7 +268,7 @@ class Communicator:
         """``all_gather``, keeping this rank's secondary shard in ``secondary`` (``secondary_numel``
         long) once it is done."""
         route = self._route()
-        call = route.all_gather_keeping(output, input, secondary, self._parts(route, sizes), quantization)
+        call = route.all_gather_keeping(output, input, secondary, self.routes.parts(route, sizes), quantization)
         return self._run_chain("all_gather", call, async_op, tag)
 
     def all_gather_within_nodes(self, output: torch.Tensor, input: torch.Tensor, secondary: torch.Tensor,
@@ -306,7 +277,7 @@ class Communicator:
         """The all-gather of ``all_gather_keeping`` again, of the same values, from this rank's part
         and the ``secondary`` shard it kept: inside each node only."""
         route = self._route()
-        call = route.all_gather_within_nodes(output, input, secondary, self._parts(route, sizes), quantization)
+        call = route.all_gather_within_nodes(output, input, secondary, self.routes.parts(route, sizes), quantization)
         return self._run_chain("all_gather", call, async_op, tag)
 
     # -- node accumulators: across nodes once per iteration (``routes.OncePerIterationRoute``) --
@@ -314,14 +285,14 @@ class Communicator:
         """The length of this rank's node accumulator of the step's reduce-scatters of parts
         ``sizes`` (None: every part ``part_numel`` long); 0 where the route keeps none."""
         step = self.routes.step
-        return 0 if step is None else step.accumulator_numel(self._parts(step, sizes), part_numel)
+        return 0 if step is None else step.accumulator_numel(self.routes.parts(step, sizes), part_numel)
 
     def reduce_scatter_in_node(self, partials: torch.Tensor, input: torch.Tensor, tag: str = "",
                                async_op: bool = False, sizes: Sequence[int] | None = None) -> PendingChain | None:
         """A reduce-scatter's in-node step alone: ``partials`` (``accumulator_numel`` long) gets
         this rank's node partial sums of ``input``; nothing crosses a node."""
         route = self._route()
-        call = route.reduce_scatter_in_node(partials, input, self._parts(route, sizes))
+        call = route.reduce_scatter_in_node(partials, input, self.routes.parts(route, sizes))
         return self._run_chain("reduce_scatter", call, async_op, tag)
 
     def exchange_accumulated(self, output: torch.Tensor, acc: torch.Tensor, tag: str = "",
@@ -329,7 +300,7 @@ class Communicator:
         """The exchange of the node partials accumulated in ``acc``: ``output`` (this rank's part)
         has the sum over every rank added to it; ``acc`` is zero once it is done."""
         route = self._route()
-        call = route.exchange_accumulated(output, acc, self._parts(route, sizes))
+        call = route.exchange_accumulated(output, acc, self.routes.parts(route, sizes))
         return self._run_chain("reduce_scatter", call, async_op, tag)
 
     @property
@@ -347,7 +318,8 @@ class Communicator:
         if not route.alone:
             self.settle()
             timer = self.start_timer()
-            self.guard("all_gather_object", tag, lambda: dist.all_gather_object(values, obj, group=route.members.group))
+            guarded(self.rank, "all_gather_object", tag,
+                    lambda: dist.all_gather_object(values, obj, group=route.members.group))
             self.ledger.add("all_gather_object", 0, timer.stop(), tag)
         if route is self.routes.world:
             return values

@@ -23,9 +23,30 @@ from __future__ import annotations
 
 from typing import Any, Callable, Protocol
 
+import torch.distributed as dist
+
 from poplar.comm.hierarchical import HierarchicalCall, Step
 from poplar.comm.ledger import Blocked, BlockedTimer, CommLedger
+from poplar.process.sigterm_watch import BLOCKED
+from poplar.types.errors import DistributedError
 from poplar.types.topology import Link, Wire
+
+
+def guarded(rank: int, op: str, tag: str, fn: Callable[[], Any]) -> Any:
+    """Run ``fn``, a collective's issue or wait on ``rank``; a peer that died or timed out becomes a
+    clear error on this rank. While it runs, ``BLOCKED`` says so (``poplar.process.sigterm_watch``)."""
+    BLOCKED.enter(f"{op} ({tag or 'untagged'})")
+    try:
+        return fn()
+    except (RuntimeError, dist.DistBackendError) as e:
+        if isinstance(e, DistributedError):
+            raise
+        raise DistributedError(
+            f"rank {rank}: collective {op} ({tag or 'untagged'}) failed — another rank probably died, "
+            f"raised outside a collective, or timed out ({type(e).__name__}: {str(e).splitlines()[0][:300]})"
+        ) from e
+    finally:
+        BLOCKED.leave()
 
 
 class CollectiveObserver(Protocol):
@@ -58,8 +79,7 @@ class Issuer(Protocol):
     def start_timer(self, issue_only: bool = False) -> BlockedTimer:
         ...
 
-    def guard(self, op: str, tag: str, fn: Any) -> Any:
-        ...
+    rank: int
 
 
 class PendingCollective:
@@ -78,7 +98,7 @@ class PendingCollective:
     def wait(self) -> None:
         timer = self.comm.start_timer()
         if self.work is not None:
-            self.comm.guard(self.op, self.tag, self.work.wait)
+            guarded(self.comm.rank, self.op, self.tag, self.work.wait)
         if self.finish is not None:
             self.finish()
             self.finish = None
@@ -111,7 +131,7 @@ class PendingChain:
         timer = self.comm.start_timer(issue_only=True)
         observer = self.comm.observer if step.wire is not None else None
         ticket = observer.issued(step.op, step.observed_bytes, step.wire) if observer is not None else None
-        work = self.comm.guard(self.op, self.tag, lambda: step.run(True))
+        work = guarded(self.comm.rank, self.op, self.tag, lambda: step.run(True))
         self.current = (step, work, observer, ticket, timer.stop())
 
     def complete_current(self) -> None:
@@ -120,7 +140,7 @@ class PendingChain:
         (step, work, observer, ticket, issue), self.current = self.current, None
         timer = self.comm.start_timer()
         if work is not None:
-            self.comm.guard(self.op, self.tag, work.wait)
+            guarded(self.comm.rank, self.op, self.tag, work.wait)
         if step.finish is not None:
             step.finish()
         if observer is not None:

@@ -176,10 +176,17 @@ class CollectiveRoute:
         """The all-gather of ``all_gather_keeping`` again, from the ``secondary`` shard it kept."""
         return self.all_gather_keeping(output, input, secondary, sizes, quantization)
 
-    def all_reduce_gradients(self, tensor: torch.Tensor) -> HierarchicalCall | None:
-        """ZeRO-0's gradient all-reduce of ``tensor`` as a chain of steps, or None: the flat
-        all-reduce (``Communicator.all_reduce``), as every other way runs it."""
-        return None
+    def all_reduce(self, tensor: torch.Tensor) -> UnevenCall:
+        """The sum of ``tensor`` over the members, in place: one all-reduce on their group (nothing
+        to issue for one rank alone)."""
+        group = self.members.group
+        run = None if self.alone else (lambda a: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=a))
+        return UnevenCall(run, None, tensor.numel() * tensor.element_size())
+
+    def all_reduce_gradients(self, tensor: torch.Tensor) -> Call:
+        """ZeRO-0's gradient all-reduce of ``tensor``: the flat ``all_reduce`` on every way but
+        the one that crosses nodes once per iteration."""
+        return self.all_reduce(tensor)
 
     def accumulates(self, quantization: Quantization | None) -> bool:
         """Whether gradient reduce-scatters given ``quantization`` run in two halves here: inside
@@ -330,7 +337,7 @@ class OncePerIterationRoute(SecondaryShardsRoute):
 
     secondary_for_iteration = True
 
-    def all_reduce_gradients(self, tensor: torch.Tensor) -> HierarchicalCall | None:
+    def all_reduce_gradients(self, tensor: torch.Tensor) -> Call:
         """ZeRO-0: the all-reduce crosses nodes once, hierarchically (``hierarchical.all_reduce``)."""
         return hierarchical.all_reduce(tensor, self.members.rank, self.groups, self.method("reduce_scatter"),
                                        self.method("all_gather"))
@@ -410,6 +417,28 @@ def build(collectives: Collectives, members: Members, topology: Topology,
         flat = UnevenRoute if uneven.even_method(members.backend, "all_gather") is not None else FlatRoute
         return flat(members, topology)
     return WAYS[collectives](members, groups)
+
+
+class StepGroups:
+    """The process groups of each set of ranks a plan keeps in its step, made the first time that
+    set is asked for and kept: ``new_group`` is collective over the world, so every rank makes
+    them together, in one order (docs/design.md §3.10.1)."""
+
+    def __init__(self) -> None:
+        self._made: dict[tuple[int, ...], tuple[Members | None, NodeGroups | None, Topology]] = {}
+
+    def of(self, ranks: tuple[int, ...], rank: int, topology: Topology) -> tuple[Members | None, NodeGroups | None,
+                                                                                  Topology]:
+        """The step's members on this ``rank`` (None where it is left out), its node groups where
+        its ranks span nodes of ``topology``, and its own topology."""
+        if ranks not in self._made:
+            group = dist.new_group(list(ranks))
+            sizes = [n for n in (sum(1 for r in node if r in ranks) for node in topology.nodes) if n]
+            step_topology = Topology.of_sizes(sizes) if len(sizes) > 1 else Topology.single(len(ranks))
+            groups = NodeGroups.create(step_topology, ranks) if len(sizes) > 1 else None
+            members = Members.of_group(group, Link.FLAT) if rank in ranks else None
+            self._made[ranks] = (members, groups, step_topology)
+        return self._made[ranks]
 
 
 class Routes(NamedTuple):

@@ -37,6 +37,7 @@ import pytest
 
 from poplar.types.plans import Plan
 from poplar.types.profiles import Profile
+from poplar.types.route import Collectives
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = ["README.md"] + sorted(f"docs/{p.name}" for p in (REPO / "docs").glob("*.md"))
@@ -276,7 +277,7 @@ def test_poplar_plan_writes_the_plan_of_the_profile_the_run_measured(page_runs: 
 def test_hpz_runs_on_secondary_shards(page_runs: Callable[[str], PageRun]) -> None:
     """The configuration page's `zero_hpz_partition_size` example trains with secondary shards."""
     plan = Plan.load(page_runs("docs/configuration.md").directory / "runs/hpz/plan.json")
-    assert plan.strategy == "even" and plan.hierarchical and plan.secondary_shards
+    assert plan.strategy == "even" and plan.collectives is Collectives.SECONDARY_SHARDS
 
 
 @needs_torchrun

@@ -206,7 +206,7 @@ def test_once_per_iteration_is_priced_per_call_as_at_one_micro_step_and_chosen_o
         assert even.call_s(op, 8e9, once, backward_gather=backward) == \
             even.call_s(op, 8e9, sec, backward_gather=backward)
     auto = plan(profile(two_nodes()), 1000, 3)
-    assert once.value not in {r["collectives"] for r in auto.choice.collective_candidates}
+    assert once.value not in {r.collectives for r in auto.choice.collective_candidates}
     asked = plan(profile(two_nodes()), 1000, 3, collectives="once_per_iteration")
     assert asked.collectives is once and Plan.from_dict(json.loads(json.dumps(asked.to_dict()))).collectives is once
     assert plan(profile(two_nodes(), stage=2), 256, 2, collectives="once_per_iteration").collectives is once

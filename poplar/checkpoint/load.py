@@ -19,6 +19,7 @@ from poplar.checkpoint.errors import CheckpointError, Damaged, DamagedCheckpoint
 from poplar.checkpoint.kept import resolve
 from poplar.checkpoint.cut import param_shapes
 from poplar.checkpoint.layout import DCP_METADATA_FILE, INDEX_FILE, check_files, is_dcp_index, parse_index, ties
+from poplar.comm.pending import guarded
 from poplar.checkpoint.reshard import CheckpointFiles, assemble_optimizer
 from poplar.checkpoint.save import quiet_dcp
 from poplar.checkpoint.sharded_load import Targets, check_against, check_hashes, read_metadata
@@ -192,9 +193,11 @@ def load_sharded(engine: Any, directory: Path, index: dict | None, verify_hashes
         targets = Targets(engine, md, what)
     error = None
     try:
-        with quiet_dcp():
-            dcp.load(targets.state_dict(), storage_reader=dcp.FileSystemReader(str(directory)),
-                     process_group=comm.group if comm.distributed else None, no_dist=not comm.distributed)
+        group, no_dist = (comm.group, False) if comm.distributed else (None, True)  # None: the default group
+        with quiet_dcp():  # DCP's collectives marked blocked, as in the save (checkpoint.save.write_shards)
+            guarded(comm.rank, "checkpoint read", what,
+                    lambda: dcp.load(targets.state_dict(), storage_reader=dcp.FileSystemReader(str(directory)),
+                                     process_group=group, no_dist=no_dist))
         targets.set_model()
         engine.optimizer.load_state_dict(targets.optimizer_state())
     except Exception as e:  # noqa: BLE001

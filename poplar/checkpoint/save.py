@@ -24,6 +24,7 @@ from poplar.checkpoint.layout import DCP_METADATA_FILE, FORMAT, INDEX_FILE, dcp_
 from poplar.checkpoint.snapshot import Snapshot, take_snapshot
 from poplar.checkpoint.storage import (check_replaceable, file_facts, publish, remove_replaced,
                                        remove_stale_temporaries, temporary_prefix, write_json)
+from poplar.comm.pending import guarded
 
 
 def save_checkpoint(engine: Any, directory: str | os.PathLike, *, extra: dict | None = None,
@@ -112,9 +113,11 @@ def write_shards(comm: Any, snap: Snapshot, tmp_dir: Path, what: str) -> None:
     error = None
     try:
         writer = dcp.FileSystemWriter(str(tmp_dir), thread_count=1, single_file_per_rank=snap.on_host)
-        with quiet_dcp():
-            dcp.save(snap.state, storage_writer=writer, process_group=comm.group if comm.distributed else None,
-                     no_dist=not comm.distributed)
+        group, no_dist = (comm.group, False) if comm.distributed else (None, True)  # None: the default group
+        with quiet_dcp():  # DCP's collectives are marked blocked, as the communicator's are: a rank
+            # waiting in one for a peer that died still answers torchrun's SIGTERM (process.sigterm_watch)
+            guarded(comm.rank, "checkpoint write", what,
+                    lambda: dcp.save(snap.state, storage_writer=writer, process_group=group, no_dist=no_dist))
     except Exception as e:  # noqa: BLE001 - DCP raises on every rank; agreed again for one message
         error = f"{type(e).__name__}: {e}"
     comm.agree(error, what, None, error_type=CheckpointError)

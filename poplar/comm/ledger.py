@@ -148,9 +148,9 @@ class CommLedger:
                 seconds += start.elapsed_time(end) / 1e3
             self._count(record, seconds)
 
-    def _count(self, record: CommRecord, seconds: float) -> None:
+    def _count(self, record: CommRecord, seconds: float, counted_s: float = 0.0) -> None:
         record.seconds += seconds
-        self._total_seconds += seconds
+        self._total_seconds += seconds - counted_s
         if record.iteration in self._per_iteration:
             self._per_iteration[record.iteration] += seconds
 
@@ -196,9 +196,19 @@ class CommLedger:
         """The runtime begins ``iteration``: collectives from now on carry its number."""
         self._position = LedgerPosition(self._position.phase, 0, iteration)
 
-    def add(self, op: str, nbytes: int, seconds: float | Blocked, tag: str = "", link: Link = Link.FLAT) -> None:
+    def count_issue(self, seconds: float) -> None:
+        """An async collective's issue took ``seconds`` of the host: counted in ``total_seconds``
+        now, when they are spent. Its record comes at its wait, perhaps in a later micro-step or
+        in the step, and a window's blocked seconds (``total_seconds`` read at its start and end,
+        as compute is measured) must be those spent inside it; the record then passes the same
+        seconds as ``counted_s`` so they count once."""
+        self._total_seconds += seconds
+
+    def add(self, op: str, nbytes: int, seconds: float | Blocked, tag: str = "", link: Link = Link.FLAT,
+            counted_s: float = 0.0) -> None:
         """Record a collective at the current position; ``seconds`` blocked, or a ``Blocked``
-        whose device spans are read later (Note: blocked time on a GPU)."""
+        whose device spans are read later (Note: blocked time on a GPU). ``counted_s`` of them
+        are already in ``total_seconds`` (``count_issue``)."""
         p = self._position
         blocked = seconds if isinstance(seconds, Blocked) else Blocked(seconds)
         if p.iteration not in self._per_iteration:
@@ -207,7 +217,7 @@ class CommLedger:
                 self._per_iteration.popitem(last=False)
         record = CommRecord(op, nbytes, p.phase.value, p.iteration, p.micro_step, 0.0, tag,
                             time.time() - blocked.host_s, link)
-        self._count(record, blocked.host_s)
+        self._count(record, blocked.host_s, counted_s)
         self._records.append(record)
         if blocked.spans:
             self._unread.append((record, blocked.spans))

@@ -94,6 +94,7 @@ class PendingCollective:
         self.observer, self.ticket = observer, ticket  # who heard it issued, and its ticket there
         self.finish = finish  # what completes it once torch's work is done (an uneven call's copy-out)
         self.position = comm.ledger.position
+        comm.ledger.count_issue(issue.host_s)
 
     def wait(self) -> None:
         timer = self.comm.start_timer()
@@ -107,7 +108,7 @@ class PendingCollective:
             self.observer = None
         blocked = self.issue.plus(timer.stop())
         with self.comm.ledger.at(self.position):
-            self.comm.ledger.add(self.op, self.nbytes, blocked, self.tag, self.link)
+            self.comm.ledger.add(self.op, self.nbytes, blocked, self.tag, self.link, counted_s=self.issue.host_s)
 
 
 class PendingChain:
@@ -132,7 +133,10 @@ class PendingChain:
         observer = self.comm.observer if step.wire is not None else None
         ticket = observer.issued(step.op, step.observed_bytes, step.wire) if observer is not None else None
         work = guarded(self.comm.rank, self.op, self.tag, lambda: step.run(True))
-        self.current = (step, work, observer, ticket, timer.stop())
+        issue = timer.stop()
+        if step.wire is not None:  # a step with no wire is not recorded: its seconds stay compute
+            self.comm.ledger.count_issue(issue.host_s)
+        self.current = (step, work, observer, ticket, issue)
 
     def complete_current(self) -> None:
         if self.current is None:
@@ -148,7 +152,7 @@ class PendingChain:
         blocked = issue.plus(timer.stop())
         if step.wire is not None:
             with self.comm.ledger.at(self.position):
-                self.comm.ledger.add(self.op, step.sent_bytes, blocked, self.tag, step.link)
+                self.comm.ledger.add(self.op, step.sent_bytes, blocked, self.tag, step.link, counted_s=issue.host_s)
 
     def issue_rest(self) -> None:
         """Complete each step and issue the next, until the last is issued."""

@@ -1,11 +1,14 @@
 """The ledger's device spans (``poplar.comm.ledger``, Note: blocked time on a GPU), with stand-ins
 for CUDA events: a span is read only when the ledger is read, then counted once in its record,
-its iteration and the total; unread spans are bounded. The CUDA events themselves:
+its iteration and the total; unread spans are bounded; an async collective's issue counts when it is spent. The CUDA events themselves:
 ``tests/comm/test_cuda_blocked.py``."""
 
 from __future__ import annotations
 
-from poplar.comm.ledger import Blocked, CommLedger
+import torch
+
+from poplar.comm.ledger import Blocked, BlockedTimer, CommLedger
+from poplar.comm.pending import PendingCollective
 
 
 class Event:
@@ -49,3 +52,33 @@ def test_unread_spans_are_bounded() -> None:
         ledger.add("all_gather", 1, Blocked(0.0, ((Event(0.0), end),)))
     assert [e.waits for e in ends] == [1, 1, 1, 1, 0]  # the fourth add read the four
     assert abs(ledger.total_seconds - 0.005) < 1e-12
+
+
+class _Issuer:
+    """What ``PendingCollective`` uses of a communicator: a ledger and a host timer."""
+
+    def __init__(self) -> None:
+        self.ledger, self.observer, self.rank = CommLedger(), None, 0
+
+    def settle(self, upto: object = None) -> None:
+        pass
+
+    def start_timer(self, issue_only: bool = False) -> BlockedTimer:
+        return BlockedTimer(torch.device("cpu"), issue_only)
+
+
+def test_an_async_collectives_issue_counts_in_the_window_it_was_spent_and_once() -> None:
+    # the runtime measures a micro-step's compute as its wall minus the growth of total_seconds:
+    # an async collective issued in the micro-step and waited for in the step must take its issue
+    # seconds out of that micro-step, not add them to the step's (they were counted twice)
+    comm = _Issuer()
+    before = comm.ledger.total_seconds
+    pending = PendingCollective(comm, None, "all_reduce", 64, Blocked(0.004), "bucket")
+    assert abs(comm.ledger.total_seconds - before - 0.004) < 1e-12  # the micro-step's window
+    in_step = comm.ledger.total_seconds
+    pending.wait()
+    waited = comm.ledger.total_seconds - in_step  # the step's window: the wait alone
+    assert 0.0 <= waited < 0.004
+    (record,) = comm.ledger.records
+    assert abs(record.seconds - (0.004 + waited)) < 1e-12
+    assert abs(comm.ledger.total_seconds - record.seconds) < 1e-12

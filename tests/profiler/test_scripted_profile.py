@@ -40,7 +40,9 @@ def profile(device: ScriptedDevice, clock: ScriptedClock, **options: object) -> 
 def assert_points_follow(script: Script, points: list) -> None:
     for p in points:
         assert script.seconds(p.batch) <= p.compute_s <= script.seconds(p.batch) + NOISE_S, (script, p)
-        assert p.comm_s == 0.0  # ZeRO-0: no collective inside a micro-step
+        # ZeRO-0: nothing blocks inside a micro-step; the closing all-reduce is issued in the
+        # last backward (async), and only its issue is timed there
+        assert 0.0 <= p.comm_s < 0.01
 
 
 def test_one_rank_profile_measures_the_script() -> None:

@@ -1,17 +1,18 @@
-"""Choosing how a plan's collectives cross nodes: flat, hierarchical, or hierarchical with
-node-local secondary shards at ZeRO-3, by predicted iteration time (docs/design.md §5.2).
+"""Choosing how a plan's collectives cross nodes: flat, hierarchical, hierarchical with
+node-local secondary shards at ZeRO-3, or across nodes once per iteration, by predicted iteration
+time (docs/design.md §3.10).
 
 A job on one node has one way, flat, and its plans are those of a planner without this choice.
 On a job that spans nodes every way that applies to the stage is planned in full (batches,
 shards, placements), each priced by the cost model on the links its collectives cross
-(``link_pricing``), and the fastest is kept; secondary shards are planned on the micro-batches
-their memory leaves (``with_secondary_shards``).
+(``link_pricing``), and the fastest is kept; a way that holds memory (secondary shards, the node
+accumulator) is planned on the micro-batches that memory leaves (``profile_as``).
 
 [Note: flat first within the tie]
 The profile's exposure was measured with the collectives as they ran then (flat, today); another
 way is priced by scaling it (``CommModel.priced_as``), which is an estimate the measurement did
 not see. Within the plan's tie (``Plan.choice.plan_tie``) the order flat, hierarchical, secondary
-shards wins: the better-known prediction, then the way that holds less memory.
+shards, once per iteration wins: the better-known prediction, then the way that holds less memory.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Callable, Sequence
 
 from poplar.planner.fastest import Candidate
 from poplar.planner.fastest import fastest as choose
-from poplar.planner.link_pricing import secondary_shard_bytes
+from poplar.planner.link_pricing import held_bytes
 from poplar.planner.shard_memory import activation_bytes
 from poplar.planner.shards import with_mbs
 from poplar.types.plan_choice import CollectivesRow
@@ -30,9 +31,8 @@ from poplar.types.plans import Plan, PlanError
 from poplar.types.profiles import Profile
 from poplar.types.route import Collectives
 
-# the enum's order: simpler ways first within the tie; a way the planner does not choose yet
-# (``Collectives.chosen_by_planner``) is planned only when asked for by name
-ORDER = tuple(c for c in Collectives if c.chosen_by_planner)
+# the enum's order: simpler ways first within the tie
+ORDER = tuple(Collectives)
 
 
 def collectives_setting(value: str | Collectives) -> Collectives | None:
@@ -63,36 +63,31 @@ def compute_itemsize(profile: Profile) -> int:
     return 2 if profile.precision in ("bf16", "fp16") else 4
 
 
-def with_secondary_shards(profile: Profile) -> Profile | None:
-    """The profile as secondary shards would leave it: every rank's largest micro-batch less the
-    samples its part of the node's secondary shard displaces (``secondary_shard_bytes``, over the
-    bytes of a sample). None where the profile cannot say (no bytes per sample, or no topology)
-    or a rank would fit no sample. A profile measured with secondary shards already holds them."""
+def profile_as(profile: Profile, way: Collectives, stage: int) -> Profile:
+    """The profile a plan at ``stage`` with its collectives run ``way`` is planned on: every
+    rank's largest micro-batch less the samples what the way holds displaces (``held_bytes``,
+    over the bytes of a sample). A profile measured with that way already holds it. A
+    ``PlanError`` where the profile cannot say (no bytes per sample) or a rank would fit no sample."""
     topology = profile.comm.links.topology
-    if topology is None or profile.comm.collectives.secondary_shards:
-        return profile if profile.comm.collectives.secondary_shards else None
-    if not all(r.bytes_per_sample for r in profile.ranks):
-        return None
-    per_sample = activation_bytes(profile)
     itemsize = compute_itemsize(profile)
-    mbs = []
-    for r in sorted(profile.ranks, key=lambda r: r.rank):
-        extra = secondary_shard_bytes(profile.param_count, itemsize, len(topology.nodes[topology.node_of(r.rank)]))
-        mbs.append(r.mbs - math.ceil(extra / per_sample - 1e-9))
+    if topology is None or profile.comm.collectives is way:
+        return profile
+    held = [held_bytes(way, stage, profile.param_count, itemsize, len(topology.nodes[topology.node_of(r.rank)]))
+            for r in sorted(profile.ranks, key=lambda r: r.rank)]
+    if not any(held):
+        return profile
+    if not all(r.bytes_per_sample for r in profile.ranks):
+        raise PlanError(f"collectives={way.value!r} hold memory on every rank and the profile does not say what a "
+                        "sample's activations cost (bytes_per_sample); profile again, or plan with flat or "
+                        "hierarchical collectives")
+    per_sample = activation_bytes(profile)
+    mbs = [r.mbs - math.ceil(extra / per_sample - 1e-9)
+           for r, extra in zip(sorted(profile.ranks, key=lambda r: r.rank), held)]
+    if min(mbs) < 1:
+        raise PlanError(f"collectives={way.value!r} leave some rank no room for a sample (they hold "
+                        f"{max(held) / 2**20:.0f} MiB per rank); plan with flat or hierarchical collectives")
     weights = profile.shard_weights or [1.0] * profile.world_size
     return with_mbs(profile, weights, mbs)
-
-
-def profile_as(profile: Profile, way: Collectives) -> Profile:
-    """The profile a plan with its collectives run ``way`` is planned on: with secondary shards,
-    on the micro-batches their memory leaves (a ``PlanError`` where none is left)."""
-    if not way.secondary_shards:
-        return profile
-    found = with_secondary_shards(profile)
-    if found is None:
-        raise PlanError("secondary shards leave some rank no room for a sample, or the profile does not say what a "
-                        "sample's activations cost (bytes_per_sample); plan with flat or hierarchical collectives")
-    return found
 
 
 def fastest(candidates: Sequence[Collectives], planned: Callable[[Collectives], Plan]) -> Plan:

@@ -145,7 +145,7 @@ class CommModel:
 
     def _serial_micro_step_s(self, stage: int) -> float:
         if self.micro_step_ops:
-            return self._ops_s(self.micro_step_ops, stage)
+            return self._ops_s(self.micro_step_ops, stage, in_micro_step=True)
         return self._table_micro_step_s(stage)
 
     def _serial_iteration_s(self, stage: int) -> float:
@@ -177,13 +177,16 @@ class CommModel:
                    exposed_end_steps=(tuple(x.step_compute_s), tuple(e + overhead for e in x.end_s))
                    if x.end_s and x.step_compute_s else None)
 
-    def call_s(self, op: str, nbytes: float, backward_gather: bool = False, table: bool = False) -> float:
+    def call_s(self, op: str, nbytes: float, backward_gather: bool = False, table: bool = False,
+               in_micro_step: bool = False) -> float:
         """One collective of a ``nbytes`` buffer (the full, unsharded size); ``backward_gather``:
         a ZeRO-3 all-gather before backward; ``table``: a buffer of the formulas (the model's
-        full copy), not one the profile recorded (its element size differs under mixed precision)."""
+        full copy), not one the profile recorded (its element size differs under mixed precision);
+        ``in_micro_step``: a call of every micro-step, not of the iteration's end
+        (``LinkPricing.call_s``)."""
         wire = self.compression.wire(op, table)
         if self.pricing is not None and (self.collectives is not Collectives.FLAT or wire is not None):
-            return self.pricing.call_s(op, nbytes, self.collectives, backward_gather, wire)
+            return self.pricing.call_s(op, nbytes, self.collectives, backward_gather, wire, in_micro_step)
         n = self.world_size
         if n <= 1:
             return 0.0
@@ -192,13 +195,30 @@ class CommModel:
                 + wire.conversion_s(nbytes)
         return bus_bytes(op, nbytes, n) / self.bandwidth_bytes_per_s + self.latency_s
 
-    def _ops_s(self, ops: Ops, stage: int) -> float:
-        """The recorded collectives one by one, serially. At ZeRO-3 every block is gathered before
-        forward and again before backward, the same bytes: half the all-gathers are backward's."""
+    def _ops_s(self, ops: Ops, stage: int, in_micro_step: bool = False) -> float:
+        """The recorded collectives one by one, serially (``in_micro_step``: a micro-step's). At
+        ZeRO-3 every block is gathered before forward and again before backward, the same bytes:
+        half the all-gathers are backward's."""
         if stage != 3 or not self.collectives.secondary_shards:
-            return sum(self.call_s(op, n) for op, n in ops)
+            return sum(self.call_s(op, n, in_micro_step=in_micro_step) for op, n in ops)
         return sum((self.call_s(op, n) + self.call_s(op, n, backward_gather=True)) / 2 if op == "all_gather"
                    else self.call_s(op, n) for op, n in ops)
+
+    def crossing_s(self, stage: int) -> float:
+        """What crossing nodes once per iteration adds to the iteration's end (0 for every other
+        way): each micro-step collective's step across nodes, once (at ZeRO-3 each block's gather
+        is recorded twice, before forward and before backward, and crosses once)."""
+        if self.pricing is None or stage not in (2, 3) or self.collectives is not Collectives.ONCE_PER_ITERATION:
+            return 0.0
+        pricing, collectives = self.pricing, self.collectives
+
+        def once(op: str, n: float, table: bool) -> float:
+            return pricing.crossing_s(op, n, collectives, self.compression.wire(op, table)) * (
+                0.5 if stage == 3 and op == "all_gather" and not table else 1.0)
+        if self._measured(stage) and self.micro_step_ops:
+            return sum(once(op, n, False) for op, n in self.micro_step_ops)
+        scatter = once("reduce_scatter", self.param_bytes, True)
+        return scatter + (once("all_gather", self.param_bytes, True) if stage == 3 else 0.0)
 
     def _measured(self, stage: int) -> bool:
         return self.measured_stage == stage and bool(self.micro_step_ops or self.iteration_ops)
@@ -217,13 +237,15 @@ class CommModel:
         if self.measured_stage == stage and self.exposed_micro_step_s is not None:
             return self.exposed_micro_step_s * self.micro_scale if stage in (2, 3) else 0.0
         if self._measured(stage):
-            return self._ops_s(self.micro_step_ops, stage)
+            return self._ops_s(self.micro_step_ops, stage, in_micro_step=True)
         return self._table_micro_step_s(stage)
 
     def _table_micro_step_s(self, stage: int) -> float:
-        scatter = self.collective_s(op="reduce_scatter")
+        def one(op: str, backward_gather: bool = False) -> float:
+            return self.call_s(op, self.param_bytes, backward_gather, table=True, in_micro_step=True)
+        scatter = one("reduce_scatter")
         if stage == 3:  # the gathers before forward and before backward, the gradients' reduce-scatter
-            return self.collective_s() + self.collective_s(backward_gather=True) + scatter
+            return one("all_gather") + one("all_gather", backward_gather=True) + scatter
         return {0: 0.0, 1: 0.0, 2: scatter}[stage]
 
     def led_micro_step_s(self, stage: int, lead: Any, compute: Any = None, leader: Any = None) -> Any:
@@ -287,7 +309,7 @@ class CommModel:
         the closing collectives overlap that micro-step's backward, so a shorter one hides less."""
         if self.measured_stage != stage or self.exposed_iteration_s is None:
             return self.per_iteration_s(stage)
-        balanced = self.exposed_iteration_s  # as measured; scaled below when priced another way
+        balanced = self.exposed_iteration_s  # as measured; scaled below when priced another way; crossing_s added
         base = balanced
         if stage in (0, 1) and last_step_s is not None and self.exposed_end_steps is not None:
             base = float(np.interp(last_step_s, *self.exposed_end_steps))
@@ -299,17 +321,18 @@ class CommModel:
 
     def _scaled_end(self, measured: float) -> float:
         """A measured iteration's end with its collectives priced as this model's: the fixed
-        overhead as it is, the rest scaled."""
+        overhead as it is, the rest scaled, and what crossing nodes once per iteration adds."""
         if self.iteration_scale == 1.0:
-            return measured
-        return self.overhead_s + (measured - self.overhead_s) * self.iteration_scale
+            return measured + self.crossing_s(self.measured_stage or 0)
+        return self.overhead_s + (measured - self.overhead_s) * self.iteration_scale + \
+            self.crossing_s(self.measured_stage or 0)
 
     def per_iteration_s(self, stage: int) -> float:
         if self.measured_stage == stage and self.exposed_iteration_s is not None:
             return self._scaled_end(self.exposed_iteration_s)
         if self._measured(stage):
-            return self._ops_s(self.iteration_ops, stage)
-        return self._table_iteration_s(stage)
+            return self._ops_s(self.iteration_ops, stage) + self.crossing_s(stage)
+        return self._table_iteration_s(stage) + self.crossing_s(stage)
 
     def _table_iteration_s(self, stage: int) -> float:
         small = (2 if stage == 3 else 1) * (self.latency_s if self.world_size > 1 else 0.0)

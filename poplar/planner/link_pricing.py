@@ -14,9 +14,17 @@ hierarchical reduce-scatter or all-gather of a buffer of B bytes runs in two ste
   node with the most bytes either way (even shares: (K-1)/K B, the cross link's bus bytes).
 
 With node-local secondary shards at ZeRO-3, the backward re-gather is the intra-node step alone.
-Across nodes once per iteration is priced per call as secondary shards: exact at one micro-step,
-an upper bound at more (its cross steps do not repeat per micro-step).
-All-reduces (ZeRO-0's gradients, the small status reductions) stay flat.
+
+Across nodes once per iteration (``Collectives.ONCE_PER_ITERATION``), a micro-step's gathers and
+reduce-scatters are their intra-node steps alone (``call_s(..., in_micro_step=True)``); each
+block's gather and each gradient buffer's exchange cross nodes once per iteration, priced by
+``crossing_s`` and added to the iteration's end whole (not hidden by compute: the exchange runs
+after the last backward). A call quantized across nodes keeps its crossing per micro-step (its
+exchange quantizes each partial), priced as secondary shards. Calls at the iteration's end
+(ZeRO-1's, ZeRO-2's parameter gather) cross as hierarchical ones do.
+All-reduces (ZeRO-0's gradients, the small status reductions) are priced flat: the recorded
+collectives do not say which all-reduce is the gradients' (once per iteration runs ZeRO-0's
+hierarchically; its price is the flat one's, an upper bound where the cross link is the slow one).
 
 Everything is priced from node sizes and shares, not from the world: a plan that leaves a rank
 or a node out is priced by the ``LinkPricing`` of the nodes that take part (``with_nodes``).
@@ -106,11 +114,12 @@ class LinkPricing:
         return busiest * nbytes / self.cross.bandwidth_bytes_per_s + self.cross.latency_s
 
     def call_s(self, op: str, nbytes: float, collectives: Collectives, backward_gather: bool = False,
-               wire: QuantizedWire | None = None) -> float:
+               wire: QuantizedWire | None = None, in_micro_step: bool = False) -> float:
         """One collective of a ``nbytes`` buffer run as ``collectives``; ``backward_gather``: a
         ZeRO-3 all-gather before backward (inside each node with secondary shards); ``wire``: its
         quantization (``quantized_pricing``): the bytes of its scope sent quantized, plus the
-        conversion work."""
+        conversion work; ``in_micro_step``: a call of every micro-step (once per iteration: its
+        intra-node step alone, its crossing in ``crossing_s``), not of the iteration's end."""
         if self.world_size <= 1:
             return 0.0
         if wire is not None and not (self.spans_nodes or wire.every_step):
@@ -120,16 +129,47 @@ class LinkPricing:
         if not self.spans_nodes or collectives is Collectives.FLAT or op == "all_reduce":
             return self.flat_s(op, sent) + extra
         inside = sent if wire is not None and wire.every_step else nbytes
-        # once per iteration: priced per call at one micro-step, where it runs as secondary shards
-        # (its crossings happen once per iteration, so over more micro-steps this is an upper
-        # bound; the planner chooses it only when asked: ``Collectives.chosen_by_planner``)
+        if in_micro_step and self._crosses_once(op, collectives, wire):
+            return self.intra_s(op, inside)
         keeps = collectives.secondary_shards or collectives is Collectives.ONCE_PER_ITERATION
         if backward_gather and keeps and op == "all_gather":
             return self.intra_s(op, inside) + (extra if inside != nbytes else 0.0)
         return self.intra_s(op, inside) + self.cross_s(sent) + extra
+
+    def crossing_s(self, op: str, nbytes: float, collectives: Collectives, wire: QuantizedWire | None = None) -> float:
+        """What a micro-step's collective of a ``nbytes`` buffer adds once per iteration: its
+        step across nodes where it crosses once per iteration (0 for every other way, and for a
+        call quantized across nodes, which crosses per micro-step)."""
+        if not self.spans_nodes or not self._crosses_once(op, collectives, wire):
+            return 0.0
+        return self.cross_s(nbytes)
+
+    @staticmethod
+    def _crosses_once(op: str, collectives: Collectives, wire: QuantizedWire | None) -> bool:
+        return collectives is Collectives.ONCE_PER_ITERATION and op != "all_reduce" and wire is None
 
 
 def secondary_shard_bytes(param_count: int, compute_itemsize: int, node_size: int) -> float:
     """What node-local secondary shards cost a rank on a node of ``node_size`` ranks, at worst:
     its 1/L part of every block's parameters in the compute dtype, held from forward to backward."""
     return param_count * compute_itemsize / node_size
+
+
+def node_accumulator_bytes(param_count: int, node_size: int) -> float:
+    """What crossing nodes once per iteration holds per rank at ZeRO-2/3 on a node of
+    ``node_size`` ranks: its node's partial gradient sums of its pieces, 1/L of the gradients, in
+    fp32 (``memory_report()["node_accumulator"]``), from the first micro-step to the exchange."""
+    return param_count * 4 / node_size
+
+
+def held_bytes(way: Collectives, stage: int, param_count: int, compute_itemsize: int, node_size: int) -> float:
+    """What running the collectives ``way`` at ``stage`` holds per rank beyond the flat way, at
+    worst: ZeRO-3's secondary shards (with secondary shards, and once per iteration, which keeps
+    them the whole iteration) and the node accumulator (once per iteration, ZeRO-2/3)."""
+    once = way is Collectives.ONCE_PER_ITERATION
+    held = 0.0
+    if stage == 3 and (way.secondary_shards or once):
+        held += secondary_shard_bytes(param_count, compute_itemsize, node_size)
+    if stage >= 2 and once:
+        held += node_accumulator_bytes(param_count, node_size)
+    return held

@@ -311,7 +311,7 @@ def _plan_as(prof: Profile, request: PlanRequest, collectives: Collectives) -> P
 
     def planned(weights: Sequence[float], source: Profile | None) -> Plan | None:
         if source is not None:
-            source = collective_choice.profile_as(source, collectives)
+            source = collective_choice.profile_as(source, collectives, stage)
         if source is None:
             return None
         problem = make_problem(source, global_batch_size, zero_stage, require_all_ranks=require_all_ranks,

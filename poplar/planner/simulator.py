@@ -115,7 +115,7 @@ def simulate(profile: Profile | str | os.PathLike | Mapping[str, Any], global_ba
 
     def planned(way: Collectives, name: str) -> Plan:
         """``name``'s plan with the collectives run ``way`` (a job that spans nodes)."""
-        at = make_problem(collective_choice.profile_as(profile, way), global_batch_size, zero_stage,
+        at = make_problem(collective_choice.profile_as(profile, way, problem.stage), global_batch_size, zero_stage,
                           require_all_ranks=require_all_ranks, max_micro_steps=max_micro_steps, collectives=way)
         found = plan_problem(at, name)
         found.choice = replace(found.choice, plan_tie=at.plan_tie)

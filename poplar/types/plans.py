@@ -323,7 +323,9 @@ class Plan:
         if self.left_out:
             tail += f", ranks {list(self.left_out)} left out"
         if self.collectives.hierarchical:
-            tail += ", hierarchical collectives" + (" with secondary shards" if self.collectives.secondary_shards else "")
+            tail += ", hierarchical collectives" + {Collectives.SECONDARY_SHARDS: " with secondary shards",
+                                                    Collectives.ONCE_PER_ITERATION: " across nodes once per iteration"
+                                                    }.get(self.collectives, "")
         if self.choice.compression_choice is not None:
             tail += f", {self.choice.compression_choice.describe()}"
         elif self.compression.lossy:

@@ -38,14 +38,6 @@ class Collectives(str, Enum):
     ONCE_PER_ITERATION = "once_per_iteration"  # hierarchical; across nodes once per iteration, not per micro-step
 
     @property
-    def chosen_by_planner(self) -> bool:
-        """Whether ``plan(collectives="auto")`` considers this way. Crossing nodes once per
-        iteration is asked for by name: its price per collective (``LinkPricing.call_s``) is
-        its cost at one micro-step, an upper bound where there are more, and the planner's memory
-        check does not yet hold its node accumulator."""
-        return self is not Collectives.ONCE_PER_ITERATION
-
-    @property
     def hierarchical(self) -> bool:
         """Whether the collectives cross nodes in two tiers (inside each node, then across)."""
         return self is not Collectives.FLAT

@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 
 from poplar.planner import plan as plan_any, simulate
-from poplar.planner.collective_choice import with_secondary_shards
+from poplar.planner.collective_choice import profile_as
 from poplar.planner.cost_model import CommModel
 from poplar.planner.link_pricing import LinkPricing, ring_s
 from poplar.types.route import Collectives
@@ -140,12 +140,29 @@ def test_a_measured_exposure_is_scaled_by_the_serial_seconds_of_the_way_priced()
 
 def test_secondary_shards_take_their_memory_from_the_micro_batch() -> None:
     # 10 M parameters x 4 B / 4 ranks a node = 10 MB a rank: one sample of 40 MB... of 8 MB: two
+    secondary = Collectives.SECONDARY_SHARDS
     prof = profile(two_nodes(), bytes_per_sample=8e6)
-    assert [r.mbs for r in with_secondary_shards(prof).ranks] == [30] * 8
+    assert [r.mbs for r in profile_as(prof, secondary, 3).ranks] == [30] * 8
     bf16 = replace(profile(two_nodes((6, 2)), bytes_per_sample=8e6), precision="bf16")  # 2 B: 20 MB / 6, 20 MB / 2
-    assert [r.mbs for r in with_secondary_shards(bf16).ranks] == [31] * 6 + [30] * 2
-    assert with_secondary_shards(profile(two_nodes(), bytes_per_sample=None)) is None
-    assert with_secondary_shards(profile(two_nodes(), bytes_per_sample=1e5)) is None  # 100 samples' worth
+    assert [r.mbs for r in profile_as(bf16, secondary, 3).ranks] == [31] * 6 + [30] * 2
+    with pytest.raises(PlanError, match="bytes_per_sample"):
+        profile_as(profile(two_nodes(), bytes_per_sample=None), secondary, 3)
+    with pytest.raises(PlanError, match="no room for a sample"):
+        profile_as(profile(two_nodes(), bytes_per_sample=1e5), secondary, 3)  # 100 samples' worth
+    assert profile_as(prof, Collectives.HIERARCHICAL, 3) is prof
+
+
+def test_once_per_iteration_takes_its_secondary_shards_and_node_accumulator_from_the_micro_batch() -> None:
+    # 10 M parameters, 4 ranks a node, samples of 8 MB: the secondary shard is 10 MB a rank at
+    # ZeRO-3, the node accumulator 10 M x 4 B / 4 = 10 MB a rank at ZeRO-2/3 (fp32 whatever the precision)
+    once = Collectives.ONCE_PER_ITERATION
+    prof = profile(two_nodes(), bytes_per_sample=8e6)
+    assert [r.mbs for r in profile_as(prof, once, 3).ranks] == [29] * 8  # 20 MB: 3 samples
+    assert [r.mbs for r in profile_as(prof, once, 2).ranks] == [30] * 8  # 10 MB: 2 samples
+    assert profile_as(prof, once, 1) is prof and profile_as(prof, once, 0) is prof
+    bf16 = replace(profile(two_nodes((6, 2)), bytes_per_sample=8e6), precision="bf16")
+    # 6-rank node: 20/6 + 40/6 = 10 MB, 2 samples; 2-rank node: 10 + 20 = 30 MB, 4 samples
+    assert [r.mbs for r in profile_as(bf16, once, 3).ranks] == [30] * 6 + [28] * 2
 
 
 def plan(*args, participation: str = "all", **kwargs) -> Plan:
@@ -154,26 +171,32 @@ def plan(*args, participation: str = "all", **kwargs) -> Plan:
 
 
 def test_the_planner_chooses_by_predicted_time_and_keeps_flat_where_the_link_does_not_bind() -> None:
+    once = Collectives.ONCE_PER_ITERATION
     slow = plan(profile(two_nodes()), 1000, 3)
-    assert slow.hierarchical and slow.secondary_shards
+    assert slow.collectives is once and slow.hierarchical and not slow.secondary_shards
     rows = {r.collectives: r.predicted_s for r in slow.choice.collective_candidates}
-    assert rows["secondary_shards"] < rows["hierarchical"] < rows["flat"] == \
+    assert rows["once_per_iteration"] < rows["secondary_shards"] < rows["hierarchical"] < rows["flat"] == \
         plan(profile(two_nodes()), 1000, 3, collectives="flat").predicted_iteration_s
-    assert slow.predicted_iteration_s == rows["secondary_shards"]
-    # at 256 samples every rank runs one step of 32; secondary shards leave room for 30: two steps
+    assert slow.predicted_iteration_s == rows["once_per_iteration"]
+    # at 256 samples every rank runs one step of 32; secondary shards leave room for 30: two steps,
+    # slower than hierarchical's one; once per iteration's second step stays inside the nodes
     one_step = plan(profile(two_nodes()), 256, 3)
-    assert one_step.hierarchical and not one_step.secondary_shards and one_step.max_micro_steps == 1
+    rows = {r.collectives: r.predicted_s for r in one_step.choice.collective_candidates}
+    assert rows["once_per_iteration"] < rows["hierarchical"] < rows["secondary_shards"]
+    assert plan(profile(two_nodes()), 256, 3, collectives="hierarchical").max_micro_steps == 1
     at2 = plan(profile(two_nodes(), stage=2), 256, 2)
-    assert at2.hierarchical and not at2.secondary_shards and len(at2.choice.collective_candidates) == 2
+    assert at2.collectives is once and [r.collectives for r in at2.choice.collective_candidates] == \
+        ["flat", "hierarchical", "once_per_iteration"]
     # a cross link as fast as the node's: the hierarchical steps add up to more than one ring
     free = plan(profile(two_nodes(cross=FAST)), 256, 3)
     assert not free.hierarchical and not free.secondary_shards
-    # secondary shards that leave no room are no candidate; hierarchical is chosen
+    # ways whose memory leaves no room are no candidate; hierarchical is chosen
     tight = plan(profile(two_nodes(), bytes_per_sample=1e5), 1000, 3)
-    assert tight.hierarchical and not tight.secondary_shards
-    assert [r.predicted_s is None for r in tight.choice.collective_candidates] == [False, False, True]
+    assert tight.collectives is Collectives.HIERARCHICAL
+    assert [r.predicted_s is None for r in tight.choice.collective_candidates] == [False, False, True, True]
+    assert "no room for a sample" in tight.choice.collective_candidates[3].reason
     again = Plan.from_dict(json.loads(json.dumps(slow.to_dict())))
-    assert again.hierarchical and again.secondary_shards
+    assert again.collectives is once
 
 
 def test_one_node_has_one_way_and_a_way_that_does_not_apply_is_an_error() -> None:
@@ -192,21 +215,44 @@ def test_the_simulator_plans_each_strategy_with_its_fastest_way() -> None:
     sim = simulate(profile(two_nodes()), 1000, 3)
     for name in ("poplar", "even"):
         got = sim.result(name).plan
-        assert got.secondary_shards and got.predicted_iteration_s == min(
+        assert got.collectives is Collectives.ONCE_PER_ITERATION and got.predicted_iteration_s == min(
             r.predicted_s for r in got.choice.collective_candidates if r.predicted_s is not None)
-    assert "secondary shards" in sim.table().splitlines()[2]
+    assert "once per iteration" in sim.table().splitlines()[2]
     one = simulate(profile(Links(100 * GB, 10e-6)), 1000, 3)
     assert not one.result("poplar").plan.hierarchical and one.result("poplar").plan.choice.collective_candidates is None
 
 
-def test_once_per_iteration_is_priced_per_call_as_at_one_micro_step_and_chosen_only_when_asked() -> None:
-    even = LinkPricing.of(two_nodes(), 8, [2, 1, 1, 2, 1, 1, 1, 1])
-    once, sec = Collectives.ONCE_PER_ITERATION, Collectives.SECONDARY_SHARDS
-    for op, backward in (("reduce_scatter", False), ("all_gather", False), ("all_gather", True)):
-        assert even.call_s(op, 8e9, once, backward_gather=backward) == \
-            even.call_s(op, 8e9, sec, backward_gather=backward)
-    auto = plan(profile(two_nodes()), 1000, 3)
-    assert once.value not in {r.collectives for r in auto.choice.collective_candidates}
+def test_once_per_iteration_prices_micro_steps_inside_the_nodes_and_one_crossing_per_iteration() -> None:
+    pricing = LinkPricing.of(two_nodes(), 8, [2, 1, 1, 2, 1, 1, 1, 1])
+    once = Collectives.ONCE_PER_ITERATION
+    for op in ("reduce_scatter", "all_gather"):
+        assert pricing.call_s(op, 8e9, once, in_micro_step=True) == pricing.intra_s(op, 8e9)
+        assert pricing.crossing_s(op, 8e9, once) == pricing.cross_s(8e9) > 0
+        # at the iteration's end (ZeRO-1's collectives, ZeRO-2's parameter gather) it crosses as hierarchical
+        assert pricing.call_s(op, 8e9, once) == pricing.call_s(op, 8e9, Collectives.HIERARCHICAL)
+        for way in (Collectives.FLAT, Collectives.HIERARCHICAL, Collectives.SECONDARY_SHARDS):
+            assert pricing.crossing_s(op, 8e9, way) == 0.0
+    assert pricing.crossing_s("all_reduce", 8e9, once) == 0.0
+    # the model without a measurement: K micro-steps of intra-node steps, one crossing of the
+    # parameters (ZeRO-3) and of the gradients at the iteration's end
+    prof = profile(two_nodes(), stage=3)
+    hier = CommModel.from_profile(prof, Collectives.HIERARCHICAL)
+    model = CommModel.from_profile(prof, once)
+    even = LinkPricing.of(two_nodes(), 8)
+    v = prof.param_bytes
+    assert model.per_micro_step_s(3) == pytest.approx(2 * even.intra_s("all_gather", v) +
+                                                      even.intra_s("reduce_scatter", v))
+    assert model.per_iteration_s(3) == pytest.approx(hier.per_iteration_s(3) + 2 * even.cross_s(v))
+    at2 = CommModel.from_profile(profile(two_nodes(), stage=2), once)
+    assert at2.per_iteration_s(2) == pytest.approx(
+        CommModel.from_profile(profile(two_nodes(), stage=2), Collectives.HIERARCHICAL).per_iteration_s(2)
+        + even.cross_s(v))
     asked = plan(profile(two_nodes()), 1000, 3, collectives="once_per_iteration")
     assert asked.collectives is once and Plan.from_dict(json.loads(json.dumps(asked.to_dict()))).collectives is once
-    assert plan(profile(two_nodes(), stage=2), 256, 2, collectives="once_per_iteration").collectives is once
+    # recorded collectives: each block's gather is recorded before forward and before backward and crosses once
+    measured = profile(two_nodes(), stage=3, collectives_stage=3,
+                       micro_step=[["all_gather", 2e7], ["all_gather", 2e7], ["reduce_scatter", 2e7]])
+    ops = CommModel.from_profile(measured, once)
+    assert ops.crossing_s(3) == pytest.approx(even.cross_s(2e7) * 2)
+    assert ops.per_micro_step_s(3) == pytest.approx(2 * even.intra_s("all_gather", 2e7) +
+                                                    even.intra_s("reduce_scatter", 2e7))

@@ -111,15 +111,23 @@ def test_without_allow_lossy_no_plan_is_quantized_and_with_it_some_are() -> None
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_allow_lossy_quantizes_over_a_slow_cross_link_and_not_over_a_fast_one(stage: int) -> None:
-    slow = plan(profile(two_nodes(cross=SLOW), stage=stage), 1000, stage, collectives=LOSSY)
+    # two micro-steps a rank on every rank: quantized crossings per micro-step beat exact ones
+    slow = plan(profile(two_nodes(cross=SLOW), stage=stage), 256, stage, collectives=LOSSY, participation="all")
     record = slow.choice.compression_choice
-    assert slow.compression.lossy and record.chosen == slow.compression
+    assert slow.compression.lossy and record.chosen == slow.compression and slow.max_micro_steps == 2
     assert record.saving > record.tie and record.chosen_s == slow.predicted_iteration_s
-    assert record.exact_s == plan(profile(two_nodes(cross=SLOW), stage=stage), 1000, stage).predicted_iteration_s
+    assert record.exact_s == plan(profile(two_nodes(cross=SLOW), stage=stage), 256, stage,
+                                  participation="all").predicted_iteration_s
+    # six: crossing once per iteration, exact, beats quantizing each micro-step's crossing
+    # (quantized gradients cross per micro-step: ``LinkPricing.crossing_s``)
+    many = plan(profile(two_nodes(cross=SLOW), stage=stage), 1000, stage, collectives=LOSSY, participation="all")
+    assert not many.compression.lossy and many.collectives is Collectives.ONCE_PER_ITERATION
+    assert many.max_micro_steps == 6 and min(c.predicted_s for c in many.choice.compression_choice.candidates
+                                             if c.policy.lossy) > many.predicted_iteration_s
     assert {c.policy for c in record.candidates} == {EXACT, CommPolicy(gradients="int8")} | (
         {CommPolicy(weights="int8"), CommPolicy(weights="int8", gradients="int8")} if stage == 3 else set())
     assert "chosen (allow_lossy): predicted" in slow.table()
-    fast = plan(profile(two_nodes(cross=LinkSpeed(200 * GB, 5e-6)), stage=stage), 1000, stage, collectives=LOSSY)
+    fast = plan(profile(two_nodes(cross=LinkSpeed(200 * GB, 5e-6)), stage=stage), 256, stage, collectives=LOSSY)
     assert not fast.compression.lossy and fast.choice.compression_choice.saving == 0
     assert "exact collectives kept (allow_lossy)" in fast.table()
     # the record reads back from plan JSON

@@ -271,6 +271,26 @@ def exchange_step(groups: NodeGroups, group: Any, observed: int, sends: list[tup
     return Step("exchange", Link.CROSS, wire, observed, sent, run, finish)
 
 
+def exchange_transfers(layout: NodeLayout, topology: Topology, rank: int, pieces: Any,
+                       incoming: torch.Tensor) -> tuple[list[tuple[int, torch.Tensor]], list[tuple[int, torch.Tensor]]]:
+    """This rank's sends and receives in the exchange of node partials (``layout.transfers``):
+    from ``pieces[m]`` (its piece of its node's partial of region m, indexed by node) the overlap
+    with each owner's part, and into ``incoming`` (one row per other node, in node order) each
+    holder's overlap with this rank's part."""
+    k = topology.node_of(rank)
+    others = [m for m in range(topology.node_count) if m != k]
+    sends, recvs = [], []
+    for t in layout.transfers:
+        if t.holder == rank:
+            m = topology.node_of(t.owner)
+            at = t.at - layout.piece(topology, rank, m)[0]
+            sends.append((t.owner, pieces[m][at:at + t.length]))
+        if t.owner == rank:
+            at = t.at - layout.offsets[rank]
+            recvs.append((t.holder, incoming[others.index(topology.node_of(t.holder)), at:at + t.length]))
+    return sends, recvs
+
+
 def observed_exchange(layout: NodeLayout, topology: Topology, element_size: int) -> int:
     """What an observer hears of an exact exchange: the node count times the busiest port's bytes."""
     return topology.node_count * layout.busiest_port_elements(topology) * element_size
@@ -310,19 +330,8 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, sizes: Sequence[in
     rank: in-node reduce-scatters, then the exchange of node partials (module doc)."""
     topology = groups.topology
     layout, held, steps = reduce_in_node(output, input, sizes, rank, groups, method)
-    k = topology.node_of(rank)
-    others = [m for m in range(topology.node_count) if m != k]
-    incoming = torch.empty(len(others), sizes[rank], dtype=input.dtype, device=input.device)
-    sends, recvs = [], []
-    for t in layout.transfers:
-        if t.holder == rank:
-            m = topology.node_of(t.owner)
-            at = t.at - layout.piece(topology, rank, m)[0]
-            sends.append((t.owner, held[m][at:at + t.length]))
-        if t.owner == rank:
-            row = others.index(topology.node_of(t.holder))
-            at = t.at - layout.offsets[rank]
-            recvs.append((t.holder, incoming[row, at:at + t.length]))
+    incoming = torch.empty(topology.node_count - 1, sizes[rank], dtype=input.dtype, device=input.device)
+    sends, recvs = exchange_transfers(layout, topology, rank, held, incoming)
 
     def add_partials() -> None:
         for row in incoming:
@@ -488,17 +497,8 @@ def exchange_accumulated(output: torch.Tensor, acc: torch.Tensor, sizes: Sequenc
     layout = accumulator_layout(sizes, topology)
     k = topology.node_of(rank)
     views = accumulator_views(acc, layout, topology, rank)
-    others = [m for m in range(topology.node_count) if m != k]
-    incoming = torch.empty(len(others), sizes[rank], dtype=acc.dtype, device=acc.device)
-    sends, recvs = [], []
-    for t in layout.transfers:
-        if t.holder == rank:
-            m = topology.node_of(t.owner)
-            at = t.at - layout.piece(topology, rank, m)[0]
-            sends.append((t.owner, views[m][at:at + t.length]))
-        if t.owner == rank:
-            at = t.at - layout.offsets[rank]
-            recvs.append((t.holder, incoming[others.index(topology.node_of(t.holder)), at:at + t.length]))
+    incoming = torch.empty(topology.node_count - 1, sizes[rank], dtype=acc.dtype, device=acc.device)
+    sends, recvs = exchange_transfers(layout, topology, rank, views, incoming)
 
     def add_partials() -> None:
         total = views[k].clone()

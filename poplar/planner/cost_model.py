@@ -72,6 +72,12 @@ def bus_bytes(op: str, nbytes: float, world_size: int) -> float:
 
 
 Ops = tuple[tuple[str, float], ...]  # (op, bytes of the full buffer) per collective
+
+# Backward's share of a micro-step's compute: two matmuls per layer (the inputs' gradients and the
+# weights') against forward's one. Crossing nodes once per iteration exchanges the gradients beside
+# the last micro-step's backward, on the cross-node link (``CommModel.crossing_s``); with
+# activation checkpointing backward also recomputes forward, so this is the smaller share.
+BACKWARD_SHARE = 2 / 3
 Led = tuple[tuple[str, float], ...]  # (device type, seconds) per leading type
 
 
@@ -204,10 +210,14 @@ class CommModel:
         return sum((self.call_s(op, n) + self.call_s(op, n, backward_gather=True)) / 2 if op == "all_gather"
                    else self.call_s(op, n) for op, n in ops)
 
-    def crossing_s(self, stage: int) -> float:
+    def crossing_s(self, stage: int, last_step_s: float | None = None) -> float:
         """What crossing nodes once per iteration adds to the iteration's end (0 for every other
         way): each micro-step collective's step across nodes, once (at ZeRO-3 each block's gather
-        is recorded twice, before forward and before backward, and crosses once)."""
+        is recorded twice, before forward and before backward, and crosses once). The gradients'
+        exchanges start as the last lock-step micro-step's in-node reduce-scatters complete
+        (``zero.reduce_queue.NodeExchanges``) and run beside that micro-step's backward, on the
+        cross-node link: with ``last_step_s`` (its slowest compute) up to ``BACKWARD_SHARE`` of it
+        is hidden; without, none (an upper bound)."""
         if self.pricing is None or stage not in (2, 3) or self.collectives is not Collectives.ONCE_PER_ITERATION:
             return 0.0
         pricing, collectives = self.pricing, self.collectives
@@ -216,9 +226,14 @@ class CommModel:
             return pricing.crossing_s(op, n, collectives, self.compression.wire(op, table)) * (
                 0.5 if stage == 3 and op == "all_gather" and not table else 1.0)
         if self._measured(stage) and self.micro_step_ops:
-            return sum(once(op, n, False) for op, n in self.micro_step_ops)
-        scatter = once("reduce_scatter", self.param_bytes, True)
-        return scatter + (once("all_gather", self.param_bytes, True) if stage == 3 else 0.0)
+            ops, table = self.micro_step_ops, False
+        else:
+            ops, table = (("reduce_scatter", self.param_bytes),) + (
+                (("all_gather", self.param_bytes),) if stage == 3 else ()), True
+        gathers = sum(once(op, n, table) for op, n in ops if op == "all_gather")
+        exchanges = sum(once(op, n, table) for op, n in ops if op == "reduce_scatter")
+        hidden = BACKWARD_SHARE * last_step_s if last_step_s is not None else 0.0
+        return gathers + max(0.0, exchanges - hidden)
 
     def _measured(self, stage: int) -> bool:
         return self.measured_stage == stage and bool(self.micro_step_ops or self.iteration_ops)
@@ -306,10 +321,15 @@ class CommModel:
         its end: measured, the balanced end plus the ``lead_change`` the leader's led rounds
         measured. At stages 0/1 the balanced end is interpolated in ``last_step_s``, the compute
         of the slowest rank's last micro-step, between the measured levels (constant beyond them):
-        the closing collectives overlap that micro-step's backward, so a shorter one hides less."""
+        the closing collectives overlap that micro-step's backward, so a shorter one hides less.
+        At stages 2/3 ``last_step_s`` is the compute of the last lock-step micro-step's slowest
+        rank, beside whose backward crossing nodes once per iteration exchanges (``crossing_s``)."""
+        return self._led_end_s(stage, lead, leader, last_step_s) + self.crossing_s(stage, last_step_s)
+
+    def _led_end_s(self, stage: int, lead: float, leader: str | None, last_step_s: float | None) -> float:
         if self.measured_stage != stage or self.exposed_iteration_s is None:
-            return self.per_iteration_s(stage)
-        balanced = self.exposed_iteration_s  # as measured; scaled below when priced another way; crossing_s added
+            return self._end_s(stage)
+        balanced = self.exposed_iteration_s  # as measured; scaled below when priced another way
         base = balanced
         if stage in (0, 1) and last_step_s is not None and self.exposed_end_steps is not None:
             base = float(np.interp(last_step_s, *self.exposed_end_steps))
@@ -321,18 +341,22 @@ class CommModel:
 
     def _scaled_end(self, measured: float) -> float:
         """A measured iteration's end with its collectives priced as this model's: the fixed
-        overhead as it is, the rest scaled, and what crossing nodes once per iteration adds."""
+        overhead as it is, the rest scaled."""
         if self.iteration_scale == 1.0:
-            return measured + self.crossing_s(self.measured_stage or 0)
-        return self.overhead_s + (measured - self.overhead_s) * self.iteration_scale + \
-            self.crossing_s(self.measured_stage or 0)
+            return measured
+        return self.overhead_s + (measured - self.overhead_s) * self.iteration_scale
 
     def per_iteration_s(self, stage: int) -> float:
+        """c_s with no lead, what crossing nodes once per iteration adds included, none of it
+        hidden (``crossing_s``: an upper bound for searches)."""
+        return self._end_s(stage) + self.crossing_s(stage)
+
+    def _end_s(self, stage: int) -> float:
         if self.measured_stage == stage and self.exposed_iteration_s is not None:
             return self._scaled_end(self.exposed_iteration_s)
         if self._measured(stage):
-            return self._ops_s(self.iteration_ops, stage) + self.crossing_s(stage)
-        return self._table_iteration_s(stage) + self.crossing_s(stage)
+            return self._ops_s(self.iteration_ops, stage)
+        return self._table_iteration_s(stage)
 
     def _table_iteration_s(self, stage: int) -> float:
         small = (2 if stage == 3 else 1) * (self.latency_s if self.world_size > 1 else 0.0)
@@ -410,7 +434,7 @@ def evaluate_rows(rows: Sequence[Row], curves: Mapping[str, SpeedCurve], stage: 
         compute_wall += (end - start) * slowest
         exposed += (end - start) * (comm.lockstep_s(stage, list(per_type.values()), list(per_type)) - slowest)
         last = per_type
-    end_s = comm.led_iteration_s(stage, *_lead(last))
+    end_s = comm.led_iteration_s(stage, *_lead(last), max(last.values(), default=0.0))
     switch_s = 0.0
     if comm.measured_stage == stage:  # iterations repeat, so the first micro-step follows the last one
         switch_s = comm.exposed_switch_s * sum(a != b for a, b in zip(shapes, shapes[-1:] + shapes[:-1]))

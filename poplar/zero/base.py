@@ -114,6 +114,12 @@ class ZeroStage(ABC):
         ``train_step`` knows it): a stage may start its closing reduction as backward produces
         the gradients."""
 
+    def last_lockstep_micro_step(self) -> None:
+        """The micro-step about to run on this rank, or the empty one it is about to join, is the
+        iteration's last lock-step micro-step (the plan's largest count; the runtime knows it): a
+        stage that crosses nodes once per iteration may start its exchange as that micro-step's
+        reductions complete (``reduce_queue.NodeExchanges``)."""
+
     def close_micro_steps(self) -> None:
         """Every micro-step of this rank is over (or failed): send whatever of the closing
         reduction is still owed and complete it, before the iteration's status reduction, so every

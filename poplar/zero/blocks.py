@@ -35,7 +35,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -355,14 +355,15 @@ class ShardedBlock:
         return self.ready == self.num_params, new
 
     def start_reduce(self, comm: Communicator, flats: list[torch.Tensor] | None, zeros: torch.Tensor | None,
-                     quantization: Quantization | None = None, in_node: bool = False) -> ReduceHandle:
+                     quantization: Quantization | None = None, in_node: bool = False,
+                     then: Callable[[], None] | None = None) -> ReduceHandle:
         """Issue the async reduce-scatter of ``flats`` (the block's gradient; None: ``zeros``, a
         read-only zero buffer of at least the block's elements, in the reduce dtype) into
         ``shard_grad``, quantized by ``quantization`` (``CommPolicy.gradient_quantization``);
         ``in_node``: its in-node step alone, into ``accumulator`` (across nodes once per
-        iteration, ``exchange_accumulated``). The handle's ``held_bytes`` are the transient bytes
-        it keeps alive: the output, the gradient (``grad_nbytes``, held since it arrived) and a
-        cast copy, if any."""
+        iteration, ``exchange_accumulated``), followed by ``then`` once added to it. The handle's
+        ``held_bytes`` are the transient bytes it keeps alive: the output, the gradient
+        (``grad_nbytes``, held since it arrived) and a cast copy, if any."""
         sn, total = self.shard_numel, self.full_numel
         wire = self.precision.reduce_dtype(self.dtype)
         wire_size = torch.empty((), dtype=wire).element_size()
@@ -382,7 +383,7 @@ class ShardedBlock:
             held += partials.numel() * wire_size - sn * wire_size
             work = comm.reduce_scatter_in_node(partials, inp, tag=f"block{self.index}", async_op=True,
                                                sizes=self.part_sizes)
-            return ReduceHandle(work, partials, inp, self.accumulator, held)
+            return ReduceHandle(work, partials, inp, self.accumulator, held, then)
         held += comm.staging_bytes("reduce_scatter", self.part_sizes, sn, wire_size, quantization)
         out = torch.empty(sn, dtype=wire, device=self.device)
         work = comm.reduce_scatter(out, inp, tag=f"block{self.index}", async_op=True, sizes=self.part_sizes,

@@ -37,14 +37,14 @@ import torch
 from torch import nn
 
 from poplar.zero.base import StageHooks, ZeroStage, on_grad_accumulated
-from poplar.comm import Communicator, PendingCollective, Phase
+from poplar.comm import Communicator, PendingChain, PendingCollective, Phase
 from poplar.comm.hierarchical import ACCUMULATOR_DTYPE
 from poplar.comm.routes import Routes
 from poplar.zero.flat import FlatUnit
 from poplar.zero.nonfinite import grad_summary
 from poplar.zero.optim import repoint_optimizer
 from poplar.zero.precision import StagePrecision
-from poplar.zero.reduce_queue import ReduceHandle, ReduceQueue
+from poplar.zero.reduce_queue import NodeExchanges, ReduceHandle, ReduceQueue
 from poplar.zero.reshard import cut_state, gather_state, shard_from
 from poplar.zero.shard_layout import Shards
 from poplar.zero.state_parts import StatePart, StateSpec, unsharded_parts, unsharded_specs
@@ -434,6 +434,7 @@ class Stage2(ReplicatedParams):
         self.shard_params = self._shard_params()
         self._new_grad_buffers()
         self._reduces = ReduceQueue(self.reduces_in_flight, self._release)
+        self._exchanges = NodeExchanges(self._exchange, self.comm.ledger, self.reduces_in_flight)
         self._reset_micro_step()
 
     def _new_grad_buffers(self) -> None:
@@ -500,7 +501,8 @@ class Stage2(ReplicatedParams):
             self._hold(extra)
             work = self.comm.reduce_scatter_in_node(partials, wire, tag=f"unit{u.index}", async_op=True,
                                                     sizes=u.part_sizes)
-            self._reduces.push(ReduceHandle(work, partials, wire, acc, out_bytes + extra + wire_bytes + staging))
+            self._reduces.push(ReduceHandle(work, partials, wire, acc, out_bytes + extra + wire_bytes + staging,
+                                            self._exchanges.after_reduce(ui)))
             return
         work = self.comm.reduce_scatter(out, wire, tag=f"unit{u.index}", async_op=True, sizes=u.part_sizes,
                                         quantization=quantization)
@@ -515,17 +517,22 @@ class Stage2(ReplicatedParams):
     def empty_micro_step(self) -> None:
         self.end_micro_step()
 
+    def last_lockstep_micro_step(self) -> None:
+        if self.accumulates:
+            self._exchanges.last_micro_step()
+
+    def _exchange(self, ui: int) -> PendingChain | None:
+        u = self.units[ui]
+        return self.comm.exchange_accumulated(self.shard_grads[ui], self.accumulators[ui], tag=f"unit{u.index}",
+                                              async_op=True, sizes=u.part_sizes)
+
     def close_micro_steps(self) -> None:
-        """Across nodes once per iteration: each unit's node partials cross nodes now, into its
-        gradient shard, before the status reduction checks them."""
-        if not self.accumulates:
-            return
-        with self.comm.ledger.scope(Phase.BACKWARD):
-            works = [self.comm.exchange_accumulated(g, acc, tag=f"unit{u.index}", async_op=True, sizes=u.part_sizes)
-                     for u, g, acc in zip(self.units, self.shard_grads, self.accumulators)]
-            for work in works:
-                if work is not None:
-                    work.wait()
+        """Across nodes once per iteration: every unit's node partials have crossed nodes into
+        its gradient shard (their exchanges started in the last lock-step micro-step: Note: the
+        exchange overlaps the last lock-step micro-step, in ``reduce_queue``) before the status
+        reduction checks them."""
+        if self.accumulates:
+            self._exchanges.finish(len(self.units))
 
     def reduce_gradients(self) -> None:
         for s, g in zip(self.shard_params, self.shard_grads):
@@ -547,6 +554,7 @@ class Stage2(ReplicatedParams):
             s.grad = None
         for acc in self.accumulators:  # an iteration abandoned before its exchange
             acc.zero_()
+        self._exchanges.reset()
 
     def grad_bytes(self) -> int:
         return sum(g.numel() * g.element_size() for g in self.shard_grads)

@@ -262,9 +262,16 @@ class ZeroRuntime:
 
     def _open_micro_step(self, batch_size: int) -> MicroStep:
         self._begin_iteration()
+        self._tell_last_lockstep()
         step = self._micro_step = MicroStep(self.iteration, self._micro_steps, batch_size)
         self.observers.micro_step_start(step)
         return step
+
+    def _tell_last_lockstep(self) -> None:
+        """The stage learns when the micro-step about to run (or be joined with zeros) is the
+        iteration's last lock-step one (``ZeroStage.last_lockstep_micro_step``)."""
+        if self.stage.communicates_in_micro_steps and self._micro_steps == self.plan.max_micro_steps - 1:
+            self.stage.last_lockstep_micro_step()
 
     def _abort_micro_step(self, step: MicroStep, error: BaseException, k: int) -> None:
         self._micro_step = None
@@ -353,6 +360,7 @@ class ZeroRuntime:
         in_step = self.comm.in_step
         if in_step and self.stage.communicates_in_micro_steps:
             while self._micro_steps < self.plan.max_micro_steps:  # join the others' micro-steps with zeros
+                self._tell_last_lockstep()
                 with self.comm_ledger.scope(Phase.BACKWARD, micro_step=self._micro_steps):
                     self.stage.empty_micro_step()
                 self._micro_steps += 1

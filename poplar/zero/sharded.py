@@ -72,14 +72,14 @@ from poplar.zero.activation_checkpointing import recomputing
 from poplar.zero.base import StageHooks, ZeroStage, on_grad_accumulated
 from poplar.zero.eager_hooks import eager_hook
 from poplar.zero.blocks import BlockState, GatherHandle, GradState, ShardedBlock, build_blocks
-from poplar.comm import Communicator, DistributedError, Phase
+from poplar.comm import Communicator, DistributedError, PendingChain, Phase
 from poplar.comm.routes import Routes
 from poplar.zero import sharded_state
 from poplar.zero.state_parts import StatePart, StateSpec, sharded_parts, sharded_specs
 from poplar.zero.optim import repoint_optimizer
 from poplar.zero.precision import StagePrecision
 from poplar.zero.prefetch import Pass, PassKind, PassState, Schedule, backward_items, forward_items
-from poplar.zero.reduce_queue import ReduceQueue
+from poplar.zero.reduce_queue import NodeExchanges, ReduceQueue
 from poplar.zero.shard_layout import Shards
 from poplar.zero.wrap import block_orders, post_order
 
@@ -115,6 +115,7 @@ class Stage3(ZeroStage):
         self._agreed_order: tuple[list[int], list[int]] | None = None  # the first iteration's, once agreed
         self._warned = False
         self._reduces = ReduceQueue(self.reduces_in_flight, self._release)
+        self._exchanges = NodeExchanges(self._exchange, self.comm.ledger, self.reduces_in_flight)
         self._zeros: torch.Tensor | None = None  # what a block with no gradient reduce-scatters
         self._set_orders([b.index for b in self.layers], post_order(self.layers))
 
@@ -260,7 +261,8 @@ class Stage3(ZeroStage):
             wire = self.precision.reduce_dtype(b.dtype)
             self._zeros = torch.zeros(max(x.full_numel for x in self.blocks), dtype=wire, device=b.device)
             self._hold(self._zeros.numel() * self._zeros.element_size())
-        handle = b.start_reduce(self.comm, flats, self._zeros, self.compression.gradient_quantization, in_node)
+        then = self._exchanges.after_reduce(self.blocks.index(b)) if in_node else None
+        handle = b.start_reduce(self.comm, flats, self._zeros, self.compression.gradient_quantization, in_node, then)
         self._hold(handle.held_bytes - (b.grad_nbytes if flats is not None else 0))  # gradients: held as they came
         self._reduces.push(handle)
 
@@ -400,17 +402,22 @@ class Stage3(ZeroStage):
         self._pass = self._new_pass(PassKind.TRAIN)
         self.end_micro_step()
 
+    def last_lockstep_micro_step(self) -> None:
+        if self.accumulates:
+            self._exchanges.last_micro_step()
+
+    def _exchange(self, i: int) -> PendingChain | None:
+        b = self.blocks[i]
+        return self.comm.exchange_accumulated(b.shard_grad, b.accumulator, tag=f"block{b.index}", async_op=True,
+                                              sizes=b.part_sizes)
+
     def close_micro_steps(self) -> None:
-        """Across nodes once per iteration: every block's node partials cross nodes now, into its
-        gradient shard, before the status reduction checks them."""
-        if not self.accumulates:
-            return
-        with self.comm.ledger.scope(Phase.BACKWARD):
-            works = [self.comm.exchange_accumulated(b.shard_grad, b.accumulator, tag=f"block{b.index}", async_op=True,
-                                                    sizes=b.part_sizes) for b in self.blocks]
-            for work in works:
-                if work is not None:
-                    work.wait()
+        """Across nodes once per iteration: every block's node partials have crossed nodes into
+        its gradient shard (their exchanges started in the last lock-step micro-step: Note: the
+        exchange overlaps the last lock-step micro-step, in ``reduce_queue``) before the status
+        reduction checks them."""
+        if self.accumulates:
+            self._exchanges.finish(len(self.blocks))
 
     def reduce_gradients(self) -> None:
         if not self._agreed:
@@ -449,6 +456,7 @@ class Stage3(ZeroStage):
             if b.late_flats is not None:
                 b.late_flats = None
                 self._release(b.grad_nbytes)
+        self._exchanges.reset()
         for sp in self.shard_params:
             sp.grad = None
         if not self._agreed:

@@ -134,7 +134,7 @@ def test_nodes_ask_whether_the_last_node_is_worth_adding(capsys: pytest.CaptureF
     cluster, out_json = _c8(tmp_path), tmp_path / "nodes.json"
     answers = {}
     for inter in ("10gbit", "12.5"):
-        code, out, _ = _run(capsys, "simulate", "--cluster", cluster, "--gbs", "256", "--stage", "3", "--nodes", "4,4",
+        code, out, _ = _run(capsys, "simulate", "--cluster", cluster, "--gbs", "128", "--stage", "3", "--nodes", "4,4",
                             "--intra-gbps", "16", "--inter-gbps", inter, "--json", str(out_json))
         assert code == 0 and "as 2 nodes: [0-3] [4-7]" in out and "between nodes 1" in out
         rows = json.loads(out_json.read_text())
@@ -157,7 +157,7 @@ def test_nodes_ask_whether_the_last_node_is_worth_adding(capsys: pytest.CaptureF
         assert f"adding the last node: {answers[inter]:.2f}x" in out
     # 10 Gbit/s between nodes: the V100S node costs more in communication than it brings; 100 Gbit/s: worth it
     assert answers["10gbit"] < 1 < answers["12.5"]
-    assert "not worth it" in _run(capsys, "simulate", "--cluster", cluster, "--gbs", "256", "--stage", "3",
+    assert "not worth it" in _run(capsys, "simulate", "--cluster", cluster, "--gbs", "128", "--stage", "3",
                                   "--nodes", "4,4", "--inter-gbps", "10gbit")[1]
 
 
@@ -218,7 +218,7 @@ def test_bad_nodes_and_links_are_named(capsys: pytest.CaptureFixture, tmp_path: 
 
 def test_nodes_verdict_weighs_lossy_plans_and_names_the_ranks_left_out_with_the_reason(
         capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
-    """At 10 Gbit/s between the nodes and a global batch of 256, the V100S node is not worth adding
+    """At 10 Gbit/s between the nodes and a global batch of 128, the V100S node is not worth adding
     with exact collectives (the planner leaves it out) but is with lossy ones: the verdict says
     both, and the line on the ranks left out gives the compute they would take off against the
     link time they would add."""
@@ -226,7 +226,7 @@ def test_nodes_verdict_weighs_lossy_plans_and_names_the_ranks_left_out_with_the_
 
     out_json = tmp_path / "lossy.json"
     code, out, err = _run(capsys, "simulate", "--cluster", "C-4+4", "--stage", "3", "--nodes", "4,4", "--intra-gbps",
-                          "16,8", "--inter-gbps", "10gbit", "--gbs", "256", "--allow-lossy", "--json", str(out_json))
+                          "16,8", "--inter-gbps", "10gbit", "--gbs", "128", "--allow-lossy", "--json", str(out_json))
     assert code == 0, err
     whole, alone = json.loads(out_json.read_text())
     exact_gain = whole["every_gpu_samples_per_s"] / alone["chosen_samples_per_s"]
@@ -247,7 +247,7 @@ def test_nodes_verdict_weighs_lossy_plans_and_names_the_ranks_left_out_with_the_
         return max(r["predicted_compute_s"] for r in plan["ranks"] if r["predicted_compute_s"] is not None)
 
     every = whole[best]
-    chosen_s = 256 / whole["chosen_samples_per_s"]
+    chosen_s = 128 / whole["chosen_samples_per_s"]
     line = re.search(r"all nodes: ranks 4,5,6,7 \(node 1\) left out: in the step they would take ([\d.]+) s of compute "
                      r"off the others \(slowest rank ([\d.]+) s -> ([\d.]+) s\) and add ([\d.]+) s on the links "
                      r"\(([\d.]+) s -> ([\d.]+) s with the fastest way, " + best + r"\)", out)

@@ -243,6 +243,12 @@ def test_once_per_iteration_prices_micro_steps_inside_the_nodes_and_one_crossing
     assert model.per_micro_step_s(3) == pytest.approx(2 * even.intra_s("all_gather", v) +
                                                       even.intra_s("reduce_scatter", v))
     assert model.per_iteration_s(3) == pytest.approx(hier.per_iteration_s(3) + 2 * even.cross_s(v))
+    # the gradients' exchange runs beside the last micro-step's backward (2/3 of its compute): a
+    # long enough last micro-step hides it, a short one part of it; the parameters' crossing stays
+    cross = even.cross_s(v)
+    assert model.crossing_s(3, last_step_s=3 * cross) == pytest.approx(cross)
+    assert model.crossing_s(3, last_step_s=0.75 * cross) == pytest.approx(cross + 0.5 * cross)
+    assert model.led_iteration_s(3, 0.0, None, 3 * cross) == pytest.approx(hier.per_iteration_s(3) + cross)
     at2 = CommModel.from_profile(profile(two_nodes(), stage=2), once)
     assert at2.per_iteration_s(2) == pytest.approx(
         CommModel.from_profile(profile(two_nodes(), stage=2), Collectives.HIERARCHICAL).per_iteration_s(2)

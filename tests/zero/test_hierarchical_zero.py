@@ -242,6 +242,8 @@ def cross_bytes_worker(rank: int, world: int, topology: Topology) -> dict:
                 _, engine = _train(rank, plan, zero_config(stage, topology), iterations=2)
                 records = engine.comm_ledger.of(iteration=1)
                 out[(stage, way, name)] = sum(r.bytes for r in records if r.link in (Link.CROSS, Link.FLAT))
+                # the reduce-scatters in the order they completed (the ledger records each when done)
+                out[(stage, way, name, "order")] = [r.link for r in records if r.op == "reduce_scatter"]
                 out[(stage, way, "memory")] = engine.memory_report()
     return out
 
@@ -251,7 +253,9 @@ def cross_bytes_worker(rank: int, world: int, topology: Topology) -> dict:
 def test_once_per_iteration_crosses_nodes_once(name: str) -> None:
     """Across nodes once per iteration: the bytes a rank sends across nodes in an iteration of 4
     micro-steps are those of an iteration of 1 (ZeRO-2 and ZeRO-3), where the per-micro-step ways
-    send more with every micro-step; the node accumulator shows in ``memory_report()``."""
+    send more with every micro-step; the node accumulator shows in ``memory_report()``; the
+    exchanges start in the last lock-step micro-step (an exchange completes before that
+    micro-step's last in-node reduce-scatter: ``reduce_queue.NodeExchanges``)."""
     results = spawn(cross_bytes_worker, 4, (TOPOLOGIES[name],), timeout_s=240)
     topology = TOPOLOGIES[name]
     for rank, res in enumerate(results):
@@ -263,6 +267,10 @@ def test_once_per_iteration_crosses_nodes_once(name: str) -> None:
             print(f"{name} rank {rank} ZeRO-{stage}: cross-node bytes 4 micro-steps / 1: once per iteration "
                   f"{ratio:.3f}, {old.value} {old_ratio:.3f}")
             assert ratio <= 1.05 and old_ratio > 1.5, (stage, rank, ratio, old_ratio)
+            order = res[(stage, once, "many", "order")]
+            if len(topology.nodes[topology.node_of(rank)]) > 1:  # a rank alone in its node has no in-node step
+                last_intra = max(i for i, link in enumerate(order) if link is Link.INTRA)
+                assert order.index(Link.CROSS) < last_intra, (stage, rank, order)
             memory = res[(stage, once, "memory")]
             node = topology.nodes[topology.node_of(rank)]
             params = sum(p.numel() for p in make_model().parameters()) * 4

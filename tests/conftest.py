@@ -36,26 +36,47 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 os.environ.setdefault("POPLAR_PROFILE_STORE", "off")
 
 
-# The files that take longest, longest first (their share of `make test`'s test time on this
-# 2-core machine, about 15 % for the README's runs down to about 1 % for the last). `make test`
-# hands its two workers whole files in collection order (`--no-loadscope-reorder`), so these
-# start first and the many short files fill in beside them: a long file started last would run
-# on alone at the end while the other worker idles.
+# The files that take longest, longest first, down to about 1 % of `make test`'s test time each
+# (their costs as measured in one `--durations=0` run of the parallel pass on this 2-core machine:
+# the README's runs about 25 %, the next about 8 %). `make test` hands its two workers whole files
+# in collection order (`--no-loadscope-reorder`), a worker taking its next file when its current
+# one has two tests left, so these start first and the many short files fill in beside them: a
+# long file started last would run on alone at the end while the other worker idles.
 LONGEST_FIRST = (
     "tests/test_readme.py",
-    "tests/integrations/test_lightning.py",
-    "tests/integrations/test_hf.py",
-    "tests/profiler/test_profiler.py",
-    "tests/cli/test_train_cli.py",
-    "tests/cli/test_job_ownership.py",
-    "tests/engine/test_engine_parity.py",
     "tests/cli/test_restarts.py",
-    "tests/profiler/test_precision_profile.py",
+    "tests/profiler/test_profiler.py",
+    "tests/integrations/test_hf.py",
+    "tests/cli/test_train_cli.py",
+    "tests/zero/test_hierarchical_zero.py",
+    "tests/integrations/test_lightning.py",
+    "tests/integrations/test_stalled_rank.py",
+    "tests/cli/test_job_ownership.py",
     "tests/zero/test_offload.py",
-    "tests/engine/test_auto_config.py",
-    "tests/zero/test_uneven_shards.py",
+    "tests/engine/test_profile_store.py",
     "tests/cli/test_preemption.py",
-    "tests/profiler/test_points_past_mbs.py",
+    "tests/zero/test_stage3_parity.py",
+    "tests/cli/test_offload_cli.py",
+    "tests/profiler/test_precision_profile.py",
+    "tests/engine/test_compile.py",
+    "tests/cli/test_finetune_cli.py",
+    "tests/checkpoint/test_checkpoint_kept.py",
+    "tests/process/test_launch.py",
+    "tests/zero/test_uneven_shards.py",
+    "tests/zero/test_stage3_ledger.py",
+    "tests/engine/test_auto.py",
+    "tests/zero/test_activation_checkpointing.py",
+    "tests/workloads/test_hf_parity.py",
+    "tests/cli/test_sigterm_blocked.py",
+    "tests/profiler/test_offload_profile.py",
+    "tests/zero/test_left_out.py",
+    "tests/zero/test_mixed_precision.py",
+    "tests/profiler/test_scripted_profile.py",
+    "tests/checkpoint/test_sharded_checkpoint.py",
+    "tests/integrations/test_datasets.py",
+    "tests/zero/test_quantized_zero.py",
+    "tests/cli/test_torchrun_summary.py",
+    "tests/engine/test_engine_parity.py",
 )
 
 

@@ -1,6 +1,6 @@
 """`torchrun -m poplar train` with ``poplar.offload``: rank 1 of 2 keeps its optimizer in host
-memory; the plan table says so, the run trains and checkpoints, and the checkpoint's plan keeps
-the placement."""
+memory, beside the config's shard weights; the plan table says so, the run trains and
+checkpoints, and the checkpoint's plan keeps the placement, in an even plan as in auto mode's."""
 
 from __future__ import annotations
 
@@ -16,27 +16,20 @@ from tests.cli.test_train_cli import REPO, TORCHRUN, _config, _torchrun
 
 @pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed beside this Python")
 @pytest.mark.multiprocess
-def test_torchrun_trains_with_rank_1_offloaded(tmp_path: Path) -> None:
-    _config(tmp_path, offload=[1])
+def test_torchrun_trains_with_the_config_shards_and_rank_1_offloaded_without_auto_mode(tmp_path: Path) -> None:
+    """An even plan (train_micro_batch_size_per_gpu, no auto mode) takes both of the config's
+    placements: shard weights 2 : 0.5 and rank 1's optimizer in host memory; it trains and
+    checkpoints, and the checkpoint's plan keeps both."""
+    _config(tmp_path, shards=[2, 0.5], offload=[1])
     run = _torchrun(tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "iteration 4/4" in run.stderr and "plan (even, ZeRO-2)" in run.stderr
-    table = run.stderr[run.stderr.index("plan (even, ZeRO-2)"):]
-    assert "offload" in table.splitlines()[1] and "optimizer" in table.splitlines()[4]
-    index = json.loads((tmp_path / "ckpt" / "step-00000004" / "index.json").read_text())
-    assert index["iteration"] == 4 and [r["offload"] for r in index["plan"]["ranks"]] == ["none", "optimizer"]
-
-
-@pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed beside this Python")
-@pytest.mark.multiprocess
-def test_torchrun_applies_config_shards_without_auto_mode(tmp_path: Path) -> None:
-    _config(tmp_path, shards=[2, 0.5])  # an even plan (train_micro_batch_size_per_gpu), no auto mode
-    run = _torchrun(tmp_path)
-    assert run.returncode == 0, run.stderr[-3000:]
     table = run.stderr[run.stderr.index("plan (even, ZeRO-2)"):].splitlines()
-    assert "shard" in table[1] and "80.0%" in table[3] and "20.0%" in table[4]
+    assert "shard" in table[1] and "offload" in table[1], table[:5]
+    assert "80.0%" in table[3] and "none" in table[3] and "20.0%" in table[4] and "optimizer" in table[4], table[:5]
     index = json.loads((tmp_path / "ckpt" / "step-00000004" / "index.json").read_text())
-    assert [r["shard_weight"] for r in index["plan"]["ranks"]] == [2.0, 0.5]
+    assert index["iteration"] == 4
+    assert [(r["shard_weight"], r["offload"]) for r in index["plan"]["ranks"]] == [(2.0, "none"), (0.5, "optimizer")]
 
 
 @pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed beside this Python")

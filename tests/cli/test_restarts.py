@@ -199,7 +199,14 @@ def test_an_elastic_job_whose_store_runs_apart_survives_losing_its_first_agent(t
     store = subprocess.Popen([sys.executable, "-c", "import time, torch.distributed as d; s = d.TCPStore("
                               f"'127.0.0.1', {port}, is_master=True, wait_for_workers=False); time.sleep(600)"])
     try:
-        time.sleep(2.0)  # the store listens
+        listening = time.monotonic() + DEADLINE_S
+        while True:  # the store listens once its process has imported torch
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1.0).close()
+                break
+            except OSError:
+                assert store.poll() is None and time.monotonic() < listening, "the store did not start"
+                time.sleep(0.1)
         logs = [tmp_path / "first.log", tmp_path / "second.log"]
         first = _elastic(tmp_path, logs[0], port, ",is_host=false")
         time.sleep(1.0)  # the first agent is rank 0 of the first round

@@ -40,12 +40,12 @@ subset, which fits every subset's memory) and ``--max-batch 8`` (the capacity se
 the largest micro-batch a row uses, which shortens each profile, and keeps the large batch, and
 its compute, the least that gives 8 micro-steps); 4 measured iterations a plan in 2 rounds
 (each plan first once), one profiler repeat. A large-batch iteration is at least 8 micro-steps
-of paced collectives (at ZeRO-3 some 18 a micro-step, each paying the floor), about a minute
-at the floor of a loaded machine, so one iteration already averages over a hundred collectives:
-those rows measure ``--large-iterations 2`` a plan, one in each round after one entry
-iteration. The profiles dominate the rest: one per cluster, network and stage (8 by default),
-each some minutes of paced steps at this slowdown. ``--short`` is a smoke run, not evidence
-(2 measured iterations a plan, the large-batch rows at 2 micro-steps).
+of paced collectives (at ZeRO-3 gathers and reduce-scatters per block, each paying the floor),
+about a minute at the floor of a loaded machine, so one iteration already averages over a
+hundred collectives: those rows measure ``--large-iterations 2`` a plan, one in each round after
+one entry iteration. The profiles dominate the rest: one per cluster, network and stage (8 by
+default), each some minutes of paced steps at this slowdown. ``--short`` is a smoke run, not
+evidence (2 measured iterations a plan, the large-batch rows at 2 micro-steps).
 
 Which GPUs take part (``subset_vs_best``; ``--subsets`` runs it alone). On C-4+4 at ZeRO-3 (each
 network) every subset the planner considers (``planner.participation``: every GPU, each node

@@ -15,7 +15,8 @@ Per cluster x network x ZeRO stage (2 and 3): every rank profiles with the topol
 (``ProfileOptions.topology``: the flat ring, each node's link and the cross-node one measured on
 the emulated network), then two plans from that profile: ``flat`` (``collectives="flat"``: every
 collective one ring over the 8 ranks, what Poplar did before it knew the nodes) and ``auto`` (the
-planner's choice among flat, hierarchical and, at ZeRO-3, secondary shards; what auto mode runs);
+planner's choice among flat, hierarchical, at ZeRO-3 secondary shards, and across nodes once per
+iteration, and which GPUs take part; what auto mode runs);
 with ``--forced`` also ``forced``, the hierarchical way (secondary shards at ZeRO-3) whatever its price.
 Both train side by side on engines built with ``ZeroConfig(topology=...)``: in each of
 ``--rounds`` rounds each plan in turn (a different one first each round) runs ``--warmup`` entry
@@ -31,6 +32,21 @@ are latency-bound and flat is the faster way. ``--slowdown F`` runs the emulated
 slower than calibrated, compute and declared links alike (its ratios kept), so the bytes weigh F
 times more against that floor, as they do on a real cluster.
 
+Sizes of the default run (the evidence; 8 processes pace most of their time asleep, so its
+length is the emulated cluster's time more than the cores'): ``--slowdown 4``, where the bytes
+outweigh the floor enough for the link to decide (at 1 the floor decides every row: flat or
+fewer ranks win whatever the link); global batch 32 (4 samples a rank on 8 ranks, 8 on a 4-rank
+subset, which fits every subset's memory) and ``--max-batch 8`` (the capacity search stops at
+the largest micro-batch a row uses, which shortens each profile, and keeps the large batch, and
+its compute, the least that gives 8 micro-steps); 4 measured iterations a plan in 2 rounds
+(each plan first once), one profiler repeat. A large-batch iteration is at least 8 micro-steps
+of paced collectives (at ZeRO-3 gathers and reduce-scatters per block, each paying the floor),
+about a minute at the floor of a loaded machine, so one iteration already averages over a
+hundred collectives: those rows measure ``--large-iterations 2`` a plan, one in each round after
+one entry iteration. The profiles dominate the rest: one per cluster, network and stage (8 by
+default), each some minutes of paced steps at this slowdown. ``--short`` is a smoke run, not
+evidence (2 measured iterations a plan, the large-batch rows at 2 micro-steps).
+
 Which GPUs take part (``subset_vs_best``; ``--subsets`` runs it alone). On C-4+4 at ZeRO-3 (each
 network) every subset the planner considers (``planner.participation``: every GPU, each node
 left out, each device type left out; each planned as the planner plans it, its own collectives
@@ -39,35 +55,61 @@ best one measured. Over the slow link a node may be worth leaving out; over the 
 must keep every GPU. A subset's iteration is timed on the ranks in its step. ``--subsets`` trains
 auto mode's plan and the candidates only (no flat plan: no ``speedup_*``).
 
+Large-batch rows (issue 55; ``--large-batch`` runs them alone, ``--no-large-batch`` leaves them
+out). Over the slow network, each cluster at each stage, from the same profile: a global batch
+large enough that every plan's slowest rank in the step (its fewest samples) runs at least
+``LARGE_MICRO_STEPS`` micro-steps (``--large-gbs``, by default the least multiple of ``--gbs``
+that does), where crossing nodes once per iteration (``Collectives.ONCE_PER_ITERATION``) sends
+what one micro-step would. Three things train side by side in the same rounds: today's flat plan
+on every GPU, auto mode's plan, and every subset the planner considers (as the subset rows).
+The *best subset* is the fastest measured of those that leave GPUs out (a node, a device type):
+what a cluster could do before it crossed nodes once per iteration. Then auto mode's plan at one
+micro-step (each rank in the step one micro-step of its micro-batch, the same way and shards)
+trains two iterations for the ledger: the bytes that crossed nodes in an iteration, counted as
+``tests/zero/test_hierarchical_zero.py`` counts them (``crossing_records``: the cross-node steps
+and the flat rings over both nodes).
+
 RESULT:
-- ``speedup_link_bound``: min over the slow-network rows of flat time / auto time (target >= 1.5);
+- ``speedup_link_bound``: min over the slow-network rows (not the large-batch ones) of flat time / auto
+  time (target >= 1.5);
 - ``speedup_link_free``: min over the fast-network rows (target >= 0.98);
 - ``cross_node_bytes_vs_minimum``: the largest, over hierarchical rows and nodes, of a node's
   cross-node bytes per iteration from the ledger's CROSS records (summed over the node's ranks)
   over the minimum (1 - the node's share) x the buffer: every pass of the flat parameter space
   (each distinct (op, phase, micro-step) with a cross-node step) moves the model's parameter bytes
   once (target <= 1.05);
-- ``subset_vs_best``: over the slow-network rows with subsets, the least of the best measured
+- ``subset_vs_best``: over the slow-network rows with subsets (the large-batch rows too), the least of the best measured
   candidate's time / auto mode's time (auto's choice at that fraction of the best throughput;
   target >= 0.97); ``subset_keeps_all_fast``: auto mode kept every GPU in every fast-network row;
-- ``median_prediction_err``: median over every row and plan of |predicted / measured - 1| (<= 0.10);
+- ``speedup_vs_best_subset_large_batch``: min over the large-batch rows of the best subset's time /
+  auto mode's time (target >= 1.3: every GPU worth its link); ``speedup_vs_flat_large_batch``: min
+  over them of flat on every GPU / auto mode (target >= 2.0);
+- ``cross_node_bytes_per_iteration_vs_one_micro_step``: the largest over the large-batch rows and
+  the ranks in auto mode's step of a rank's bytes across nodes per iteration over those of the
+  same plan at one micro-step (target <= 1.05; none where auto mode's step is inside one node);
+  ``large_batch_micro_steps``: the fewest micro-steps of a slowest rank in those rows (>= 8);
+- ``median_prediction_err``: median over every row (large-batch rows too) of flat's and auto
+  mode's |predicted / measured - 1| (<= 0.05), ``max_prediction_err`` the largest (<= 0.10);
 - ``late_step_fraction``: padded micro-steps whose real compute overshot the curve (<= 0.01),
   and ``late_collective_fraction`` likewise for the paced collectives.
 
     .venv/bin/python bench/network.py [--short] [--clusters A-4+4,C-4+4] [--networks eth-10g,ib-200g]
-                                      [--stages 2,3] [--iterations 8] [--rounds 2] [--gbs 64] [--json PATH]
+                                      [--stages 2,3] [--iterations 4] [--rounds 2] [--gbs 32] [--slowdown 4]
+                                      [--large-gbs N | --large-micro-steps 8] [--no-large-batch] [--json PATH]
     .venv/bin/python bench/network.py --subsets [--short]     # subset_vs_best alone: C-4+4, ZeRO-3
+    .venv/bin/python bench/network.py --large-batch [--short] # the large-batch rows alone
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+from dataclasses import replace
 import json
 import statistics
 import sys
 import time
-from typing import Any
+from typing import Any, Iterable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -79,6 +121,7 @@ from poplar.emulation.emulate import EmulatedCluster, cluster_devices
 from poplar.emulation.link_calibration import measure_link
 from poplar.emulation.speed_padding import LATE_BUDGET, late_fraction
 from poplar.emulation.virtual_link import LinkSpec
+from poplar.comm.ledger import CommRecord
 from poplar.engine import PoplarEngine
 from poplar.planner import participation, plan
 from poplar.profiler.profile_run import ProfileJob, ProfileOptions, default_optimizer, model_size, profile_rank
@@ -91,7 +134,12 @@ from poplar.zero.config import ZeroConfig
 
 VOCAB = 260  # the byte vocabulary of the small Llama sizes
 TARGETS = {"speedup_link_bound": 1.5, "speedup_link_free": 0.98, "subset_vs_best": 0.97,
-           "cross_node_bytes_vs_minimum": 1.05, "median_prediction_err": 0.10, "late_step_fraction": LATE_BUDGET}
+           "cross_node_bytes_vs_minimum": 1.05, "speedup_vs_best_subset_large_batch": 1.3,
+           "speedup_vs_flat_large_batch": 2.0, "cross_node_bytes_per_iteration_vs_one_micro_step": 1.05,
+           "large_batch_micro_steps": 8, "median_prediction_err": 0.05, "max_prediction_err": 0.10,
+           "late_step_fraction": LATE_BUDGET}
+LARGE_MICRO_STEPS = 8  # the large-batch rows' micro-steps on a plan's slowest rank, at least (module doc)
+SHORT_ITERATIONS, SHORT_MICRO_STEPS = 2, 2  # --short: a smoke run, not evidence
 SUBSETS_CLUSTER, SUBSETS_STAGE = "C-4+4", 3  # where the issue measures which GPUs take part
 SUBSET = "subset: "  # the prefix of a candidate's name among a row's plans
 
@@ -139,11 +187,27 @@ def subset_plans(prof: Any, gbs: int, stage: int) -> dict[str, Plan]:
     return out
 
 
-def cross_bytes(engine: PoplarEngine, iteration: int) -> tuple[int, int]:
-    """This rank's cross-node bytes in ``iteration`` and the passes over the parameters that had
-    a cross-node step (distinct op, phase and micro-step)."""
-    records = [r for r in engine.comm_ledger.of(iteration=iteration) if r.link is Link.CROSS]
-    return sum(r.bytes for r in records), len({(r.op, r.phase, r.micro_step) for r in records})
+class CrossBytes(NamedTuple):
+    """What one rank sent across nodes in one iteration, from the ledger's records of it."""
+
+    cross: int  # bytes of the cross-node steps (``Link.CROSS``)
+    passes: int  # passes over the parameters that had a cross-node step (distinct op, phase, micro-step)
+    crossing: int  # every byte that crossed nodes: the cross-node steps and the flat rings, which cross too
+
+
+def crossing_records(records: Iterable[CommRecord]) -> list[CommRecord]:
+    """The records whose bytes cross nodes: a hierarchical collective's cross-node step and every
+    flat ring over the ranks of both nodes (the counting of tests/zero/test_hierarchical_zero.py's
+    cross-bytes test). On a plan whose step is inside one node nothing crosses (``spans_nodes``)."""
+    return [r for r in records if r.link in (Link.CROSS, Link.FLAT)]
+
+
+def cross_bytes(engine: PoplarEngine, iteration: int) -> CrossBytes:
+    """This rank's cross-node bytes in ``iteration`` (module doc)."""
+    records = list(engine.comm_ledger.of(iteration=iteration))
+    cross = [r for r in records if r.link is Link.CROSS]
+    return CrossBytes(sum(r.bytes for r in cross), len({(r.op, r.phase, r.micro_step) for r in cross}),
+                      sum(r.bytes for r in crossing_records(records)))
 
 
 def train(job: dict, device: Any, stage: int, plans: dict[str, Plan], rank: int) -> dict[str, Any]:
@@ -160,8 +224,8 @@ def train(job: dict, device: Any, stage: int, plans: dict[str, Plan], rank: int)
         for name in names[r % len(names):] + names[:r % len(names)]:
             p, engine, rec = plans[name], engines[name], out[name]
             first = p.sample_offsets()[rank]
-            batches = [tokens(job["gbs"], job["seq"], 1000 + len(rec["end"]) + i)[first:first + p.ranks[rank].num_samples]
-                       for i in range(job["warmup"] + per)]
+            batches = [tokens(p.global_batch_size, job["seq"], 1000 + len(rec["end"]) + i)
+                       [first:first + p.ranks[rank].num_samples] for i in range(job["warmup"] + per)]
             late, padded = device.late_steps, device.padded_steps
             say = rank == in_step(p)[0]  # the plan's first rank in the step reports its progress
             with device.attach(engine):
@@ -182,6 +246,67 @@ def train(job: dict, device: Any, stage: int, plans: dict[str, Plan], rank: int)
     return out
 
 
+def large_gbs(prof: Any, job: dict, stage: int) -> int:
+    """The large-batch rows' global batch: ``--large-gbs``, or the least multiple of ``--gbs``
+    at which every plan of the row gives its slowest rank ``--large-micro-steps``."""
+    if job["large_gbs"]:
+        return job["large_gbs"]
+    for k in range(2, 257):
+        plans = row_plans(prof, job, stage, gbs=k * job["gbs"], large=True)
+        if min(slowest_micro_steps(p) for p in plans.values()) >= job["large_micro_steps"]:
+            return k * job["gbs"]
+    raise RuntimeError(f"no global batch up to 256 x {job['gbs']} gives every plan {job['large_micro_steps']} "
+                       f"micro-steps on its slowest rank at ZeRO-{stage}; give --large-gbs")
+
+
+def row_plans(prof: Any, job: dict, stage: int, gbs: int, large: bool) -> dict[str, Plan]:
+    """The plans of one row: flat on every GPU and auto mode's, the subsets where the row has
+    them (every large-batch row), ``forced`` where asked (not at the large batch)."""
+    plans = {} if job["subsets_only"] and not large else {"flat": plan(prof, gbs, stage, collectives="flat")}
+    plans["auto"] = plan(prof, gbs, stage)
+    if large or stage in job["subset_stages"]:
+        plans.update(subset_plans(prof, gbs, stage))
+    if job.get("forced") and not large:  # the hierarchical way whatever its price: its bytes and its time beside flat
+        plans["forced"] = plan(prof, gbs, stage, collectives="secondary_shards" if stage == 3 else "hierarchical")
+    return plans
+
+
+def one_micro_step(p: Plan) -> Plan:
+    """``p`` at one micro-step: the same way, shard weights and ranks in the step, each rank in
+    the step one micro-step of its micro-batch (what crosses nodes then is the minimum of the way)."""
+    ranks = [replace(r, accum_steps=1, last_batch_size=0) if r.accum_steps else r for r in p.ranks]
+    return Plan(ranks, zero_stage=p.zero_stage, collectives=p.collectives, compression=p.compression)
+
+
+def run_row(job: dict, device: Any, stage: int, plans: dict[str, Plan], rank: int, label: str) -> dict[str, Any]:
+    """Train a row's plans side by side (a plan that is the same program as one before it runs once)."""
+    t1 = time.perf_counter()
+    alias = {}
+    for k, p in plans.items():
+        alias[k] = next((u for u in alias if alias[u] == u and same_program(plans[u], p)), k)
+    if rank == 0:
+        print(f"    ZeRO-{stage}{label}: plans " + ", ".join(
+            f"{k} ({way(p)}, rows {[(r.micro_batch_size, r.accum_steps, r.last_batch_size, r.shard_weight) for r in p.ranks]}, predicted "
+            f"{p.predicted_iteration_s:.3f} s)" for k, p in plans.items() if alias[k] == k), file=sys.stderr, flush=True)
+    runs = train(job, device, stage, {k: p for k, p in plans.items() if alias[k] == k}, rank)
+    if rank == 0:
+        print(f"    ZeRO-{stage}{label}: training {time.perf_counter() - t1:.0f} s", file=sys.stderr, flush=True)
+    return {"runs": {k: runs[alias[k]] for k in plans}, "alias": alias,
+            "plans": {k: p.to_dict() for k, p in plans.items()}}
+
+
+def large_row(job: dict, device: Any, stage: int, prof: Any, rank: int) -> dict[str, Any]:
+    """The large-batch row: its plans side by side, then auto mode's plan at one micro-step for
+    the ledger (two iterations, not timed)."""
+    gbs = large_gbs(prof, job, stage)
+    plans = row_plans(prof, job, stage, gbs, large=True)
+    out = run_row({**job, "iterations": job["large_iterations"]}, device, stage, plans, rank, f" at global batch {gbs}")
+    one = one_micro_step(plans["auto"])
+    runs = train({**job, "warmup": 1, "iterations": 1, "rounds": 1}, device, stage, {"one": one}, rank)
+    out["one_micro_step"] = runs["one"]["cross"][-1]
+    return out
+
+
 def worker(rank: int, world: int, job: dict) -> dict:
     torch.set_num_threads(1)
     device = job["devices"][rank]
@@ -194,29 +319,16 @@ def worker(rank: int, world: int, job: dict) -> dict:
                                  comm_sizes=(2 ** 12, 2 ** 14, 2 ** 16, job["param_bytes"]))  # up to the model's
         prof = profile_rank(job["model_fn"], llama_loss_fn, job["sample_fn"], device,
                             optimizer_fn=default_optimizer, options=options, log=lambda m: None)
-        plans = {} if job["subsets_only"] else {"flat": plan(prof, job["gbs"], stage, collectives="flat")}
-        plans["auto"] = plan(prof, job["gbs"], stage)
-        if stage in job["subset_stages"]:
-            plans.update(subset_plans(prof, job["gbs"], stage))
-        if job.get("forced"):  # the hierarchical way whatever its price: its bytes and its time beside flat
-            plans["forced"] = plan(prof, job["gbs"], stage, collectives="secondary_shards" if stage == 3 else "hierarchical")
-        t1 = time.perf_counter()
-        alias = {}  # a plan that is the same program as one before it is run once
-        for k, p in plans.items():
-            alias[k] = next((u for u in alias if alias[u] == u and same_program(plans[u], p)), k)
         if rank == 0:
-            print(f"    ZeRO-{stage}: profile {t1 - t0:.0f} s; plans " + ", ".join(
-                f"{k} ({way(p)}, rows {[(r.micro_batch_size, r.accum_steps, r.last_batch_size, r.shard_weight) for r in p.ranks]}, predicted "
-                f"{p.predicted_iteration_s:.3f} s)" for k, p in plans.items() if alias[k] == k), file=sys.stderr, flush=True)
-        runs = train(job, device, stage, {k: p for k, p in plans.items() if alias[k] == k}, rank)
-        if rank == 0:
-            print(f"    ZeRO-{stage}: profile {t1 - t0:.0f} s, training {time.perf_counter() - t1:.0f} s",
-                  file=sys.stderr, flush=True)
-        out[stage] = {"runs": {k: runs[alias[k]] for k in plans}, "alias": alias,
-                      "paced_collectives": device.link.paced_collectives - paced,
-                      "late_collectives": device.link.late_collectives - late_c,
-                      "plans": {k: p.to_dict() for k, p in plans.items()},
-                      "links": prof.comm.links.describe()}
+            print(f"    ZeRO-{stage}: profile {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+        res: dict[str, Any] = {}
+        if not job["large_only"]:
+            res = run_row(job, device, stage, row_plans(prof, job, stage, job["gbs"], large=False), rank, "")
+        if job["large"]:
+            res["large"] = large_row(job, device, stage, prof, rank)
+        res.update({"paced_collectives": device.link.paced_collectives - paced,
+                    "late_collectives": device.link.late_collectives - late_c, "links": prof.comm.links.describe()})
+        out[stage] = res
     return out
 
 
@@ -245,11 +357,28 @@ def bytes_ratio(p: Plan, runs: list[dict], topology: Topology, param_bytes: int)
     return worst
 
 
-def analyse(name: str, net: str, stage: int, results: list[dict], job: dict) -> dict:
-    per = [res[stage] for res in results]
+def slowest_micro_steps(p: Plan) -> int:
+    """The micro-steps of the plan's slowest rank in the step: the one with the fewest samples
+    (the planner gives a rank samples by its speed)."""
+    return min((p.ranks[i] for i in in_step(p)), key=lambda r: r.num_samples).num_micro_steps
+
+
+def crossing_ratio(p: Plan, runs: list[dict], one: list[CrossBytes], topology: Topology) -> float | None:
+    """The largest over the ranks in the step of the bytes a rank sent across nodes in an
+    iteration of ``p`` over those of ``p`` at one micro-step (``one``); None where the step is
+    inside one node (nothing crosses)."""
+    ranks = in_step(p)
+    if len({topology.node_of(r) for r in ranks}) < 2:
+        return None
+    return max((max(block[2] for block in runs[r]["cross"]) / one[r][2] for r in ranks if one[r][2]), default=None)
+
+
+def analyse(name: str, net: str, stage: int, per: list[dict], job: dict, large: bool = False) -> dict:
+    """One row from every rank's results of it (``per``): each plan's measured and predicted
+    iteration, the ratios of the module doc."""
     plans = {k: Plan.from_dict(v) for k, v in per[0]["plans"].items()}
-    row: dict[str, Any] = {"cluster": name, "network": net, "stage": stage, "links": per[0]["links"],
-                           "alias": per[0]["alias"]}
+    row: dict[str, Any] = {"cluster": name, "network": net, "stage": stage, "large_batch": large,
+                           "gbs": plans["auto"].global_batch_size, "alias": per[0]["alias"]}
     for k, p in plans.items():
         runs = [x["runs"][k] for x in per]
         measured = median_period(runs, in_step(p))
@@ -257,6 +386,7 @@ def analyse(name: str, net: str, stage: int, results: list[dict], job: dict) -> 
                   "measured_s": measured, "predicted_s": p.predicted_iteration_s,
                   "err": abs(p.predicted_iteration_s / measured - 1), "samples_s": p.global_batch_size / measured,
                   "bytes_ratio": bytes_ratio(p, runs, job["topology"], job["param_bytes"]),
+                  "micro_steps": slowest_micro_steps(p), "max_micro_steps": p.max_micro_steps,
                   "late": sum(r["late"] for r in runs), "padded": sum(r["padded"] for r in runs)}
     if "flat" in plans:
         row["ratio"] = row["flat"]["measured_s"] / row["auto"]["measured_s"]
@@ -271,31 +401,36 @@ def analyse(name: str, net: str, stage: int, results: list[dict], job: dict) -> 
             row[k]["chosen"] = same_program(plans[k], plans["auto"])
         row["subset_vs_best"] = best / row["auto"]["measured_s"]
         row["keeps_all"] = not row["auto"]["left_out"]
-    row["paced_collectives"] = sum(x["paced_collectives"] for x in per)
-    row["late_collectives"] = sum(x["late_collectives"] for x in per)
+    fewer = [k for k in subsets if row[k]["left_out"]]  # the subsets that leave GPUs out
+    if large and fewer:
+        row["best_subset"] = min(fewer, key=lambda k: row[k]["measured_s"])
+        row["vs_best_subset"] = row[row["best_subset"]]["measured_s"] / row["auto"]["measured_s"]
+    if large:
+        row["crossing_vs_one_micro_step"] = crossing_ratio(plans["auto"], [x["runs"]["auto"] for x in per],
+                                                           [x["one_micro_step"] for x in per], job["topology"])
     return row
 
 
 def subset_table(rows: list[dict]) -> str:
     """Each subset the planner considered, measured side by side: time and throughput against the best."""
-    head = ("| cluster | network | ZeRO | subset | left out | way | predicted (s) | measured (s) | best / this | "
-            "auto's choice |")
-    lines = [head, "|" + "---|" * 10]
+    head = ("| cluster | network | ZeRO | global batch | subset | left out | way | predicted (s) | measured (s) | "
+            "best / this | auto's choice |")
+    lines = [head, "|" + "---|" * 11]
     for r in rows:
         for k in (k for k in r if k.startswith(SUBSET)):
             c = r[k]
-            lines.append(f"| {r['cluster']} | {r['network']} | {r['stage']} | {k[len(SUBSET):]} | "
+            lines.append(f"| {r['cluster']} | {r['network']} | {r['stage']} | {r['gbs']} | {k[len(SUBSET):]} | "
                          f"{','.join(map(str, c['left_out'])) or '-'} | {c['way']} | {c['predicted_s']:.3f} | "
                          f"{c['measured_s']:.3f} | {c['vs_best']:.3f} | {'yes' if c['chosen'] else ''} |")
         if "subset_vs_best" in r:
-            lines.append(f"| | | | auto mode | {','.join(map(str, r['auto']['left_out'])) or '-'} | {r['auto']['way']} | "
+            lines.append(f"| | | | | auto mode | {','.join(map(str, r['auto']['left_out'])) or '-'} | {r['auto']['way']} | "
                          f"{r['auto']['predicted_s']:.3f} | {r['auto']['measured_s']:.3f} | "
                          f"{r['subset_vs_best']:.3f} | |")
     return "\n".join(lines)
 
 
 def table(rows: list[dict]) -> str:
-    rows = [r for r in rows if "flat" in r]
+    rows = [r for r in rows if "flat" in r and not r["large_batch"]]
     if not rows:
         return ""
     head = ("| cluster | network | ZeRO | flat iter (s) | auto: way | auto iter (s) | flat/auto | "
@@ -314,21 +449,49 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def number(x: float | None, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def large_table(rows: list[dict]) -> str:
+    """The large-batch rows: auto mode beside flat on every GPU and the best subset that leaves GPUs out."""
+    rows = [r for r in rows if r["large_batch"]]
+    if not rows:
+        return ""
+    head = ("| cluster | network | ZeRO | global batch | micro-steps flat / best / auto | flat iter (s) | "
+            "best subset | best iter (s) | auto: way | left out | auto iter (s) | flat/auto | best/auto | "
+            "pred err flat / best / auto | crossing bytes vs 1 micro-step |")
+    lines = [head, "|" + "---|" * 15]
+    for r in rows:
+        f, a = r["flat"], r["auto"]
+        b = r.get(r.get("best_subset"), {})
+        lines.append(
+            f"| {r['cluster']} | {r['network']} | {r['stage']} | {r['gbs']} | {f['micro_steps']} / "
+            f"{b.get('micro_steps', '-')} / {a['micro_steps']} | {f['measured_s']:.3f} | "
+            f"{r.get('best_subset', SUBSET + '-')[len(SUBSET):]} | {number(b.get('measured_s'), '.3f')} | "
+            f"{a['way']} | {','.join(map(str, a['left_out'])) or '-'} | {a['measured_s']:.3f} | {r['ratio']:.2f} | "
+            f"{number(r.get('vs_best_subset'), '.2f')} | {f['err']:.3f} / {number(b.get('err'), '.3f')} / "
+            f"{a['err']:.3f} | {number(r['crossing_vs_one_micro_step'], '.3f')} |")
+    return "\n".join(lines)
+
+
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--clusters", default="A-4+4,C-4+4")
     ap.add_argument("--networks", default="eth-10g,ib-200g", help="slow (binding) first, then fast")
     ap.add_argument("--stages", default="2,3")
-    ap.add_argument("--iterations", type=int, default=12, help="measured iterations per plan")
+    ap.add_argument("--iterations", type=int, default=4, help="measured iterations per plan")
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--gbs", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--gbs", type=int, default=32)
     ap.add_argument("--seq", type=int, default=16)
-    ap.add_argument("--repeats", type=int, default=2, help="profiler measurements per batch size")
-    ap.add_argument("--max-batch", type=int, default=32, help="the capacity search stops here")
-    ap.add_argument("--short", action="store_true", help="fewer iterations, rounds and repeats (8 ranks on 2 cores)")
+    ap.add_argument("--repeats", type=int, default=1, help="profiler measurements per batch size")
+    ap.add_argument("--max-batch", type=int, default=8, help="the capacity search stops here")
+    ap.add_argument("--short", action="store_true",
+                    help=f"a smoke run: {SHORT_ITERATIONS} measured iterations a plan, the large-batch rows at "
+                         f"{SHORT_MICRO_STEPS} micro-steps")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--slowdown", type=float, default=1.0,
+    ap.add_argument("--slowdown", type=float, default=4.0,
                     help="run the emulated cluster this many times slower than calibrated (compute and links "
                          "alike): the machine's collective latency, the floor of every link, then weighs less")
     ap.add_argument("--collective-timeout", type=float, default=900.0, help="seconds a rank waits in a collective")
@@ -339,9 +502,22 @@ def parse_args() -> argparse.Namespace:
                     help=f"leave the subset candidates out of the {SUBSETS_CLUSTER} ZeRO-{SUBSETS_STAGE} rows")
     ap.add_argument("--forced", action="store_true",
                     help="also run the hierarchical way (secondary shards at ZeRO-3) whatever the planner chose")
+    ap.add_argument("--large-gbs", type=int, default=0,
+                    help="the global batch of the large-batch rows (default: the least multiple of --gbs that "
+                         "gives every plan --large-micro-steps on its slowest rank)")
+    ap.add_argument("--large-micro-steps", type=int, default=LARGE_MICRO_STEPS,
+                    help="micro-steps on each plan's slowest rank in the large-batch rows, at least")
+    ap.add_argument("--large-iterations", type=int, default=2, help="measured iterations per plan, large-batch rows")
+    ap.add_argument("--large-batch", action="store_true", help="only the large-batch rows")
+    ap.add_argument("--no-large-batch", action="store_true", help="leave the large-batch rows out")
     args = ap.parse_args()
     if args.short:
-        args.iterations, args.rounds, args.repeats = 4, 2, 1
+        args.iterations = args.large_iterations = SHORT_ITERATIONS
+        args.large_micro_steps = min(args.large_micro_steps, SHORT_MICRO_STEPS)
+    if args.large_batch and (args.subsets or args.no_large_batch):
+        ap.error("--large-batch runs the large-batch rows alone: not with --subsets or --no-large-batch")
+    if args.subsets:
+        args.no_large_batch = True
     if args.subsets:
         if args.no_subsets:
             ap.error("--subsets and --no-subsets exclude each other")
@@ -367,7 +543,7 @@ def run_cluster(name: str, args: argparse.Namespace, model_fn: Any, sample_fn: A
         flat_link.remove()
     rows = []
     time_scale = cal.time_scale * args.slowdown
-    for net in args.networks:
+    for net in args.networks[:1] if args.large_batch else args.networks:  # the large-batch rows: the slow link
         emulated = EmulatedCluster(spec.with_network(net), cal.memory_scale, time_scale)
         network = emulated.network(param_bytes, floor)
         print(f"# {name} over {net}: memory scale {cal.memory_scale:.3g}, time scale {time_scale:.3g}; "
@@ -379,15 +555,26 @@ def run_cluster(name: str, args: argparse.Namespace, model_fn: Any, sample_fn: A
                      "warmup": args.warmup, "iterations": args.iterations, "rounds": args.rounds,
                      "topology": emulated.topology, "forced": args.forced, "max_batch": args.max_batch,
                      "param_bytes": param_bytes, "subsets_only": args.subsets,
+                     "large": net == args.networks[0] and not args.no_large_batch,
+                     "large_gbs": args.large_gbs, "large_only": args.large_batch,
+                     "large_micro_steps": args.large_micro_steps, "large_iterations": args.large_iterations,
                      "subset_stages": [SUBSETS_STAGE] if args.subsets or (name == SUBSETS_CLUSTER and not args.no_subsets)
                      else []}
-            results = spawn(worker, spec.world_size, (job_d,), timeout_s=3600, collective_timeout_s=args.collective_timeout)
+            # a hang is caught by the collective timeout; this bounds a network's whole run (profiles, rows)
+            results = spawn(worker, spec.world_size, (job_d,), timeout_s=6 * 3600,
+                            collective_timeout_s=args.collective_timeout)
         finally:
             network.remove()
         if args.json:  # the ranks' raw measurements, kept before they are analysed
             with open(f"{args.json}.{name}.{net}.raw", "w") as f:
                 json.dump(results, f)
-        rows += [analyse(name, net, stage, results, job_d) for stage in args.stages]
+        for stage in args.stages:
+            per = [res[stage] for res in results]
+            made = ([] if args.large_batch else [analyse(name, net, stage, per, job_d)]) + \
+                ([analyse(name, net, stage, [x["large"] for x in per], job_d, large=True)] if "large" in per[0] else [])
+            made[0].update({"links": per[0]["links"], "paced_collectives": sum(x["paced_collectives"] for x in per),
+                            "late_collectives": sum(x["late_collectives"] for x in per)})  # the stage's, once
+            rows += made
     return rows
 
 
@@ -401,17 +588,26 @@ def summary(rows: list[dict], slow: str, fast: str) -> dict[str, Any]:
     ran = [(row, k) for row in rows for k in plan_names(row) if row["alias"].get(k, k) == k]  # each run once
     late = sum(row[k]["late"] for row, k in ran)
     padded = sum(row[k]["padded"] for row, k in ran)
-    least = lambda key, net: min((r[key] for r in rows if r["network"] == net and key in r), default=None)  # noqa: E731
+    small = [r for r in rows if not r["large_batch"]]
+    large = [r for r in rows if r["large_batch"]]
+    least = lambda key, net, of=small: min(  # noqa: E731
+        (r[key] for r in of if r["network"] == net and r.get(key) is not None), default=None)
+    crossing = [r["crossing_vs_one_micro_step"] for r in large if r["crossing_vs_one_micro_step"] is not None]
+    errs = [row[k]["err"] for row in rows for k in ("flat", "auto") if k in row]
     return {"speedup_link_bound": least("ratio", slow), "speedup_link_free": least("ratio", fast),
-            "subset_vs_best": least("subset_vs_best", slow),
-            "subset_keeps_all_fast": all(r["keeps_all"] for r in rows if r["network"] == fast and "keeps_all" in r)
-            if any("keeps_all" in r for r in rows if r["network"] == fast) else None,
+            "subset_vs_best": least("subset_vs_best", slow, rows),
+            "subset_keeps_all_fast": all(r["keeps_all"] for r in small if r["network"] == fast and "keeps_all" in r)
+            if any("keeps_all" in r for r in small if r["network"] == fast) else None,
             "cross_node_bytes_vs_minimum": max(ratios) if ratios else None,
-            "median_prediction_err": statistics.median(row[k]["err"] for row in rows for k in ("flat", "auto")
-                                                       if k in row),
+            "speedup_vs_best_subset_large_batch": least("vs_best_subset", slow, large),
+            "speedup_vs_flat_large_batch": least("ratio", slow, large),
+            "cross_node_bytes_per_iteration_vs_one_micro_step": max(crossing) if crossing else None,
+            "large_batch_micro_steps": min((r[k]["micro_steps"] for r in large for k in plan_names(r)), default=None),
+            "median_prediction_err": statistics.median(errs) if errs else None,
+            "max_prediction_err": max(errs) if errs else None,
             "late_step_fraction": late_fraction(late, padded),
-            "late_collective_fraction": late_fraction(sum(r["late_collectives"] for r in rows),
-                                                      sum(r["paced_collectives"] for r in rows))}
+            "late_collective_fraction": late_fraction(sum(r.get("late_collectives", 0) for r in rows),
+                                                      sum(r.get("paced_collectives", 0) for r in rows))}
 
 
 def main() -> None:
@@ -422,17 +618,18 @@ def main() -> None:
     rows = []
     for name in args.clusters.split(","):
         rows += run_cluster(name, args, model_fn, sample_fn)
-        print(table(rows) + "\n" + subset_table(rows), file=sys.stderr, flush=True)
+        print("\n".join(filter(None, (table(rows), large_table(rows), subset_table(rows)))), file=sys.stderr,
+              flush=True)
     result = summary(rows, *args.networks)
     result.update({"targets": TARGETS, "short": args.short, "wall_s": round(time.perf_counter() - t0, 1),
                    "rows": [{k: v for k, v in r.items() if k != "links"} for r in rows]})
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows, "result": result}, f, indent=1)
-    print(table(rows))
+    print("\n".join(filter(None, (table(rows), large_table(rows)))))
     if any("subset_vs_best" in r for r in rows):
         print(subset_table(rows))
-    for row in rows:
+    for row in (r for r in rows if "links" in r):
         print(f"# {row['cluster']} {row['network']} ZeRO-{row['stage']} links: " + "; ".join(row["links"]))
     print("RESULT " + json.dumps(result))
 

@@ -38,10 +38,10 @@ os.environ.setdefault("POPLAR_PROFILE_STORE", "off")
 
 # The files that take longest, longest first, down to about 1 % of `make test`'s test time each
 # (their costs as measured in one `--durations=0` run of the parallel pass on this 2-core machine:
-# the README's runs about 25 %, the next about 8 %). `make test` hands its two workers whole files
+# the README's runs about 25 %, the next about 8 %). `make test` hands its workers whole files
 # in collection order (`--no-loadscope-reorder`), a worker taking its next file when its current
 # one has two tests left, so these start first and the many short files fill in beside them: a
-# long file started last would run on alone at the end while the other worker idles.
+# long file started last would run on alone at the end while the other workers idle.
 LONGEST_FIRST = (
     "tests/test_readme.py",
     "tests/cli/test_restarts.py",

@@ -22,6 +22,18 @@ from tests.cli.test_train_cli import CPU_ONLY, REPO, TORCHRUN, _config, _torchru
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **CPU_ONLY}
 DEADLINE_S = 120.0
+# `poplar train` in a process that has imported torch and the command line already and runs it
+# once the file argv[1] exists: its start-up (seconds under load) is then behind it when it goes
+READY_THEN_TRAIN = """
+import pathlib, sys, time
+import torch
+from poplar.cli import main
+go = pathlib.Path(sys.argv[1])
+print("ready", flush=True)
+while not go.exists():
+    time.sleep(0.02)
+sys.exit(main(["train", "--config", "run.json"]))
+"""
 
 
 def failure_lines(stderr: str) -> list[str]:
@@ -49,7 +61,12 @@ def rank_exit_codes(stderr: str) -> dict[int, int]:
 def test_a_second_job_on_a_checkpoint_directory_is_refused_and_the_first_keeps_every_checkpoint(
         tmp_path: Path) -> None:
     _config(tmp_path, iterations=300, log_every=10, checkpoint={"dir": "ckpt", "every": 50, "keep": 100})
-    log = tmp_path / "first.log"
+    log, go = tmp_path / "first.log", tmp_path / "go"
+    # the second job imports torch before the first starts: refused at once, it cannot lose a race
+    # with the first's 300 iterations to its own start-up on a loaded machine
+    second = subprocess.Popen([sys.executable, "-c", READY_THEN_TRAIN, str(go)], cwd=tmp_path, env=ENV,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert second.stdout is not None and second.stdout.readline().strip() == "ready"
     first = subprocess.Popen([str(TORCHRUN), "--standalone", "--nproc_per_node", "2", "-m", "poplar", "train",
                               "--config", "run.json"], cwd=tmp_path, env=ENV, stdout=subprocess.DEVNULL,
                              stderr=log.open("w"), start_new_session=True)
@@ -60,21 +77,23 @@ def test_a_second_job_on_a_checkpoint_directory_is_refused_and_the_first_keeps_e
         while not (tmp_path / "ckpt" / LOCK_FILE).exists():
             assert first.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.05)
-        second = subprocess.run([sys.executable, "-m", "poplar", "train", "--config", "run.json"], cwd=tmp_path,
-                                env=ENV, capture_output=True, text=True, timeout=60)
+        go.touch()
+        _, second_err = second.communicate(timeout=60)
         assert first.poll() is None, "the first job ended before the second was refused: make it longer"
         code = first.wait(timeout=max(1.0, deadline - time.monotonic()))
     finally:
         if first.poll() is None:
             os.killpg(first.pid, 9)
-    lines = failure_lines(second.stderr)
-    assert second.returncode == 1 and len(lines) == 1, second.stderr[-3000:]
+        if second.poll() is None:
+            second.kill()
+    lines = failure_lines(second_err)
+    assert second.returncode == 1 and len(lines) == 1, second_err[-3000:]
     assert re.search(r"ckpt is in use by another job \(pid \d+ on .*, started .*torchrun job", lines[0]), lines
     assert "Give this run another checkpoint directory" in lines[0]
     # refused at once: before the model, data or plan are built (the subprocess's timeout is the
     # hang guard; its seconds, mostly Python importing torch, are not asserted: at load 37 a
     # refusal took 31.6 s)
-    assert "data:" not in second.stderr and "plan (" not in second.stderr, second.stderr[-3000:]
+    assert "data:" not in second_err and "plan (" not in second_err, second_err[-3000:]
     text = log.read_text()
     assert code == 0, text[-3000:]
     ckpt = tmp_path / "ckpt"

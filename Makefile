@@ -19,7 +19,7 @@ demo: $(STAMP)
 
 # three workers, a test file each at a time (a file's fixtures are built once): the multi-process
 # tests spend much of their time waiting on sleeps, rendezvous and sockets, so three files share 2
-# cores well (a fresh clone, same tree, same hour: 628 s with three, 698 s with two).
+# cores well (fresh clones of one tree, the same hour: 628 and 694 s with three, 698 s with two).
 # Files go out in collection order, the longest first (tests/conftest.py: LONGEST_FIRST), not
 # reordered by their number of tests. The tests that bound real wall time (marked `timing`: the
 # emulator's pacing) run after, alone, so the other worker's load is not in what they measure.

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable, Iterable, Protocol
 
 import torch
 
@@ -92,8 +92,8 @@ class ReduceQueue:
 
 
 class NodeExchanges:
-    """Across nodes once per iteration (docs/design.md §3.10.12): the exchanges of the node
-    accumulators ``0..count-1`` of a stage (ZeRO-2's units, ZeRO-3's blocks); ``issue(i)``
+    """Across nodes once per iteration (docs/design.md §3.10.12): the exchanges of a stage's node
+    accumulators (ZeRO-2's units, ZeRO-3's blocks), each named by a key (its index); ``issue(i)``
     issues accumulator ``i``'s exchange, async.
 
     [Note: the exchange overlaps the last lock-step micro-step]
@@ -105,8 +105,8 @@ class NodeExchanges:
     and completes its reduce-scatters in the same order, so every rank issues the exchanges in
     the same order. At most ``max_in_flight`` run at once (each holds the other nodes' incoming
     partials). ``finish`` issues those not started (no last lock-step micro-step ran: the stage
-    was driven without the runtime's ``last_lockstep_micro_step``) in index order and completes
-    all, before the status reduction reads the gradients.
+    was driven without the runtime's ``last_lockstep_micro_step``) in the order of its keys and
+    completes all, before the status reduction reads the gradients.
     """
 
     def __init__(self, issue: Callable[[int], PendingChain | None], ledger: CommLedger, max_in_flight: int) -> None:
@@ -136,9 +136,9 @@ class NodeExchanges:
         with self._ledger.scope(Phase.BACKWARD, micro_step=-1):
             self._queue.push(ExchangeHandle(self._issue(i)))
 
-    def finish(self, count: int) -> None:
-        """Issue the exchanges not started yet, in index order, and complete every one."""
-        for i in range(count) if self._on else ():
+    def finish(self, keys: Iterable[int]) -> None:
+        """Issue the exchanges of ``keys`` not started yet, in that order, and complete every one."""
+        for i in keys if self._on else ():
             if i not in self._started:
                 self._start(i)
         self._queue.drain()

@@ -531,7 +531,7 @@ class Stage2(ReplicatedParams):
         its gradient shard (their exchanges started in the last lock-step micro-step: Note: the
         exchange overlaps the last lock-step micro-step, in ``reduce_queue``) before the status
         reduction checks them."""
-        self._exchanges.finish(len(self.units))
+        self._exchanges.finish(range(len(self.units)))
 
     def reduce_gradients(self) -> None:
         for s, g in zip(self.shard_params, self.shard_grads):

@@ -262,7 +262,7 @@ class Stage3(ZeroStage):
             wire = self.precision.reduce_dtype(b.dtype)
             self._zeros = torch.zeros(max(x.full_numel for x in self.blocks), dtype=wire, device=b.device)
             self._hold(self._zeros.numel() * self._zeros.element_size())
-        then = self._exchanges.after_reduce(self.blocks.index(b)) if in_node else None
+        then = self._exchanges.after_reduce(b.index) if in_node else None
         handle = b.start_reduce(self.comm, flats, self._zeros, self.compression.gradient_quantization, in_node, then)
         self._hold(handle.held_bytes - (b.grad_nbytes if flats is not None else 0))  # gradients: held as they came
         self._reduces.push(handle)
@@ -406,8 +406,8 @@ class Stage3(ZeroStage):
     def last_lockstep_micro_step(self) -> None:
         self._exchanges.last_micro_step()
 
-    def _exchange(self, i: int) -> PendingChain | None:
-        b = self.blocks[i]
+    def _exchange(self, index: int) -> PendingChain | None:
+        b = self._blocks_by_index[index]
         return self.comm.exchange_accumulated(b.shard_grad, b.accumulator, tag=f"block{b.index}", async_op=True,
                                               sizes=b.part_sizes)
 
@@ -416,7 +416,7 @@ class Stage3(ZeroStage):
         its gradient shard (their exchanges started in the last lock-step micro-step: Note: the
         exchange overlaps the last lock-step micro-step, in ``reduce_queue``) before the status
         reduction checks them."""
-        self._exchanges.finish(len(self.blocks))
+        self._exchanges.finish(b.index for b in self.blocks)
 
     def reduce_gradients(self) -> None:
         if not self._agreed:

@@ -72,8 +72,9 @@ def profile_as(profile: Profile, way: Collectives, stage: int) -> Profile:
     itemsize = compute_itemsize(profile)
     if topology is None or profile.comm.collectives is way:
         return profile
+    ranks = sorted(profile.ranks, key=lambda r: r.rank)
     held = [held_bytes(way, stage, profile.param_count, itemsize, len(topology.nodes[topology.node_of(r.rank)]))
-            for r in sorted(profile.ranks, key=lambda r: r.rank)]
+            for r in ranks]
     if not any(held):
         return profile
     if not all(r.bytes_per_sample for r in profile.ranks):
@@ -81,8 +82,7 @@ def profile_as(profile: Profile, way: Collectives, stage: int) -> Profile:
                         "sample's activations cost (bytes_per_sample); profile again, or plan with flat or "
                         "hierarchical collectives")
     per_sample = activation_bytes(profile)
-    mbs = [r.mbs - math.ceil(extra / per_sample - 1e-9)
-           for r, extra in zip(sorted(profile.ranks, key=lambda r: r.rank), held)]
+    mbs = [r.mbs - math.ceil(extra / per_sample - 1e-9) for r, extra in zip(ranks, held)]
     if min(mbs) < 1:
         raise PlanError(f"collectives={way.value!r} leave some rank no room for a sample (they hold "
                         f"{max(held) / 2**20:.0f} MiB per rank); plan with flat or hierarchical collectives")

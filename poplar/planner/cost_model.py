@@ -72,13 +72,13 @@ def bus_bytes(op: str, nbytes: float, world_size: int) -> float:
 
 
 Ops = tuple[tuple[str, float], ...]  # (op, bytes of the full buffer) per collective
+Led = tuple[tuple[str, float], ...]  # (device type, seconds) per leading type
 
 # Backward's share of a micro-step's compute: two matmuls per layer (the inputs' gradients and the
 # weights') against forward's one. Crossing nodes once per iteration exchanges the gradients beside
 # the last micro-step's backward, on the cross-node link (``CommModel.crossing_s``); with
 # activation checkpointing backward also recomputes forward, so this is the smaller share.
 BACKWARD_SHARE = 2 / 3
-Led = tuple[tuple[str, float], ...]  # (device type, seconds) per leading type
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,14 @@ micro-step whose batches differ from the one before it (the first follows the it
 adds the measured ``Exposure.switch_s``. ``evaluate_rows`` and the exact
 ``ideal`` price steps so; the ZeRO-2/3 allocator searches with every step at c_m, then prices
 its shortlist, with led last steps, by ``evaluate_rows``. Idle time of rank i is T - C_i.
+
+[Note: ZeRO-0's gradients from the table]
+Across nodes once per iteration, ZeRO-0's gradient all-reduce runs hierarchically and every other
+all-reduce (the status reduction) flat. The recorded collectives are ``[op, bytes]`` pairs, all
+of the iteration's end at ZeRO-0, and do not say which all-reduce is the gradients'; the table
+does: one all-reduce of the full gradients (``all_reduce_s``, the way's price) and the status
+reduction's latency. So at ZeRO-0 another way scales the recorded end by the table's end run that
+way over it run as measured (``priced_as``, ``_gradient_way_scale``), not by the recorded pairs.
 """
 
 from __future__ import annotations
@@ -155,7 +163,9 @@ class CommModel:
         return self._table_micro_step_s(stage)
 
     def _serial_iteration_s(self, stage: int) -> float:
-        if self.iteration_ops:
+        """The iteration's closing collectives one by one, serially: the recorded ones, but at
+        ZeRO-0 the table's (Note: ZeRO-0's gradients from the table)."""
+        if self.iteration_ops and stage != 0:
             return self._ops_s(self.iteration_ops, stage)
         return self._table_iteration_s(stage)
 
@@ -243,6 +253,11 @@ class CommModel:
         return self.call_s(op, self.param_bytes, backward_gather, table=True)
 
     def all_reduce_s(self) -> float:
+        """ZeRO-0's gradient all-reduce of the full gradients: hierarchical where this model runs
+        it across nodes once per iteration (``LinkPricing.gradient_all_reduce_s``), else one ring
+        on the flat link."""
+        if self.pricing is not None and self.collectives is Collectives.ONCE_PER_ITERATION:
+            return self.pricing.gradient_all_reduce_s(self.param_bytes, self.collectives)
         n = self.world_size
         if n <= 1:
             return 0.0
@@ -355,8 +370,16 @@ class CommModel:
         if self.measured_stage == stage and self.exposed_iteration_s is not None:
             return self._scaled_end(self.exposed_iteration_s)
         if self._measured(stage):
-            return self._ops_s(self.iteration_ops, stage)
+            return self._ops_s(self.iteration_ops, stage) * (self._gradient_way_scale() if stage == 0 else 1.0)
         return self._table_iteration_s(stage)
+
+    def _gradient_way_scale(self) -> float:
+        """ZeRO-0's table end run as this model runs the gradients' all-reduce over it run flat
+        (Note: ZeRO-0's gradients from the table): 1 but across nodes once per iteration."""
+        if self.pricing is None or self.collectives is not Collectives.ONCE_PER_ITERATION:
+            return 1.0
+        flat = replace(self, collectives=Collectives.FLAT)._table_iteration_s(0)
+        return self._table_iteration_s(0) / flat if flat > 0 else 1.0
 
     def _table_iteration_s(self, stage: int) -> float:
         small = (2 if stage == 3 else 1) * (self.latency_s if self.world_size > 1 else 0.0)

@@ -22,9 +22,16 @@ block's gather and each gradient buffer's exchange cross nodes once per iteratio
 after the last backward). A call quantized across nodes keeps its crossing per micro-step (its
 exchange quantizes each partial), priced as secondary shards. Calls at the iteration's end
 (ZeRO-1's, ZeRO-2's parameter gather) cross as hierarchical ones do.
-All-reduces (ZeRO-0's gradients, the small status reductions) are priced flat: the recorded
-collectives do not say which all-reduce is the gradients' (once per iteration runs ZeRO-0's
-hierarchically; its price is the flat one's, an upper bound where the cross link is the slow one).
+ZeRO-0's gradient all-reduce of B bytes, across nodes once per iteration, runs hierarchically
+(``hierarchical.all_reduce``): a reduce-scatter and an all-gather of the buffer cut into about
+equal parts per rank, so node k's share is its ranks over all of them, whatever the shard
+weights. It costs both collectives' two steps (``gradient_all_reduce_s``): node k sends
+(1 - s_k) B across at the reduce-scatter and (K-1) s_k B at the all-gather (``exchange_bytes``).
+Every other way runs it as one flat ring, and so does every other all-reduce (the status and
+grad-norm reductions, a few numbers each): those ``call_s`` prices flat. The recorded collectives
+do not say which all-reduce is the gradients' (they are ``[op, bytes]`` pairs), so the cost model
+prices the gradients' from the table, one all-reduce of the full gradients
+(``CommModel.all_reduce_s``).
 
 Everything is priced from node sizes and shares, not from the world: a plan that leaves a rank
 or a node out is priced by the ``LinkPricing`` of the nodes that take part (``with_nodes``).
@@ -32,7 +39,7 @@ or a node out is priced by the ``LinkPricing`` of the nodes that take part (``wi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 from poplar.planner.quantized_pricing import QuantizedWire
@@ -104,18 +111,42 @@ class LinkPricing:
         """The step inside each node (the whole buffer over the node's ranks), nodes at once."""
         return max(ring_s(link, op, nbytes, n) for link, n in zip(self.intra, self.sizes))
 
-    def cross_s(self, nbytes: float) -> float:
-        """The step across nodes: each element once; node k sends (1 - s_k) B and receives
-        (K-1) s_k B, and the step lasts as long as the busiest node."""
+    def exchange_bytes(self, nbytes: float) -> tuple[tuple[float, float], ...]:
+        """Per node, (sent, received) across nodes at a reduce-scatter's exchange of a ``nbytes``
+        buffer: node k sends the partial sums of everything outside its share, (1 - s_k) B, and
+        receives its share from each other node, (K-1) s_k B (an all-gather's is the reverse)."""
         k = len(self.sizes)
-        if k <= 1 or self.cross is None:
+        return tuple(((1.0 - s) * nbytes, (k - 1) * s * nbytes) for s in self.shares)
+
+    def cross_s(self, nbytes: float) -> float:
+        """The step across nodes: each element once (``exchange_bytes``); the step lasts as long
+        as the busiest node, either way."""
+        if len(self.sizes) <= 1 or self.cross is None:
             return 0.0
-        busiest = max(max(1.0 - s, (k - 1) * s) for s in self.shares)
-        return busiest * nbytes / self.cross.bandwidth_bytes_per_s + self.cross.latency_s
+        busiest = max(max(pair) for pair in self.exchange_bytes(nbytes))
+        return busiest / self.cross.bandwidth_bytes_per_s + self.cross.latency_s
+
+    def even(self) -> "LinkPricing":
+        """These links with the buffer cut about equally per rank: node k's share its ranks over
+        all of them (the parts of ZeRO-0's hierarchical all-reduce)."""
+        world = self.world_size
+        return replace(self, shares=tuple(n / world for n in self.sizes))
+
+    def gradient_all_reduce_s(self, nbytes: float, collectives: Collectives) -> float:
+        """ZeRO-0's gradient all-reduce of a ``nbytes`` buffer run as ``collectives``: across nodes
+        once per iteration, hierarchically with even parts (the in-node reduce-scatter, the
+        exchange, the exchange back, the in-node all-gather); every other way, one flat ring."""
+        if self.world_size <= 1:
+            return 0.0
+        if not self.spans_nodes or collectives is not Collectives.ONCE_PER_ITERATION:
+            return self.flat_s("all_reduce", nbytes)
+        even = self.even()
+        return sum(even.intra_s(op, nbytes) + even.cross_s(nbytes) for op in ("reduce_scatter", "all_gather"))
 
     def call_s(self, op: str, nbytes: float, collectives: Collectives, backward_gather: bool = False,
                wire: QuantizedWire | None = None, in_micro_step: bool = False) -> float:
-        """One collective of a ``nbytes`` buffer run as ``collectives``; ``backward_gather``: a
+        """One collective of a ``nbytes`` buffer run as ``collectives`` (an all-reduce: one flat
+        ring; ZeRO-0's gradients' is ``gradient_all_reduce_s``); ``backward_gather``: a
         ZeRO-3 all-gather before backward (inside each node with secondary shards); ``wire``: its
         quantization (``quantized_pricing``): the bytes of its scope sent quantized, plus the
         conversion work; ``in_micro_step``: a call of every micro-step (once per iteration: its

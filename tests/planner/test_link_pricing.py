@@ -116,7 +116,7 @@ def test_the_cost_model_prices_each_stage_on_its_links() -> None:
     assert sec.per_micro_step_s(3) == pytest.approx(2 * both + pricing.intra_s("all_gather", v))
     assert hier.per_micro_step_s(2) == pytest.approx(both) and hier.per_iteration_s(2) == pytest.approx(both + 50e-6)
     assert hier.per_iteration_s(1) == pytest.approx(2 * both + 50e-6)
-    assert hier.per_iteration_s(0) == flat.per_iteration_s(0)  # ZeRO-0's all-reduce stays flat
+    assert hier.per_iteration_s(0) == flat.per_iteration_s(0)  # ZeRO-0's all-reduce: flat but once per iteration
 
 
 def test_a_measured_exposure_is_scaled_by_the_serial_seconds_of_the_way_priced() -> None:
@@ -204,7 +204,8 @@ def test_one_node_has_one_way_and_a_way_that_does_not_apply_is_an_error() -> Non
     got = plan(one, 256, 3)
     assert not got.hierarchical and got.choice.collective_candidates is None
     assert plan(one, 256, 3, collectives="hierarchical").to_dict() == got.to_dict()
-    assert not plan(profile(two_nodes(), stage=0), 256, 0).hierarchical  # ZeRO-0: flat alone
+    with pytest.raises(PlanError, match="hierarchical collectives run from ZeRO-1"):
+        plan(profile(two_nodes(), stage=0), 256, 0, collectives="hierarchical")
     with pytest.raises(PlanError, match="secondary shards at ZeRO-3 only"):
         plan(profile(two_nodes(), stage=2), 256, 2, collectives="secondary_shards")
     with pytest.raises(PlanError, match="collectives must be 'auto' or one of flat, hierarchical"):

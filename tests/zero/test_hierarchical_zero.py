@@ -2,7 +2,8 @@
 4 gloo ranks declared as two nodes (2 + 2 and 3 + 1), shard weights 2:1:1:2 and an uneven batch
 plan equal single-process full-batch training (SGD with momentum, AdamW with clipping); the
 ledger tags every collective with its link, and with secondary shards no backward all-gather
-crosses a node; the memory the secondary shards cost is in ``memory_report()``. The same parity on
+crosses a node; across nodes once per iteration, the bytes each node sends across at ZeRO-0 are
+what the planner prices it to send; the memory the secondary shards cost is in ``memory_report()``. The same parity on
 NCCL where there is a GPU (skipped otherwise)."""
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from poplar.checkpoint import load_checkpoint, save_checkpoint
 from poplar.process.launch import spawn
 from poplar.emulation.gpu_ranks import rank_gpu
 from poplar.engine import PoplarEngine
+from poplar.planner.link_pricing import LinkPricing
 from poplar.types.plans import Plan, PlanError
+from poplar.types.profiles import Links, LinkSpeed
 from poplar.types.route import Collectives
 from poplar.types.topology import Link, Topology
 from poplar.zero.config import ZeroConfig
@@ -101,10 +104,15 @@ def _check_parity(name: str, results: list[dict], stages: tuple[int, ...]) -> No
         staged = [{(kind, norm, 0): res[(stage, kind, norm)] for kind, norm in CONFIGS} for res in results]
         assert_runs_match_reference(staged, CONFIGS, 1, GBS, ITERATIONS)
         if stage == 0:  # once per iteration: the gradients' all-reduce crosses nodes once, each element each way
-            crossed = sum(b for res in results for op, _, link, b in res[("ledger", 0, "sgd")]
-                          if op == "all_reduce" and link is Link.CROSS)
+            crossed = [sum(b for rank in node for op, _, link, b in results[rank][("ledger", 0, "sgd")]
+                           if op == "all_reduce" and link is Link.CROSS) for node in topology.nodes]
             grads = sum(p.numel() for p in make_model().parameters()) * 4
-            assert grads <= crossed / (2 * (topology.node_count - 1)) <= grads * 1.01, (crossed, grads)
+            assert grads <= sum(crossed) / (2 * (topology.node_count - 1)) <= grads * 1.01, (crossed, grads)
+            # what the planner prices each node to send (``LinkPricing.gradient_all_reduce_s``), whatever the weights
+            link = LinkSpeed(1e9)
+            pricing = LinkPricing.of(Links.tiered(topology, (link,) * topology.node_count, link), 4, WEIGHTS).even()
+            priced = [out + back for out, back in pricing.exchange_bytes(grads)]
+            assert crossed == pytest.approx(priced, rel=0.01), (crossed, priced)
             continue
         for rank, res in enumerate(results):
             records = res[("ledger", stage, "sgd")]

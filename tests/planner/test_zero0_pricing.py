@@ -14,7 +14,6 @@ from poplar.planner.link_pricing import LinkPricing
 from poplar.types.plans import Plan
 from poplar.types.profiles import Exposure, LinkSpeed, Links
 from poplar.types.route import Collectives
-from poplar.types.topology import Topology
 from tests.planner.test_link_pricing import FAST, GB, SLOW, profile, two_nodes
 
 ONCE = Collectives.ONCE_PER_ITERATION

@@ -17,16 +17,14 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m poplar demo
 
-# three workers, a group of tests each at a time (a group is a test file, whose fixtures are built
-# once, but for the README's and the guide pages' runs, a group per page: tests/conftest.py): the
-# multi-process tests spend much of their time waiting on sleeps, rendezvous and sockets, so three
-# groups share 2 cores well (fresh clones of one tree, the same hour: 628 and 694 s with three, 698 s
-# with two, 679 s with four). Groups go out in collection order, the longest first
-# (tests/conftest.py: LONGEST_FIRST), not reordered by their number of tests. The tests that bound
-# real wall time (marked `timing`: the emulator's pacing) run after, alone, so the other workers'
-# load is not in what they measure.
+# three workers, a test file each at a time (a file's fixtures are built once): the multi-process
+# tests spend much of their time waiting on sleeps, rendezvous and sockets, so three files share 2
+# cores well (fresh clones of one tree, the same hour: 628 and 694 s with three, 698 s with two).
+# Files go out in collection order, the longest first (tests/conftest.py: LONGEST_FIRST), not
+# reordered by their number of tests. The tests that bound real wall time (marked `timing`: the
+# emulator's pacing) run after, alone, so the other worker's load is not in what they measure.
 test: $(STAMP)
-	$(PY) -m pytest -n 3 --dist loadgroup --no-loadscope-reorder -m "not timing"
+	$(PY) -m pytest -n 3 --dist loadfile --no-loadscope-reorder -m "not timing"
 	$(PY) -m pytest -m timing --durations=5
 
 # the edit-test loop: every test that runs in this one process (no gloo ranks, no torchrun) and bounds no

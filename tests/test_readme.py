@@ -93,19 +93,6 @@ def runs(page: str) -> list[Block]:
 
 
 SHELL_PAGES = [page for page in PAGES if any(b.kind == "shell" for b in blocks(page))]
-NETWORK_PAGES = ("docs/network.md", "docs/lossy.md", "docs/memory.md")  # one test reads the three runs
-
-
-def page_group(page: str) -> str:
-    """The group of ``make test``'s workers a page's runs go in (tests/conftest.py): a page's
-    tests read its one run, so they share a worker; pages run apart, on any worker (the network
-    pages together: ``test_the_network_pages_print_what_they_say`` reads the three)."""
-    return "readme:network pages" if page in NETWORK_PAGES else f"readme:{page}"
-
-
-def on_page(page: str, *more: str) -> object:
-    """A parameter set of tests that read ``page``'s run, in its group."""
-    return pytest.param(page, *more, marks=pytest.mark.xdist_group(page_group(page)))
 
 
 @pytest.mark.parametrize("page", PAGES)
@@ -241,7 +228,7 @@ needs_torchrun = pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is n
 
 @needs_torchrun
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("page", [on_page(page) for page in SHELL_PAGES])
+@pytest.mark.parametrize("page", SHELL_PAGES)
 def test_page_snippets_run(page_runs: Callable[[str], PageRun], page: str) -> None:
     run = page_runs(page)
     for shell in run.shells:
@@ -256,9 +243,9 @@ ITERATIONS = 40 if os.environ.get("POPLAR_README_FULL") == "1" else 3
 
 @needs_torchrun
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("page, report, checkpoint", [on_page("docs/engine.md", "runs/quick", "runs/quick/ckpt"),
-                                                      on_page("README.md", "runs/mine", "ckpt"),
-                                                      on_page("README.md", "runs/tiny", "runs/tiny/ckpt")])
+@pytest.mark.parametrize("page, report, checkpoint", [("docs/engine.md", "runs/quick", "runs/quick/ckpt"),
+                                                      ("README.md", "runs/mine", "ckpt"),
+                                                      ("README.md", "runs/tiny", "runs/tiny/ckpt")])
 def test_the_training_runs_write_their_reports(page_runs: Callable[[str], PageRun], page: str, report: str,
                                                checkpoint: str) -> None:
     """The engine page's script, the README's CPU script and its config's run each write the
@@ -277,7 +264,6 @@ def test_the_training_runs_write_their_reports(page_runs: Callable[[str], PageRu
 
 @needs_torchrun
 @pytest.mark.multiprocess
-@pytest.mark.xdist_group(page_group("README.md"))
 def test_poplar_plan_writes_the_plan_of_the_profile_the_run_measured(page_runs: Callable[[str], PageRun]) -> None:
     directory = page_runs("README.md").directory
     plan = Plan.load(directory / "plan.json")
@@ -288,7 +274,6 @@ def test_poplar_plan_writes_the_plan_of_the_profile_the_run_measured(page_runs: 
 
 @needs_torchrun
 @pytest.mark.multiprocess
-@pytest.mark.xdist_group(page_group("docs/configuration.md"))
 def test_hpz_runs_on_secondary_shards(page_runs: Callable[[str], PageRun]) -> None:
     """The configuration page's `zero_hpz_partition_size` example trains with secondary shards."""
     plan = Plan.load(page_runs("docs/configuration.md").directory / "runs/hpz/plan.json")
@@ -297,7 +282,6 @@ def test_hpz_runs_on_secondary_shards(page_runs: Callable[[str], PageRun]) -> No
 
 @needs_torchrun
 @pytest.mark.multiprocess
-@pytest.mark.xdist_group(page_group("docs/network.md"))
 def test_the_network_pages_print_what_they_say(page_runs: Callable[[str], PageRun]) -> None:
     """Two nodes: most bytes stay in a node; int8 sends about a quarter of fp32's bytes between
     them (0.254 as the page prints); shard weights 2 : 1 and the offloaded rank's state on the host."""
@@ -315,7 +299,6 @@ def test_the_network_pages_print_what_they_say(page_runs: Callable[[str], PageRu
 
 @needs_torchrun
 @pytest.mark.multiprocess
-@pytest.mark.xdist_group(page_group("docs/export.md"))
 def test_the_export_page_prints_what_it_says(page_runs: Callable[[str], PageRun]) -> None:
     """Two ranks save a sharded checkpoint, ``poplar export`` writes model.safetensors in one
     process, and it equals the model."""

@@ -55,7 +55,7 @@ all-reduce (the status reduction) flat. The recorded collectives are ``[op, byte
 of the iteration's end at ZeRO-0, and do not say which all-reduce is the gradients'; the table
 does: one all-reduce of the full gradients (``all_reduce_s``, the way's price) and the status
 reduction's latency. So at ZeRO-0 another way scales the recorded end by the table's end run that
-way over it run as measured (``priced_as``, ``_gradient_way_scale``), not by the recorded pairs.
+way over it run as measured (``priced_as``'s ``iteration_scale``), not by the recorded pairs.
 """
 
 from __future__ import annotations
@@ -370,16 +370,10 @@ class CommModel:
         if self.measured_stage == stage and self.exposed_iteration_s is not None:
             return self._scaled_end(self.exposed_iteration_s)
         if self._measured(stage):
-            return self._ops_s(self.iteration_ops, stage) * (self._gradient_way_scale() if stage == 0 else 1.0)
+            # at ZeRO-0 the recorded all-reduces are priced flat; ``priced_as`` scaled the way's end
+            # by the table's (Note: ZeRO-0's gradients from the table)
+            return self._ops_s(self.iteration_ops, stage) * (self.iteration_scale if stage == 0 else 1.0)
         return self._table_iteration_s(stage)
-
-    def _gradient_way_scale(self) -> float:
-        """ZeRO-0's table end run as this model runs the gradients' all-reduce over it run flat
-        (Note: ZeRO-0's gradients from the table): 1 but across nodes once per iteration."""
-        if self.pricing is None or self.collectives is not Collectives.ONCE_PER_ITERATION:
-            return 1.0
-        flat = replace(self, collectives=Collectives.FLAT)._table_iteration_s(0)
-        return self._table_iteration_s(0) / flat if flat > 0 else 1.0
 
     def _table_iteration_s(self, stage: int) -> float:
         small = (2 if stage == 3 else 1) * (self.latency_s if self.world_size > 1 else 0.0)

@@ -23,9 +23,17 @@ demo: $(STAMP)
 # Files go out in collection order, the longest first (tests/conftest.py: LONGEST_FIRST), not
 # reordered by their number of tests. The tests that bound real wall time (marked `timing`: the
 # emulator's pacing) run after, alone, so the other worker's load is not in what they measure.
+# The suite starts some 250 Python interpreters (launchers, ranks, command lines) and forks some 550
+# ranks that import their test module: where the machine
+# sets PYTHONDONTWRITEBYTECODE each of them compiles the project's modules and the test modules it
+# imports from source again, so the tests run with the bytecode cache (__pycache__ is ignored by git).
+# The timing pass collects only the files that hold `timing` tests (collecting the whole suite
+# imports Lightning and transformers: seconds of the pass, which runs alone).
+TIMING_FILES = $(shell grep -rl --include='*.py' 'mark\.timing' tests)
+test: export PYTHONDONTWRITEBYTECODE =
 test: $(STAMP)
 	$(PY) -m pytest -n 3 --dist loadfile --no-loadscope-reorder -m "not timing"
-	$(PY) -m pytest -m timing --durations=5
+	$(PY) -m pytest -m timing --durations=5 $(TIMING_FILES)
 
 # the edit-test loop: every test that runs in this one process (no gloo ranks, no torchrun) and bounds no
 # wall time (the emulator's pacing tests need a machine to themselves: `make test` runs them alone)

@@ -4,7 +4,7 @@ the per-rank functions ``poplar.process.launch.spawn`` runs (importable by name)
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Callable
 
 import lightning.pytorch as pl
 import torch
@@ -127,3 +127,10 @@ def validate_rank(rank: int, world: int, zero_stage: int) -> float:
     trainer = trainer_for(strategy, 2, limit_val_batches=2, val_check_interval=2)
     trainer.fit(ValidatedModule(), DataLoader(TokenData(), shuffle=False), DataLoader(TokenData(), batch_size=5))
     return float(trainer.callback_metrics["val_loss"])
+
+
+def in_one_group(rank: int, world: int, calls: list[tuple[Callable[..., Any], tuple]]) -> list[Any]:
+    """Several of the jobs above, one after another in one process group (each its own trainer,
+    strategy and engine): a rank that imports Lightning takes seconds of CPU to start, so the
+    tests that need no fresh process share one start."""
+    return [fn(rank, world, *args) for fn, args in calls]

@@ -18,11 +18,23 @@ from tests import toy  # noqa: E402
 from tests.integrations import lightning_jobs as jobs  # noqa: E402
 
 
+# the jobs that need no fresh process, run in one spawned group (``jobs.in_one_group``), by name
+ONE_GROUP = {"stage 0": (jobs.fit_rank, (0, 3, None, None, None)), "stage 2": (jobs.fit_rank, (2, 3, None, None, None)),
+             "validate": (jobs.validate_rank, (3,)), "bf16": (jobs.fit_rank, (2, 3, None, None, None, "bf16-mixed"))}
+
+
+@pytest.fixture(scope="module")
+def one_group() -> dict[str, list]:
+    """Per job of ``ONE_GROUP``, what each rank returned."""
+    out = spawn(jobs.in_one_group, 3, (list(ONE_GROUP.values()),), timeout_s=480, collective_timeout_s=120)
+    return {name: [rank[i] for rank in out] for i, name in enumerate(ONE_GROUP)}
+
+
 # ZeRO-3, the sharded stage, runs under torchrun below: one job per stage
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("zero_stage", [0, 2])
-def test_three_steps_equal_one_process(zero_stage: int) -> None:
-    out = spawn(jobs.fit_rank, 3, (zero_stage, 3, None, None, None), timeout_s=240, collective_timeout_s=120)
+def test_three_steps_equal_one_process(zero_stage: int, one_group: dict[str, list]) -> None:
+    out = one_group[f"stage {zero_stage}"]
     assert toy.max_rel_err(out[0]["state"], jobs.reference(3)) < 1e-5
 
 
@@ -60,8 +72,8 @@ def test_clipped_run_killed_after_step_3_resumes_from_its_checkpoint_exactly(tmp
 
 
 @pytest.mark.multiprocess
-def test_validation_runs_on_the_sharded_zero3_model() -> None:
-    out = spawn(jobs.validate_rank, 3, (3,), timeout_s=240, collective_timeout_s=120)
+def test_validation_runs_on_the_sharded_zero3_model(one_group: dict[str, list]) -> None:
+    out = one_group["validate"]
     module, data = jobs.ToyModule(), jobs.TokenData()
     module.load_state_dict(jobs.reference(2))
     with torch.no_grad():
@@ -70,8 +82,8 @@ def test_validation_runs_on_the_sharded_zero3_model() -> None:
 
 
 @pytest.mark.multiprocess
-def test_bf16_mixed_runs_the_forward_in_autocast() -> None:
-    out = spawn(jobs.fit_rank, 3, (2, 3, None, None, None, "bf16-mixed"), timeout_s=240, collective_timeout_s=120)
+def test_bf16_mixed_runs_the_forward_in_autocast(one_group: dict[str, list]) -> None:
+    out = one_group["bf16"]
     assert out[0]["dtypes"] == ["torch.bfloat16"]
     # micro-batches round differently in bf16 from the one global batch: close, not equal
     assert toy.max_rel_err(out[0]["state"], jobs.reference(3, bf16=True)) < 2e-2

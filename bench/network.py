@@ -45,9 +45,15 @@ about a minute at the floor of a loaded machine, so one iteration already averag
 hundred collectives: those rows measure ``--large-iterations 2`` a plan, one in each round, and
 run one entry iteration a plan in all (in the first round, where its engine is new: each plan
 keeps its engine, so its block in the second round starts warm, and that block's iteration is
-timed from the barrier that opens it). The profiles dominate the rest: one per cluster, network and stage (8 by
-default), each some minutes of paced steps at this slowdown. ``--short`` is a smoke run, not
-evidence (2 measured iterations a plan, the large-batch rows at 2 micro-steps).
+timed from the barrier that opens it). The profiles dominate the rest: one per cluster, network
+and stage (8 by default), each some minutes of paced steps at this slowdown. Each network has its
+own profile, since most of a profile is what the network decides: at ZeRO-3 most of its time is
+inside collectives, and most of its rounds are the steady rounds that measure the exposed
+communication (``profiler.exposure``); what does not depend on the network (the capacity search,
+the timing grid's rounds) is about a tenth of its rounds, so measuring the compute once per cluster and
+stage would spare little. The default run is longer than the 40 minutes alone issue 55 asks
+(docs/experiments.md, 2026-11-29, has the estimate and its parts). ``--short`` is a smoke run,
+not evidence (2 measured iterations a plan, the large-batch rows at 2 micro-steps).
 
 Which GPUs take part (``subset_vs_best``; ``--subsets`` runs it alone). On C-4+4 at ZeRO-3 (each
 network) every subset the planner considers (``planner.participation``: every GPU, each node

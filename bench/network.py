@@ -42,10 +42,18 @@ its compute, the least that gives 8 micro-steps); 4 measured iterations a plan i
 (each plan first once), one profiler repeat. A large-batch iteration is at least 8 micro-steps
 of paced collectives (at ZeRO-3 gathers and reduce-scatters per block, each paying the floor),
 about a minute at the floor of a loaded machine, so one iteration already averages over a
-hundred collectives: those rows measure ``--large-iterations 2`` a plan, one in each round after
-one entry iteration. The profiles dominate the rest: one per cluster, network and stage (8 by
-default), each some minutes of paced steps at this slowdown. ``--short`` is a smoke run, not
-evidence (2 measured iterations a plan, the large-batch rows at 2 micro-steps).
+hundred collectives: those rows measure ``--large-iterations 2`` a plan, one in each round, and
+run one entry iteration a plan in all (in the first round, where its engine is new: each plan
+keeps its engine, so its block in the second round starts warm, and that block's iteration is
+timed from the barrier that opens it). The profiles dominate the rest: one per cluster, network
+and stage (8 by default), each some minutes of paced steps at this slowdown. Each network has its
+own profile, since most of a profile is what the network decides: at ZeRO-3 most of its time is
+inside collectives, and most of its rounds are the steady rounds that measure the exposed
+communication (``profiler.exposure``); what does not depend on the network (the capacity search,
+the timing grid's rounds) is about a tenth of its rounds, so measuring the compute once per cluster and
+stage would spare little. The default run is longer than the 40 minutes alone issue 55 asks
+(docs/experiments.md, 2026-11-29, has the estimate and its parts). ``--short`` is a smoke run,
+not evidence (2 measured iterations a plan, the large-batch rows at 2 micro-steps).
 
 Which GPUs take part (``subset_vs_best``; ``--subsets`` runs it alone). On C-4+4 at ZeRO-3 (each
 network) every subset the planner considers (``planner.participation``: every GPU, each node
@@ -217,15 +225,16 @@ def train(job: dict, device: Any, stage: int, plans: dict[str, Plan], rank: int)
         model = job["model_fn"]()
         engines[name] = PoplarEngine(model, default_optimizer(model), plan=p,
                                      zero_stage=ZeroConfig(stage, topology=job["topology"]))
-        out[name] = {"end": [], "measured": [], "late": 0, "padded": 0, "cross": []}
+        out[name] = {"since": [], "end": [], "measured": [], "late": 0, "padded": 0, "cross": []}
     names = list(plans)
     per = -(-job["iterations"] // job["rounds"])
     for r in range(job["rounds"]):
+        warmup = job["warmup"] if r == 0 or not job.get("warmup_once") else 0
         for name in names[r % len(names):] + names[:r % len(names)]:
             p, engine, rec = plans[name], engines[name], out[name]
             first = p.sample_offsets()[rank]
             batches = [tokens(p.global_batch_size, job["seq"], 1000 + len(rec["end"]) + i)
-                       [first:first + p.ranks[rank].num_samples] for i in range(job["warmup"] + per)]
+                       [first:first + p.ranks[rank].num_samples] for i in range(warmup + per)]
             late, padded = device.late_steps, device.padded_steps
             say = rank == in_step(p)[0]  # the plan's first rank in the step reports its progress
             with device.attach(engine):
@@ -233,8 +242,9 @@ def train(job: dict, device: Any, stage: int, plans: dict[str, Plan], rank: int)
                 for i, batch in enumerate(batches):
                     t0 = time.perf_counter()
                     engine.train_step(batch, llama_loss_fn)
+                    rec["since"].append(rec["end"][-1] if i else t0)  # the block's first: from the barrier
                     rec["end"].append(time.perf_counter())
-                    rec["measured"].append(i >= job["warmup"])
+                    rec["measured"].append(i >= warmup)
                     if say:
                         print(f"      round {r} {name}: iteration {i} {rec['end'][-1] - t0:.2f} s", file=sys.stderr,
                               flush=True)
@@ -300,7 +310,8 @@ def large_row(job: dict, device: Any, stage: int, prof: Any, rank: int) -> dict[
     the ledger (two iterations, not timed)."""
     gbs = large_gbs(prof, job, stage)
     plans = row_plans(prof, job, stage, gbs, large=True)
-    out = run_row({**job, "iterations": job["large_iterations"]}, device, stage, plans, rank, f" at global batch {gbs}")
+    out = run_row({**job, "iterations": job["large_iterations"], "warmup_once": True}, device, stage, plans, rank,
+                  f" at global batch {gbs}")
     one = one_micro_step(plans["auto"])
     runs = train({**job, "warmup": 1, "iterations": 1, "rounds": 1}, device, stage, {"one": one}, rank)
     out["one_micro_step"] = runs["one"]["cross"][-1]
@@ -320,7 +331,12 @@ def worker(rank: int, world: int, job: dict) -> dict:
         prof = profile_rank(job["model_fn"], llama_loss_fn, job["sample_fn"], device,
                             optimizer_fn=default_optimizer, options=options, log=lambda m: None)
         if rank == 0:
-            print(f"    ZeRO-{stage}: profile {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+            m = prof.measurement
+            past = m.past_mbs.seconds if m.past_mbs else 0.0
+            print(f"    ZeRO-{stage}: profile {time.perf_counter() - t0:.0f} s (in the ranks {m.seconds:.0f} s: "
+                  f"capacity {m.ranks[0].phase_seconds.get('capacity_s', 0):.0f} s, {m.timing_rounds} timing rounds, "
+                  f"{m.ranks[0].timing_comm_s:.0f} s of them in collectives, past mbs {past:.0f} s; "
+                  f"exposure error {prof.comm.exposure and prof.comm.exposure.error})", file=sys.stderr, flush=True)
         res: dict[str, Any] = {}
         if not job["large_only"]:
             res = run_row(job, device, stage, row_plans(prof, job, stage, job["gbs"], large=False), rank, "")
@@ -333,11 +349,12 @@ def worker(rank: int, world: int, job: dict) -> dict:
 
 
 def median_period(runs: list[dict], ranks: list[int]) -> float:
-    """Median over the measured iterations of the period, averaged over ``ranks`` (those in the step)."""
+    """Median over the measured iterations of the period, averaged over ``ranks`` (those in the step):
+    from the previous end in the block, or for a block's first iteration from the barrier before it."""
     periods = []
-    for i in range(1, len(runs[0]["end"])):
+    for i in range(len(runs[0]["end"])):
         if runs[0]["measured"][i]:
-            periods.append(statistics.mean(runs[r]["end"][i] - runs[r]["end"][i - 1] for r in ranks))
+            periods.append(statistics.mean(runs[r]["end"][i] - runs[r]["since"][i] for r in ranks))
     return statistics.median(periods)
 
 
@@ -538,7 +555,9 @@ def run_cluster(name: str, args: argparse.Namespace, model_fn: Any, sample_fn: A
     flat_link = LinkSpec.create(fit["latency_s"], fit["bandwidth_bytes_per_s"], spec.world_size)
     try:
         job = ProfileJob(model_fn, llama_loss_fn, sample_fn, default_optimizer, ProfileOptions(max_batch=args.max_batch))
+        t0 = time.perf_counter()
         cal = calibrate_stages(job, spec, args.stages, link=flat_link)
+        print(f"# {name}: calibration {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     finally:
         flat_link.remove()
     rows = []

@@ -9,7 +9,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# torch is pinned here (a CPU build is on disk); pyproject only declares a range.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	# no byte-compiling of every module of every extra here: the runs compile what they import
+	# (PYTHONDONTWRITEBYTECODE is unexported below), most of transformers and Lightning they never do
+	$(PY) -m pip install -q --no-compile -e '.[dev]'
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -24,13 +26,13 @@ demo: $(STAMP)
 # reordered by their number of tests. The tests that bound real wall time (marked `timing`: the
 # emulator's pacing) run after, alone, so the other worker's load is not in what they measure.
 # The suite starts some 250 Python interpreters (launchers, ranks, command lines) and forks some 550
-# ranks that import their test module: where the machine
-# sets PYTHONDONTWRITEBYTECODE each of them compiles the project's modules and the test modules it
-# imports from source again, so the tests run with the bytecode cache (__pycache__ is ignored by git).
+# ranks that import their test module: where the machine sets PYTHONDONTWRITEBYTECODE each of them
+# compiled the project's modules and the test modules it imports from source again, so every
+# target here runs with the bytecode cache (__pycache__ is ignored by git).
 # The timing pass collects only the files that hold `timing` tests (collecting the whole suite
 # imports Lightning and transformers: seconds of the pass, which runs alone).
 TIMING_FILES = $(shell grep -rl --include='*.py' 'mark\.timing' tests)
-test: export PYTHONDONTWRITEBYTECODE =
+unexport PYTHONDONTWRITEBYTECODE
 test: $(STAMP)
 	$(PY) -m pytest -n 3 --dist loadfile --no-loadscope-reorder -m "not timing"
 	$(PY) -m pytest -m timing --durations=5 $(TIMING_FILES)

@@ -16,8 +16,8 @@ A python or shell block with no mark fails ``test_no_runnable_block_goes_unmarke
 
 Each page's snippets run once, in a directory of its own (``page_runs``), and every test of that
 page reads what that one run left (exit statuses, output, reports and checkpoints). To keep the
-suite fast the training length is shortened and ``torch.compile`` runs without inductor
-(``SHORTEN``); ``POPLAR_README_FULL=1`` runs the
+suite fast the training length is shortened, auto mode profiles with one measurement a batch
+size and ``torch.compile`` runs without inductor (``SHORTEN``); ``POPLAR_README_FULL=1`` runs the
 snippets exactly as written (the pages give each one's time and the load it was measured at).
 """
 
@@ -50,6 +50,8 @@ COMMAND = re.compile(r"(poplar (demo|train|profile|plan|simulate)\b(?!:)|torchru
 SHORTEN = [("iterations=40", "iterations=3"), ("every=20", "every=2"), ('"iterations": 40', '"iterations": 3'),
            ('"iterations": 300', '"iterations": 3'), ("range(100)", "range(3)"), ("range(20)", "range(3)"),
            ("range(10)", "range(3)"), ("--iterations 30", "--iterations 3"),
+           # auto mode's profile: one measurement a batch size (the default takes the least of 3)
+           ("AutoOptions(profile_data=data,", "AutoOptions(repeats=1, profile_data=data,"),
            # dynamo and AOTAutograd meet Poplar's hooks; inductor's kernel build takes minutes on a CPU
            (".compile()", '.compile(backend="aot_eager")')]
 TORCHRUN = Path(sys.executable).with_name("torchrun")

@@ -35,8 +35,9 @@ times more against that floor, as they do on a real cluster.
 Sizes of the default run (the evidence; 8 processes pace most of their time asleep, so its
 length is the emulated cluster's time more than the cores'): ``--slowdown 4``, where the bytes
 outweigh the floor enough for the link to decide (at 1 the floor decides every row: flat or
-fewer ranks win whatever the link); global batch 32 (4 samples a rank on 8 ranks, 8 on a 4-rank
-subset, which fits every subset's memory) and ``--max-batch 8`` (the capacity search stops at
+fewer ranks win whatever the link); global batch 32 (4 samples a rank on 8 ranks; a 4-rank subset
+holds the whole sharded state on half the ranks, so its micro-batch shrinks below 8 and it runs 2
+micro-steps of 4) and ``--max-batch 8`` (the capacity search stops at
 the largest micro-batch a row uses, which shortens each profile, and keeps the large batch, and
 its compute, the least that gives 8 micro-steps); 4 measured iterations a plan in 2 rounds
 (each plan first once), one profiler repeat. A large-batch iteration is at least 8 micro-steps
@@ -51,8 +52,8 @@ own profile, since most of a profile is what the network decides: at ZeRO-3 most
 inside collectives, and most of its rounds are the steady rounds that measure the exposed
 communication (``profiler.exposure``); what does not depend on the network (the capacity search,
 the timing grid's rounds) is about a tenth of its rounds, so measuring the compute once per cluster and
-stage would spare little. The default run is longer than the 40 minutes alone issue 55 asks
-(docs/experiments.md, 2026-11-29, has the estimate and its parts). ``--short`` is a smoke run,
+stage would spare little. The default run took 67 minutes alone, the 8 profiles 40 of them
+(docs/experiments.md, 2026-11-29): longer than the 40 minutes issue 55 asks. ``--short`` is a smoke run,
 not evidence (2 measured iterations a plan, the large-batch rows at 2 micro-steps).
 
 Which GPUs take part (``subset_vs_best``; ``--subsets`` runs it alone). On C-4+4 at ZeRO-3 (each
@@ -162,7 +163,8 @@ def sample(batch: int, seq: int) -> torch.Tensor:
 
 
 def way(p: Plan) -> str:
-    return "secondary" if p.collectives is Collectives.SECONDARY_SHARDS else p.collectives.value
+    name = "secondary" if p.collectives is Collectives.SECONDARY_SHARDS else p.collectives.value
+    return name if p.held_share >= 1 else f"{name} ({100 * p.held_share:.0f}% held)"
 
 
 def same_program(a: Plan, b: Plan) -> bool:
@@ -285,7 +287,8 @@ def one_micro_step(p: Plan) -> Plan:
     """``p`` at one micro-step: the same way, shard weights and ranks in the step, each rank in
     the step one micro-step of its micro-batch (what crosses nodes then is the minimum of the way)."""
     ranks = [replace(r, accum_steps=1, last_batch_size=0) if r.accum_steps else r for r in p.ranks]
-    return Plan(ranks, zero_stage=p.zero_stage, collectives=p.collectives, compression=p.compression)
+    return Plan(ranks, zero_stage=p.zero_stage, collectives=p.collectives, compression=p.compression,
+                held_share=p.held_share)
 
 
 def run_row(job: dict, device: Any, stage: int, plans: dict[str, Plan], rank: int, label: str) -> dict[str, Any]:
@@ -344,6 +347,8 @@ def worker(rank: int, world: int, job: dict) -> dict:
             res["large"] = large_row(job, device, stage, prof, rank)
         res.update({"paced_collectives": device.link.paced_collectives - paced,
                     "late_collectives": device.link.late_collectives - late_c, "links": prof.comm.links.describe()})
+        if rank == 0:  # the profile every row was planned from, for the raw file (--json)
+            res["profile"] = prof.to_dict()
         out[stage] = res
     return out
 
@@ -507,7 +512,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--short", action="store_true",
                     help=f"a smoke run: {SHORT_ITERATIONS} measured iterations a plan, the large-batch rows at "
                          f"{SHORT_MICRO_STEPS} micro-steps")
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", default=None, help="the rows and RESULT; beside it, per cluster and network, the "
+                    "ranks' raw measurements and the profile each stage's rows were planned from (PATH.<cluster>.<net>.raw)")
     ap.add_argument("--slowdown", type=float, default=4.0,
                     help="run the emulated cluster this many times slower than calibrated (compute and links "
                          "alike): the machine's collective latency, the floor of every link, then weighs less")

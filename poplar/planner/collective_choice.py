@@ -33,6 +33,12 @@ from poplar.types.route import Collectives
 
 # the enum's order: simpler ways first within the tie
 ORDER = tuple(Collectives)
+# where what crossing nodes once per iteration holds would take more than a quarter of some
+# rank's micro-batch, the way is also planned holding it for part of the parameters (``Route``'s
+# Note: a share held), at the largest shares that take at most each of these fractions of every
+# rank's: a GPU left a small part of its measured batch runs more, shorter micro-steps, so the
+# crossings saved may not pay for the batch lost; the predicted times decide among them
+DISPLACED = (0.25, 0.5)
 
 
 def collectives_setting(value: str | Collectives) -> Collectives | None:
@@ -63,18 +69,72 @@ def compute_itemsize(profile: Profile) -> int:
     return 2 if profile.precision in ("bf16", "fp16") else 4
 
 
-def profile_as(profile: Profile, way: Collectives, stage: int) -> Profile:
-    """The profile a plan at ``stage`` with its collectives run ``way`` is planned on: every
-    rank's largest micro-batch less the samples what the way holds displaces (``held_bytes``,
-    over the bytes of a sample). A profile measured with that way already holds it. A
-    ``PlanError`` where the profile cannot say (no bytes per sample) or a rank would fit no sample."""
+def _held_per_rank(profile: Profile, way: Collectives, stage: int) -> list[float] | None:
+    """What ``way`` holds on each rank (``held_bytes``), in rank order; None where the profile
+    already holds it (measured with that way) or knows no topology."""
     topology = profile.comm.links.topology
-    itemsize = compute_itemsize(profile)
     if topology is None or profile.comm.collectives is way:
-        return profile
+        return None
+    itemsize = compute_itemsize(profile)
+    return [held_bytes(way, stage, profile.param_count, itemsize, len(topology.nodes[topology.node_of(r.rank)]))
+            for r in sorted(profile.ranks, key=lambda r: r.rank)]
+
+
+def held_shares(profile: Profile, way: Collectives, stage: int) -> tuple[float, ...]:
+    """The shares of the parameters to plan ``way`` holding (``Route``'s Note: a share held):
+    all of them, and where that would displace more than the least of ``DISPLACED`` of some
+    rank's micro-batch (or all of it), also, for each fraction, the largest share in whole
+    percents that displaces at most that fraction on every rank (none that is 0)."""
+    held = _held_per_rank(profile, way, stage)
+    if way is not Collectives.ONCE_PER_ITERATION or held is None or not any(held) \
+            or not all(r.bytes_per_sample for r in profile.ranks):
+        return (1.0,)
+    per_sample = activation_bytes(profile)
     ranks = sorted(profile.ranks, key=lambda r: r.rank)
-    held = [held_bytes(way, stage, profile.param_count, itemsize, len(topology.nodes[topology.node_of(r.rank)]))
-            for r in ranks]
+    shares = {1.0}
+    for fraction in DISPLACED:
+        room = [math.floor(fraction * r.mbs) * per_sample for r in ranks]
+        share = math.floor(100 * min(min(space / h, 1.0) for h, space in zip(held, room) if h > 0)) / 100
+        if share >= 1:
+            break  # the whole way displaces at most this fraction: the larger ones add nothing
+        if share > 0:
+            shares.add(share)
+    return tuple(sorted(shares, reverse=True))
+
+
+def fastest_share(shares: Sequence[float], planned: Callable[[float], Plan]) -> Plan:
+    """The plan (``planned``) at each held share, the fastest predicted kept; within the plan's
+    tie the smaller share, which holds less memory (Note: flat first within the tie)."""
+    if len(shares) == 1:
+        return planned(shares[0])
+    found: list[Candidate[CollectivesRow]] = []
+    errors: list[PlanError] = []
+    for share in sorted(shares):
+        try:
+            plan = planned(share)
+        except PlanError as e:
+            errors.append(e)
+            continue
+        found.append(Candidate(CollectivesRow(plan.collectives.value, plan.predicted_iteration_s), plan,
+                               preference=len(found)))
+    if not found:
+        raise errors[-1]  # the whole share's: the way itself does not fit
+    kept = choose(found, found[0].plan.choice.plan_tie or 0.0).plan  # type: ignore[union-attr]
+    assert kept is not None
+    return kept
+
+
+def profile_as(profile: Profile, way: Collectives, stage: int, held_share: float = 1.0) -> Profile:
+    """The profile a plan at ``stage`` with its collectives run ``way`` (once per iteration: for
+    ``held_share`` of the parameters) is planned on: every rank's largest micro-batch less the
+    samples what the way holds displaces (``held_bytes``, over the bytes of a sample). A profile
+    measured with that way already holds it. A ``PlanError`` where the profile cannot say (no
+    bytes per sample) or a rank would fit no sample."""
+    found = _held_per_rank(profile, way, stage)
+    if found is None:
+        return profile
+    held = [held_share * h for h in found]
+    ranks = sorted(profile.ranks, key=lambda r: r.rank)
     if not any(held):
         return profile
     if not all(r.bytes_per_sample for r in profile.ranks):
@@ -102,7 +162,8 @@ def fastest(candidates: Sequence[Collectives], planned: Callable[[Collectives], 
             errors.append(e)
             found.append(Candidate(CollectivesRow(way.value, reason=str(e))))
             continue
-        found.append(Candidate(CollectivesRow(way.value, plan.predicted_iteration_s), plan, preference))
+        found.append(Candidate(CollectivesRow(way.value, plan.predicted_iteration_s, held_share=plan.held_share), plan,
+                               preference))
     if all(c.plan is None for c in found):
         raise errors[0]
     # every way is planned on the profile's exposure (secondary shards move memory, not its error),

@@ -121,12 +121,16 @@ class CommModel:
     # (computes, ends) balanced: the iteration's end (closing + fixed overhead) after a last
     # micro-step of that compute; stages 0/1 price their end from it (``led_iteration_s``)
     exposed_end_steps: tuple[tuple[float, ...], tuple[float, ...]] | None = None
+    # across nodes once per iteration: the share of the parameters that cross so, the rest per
+    # micro-step as hierarchical collectives (``Route``'s Note: a share held)
+    held_share: float = 1.0
 
     @classmethod
     def from_profile(cls, profile: Any, collectives: Collectives = Collectives.FLAT,
-                     compression: Compression = NO_COMPRESSION) -> "CommModel":
+                     compression: Compression = NO_COMPRESSION, held_share: float = 1.0) -> "CommModel":
         """The model of a profile's links and exposures, pricing the collectives as ``collectives``
-        with ``compression``'s quantized collectives."""
+        with ``compression``'s quantized collectives (once per iteration: for ``held_share`` of
+        the parameters)."""
         model = replace(cls._measured_model(profile), compression=compression.exact(),
                         overhead_s=float(profile.comm.exposure.overhead_s or 0.0))
         links = profile.comm.links
@@ -135,23 +139,25 @@ class CommModel:
         pricing = LinkPricing.of(links, profile.world_size, profile.shard_weights)
         measured = profile.comm.collectives
         return replace(model, pricing=pricing, collectives=measured,
-                       measured_collectives=measured).priced_as(collectives, compression)
+                       measured_collectives=measured).priced_as(collectives, compression, held_share)
 
-    def priced_as(self, collectives: Collectives, compression: Compression | None = None) -> "CommModel":
-        """This model with the collectives run as ``collectives``, quantized as ``compression``
-        (None: as this model's): the formulas price them on their links, and a measured exposure
-        is scaled by the serial seconds of one micro-step's (and of the iteration's closing)
-        collectives run so over those it measured (exact): compute hid the same fraction of them."""
+    def priced_as(self, collectives: Collectives, compression: Compression | None = None,
+                  held_share: float = 1.0) -> "CommModel":
+        """This model with the collectives run as ``collectives`` (once per iteration: for
+        ``held_share`` of the parameters), quantized as ``compression`` (None: as this model's):
+        the formulas price them on their links, and a measured exposure is scaled by the serial
+        seconds of one micro-step's (and of the iteration's closing) collectives run so over those
+        it measured (exact, every parameter held): compute hid the same fraction of them."""
         compression = self.compression if compression is None else compression
         measured = replace(self, collectives=self.measured_collectives, micro_scale=1.0, iteration_scale=1.0,
-                           compression=compression.exact())
-        priced = replace(measured, collectives=collectives, compression=compression)
+                           compression=compression.exact(), held_share=1.0)
+        priced = replace(measured, collectives=collectives, compression=compression, held_share=held_share)
 
         def ratio(new: float, old: float) -> float:
             return new / old if old > 0 else 1.0
 
         stage = self.measured_stage
-        if stage is None or (collectives is self.measured_collectives and not compression.lossy):
+        if stage is None or (collectives is self.measured_collectives and not compression.lossy and held_share >= 1):
             return priced
         return replace(priced,
                        micro_scale=ratio(priced._serial_micro_step_s(stage), measured._serial_micro_step_s(stage)),
@@ -202,7 +208,12 @@ class CommModel:
         (``LinkPricing.call_s``)."""
         wire = self.compression.wire(op, table)
         if self.pricing is not None and (self.collectives is not Collectives.FLAT or wire is not None):
-            return self.pricing.call_s(op, nbytes, self.collectives, backward_gather, wire, in_micro_step)
+            held = self.pricing.call_s(op, nbytes, self.collectives, backward_gather, wire, in_micro_step)
+            if self.held_share >= 1:
+                return held
+            # the pieces outside the held share cross per micro-step, hierarchically (Note: a share held)
+            per_step = self.pricing.call_s(op, nbytes, Collectives.HIERARCHICAL, backward_gather, wire, in_micro_step)
+            return self.held_share * held + (1 - self.held_share) * per_step
         n = self.world_size
         if n <= 1:
             return 0.0
@@ -227,7 +238,8 @@ class CommModel:
         exchanges start as the last lock-step micro-step's in-node reduce-scatters complete
         (``zero.reduce_queue.NodeExchanges``) and run beside that micro-step's backward, on the
         cross-node link: with ``last_step_s`` (its slowest compute) up to ``BACKWARD_SHARE`` of it
-        is hidden; without, none (an upper bound)."""
+        is hidden; without, none (an upper bound). Held for a share of the parameters, that share
+        of them crosses so (the rest crossed in their micro-steps, ``call_s``)."""
         if self.pricing is None or stage not in (2, 3) or self.collectives is not Collectives.ONCE_PER_ITERATION:
             return 0.0
         pricing, collectives = self.pricing, self.collectives
@@ -243,7 +255,7 @@ class CommModel:
         gathers = sum(once(op, n, table) for op, n in ops if op == "all_gather")
         exchanges = sum(once(op, n, table) for op, n in ops if op == "reduce_scatter")
         hidden = BACKWARD_SHARE * last_step_s if last_step_s is not None else 0.0
-        return gathers + max(0.0, exchanges - hidden)
+        return self.held_share * gathers + max(0.0, self.held_share * exchanges - hidden)
 
     def _measured(self, stage: int) -> bool:
         return self.measured_stage == stage and bool(self.micro_step_ops or self.iteration_ops)

@@ -134,10 +134,11 @@ def load_profile(profile: Profile | Mapping[str, Any] | str | os.PathLike) -> Pr
 def make_problem(profile: Profile | Mapping[str, Any] | str | os.PathLike, global_batch_size: int,
                  zero_stage: int | None = None, *, require_all_ranks: bool = False,
                  max_micro_steps: int | None = None, collectives: Collectives = Collectives.FLAT,
-                 compression: CommPolicy = EXACT) -> Problem:
+                 compression: CommPolicy = EXACT, held_share: float = 1.0) -> Problem:
     """Validate the inputs and build the per-type view the strategies work on, its collectives
-    priced as ``collectives`` (on a job that spans nodes: ``planner.link_pricing``), quantized as
-    ``compression`` (``planner.quantized_pricing``)."""
+    priced as ``collectives`` (on a job that spans nodes: ``planner.link_pricing``; once per
+    iteration for ``held_share`` of the parameters), quantized as ``compression``
+    (``planner.quantized_pricing``)."""
     prof = load_profile(profile)
     stage = prof.zero_stage if zero_stage is None else zero_stage
     if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
@@ -169,7 +170,7 @@ def make_problem(profile: Profile | Mapping[str, Any] | str | os.PathLike, globa
                 "max_micro_steps, or use a higher ZeRO stage (larger micro-batches)")
     if (problem := compression.problem(stage)) is not None:
         raise PlanError(problem)
-    comm = CommModel.from_profile(prof, collectives, Compression.of(prof, compression))
+    comm = CommModel.from_profile(prof, collectives, Compression.of(prof, compression), held_share)
     return Problem(groups, comm, stage, gbs, require_all_ranks, max_micro_steps,
                    plan_tie=max(PLAN_TIE, TIE_ERRORS * (prof.comm.exposure.error or 0.0)), compression=compression)
 
@@ -194,7 +195,8 @@ def plan_problem(problem: Problem, strategy: str = "poplar", shard_weights: Sequ
         comm_per_micro_step_s=problem.comm.per_micro_step_s(problem.stage),
         comm_per_iteration_s=problem.comm.per_iteration_s(problem.stage))
     return Plan(ranks, zero_stage=problem.stage, strategy=strategy, predicted_iteration_s=ev.iteration_s,
-                predicted_comm_s=ev.comm_s, choice=choice, compression=problem.compression)
+                predicted_comm_s=ev.comm_s, choice=choice, collectives=problem.comm.collectives,
+                compression=problem.compression, held_share=problem.comm.held_share)
 
 
 def plan(profile: Profile | Mapping[str, Any] | str | os.PathLike, global_batch_size: int,
@@ -254,7 +256,9 @@ def _fastest_way(prof: Profile, request: "PlanRequest", ways: list[Collectives])
     """The plan with the fastest of ``ways`` of running its collectives (flat alone: as planned)."""
     if ways == [Collectives.FLAT]:
         return _plan_as(prof, request, Collectives.FLAT)
-    return collective_choice.fastest(ways, lambda way: _plan_as(prof, request, way))
+    stage = prof.zero_stage if request.zero_stage is None else request.zero_stage
+    return collective_choice.fastest(ways, lambda way: collective_choice.fastest_share(
+        collective_choice.held_shares(prof, way, stage), lambda share: _plan_as(prof, request, way, share)))
 
 
 @dataclass(frozen=True)
@@ -291,9 +295,9 @@ class PlanRequest:
     collectives: CollectivesRequest = CollectivesRequest()
 
 
-def _plan_as(prof: Profile, request: PlanRequest, collectives: Collectives) -> Plan:
+def _plan_as(prof: Profile, request: PlanRequest, collectives: Collectives, held_share: float = 1.0) -> Plan:
     """``plan`` with the collectives run as ``collectives`` (secondary shards: on the micro-batches
-    their memory leaves)."""
+    their memory leaves; once per iteration: for ``held_share`` of the parameters)."""
     global_batch_size, zero_stage, strategy = request.global_batch_size, request.zero_stage, request.strategy
     require_all_ranks, max_micro_steps = request.require_all_ranks, request.max_micro_steps
     shards, offload = request.shards, request.offload
@@ -311,12 +315,12 @@ def _plan_as(prof: Profile, request: PlanRequest, collectives: Collectives) -> P
 
     def planned(weights: Sequence[float], source: Profile | None) -> Plan | None:
         if source is not None:
-            source = collective_choice.profile_as(source, collectives, stage)
+            source = collective_choice.profile_as(source, collectives, stage, held_share)
         if source is None:
             return None
         problem = make_problem(source, global_batch_size, zero_stage, require_all_ranks=require_all_ranks,
                                max_micro_steps=max_micro_steps, collectives=collectives,
-                               compression=request.collectives.compression or EXACT)
+                               compression=request.collectives.compression or EXACT, held_share=held_share)
         out = plan_problem(problem, strategy, weights)
         out.choice = replace(out.choice, plan_tie=problem.plan_tie)
         return out

@@ -113,18 +113,24 @@ def simulate(profile: Profile | str | os.PathLike | Mapping[str, Any], global_ba
     sim = Simulation(label, problem.stage, global_batch_size)
     ways = collective_choice.ways(profile, problem.stage, None)
 
-    def planned(way: Collectives, name: str) -> Plan:
-        """``name``'s plan with the collectives run ``way`` (a job that spans nodes)."""
-        at = make_problem(collective_choice.profile_as(profile, way, problem.stage), global_batch_size, zero_stage,
-                          require_all_ranks=require_all_ranks, max_micro_steps=max_micro_steps, collectives=way)
+    def planned(way: Collectives, name: str, share: float) -> Plan:
+        """``name``'s plan with the collectives run ``way`` (a job that spans nodes; once per
+        iteration for ``share`` of the parameters)."""
+        at = make_problem(collective_choice.profile_as(profile, way, problem.stage, share), global_batch_size,
+                          zero_stage, require_all_ranks=require_all_ranks, max_micro_steps=max_micro_steps,
+                          collectives=way, held_share=share)
         found = plan_problem(at, name)
         found.choice = replace(found.choice, plan_tie=at.plan_tie)
         return found
 
+    def fastest_share(way: Collectives, name: str) -> Plan:
+        shares = collective_choice.held_shares(profile, way, problem.stage)
+        return collective_choice.fastest_share(shares, lambda share: planned(way, name, share))
+
     for name in strategies:
         try:
             if len(ways) > 1:  # each strategy with its fastest way (``planner.collective_choice``)
-                sim.results.append(StrategyResult(name, collective_choice.fastest(ways, lambda w: planned(w, name))))
+                sim.results.append(StrategyResult(name, collective_choice.fastest(ways, lambda w: fastest_share(w, name))))
                 continue
             sim.results.append(StrategyResult(name, plan_problem(problem, name)))
         except PlanError as e:  # a baseline that cannot apply is reported, not fatal

@@ -86,6 +86,7 @@ class CollectivesRow:
     predicted_s: float | None = None
     reason: str | None = None
     chosen: bool = False
+    held_share: float = 1.0  # once per iteration: the share of the parameters held so (``Route``'s Note: a share held)
 
 
 @dataclass(frozen=True)

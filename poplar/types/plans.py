@@ -31,7 +31,7 @@ from poplar.types.compression import EXACT, CommPolicy, CompressionError
 from poplar.types.errors import PlanError
 from poplar.types.plan_choice import (  # noqa: F401  (the plan's records, importable from here)
     CompressionCandidate, CompressionChoice, OffloadPricing, PlanChoice)
-from poplar.types.route import Collectives, Route, read_collectives
+from poplar.types.route import Collectives, Route, held_share_problem, read_collectives
 
 
 def _check_count(name: str, value: Any, where: str) -> int:
@@ -124,6 +124,9 @@ class Plan:
     choice: PlanChoice = field(default_factory=PlanChoice)
     collectives: Collectives = Collectives.FLAT  # how they cross nodes on a topology that spans nodes
     compression: CommPolicy = EXACT  # quantized collectives (lossy; off unless a user turns them on)
+    # across nodes once per iteration: the share of the parameters that cross so, the rest per
+    # micro-step (``Route``'s Note: a share held)
+    held_share: float = 1.0
 
     def __post_init__(self) -> None:
         self.ranks = [r if isinstance(r, RankPlan) else RankPlan(**r) for r in self.ranks]
@@ -141,7 +144,7 @@ class Plan:
     @property
     def route(self) -> Route:
         """How this plan's collectives run: the ranks in the step, the way, the compression."""
-        return Route(self.step_ranks, self.collectives, self.compression)
+        return Route(self.step_ranks, self.collectives, self.compression, self.held_share)
 
     @property
     def hierarchical(self) -> bool:
@@ -181,6 +184,8 @@ class Plan:
             raise PlanError(f"plan has collectives=\"secondary_shards\" at zero_stage={self.zero_stage}; "
                             "secondary shards are ZeRO-3's (parameters sharded): use zero_stage=3, or "
                             "collectives=\"hierarchical\"")
+        if (problem := held_share_problem(self.held_share, self.collectives)) is not None:
+            raise PlanError(f"plan: {problem}")
         if not isinstance(self.compression, CommPolicy):
             raise PlanError(f"plan compression must be a CommPolicy, got {self.compression!r}")
         if (problem := self.compression.problem(self.zero_stage)) is not None:
@@ -326,6 +331,8 @@ class Plan:
             tail += ", hierarchical collectives" + {Collectives.SECONDARY_SHARDS: " with secondary shards",
                                                     Collectives.ONCE_PER_ITERATION: " across nodes once per iteration"
                                                     }.get(self.collectives, "")
+            if self.held_share < 1:
+                tail += f" for {100 * self.held_share:.0f}% of the parameters"
         if self.choice.compression_choice is not None:
             tail += f", {self.choice.compression_choice.describe()}"
         elif self.compression.lossy:

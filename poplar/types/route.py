@@ -8,6 +8,18 @@ the way its exposure was measured under (``CommProfile.collectives``), the cost 
 and the communicator builds the route object of that way once per plan
 (``Communicator.configure``, ``poplar.comm.routes``). The value is the same enum everywhere.
 
+[Note: a share held]
+Crossing nodes once per iteration holds memory: ZeRO-3's secondary shards for the whole
+iteration and the fp32 node accumulators of ZeRO-2/3's gradients (``planner.link_pricing.held_bytes``).
+Where that would displace too much of a rank's batch, or leave it none, a plan holds it for a
+share of the parameters only (``Route.held_share``): the stage's pieces (ZeRO-3's blocks,
+ZeRO-2's units) in the stage's own order, as many as add up to at most that share of its
+elements, cross once per iteration; the others cross per micro-step, as hierarchical collectives
+do (each of their gathers crosses, each reduce-scatter runs both steps). The pieces in order, not
+the best-fitting set: every rank derives the same pieces from the same model with no agreement,
+and the planner prices the share itself (the pieces hold at most that share, so the memory is
+never under-priced; they cross at most one piece more than priced).
+
 [Note: files written before routes]
 Plans, profiles and checkpoint indexes written before held the way as two booleans,
 ``hierarchical`` and ``secondary_shards``. ``read_collectives`` reads them into the enum when a
@@ -17,9 +29,10 @@ collectives is no way at all).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from poplar.types.compression import EXACT, CommPolicy
 
@@ -111,9 +124,12 @@ class Route:
     step_ranks: tuple[int, ...] | None = None
     collectives: Collectives = Collectives.FLAT
     compression: CommPolicy = EXACT
+    held_share: float = 1.0  # across nodes once per iteration: the share of the parameters held so (Note: a share held)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "collectives", Collectives.named(self.collectives))
+        if (problem := held_share_problem(self.held_share, self.collectives)) is not None:
+            raise RouteError(problem)
         if self.step_ranks is not None:
             ranks = tuple(sorted(self.step_ranks))
             if not ranks or ranks[0] < 0 or len(set(ranks)) != len(ranks):
@@ -122,9 +138,33 @@ class Route:
         if not isinstance(self.compression, CommPolicy):
             raise RouteError(f"a route's compression must be a CommPolicy, got {self.compression!r}")
 
+    def held(self, numels: Sequence[int]) -> tuple[bool, ...]:
+        """Which of a stage's pieces, of ``numels`` elements in the stage's order, hold what
+        crossing nodes once per iteration keeps (Note: a share held): every one at a share of 1,
+        else the longest prefix whose elements are at most ``held_share`` of them all."""
+        if self.held_share >= 1:
+            return (True,) * len(numels)
+        budget, total, out = self.held_share * sum(numels), 0, []
+        for n in numels:
+            total += n
+            out.append(total <= budget and (not out or out[-1]))
+        return tuple(out)
+
     def ranks_in_step(self, world_size: int) -> tuple[int, ...]:
         """The ranks in the step on a world of ``world_size`` (a ``RouteError`` for a rank outside it)."""
         ranks = tuple(range(world_size)) if self.step_ranks is None else self.step_ranks
         if ranks[-1] >= world_size:
             raise RouteError(f"step ranks must be ranks of the world of {world_size}, got {ranks}")
         return ranks
+
+
+def held_share_problem(share: Any, collectives: Collectives) -> str | None:
+    """Why ``share`` cannot be a plan's held share (Note: a share held) with ``collectives``, or None."""
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not math.isfinite(share) \
+            or not 0 < share <= 1:
+        return (f"held_share must be a number in (0, 1], the share of the parameters that cross nodes once per "
+                f"iteration, got {share!r}; a share of 0 is collectives=\"hierarchical\"")
+    if share < 1 and collectives is not Collectives.ONCE_PER_ITERATION:
+        return (f"held_share={share} applies to collectives=\"once_per_iteration\" only (the share of the "
+                f"parameters that cross nodes once per iteration), not {collectives.value!r}; set it to 1.0")
+    return None

@@ -16,7 +16,8 @@ hands each gradient over to its unit's flat gradient buffer through a post-accum
   once per iteration (``Collectives.ONCE_PER_ITERATION``), each reduce-scatter runs inside the
   node into the unit's node accumulator (fp32) and the exchange across nodes runs once, when the
   rank's micro-steps are over (``close_micro_steps``); a rank with fewer micro-steps sends zeros
-  inside its node only.
+  inside its node only. A plan that holds this for a share of the parameters (``Route``'s Note:
+  a share held) gives the units of that share accumulators; the others cross per micro-step.
 
 Mixed precision (``StagePrecision.compute`` set): the flat buffers the model's parameters view
 hold the low-precision copy; the fp32 master is kept apart (``masters``): whole at stage 0, where
@@ -431,6 +432,7 @@ class Stage2(ReplicatedParams):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self._held: tuple[bool, ...] = (True,) * len(self.units)  # per unit, in the held share (``use_route``)
         self.shard_params = self._shard_params()
         self._new_grad_buffers()
         self._reduces = ReduceQueue(self.reduces_in_flight, self._release)
@@ -442,17 +444,24 @@ class Stage2(ReplicatedParams):
         self._new_accumulators()
 
     def _new_accumulators(self) -> None:
+        """A node accumulator per unit of the route's held share (None for the others, which
+        cross per micro-step), or none where the route does not accumulate."""
         self.accumulators = [torch.zeros(self.comm.accumulator_numel(u.part_sizes, u.shard_numel),
-                                         dtype=ACCUMULATOR_DTYPE, device=u.device)
-                             for u in self.units] if self.accumulates else []
+                                         dtype=ACCUMULATOR_DTYPE, device=u.device) if held else None
+                             for u, held in zip(self.units, self._held)] if self.accumulates else []
 
     def use_route(self, routes: Routes) -> None:
         """Besides the compression, a node accumulator per unit where the step's route crosses
-        nodes once per iteration (``Routes.accumulates``)."""
+        nodes once per iteration (``Routes.accumulates``): the units of its held share alone
+        (``Route.held``; Note: a share held, in ``poplar.types.route``)."""
         super().use_route(routes)
         self.accumulates = routes.accumulates(self.compression.gradient_quantization)
+        self._held = routes.route.held([u.padded_numel for u in self.units])
         self._exchanges.use(self.accumulates)
         self._new_accumulators()  # of the step's parts (between iterations: they are zero)
+
+    def _accumulator(self, ui: int) -> torch.Tensor | None:
+        return self.accumulators[ui] if self.accumulates else None
 
     def _reset_micro_step(self) -> None:
         self._buckets: list[torch.Tensor | None] = [None] * len(self.units)
@@ -495,8 +504,8 @@ class Stage2(ReplicatedParams):
             self._release(bucket.numel() * bucket.element_size())
         self._buckets[ui] = None
         self._next = ui + 1
-        if self.accumulates:  # the in-node step alone, into the node accumulator
-            acc = self.accumulators[ui]
+        acc = self._accumulator(ui)
+        if acc is not None:  # the in-node step alone, into the node accumulator
             partials = torch.empty(acc.numel(), dtype=wire.dtype, device=wire.device)
             extra = partials.numel() * partials.element_size() - out_bytes
             self._hold(extra)
@@ -531,7 +540,7 @@ class Stage2(ReplicatedParams):
         its gradient shard (their exchanges started in the last lock-step micro-step: Note: the
         exchange overlaps the last lock-step micro-step, in ``reduce_queue``) before the status
         reduction checks them."""
-        self._exchanges.finish(range(len(self.units)))
+        self._exchanges.finish(ui for ui in range(len(self.units)) if self._accumulator(ui) is not None)
 
     def reduce_gradients(self) -> None:
         for s, g in zip(self.shard_params, self.shard_grads):
@@ -552,7 +561,8 @@ class Stage2(ReplicatedParams):
             g.zero_()
             s.grad = None
         for acc in self.accumulators:  # an iteration abandoned before its exchange
-            acc.zero_()
+            if acc is not None:
+                acc.zero_()
         self._exchanges.reset()
 
     def grad_bytes(self) -> int:
@@ -562,4 +572,4 @@ class Stage2(ReplicatedParams):
         """As for every stage, plus ``node_accumulator``: the node partials of the iteration's
         gradients (across nodes once per iteration; 0 otherwise)."""
         return {**super().memory_report(),
-                "node_accumulator": sum(a.numel() * a.element_size() for a in self.accumulators)}
+                "node_accumulator": sum(a.numel() * a.element_size() for a in self.accumulators if a is not None)}

@@ -49,7 +49,10 @@ rank with fewer micro-steps), inside the node; it is current until the optimizer
 re-shard or a load changes the parameters, and every iteration's first gather crosses again.
 Each micro-step's reduce-scatter runs inside the node into the block's node accumulator (fp32,
 ``memory_report``'s ``node_accumulator``); the exchange across nodes runs once, when the rank's
-micro-steps are over (``close_micro_steps``). Gradients that come after their block's
+micro-steps are over (``close_micro_steps``). A plan that holds this for a share of the
+parameters (``Route``'s Note: a share held) keeps the secondary shard and the accumulator on the
+blocks of that share alone; every other block crosses per micro-step, as hierarchical collectives
+do. Gradients that come after their block's
 reduce-scatter (blocks run out of the recorded order) are reduce-scattered whole at the end.
 
 Mixed precision: each block's shard is its fp32 master, sent cast to the compute dtype by the
@@ -105,6 +108,8 @@ class Stage3(ZeroStage):
         self.secondary_shards = False  # blocks keep node-local secondary shards (``use_route``)
         self.secondary_for_iteration = False  # ... current for the whole iteration (once per iteration)
         self.accumulates = False  # blocks reduce-scatter inside the node into node accumulators (``use_route``)
+        # per block, whether it holds what the way keeps (``Route.held``; Note: a share held)
+        self._held: tuple[bool, ...] = (True,) * len(blocks)
         self._on_gathered = self.hooks.transient_allocated  # after each gather allocation (memory-cap checks)
         self.gathered_bytes = 0  # gathered parameter bytes alive now
         self.peak_gathered_bytes = 0
@@ -141,21 +146,23 @@ class Stage3(ZeroStage):
     def _reshard(self, shards: Shards) -> None:
         """Cut every block by new ``shards``, between iterations (every rank together)."""
         sharded_state.reshard(self, shards)
-        for b in self.blocks:  # the secondary shards' and accumulators' lengths follow the new cut
-            b.keep_secondary(self.comm if self.secondary_shards else None)
-            b.keep_accumulator(self.comm if self.accumulates else None)
+        for b, held in zip(self.blocks, self._held):  # the secondary shards' and accumulators' lengths follow the cut
+            b.keep_secondary(self.comm if self.secondary_shards and held else None)
+            b.keep_accumulator(self.comm if self.accumulates and held else None)
 
     def use_route(self, routes: Routes) -> None:
         """Besides the compression, each block keeps its secondary shard from the next pass on
-        where the step's route keeps them (``Routes.keeps_secondary``), or none."""
+        where the step's route keeps them (``Routes.keeps_secondary``), or none; across nodes once
+        per iteration, the blocks of the route's held share alone (``Route.held``)."""
         super().use_route(routes)
-        self._keep_secondary_shards(routes.keeps_secondary)
+        held = routes.route.held([b.full_numel for b in self.blocks])
+        self._keep_secondary_shards(routes.keeps_secondary, held)
         self.secondary_for_iteration = routes.secondary_for_iteration
         accumulates = routes.accumulates(self.compression.gradient_quantization)
         if accumulates != self.accumulates or accumulates:
             self.accumulates = accumulates
-            for b in self.blocks:
-                b.keep_accumulator(self.comm if accumulates else None)
+            for b, h in zip(self.blocks, held):
+                b.keep_accumulator(self.comm if accumulates and h else None)
         self._exchanges.use(accumulates)
         self._parameters_changed()
 
@@ -165,15 +172,15 @@ class Stage3(ZeroStage):
         for b in self.blocks:
             b.secondary_current = False
 
-    def _keep_secondary_shards(self, on: bool) -> None:
-        if on == self.secondary_shards:
+    def _keep_secondary_shards(self, on: bool, held: tuple[bool, ...]) -> None:
+        if on == self.secondary_shards and held == self._held:
             return
         if self.in_pass:
             raise RuntimeError("ZeRO-3: secondary shards switched inside a micro-step; change the plan between "
                                "iterations")
-        self.secondary_shards = on
-        for b in self.blocks:
-            b.keep_secondary(self.comm if on else None)
+        self.secondary_shards, self._held = on, held
+        for b, h in zip(self.blocks, held):
+            b.keep_secondary(self.comm if on and h else None)
 
     def block_names(self) -> list[str]:
         return [b.name for b in self.layers]
@@ -249,7 +256,7 @@ class Stage3(ZeroStage):
         gradients that arrive after it are ``late_flats``."""
         flats, b.grad_flats = b.grad_flats, None  # the handle keeps what the collective needs
         b.grad_state = GradState.REDUCED
-        self._start_reduce(b, flats, in_node=self.accumulates)
+        self._start_reduce(b, flats, in_node=b.accumulator is not None)
 
     def _reduce_late_flats(self, b: ShardedBlock) -> None:
         """Issue ``b``'s reduce-scatter of the gradients that came after its micro-step's one
@@ -416,7 +423,7 @@ class Stage3(ZeroStage):
         its gradient shard (their exchanges started in the last lock-step micro-step: Note: the
         exchange overlaps the last lock-step micro-step, in ``reduce_queue``) before the status
         reduction checks them."""
-        self._exchanges.finish(b.index for b in self.blocks)
+        self._exchanges.finish(b.index for b in self.blocks if b.accumulator is not None)
 
     def reduce_gradients(self) -> None:
         if not self._agreed:

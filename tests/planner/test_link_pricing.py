@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 
 from poplar.planner import plan as plan_any, simulate
-from poplar.planner.collective_choice import profile_as
+from poplar.planner.collective_choice import held_shares, profile_as
 from poplar.planner.cost_model import CommModel
 from poplar.planner.link_pricing import LinkPricing, ring_s
 from poplar.types.route import Collectives
@@ -190,11 +190,13 @@ def test_the_planner_chooses_by_predicted_time_and_keeps_flat_where_the_link_doe
     # a cross link as fast as the node's: the hierarchical steps add up to more than one ring
     free = plan(profile(two_nodes(cross=FAST)), 256, 3)
     assert not free.hierarchical and not free.secondary_shards
-    # ways whose memory leaves no room are no candidate; hierarchical is chosen
+    # ways whose memory leaves no room are no candidate (once per iteration: only for a small
+    # share of the parameters, slower here); hierarchical is chosen
     tight = plan(profile(two_nodes(), bytes_per_sample=1e5), 1000, 3)
     assert tight.collectives is Collectives.HIERARCHICAL
-    assert [r.predicted_s is None for r in tight.choice.collective_candidates] == [False, False, True, True]
-    assert "no room for a sample" in tight.choice.collective_candidates[3].reason
+    assert [r.predicted_s is None for r in tight.choice.collective_candidates] == [False, False, True, False]
+    assert "no room for a sample" in tight.choice.collective_candidates[2].reason
+    assert tight.choice.collective_candidates[3].held_share < 0.1
     again = Plan.from_dict(json.loads(json.dumps(slow.to_dict())))
     assert again.collectives is once
 
@@ -263,3 +265,27 @@ def test_once_per_iteration_prices_micro_steps_inside_the_nodes_and_one_crossing
     assert ops.crossing_s(3) == pytest.approx(even.cross_s(2e7) * 2)
     assert ops.per_micro_step_s(3) == pytest.approx(2 * even.intra_s("all_gather", 2e7) +
                                                     even.intra_s("reduce_scatter", 2e7))
+
+
+def test_once_per_iteration_is_held_for_part_of_the_parameters_where_the_whole_does_not_fit() -> None:
+    # 20 MB held a rank at ZeRO-3 against samples of 0.6 MB: the whole way displaces 34 of 32 samples
+    once = Collectives.ONCE_PER_ITERATION
+    prof = profile(two_nodes(), bytes_per_sample=6e5)
+    assert held_shares(prof, once, 3) == (1.0, 0.48, 0.24)  # at most 16, and at most 8, samples displaced
+    with pytest.raises(PlanError, match="no room for a sample"):
+        profile_as(prof, once, 3)
+    assert [r.mbs for r in profile_as(prof, once, 3, 0.48).ranks] == [16] * 8
+    got = plan(prof, 128, 3)
+    rows = {r.collectives: r for r in got.choice.collective_candidates}
+    assert got.collectives is once and got.held_share == rows["once_per_iteration"].held_share < 1
+    assert got.route.held_share == got.held_share and got.predicted_iteration_s < rows["hierarchical"].predicted_s
+    assert "of the parameters" in got.table() and Plan.from_dict(json.loads(json.dumps(got.to_dict()))) == got
+    # the share's micro-step collectives stay inside the nodes, the rest cross; the share crosses once
+    full, half = CommModel.from_profile(prof, once), CommModel.from_profile(prof, once, held_share=0.5)
+    hier = CommModel.from_profile(prof, Collectives.HIERARCHICAL)
+    assert half.per_micro_step_s(3) == pytest.approx((full.per_micro_step_s(3) + hier.per_micro_step_s(3)) / 2)
+    assert half.crossing_s(3) == pytest.approx(full.crossing_s(3) / 2) and full.crossing_s(3) > 0
+    # room for the whole way, or another way: the whole share alone
+    assert held_shares(profile(two_nodes(), bytes_per_sample=8e6), once, 3) == (1.0,)
+    assert held_shares(prof, Collectives.SECONDARY_SHARDS, 3) == (1.0,)
+    assert simulate(prof, 128, 3).result("poplar").plan.held_share == got.held_share

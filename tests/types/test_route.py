@@ -82,3 +82,23 @@ def test_a_route_is_one_frozen_value() -> None:
                                         Collectives.ONCE_PER_ITERATION]
     once = Collectives.ONCE_PER_ITERATION
     assert once.hierarchical and not once.secondary_shards and all(once.applies(stage) for stage in range(4))
+
+
+def test_a_share_held_is_a_prefix_of_the_pieces_and_only_once_per_iteration_takes_one() -> None:
+    once = Collectives.ONCE_PER_ITERATION
+    assert Route(None, once, held_share=0.5).held([10, 20, 30, 40]) == (True, True, False, False)
+    assert Route(None, once, held_share=0.5).held([60, 10, 30]) == (False, False, False)  # a prefix, nothing after
+    assert Route(None, once).held([5, 5]) == (True, True) and Route().held([1]) == (True,)
+    with pytest.raises(RouteError, match="applies to collectives=\"once_per_iteration\" only"):
+        Route(None, Collectives.HIERARCHICAL, held_share=0.5)
+    for bad in (0, 1.5, float("nan"), True):
+        with pytest.raises(RouteError, match=r"held_share must be a number in \(0, 1\]"):
+            Route(None, once, held_share=bad)
+    plan = Plan(ROWS, zero_stage=3, collectives=once, held_share=0.25)
+    assert plan.route.held_share == 0.25 and "for 25% of the parameters" in plan.table()
+    assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
+    with pytest.raises(PlanError, match="set it to 1.0"):
+        Plan(ROWS, zero_stage=3, collectives=Collectives.FLAT, held_share=0.25)
+    older = plan.to_dict()
+    del older["held_share"]  # a plan written before shares: the whole way
+    assert Plan.from_dict(older).held_share == 1.0

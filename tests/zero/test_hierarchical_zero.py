@@ -3,8 +3,9 @@
 plan equal single-process full-batch training (SGD with momentum, AdamW with clipping); the
 ledger tags every collective with its link, and with secondary shards no backward all-gather
 crosses a node; across nodes once per iteration, the bytes each node sends across at ZeRO-0 are
-what the planner prices it to send; the memory the secondary shards cost is in ``memory_report()``. The same parity on
-NCCL where there is a GPU (skipped otherwise)."""
+what the planner prices it to send; the memory the secondary shards cost is in ``memory_report()``;
+once per iteration held for half the parameters is exact too, its bytes across nodes between the
+two ways. The same parity on NCCL where there is a GPU (skipped otherwise)."""
 
 from __future__ import annotations
 
@@ -237,22 +238,30 @@ MANY_STEPS = with_shards(plan_of((2, 3, 1), (1, 2, 1), (1, 0, 1), (1, 2, 1)), WE
 ONE_STEP = with_shards(plan_of((5, 1, 0), (3, 1, 0), (2, 1, 0), (4, 1, 0)), WEIGHTS)
 
 
+HALF = "half"  # across nodes once per iteration for half the parameters (``Plan.held_share``)
+
+
 def cross_bytes_worker(rank: int, world: int, topology: Topology) -> dict:
     """Bytes this rank sent across nodes (the exchanges, and the flat all-reduces, which cross
-    too) in the second iteration, per stage, way and plan."""
+    too) in the second iteration, per stage, way and plan; for once per iteration on half the
+    parameters (4 micro-steps only) also the losses and the state."""
     torch.set_num_threads(1)
     out = {}
     for stage in (2, 3):
         for way in (Collectives.SECONDARY_SHARDS if stage == 3 else Collectives.HIERARCHICAL,
-                    Collectives.ONCE_PER_ITERATION):
-            for name, rows in (("many", MANY_STEPS), ("one", ONE_STEP)):
-                plan = Plan(rows.ranks, collectives=way)
-                _, engine = _train(rank, plan, zero_config(stage, topology), iterations=2)
+                    Collectives.ONCE_PER_ITERATION, HALF) + ((Collectives.HIERARCHICAL,) if stage == 3 else ()):
+            alone = way == HALF or (stage == 3 and way is Collectives.HIERARCHICAL)  # beside the others' 4 micro-steps
+            for name, rows in (("many", MANY_STEPS),) + ((("one", ONE_STEP),) if not alone else ()):
+                plan = Plan(rows.ranks, collectives=Collectives.ONCE_PER_ITERATION, held_share=0.5) if way == HALF \
+                    else Plan(rows.ranks, collectives=way)
+                losses, engine = _train(rank, plan, zero_config(stage, topology), iterations=2)
                 records = engine.comm_ledger.of(iteration=1)
                 out[(stage, way, name)] = sum(r.bytes for r in records if r.link in (Link.CROSS, Link.FLAT))
                 # the reduce-scatters in the order they completed (the ledger records each when done)
                 out[(stage, way, name, "order")] = [r.link for r in records if r.op == "reduce_scatter"]
                 out[(stage, way, "memory")] = engine.memory_report()
+                if way == HALF:
+                    out[(stage, way, name, "run")] = (losses, engine.full_state_dict())
     return out
 
 
@@ -287,3 +296,20 @@ def test_once_per_iteration_crosses_nodes_once(name: str) -> None:
             assert res[(stage, old, "memory")]["node_accumulator"] == 0
             if stage == 3:
                 assert memory["secondary_params"] > 0
+            _check_half(res, stage, rank)
+
+
+def _check_half(res: dict, stage: int, rank: int) -> None:
+    """Once per iteration on half the parameters (``Plan.held_share``, Note: a share held, in
+    ``poplar.types.route``), an iteration of 4 micro-steps: exact, at most about half the memory
+    held, and cross-node bytes between once per iteration on every parameter and hierarchical
+    collectives (the pieces outside the share run as those do: at ZeRO-3 without secondary shards)."""
+    once = Collectives.ONCE_PER_ITERATION
+    ref_losses, ref_state = reference_run("sgd", GBS, 2, None)
+    losses, state = res[(stage, HALF, "many", "run")]
+    assert max_rel_err(state, ref_state) <= 1e-5 and losses == pytest.approx(ref_losses, rel=1e-5), (stage, rank)
+    half, full = res[(stage, HALF, "memory")], res[(stage, once, "memory")]
+    for key in ("node_accumulator",) + (("secondary_params",) if stage == 3 else ()):
+        assert 0 < half[key] < full[key] and half[key] <= 0.6 * full[key], (stage, rank, key, half, full)
+    per_step = res[(stage, Collectives.HIERARCHICAL, "many")]
+    assert res[(stage, once, "many")] < res[(stage, HALF, "many")] < per_step, (stage, rank)

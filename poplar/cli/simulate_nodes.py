@@ -175,7 +175,7 @@ def _cell(found: Plan | str | None) -> str:
 
 def _way(found: Plan) -> str:
     """The chosen way, and the ranks the plan leaves out of the step (``planner.participation``)."""
-    way = found.collectives.value
+    way = found.collectives.value + (f" ({100 * found.held_share:.0f}% held)" if found.held_share < 1 else "")
     return way + (f", ranks {','.join(map(str, found.left_out))} out" if found.left_out else "")
 
 
@@ -299,7 +299,7 @@ def rows_json(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "plan": found.to_dict()}
     return [{"cluster": r["cluster"], "ranks": r["ranks"], "nodes": r["nodes"],
              **{w.value: one(r[w.value]) for w in ORDER},
-             "chosen": r["chosen"].collectives.value,
+             "chosen": r["chosen"].collectives.value, "held_share": r["chosen"].held_share,
              "left_out": list(r["chosen"].left_out), "chosen_samples_per_s": r["chosen"].predicted_samples_per_s,
              "every_gpu_samples_per_s": _every_gpu(r),
              "allow_lossy": one(r["lossy"]) if r.get("lossy") is not None else None} for r in rows]

@@ -160,15 +160,16 @@ class CommModel:
         if stage is None or (collectives is self.measured_collectives and not compression.lossy and held_share >= 1):
             return priced
         return replace(priced,
-                       micro_scale=ratio(priced._serial_micro_step_s(stage), measured._serial_micro_step_s(stage)),
-                       iteration_scale=ratio(priced._serial_iteration_s(stage), measured._serial_iteration_s(stage)))
+                       micro_scale=ratio(priced.serial_micro_step_s(stage), measured.serial_micro_step_s(stage)),
+                       iteration_scale=ratio(priced.serial_iteration_s(stage), measured.serial_iteration_s(stage)))
 
-    def _serial_micro_step_s(self, stage: int) -> float:
+    def serial_micro_step_s(self, stage: int) -> float:
+        """One micro-step's collectives one by one, serially: the recorded ones, else the table's."""
         if self.micro_step_ops:
             return self._ops_s(self.micro_step_ops, stage, in_micro_step=True)
         return self._table_micro_step_s(stage)
 
-    def _serial_iteration_s(self, stage: int) -> float:
+    def serial_iteration_s(self, stage: int) -> float:
         """The iteration's closing collectives one by one, serially: the recorded ones, but at
         ZeRO-0 the table's (Note: ZeRO-0's gradients from the table)."""
         if self.iteration_ops and stage != 0:

@@ -1,7 +1,7 @@
 """Which GPUs take part (``planner.participation``): on two nodes across a very slow link the plan
 leaves the slower node out of the step, across a fast one it keeps every GPU; each subset is
-planned on the profile of the ranks that stay, on their links; a job on one node is planned as
-before."""
+planned on the profile of the ranks that stay, on their links, its measured exposure moved to
+them; a job on one node is planned as before."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ from dataclasses import replace
 import pytest
 
 from poplar.planner import plan
+from poplar.planner.cost_model import CommModel
 from poplar.planner.participation import on_ranks, subsets
 from poplar.types.plans import PlanError
-from poplar.types.profiles import LinkSpeed, Links
+from poplar.types.profiles import Exposure, LedExposure, LinkSpeed, Links
 from poplar.types.topology import Topology
 from tests.planner.test_link_pricing import FAST, GB, profile, two_nodes
 
@@ -83,3 +84,35 @@ def test_a_subset_holds_the_whole_sharded_state_so_its_ranks_fit_smaller_batches
         on_ranks(tight, range(4))
     rows = {r.subset: r for r in plan(tight, 512, 3).choice.participation_candidates or []}
     assert rows and rows["without node 1"].predicted_s is None and "batch 1" in rows["without node 1"].reason
+
+
+def test_a_subset_is_priced_from_the_measured_exposure_moved_to_its_links() -> None:
+    # measured at ZeRO-3 flat over every rank, whose ring runs at the 1 GB/s link between nodes (its
+    # micro-step's 3 collectives of 40 MB take 0.105 s one by one; 0.09 s of them were exposed),
+    # nodes of 2 GB/s; both types led rounds
+    led = (LedExposure("fast", micro_step_s=0.1, iteration_s=0.06, micro_step_small_lead_s=0.05),
+           LedExposure("slow", micro_step_s=0.095))
+    x = Exposure(micro_step_s=0.09, iteration_s=0.05, step_compute_s=(0.01, 0.03), step_s=(0.1, 0.09),
+                 overhead_s=0.01, leaders=led, end_s=(0.06, 0.05))
+    mid = LinkSpeed(2 * GB, 50e-6)
+    prof = profile(two_nodes(intra=(mid, mid)), exposure=x, collectives_stage=3,
+                   micro_step=[["all_gather", 4e7], ["all_gather", 4e7], ["reduce_scatter", 4e7]],
+                   iteration=[["all_reduce", 8]])
+    node0 = on_ranks(prof, range(4))
+    bare = (lambda p: replace(p, comm=replace(p.comm, exposure=Exposure())))  # noqa: E731
+    whole, part = CommModel.from_profile(bare(prof)), CommModel.from_profile(bare(node0))
+    moved = part.serial_micro_step_s(3) - whole.serial_micro_step_s(3)
+    assert moved == pytest.approx(3 * (0.75 * 4e7 / 2e9 - 0.875 * 4e7 / 1e9))  # the node's ring, not the slow one
+    got = node0.comm.exposure
+    assert got.micro_step_s == pytest.approx(0.09 + moved) and got.step_s == pytest.approx((0.1 + moved, 0.09 + moved))
+    fast, = got.leaders  # the slow type is left out with its node
+    assert fast.micro_step_s == pytest.approx(0.1 + moved) and fast.micro_step_small_lead_s == 0.0  # none below 0
+    end = part.serial_iteration_s(3) - whole.serial_iteration_s(3)
+    assert got.iteration_s == pytest.approx(0.05 + end) and got.overhead_s == 0.01  # the overhead is no collective
+    # priced: the subset's micro-step from the moved exposure, below the formulas' serial seconds
+    # (compute hid some of them); its end with the measured overhead, which the formulas lack
+    model = CommModel.from_profile(node0)
+    assert model.per_micro_step_s(3) == pytest.approx(0.09 + moved) and 0.09 + moved < part.per_micro_step_s(3)
+    assert model.per_iteration_s(3) == pytest.approx(0.05 + end + 0.01)
+    # nothing measured: nothing moved
+    assert on_ranks(profile(two_nodes(cross=CRAWL)), range(4)).comm.exposure == Exposure()

@@ -36,7 +36,7 @@ cost model's formulas on each: ``CommModel.serial_micro_step_s`` and ``serial_it
 none below 0 (faster links, more of them hidden). The formulas alone add every collective to the
 compute and price a subset over what it runs, the more so the more compute hides (ZeRO-3's
 prefetched gathers). On the emulated C-4+4 at ZeRO-3 the moved exposure priced 4-rank subsets
-within 0.3 % of what they ran, the formulas alone 3.4-4.7 % over (docs/experiments.md,
+within 0.6 % of what they ran, the formulas alone 3.4-7.5 % over (docs/experiments.md,
 2026-11-29). It is still an estimate the measurement did not see, so the tie favours every GPU.
 """
 

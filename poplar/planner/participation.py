@@ -29,15 +29,17 @@ no batch is not planned. The measured points past a rank's new mbs stay its curv
 [Note: a subset's exposure]
 A profile's exposure (what compute did not hide of the collectives) was measured with every rank
 in the step. A subset runs the same schedule, the same collectives in the same order beside the
-same compute per step, on fewer ranks and on the links of its own nodes. Compute hides the same
-seconds of that schedule whatever the link, so the subset's exposure is the measured one moved by
-the serial seconds its collectives take on its links less those they took on every rank's (the
-cost model's formulas on each: ``CommModel.serial_micro_step_s`` and ``serial_iteration_s``),
-none below 0 (faster links, more of them hidden). The formulas alone add every collective to the
-compute and price a subset over what it runs, the more so the more compute hides (ZeRO-3's
-prefetched gathers). On the emulated C-4+4 at ZeRO-3 the moved exposure priced 4-rank subsets
-within 0.6 % of what they ran, the formulas alone 3.4-7.5 % over (docs/experiments.md,
-2026-11-29). It is still an estimate the measurement did not see, so the tie favours every GPU.
+same compute per step, on fewer ranks and on the links of its own nodes. It is priced as another
+way of running that schedule is (``CommModel.priced_as``): compute hid the same fraction of it,
+so the subset's exposure is the measured one scaled by the serial seconds its collectives take on
+its links over those they took on every rank's (the cost model's formulas on each:
+``CommModel.serial_micro_step_s`` and ``serial_iteration_s``). The formulas alone add every
+collective to the compute and price a subset over what it runs, the more so the more compute
+hides (ZeRO-3's prefetched gathers). On the emulated C-4+4 and A-4+4 (4-rank subsets, ZeRO-3 at
+global batch 32 and 480, ZeRO-2 at 480) the scaled exposure priced every subset within 0.0-2.8 %
+over what it ran, the formulas alone 1.5-7.5 % over, and the exposure moved by the difference of
+the serial seconds (the same seconds hidden) -0.6-+5.1 % (docs/experiments.md, 2026-11-29). It
+is still an estimate the measurement did not see, so the tie favours every GPU.
 """
 
 from __future__ import annotations
@@ -135,13 +137,16 @@ def on_ranks(profile: Profile, keep: Sequence[int]) -> Profile:
 def _moved_exposure(profile: Profile, sub: Profile) -> Exposure:
     """``profile``'s measured exposure moved to ``sub``'s links (Note: a subset's exposure), with
     the leaders of ``sub``'s device types; none where nothing was measured."""
+
+    def ratio(new: float, old: float) -> float:
+        return new / old if old > 0 else 1.0
     stage, x, way = profile.comm.collectives_stage, profile.comm.exposure, profile.comm.collectives
     if stage is None or (x.micro_step_s is None and x.iteration_s is None):
         return Exposure()
     whole = CommModel.from_profile(replace(profile, comm=replace(profile.comm, exposure=Exposure())), way)
     part = CommModel.from_profile(sub, way)
-    moved = x.shifted(part.serial_micro_step_s(stage) - whole.serial_micro_step_s(stage),
-                      part.serial_iteration_s(stage) - whole.serial_iteration_s(stage))
+    moved = x.scaled(ratio(part.serial_micro_step_s(stage), whole.serial_micro_step_s(stage)),
+                     ratio(part.serial_iteration_s(stage), whole.serial_iteration_s(stage)))
     return moved.only_leaders(sorted({r.device_type for r in sub.ranks}))
 
 

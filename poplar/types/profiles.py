@@ -212,22 +212,22 @@ class Exposure:
         """This exposure with the leaders of these device types only."""
         return replace(self, leaders=tuple(x for x in self.leaders if x.device_type in device_types))
 
-    def shifted(self, micro_step_s: float, iteration_s: float) -> "Exposure":
-        """This exposure with every micro-step value moved by ``micro_step_s`` seconds and every
-        value of the iteration's closing collectives by ``iteration_s``, none below 0 (the lead,
-        the switch, the overhead and the error as they are)."""
+    def scaled(self, micro_step: float, iteration: float) -> "Exposure":
+        """This exposure with every micro-step value (the switch's too) times ``micro_step`` and
+        every value of the iteration's closing collectives times ``iteration`` (the lead, the
+        overhead and the error as they are)."""
         def step(v: float | None) -> float | None:
-            return None if v is None else max(0.0, v + micro_step_s)
+            return None if v is None else v * micro_step
 
         def end(v: float | None) -> float | None:
-            return None if v is None else max(0.0, v + iteration_s)
+            return None if v is None else v * iteration
         leaders = tuple(replace(x, micro_step_s=step(x.micro_step_s), iteration_s=end(x.iteration_s),
                                 micro_step_small_lead_s=step(x.micro_step_small_lead_s),
                                 iteration_small_lead_s=end(x.iteration_small_lead_s)) for x in self.leaders)
         return replace(self, micro_step_s=step(self.micro_step_s), iteration_s=end(self.iteration_s),
-                       step_s=None if self.step_s is None else tuple(max(0.0, v + micro_step_s) for v in self.step_s),
-                       end_s=None if self.end_s is None else tuple(max(0.0, v + iteration_s) for v in self.end_s),
-                       leaders=leaders)
+                       step_s=None if self.step_s is None else tuple(v * micro_step for v in self.step_s),
+                       end_s=None if self.end_s is None else tuple(v * iteration for v in self.end_s),
+                       switch_s=step(self.switch_s), leaders=leaders)
 
 
 @dataclass

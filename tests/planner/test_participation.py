@@ -1,6 +1,6 @@
 """Which GPUs take part (``planner.participation``): on two nodes across a very slow link the plan
 leaves the slower node out of the step, across a fast one it keeps every GPU; each subset is
-planned on the profile of the ranks that stay, on their links, its measured exposure moved to
+planned on the profile of the ranks that stay, on their links, its measured exposure scaled to
 them; a job on one node is planned as before."""
 
 from __future__ import annotations
@@ -86,14 +86,14 @@ def test_a_subset_holds_the_whole_sharded_state_so_its_ranks_fit_smaller_batches
     assert rows and rows["without node 1"].predicted_s is None and "batch 1" in rows["without node 1"].reason
 
 
-def test_a_subset_is_priced_from_the_measured_exposure_moved_to_its_links() -> None:
+def test_a_subset_is_priced_from_the_measured_exposure_scaled_to_its_links() -> None:
     # measured at ZeRO-3 flat over every rank, whose ring runs at the 1 GB/s link between nodes (its
     # micro-step's 3 collectives of 40 MB take 0.105 s one by one; 0.09 s of them were exposed),
     # nodes of 2 GB/s; both types led rounds
     led = (LedExposure("fast", micro_step_s=0.1, iteration_s=0.06, micro_step_small_lead_s=0.05),
            LedExposure("slow", micro_step_s=0.095))
     x = Exposure(micro_step_s=0.09, iteration_s=0.05, step_compute_s=(0.01, 0.03), step_s=(0.1, 0.09),
-                 overhead_s=0.01, leaders=led, end_s=(0.06, 0.05))
+                 switch_s=0.01, overhead_s=0.01, leaders=led, end_s=(0.06, 0.05))
     mid = LinkSpeed(2 * GB, 50e-6)
     prof = profile(two_nodes(intra=(mid, mid)), exposure=x, collectives_stage=3,
                    micro_step=[["all_gather", 4e7], ["all_gather", 4e7], ["reduce_scatter", 4e7]],
@@ -101,18 +101,20 @@ def test_a_subset_is_priced_from_the_measured_exposure_moved_to_its_links() -> N
     node0 = on_ranks(prof, range(4))
     bare = (lambda p: replace(p, comm=replace(p.comm, exposure=Exposure())))  # noqa: E731
     whole, part = CommModel.from_profile(bare(prof)), CommModel.from_profile(bare(node0))
-    moved = part.serial_micro_step_s(3) - whole.serial_micro_step_s(3)
-    assert moved == pytest.approx(3 * (0.75 * 4e7 / 2e9 - 0.875 * 4e7 / 1e9))  # the node's ring, not the slow one
+    ratio = part.serial_micro_step_s(3) / whole.serial_micro_step_s(3)
+    # the node's ring, not the one at the slow link's pace
+    assert ratio == pytest.approx((0.75 * 4e7 / 2e9 + 50e-6) / (0.875 * 4e7 / 1e9 + 50e-6))
     got = node0.comm.exposure
-    assert got.micro_step_s == pytest.approx(0.09 + moved) and got.step_s == pytest.approx((0.1 + moved, 0.09 + moved))
+    assert got.micro_step_s == pytest.approx(0.09 * ratio) and got.step_s == pytest.approx((0.1 * ratio, 0.09 * ratio))
+    assert got.switch_s == pytest.approx(0.01 * ratio) and got.step_compute_s == (0.01, 0.03)
     fast, = got.leaders  # the slow type is left out with its node
-    assert fast.micro_step_s == pytest.approx(0.1 + moved) and fast.micro_step_small_lead_s == 0.0  # none below 0
-    end = part.serial_iteration_s(3) - whole.serial_iteration_s(3)
-    assert got.iteration_s == pytest.approx(0.05 + end) and got.overhead_s == 0.01  # the overhead is no collective
-    # priced: the subset's micro-step from the moved exposure, below the formulas' serial seconds
+    assert fast.micro_step_s == pytest.approx(0.1 * ratio) and fast.micro_step_small_lead_s == pytest.approx(0.05 * ratio)
+    end = part.serial_iteration_s(3) / whole.serial_iteration_s(3)
+    assert got.iteration_s == pytest.approx(0.05 * end) and got.overhead_s == 0.01  # the overhead is no collective
+    # priced: the subset's micro-step from the scaled exposure, below the formulas' serial seconds
     # (compute hid some of them); its end with the measured overhead, which the formulas lack
     model = CommModel.from_profile(node0)
-    assert model.per_micro_step_s(3) == pytest.approx(0.09 + moved) and 0.09 + moved < part.per_micro_step_s(3)
-    assert model.per_iteration_s(3) == pytest.approx(0.05 + end + 0.01)
-    # nothing measured: nothing moved
+    assert model.per_micro_step_s(3) == pytest.approx(0.09 * ratio) and 0.09 * ratio < part.per_micro_step_s(3)
+    assert model.per_iteration_s(3) == pytest.approx(0.05 * end + 0.01)
+    # nothing measured: nothing carried
     assert on_ranks(profile(two_nodes(cross=CRAWL)), range(4)).comm.exposure == Exposure()

@@ -113,7 +113,7 @@ def on_ranks(profile: Profile, keep: Sequence[int]) -> Profile:
     """The profile of the ranks ``keep`` alone, renumbered 0..k-1 in order: their curves and
     memory as they are holding the whole sharded state (Note: a subset's memory), the links of
     the nodes they are on (each node's link, the cross-node link if they span nodes), and the
-    measured exposure moved to those links (Note: a subset's exposure)."""
+    measured exposure scaled to those links (Note: a subset's exposure)."""
     keep = sorted(keep)
     held = _holding_everything(profile, keep)
     ranks = [replace(held[old], rank=new) for new, old in enumerate(keep)]
@@ -131,11 +131,11 @@ def on_ranks(profile: Profile, keep: Sequence[int]) -> Profile:
     pick = (lambda values: None if values is None else [values[r] for r in keep])
     sub = replace(profile, world_size=len(keep), ranks=ranks, comm=comm, shard_weights=pick(profile.shard_weights),
                   offloads=pick(profile.offloads))
-    return replace(sub, comm=replace(comm, exposure=_moved_exposure(profile, sub)))
+    return replace(sub, comm=replace(comm, exposure=_carried_exposure(profile, sub)))
 
 
-def _moved_exposure(profile: Profile, sub: Profile) -> Exposure:
-    """``profile``'s measured exposure moved to ``sub``'s links (Note: a subset's exposure), with
+def _carried_exposure(profile: Profile, sub: Profile) -> Exposure:
+    """``profile``'s measured exposure scaled to ``sub``'s links (Note: a subset's exposure), with
     the leaders of ``sub``'s device types; none where nothing was measured."""
 
     def ratio(new: float, old: float) -> float:
@@ -145,9 +145,9 @@ def _moved_exposure(profile: Profile, sub: Profile) -> Exposure:
         return Exposure()
     whole = CommModel.from_profile(replace(profile, comm=replace(profile.comm, exposure=Exposure())), way)
     part = CommModel.from_profile(sub, way)
-    moved = x.scaled(ratio(part.serial_micro_step_s(stage), whole.serial_micro_step_s(stage)),
+    carried = x.scaled(ratio(part.serial_micro_step_s(stage), whole.serial_micro_step_s(stage)),
                      ratio(part.serial_iteration_s(stage), whole.serial_iteration_s(stage)))
-    return moved.only_leaders(sorted({r.device_type for r in sub.ranks}))
+    return carried.only_leaders(sorted({r.device_type for r in sub.ranks}))
 
 
 def widened(found: Plan, keep: Sequence[int], profile: Profile) -> Plan:

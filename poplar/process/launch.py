@@ -28,7 +28,7 @@ import socket
 import time
 import traceback
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -72,6 +72,18 @@ def _context() -> Any:
     return ctx
 
 
+# [Note: a failed rendezvous starts again]
+# On a loaded machine gloo's full mesh of loopback connections now and then fails to form
+# ("connectFullMesh failed ... Connection closed by peer"): a peer's ephemeral port, or its
+# connection, is lost under the load of other groups forming beside it. Where some rank failed to
+# join and no rank reported that it joined, no rank has started ``fn``, so the group is started
+# once more, with new processes and a new store, inside the same deadline: like torchrun's
+# restarts, but only where nothing of ``fn`` ran. A second failure is reported with both stories.
+RENDEZVOUS = "rendezvous"  # a rank's report: it failed to join the group
+JOINED = "joined"  # a rank's report: it joined the group and starts fn
+RENDEZVOUS_ATTEMPTS = 2
+
+
 def _worker(fn: Callable[..., Any], rank: int, world_size: int, args: tuple, port: int, backend: str,
             collective_timeout_s: float, threads: int, results: Any, environ: dict[str, str]) -> None:
     os.environ.clear()
@@ -80,8 +92,13 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, args: tuple, por
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     try:
         timeout = timedelta(seconds=collective_timeout_s)
-        store = dist.TCPStore("127.0.0.1", port, None, False, timeout)  # a client of the caller's store
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        try:
+            store = dist.TCPStore("127.0.0.1", port, None, False, timeout)  # a client of the caller's store
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        except Exception:  # noqa: BLE001 - fn has not run: the caller may start the group again
+            results.put((RENDEZVOUS, rank, traceback.format_exc()))
+            return
+        results.put((JOINED, rank, b""))
         out = fn(rank, world_size, *args)
         results.put(("ok", rank, _dumps(out)))
     except BaseException:  # noqa: BLE001 - every failure goes back to the parent
@@ -116,6 +133,14 @@ def _stop(procs: list[Any], wait_s: float) -> None:
             p.join(timeout=5)
 
 
+class _Attempt(NamedTuple):
+    """One start of the group: each rank's result or its failure."""
+
+    outputs: dict[int, Any]
+    failures: dict[int, str]
+    rendezvous_failed: bool  # some rank failed to join the group and none started fn
+
+
 def spawn(fn: Callable[..., Any], world_size: int, args: tuple = (), *, timeout_s: float = 120.0,
           backend: str = "gloo", collective_timeout_s: float = 60.0, threads_per_rank: int = 1,
           grace_s: float = 10.0) -> list[Any]:
@@ -123,8 +148,27 @@ def spawn(fn: Callable[..., Any], world_size: int, args: tuple = (), *, timeout_
 
     ``fn`` must be importable by name (a module-level function). Raises ``RankFailure`` if any
     rank raises or dies (waiting up to ``grace_s`` for the other ranks' reports), or if the run
-    passes ``timeout_s``.
+    passes ``timeout_s``. A group that failed to form is started once more (Note: a failed
+    rendezvous starts again).
     """
+    deadline = time.monotonic() + timeout_s
+    stories: list[str] = []
+    for attempt in range(RENDEZVOUS_ATTEMPTS):
+        run = _start(fn, world_size, args, deadline, backend, collective_timeout_s, threads_per_rank, grace_s)
+        if not run.failures:
+            return [run.outputs[r] for r in range(world_size)]
+        detail = "\n".join(f"--- rank {r}:\n{msg}" for r, msg in sorted(run.failures.items()))
+        stories.append(detail)
+        if not run.rendezvous_failed or attempt + 1 == RENDEZVOUS_ATTEMPTS or time.monotonic() > deadline:
+            break
+    again = (f" (the process group failed to form {len(stories)} times; the first time:\n{stories[0]}\nthen)"
+             if len(stories) > 1 else "")
+    raise RankFailure(f"{len(run.failures)} of {world_size} ranks failed{again}:\n{stories[-1]}", run.failures)
+
+
+def _start(fn: Callable[..., Any], world_size: int, args: tuple, deadline: float, backend: str,
+           collective_timeout_s: float, threads_per_rank: int, grace_s: float) -> _Attempt:
+    """Start the group once and collect each rank's report until ``deadline``."""
     ctx = _context()
     results = ctx.Queue()
     # The rendezvous store lives in this process, on a port the system picked when it bound it: a
@@ -139,7 +183,8 @@ def spawn(fn: Callable[..., Any], world_size: int, args: tuple = (), *, timeout_
         p.start()
     outputs: dict[int, Any] = {}
     failures: dict[int, str] = {}
-    deadline = time.monotonic() + timeout_s
+    unjoined: set[int] = set()  # ranks that failed to join the group
+    joined = False  # some rank joined it and started fn
     first_failure: float | None = None
     try:
         while len(outputs) + len(failures) < world_size:
@@ -147,7 +192,7 @@ def spawn(fn: Callable[..., Any], world_size: int, args: tuple = (), *, timeout_
             if now > deadline or (first_failure is not None and now > first_failure + grace_s):
                 for r in range(world_size):
                     if r not in outputs and r not in failures:
-                        failures[r] = ("timed out" if first_failure is None else "stopped after another rank failed")
+                        failures[r] = "timed out" if first_failure is None else "stopped after another rank failed"
                 break
             try:
                 status, rank, payload = results.get(timeout=0.1)
@@ -163,14 +208,16 @@ def spawn(fn: Callable[..., Any], world_size: int, args: tuple = (), *, timeout_
                             break
                 else:
                     continue
-            if status == "ok":
+            if status == JOINED:
+                joined = True
+            elif status == "ok":
                 outputs[rank] = _loads(payload)
             else:
                 failures[rank] = payload
+                if status == RENDEZVOUS:
+                    unjoined.add(rank)
                 first_failure = first_failure or time.monotonic()
     finally:
         _stop(procs, EXIT_GRACE_S if len(outputs) == world_size else 0.0)
-    if failures:
-        detail = "\n".join(f"--- rank {r}:\n{msg}" for r, msg in sorted(failures.items()))
-        raise RankFailure(f"{len(failures)} of {world_size} ranks failed:\n{detail}", failures)
-    return [outputs[r] for r in range(world_size)]
+    rendezvous = bool(unjoined) and not joined
+    return _Attempt(outputs, failures, rendezvous)

@@ -57,6 +57,31 @@ def test_dead_rank_fails_fast() -> None:
     assert time.monotonic() - t0 < 30
 
 
+def counts_its_start_and_raises(rank: int, world: int, path: str) -> None:
+    with open(path, "a") as f:
+        f.write(f"{rank}\n")
+    raise RuntimeError("fails inside fn")
+
+
+@pytest.mark.multiprocess
+def test_a_failure_inside_fn_is_not_started_again(tmp_path) -> None:
+    """Only a group that failed to form starts again: ranks that ran fn are never run twice."""
+    starts = tmp_path / "starts"
+    with pytest.raises(RankFailure, match="fails inside fn") as info:
+        spawn(counts_its_start_and_raises, 2, (str(starts),), grace_s=5)
+    assert sorted(starts.read_text().split()) == ["0", "1"]
+    assert "failed to form" not in str(info.value)
+
+
+@pytest.mark.multiprocess
+def test_a_group_that_fails_to_form_starts_once_more_then_reports_both() -> None:
+    """Every rank fails to join (no such backend): the group starts a second time, and the
+    failure names both attempts with the cause."""
+    with pytest.raises(RankFailure, match="failed to form 2 times") as info:
+        spawn(sum_ranks, 2, backend="no-such-backend", grace_s=5)
+    assert str(info.value).count("no-such-backend") >= 2 and set(info.value.failures) == {0, 1}
+
+
 @pytest.mark.multiprocess
 def test_timeout() -> None:
     # the ranks sleep 60 s: any deadline well under that shows the run ending on it, not hanging

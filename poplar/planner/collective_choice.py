@@ -10,7 +10,7 @@ accumulator) is planned on the micro-batches that memory leaves (``profile_as``)
 
 [Note: flat first within the tie]
 The profile's exposure was measured with the collectives as they ran then (flat, today); another
-way is priced by scaling it (``CommModel.priced_as``), which is an estimate the measurement did
+way is priced by carrying it (``CommModel.priced_as``), which is an estimate the measurement did
 not see. Within the plan's tie (``Plan.choice.plan_tie``) the order flat, hierarchical, secondary
 shards, once per iteration wins: the better-known prediction, then the way that holds less memory.
 """

@@ -55,7 +55,7 @@ all-reduce (the status reduction) flat. The recorded collectives are ``[op, byte
 of the iteration's end at ZeRO-0, and do not say which all-reduce is the gradients'; the table
 does: one all-reduce of the full gradients (``all_reduce_s``, the way's price) and the status
 reduction's latency. So at ZeRO-0 another way scales the recorded end by the table's end run that
-way over it run as measured (``priced_as``'s ``iteration_scale``), not by the recorded pairs.
+way over it run as measured (the ratio of ``priced_as``'s ``iteration_carry``), not by the recorded pairs.
 """
 
 from __future__ import annotations
@@ -69,6 +69,7 @@ from poplar.planner.curves import SpeedCurve
 from poplar.planner.lead import lead_change
 from poplar.planner.link_pricing import LinkPricing
 from poplar.planner.quantized_pricing import NO_COMPRESSION, Compression
+from poplar.types.profiles import Carry
 from poplar.types.route import Collectives
 
 
@@ -109,15 +110,17 @@ class CommModel:
     exposed_end_small_lead_s: Led | None = None  # the iteration's end's (closing + fixed overhead)
     # Links per tier (None: the flat link above alone) and how this model prices the collectives;
     # the measured exposures above are of ``measured_collectives``, and another way of running
-    # them scales what they expose by its serial seconds over theirs (``priced_as``)
+    # them carries what they expose to its serial seconds (``priced_as``)
     pricing: LinkPricing | None = None
     collectives: Collectives = Collectives.FLAT
     measured_collectives: Collectives = Collectives.FLAT
     overhead_s: float = 0.0  # of the measured iteration's end, the fixed overhead (no collective)
     # the plan's quantized collectives (``quantized_pricing``); the exposures above were measured exact
     compression: Compression = NO_COMPRESSION
-    micro_scale: float = 1.0
-    iteration_scale: float = 1.0
+    # the measured exposures carried to this model's collectives (``priced_as``; Note: an
+    # exposure carried, in ``types/profiles.py``)
+    micro_carry: Carry = Carry()
+    iteration_carry: Carry = Carry()
     # (computes, ends) balanced: the iteration's end (closing + fixed overhead) after a last
     # micro-step of that compute; stages 0/1 price their end from it (``led_iteration_s``)
     exposed_end_steps: tuple[tuple[float, ...], tuple[float, ...]] | None = None
@@ -145,23 +148,24 @@ class CommModel:
                   held_share: float = 1.0) -> "CommModel":
         """This model with the collectives run as ``collectives`` (once per iteration: for
         ``held_share`` of the parameters), quantized as ``compression`` (None: as this model's):
-        the formulas price them on their links, and a measured exposure is scaled by the serial
-        seconds of one micro-step's (and of the iteration's closing) collectives run so over those
-        it measured (exact, every parameter held): compute hid the same fraction of them."""
+        the formulas price them on their links, and a measured exposure is carried from the serial
+        seconds of one micro-step's (and of the iteration's closing) collectives as it measured them
+        (exact, every parameter held) to those run so (Note: an exposure carried, in
+        ``types/profiles.py``)."""
         compression = self.compression if compression is None else compression
-        measured = replace(self, collectives=self.measured_collectives, micro_scale=1.0, iteration_scale=1.0,
+        measured = replace(self, collectives=self.measured_collectives, micro_carry=Carry(), iteration_carry=Carry(),
                            compression=compression.exact(), held_share=1.0)
         priced = replace(measured, collectives=collectives, compression=compression, held_share=held_share)
-
-        def ratio(new: float, old: float) -> float:
-            return new / old if old > 0 else 1.0
 
         stage = self.measured_stage
         if stage is None or (collectives is self.measured_collectives and not compression.lossy and held_share >= 1):
             return priced
+        seconds = not compression.lossy  # (Note: an exposure carried: quantized, the fraction alone)
         return replace(priced,
-                       micro_scale=ratio(priced.serial_micro_step_s(stage), measured.serial_micro_step_s(stage)),
-                       iteration_scale=ratio(priced.serial_iteration_s(stage), measured.serial_iteration_s(stage)))
+                       micro_carry=Carry.between(priced.serial_micro_step_s(stage), measured.serial_micro_step_s(stage),
+                                                 seconds),
+                       iteration_carry=Carry.between(priced.serial_iteration_s(stage),
+                                                     measured.serial_iteration_s(stage), seconds))
 
     def serial_micro_step_s(self, stage: int) -> float:
         """One micro-step's collectives one by one, serially: the recorded ones, else the table's."""
@@ -278,7 +282,7 @@ class CommModel:
 
     def per_micro_step_s(self, stage: int) -> float:
         if self.measured_stage == stage and self.exposed_micro_step_s is not None:
-            return self.exposed_micro_step_s * self.micro_scale if stage in (2, 3) else 0.0
+            return self.micro_carry.of(self.exposed_micro_step_s) if stage in (2, 3) else 0.0
         if self._measured(stage):
             return self._ops_s(self.micro_step_ops, stage, in_micro_step=True)
         return self._table_micro_step_s(stage)
@@ -300,15 +304,15 @@ class CommModel:
         lead = np.asarray(lead, dtype=float)
         if self.measured_stage != stage or stage not in (2, 3) or self.exposed_micro_step_s is None:
             return self.per_micro_step_s(stage) + 0.0 * lead
-        balanced = self.exposed_micro_step_s  # as measured; scaled below when priced another way
+        balanced = self.exposed_micro_step_s  # as measured; carried below when priced another way
         base = balanced + 0.0 * lead
         if compute is not None and self.exposed_steps is not None:
             base = np.interp(compute, *self.exposed_steps) + 0.0 * lead
         if self.exposed_lead_s is None or leader is None:
-            return base * self.micro_scale
+            return self.micro_carry.of(base)
         change = _per_leader(self.exposed_lead_s, leader, balanced) - balanced
         led = np.maximum(0.0, base + self._lead_change(lead, change, self.exposed_small_lead_s, leader, balanced))
-        return led * self.micro_scale
+        return self.micro_carry.of(led)
 
     def _lead_change(self, lead: Any, change: Any, small: Led | None, leader: Any, balanced: float) -> Any:
         """``lead_change`` with the leader's small led rounds (``small``: their exposure), if measured."""
@@ -357,22 +361,22 @@ class CommModel:
     def _led_end_s(self, stage: int, lead: float, leader: str | None, last_step_s: float | None) -> float:
         if self.measured_stage != stage or self.exposed_iteration_s is None:
             return self._end_s(stage)
-        balanced = self.exposed_iteration_s  # as measured; scaled below when priced another way
+        balanced = self.exposed_iteration_s  # as measured; carried below when priced another way
         base = balanced
         if stage in (0, 1) and last_step_s is not None and self.exposed_end_steps is not None:
             base = float(np.interp(last_step_s, *self.exposed_end_steps))
         if self.exposed_end_lead_s is None or leader is None:
-            return self._scaled_end(base)
+            return self._carried_end(base)
         change = float(_per_leader(self.exposed_end_lead_s, leader, balanced)) - balanced
-        return self._scaled_end(base + float(self._lead_change(lead, change, self.exposed_end_small_lead_s,
+        return self._carried_end(base + float(self._lead_change(lead, change, self.exposed_end_small_lead_s,
                                                                leader, balanced)))
 
-    def _scaled_end(self, measured: float) -> float:
+    def _carried_end(self, measured: float) -> float:
         """A measured iteration's end with its collectives priced as this model's: the fixed
-        overhead as it is, the rest scaled."""
-        if self.iteration_scale == 1.0:
+        overhead as it is, the rest carried."""
+        if self.iteration_carry == Carry():
             return measured
-        return self.overhead_s + (measured - self.overhead_s) * self.iteration_scale
+        return self.overhead_s + self.iteration_carry.of(measured - self.overhead_s)
 
     def per_iteration_s(self, stage: int) -> float:
         """c_s with no lead, what crossing nodes once per iteration adds included, none of it
@@ -381,11 +385,11 @@ class CommModel:
 
     def _end_s(self, stage: int) -> float:
         if self.measured_stage == stage and self.exposed_iteration_s is not None:
-            return self._scaled_end(self.exposed_iteration_s)
+            return self._carried_end(self.exposed_iteration_s)
         if self._measured(stage):
-            # at ZeRO-0 the recorded all-reduces are priced flat; ``priced_as`` scaled the way's end
+            # at ZeRO-0 the recorded all-reduces are priced flat; ``priced_as`` scales the way's end
             # by the table's (Note: ZeRO-0's gradients from the table)
-            return self._ops_s(self.iteration_ops, stage) * (self.iteration_scale if stage == 0 else 1.0)
+            return self._ops_s(self.iteration_ops, stage) * (self.iteration_carry.ratio if stage == 0 else 1.0)
         return self._table_iteration_s(stage)
 
     def _table_iteration_s(self, stage: int) -> float:

@@ -30,16 +30,16 @@ no batch is not planned. The measured points past a rank's new mbs stay its curv
 A profile's exposure (what compute did not hide of the collectives) was measured with every rank
 in the step. A subset runs the same schedule, the same collectives in the same order beside the
 same compute per step, on fewer ranks and on the links of its own nodes. It is priced as another
-way of running that schedule is (``CommModel.priced_as``): compute hid the same fraction of it,
-so the subset's exposure is the measured one scaled by the serial seconds its collectives take on
-its links over those they took on every rank's (the cost model's formulas on each:
+way of running that schedule is (``CommModel.priced_as``; Note: an exposure carried, in
+``types/profiles.py``): the measured exposure carried from the serial seconds its collectives took
+on every rank's links to those they take on the subset's (the cost model's formulas on each:
 ``CommModel.serial_micro_step_s`` and ``serial_iteration_s``). The formulas alone add every
 collective to the compute and price a subset over what it runs, the more so the more compute
 hides (ZeRO-3's prefetched gathers). On the emulated C-4+4 and A-4+4 (4-rank subsets, ZeRO-3 at
-global batch 32 and 480, ZeRO-2 at 480) the scaled exposure priced every subset within 0.0-2.8 %
-over what it ran, the formulas alone 1.5-7.5 % over, and the exposure moved by the difference of
-the serial seconds (the same seconds hidden) -0.6-+5.1 % (docs/experiments.md, 2026-11-29). It
-is still an estimate the measurement did not see, so the tie favours every GPU.
+global batch 32 and 480, ZeRO-2 at 480; 24 rows in two runs, docs/experiments.md, 2026-11-29) the
+carried exposure priced every subset -0.6 to +3.3 % of what it ran (ZeRO-3 within 0.6 %, ZeRO-2's
+large batch 1.9-3.3 % over, where the formulas alone are 1.5-2.8 % over), the formulas alone up to
+7.5 % over. It is still an estimate the measurement did not see, so the tie favours every GPU.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from poplar.planner.fastest import fastest as choose
 from poplar.planner.shard_memory import knows_shard_memory, mbs_at, measured_shares, sharded_bytes
 from poplar.types.plan_choice import SubsetRow
 from poplar.types.plans import Plan, PlanError, RankPlan, shares_of
-from poplar.types.profiles import CommProfile, Exposure, Links, Profile, RankProfile
+from poplar.types.profiles import Carry, CommProfile, Exposure, Links, Profile, RankProfile
 from poplar.types.topology import Topology
 
 
@@ -113,7 +113,7 @@ def on_ranks(profile: Profile, keep: Sequence[int]) -> Profile:
     """The profile of the ranks ``keep`` alone, renumbered 0..k-1 in order: their curves and
     memory as they are holding the whole sharded state (Note: a subset's memory), the links of
     the nodes they are on (each node's link, the cross-node link if they span nodes), and the
-    measured exposure scaled to those links (Note: a subset's exposure)."""
+    measured exposure carried to those links (Note: a subset's exposure)."""
     keep = sorted(keep)
     held = _holding_everything(profile, keep)
     ranks = [replace(held[old], rank=new) for new, old in enumerate(keep)]
@@ -135,18 +135,15 @@ def on_ranks(profile: Profile, keep: Sequence[int]) -> Profile:
 
 
 def _carried_exposure(profile: Profile, sub: Profile) -> Exposure:
-    """``profile``'s measured exposure scaled to ``sub``'s links (Note: a subset's exposure), with
+    """``profile``'s measured exposure carried to ``sub``'s links (Note: a subset's exposure), with
     the leaders of ``sub``'s device types; none where nothing was measured."""
-
-    def ratio(new: float, old: float) -> float:
-        return new / old if old > 0 else 1.0
     stage, x, way = profile.comm.collectives_stage, profile.comm.exposure, profile.comm.collectives
     if stage is None or (x.micro_step_s is None and x.iteration_s is None):
         return Exposure()
     whole = CommModel.from_profile(replace(profile, comm=replace(profile.comm, exposure=Exposure())), way)
     part = CommModel.from_profile(sub, way)
-    carried = x.scaled(ratio(part.serial_micro_step_s(stage), whole.serial_micro_step_s(stage)),
-                     ratio(part.serial_iteration_s(stage), whole.serial_iteration_s(stage)))
+    carried = x.carried(Carry.between(part.serial_micro_step_s(stage), whole.serial_micro_step_s(stage)),
+                        Carry.between(part.serial_iteration_s(stage), whole.serial_iteration_s(stage)))
     return carried.only_leaders(sorted({r.device_type for r in sub.ranks}))
 
 

@@ -13,9 +13,12 @@ carries ``schema_version`` (``PROFILE_SCHEMA``); one of another schema is refuse
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
+
+import numpy as np
 
 from poplar.types import profile_json
 from poplar.types.configuration import CandidateRow
@@ -184,6 +187,50 @@ class LedExposure:
     iteration_small_lead_s: float | None = None
 
 
+class Carry(NamedTuple):
+    """How a measured exposure carries to the same steps' collectives run another way (Note: an
+    exposure carried): the new serial seconds over the measured ones (``ratio``), and the measured
+    less the new (``saved_s``)."""
+
+    ratio: float = 1.0
+    saved_s: float = 0.0
+
+    @classmethod
+    def between(cls, new_s: float, measured_s: float, keep_seconds: bool = True) -> "Carry":
+        """From the serial seconds of the collectives run the new way and as measured; without
+        ``keep_seconds``, the fraction alone (scaled, never moved)."""
+        if not measured_s > 0:
+            return cls()
+        return cls(new_s / measured_s, measured_s - new_s if keep_seconds else -math.inf)
+
+    def of(self, exposed: Any) -> Any:
+        """An exposed time (a number, or a numpy array of them) carried: the smaller of it scaled
+        by ``ratio`` and moved by ``saved_s``, none below zero."""
+        scaled, moved = exposed * self.ratio, exposed - self.saved_s
+        least = np.minimum(scaled, moved)
+        return np.maximum(least, 0.0) if isinstance(least, np.ndarray) else max(float(least), 0.0)
+
+
+# [Note: an exposure carried]
+# A profile's exposure is what compute did not hide of the collectives as they ran when it was
+# measured. The same steps with their collectives run another way (another route or a quantized
+# one, ``CommModel.priced_as``; a subset's ranks on its own links, ``participation.on_ranks``) are
+# priced from it, not from the formulas alone, which add every collective to the compute. Where
+# the new collectives take fewer serial seconds, the same compute hides at least the seconds it
+# hid (as much of them as there is) and at least the fraction it hid, so the exposure is at most
+# the measured one moved by the seconds saved and at most it scaled by the serial ratio: each
+# exposed value is carried as the smaller (``Carry.of``), none below zero. The two bounds bind
+# in different places: the prefetched gathers of ZeRO-3, where much is hidden, keep the seconds;
+# ZeRO-2's closing reduce-scatter, exposed more than its serial seconds, the fraction. Where the
+# new collectives take more, the smaller is the scaled value wherever the measured exposure is
+# within its serial seconds. Quantized collectives keep the fraction alone: their conversion runs
+# on the device beside the compute that hid the exact ones, so the seconds that compute hid are
+# not known to stay free for them, and no run has measured it. On the emulated C-4+4 and A-4+4 (docs/experiments.md, 2026-11-29)
+# the carried exposure priced crossing once per iteration -0.6 to +2.0 % of what it ran in six
+# rows (scaled alone up to +4.7 %), and 4-rank subsets -0.6 to +3.3 % in 24 (ZeRO-3 within
+# 0.6 %; scaled alone up to +3.1 % there, moved alone up to +5.1 % at ZeRO-2).
+
+
 @dataclass(frozen=True)
 class Exposure:
     """What of the collectives compute did not hide, measured at ``CommProfile.collectives_stage``
@@ -212,22 +259,24 @@ class Exposure:
         """This exposure with the leaders of these device types only."""
         return replace(self, leaders=tuple(x for x in self.leaders if x.device_type in device_types))
 
-    def scaled(self, micro_step: float, iteration: float) -> "Exposure":
-        """This exposure with every micro-step value (the switch's too) times ``micro_step`` and
-        every value of the iteration's closing collectives times ``iteration`` (the lead, the
-        overhead and the error as they are)."""
+    def carried(self, micro_step: Carry, iteration: Carry) -> "Exposure":
+        """This exposure carried to collectives run another way (Note: an exposure carried):
+        every micro-step value by ``micro_step``, every value of the iteration's closing
+        collectives by ``iteration``; the switch's extra (a difference of two exposures) scaled by
+        the micro-step's ratio; the lead, the overhead and the error as they are."""
         def step(v: float | None) -> float | None:
-            return None if v is None else v * micro_step
+            return None if v is None else micro_step.of(v)
 
         def end(v: float | None) -> float | None:
-            return None if v is None else v * iteration
+            return None if v is None else iteration.of(v)
         leaders = tuple(replace(x, micro_step_s=step(x.micro_step_s), iteration_s=end(x.iteration_s),
                                 micro_step_small_lead_s=step(x.micro_step_small_lead_s),
                                 iteration_small_lead_s=end(x.iteration_small_lead_s)) for x in self.leaders)
         return replace(self, micro_step_s=step(self.micro_step_s), iteration_s=end(self.iteration_s),
-                       step_s=None if self.step_s is None else tuple(v * micro_step for v in self.step_s),
-                       end_s=None if self.end_s is None else tuple(v * iteration for v in self.end_s),
-                       switch_s=step(self.switch_s), leaders=leaders)
+                       step_s=None if self.step_s is None else tuple(micro_step.of(v) for v in self.step_s),
+                       end_s=None if self.end_s is None else tuple(iteration.of(v) for v in self.end_s),
+                       switch_s=None if self.switch_s is None else self.switch_s * micro_step.ratio,
+                       leaders=leaders)
 
 
 @dataclass

@@ -119,23 +119,27 @@ def test_the_cost_model_prices_each_stage_on_its_links() -> None:
     assert hier.per_iteration_s(0) == flat.per_iteration_s(0)  # ZeRO-0's all-reduce: flat but once per iteration
 
 
-def test_a_measured_exposure_is_scaled_by_the_serial_seconds_of_the_way_priced() -> None:
+def test_a_measured_exposure_is_carried_to_the_serial_seconds_of_the_way_priced() -> None:
     x = Exposure(micro_step_s=0.2, iteration_s=0.05, overhead_s=0.01)
     prof = profile(two_nodes(), stage=2, exposure=x, collectives_stage=2,
                    micro_step=[["reduce_scatter", 4e7]], iteration=[["all_gather", 4e7]])
     flat, hier = CommModel.from_profile(prof), CommModel.from_profile(prof, Collectives.HIERARCHICAL)
     pricing = LinkPricing.of(prof.comm.links, 8)
-    ratio = (pricing.intra_s("all_gather", 4e7) + pricing.cross_s(4e7)) / pricing.flat_s("all_gather", 4e7)
+    flat_s, hier_s = pricing.flat_s("all_gather", 4e7), pricing.intra_s("all_gather", 4e7) + pricing.cross_s(4e7)
+
+    def carried(v: float, new: float, old: float) -> float:  # the smaller of scaled and moved, none below zero
+        return max(0.0, min(v * new / old, v - (old - new)))
     assert flat.per_micro_step_s(2) == 0.2 and flat.per_iteration_s(2) == pytest.approx(0.06)
-    assert hier.per_micro_step_s(2) == pytest.approx(0.2 * ratio)
-    assert hier.led_micro_step_s(2, 0.3, 0.1, "fast") == pytest.approx(0.2 * ratio)
-    assert hier.per_iteration_s(2) == pytest.approx(0.01 + 0.05 * ratio)  # the overhead is no collective
-    # measured hierarchical: priced flat, scaled the other way
+    assert hier.per_micro_step_s(2) == pytest.approx(carried(0.2, hier_s, flat_s))
+    assert hier.led_micro_step_s(2, 0.3, 0.1, "fast") == pytest.approx(carried(0.2, hier_s, flat_s))
+    # the overhead is no collective
+    assert hier.per_iteration_s(2) == pytest.approx(0.01 + carried(0.05, hier_s, flat_s))
+    # measured hierarchical: priced flat, carried the other way
     measured_hier = profile(two_nodes(), stage=2, exposure=x, collectives_stage=2,
                             collectives=Collectives.HIERARCHICAL,
                             micro_step=[["reduce_scatter", 4e7]], iteration=[["all_gather", 4e7]])
     assert CommModel.from_profile(measured_hier, Collectives.HIERARCHICAL).per_micro_step_s(2) == 0.2
-    assert CommModel.from_profile(measured_hier).per_micro_step_s(2) == pytest.approx(0.2 / ratio)
+    assert CommModel.from_profile(measured_hier).per_micro_step_s(2) == pytest.approx(carried(0.2, flat_s, hier_s))
 
 
 def test_secondary_shards_take_their_memory_from_the_micro_batch() -> None:

@@ -13,7 +13,7 @@ from poplar.planner import plan
 from poplar.planner.cost_model import CommModel
 from poplar.planner.participation import on_ranks, subsets
 from poplar.types.plans import PlanError
-from poplar.types.profiles import Exposure, LedExposure, LinkSpeed, Links
+from poplar.types.profiles import Carry, Exposure, LedExposure, LinkSpeed, Links
 from poplar.types.topology import Topology
 from tests.planner.test_link_pricing import FAST, GB, profile, two_nodes
 
@@ -86,7 +86,7 @@ def test_a_subset_holds_the_whole_sharded_state_so_its_ranks_fit_smaller_batches
     assert rows and rows["without node 1"].predicted_s is None and "batch 1" in rows["without node 1"].reason
 
 
-def test_a_subset_is_priced_from_the_measured_exposure_scaled_to_its_links() -> None:
+def test_a_subset_is_priced_from_the_measured_exposure_carried_to_its_links() -> None:
     # measured at ZeRO-3 flat over every rank, whose ring runs at the 1 GB/s link between nodes (its
     # micro-step's 3 collectives of 40 MB take 0.105 s one by one; 0.09 s of them were exposed),
     # nodes of 2 GB/s; both types led rounds
@@ -102,19 +102,27 @@ def test_a_subset_is_priced_from_the_measured_exposure_scaled_to_its_links() -> 
     bare = (lambda p: replace(p, comm=replace(p.comm, exposure=Exposure())))  # noqa: E731
     whole, part = CommModel.from_profile(bare(prof)), CommModel.from_profile(bare(node0))
     ratio = part.serial_micro_step_s(3) / whole.serial_micro_step_s(3)
+    saved = whole.serial_micro_step_s(3) - part.serial_micro_step_s(3)
     # the node's ring, not the one at the slow link's pace
     assert ratio == pytest.approx((0.75 * 4e7 / 2e9 + 50e-6) / (0.875 * 4e7 / 1e9 + 50e-6))
+    assert saved == pytest.approx(3 * (0.875 * 4e7 / 1e9 - 0.75 * 4e7 / 2e9))
+
+    def carried(v: float) -> float:  # the smaller of scaled and moved, none below zero
+        return max(0.0, min(v * ratio, v - saved))
+    # here the seconds saved bind (0.09 moved by 0.06 is under 0.09 scaled by 0.43), and the small
+    # led rounds' 0.05 carries to nothing
+    assert carried(0.09) == pytest.approx(0.09 - saved) and 0.09 - saved < 0.09 * ratio and carried(0.05) == 0.0
     got = node0.comm.exposure
-    assert got.micro_step_s == pytest.approx(0.09 * ratio) and got.step_s == pytest.approx((0.1 * ratio, 0.09 * ratio))
-    assert got.switch_s == pytest.approx(0.01 * ratio) and got.step_compute_s == (0.01, 0.03)
+    assert got.micro_step_s == pytest.approx(carried(0.09)) and got.step_s == pytest.approx((carried(0.1), carried(0.09)))
+    assert got.switch_s == pytest.approx(0.01 * ratio) and got.step_compute_s == (0.01, 0.03)  # a difference: scaled
     fast, = got.leaders  # the slow type is left out with its node
-    assert fast.micro_step_s == pytest.approx(0.1 * ratio) and fast.micro_step_small_lead_s == pytest.approx(0.05 * ratio)
-    end = part.serial_iteration_s(3) / whole.serial_iteration_s(3)
-    assert got.iteration_s == pytest.approx(0.05 * end) and got.overhead_s == 0.01  # the overhead is no collective
-    # priced: the subset's micro-step from the scaled exposure, below the formulas' serial seconds
+    assert fast.micro_step_s == pytest.approx(carried(0.1)) and fast.micro_step_small_lead_s == 0.0
+    end = Carry.between(part.serial_iteration_s(3), whole.serial_iteration_s(3))
+    assert got.iteration_s == pytest.approx(end.of(0.05)) and got.overhead_s == 0.01  # the overhead is no collective
+    # priced: the subset's micro-step from the carried exposure, below the formulas' serial seconds
     # (compute hid some of them); its end with the measured overhead, which the formulas lack
     model = CommModel.from_profile(node0)
-    assert model.per_micro_step_s(3) == pytest.approx(0.09 * ratio) and 0.09 * ratio < part.per_micro_step_s(3)
-    assert model.per_iteration_s(3) == pytest.approx(0.05 * end + 0.01)
+    assert model.per_micro_step_s(3) == pytest.approx(carried(0.09)) and carried(0.09) < part.per_micro_step_s(3)
+    assert model.per_iteration_s(3) == pytest.approx(end.of(0.05) + 0.01)
     # nothing measured: nothing carried
     assert on_ranks(profile(two_nodes(cross=CRAWL)), range(4)).comm.exposure == Exposure()

@@ -75,6 +75,7 @@ def test_weights_quantize_zero3_gathers_and_gradients_the_reduce_scatters_never_
 
 
 def test_a_measured_exposure_is_scaled_by_the_quantized_collectives_over_the_exact_ones() -> None:
+    # quantized: the fraction alone, never the seconds (Note: an exposure carried)
     prof = profile(two_nodes(), stage=3, exposure=Exposure(micro_step_s=0.05, iteration_s=0.01),
                    collectives_stage=3, micro_step=[["all_gather", 4e7], ["all_gather", 4e7], ["reduce_scatter", 4e7]])
     exact = CommModel.from_profile(prof)

@@ -52,8 +52,8 @@ own profile, since most of a profile is what the network decides: at ZeRO-3 most
 inside collectives, and most of its rounds are the steady rounds that measure the exposed
 communication (``profiler.exposure``); what does not depend on the network (the capacity search,
 the timing grid's rounds) is about a tenth of its rounds, so measuring the compute once per cluster and
-stage would spare little. The default run took 67 minutes alone, the 8 profiles 40 of them
-(docs/experiments.md, 2026-11-29): longer than the 40 minutes issue 55 asks. ``--short`` is a smoke run,
+stage would spare little. The default run took 67 and 59 minutes alone, the 8 profiles 40 and 35
+of them (docs/experiments.md, 2026-11-29): longer than the 40 minutes issue 55 asks. ``--short`` is a smoke run,
 not evidence (2 measured iterations a plan, the large-batch rows at 2 micro-steps).
 
 Which GPUs take part (``subset_vs_best``; ``--subsets`` runs it alone). On C-4+4 at ZeRO-3 (each

@@ -225,10 +225,11 @@ class Carry(NamedTuple):
 # new collectives take more, the smaller is the scaled value wherever the measured exposure is
 # within its serial seconds. Quantized collectives keep the fraction alone: their conversion runs
 # on the device beside the compute that hid the exact ones, so the seconds that compute hid are
-# not known to stay free for them, and no run has measured it. On the emulated C-4+4 and A-4+4 (docs/experiments.md, 2026-11-29)
-# the carried exposure priced crossing once per iteration -0.6 to +2.0 % of what it ran in six
-# rows (scaled alone up to +4.7 %), and 4-rank subsets -0.6 to +3.3 % in 24 (ZeRO-3 within
-# 0.6 %; scaled alone up to +3.1 % there, moved alone up to +5.1 % at ZeRO-2).
+# not known to stay free for them, and no run has measured it. On the emulated C-4+4 and A-4+4
+# (docs/experiments.md, 2026-11-29) the carried exposure priced crossing once per iteration -0.6
+# to +2.0 % of what it ran in six rows (scaled alone up to +4.7 %), and 4-rank subsets -0.6 to
+# +3.3 % in 24 (ZeRO-3 within 0.6 %; scaled alone up to +3.1 % there, moved alone up to +5.1 %
+# at ZeRO-2).
 
 
 @dataclass(frozen=True)

@@ -206,9 +206,12 @@ class Carry(NamedTuple):
     def of(self, exposed: Any) -> Any:
         """An exposed time (a number, or a numpy array of them) carried: the smaller of it scaled
         by ``ratio`` and moved by ``saved_s``, none below zero."""
+        if self.ratio == 1.0 and self.saved_s == 0.0:  # as measured (the cost model's hot path)
+            return exposed
         scaled, moved = exposed * self.ratio, exposed - self.saved_s
-        least = np.minimum(scaled, moved)
-        return np.maximum(least, 0.0) if isinstance(least, np.ndarray) else max(float(least), 0.0)
+        if isinstance(exposed, np.ndarray):
+            return np.maximum(np.minimum(scaled, moved), 0.0)
+        return max(min(scaled, moved), 0.0)
 
 
 # [Note: an exposure carried]

@@ -35,7 +35,8 @@ times more against that floor, as they do on a real cluster.
 Sizes of the default run (the evidence; 8 processes pace most of their time asleep, so its
 length is the emulated cluster's time more than the cores'): ``--slowdown 4``, where the bytes
 outweigh the floor enough for the link to decide (at 1 the floor decides every row: flat or
-fewer ranks win whatever the link); global batch 32 (4 samples a rank on 8 ranks; a 4-rank subset
+fewer ranks win whatever the link; at 2 crossing once per iteration at ZeRO-3 is priced level
+with flat on C-4+4's large batch, and flat runs); global batch 32 (4 samples a rank on 8 ranks; a 4-rank subset
 holds the whole sharded state on half the ranks, so its micro-batch shrinks below 8 and it runs 2
 micro-steps of 4) and ``--max-batch 8`` (the capacity search stops at
 the largest micro-batch a row uses, which shortens each profile, and keeps the large batch, and
@@ -53,7 +54,9 @@ inside collectives, and most of its rounds are the steady rounds that measure th
 communication (``profiler.exposure``); what does not depend on the network (the capacity search,
 the timing grid's rounds) is about a tenth of its rounds, so measuring the compute once per cluster and
 stage would spare little. The default run took 67 and 59 minutes alone, the 8 profiles 40 and 35
-of them (docs/experiments.md, 2026-11-29): longer than the 40 minutes issue 55 asks. ``--short`` is a smoke run,
+of them (docs/experiments.md, 2026-11-29): longer than the 40 minutes issue 55 asks. At
+``--slowdown 2`` it took 50, the profiles 29 (2026-11-30): most of a profile and of a large-batch
+iteration is the machine's floor, which no slowdown moves. ``--short`` is a smoke run,
 not evidence (2 measured iterations a plan, the large-batch rows at 2 micro-steps).
 
 Which GPUs take part (``subset_vs_best``; ``--subsets`` runs it alone). On C-4+4 at ZeRO-3 (each

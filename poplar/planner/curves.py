@@ -18,6 +18,19 @@ are clipped to [half the slowest, the fastest] measured speed so a wiggle cannot
 Finally the time table is made non-decreasing (time(b) = max over b' <= b): more samples are
 never predicted to take less time. That keeps "largest batch whose time <= t" well defined and
 lets the allocators be exact; where a raw spline dipped, the table is the pessimistic envelope.
+
+[Note: an mbs between measured batches]
+A rank's mbs can fall after profiling, below batches it was timed at: a subset's ranks hold more
+of the sharded state (``participation.on_ranks``), a shard weight gives a rank a larger shard
+(``shards.with_mbs``). The points past the new mbs move to ``points_past_mbs``: they no longer
+fit, but they are still that device's compute at those batches (the compute of a micro-step does
+not depend on how the state around it is sharded). Where the mbs itself was not measured, the
+curve takes the nearest of them into its fit (``from_points``' ``above``), so the time at the
+mbs is interpolated between measured batches, as any batch between two measured ones is, and
+never evaluated past mbs. Without it, an mbs of 7 cut from a profile timed at 6 and 8 was
+extended from 6 at constant speed: a preset's micro-step of 7 priced 6 % slow, where the spline
+through 6 and 8 is within 0.2 % (docs/experiments.md, 2026-11-30). Where the mbs was measured
+nothing past it is used, so a profile's own curves are unchanged.
 """
 
 from __future__ import annotations
@@ -86,8 +99,12 @@ class SpeedCurve:
         return int(out) if np.ndim(out) == 0 else out
 
     @classmethod
-    def from_points(cls, device_type: str, mbs: int, points: Sequence[tuple[int, float]]) -> "SpeedCurve":
-        """Build a curve from (batch, seconds) points; several points per batch are merged by median."""
+    def from_points(cls, device_type: str, mbs: int, points: Sequence[tuple[int, float]],
+                    above: Sequence[tuple[int, float]] = ()) -> "SpeedCurve":
+        """Build a curve from (batch, seconds) points; several points per batch are merged by
+        median. ``above``: points timed at batches past ``mbs`` (``points_past_mbs``); where
+        ``mbs`` itself was not measured, the nearest of them joins the fit (Note: an mbs between
+        measured batches)."""
         if mbs < 1:
             raise ProfileError(f"{device_type}: mbs must be >= 1, got {mbs}")
         try:
@@ -108,6 +125,11 @@ class SpeedCurve:
         batch, secs = batch[keep], secs[keep]
         xs = np.unique(batch)
         ts = np.array([float(np.median(secs[batch == x])) for x in xs])
+        past = [(int(b), float(t)) for b, t in above if b > mbs and t > 0]
+        if xs[-1] < mbs and past:  # the mbs lies between measured batches: interpolate to it
+            nearest = min(b for b, _ in past)
+            xs = np.append(xs, nearest)
+            ts = np.append(ts, float(np.median([t for b, t in past if b == nearest])))
         return cls(device_type, _interpolate(xs, ts, mbs), [(int(b), float(t)) for b, t in zip(xs, ts)])
 
 

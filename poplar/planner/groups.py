@@ -49,9 +49,10 @@ def group_profile(profile: Profile) -> list[DeviceGroup]:
     for dtype, members in by_type.items():
         mbs = min(r.mbs for r in members)
         points = [(p.batch, p.compute_s) for r in members for p in r.points]
+        past = [(p.batch, p.compute_s) for r in members for p in r.points + r.points_past_mbs if p.batch > mbs]
         tflops = next((r.nominal_tflops for r in members if r.nominal_tflops), None)
         groups.append(DeviceGroup(dtype, [r.rank for r in members],
-                                  SpeedCurve.from_points(dtype, mbs, points), tflops))
+                                  SpeedCurve.from_points(dtype, mbs, points, above=past), tflops))
     return groups
 
 

@@ -91,15 +91,19 @@ def reshaped(profile: Profile, weights: Sequence[float]) -> Profile | None:
 
 def with_mbs(profile: Profile, weights: Sequence[float], mbs: Sequence[int]) -> Profile | None:
     """A copy of the profile at these shard weights with every rank's largest micro-batch ``mbs``
-    (the points beyond it dropped, those timed past the measured mbs up to it added) and the
-    optimizer step on the largest shard; None if a rank would fit no sample."""
+    (the points beyond it moved past it, those timed past the measured mbs up to it added) and
+    the optimizer step on the largest shard; None if a rank would fit no sample."""
     if min(mbs) < 1:
         return None
     out = copy.deepcopy(profile)
     for r in out.ranks:
-        grown = [p for p in r.points_past_mbs if p.batch <= mbs[r.rank]]
-        r.points = [p for p in r.points if p.batch <= mbs[r.rank]] + grown  # a batch that no longer fits is no point
-        r.points_past_mbs = [p for p in r.points_past_mbs if p.batch > mbs[r.rank]]
+        cap = mbs[r.rank]
+        grown = [p for p in r.points_past_mbs if p.batch <= cap]
+        # a batch that no longer fits is no point of the curve, but still its compute past the mbs
+        # (Note: an mbs between measured batches, planner/curves.py)
+        moved = [p for p in r.points if p.batch > cap]
+        r.points = [p for p in r.points if p.batch <= cap] + grown
+        r.points_past_mbs = sorted([p for p in r.points_past_mbs if p.batch > cap] + moved, key=lambda p: p.batch)
         r.mbs = mbs[r.rank]
         if not r.points:
             return None

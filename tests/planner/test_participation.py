@@ -11,6 +11,7 @@ import pytest
 
 from poplar.planner import plan
 from poplar.planner.cost_model import CommModel
+from poplar.planner.groups import group_profile
 from poplar.planner.participation import on_ranks, subsets
 from poplar.types.plans import PlanError
 from poplar.types.profiles import Carry, Exposure, LedExposure, LinkSpeed, Links
@@ -76,6 +77,10 @@ def test_a_subset_holds_the_whole_sharded_state_so_its_ranks_fit_smaller_batches
     assert [r.mbs for r in kept.ranks] == [30] * 4 and [r.shard_bytes for r in kept.ranks] == [160 * 10**6] * 4
     assert all(max(p.batch for p in r.points) <= 30 for r in kept.ranks)
     assert [p.batch for p in kept.ranks[0].points_past_mbs] == [32]  # measured: the curve where room comes back
+    # 30 lies between the measured 16 and 32: the subset's curve is the whole profile's, cut at 30
+    # (Note: an mbs between measured batches), not 16's speed held up to 30
+    whole = {g.device_type: g.curve for g in group_profile(prof)}
+    assert {g.device_type: g.curve.times.tolist() for g in group_profile(kept)} == {"fast": whole["fast"].times[:30].tolist()}
     slow = plan(prof, 512, 3)
     assert slow.left_out == (4, 5, 6, 7) and max(r.micro_batch_size for r in slow.ranks) <= 30
     # 8 x 1.3 GB of state: without a node each rank holds 1.3 GB more, 33 samples' worth of its 32

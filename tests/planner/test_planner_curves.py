@@ -36,6 +36,23 @@ def test_measured_points_are_kept_and_times_non_decreasing():
     assert curve.time(0) == 0.0
 
 
+def test_an_mbs_cut_between_measured_batches_is_interpolated_toward_the_point_past_it():
+    # (Note: an mbs between measured batches) a profile timed at 1, 2, 4, 6, 8 whose mbs falls to 7
+    p = PRESETS["A100-80G"]
+    pts = [(b, p.time_s(b)) for b in (1, 2, 4, 6, 8)]
+    whole = SpeedCurve.from_points("A100-80G", 8, pts)
+    cut = SpeedCurve.from_points("A100-80G", 7, [x for x in pts if x[0] <= 7], above=[x for x in pts if x[0] > 7])
+    assert cut.mbs == 7 and np.array_equal(cut.times, whole.times[:7])  # the whole profile's curve, cut
+    assert cut.time(7) == pytest.approx(p.time_s(7), rel=0.005)
+    # without the point past it, 7 samples are priced at the speed measured at 6: slow
+    held = SpeedCurve.from_points("A100-80G", 7, [x for x in pts if x[0] <= 7])
+    assert held.time(7) == pytest.approx(pts[3][1] * 7 / 6) and held.time(7) > 1.02 * p.time_s(7)
+    # an mbs that was measured takes nothing from past it
+    below = [x for x in pts if x[0] <= 6]
+    assert np.array_equal(SpeedCurve.from_points("A100-80G", 6, below, above=[(8, 1e3)]).times,
+                          SpeedCurve.from_points("A100-80G", 6, below).times)
+
+
 def test_peak_in_the_middle():
     # speed rises to batch 8 then falls (memory pressure)
     pts = [(b, b / (10 * b / (b + 2) * (1 if b <= 8 else 8 / b) ** 0.5)) for b in (1, 2, 4, 8, 16, 32)]

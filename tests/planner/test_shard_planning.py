@@ -8,6 +8,7 @@ import pytest
 
 from poplar.emulation.synthetic import GIB, ModelSpec, synthetic_profile
 from poplar.planner import shards
+from poplar.planner.groups import group_profile
 from poplar.planner.planning import plan
 from poplar.types.profiles import Profile, ProfileError
 from poplar.types.plans import Plan, PlanError
@@ -137,3 +138,20 @@ def test_weights_to_fit_give_the_short_cards_what_their_room_holds() -> None:
     assert weights == pytest.approx((1.75, 1.75, 0.25, 0.25))
     assert shards.weights_to_fit([100, 40], [None, None], [None, None]) is None  # nobody fitted
     assert shards.weights_to_fit([40, 40], [30, None], [25, None]) is None  # 50 of state, 20 of room
+
+
+def test_a_larger_shard_cuts_the_mbs_and_the_points_past_it_still_shape_the_curve() -> None:
+    # a shard weight that cuts a rank's mbs below batches it was timed at moves those points past
+    # its mbs, and its curve up to the new mbs is the measured one (Note: an mbs between measured
+    # batches), not the speed of the last batch that still fits held
+    prof = _profile("C", 2, 0.35e9)
+    r0 = prof.ranks[0]
+    measured = sorted(p.batch for p in r0.points)
+    cut = next(b for b in range(r0.mbs - 1, 0, -1) if b not in measured and any(m > b for m in measured))
+    mbs = [cut if r.device_type == r0.device_type else r.mbs for r in prof.ranks]
+    out = shards.with_mbs(prof, [1.0] * prof.world_size, mbs)
+    assert out is not None and out.ranks[0].mbs == cut
+    assert [p.batch for p in out.ranks[0].points_past_mbs if p.batch > cut][:1] == [min(m for m in measured if m > cut)]
+    whole = {g.device_type: g.curve for g in group_profile(prof)}[r0.device_type]
+    cut_curve = {g.device_type: g.curve for g in group_profile(out)}[r0.device_type]
+    assert cut_curve.times.tolist() == whole.times[:cut].tolist()

@@ -36,10 +36,10 @@ on every rank's links to those they take on the subset's (the cost model's formu
 ``CommModel.serial_micro_step_s`` and ``serial_iteration_s``). The formulas alone add every
 collective to the compute and price a subset over what it runs, the more so the more compute
 hides (ZeRO-3's prefetched gathers). On the emulated C-4+4 and A-4+4 (4-rank subsets, ZeRO-3 at
-global batch 32 and 480, ZeRO-2 at 480; 24 rows in two runs, docs/experiments.md, 2026-11-29) the
-carried exposure priced every subset -0.6 to +3.3 % of what it ran (ZeRO-3 within 0.6 %, ZeRO-2's
-large batch 1.9-3.3 % over, where the formulas alone are 1.5-2.8 % over), the formulas alone up to
-7.5 % over. It is still an estimate the measurement did not see, so the tie favours every GPU.
+global batch 32 and 480, ZeRO-2 at 480; 40 rows in eight runs, docs/experiments.md, 2026-11-29
+and 2026-11-30) the carried exposure, with each subset's compute from its own curve (Note: an mbs
+between measured batches, ``planner/curves.py``), priced every subset -0.6 to +0.4 % of what it
+ran, the formulas alone up to 7.5 % over. It is still an estimate the measurement did not see, so the tie favours every GPU.
 """
 
 from __future__ import annotations

@@ -230,9 +230,9 @@ class Carry(NamedTuple):
 # on the device beside the compute that hid the exact ones, so the seconds that compute hid are
 # not known to stay free for them, and no run has measured it. On the emulated C-4+4 and A-4+4
 # (docs/experiments.md, 2026-11-29) the carried exposure priced crossing once per iteration -0.6
-# to +2.0 % of what it ran in six rows (scaled alone up to +4.7 %), and 4-rank subsets -0.6 to
-# +3.3 % in 24 (ZeRO-3 within 0.6 %; scaled alone up to +3.1 % there, moved alone up to +5.1 %
-# at ZeRO-2).
+# to +2.3 % of what it ran in eleven rows (scaled alone up to +4.7 %), and 4-rank subsets -0.6
+# to +0.4 % in 40 (scaled alone up to +3.1 % at ZeRO-3, moved alone up to +5.1 % at ZeRO-2;
+# 2026-11-29 and 2026-11-30).
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ lets the allocators be exact; where a raw spline dipped, the table is the pessim
 [Note: an mbs between measured batches]
 A rank's mbs can fall after profiling, below batches it was timed at: a subset's ranks hold more
 of the sharded state (``participation.on_ranks``), a shard weight gives a rank a larger shard
-(``shards.with_mbs``). The points past the new mbs move to ``points_past_mbs``: they no longer
+(``shards.with_mbs``). The points past the new mbs move to ``points_past_mbs`` (``RankProfile.at_mbs``): they no longer
 fit, but they are still that device's compute at those batches (the compute of a micro-step does
 not depend on how the state around it is sharded). Where the mbs itself was not measured, the
 curve takes the nearest of them into its fit (``from_points``' ``above``), so the time at the

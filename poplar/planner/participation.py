@@ -102,10 +102,7 @@ def _holding_everything(profile: Profile, keep: list[int]) -> dict[int, RankProf
         if mbs < 1:
             raise PlanError(f"rank {r} ({row.device_type}) holds {100 * shares[r]:.0f}% of the sharded state without "
                             "the ranks left out, and then batch 1 does not fit it")
-        past = sorted([p for p in row.points if p.batch > mbs] + row.points_past_mbs, key=lambda p: p.batch)
-        out[r] = replace(row, mbs=mbs,
-                         points=[p for p in row.points if p.batch <= mbs], points_past_mbs=past,
-                         shard_bytes=int(round(shares[r] * total)))
+        out[r] = replace(row.at_mbs(mbs), shard_bytes=int(round(shares[r] * total)))
     return out
 
 

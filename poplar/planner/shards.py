@@ -91,22 +91,14 @@ def reshaped(profile: Profile, weights: Sequence[float]) -> Profile | None:
 
 def with_mbs(profile: Profile, weights: Sequence[float], mbs: Sequence[int]) -> Profile | None:
     """A copy of the profile at these shard weights with every rank's largest micro-batch ``mbs``
-    (the points beyond it moved past it, those timed past the measured mbs up to it added) and
-    the optimizer step on the largest shard; None if a rank would fit no sample."""
+    (``RankProfile.at_mbs``) and the optimizer step on the largest shard; None if a rank would
+    fit no sample."""
     if min(mbs) < 1:
         return None
     out = copy.deepcopy(profile)
-    for r in out.ranks:
-        cap = mbs[r.rank]
-        grown = [p for p in r.points_past_mbs if p.batch <= cap]
-        # a batch that no longer fits is no point of the curve, but still its compute past the mbs
-        # (Note: an mbs between measured batches, planner/curves.py)
-        moved = [p for p in r.points if p.batch > cap]
-        r.points = [p for p in r.points if p.batch <= cap] + grown
-        r.points_past_mbs = sorted([p for p in r.points_past_mbs if p.batch > cap] + moved, key=lambda p: p.batch)
-        r.mbs = mbs[r.rank]
-        if not r.points:
-            return None
+    out.ranks = [r.at_mbs(mbs[r.rank]) for r in out.ranks]
+    if not all(r.points for r in out.ranks):
+        return None
     overhead = out.comm.exposure.overhead_s
     if overhead is not None:
         out.comm.exposure = replace(out.comm.exposure, overhead_s=overhead * step_scale(profile, weights))

@@ -79,6 +79,16 @@ class RankProfile:
             except TypeError as e:
                 raise ProfileError(f"rank {self.rank}: malformed offload_cost: {e}; re-run the profiler") from None
 
+    def at_mbs(self, mbs: int) -> "RankProfile":
+        """This rank with its largest micro-batch ``mbs`` (a shard or a subset moved its room):
+        the points past it move to ``points_past_mbs``, those timed past it that fit now join the
+        points. A point that no longer fits is still this device's compute at that batch, which
+        its curve interpolates toward (Note: an mbs between measured batches, planner/curves.py)."""
+        points = self.points + self.points_past_mbs
+        return replace(self, mbs=mbs, points=[p for p in self.points if p.batch <= mbs]
+                       + [p for p in self.points_past_mbs if p.batch <= mbs],
+                       points_past_mbs=sorted([p for p in points if p.batch > mbs], key=lambda p: p.batch))
+
 
 
 

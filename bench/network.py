@@ -53,11 +53,14 @@ own profile, since most of a profile is what the network decides: at ZeRO-3 most
 inside collectives, and most of its rounds are the steady rounds that measure the exposed
 communication (``profiler.exposure``); what does not depend on the network (the capacity search,
 the timing grid's rounds) is about a tenth of its rounds, so measuring the compute once per cluster and
-stage would spare little. The default run took 67 and 59 minutes alone, the 8 profiles 40 and 35
-of them (docs/experiments.md, 2026-11-29): longer than the 40 minutes issue 55 asks. At
-``--slowdown 2`` it took 50, the profiles 29 (2026-11-30): most of a profile and of a large-batch
-iteration is the machine's floor, which no slowdown moves. ``--short`` is a smoke run,
-not evidence (2 measured iterations a plan, the large-batch rows at 2 micro-steps).
+stage would spare little. The default run took 67, 59 and 60 minutes alone, the 8 profiles 40, 35
+and 35 of them (docs/experiments.md, 2026-11-29 and 2026-11-30): longer than the 40 minutes issue
+55 asks. At ``--slowdown 2`` it took 50, the profiles 29 (2026-11-30): most of a profile and of a
+large-batch iteration is the machine's floor, which no slowdown moves. The large batch stays the
+least that gives 8 micro-steps: twice it would double the large-batch rows (17 minutes), though every
+GPU's lead over a subset grows with the batch (a subset pays each micro-step's in-node collectives
+twice as often; every GPU pays the cross-node exchange once an iteration). ``--short`` is a smoke run, not evidence (2
+measured iterations a plan, the large-batch rows at 2 micro-steps).
 
 Which GPUs take part (``subset_vs_best``; ``--subsets`` runs it alone). On C-4+4 at ZeRO-3 (each
 network) every subset the planner considers (``planner.participation``: every GPU, each node

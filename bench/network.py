@@ -32,35 +32,38 @@ are latency-bound and flat is the faster way. ``--slowdown F`` runs the emulated
 slower than calibrated, compute and declared links alike (its ratios kept), so the bytes weigh F
 times more against that floor, as they do on a real cluster.
 
-Sizes of the default run (the evidence; 8 processes pace most of their time asleep, so its
-length is the emulated cluster's time more than the cores'): ``--slowdown 4``, where the bytes
-outweigh the floor enough for the link to decide (at 1 the floor decides every row: flat or
-fewer ranks win whatever the link; at 2 crossing once per iteration at ZeRO-3 is priced level
-with flat on C-4+4's large batch, and flat runs); global batch 32 (4 samples a rank on 8 ranks; a 4-rank subset
-holds the whole sharded state on half the ranks, so its micro-batch shrinks below 8 and it runs 2
-micro-steps of 4) and ``--max-batch 8`` (the capacity search stops at
-the largest micro-batch a row uses, which shortens each profile, and keeps the large batch, and
-its compute, the least that gives 8 micro-steps); 4 measured iterations a plan in 2 rounds
-(each plan first once), one profiler repeat. A large-batch iteration is at least 8 micro-steps
-of paced collectives (at ZeRO-3 gathers and reduce-scatters per block, each paying the floor),
-about a minute at the floor of a loaded machine, so one iteration already averages over a
-hundred collectives: those rows measure ``--large-iterations 2`` a plan, one in each round, and
-run one entry iteration a plan in all (in the first round, where its engine is new: each plan
-keeps its engine, so its block in the second round starts warm, and that block's iteration is
-timed from the barrier that opens it). The profiles dominate the rest: one per cluster, network
-and stage (8 by default), each some minutes of paced steps at this slowdown. Each network has its
-own profile, since most of a profile is what the network decides: at ZeRO-3 most of its time is
-inside collectives, and most of its rounds are the steady rounds that measure the exposed
-communication (``profiler.exposure``); what does not depend on the network (the capacity search,
-the timing grid's rounds) is about a tenth of its rounds, so measuring the compute once per cluster and
-stage would spare little. The default run took 67, 59 and 60 minutes alone, the 8 profiles 40, 35
-and 35 of them (docs/experiments.md, 2026-11-29 and 2026-11-30): longer than the 40 minutes issue
-55 asks. At ``--slowdown 2`` it took 50, the profiles 29 (2026-11-30): most of a profile and of a
-large-batch iteration is the machine's floor, which no slowdown moves. The large batch stays the
-least that gives 8 micro-steps: twice it would double the large-batch rows (17 minutes), though every
-GPU's lead over a subset grows with the batch (a subset pays each micro-step's in-node collectives
-twice as often; every GPU pays the cross-node exchange once an iteration). ``--short`` is a smoke run, not evidence (2
-measured iterations a plan, the large-batch rows at 2 micro-steps).
+Sizes of the default run (the evidence; 8 processes pace most of their time asleep, so its length
+is the emulated cluster's time more than the cores'): ``--slowdown 4``, where the bytes outweigh
+the floor enough for the link to decide (at 1 the floor decides every row: flat or fewer ranks win
+whatever the link; at 2 crossing once per iteration at ZeRO-3 is priced level with flat on C-4+4's
+large batch, and flat runs); global batch 32 (4 samples a rank on 8 ranks, 8 on a 4-rank subset)
+and ``--max-batch 8`` (the capacity search stops at 8, which keeps the large batch, and its
+compute, the least that gives 8 micro-steps). The cap hides the memory past 8: a 4-rank subset,
+whose ranks hold twice the sharded state, is then planned at 6-7 samples, 2 micro-steps of 4
+(``participation``'s Note: a subset's memory), and every GPU wins the ZeRO-3 small rows
+(``speedup_link_bound`` 1.00). With ``--max-batch 16`` the A800 node alone ran one micro-step of 8
+there, 1.51x flat over eth-10g (docs/experiments.md, 2026-11-30); the default run has not been run
+at 16 yet; 4 measured iterations a plan in 2 rounds (each plan first once), one profiler repeat. A
+large-batch iteration is at least 8 micro-steps of paced collectives (at ZeRO-3 gathers and
+reduce-scatters per block, each paying the floor), about a minute at the floor of a loaded machine,
+so one iteration already averages over a hundred collectives: those rows measure
+``--large-iterations 2`` a plan, one in each round, and run one entry iteration a plan in all (in
+the first round, where its engine is new: each plan keeps its engine, so its block in the second
+round starts warm, and that block's iteration is timed from the barrier that opens it). The
+profiles dominate the rest: one per cluster, network and stage (8 by default), each some minutes of
+paced steps at this slowdown. Each network has its own profile, since most of a profile is what the
+network decides: at ZeRO-3 most of its time is inside collectives, and most of its rounds are the
+steady rounds that measure the exposed communication (``profiler.exposure``); what does not depend
+on the network (the capacity search, the timing grid's rounds) is about a tenth of its rounds, so
+measuring the compute once per cluster and stage would spare little. The default run took 67, 59
+and 60 minutes alone, the 8 profiles 40, 35 and 35 of them (docs/experiments.md, 2026-11-29 and
+2026-11-30): longer than the 40 minutes issue 55 asks. At ``--slowdown 2`` it took 50, the profiles
+29 (2026-11-30): most of a profile and of a large-batch iteration is the machine's floor, which no
+slowdown moves. The large batch stays the least that gives 8 micro-steps: twice it would double the
+large-batch rows (17 minutes), though every GPU's lead over a subset grows with the batch (a subset
+pays each micro-step's in-node collectives twice as often; every GPU pays the cross-node exchange
+once an iteration). ``--short`` is a smoke run, not evidence (2 measured iterations a plan, the
+large-batch rows at 2 micro-steps).
 
 Which GPUs take part (``subset_vs_best``; ``--subsets`` runs it alone). On C-4+4 at ZeRO-3 (each
 network) every subset the planner considers (``planner.participation``: every GPU, each node

@@ -20,17 +20,17 @@ never predicted to take less time. That keeps "largest batch whose time <= t" we
 lets the allocators be exact; where a raw spline dipped, the table is the pessimistic envelope.
 
 [Note: an mbs between measured batches]
-A rank's mbs can fall after profiling, below batches it was timed at: a subset's ranks hold more
-of the sharded state (``participation.on_ranks``), a shard weight gives a rank a larger shard
-(``shards.with_mbs``). The points past the new mbs move to ``points_past_mbs`` (``RankProfile.at_mbs``): they no longer
-fit, but they are still that device's compute at those batches (the compute of a micro-step does
-not depend on how the state around it is sharded). Where the mbs itself was not measured, the
-curve takes the nearest of them into its fit (``from_points``' ``above``), so the time at the
-mbs is interpolated between measured batches, as any batch between two measured ones is, and
-never evaluated past mbs. Without it, an mbs of 7 cut from a profile timed at 6 and 8 was
-extended from 6 at constant speed: a preset's micro-step of 7 priced 6 % slow, where the spline
-through 6 and 8 is within 0.2 % (docs/experiments.md, 2026-11-30). Where the mbs was measured
-nothing past it is used, so a profile's own curves are unchanged.
+A rank's mbs can fall after profiling, below batches it was timed at: a subset's ranks hold more of
+the sharded state (``participation.on_ranks``), a shard weight gives a rank a larger shard
+(``shards.with_mbs``). The points past the new mbs move to ``points_past_mbs``
+(``RankProfile.at_mbs``): they no longer fit, but they are still that device's compute at those
+batches (the compute of a micro-step does not depend on how the state around it is sharded). Where
+the mbs itself was not measured, the curve takes the nearest of them into its fit (``from_points``'
+``above``), so the time at the mbs is interpolated between measured batches, as any batch between
+two measured ones is, and never evaluated past mbs. Without it, an mbs of 7 cut from a profile
+timed at 6 and 8 was extended from 6 at constant speed: a preset's micro-step of 7 priced 6 % slow,
+where the spline through 6 and 8 is within 0.2 % (docs/experiments.md, 2026-11-30). Where the mbs
+was measured nothing past it is used, so a profile's own curves are unchanged.
 """
 
 from __future__ import annotations

@@ -85,10 +85,8 @@ class RankProfile:
         points. A point that no longer fits is still this device's compute at that batch, which
         its curve interpolates toward (Note: an mbs between measured batches, planner/curves.py)."""
         points = self.points + self.points_past_mbs
-        return replace(self, mbs=mbs, points=[p for p in self.points if p.batch <= mbs]
-                       + [p for p in self.points_past_mbs if p.batch <= mbs],
+        return replace(self, mbs=mbs, points=[p for p in points if p.batch <= mbs],
                        points_past_mbs=sorted([p for p in points if p.batch > mbs], key=lambda p: p.batch))
-
 
 
 

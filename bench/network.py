@@ -37,13 +37,16 @@ is the emulated cluster's time more than the cores'): ``--slowdown 4``, where th
 the floor enough for the link to decide (at 1 the floor decides every row: flat or fewer ranks win
 whatever the link; at 2 crossing once per iteration at ZeRO-3 is priced level with flat on C-4+4's
 large batch, and flat runs); global batch 32 (4 samples a rank on 8 ranks, 8 on a 4-rank subset)
-and ``--max-batch 8`` (the capacity search stops at 8, which keeps the large batch, and its
-compute, the least that gives 8 micro-steps). The cap hides the memory past 8: a 4-rank subset,
-whose ranks hold twice the sharded state, is then planned at 6-7 samples, 2 micro-steps of 4
-(``participation``'s Note: a subset's memory), and every GPU wins the ZeRO-3 small rows
-(``speedup_link_bound`` 1.00). With ``--max-batch 16`` the A800 node alone ran one micro-step of 8
-there, 1.51x flat over eth-10g (docs/experiments.md, 2026-11-30); the default run has not been run
-at 16 yet; 4 measured iterations a plan in 2 rounds (each plan first once), one profiler repeat. A
+and ``--max-batch 16`` (the capacity search stops at 16: the product searches to the memory's
+limit, and the bench stops early only to keep the profiles and the large batch short). A cap
+hides the memory past it, and a 4-rank subset, whose ranks hold twice the sharded state, takes
+that state from the samples up to the cap (``participation``'s Note: a subset's memory). At 8 the
+subsets were planned at 6-7 samples, 2 micro-steps of 4, where at 16 one node runs one micro-step
+of 8 (C-4+4 ZeRO-3 over eth-10g: 1.51-1.61x flat at 16, every GPU kept at 8), and a large batch's
+subset ran 18-20 micro-steps where it runs 12-14: 8 flattered every GPU against the best subset
+(1.25-1.77x at 8, 1.23-1.38x at 16; docs/experiments.md, 2026-11-30). At 16 the A800s and
+A100-80Gs still reach the cap, so a subset there is still planned a little short of its memory;
+4 measured iterations a plan in 2 rounds (each plan first once), one profiler repeat. A
 large-batch iteration is at least 8 micro-steps of paced collectives (at ZeRO-3 gathers and
 reduce-scatters per block, each paying the floor), about a minute at the floor of a loaded machine,
 so one iteration already averages over a hundred collectives: those rows measure
@@ -55,12 +58,13 @@ paced steps at this slowdown. Each network has its own profile, since most of a 
 network decides: at ZeRO-3 most of its time is inside collectives, and most of its rounds are the
 steady rounds that measure the exposed communication (``profiler.exposure``); what does not depend
 on the network (the capacity search, the timing grid's rounds) is about a tenth of its rounds, so
-measuring the compute once per cluster and stage would spare little. The default run took 67, 59
-and 60 minutes alone, the 8 profiles 40, 35 and 35 of them (docs/experiments.md, 2026-11-29 and
-2026-11-30): longer than the 40 minutes issue 55 asks. At ``--slowdown 2`` it took 50, the profiles
+measuring the compute once per cluster and stage would spare little. The default run took 64
+minutes alone at 16 (the 8 profiles 37 of them, the large-batch rows 18), and 67, 59 and 60 at 8
+(the profiles 40, 35 and 35; docs/experiments.md, 2026-11-29 and 2026-11-30): longer than the 40
+minutes issue 55 asks. At ``--slowdown 2`` it took 50, the profiles
 29 (2026-11-30): most of a profile and of a large-batch iteration is the machine's floor, which no
 slowdown moves. The large batch stays the least that gives 8 micro-steps: twice it would double the
-large-batch rows (17 minutes), though every GPU's lead over a subset grows with the batch (a subset
+large-batch rows (18 minutes), though every GPU's lead over a subset grows with the batch (a subset
 pays each micro-step's in-node collectives twice as often; every GPU pays the cross-node exchange
 once an iteration). ``--short`` is a smoke run, not evidence (2 measured iterations a plan, the
 large-batch rows at 2 micro-steps).
@@ -69,8 +73,9 @@ Which GPUs take part (``subset_vs_best``; ``--subsets`` runs it alone). On C-4+4
 network) every subset the planner considers (``planner.participation``: every GPU, each node
 left out, each device type left out; each planned as the planner plans it, its own collectives
 chosen) trains beside the others in the same rounds, and auto mode's choice is compared with the
-best one measured. Over the slow link a node may be worth leaving out; over the fast one auto mode
-must keep every GPU. A subset's iteration is timed on the ranks in its step. ``--subsets`` trains
+best one measured. Over the slow link a node may be worth leaving out; over the fast one too at
+global batch 32, where every GPU's 4 samples pay each collective's floor (one node alone ran 5-7 %
+faster there). A subset's iteration is timed on the ranks in its step. ``--subsets`` trains
 auto mode's plan and the candidates only (no flat plan: no ``speedup_*``).
 
 Large-batch rows (issue 55; ``--large-batch`` runs them alone, ``--no-large-batch`` leaves them
@@ -98,7 +103,9 @@ RESULT:
   once (target <= 1.05);
 - ``subset_vs_best``: over the slow-network rows with subsets (the large-batch rows too), the least of the best measured
   candidate's time / auto mode's time (auto's choice at that fraction of the best throughput;
-  target >= 0.97); ``subset_keeps_all_fast``: auto mode kept every GPU in every fast-network row;
+  target >= 0.97); ``subset_keeps_all_fast``: auto mode kept every GPU in every fast-network row (no target: at
+  global batch 32 over ib-200g one node alone ran 5-7 % faster than every GPU, and auto mode
+  rightly left the other out);
 - ``speedup_vs_best_subset_large_batch``: min over the large-batch rows of the best subset's time /
   auto mode's time (target >= 1.3: every GPU worth its link); ``speedup_vs_flat_large_batch``: min
   over them of flat on every GPU / auto mode (target >= 2.0);
@@ -517,7 +524,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--gbs", type=int, default=32)
     ap.add_argument("--seq", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=1, help="profiler measurements per batch size")
-    ap.add_argument("--max-batch", type=int, default=8, help="the capacity search stops here")
+    ap.add_argument("--max-batch", type=int, default=16, help="the capacity search stops here")
     ap.add_argument("--short", action="store_true",
                     help=f"a smoke run: {SHORT_ITERATIONS} measured iterations a plan, the large-batch rows at "
                          f"{SHORT_MICRO_STEPS} micro-steps")

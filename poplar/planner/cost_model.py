@@ -56,12 +56,28 @@ of the iteration's end at ZeRO-0, and do not say which all-reduce is the gradien
 does: one all-reduce of the full gradients (``all_reduce_s``, the way's price) and the status
 reduction's latency. So at ZeRO-0 another way scales the recorded end by the table's end run that
 way over it run as measured (the ratio of ``priced_as``'s ``iteration_carry``), not by the recorded pairs.
+
+[Note: nodes apart inside an iteration]
+Across nodes once per iteration (every parameter held, exact), no micro-step's collective leaves
+its node: each node's ranks meet only each other until the iteration's end, where the exchange
+and the closing collectives join every rank. So micro-step k of a node costs its own slowest
+compute plus its own collectives on its own link, and the micro-steps cost as long as the node
+that takes longest over all of them, not the slowest compute plus the slowest link in every
+step: a node that computes longer on a faster link does not wait on the other's slower link.
+At ZeRO-3 each block's first gather crosses nodes in the first micro-step, so that micro-step is
+priced in step over every rank (an upper bound: only its forward meets).
+``CommModel.apart`` gives each node its model (a measured exposure carried to the node's serial
+seconds), and ``evaluate_rows`` sums each node's lock-step micro-steps and takes the largest.
+With part of the parameters held, their rest crosses nodes in every micro-step, and every rank
+stays in step. On the emulated A-4+4 and C-4+4 at micro-batches of 13-15 it priced
+crossing once per iteration -0.8 to +1.8 % of what it ran, where every rank in step put it 2.3-5.0 %
+over (docs/experiments.md, 2026-11-30).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -127,6 +143,9 @@ class CommModel:
     # across nodes once per iteration: the share of the parameters that cross so, the rest per
     # micro-step as hierarchical collectives (``Route``'s Note: a share held)
     held_share: float = 1.0
+    # per node, the model of its own micro-step collectives where no micro-step crosses nodes
+    # (``apart``; Note: nodes apart inside an iteration); () otherwise
+    nodes: tuple["CommModel", ...] = ()
 
     @classmethod
     def from_profile(cls, profile: Any, collectives: Collectives = Collectives.FLAT,
@@ -154,18 +173,39 @@ class CommModel:
         ``types/profiles.py``)."""
         compression = self.compression if compression is None else compression
         measured = replace(self, collectives=self.measured_collectives, micro_carry=Carry(), iteration_carry=Carry(),
-                           compression=compression.exact(), held_share=1.0)
+                           compression=compression.exact(), held_share=1.0, nodes=())
         priced = replace(measured, collectives=collectives, compression=compression, held_share=held_share)
 
         stage = self.measured_stage
-        if stage is None or (collectives is self.measured_collectives and not compression.lossy and held_share >= 1):
-            return priced
+        if stage is None:
+            return priced.apart(None)
+        if collectives is self.measured_collectives and not compression.lossy and held_share >= 1:
+            return priced.apart(measured)
         seconds = not compression.lossy  # (Note: an exposure carried: quantized, the fraction alone)
         return replace(priced,
                        micro_carry=Carry.between(priced.serial_micro_step_s(stage), measured.serial_micro_step_s(stage),
                                                  seconds),
                        iteration_carry=Carry.between(priced.serial_iteration_s(stage),
-                                                     measured.serial_iteration_s(stage), seconds))
+                                                     measured.serial_iteration_s(stage), seconds)).apart(measured)
+
+    def apart(self, measured: "CommModel | None") -> "CommModel":
+        """This model with ``nodes`` where no micro-step crosses nodes (Note: nodes apart inside an
+        iteration): across nodes once per iteration, every parameter held, exact. Each node's
+        model prices its micro-step collectives on its own link, a measured exposure carried from
+        ``measured``'s serial seconds to that node's."""
+        pricing = self.pricing
+        if (pricing is None or not pricing.spans_nodes or self.collectives is not Collectives.ONCE_PER_ITERATION
+                or self.held_share < 1 or self.compression.lossy or min(pricing.shares) <= 0):
+            return self
+        stage = self.measured_stage
+        nodes = []
+        for k in range(len(pricing.sizes)):
+            node = replace(self, pricing=pricing.with_nodes([k]), nodes=())
+            if measured is not None and stage is not None:
+                node = replace(node, micro_carry=Carry.between(node.serial_micro_step_s(stage),
+                                                               measured.serial_micro_step_s(stage)))
+            nodes.append(node)
+        return replace(self, nodes=tuple(nodes))
 
     def serial_micro_step_s(self, stage: int) -> float:
         """One micro-step's collectives one by one, serially: the recorded ones, else the table's."""
@@ -455,25 +495,62 @@ def evaluate_rows(rows: Sequence[Row], curves: Mapping[str, SpeedCurve], stage: 
     for (_, _, gas, lbs) in distinct:
         marks.update((gas, gas + 1) if lbs > 0 else (gas,))
     cuts = sorted(m for m in marks if 0 <= m <= steps)
-    compute_wall = exposed = 0.0
-    last: dict[str, float] = {}
-    shapes = []
-    for start, end in zip(cuts, cuts[1:]):
-        shapes.append(tuple(b if start < gas else lbs if start == gas else 0 for (_, b, gas, lbs) in distinct))
-        per_type: dict[str, float] = {}
-        for (dtype, b, gas, lbs) in distinct:
-            t = curves[dtype].time(b) if start < gas else curves[dtype].time(lbs) if start == gas and lbs > 0 else 0.0
-            per_type[dtype] = max(per_type.get(dtype, 0.0), t)  # 0: done, it waits in the collectives
-        slowest = max(per_type.values())
-        compute_wall += (end - start) * slowest
-        exposed += (end - start) * (comm.lockstep_s(stage, list(per_type.values()), list(per_type)) - slowest)
-        last = per_type
+    compute_wall, exposed = _lockstep_s(distinct, curves, stage, comm, cuts)
+    last = _step_per_type(distinct, curves, cuts[-2]) if len(cuts) > 1 else {}
+    shapes = [tuple(b if start < gas else lbs if start == gas else 0 for (_, b, gas, lbs) in distinct)
+              for start in cuts[:-1]]
+    if comm.nodes and len(rows) == sum(node.pricing.world_size for node in comm.nodes if node.pricing):
+        compute_wall, exposed = _apart_s(rows, curves, stage, comm, cuts)
     end_s = comm.led_iteration_s(stage, *_lead(last), max(last.values(), default=0.0))
     switch_s = 0.0
     if comm.measured_stage == stage:  # iterations repeat, so the first micro-step follows the last one
         switch_s = comm.exposed_switch_s * sum(a != b for a, b in zip(shapes, shapes[-1:] + shapes[:-1]))
     comm_s = exposed + end_s + switch_s
     return Evaluation(per_rank, compute_wall + comm_s, comm_s, steps, end_s, switch_s)
+
+
+def _step_per_type(rows: Iterable[Row], curves: Mapping[str, SpeedCurve], start: int) -> dict[str, float]:
+    """Each device type's slowest compute in lock-step micro-step ``start`` (0: done, its ranks
+    wait in the collectives)."""
+    per_type: dict[str, float] = {}
+    for (dtype, b, gas, lbs) in rows:
+        t = curves[dtype].time(b) if start < gas else curves[dtype].time(lbs) if start == gas and lbs > 0 else 0.0
+        per_type[dtype] = max(per_type.get(dtype, 0.0), t)
+    return per_type
+
+
+def _lockstep_s(rows: Iterable[Row], curves: Mapping[str, SpeedCurve], stage: int, comm: CommModel,
+                cuts: Sequence[int]) -> tuple[float, float]:
+    """(compute, exposed) seconds of the lock-step micro-steps of ``rows``, between consecutive
+    ``cuts`` every row's cost constant: each step its slowest compute plus c_m at its lead."""
+    rows = list(dict.fromkeys(rows))  # distinct, in order (the leader of a tie is the first)
+    compute = exposed = 0.0
+    for start, end in zip(cuts, cuts[1:]):
+        per_type = _step_per_type(rows, curves, start)
+        slowest = max(per_type.values())
+        compute += (end - start) * slowest
+        exposed += (end - start) * (comm.lockstep_s(stage, list(per_type.values()), list(per_type)) - slowest)
+    return compute, exposed
+
+
+def _apart_s(rows: Sequence[Row], curves: Mapping[str, SpeedCurve], stage: int, comm: CommModel,
+             cuts: Sequence[int]) -> tuple[float, float]:
+    """(compute, exposed) seconds of the micro-steps with each node in lock-step with itself alone
+    (Note: nodes apart inside an iteration): the node that takes longest; at ZeRO-3 the first
+    micro-step, whose gathers cross nodes, in lock-step over every rank. ``rows`` in rank order,
+    nodes consecutive runs of ranks."""
+    together = (0.0, 0.0)
+    if stage == 3 and cuts[-1] >= 1:
+        together = _lockstep_s(rows, curves, stage, comm, (0, 1))
+        cuts = sorted({1, *cuts} - {0})  # one cut (no micro-step left): no node adds any
+    worst, first = (0.0, 0.0), 0
+    for node in comm.nodes:
+        size = node.pricing.world_size if node.pricing is not None else 0
+        mine = _lockstep_s(rows[first:first + size], curves, stage, node, cuts)
+        first += size
+        if sum(mine) > sum(worst):
+            worst = mine
+    return together[0] + worst[0], together[1] + worst[1]
 
 
 def _last_step_s(computes: Mapping[Row, float], curves: Mapping[str, SpeedCurve]) -> float:

@@ -13,7 +13,8 @@ import pytest
 
 from poplar.planner import plan as plan_any, simulate
 from poplar.planner.collective_choice import held_shares, profile_as
-from poplar.planner.cost_model import CommModel
+from poplar.planner.cost_model import CommModel, evaluate_rows
+from poplar.planner.planning import make_problem
 from poplar.planner.link_pricing import LinkPricing, ring_s
 from poplar.types.route import Collectives
 from poplar.types.plans import Plan, PlanError
@@ -269,6 +270,41 @@ def test_once_per_iteration_prices_micro_steps_inside_the_nodes_and_one_crossing
     assert ops.crossing_s(3) == pytest.approx(even.cross_s(2e7) * 2)
     assert ops.per_micro_step_s(3) == pytest.approx(2 * even.intra_s("all_gather", 2e7) +
                                                     even.intra_s("reduce_scatter", 2e7))
+
+
+def test_once_per_iteration_keeps_each_node_in_step_with_itself_alone() -> None:
+    # node 0 computes faster (ranks 0-3) on a slow link, node 1 slower on a fast one: no micro-step
+    # crosses nodes, so each node waits on its own ranks and link alone until the iteration's end
+    links = two_nodes(intra=(LinkSpeed(1 * GB, 50e-6), FAST))
+    once = Collectives.ONCE_PER_ITERATION
+    prof = profile(links, stage=2)
+    model = CommModel.from_profile(prof, once)
+    v = prof.param_bytes
+    steps = [ring_s(link, "reduce_scatter", v, 4) for link in links.intra]
+    assert [node.per_micro_step_s(2) for node in model.nodes] == pytest.approx(steps)
+    assert model.per_micro_step_s(2) == pytest.approx(max(steps))
+    curves = make_problem(prof, 64, 2, collectives=once).curves
+    rows = [("fast", 8, 4, 0)] * 4 + [("slow", 8, 4, 0)] * 4
+    got = evaluate_rows(rows, curves, 2, model)
+    nodes = [4 * (curves[t].time(8) + c) for t, c in zip(("fast", "slow"), steps)]
+    assert got.iteration_s == pytest.approx(max(nodes) + got.end_s)
+    # priced in lock-step over every rank, the slower compute would meet the slower link
+    every = evaluate_rows(rows, curves, 2, replace(model, nodes=()))
+    assert every.iteration_s == pytest.approx(4 * (curves["slow"].time(8) + max(steps)) + every.end_s)
+    assert got.iteration_s < every.iteration_s
+    # at ZeRO-3 each block's first gather crosses nodes: the first micro-step is in step over every rank
+    prof3 = profile(links, stage=3)
+    model3 = CommModel.from_profile(prof3, once)
+    curves3 = make_problem(prof3, 64, 3, collectives=once).curves
+    steps3 = [node.per_micro_step_s(3) for node in model3.nodes]
+    got3 = evaluate_rows(rows, curves3, 3, model3)
+    first = curves3["slow"].time(8) + model3.per_micro_step_s(3)
+    nodes3 = [3 * (curves3[t].time(8) + c) for t, c in zip(("fast", "slow"), steps3)]
+    assert got3.iteration_s == pytest.approx(first + max(nodes3) + got3.end_s)
+    # every other way, and once per iteration for part of the parameters (the rest crosses in
+    # every micro-step), keeps every rank in step
+    assert CommModel.from_profile(prof, Collectives.HIERARCHICAL).nodes == ()
+    assert CommModel.from_profile(prof, once, held_share=0.5).nodes == ()
 
 
 def test_once_per_iteration_is_held_for_part_of_the_parameters_where_the_whole_does_not_fit() -> None:

@@ -495,12 +495,12 @@ def evaluate_rows(rows: Sequence[Row], curves: Mapping[str, SpeedCurve], stage: 
     for (_, _, gas, lbs) in distinct:
         marks.update((gas, gas + 1) if lbs > 0 else (gas,))
     cuts = sorted(m for m in marks if 0 <= m <= steps)
-    compute_wall, exposed = _lockstep_s(distinct, curves, stage, comm, cuts)
+    apart = bool(comm.nodes) and len(rows) == sum(node.pricing.world_size for node in comm.nodes if node.pricing)
+    compute_wall, exposed = (_apart_s(rows, curves, stage, comm, cuts) if apart
+                             else _lockstep_s(distinct, curves, stage, comm, cuts))
     last = _step_per_type(distinct, curves, cuts[-2]) if len(cuts) > 1 else {}
     shapes = [tuple(b if start < gas else lbs if start == gas else 0 for (_, b, gas, lbs) in distinct)
               for start in cuts[:-1]]
-    if comm.nodes and len(rows) == sum(node.pricing.world_size for node in comm.nodes if node.pricing):
-        compute_wall, exposed = _apart_s(rows, curves, stage, comm, cuts)
     end_s = comm.led_iteration_s(stage, *_lead(last), max(last.values(), default=0.0))
     switch_s = 0.0
     if comm.measured_stage == stage:  # iterations repeat, so the first micro-step follows the last one

@@ -197,11 +197,11 @@ class CommModel:
         if (pricing is None or not pricing.spans_nodes or self.collectives is not Collectives.ONCE_PER_ITERATION
                 or self.held_share < 1 or self.compression.lossy or min(pricing.shares) <= 0):
             return self
-        stage = self.measured_stage
+        stage = self.measured_stage  # set wherever ``measured`` is given (``priced_as``)
         nodes = []
         for k in range(len(pricing.sizes)):
             node = replace(self, pricing=pricing.with_nodes([k]), nodes=())
-            if measured is not None and stage is not None:
+            if measured is not None:
                 node = replace(node, micro_carry=Carry.between(node.serial_micro_step_s(stage),
                                                                measured.serial_micro_step_s(stage)))
             nodes.append(node)
@@ -495,7 +495,7 @@ def evaluate_rows(rows: Sequence[Row], curves: Mapping[str, SpeedCurve], stage: 
     for (_, _, gas, lbs) in distinct:
         marks.update((gas, gas + 1) if lbs > 0 else (gas,))
     cuts = sorted(m for m in marks if 0 <= m <= steps)
-    apart = bool(comm.nodes) and len(rows) == sum(node.pricing.world_size for node in comm.nodes if node.pricing)
+    apart = bool(comm.nodes) and len(rows) == sum(_node_size(node) for node in comm.nodes)
     compute_wall, exposed = (_apart_s(rows, curves, stage, comm, cuts) if apart
                              else _lockstep_s(distinct, curves, stage, comm, cuts))
     last = _step_per_type(distinct, curves, cuts[-2]) if len(cuts) > 1 else {}
@@ -545,12 +545,18 @@ def _apart_s(rows: Sequence[Row], curves: Mapping[str, SpeedCurve], stage: int, 
         cuts = sorted({1, *cuts} - {0})  # one cut (no micro-step left): no node adds any
     worst, first = (0.0, 0.0), 0
     for node in comm.nodes:
-        size = node.pricing.world_size if node.pricing is not None else 0
+        size = _node_size(node)
         mine = _lockstep_s(rows[first:first + size], curves, stage, node, cuts)
         first += size
         if sum(mine) > sum(worst):
             worst = mine
     return together[0] + worst[0], together[1] + worst[1]
+
+
+def _node_size(node: CommModel) -> int:
+    """The ranks of one of ``CommModel.nodes`` (each has its node's pricing)."""
+    assert node.pricing is not None
+    return node.pricing.world_size
 
 
 def _last_step_s(computes: Mapping[Row, float], curves: Mapping[str, SpeedCurve]) -> float:

@@ -44,7 +44,7 @@ that state from the samples up to the cap (``participation``'s Note: a subset's 
 subsets were planned at 6-7 samples, 2 micro-steps of 4, where at 16 one node runs one micro-step
 of 8 (C-4+4 ZeRO-3 over eth-10g: 1.51-1.61x flat at 16, every GPU kept at 8), and a large batch's
 subset ran 18-20 micro-steps where it runs 12-14: 8 flattered every GPU against the best subset
-(1.25-1.77x at 8, 1.23-1.38x at 16; docs/experiments.md, 2026-11-30). At 16 the A800s and
+(1.25-1.77x at 8, 1.23-1.38x at 16 in two runs; docs/experiments.md, 2026-11-30). At 16 the A800s and
 A100-80Gs still reach the cap, so a subset there is still planned a little short of its memory;
 4 measured iterations a plan in 2 rounds (each plan first once), one profiler repeat. A
 large-batch iteration is at least 8 micro-steps of paced collectives (at ZeRO-3 gathers and
@@ -58,13 +58,14 @@ paced steps at this slowdown. Each network has its own profile, since most of a 
 network decides: at ZeRO-3 most of its time is inside collectives, and most of its rounds are the
 steady rounds that measure the exposed communication (``profiler.exposure``); what does not depend
 on the network (the capacity search, the timing grid's rounds) is about a tenth of its rounds, so
-measuring the compute once per cluster and stage would spare little. The default run took 64
-minutes alone at 16 (the 8 profiles 37 of them, the large-batch rows 18), and 67, 59 and 60 at 8
-(the profiles 40, 35 and 35; docs/experiments.md, 2026-11-29 and 2026-11-30): longer than the 40
+measuring the compute once per cluster and stage would spare little. The default run took 64 and
+80 minutes alone at 16 (the 8 profiles 37 and 46 of them, the large-batch rows 18 and 23; the
+second calibration set the emulated cluster about 1.7x slower), and 67, 59 and 60 at 8 (the
+profiles 40, 35 and 35; docs/experiments.md, 2026-11-29 and 2026-11-30): longer than the 40
 minutes issue 55 asks. At ``--slowdown 2`` it took 50, the profiles
 29 (2026-11-30): most of a profile and of a large-batch iteration is the machine's floor, which no
 slowdown moves. The large batch stays the least that gives 8 micro-steps: twice it would double the
-large-batch rows (18 minutes), though every GPU's lead over a subset grows with the batch (a subset
+large-batch rows (18-23 minutes), though every GPU's lead over a subset grows with the batch (a subset
 pays each micro-step's in-node collectives twice as often; every GPU pays the cross-node exchange
 once an iteration). ``--short`` is a smoke run, not evidence (2 measured iterations a plan, the
 large-batch rows at 2 micro-steps).

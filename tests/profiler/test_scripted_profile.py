@@ -101,9 +101,9 @@ def profile_worker(rank: int, world: int, scripts: list[Script]) -> dict:
 
 
 # timing: with two ranks the closing all-reduce is a real gloo collective, and its issue, the
-# only part a ZeRO-0 point may time, is bounded in real milliseconds (``assert_points_follow``):
-# a blocking all-reduce takes a few more, so the bound cannot widen, and beside the parallel
-# pass's load an issue alone has taken 13.6 ms
+# only part a ZeRO-0 point may time, is bounded in real milliseconds (``assert_points_follow``).
+# A blocking all-reduce takes only a few more, so the bound cannot widen; the load of a parallel
+# pass can push an issue alone past it, so the test runs alone
 @pytest.mark.multiprocess
 @pytest.mark.timing
 def test_two_rank_profile_gives_the_plan_worked_out_by_hand() -> None:
